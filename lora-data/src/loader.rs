@@ -1,0 +1,690 @@
+//! A parallel, resumable data loader with bounded prefetch.
+//!
+//! The semantics follow PyTorch's `torch.utils.data.DataLoader` (`num_workers`, `prefetch_factor`,
+//! `persistent_workers`): with `num_workers = n > 0`, batch `k` of an epoch is built by worker
+//! `k mod n`, each worker keeps at most `prefetch_factor` finished batches waiting, and the consumer
+//! receives batches strictly in order `0, 1, 2, …`. Batches are handed over channels because
+//! `tch::Tensor` is `Send` but not `Sync`.
+//!
+//! The order of an epoch is a pure function of `(seed, epoch)` ([`Loader::plan`]): indices are
+//! shuffled, grouped by [`Dataset::group`] (aspect or length bucket, as kohya's bucket batching
+//! does), cut into batches within each group, and the batches shuffled. Resuming from
+//! [`LoaderState`] `{ epoch, step, seed }` recomputes the plan and starts at batch `step`: nothing
+//! of the epoch is loaded again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::thread::JoinHandle;
+
+use serde::{Deserialize, Serialize};
+
+use crate::rng::{Rng, mix};
+use crate::{Error, Result};
+
+/// A random-access collection of samples.
+///
+/// Implementations must be cheap to share between worker threads (`Send + Sync`); `get` is called
+/// concurrently from several threads.
+pub trait Dataset: Send + Sync + 'static {
+    /// One sample (e.g. token ids of a packed row, or a decoded image with its caption).
+    type Item: Send + 'static;
+
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    /// `true` when there are no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sample `index` (`0..len()`).
+    ///
+    /// # Errors
+    /// [`Error::IndexOutOfRange`] or whatever reading/decoding the sample raises.
+    fn get(&self, index: usize) -> Result<Self::Item>;
+
+    /// Sample `index` with randomness (augmentation, caption shuffling) drawn from `seed`. The loader
+    /// passes a seed derived from `(seed, epoch, index)`, so an epoch is reproducible. Defaults to
+    /// [`Dataset::get`].
+    ///
+    /// # Errors
+    /// As [`Dataset::get`].
+    fn get_seeded(&self, index: usize, seed: u64) -> Result<Self::Item> {
+        let _ = seed;
+        self.get(index)
+    }
+
+    /// Batches only hold samples of one group: an aspect-ratio bucket, a length bucket. Default 0
+    /// (one group).
+    fn group(&self, index: usize) -> u64 {
+        let _ = index;
+        0
+    }
+}
+
+/// Turns a list of samples into one batch (stacking into tensors, padding).
+pub trait Collate<I>: Send + Sync + 'static {
+    /// The batch type.
+    type Batch: Send + 'static;
+
+    /// Builds a batch from `items` (in plan order, never empty).
+    ///
+    /// # Errors
+    /// Tensor construction failures, inconsistent shapes.
+    fn collate(&self, items: Vec<I>) -> Result<Self::Batch>;
+}
+
+/// Loader settings; names and defaults as PyTorch's `DataLoader` where one exists.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoaderConfig {
+    /// Samples per batch (the `micro_batch`). Default 1.
+    pub batch_size: usize,
+    /// Shuffle samples and batches each epoch. Default `true`.
+    pub shuffle: bool,
+    /// Drop the last incomplete batch of each group. Default `false`.
+    pub drop_last: bool,
+    /// Seed of the order and of per-sample randomness. Default 42.
+    pub seed: u64,
+    /// Worker threads; 0 loads in the consumer's thread. Default 2.
+    pub num_workers: usize,
+    /// Finished batches each worker may hold ahead of the consumer (≥ 1). Default 2.
+    pub prefetch_factor: usize,
+    /// Keep worker threads alive between epochs. Default `false`.
+    pub persistent_workers: bool,
+}
+
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        LoaderConfig {
+            batch_size: 1,
+            shuffle: true,
+            drop_last: false,
+            seed: 42,
+            num_workers: 2,
+            prefetch_factor: 2,
+            persistent_workers: false,
+        }
+    }
+}
+
+/// Where the loader stands: the next batch to hand out is batch `step` of epoch `epoch`, in the order
+/// given by `seed`. Serialize it with checkpoints; [`Loader::restore`] resumes there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    /// Epoch (0-based).
+    pub epoch: u64,
+    /// Batch index within the epoch (0-based) of the next batch.
+    pub step: usize,
+    /// Seed of the order.
+    pub seed: u64,
+}
+
+struct Job<B> {
+    plan: Arc<Vec<Vec<usize>>>,
+    start: usize,
+    epoch: u64,
+    tx: SyncSender<Result<B>>,
+}
+
+struct Pool<B> {
+    jobs: Vec<Sender<Job<B>>>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+impl<B> Pool<B> {
+    fn shutdown(&mut self) {
+        self.jobs.clear();
+        for h in self.handles.drain(..) {
+            // A worker that panicked already reported through its closed channel.
+            let _ = h.join();
+        }
+    }
+}
+
+impl<B> Drop for Pool<B> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The loader: a dataset, a collate function, a configuration and a position.
+///
+/// ```no_run
+/// use lora_data::loader::{Collate, Dataset, Loader, LoaderConfig};
+/// struct Squares;
+/// impl Dataset for Squares {
+///     type Item = u64;
+///     fn len(&self) -> usize { 10 }
+///     fn get(&self, i: usize) -> lora_data::Result<u64> { Ok((i * i) as u64) }
+/// }
+/// struct Sum;
+/// impl Collate<u64> for Sum {
+///     type Batch = u64;
+///     fn collate(&self, items: Vec<u64>) -> lora_data::Result<u64> { Ok(items.iter().sum()) }
+/// }
+/// let config = LoaderConfig { batch_size: 4, ..LoaderConfig::default() };
+/// let mut loader = Loader::new(Squares, Sum, config)?;
+/// let mut epoch = loader.epoch();
+/// while let Some(batch) = epoch.next() {
+///     let _sum = batch?;
+///     let _checkpoint = epoch.state(); // save this to resume after the batch just trained
+/// }
+/// # Ok::<(), lora_data::Error>(())
+/// ```
+pub struct Loader<D: Dataset, C: Collate<D::Item>> {
+    dataset: Arc<D>,
+    collate: Arc<C>,
+    config: LoaderConfig,
+    state: LoaderState,
+    pool: Option<Pool<C::Batch>>,
+}
+
+impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
+    /// A loader at epoch 0, step 0, seed `config.seed`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `batch_size` or `prefetch_factor` is 0.
+    pub fn new(dataset: D, collate: C, config: LoaderConfig) -> Result<Self> {
+        if config.batch_size == 0 {
+            return Err(Error::config("batch_size", 0, "must be at least 1"));
+        }
+        if config.prefetch_factor == 0 {
+            return Err(Error::config(
+                "prefetch_factor",
+                0,
+                "must be at least 1 (batches each worker may prepare ahead)",
+            ));
+        }
+        let state = LoaderState {
+            epoch: 0,
+            step: 0,
+            seed: config.seed,
+        };
+        Ok(Loader {
+            dataset: Arc::new(dataset),
+            collate: Arc::new(collate),
+            config,
+            state,
+            pool: None,
+        })
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &D {
+        &self.dataset
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LoaderConfig {
+        &self.config
+    }
+
+    /// The position of the next batch.
+    pub fn state(&self) -> LoaderState {
+        self.state
+    }
+
+    /// Moves to `state` (e.g. from a checkpoint). The next [`Loader::epoch`] starts at batch
+    /// `state.step` of epoch `state.epoch` in the order of `state.seed`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `state.step` is beyond the number of batches of that epoch.
+    pub fn restore(&mut self, state: LoaderState) -> Result<()> {
+        let n = self.plan_for(state.seed, state.epoch).len();
+        if state.step > n {
+            return Err(Error::config(
+                "step",
+                state.step,
+                format!(
+                    "epoch {} has only {n} batches; was the checkpoint written with another \
+                     dataset or batch_size?",
+                    state.epoch
+                ),
+            ));
+        }
+        self.state = state;
+        Ok(())
+    }
+
+    /// Number of batches in an epoch (all epochs of a dataset have the same count).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.plan_for(self.state.seed, 0).len()
+    }
+
+    /// The sample indices of every batch of `epoch`, in the order they are handed out.
+    pub fn plan(&self, epoch: u64) -> Vec<Vec<usize>> {
+        self.plan_for(self.state.seed, epoch)
+    }
+
+    fn plan_for(&self, seed: u64, epoch: u64) -> Vec<Vec<usize>> {
+        let n = self.dataset.len();
+        let bs = self.config.batch_size;
+        let mut rng = Rng::derived(&[seed, epoch, 0x6f72_6465_72]);
+        let mut indices: Vec<usize> = (0..n).collect();
+        if self.config.shuffle {
+            rng.shuffle(&mut indices);
+        }
+        let mut groups: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for i in indices {
+            groups.entry(self.dataset.group(i)).or_default().push(i);
+        }
+        let mut batches = Vec::with_capacity(n.div_ceil(bs));
+        for members in groups.into_values() {
+            for chunk in members.chunks(bs) {
+                if chunk.len() < bs && self.config.drop_last {
+                    continue;
+                }
+                batches.push(chunk.to_vec());
+            }
+        }
+        if self.config.shuffle {
+            rng.shuffle(&mut batches);
+        }
+        batches
+    }
+
+    /// Iterates over the rest of the current epoch, from the current step. When the iterator is
+    /// exhausted the loader moves to the next epoch, step 0. Dropping it early keeps the position
+    /// of the last batch handed out.
+    pub fn epoch(&mut self) -> EpochIter<'_, D, C> {
+        let plan = Arc::new(self.plan_for(self.state.seed, self.state.epoch));
+        let start = self.state.step.min(plan.len());
+        let n = self.config.num_workers;
+        let mut receivers = Vec::new();
+        let mut local_pool = None;
+        if n > 0 && start < plan.len() {
+            if self.config.persistent_workers && self.pool.is_none() {
+                self.pool = Some(self.spawn_pool());
+            }
+            let mut fresh = None;
+            let pool = match self.pool.as_mut() {
+                Some(p) if self.config.persistent_workers => p,
+                _ => fresh.insert(self.spawn_pool()),
+            };
+            for (w, job_tx) in pool.jobs.iter().enumerate() {
+                let (tx, rx) = mpsc::sync_channel(self.config.prefetch_factor);
+                let job = Job {
+                    plan: Arc::clone(&plan),
+                    start: start + w,
+                    epoch: self.state.epoch,
+                    tx,
+                };
+                // A send fails only when the worker is gone; the receive below reports it.
+                let _ = job_tx.send(job);
+                receivers.push(rx);
+            }
+            if let Some(mut p) = fresh {
+                // Non-persistent: close the job channels so workers exit after this epoch.
+                p.jobs.clear();
+                local_pool = Some(p);
+            }
+        }
+        EpochIter {
+            loader: self,
+            plan,
+            next: start,
+            start,
+            receivers,
+            local_pool,
+        }
+    }
+
+    fn spawn_pool(&self) -> Pool<C::Batch> {
+        let n = self.config.num_workers;
+        let mut jobs = Vec::with_capacity(n);
+        let mut handles = Vec::with_capacity(n);
+        for w in 0..n {
+            let (job_tx, job_rx) = mpsc::channel::<Job<C::Batch>>();
+            let dataset = Arc::clone(&self.dataset);
+            let collate = Arc::clone(&self.collate);
+            let seed = self.state.seed;
+            let stride = n;
+            let spawned = std::thread::Builder::new()
+                .name(format!("lora-data-worker-{w}"))
+                .spawn(move || worker_loop(&*dataset, &*collate, job_rx, seed, stride));
+            match spawned {
+                Ok(h) => {
+                    jobs.push(job_tx);
+                    handles.push(h);
+                }
+                Err(_) => {
+                    // Could not start the thread: keep the channel so the consumer sees the worker
+                    // as stopped and reports it with context.
+                    jobs.push(job_tx);
+                }
+            }
+        }
+        Pool { jobs, handles }
+    }
+}
+
+fn worker_loop<D: Dataset, C: Collate<D::Item>>(
+    dataset: &D,
+    collate: &C,
+    jobs: Receiver<Job<C::Batch>>,
+    seed: u64,
+    stride: usize,
+) {
+    for job in jobs {
+        let mut k = job.start;
+        while k < job.plan.len() {
+            let batch = load_batch(dataset, collate, &job.plan[k], seed, job.epoch);
+            if job.tx.send(batch).is_err() {
+                break; // the consumer dropped this epoch
+            }
+            k += stride;
+        }
+    }
+}
+
+fn load_batch<D: Dataset, C: Collate<D::Item>>(
+    dataset: &D,
+    collate: &C,
+    indices: &[usize],
+    seed: u64,
+    epoch: u64,
+) -> Result<C::Batch> {
+    let mut items = Vec::with_capacity(indices.len());
+    for &i in indices {
+        items.push(dataset.get_seeded(i, mix(&[seed, epoch, i as u64]))?);
+    }
+    collate.collate(items)
+}
+
+/// The batches of one epoch, in order. See [`Loader::epoch`].
+pub struct EpochIter<'a, D: Dataset, C: Collate<D::Item>> {
+    loader: &'a mut Loader<D, C>,
+    plan: Arc<Vec<Vec<usize>>>,
+    next: usize,
+    start: usize,
+    receivers: Vec<Receiver<Result<C::Batch>>>,
+    local_pool: Option<Pool<C::Batch>>,
+}
+
+impl<D: Dataset, C: Collate<D::Item>> EpochIter<'_, D, C> {
+    /// The position after the last batch handed out: save it with a checkpoint written after
+    /// training on that batch.
+    pub fn state(&self) -> LoaderState {
+        self.loader.state
+    }
+
+    /// Sample indices of the batch that the next call to `next` returns.
+    pub fn peek_indices(&self) -> Option<&[usize]> {
+        self.plan.get(self.next).map(Vec::as_slice)
+    }
+
+    /// Number of batches left in this epoch.
+    pub fn remaining(&self) -> usize {
+        self.plan.len() - self.next
+    }
+}
+
+impl<D: Dataset, C: Collate<D::Item>> Iterator for EpochIter<'_, D, C> {
+    type Item = Result<C::Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let k = self.next;
+        if k >= self.plan.len() {
+            return None;
+        }
+        let result = if self.receivers.is_empty() {
+            let l = &*self.loader;
+            load_batch(
+                &*l.dataset,
+                &*l.collate,
+                &self.plan[k],
+                l.state.seed,
+                l.state.epoch,
+            )
+        } else {
+            let w = (k - self.start) % self.receivers.len();
+            match self.receivers[w].recv() {
+                Ok(r) => r,
+                Err(_) => Err(Error::Worker {
+                    worker: w,
+                    step: k,
+                    message: "the worker thread exited (a panic in Dataset::get or Collate?)"
+                        .into(),
+                }),
+            }
+        };
+        self.next += 1;
+        let st = &mut self.loader.state;
+        if self.next >= self.plan.len() {
+            st.epoch += 1;
+            st.step = 0;
+        } else {
+            st.step = self.next;
+        }
+        Some(result)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let r = self.remaining();
+        (r, Some(r))
+    }
+}
+
+impl<D: Dataset, C: Collate<D::Item>> Drop for EpochIter<'_, D, C> {
+    fn drop(&mut self) {
+        // Closing the result channels makes blocked workers give up this epoch.
+        self.receivers.clear();
+        if let Some(mut p) = self.local_pool.take() {
+            p.shutdown();
+        }
+    }
+}
+
+impl<D: Dataset, C: Collate<D::Item>> Drop for Loader<D, C> {
+    fn drop(&mut self) {
+        if let Some(mut p) = self.pool.take() {
+            p.shutdown();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct Numbers {
+        n: usize,
+        loads: Arc<AtomicUsize>,
+        groups: u64,
+    }
+    impl Dataset for Numbers {
+        type Item = (usize, u64);
+        fn len(&self) -> usize {
+            self.n
+        }
+        fn get(&self, index: usize) -> Result<(usize, u64)> {
+            self.get_seeded(index, 0)
+        }
+        fn get_seeded(&self, index: usize, seed: u64) -> Result<(usize, u64)> {
+            if index >= self.n {
+                return Err(Error::IndexOutOfRange {
+                    index,
+                    len: self.n,
+                });
+            }
+            self.loads.fetch_add(1, Ordering::SeqCst);
+            Ok((index, seed))
+        }
+        fn group(&self, index: usize) -> u64 {
+            index as u64 % self.groups
+        }
+    }
+    struct Ids;
+    impl Collate<(usize, u64)> for Ids {
+        type Batch = Vec<(usize, u64)>;
+        fn collate(&self, items: Vec<(usize, u64)>) -> Result<Self::Batch> {
+            Ok(items)
+        }
+    }
+
+    fn loader(n: usize, groups: u64, config: LoaderConfig) -> (Loader<Numbers, Ids>, Arc<AtomicUsize>) {
+        let loads = Arc::new(AtomicUsize::new(0));
+        let ds = Numbers {
+            n,
+            loads: Arc::clone(&loads),
+            groups,
+        };
+        (Loader::new(ds, Ids, config).unwrap(), loads)
+    }
+
+    fn collect(l: &mut Loader<Numbers, Ids>) -> Vec<Vec<(usize, u64)>> {
+        l.epoch().map(|b| b.unwrap()).collect()
+    }
+
+    #[test]
+    fn plan_covers_every_index_once_and_groups_are_pure() {
+        let cfg = LoaderConfig {
+            batch_size: 3,
+            ..LoaderConfig::default()
+        };
+        let (l, _) = loader(20, 3, cfg);
+        let plan = l.plan(0);
+        let mut all: Vec<usize> = plan.iter().flatten().copied().collect();
+        all.sort();
+        assert_eq!(all, (0..20).collect::<Vec<_>>());
+        for b in &plan {
+            assert!(b.iter().all(|i| i % 3 == b[0] % 3), "mixed groups in {b:?}");
+        }
+        // group sizes 7, 7, 6 → 3+3+2 batches each
+        assert_eq!(plan.len(), 3 + 3 + 2);
+        assert_ne!(l.plan(0), l.plan(1), "epochs must differ");
+        assert_eq!(l.plan(1), l.plan(1));
+    }
+
+    #[test]
+    fn workers_return_the_plan_in_order_with_any_worker_count() {
+        let base = LoaderConfig {
+            batch_size: 4,
+            num_workers: 0,
+            ..LoaderConfig::default()
+        };
+        let (mut l0, _) = loader(50, 1, base.clone());
+        let want = collect(&mut l0);
+        assert_eq!(l0.state().epoch, 1);
+        for (workers, persistent) in [(1, false), (3, false), (3, true), (8, true)] {
+            let cfg = LoaderConfig {
+                num_workers: workers,
+                persistent_workers: persistent,
+                prefetch_factor: 1,
+                ..base.clone()
+            };
+            let (mut l, _) = loader(50, 1, cfg);
+            assert_eq!(collect(&mut l), want, "{workers} workers");
+            // second epoch: same as the single-threaded second epoch
+            let second = collect(&mut l);
+            let (mut l1, _) = loader(50, 1, base.clone());
+            l1.restore(LoaderState {
+                epoch: 1,
+                step: 0,
+                seed: 42,
+            })
+            .unwrap();
+            assert_eq!(second, collect(&mut l1));
+            assert_ne!(second, want);
+        }
+        let idx: Vec<usize> = want.iter().flatten().map(|x| x.0).collect();
+        assert_eq!(
+            want[0][0].1,
+            mix(&[42, 0, idx[0] as u64]),
+            "per-item seed is derived from (seed, epoch, index)"
+        );
+    }
+
+    #[test]
+    fn resume_mid_epoch_does_not_replay_and_matches_the_tail() {
+        let cfg = LoaderConfig {
+            batch_size: 2,
+            num_workers: 2,
+            prefetch_factor: 2,
+            ..LoaderConfig::default()
+        };
+        let (mut full, _) = loader(30, 1, cfg.clone());
+        let all = collect(&mut full);
+        let (mut first, _) = loader(30, 1, cfg.clone());
+        let state = {
+            let mut it = first.epoch();
+            for _ in 0..6 {
+                it.next().unwrap().unwrap();
+            }
+            it.state()
+        };
+        assert_eq!(
+            state,
+            LoaderState {
+                epoch: 0,
+                step: 6,
+                seed: 42
+            }
+        );
+        let json = serde_json::to_string(&state).unwrap();
+        let restored: LoaderState = serde_json::from_str(&json).unwrap();
+        let (mut resumed, loads) = loader(30, 1, cfg);
+        resumed.restore(restored).unwrap();
+        let tail = collect(&mut resumed);
+        assert_eq!(tail, all[6..].to_vec());
+        assert_eq!(loads.load(Ordering::SeqCst), 30 - 12, "only the rest is loaded");
+        assert!(
+            resumed
+                .restore(LoaderState {
+                    epoch: 0,
+                    step: 99,
+                    seed: 42
+                })
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn prefetch_is_bounded() {
+        let cfg = LoaderConfig {
+            batch_size: 1,
+            num_workers: 2,
+            prefetch_factor: 2,
+            shuffle: false,
+            ..LoaderConfig::default()
+        };
+        let (mut l, loads) = loader(100, 1, cfg);
+        let mut it = l.epoch();
+        it.next().unwrap().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // each worker: ≤ prefetch_factor queued + 1 blocked in send; consumer took 1
+        let loaded = loads.load(Ordering::SeqCst);
+        assert!(loaded <= 1 + 2 * (2 + 1), "loaded {loaded}");
+        assert!(loaded >= 3, "workers should prefetch, loaded {loaded}");
+        drop(it);
+        assert_eq!(l.state().step, 1);
+    }
+
+    #[test]
+    fn drop_last_and_config_errors() {
+        let cfg = LoaderConfig {
+            batch_size: 4,
+            drop_last: true,
+            num_workers: 0,
+            ..LoaderConfig::default()
+        };
+        let (l, _) = loader(10, 1, cfg.clone());
+        assert_eq!(l.batches_per_epoch(), 2);
+        let ds = Numbers {
+            n: 1,
+            loads: Arc::new(AtomicUsize::new(0)),
+            groups: 1,
+        };
+        let bad = LoaderConfig {
+            batch_size: 0,
+            ..cfg
+        };
+        assert!(matches!(
+            Loader::new(ds, Ids, bad),
+            Err(Error::Config { ref key, .. }) if key == "batch_size"
+        ));
+    }
+}
