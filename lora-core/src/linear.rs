@@ -1,0 +1,115 @@
+//! LoRA on a linear layer.
+
+use crate::base::BaseWeight;
+use crate::error::{Error, Result, TchContext};
+use crate::layer::{Adapter, LoraLayer, SiteKind, add_branches};
+use tch::{Kind, Tensor};
+
+/// A frozen linear layer (`y = x·Wᵀ + b`) plus zero or more named LoRA adapters.
+///
+/// # Shapes
+/// - base weight `[out, in]` (dense or quantized), bias `[out]`;
+/// - adapter A `[r, in]`, B `[out, r]`, DoRA magnitude `[out]`;
+/// - input `[..., in]` → output `[..., out]`.
+///
+/// Forward (PEFT `peft/tuners/lora/layer.py::Linear.forward`):
+/// `y = x·Wᵀ + b + Σ_adapters B(A(dropout(x))) · scaling · weight`, dropout only when training; the
+/// base runs in `x`'s dtype, each branch in its adapter's dtype and is cast back.
+#[derive(Debug)]
+pub struct LoraLinear {
+    base: BaseWeight,
+    bias: Option<Tensor>,
+    adapters: Vec<Adapter>,
+    disabled: bool,
+}
+
+impl LoraLinear {
+    /// Wraps a frozen base weight `[out, in]` and optional bias `[out]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the weight is not 2-D or the bias is not `[out]`.
+    pub fn new(base: BaseWeight, bias: Option<Tensor>) -> Result<Self> {
+        let s = base.shape();
+        if s.len() != 2 {
+            return Err(Error::Shape { key: "linear weight".into(), expected: vec![-1, -1], found: s });
+        }
+        if let Some(b) = &bias
+            && b.size() != [s[0]]
+        {
+            return Err(Error::Shape { key: "linear bias".into(), expected: vec![s[0]], found: b.size() });
+        }
+        Ok(Self { base, bias, adapters: Vec::new(), disabled: false })
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> i64 {
+        self.base.shape()[1]
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> i64 {
+        self.base.shape()[0]
+    }
+
+    /// The frozen bias, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Forward pass; `x` `[..., in]` → `[..., out]` in `x`'s dtype. `train` turns dropout on.
+    ///
+    /// DoRA adapters follow `peft/tuners/lora/dora.py::DoraLinearLayer.forward`:
+    /// `n = ‖W + s·B·A‖₂` per output row (detached), `g = m / n`,
+    /// `y += (g − 1)·(x·Wᵀ) + g·B(A(x))·s`.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when a shape does not fit or an op fails.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let ctx = || format!("linear forward {:?} on input {:?}", self.base.shape(), x.size());
+        let w = self.base.weight(x.kind())?;
+        let base_out = x.f_linear::<Tensor>(&w, None).ctx(ctx)?;
+        let y = add_branches(
+            self,
+            x,
+            &base_out,
+            train,
+            &|ad, xd| xd.f_linear::<Tensor>(&ad.lora_a, None)?.f_linear::<Tensor>(&ad.lora_b, None),
+            &|xd, w| xd.f_linear::<Tensor>(w, None),
+        )?;
+        match &self.bias {
+            None => Ok(y),
+            Some(b) => {
+                let b = if b.kind() == y.kind() { b.shallow_clone() } else { b.f_to_kind(y.kind()).ctx(ctx)? };
+                y.f_add(&b).ctx(ctx)
+            }
+        }
+    }
+}
+
+impl LoraLayer for LoraLinear {
+    fn site_kind(&self) -> SiteKind {
+        SiteKind::Linear
+    }
+    fn base(&self) -> &BaseWeight {
+        &self.base
+    }
+    fn adapters(&self) -> &[Adapter] {
+        &self.adapters
+    }
+    fn adapters_mut(&mut self) -> &mut Vec<Adapter> {
+        &mut self.adapters
+    }
+    fn adapter_shapes(&self, r: i64) -> (Vec<i64>, Vec<i64>) {
+        (vec![r, self.in_features()], vec![self.out_features(), r])
+    }
+    fn lora_product(&self, ad: &Adapter) -> Result<Tensor> {
+        (|| ad.lora_b.f_to_kind(Kind::Float)?.f_mm(&ad.lora_a.f_to_kind(Kind::Float)?))()
+            .ctx(|| format!("computing B·A of adapter {:?}", ad.name))
+    }
+    fn adapters_disabled(&self) -> bool {
+        self.disabled
+    }
+    fn set_disabled_flag(&mut self, disabled: bool) {
+        self.disabled = disabled;
+    }
+}
