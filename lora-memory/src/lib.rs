@@ -1,2 +1,43 @@
 //! Peak-memory planning for LoRA training runs (pure Rust, no libtorch).
+//!
+//! Answers, before anything is loaded, "will this run fit, and if not, what is the best config
+//! that does?":
+//! - [`ModelDescriptor`]: shapes and parameter counts from a preset, an HF `config.json`, a GGUF
+//!   header or a safetensors header;
+//! - [`Settings`]: everything about the run that changes memory;
+//! - [`estimate`]: the peak, term by term ([`Breakdown`]), for a stated [`Metric`];
+//! - [`fit`]: walk the usual ladder of changes until the run fits a [`Budget`];
+//! - [`max_micro_batch`]: the largest micro-batch that fits the memory free right now.
+//!
+//! ```
+//! use lora_memory::{estimate, fit, Budget, ModelDescriptor, Settings};
+//! let model = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+//! let settings = Settings::default().with_micro_batch(4).with_seq_len(2048);
+//! let e = estimate(&model, &settings).unwrap();
+//! println!("{}", e.to_table());
+//! let budget = Budget::gpu("RTX 3090").unwrap();
+//! match fit(&model, &settings, budget.bytes) {
+//!     Ok(f) => println!("fits with {} changes, headroom {}", f.changes.len(), f.headroom),
+//!     Err(e) => println!("{e}"),
+//! }
+//! ```
 #![deny(missing_docs)]
+
+pub mod budget;
+pub mod cases;
+pub mod error;
+pub mod estimate;
+pub mod fit;
+pub mod gguf;
+pub mod model;
+pub mod safetensors_header;
+pub mod settings;
+pub mod units;
+
+pub use budget::{Budget, BudgetSource, GPU_PRESETS};
+pub use error::{Error, Result};
+pub use estimate::{Breakdown, Estimate, Metric, Term, estimate};
+pub use fit::{Change, Fit, FitError, fit, max_micro_batch};
+pub use model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor};
+pub use settings::{Attention, BaseDtype, Device, Framework, LoraSettings, Method, MixedPrecision, Optimizer, Profile, Settings};
+pub use units::{Bytes, ParsedSize, parse_size};

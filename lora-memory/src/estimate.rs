@@ -1,0 +1,887 @@
+//! `estimate()`: the peak memory of a training step, term by term.
+//!
+//! Peak model (one optimizer step after the first, when optimizer states exist):
+//! - **backward peak** = weights + adapters + optimizer states (+ gradients when they persist
+//!   across micro-batches) + autocast weight copies + saved activations + the larger of
+//!   (loss backward: logits/loss peak) and (last layer backward: kept logits + recomputed layer +
+//!   that layer's gradient working set) + batch data;
+//! - **optimizer-step peak** = weights + adapters + gradients + optimizer states + step temporaries;
+//! - allocated peak = the larger of the two; reserved = allocated + allocator margin;
+//!   process = reserved + CUDA context/workspace (CPU: + runtime baseline).
+//!
+//! Anchors (see `memory-cases/PUBLIC.md`): model states 2 + 2 + 12 = 16 B/param for
+//! mixed-precision Adam (ZeRO, arXiv:1910.02054); transformer activations `s·b·h·(34 + 5·a·s/h)`
+//! bytes per layer at 16 bit without recompute (Korthikanti et al., arXiv:2205.05198), which we
+//! split per saved tensor so each framework's differences are explicit; full recompute keeps the
+//! layer input `2·s·b·h` per layer plus one layer live during recompute (same paper, §4); NF4
+//! bytes from QLoRA (arXiv:2305.14314); loss over a large vocabulary ≈ `b·s·V·(2+4+4)` bytes and
+//! more with the fp32 grad.
+
+use crate::error::{Error, Result};
+use crate::model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor, NormKind};
+use crate::settings::{Attention, BaseDtype, Device, Framework, Method, MixedPrecision, Optimizer, Settings};
+use crate::units::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// Which measured quantity a number predicts. They differ by up to 2× — compare like with like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// `torch.cuda.max_memory_allocated`: live tensors only.
+    Allocated,
+    /// `torch.cuda.max_memory_reserved`: tensors + the caching allocator's cache.
+    Reserved,
+    /// Whole process on the device: `nvidia-smi` (reserved + CUDA context + workspaces) on CUDA,
+    /// resident set size on CPU.
+    Process,
+    /// CPU: peak RSS during training steps minus RSS before them (after load and LoRA injection).
+    CpuRssDelta,
+    /// Weights + adapters + optimizer states: what stays allocated between steps.
+    Persistent,
+}
+
+/// Every term of the peak, in bytes. Each field documents its formula and source.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Breakdown {
+    /// Frozen base weights: per-layer linears × [`BaseDtype::bytes_per_param`] + the rest
+    /// (embeddings, norms, `lm_head`; VAE and text encoders when resident) in 16 bit, or 32 bit
+    /// for an fp32 base (QLoRA keeps non-linear weights 16-bit, arXiv:2305.14314).
+    pub base_weights: Bytes,
+    /// Autocast over a 32-bit base casts each frozen weight to 16 bit per op and the cast is kept
+    /// for the backward of that matmul: 2 B per linear parameter (torch.autocast semantics; seen
+    /// on CPU in PUBLIC.md's SmolLM2 table at small batch).
+    pub autocast_weight_copies: Bytes,
+    /// Adapter parameters: Σ over targeted sites `r·(in·k² + out)` (+ `out` for DoRA's
+    /// magnitude) × adapter bytes (fp32 for PEFT/ours, the model dtype for torchtune). Full
+    /// fine-tuning: 0 (the weights are the base).
+    pub adapter_params: Bytes,
+    /// Gradients of the trainable parameters, in their dtype.
+    pub gradients: Bytes,
+    /// Optimizer states: AdamW 2 × state bytes per trainable param (8 B in fp32; the param dtype
+    /// for a full bf16 fine-tune), AdamW8bit 2 B + block absmax, Adafactor `4·(n+m)` per matrix,
+    /// SGD-momentum 4 B (ZeRO arXiv:1910.02054 §3; bitsandbytes arXiv:2110.02861; Adafactor
+    /// arXiv:1804.04235).
+    pub optimizer_states: Bytes,
+    /// Temporaries of the optimizer step: `foreach` AdamW builds one state-sized list
+    /// (`_foreach_sqrt(exp_avg_sq)`) for all parameters at once (torch.optim.adamw
+    /// `_multi_tensor_adamw`); fused or per-tensor loops only the largest tensor.
+    pub optimizer_step_temporaries: Bytes,
+    /// Saved activations at the backward peak (all layers, or the checkpointed layer inputs plus
+    /// the recomputed layer and its gradient working set).
+    pub activations: Bytes,
+    /// Logits and loss at their peak: HF keeps the 16-bit logits, the fp32 `log_softmax` output
+    /// and, in the backward, two fp32 gradients: `b·s·V·(e + 12)` bytes.
+    pub logits_loss: Bytes,
+    /// Token ids, labels, masks (int64) or latents + noise + conditioning for diffusion.
+    pub batch_data: Bytes,
+    /// CUDA context and cuBLAS/cuDNN workspaces (CPU: runtime baseline).
+    pub context_workspace: Bytes,
+    /// Caching-allocator cache above the live tensors (reserved − allocated).
+    pub allocator_margin: Bytes,
+}
+
+/// One printable row of a [`Breakdown`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Term {
+    /// Term name.
+    pub name: &'static str,
+    /// Bytes.
+    pub bytes: Bytes,
+    /// Formula in words.
+    pub formula: &'static str,
+}
+
+impl Breakdown {
+    /// The terms in a fixed order, with their formulas.
+    pub fn terms(&self) -> Vec<Term> {
+        vec![
+            Term { name: "base weights", bytes: self.base_weights, formula: "linears × B/param(dtype) + embeddings/norms 16-bit" },
+            Term { name: "autocast weight copies", bytes: self.autocast_weight_copies, formula: "2 B × linear params (32-bit base under autocast)" },
+            Term { name: "adapter params", bytes: self.adapter_params, formula: "Σ r·(in·k²+out) × adapter bytes" },
+            Term { name: "gradients", bytes: self.gradients, formula: "trainable × grad bytes" },
+            Term { name: "optimizer states", bytes: self.optimizer_states, formula: "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B" },
+            Term { name: "optimizer step temporaries", bytes: self.optimizer_step_temporaries, formula: "foreach: one state-sized list" },
+            Term { name: "activations", bytes: self.activations, formula: "Σ saved tensors per layer × b·s (Korthikanti split)" },
+            Term { name: "logits / loss", bytes: self.logits_loss, formula: "b·s·V·(e + 12)" },
+            Term { name: "batch data", bytes: self.batch_data, formula: "ids/labels/mask int64" },
+            Term { name: "context / workspace", bytes: self.context_workspace, formula: "CUDA context + cuBLAS workspace" },
+            Term { name: "allocator margin", bytes: self.allocator_margin, formula: "caching allocator: reserved − allocated" },
+        ]
+    }
+}
+
+/// The result of [`estimate`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    /// Model name.
+    pub model: String,
+    /// The terms.
+    pub breakdown: Breakdown,
+    /// Trainable parameters.
+    pub trainable_params: u64,
+    /// Predicted `max_memory_allocated` (CUDA) / peak live tensor bytes (CPU).
+    pub peak_allocated: Bytes,
+    /// Predicted `max_memory_reserved` (allocated + allocator margin).
+    pub peak_reserved: Bytes,
+    /// Predicted whole-process peak on the device (`nvidia-smi` / CPU RSS).
+    pub peak_process: Bytes,
+    /// CPU: predicted peak RSS over the training steps minus RSS before them.
+    pub step_delta: Bytes,
+    /// Weights + adapters + optimizer states.
+    pub persistent: Bytes,
+    /// The number to compare with a budget: `peak_process`.
+    pub peak: Bytes,
+    /// What `peak` predicts ([`Metric::Process`]).
+    pub metric: Metric,
+    /// Assumptions worth telling the user.
+    pub notes: Vec<String>,
+}
+
+impl Estimate {
+    /// The prediction for a metric.
+    pub fn value(&self, metric: Metric) -> Bytes {
+        match metric {
+            Metric::Allocated => self.peak_allocated,
+            Metric::Reserved => self.peak_reserved,
+            Metric::Process => self.peak_process,
+            Metric::CpuRssDelta => self.step_delta,
+            Metric::Persistent => self.persistent,
+        }
+    }
+
+    /// An aligned text table: one row per term, then allocated / reserved / process totals.
+    pub fn to_table(&self) -> String {
+        let mut rows: Vec<(String, String, String, String)> = self
+            .breakdown
+            .terms()
+            .into_iter()
+            .map(|t| (t.name.to_string(), format!("{:.3}", t.bytes.gb()), format!("{:.3}", t.bytes.gib()), t.formula.to_string()))
+            .collect();
+        rows.push(("─".repeat(3), String::new(), String::new(), String::new()));
+        for (name, b, what) in [
+            ("peak allocated", self.peak_allocated, "max_memory_allocated"),
+            ("peak reserved", self.peak_reserved, "max_memory_reserved"),
+            ("total (process peak)", self.peak_process, "nvidia-smi / RSS"),
+        ] {
+            rows.push((name.to_string(), format!("{:.3}", b.gb()), format!("{:.3}", b.gib()), what.to_string()));
+        }
+        let w0 = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).max(4);
+        let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max(2);
+        let w2 = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(3);
+        let mut out = format!("{}  (trainable params: {})\n", self.model, self.trainable_params);
+        out += &format!("{:<w0$}  {:>w1$}  {:>w2$}  {}\n", "term", "GB", "GiB", "formula");
+        for r in rows {
+            out += &format!("{:<w0$}  {:>w1$}  {:>w2$}  {}\n", r.0, r.1, r.2, r.3);
+        }
+        for n in &self.notes {
+            out += &format!("note: {n}\n");
+        }
+        out
+    }
+
+    /// The estimate as pretty JSON (what `plan --json` prints).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+}
+
+/// Reserved − allocated as a fraction of the step's transient bytes (activations, logits) with
+/// fixed-shape batches. PyTorch's caching allocator rounds requests (512 B small, 2 MiB segments
+/// for large) and keeps freed blocks; with a fixed shape every step reuses the same blocks.
+pub const ALLOCATOR_FRAGMENTATION_FIXED: f64 = 0.05;
+/// The same with batches padded to varying lengths: freed blocks sized for one length are split
+/// for another and stay cached (PyTorch CUDA semantics notes, "Memory management";
+/// `expandable_segments` unset).
+pub const ALLOCATOR_FRAGMENTATION_VARIABLE: f64 = 0.15;
+
+struct Ctx {
+    /// bytes of matmul outputs / saved activations
+    e: f64,
+    /// bytes of the residual stream and norm inputs
+    r: f64,
+    /// adapter / trainable dtype bytes
+    ad: f64,
+    autocast: bool,
+}
+
+fn ctx(s: &Settings) -> Ctx {
+    let base32 = s.base_dtype == BaseDtype::F32;
+    let (e, r, autocast) = match s.mixed_precision {
+        MixedPrecision::No => {
+            if base32 {
+                (4.0, 4.0, false)
+            } else {
+                (2.0, 2.0, false)
+            }
+        }
+        MixedPrecision::Fp16 | MixedPrecision::Bf16 => (2.0, if base32 { 4.0 } else { 2.0 }, true),
+        MixedPrecision::FullBf16 => (2.0, 2.0, false),
+    };
+    let ad = match (s.profile.framework, s.mixed_precision) {
+        (_, MixedPrecision::FullBf16) => 2.0,
+        (Framework::Torchtune, _) => r,
+        _ => 4.0,
+    };
+    Ctx { e, r, ad, autocast }
+}
+
+fn validate(s: &Settings) -> Result<()> {
+    let bad = |key: &'static str, reason: &str| Err(Error::InvalidSetting { key, reason: reason.into() });
+    if s.micro_batch == 0 {
+        return bad("micro_batch", "must be at least 1");
+    }
+    if s.gradient_accumulation_steps == 0 {
+        return bad("gradient_accumulation_steps", "must be at least 1");
+    }
+    if s.method != Method::Full && s.lora.rank == 0 {
+        return bad("lora.rank", "must be at least 1");
+    }
+    if !(0.0..1.0).contains(&s.lora.dropout) {
+        return bad("lora.dropout", "must be in [0, 1)");
+    }
+    if let Optimizer::Sgd { momentum } = s.optimizer
+        && !(momentum >= 0.0 && momentum.is_finite())
+    {
+        return bad("optimizer.momentum", "must be a finite non-negative number");
+    }
+    Ok(())
+}
+
+/// Trainable tensor shapes (as (rows, cols) matrices) for optimizer-state formulas.
+struct Trainable {
+    params: u64,
+    /// Σ (n + m) over matrices, for Adafactor.
+    factored: u64,
+    /// params of tensors with fewer than 4096 elements (kept 32-bit by 8-bit Adam).
+    small: u64,
+    /// largest single tensor
+    largest: u64,
+}
+
+fn lora_trainable(sites: &[&LinearSite], s: &Settings) -> Trainable {
+    let mut t = Trainable { params: 0, factored: 0, small: 0, largest: 0 };
+    for site in sites {
+        let rank = u64::from(if site.conv { s.lora.conv_rank.unwrap_or(0) } else { s.lora.rank });
+        let a = rank * site.in_features * site.kernel_area;
+        let b = rank * site.out_features;
+        for (n, rows, cols) in [(a, rank, site.in_features * site.kernel_area), (b, site.out_features, rank)] {
+            t.params += n * site.count;
+            t.factored += (rows + cols) * site.count;
+            if n < 4096 {
+                t.small += n * site.count;
+            }
+            t.largest = t.largest.max(n);
+        }
+        if s.method == Method::Dora {
+            t.params += site.out_features * site.count;
+            t.factored += site.out_features * site.count;
+            t.small += if site.out_features < 4096 { site.out_features * site.count } else { 0 };
+        }
+    }
+    t
+}
+
+fn targeted<'a>(sites: &'a [LinearSite], s: &Settings) -> Vec<&'a LinearSite> {
+    sites
+        .iter()
+        .filter(|site| {
+            if site.conv {
+                s.lora.conv_rank.is_some()
+            } else {
+                s.lora.target_modules.iter().any(|t| site.matches(t))
+            }
+        })
+        .collect()
+}
+
+fn optimizer_bytes(t: &Trainable, opt: Optimizer, state_bytes: f64) -> (f64, f64) {
+    // (states, foreach temporaries per state-sized list)
+    let p = t.params as f64;
+    match opt {
+        Optimizer::AdamW => (2.0 * state_bytes * p, state_bytes * p),
+        Optimizer::AdamW8bit => {
+            let big = (t.params - t.small) as f64;
+            (2.0 * (big * (1.0 + 4.0 / 2048.0)) + 8.0 * t.small as f64, 4.0 * t.largest as f64)
+        }
+        Optimizer::Adafactor => (4.0 * t.factored as f64, 4.0 * t.largest as f64),
+        Optimizer::Sgd { momentum } => (if momentum > 0.0 { 4.0 * p } else { 0.0 }, 0.0),
+    }
+}
+
+/// Estimates the peak memory of one training step of `model` under `settings`.
+///
+/// # Errors
+/// [`Error::InvalidSetting`] for a zero batch / rank, a dropout outside `[0, 1)`, no target
+/// module matching the model (listing the site names that exist), or text-encoder training with
+/// cached text-encoder outputs.
+///
+/// ```
+/// use lora_memory::{estimate, ModelDescriptor, Settings};
+/// let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+/// let e = estimate(&m, &Settings::default().with_seq_len(1024)).unwrap();
+/// assert!(e.peak_allocated > e.breakdown.base_weights);
+/// println!("{}", e.to_table());
+/// ```
+pub fn estimate(model: &ModelDescriptor, settings: &Settings) -> Result<Estimate> {
+    validate(settings)?;
+    match model {
+        ModelDescriptor::Decoder(d) => estimate_decoder(d, settings),
+        ModelDescriptor::Diffusion(d) => estimate_diffusion(d, settings),
+    }
+}
+
+fn no_target_error(sites: &[LinearSite], s: &Settings) -> Error {
+    let mut names: Vec<&str> = sites.iter().map(|x| x.name.as_str()).collect();
+    names.dedup();
+    Error::InvalidSetting {
+        key: "lora.target_modules",
+        reason: format!("{:?} matches no layer; layers are: {}", s.lora.target_modules, names.join(", ")),
+    }
+}
+
+/// Per-token saved bytes of one decoder layer, and its backward working set.
+struct LayerCost {
+    saved: f64,
+    working: f64,
+}
+
+fn decoder_layer(d: &DecoderDescriptor, s: &Settings, c: &Ctx, sites: &[&LinearSite], seq: f64) -> LayerCost {
+    let h = d.hidden as f64;
+    let f = d.intermediate as f64;
+    let q = (d.heads * d.head_dim) as f64;
+    let kv = (d.kv_heads * d.head_dim) as f64;
+    let a = d.heads as f64;
+    let p = &s.profile;
+    let full = s.method == Method::Full;
+    let is = |name: &str| sites.iter().any(|x| x.name == name);
+    // Norms: HF RMSNorm upcasts to fp32 and keeps that copy (`hidden.to(float32)`, saved by pow
+    // and mul); LayerNorm keeps its input; torch.compile keeps only the input.
+    let norm = match (d.norm, p.torch_compile) {
+        (NormKind::RmsNorm, false) => 4.0 * h,
+        _ => c.r * h,
+    };
+    let mut saved = 2.0 * norm;
+    if d.qk_norm {
+        saved += 4.0 * (q + kv);
+    }
+    // Attention (SDPA flash/efficient): q, k, v, out and logsumexp; HF `repeat_kv` expands
+    // GQA keys/values to all heads before the kernel.
+    let kv_saved = if p.repeat_kv { q } else { kv };
+    saved += c.e * (2.0 * q + 2.0 * kv_saved) + 4.0 * a;
+    let working_attn;
+    if s.attention == Attention::Math {
+        // eager: fp32 softmax output + its 16-bit cast (saved by the PV matmul).
+        saved += (4.0 + c.e) * a * seq;
+        working_attn = 2.0 * 4.0 * a * seq;
+    } else {
+        working_attn = 0.0;
+    }
+    // Gated MLP: SiLU keeps gate, the product keeps SiLU(gate) and up; compile keeps gate, up.
+    saved += if d.gated_mlp {
+        if p.torch_compile { 2.0 * c.e * f } else { 3.0 * c.e * f }
+    } else {
+        2.0 * c.e * f
+    };
+    // Inputs of the linears that need them for a weight gradient (adapted or fully trained) or
+    // that an old bitsandbytes saved anyway. Distinct input tensors: norm1 out (q,k,v), attention
+    // out (o), norm2 out (gate, up), MLP product (down).
+    let groups: [(&[&str], f64); 4] = [
+        (&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], h),
+        (&["self_attn.o_proj"], q),
+        (&["mlp.gate_proj", "mlp.up_proj"], h),
+        (&["mlp.down_proj"], f),
+    ];
+    let bnb = p.bnb_saves_4bit_inputs && matches!(s.base_dtype, BaseDtype::Nf4 { .. });
+    for (names, width) in groups {
+        let adapted: Vec<&&str> = names.iter().filter(|n| is(n)).collect();
+        if full {
+            saved += c.e * width;
+            continue;
+        }
+        if !adapted.is_empty() {
+            // PEFT / ours cast the input to the adapter dtype per adapted layer (a copy each) when
+            // dtypes differ; under autocast the per-op cast is 16-bit; torchtune shares it.
+            let per_module = match p.framework {
+                Framework::Torchtune => 0.0,
+                _ if c.autocast => c.e,
+                _ if c.ad != c.e => c.ad,
+                _ => 0.0,
+            };
+            if per_module > 0.0 {
+                saved += per_module * width * adapted.len() as f64;
+                if bnb {
+                    saved += c.e * width;
+                }
+            } else {
+                saved += c.e * width;
+            }
+            for n in &adapted {
+                let out = sites.iter().find(|x| x.name == **n).map(|x| x.out_features as f64).unwrap_or(0.0);
+                // lora_A output (input of lora_B).
+                saved += c.ad * f64::from(s.lora.rank);
+                if s.lora.dropout > 0.0 {
+                    saved += (c.ad + 1.0) * width;
+                }
+                if s.method == Method::Dora {
+                    // PEFT DoRA keeps the base output and the LoRA output for the magnitude grad.
+                    saved += (c.e + c.ad) * out;
+                }
+            }
+        } else if bnb {
+            saved += c.e * width;
+        }
+    }
+    // One layer's backward: grads of the MLP intermediates and of the residual stream.
+    let working = 3.0 * c.e * f + 2.0 * c.r * h + working_attn;
+    LayerCost { saved, working }
+}
+
+fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
+    let c = ctx(s);
+    let all_sites = d.sites();
+    let sites = targeted(&all_sites, s);
+    if s.method != Method::Full && sites.is_empty() {
+        return Err(no_target_error(&all_sites, s));
+    }
+    let mut notes = Vec::new();
+    let tokens = f64::from(s.micro_batch) * f64::from(s.seq_len);
+    let seq = f64::from(s.seq_len);
+    let h = d.hidden as f64;
+    let v = d.vocab as f64;
+
+    // Base weights.
+    let linear = d.layer_linear_params() as f64;
+    let rest = (d.params as f64 - linear).max(0.0);
+    let rest_bytes = if s.base_dtype == BaseDtype::F32 { 4.0 } else { 2.0 };
+    let base_weights = linear * s.base_dtype.bytes_per_param() + rest * rest_bytes;
+    let lm_head_params = if d.tied_embeddings { v * h } else { 0.0 };
+    let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 { 2.0 * (linear + d.vocab as f64 * h.max(0.0)) } else { 0.0 };
+    let _ = lm_head_params;
+
+    // Trainable parameters.
+    let (trainable, adapter_bytes, grad_bytes, state_bytes) = if s.method == Method::Full {
+        let p = d.params;
+        let largest = d.vocab * d.hidden;
+        let t = Trainable { params: p, factored: 0, small: 0, largest };
+        let pb = if s.base_dtype.is_quantized() {
+            notes.push("full fine-tuning of a quantized base is not possible; counted as bf16".into());
+            2.0
+        } else {
+            rest_bytes.max(c.r)
+        };
+        let t = Trainable {
+            factored: all_sites.iter().map(|x| (x.in_features + x.out_features) * x.count).sum::<u64>() + d.vocab + d.hidden,
+            ..t
+        };
+        (t, 0.0, pb, pb)
+    } else {
+        let t = lora_trainable(&sites, s);
+        let ab = t.params as f64 * c.ad;
+        (t, ab, c.ad, c.ad.max(if s.profile.framework == Framework::Torchtune { c.ad } else { 4.0 }))
+    };
+    let gradients = trainable.params as f64 * grad_bytes;
+    let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
+    let step_tmp = if s.optimizer == Optimizer::AdamW && s.device.is_cuda() && !s.profile.fused_adamw && s.profile.framework != Framework::Ours {
+        foreach_tmp
+    } else {
+        trainable.largest as f64 * state_bytes
+    };
+
+    // Activations.
+    let layer = decoder_layer(d, s, &c, &sites, seq);
+    let layers = d.layers as f64;
+    let lm_lora = sites.iter().any(|x| x.name == "lm_head");
+    let e_logits = c.e;
+    let (logits_peak, logits_kept) = if s.profile.torch_compile {
+        (2.0 * e_logits * v, e_logits * v)
+    } else if s.profile.chunked_cross_entropy {
+        (e_logits * v + 4.0 * v + 8.0 * v / 8.0, e_logits * v)
+    } else {
+        match s.profile.framework {
+            Framework::Torchtune => (16.0 * v, 4.0 * v),
+            _ if s.profile.legacy_fp32_logits => (20.0 * v, 4.0 * v),
+            _ => (e_logits * v + 12.0 * v, e_logits * v),
+        }
+    };
+    let logits_extra = if lm_lora { c.ad * v } else { 0.0 };
+    let (stored, recompute) = if s.gradient_checkpointing {
+        let kept = if s.profile.activation_offloading { 2.0 } else { layers };
+        (kept * c.r * h, layer.saved)
+    } else {
+        (layers * layer.saved, 0.0)
+    };
+    let loss_branch = logits_peak + logits_extra;
+    let layer_branch = logits_kept + recompute + layer.working;
+    let (act_per_token, logits_per_token) = if loss_branch >= layer_branch {
+        (stored, loss_branch)
+    } else {
+        (stored + recompute + layer.working, logits_kept)
+    };
+    let activations = act_per_token * tokens;
+    let logits_loss = logits_per_token * tokens;
+    let batch = 32.0 * tokens;
+
+    finish(FinishArgs {
+        model: d.name.clone(),
+        s,
+        trainable: trainable.params,
+        base_weights,
+        autocast_copies,
+        adapter_bytes,
+        gradients,
+        states,
+        step_tmp,
+        step_tmp_small_pool: trainable.largest as f64 * state_bytes <= 1_048_576.0,
+        activations,
+        logits_loss,
+        batch,
+        notes,
+    })
+}
+
+struct FinishArgs<'a> {
+    model: String,
+    s: &'a Settings,
+    trainable: u64,
+    base_weights: f64,
+    autocast_copies: f64,
+    adapter_bytes: f64,
+    gradients: f64,
+    states: f64,
+    step_tmp: f64,
+    /// every trainable tensor's state is ≤ 1 MiB: step temporaries come from the small pool
+    step_tmp_small_pool: bool,
+    activations: f64,
+    logits_loss: f64,
+    batch: f64,
+    notes: Vec<String>,
+}
+
+fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
+    let s = a.s;
+    let persistent = a.base_weights + a.adapter_bytes + a.states;
+    let grads_at_backward = if s.method != Method::Full || s.gradient_accumulation_steps > 1 { a.gradients } else { 0.0 };
+    let backward = persistent + grads_at_backward + a.autocast_copies + a.activations + a.logits_loss + a.batch;
+    let step = persistent + a.gradients + a.step_tmp;
+    let allocated = backward.max(step);
+    let transient = a.activations + a.logits_loss + a.autocast_copies;
+    let (margin, context) = match s.device {
+        Device::Cuda { context, workspace } => {
+            let frac = if s.profile.variable_length { ALLOCATOR_FRAGMENTATION_VARIABLE } else { ALLOCATOR_FRAGMENTATION_FIXED };
+            (frac * transient, (context + workspace).as_f64())
+        }
+        Device::Cpu { runtime } => (0.0, runtime.as_f64()),
+    };
+    // PyTorch's caching allocator serves requests ≤ 1 MiB from a separate small pool that never
+    // reuses large-pool blocks: small optimizer temporaries (LoRA tensors) add to the reserved
+    // peak even though they come after the activations are freed.
+    let small_tmp = if a.step_tmp_small_pool && s.device.is_cuda() { a.step_tmp } else { 0.0 };
+    let reserved = (backward + small_tmp).max(allocated) + margin;
+    let margin = reserved - allocated;
+    let process = reserved + context;
+    // CPU RSS delta: everything the steps add on top of weights + adapters (optimizer states are
+    // created lazily in the first step).
+    let step_delta = allocated - a.base_weights - a.adapter_bytes;
+    let mut notes = a.notes;
+    if a.step_tmp > a.activations + a.logits_loss && s.optimizer == Optimizer::AdamW {
+        notes.push("the optimizer step is the peak: fused AdamW or a per-tensor loop would lower it".into());
+    }
+    let breakdown = Breakdown {
+        base_weights: Bytes::from_f64(a.base_weights),
+        autocast_weight_copies: Bytes::from_f64(if backward >= step { a.autocast_copies } else { 0.0 }),
+        adapter_params: Bytes::from_f64(a.adapter_bytes),
+        gradients: Bytes::from_f64(if backward >= step { grads_at_backward } else { a.gradients }),
+        optimizer_states: Bytes::from_f64(a.states),
+        optimizer_step_temporaries: Bytes::from_f64(if backward >= step { 0.0 } else { a.step_tmp }),
+        activations: Bytes::from_f64(if backward >= step { a.activations } else { 0.0 }),
+        logits_loss: Bytes::from_f64(if backward >= step { a.logits_loss } else { 0.0 }),
+        batch_data: Bytes::from_f64(if backward >= step { a.batch } else { 0.0 }),
+        context_workspace: Bytes::from_f64(context),
+        allocator_margin: Bytes::from_f64(margin),
+    };
+    Ok(Estimate {
+        model: a.model,
+        breakdown,
+        trainable_params: a.trainable,
+        peak_allocated: Bytes::from_f64(allocated),
+        peak_reserved: Bytes::from_f64(reserved),
+        peak_process: Bytes::from_f64(process),
+        step_delta: Bytes::from_f64(step_delta),
+        persistent: Bytes::from_f64(persistent),
+        peak: Bytes::from_f64(process),
+        metric: Metric::Process,
+        notes,
+    })
+}
+
+fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate> {
+    let c = ctx(s);
+    if s.train_text_encoder && s.cache_text_encoder_outputs {
+        return Err(Error::InvalidSetting {
+            key: "cache_text_encoder_outputs",
+            reason: "text-encoder outputs cannot be cached while the text encoder is trained; turn one off".into(),
+        });
+    }
+    let all_sites = d.sites();
+    let usable: Vec<LinearSite> = all_sites
+        .iter()
+        .filter(|x| x.component == "unet" || s.train_text_encoder)
+        .cloned()
+        .collect();
+    let sites = targeted(&usable, s);
+    if s.method != Method::Full && sites.is_empty() {
+        return Err(no_target_error(&usable, s));
+    }
+    let notes = Vec::new();
+    let wb = if s.base_dtype == BaseDtype::F32 { 4.0 } else { s.base_dtype.bytes_per_param().max(1.0).min(2.0) };
+    let wb = if s.base_dtype.is_quantized() { s.base_dtype.bytes_per_param() } else { wb };
+    let mut base = d.unet_params as f64 * wb;
+    let te_bytes = if s.base_dtype == BaseDtype::F32 { 4.0 } else { 2.0 };
+    if !s.cache_text_encoder_outputs {
+        base += d.text_encoder_params() as f64 * te_bytes;
+    }
+    if !s.cache_latents {
+        base += d.vae_params as f64 * te_bytes;
+    }
+    let unet_linear: f64 = all_sites.iter().filter(|x| x.component == "unet").map(|x| (x.weight_params() * x.count) as f64).sum();
+    let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 { 2.0 * unet_linear.min(d.unet_params as f64) } else { 0.0 };
+
+    let (trainable, adapter_bytes, grad_bytes, state_bytes) = if s.method == Method::Full {
+        let mut p = d.unet_params;
+        if s.train_text_encoder {
+            p += d.text_encoder_params();
+        }
+        let t = Trainable {
+            params: p,
+            factored: usable.iter().map(|x| (x.in_features * x.kernel_area + x.out_features) * x.count).sum(),
+            small: 0,
+            largest: 1280 * 1280 * 9,
+        };
+        let pb = if s.base_dtype == BaseDtype::F32 { 4.0 } else { 2.0 };
+        (t, 0.0, pb, pb)
+    } else {
+        let t = lora_trainable(&sites, s);
+        let ab = t.params as f64 * c.ad;
+        (t, ab, c.ad, c.ad.max(4.0))
+    };
+    let gradients = trainable.params as f64 * grad_bytes;
+    let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
+    let step_tmp = if s.optimizer == Optimizer::AdamW && s.device.is_cuda() && !s.profile.fused_adamw && s.profile.framework != Framework::Ours {
+        foreach_tmp
+    } else {
+        trainable.largest as f64 * state_bytes
+    };
+
+    // Activations per sample.
+    let (w, hgt) = match s.largest_bucket {
+        Some([w, h]) => (f64::from(w), f64::from(h)),
+        None => (f64::from(s.resolution), f64::from(s.resolution)),
+    };
+    let scale = d.vae_scale as f64;
+    let n0 = (w / scale) * (hgt / scale);
+    let samples = f64::from(s.micro_batch) * if s.prior_preservation { 2.0 } else { 1.0 };
+    let ctx_len = 77.0;
+    let full = s.method == Method::Full;
+    let is = |name: &str| full || sites.iter().any(|x| x.component == "unet" && x.name == name);
+    let per_module = |n: usize| -> f64 {
+        // copies of an adapted layer's input (see the decoder notes)
+        if full {
+            return 0.0;
+        }
+        match s.profile.framework {
+            Framework::Torchtune => 0.0,
+            _ if c.autocast => c.e * n as f64,
+            _ if c.ad != c.e => c.ad * n as f64,
+            _ => 0.0,
+        }
+    };
+    let lora_in = |names: &[&str], width: f64| -> f64 {
+        let k = names.iter().filter(|n| is(n)).count();
+        if k == 0 {
+            0.0
+        } else {
+            let pm = per_module(k);
+            if pm > 0.0 { pm * width } else { c.e * width }
+        }
+    };
+    let mut stored = 0.0; // bytes per sample, no checkpointing
+    let mut ckpt_stored = 0.0; // block inputs per sample
+    let mut biggest_block = 0.0f64; // saved bytes of the largest block (recompute)
+    let mut working = 0.0f64; // backward working set of the largest block
+    let conv_lora = s.lora.conv_rank.is_some() || full;
+    let resnet = |cin: f64, cout: f64, n: f64, stored: &mut f64, ck: &mut f64, big: &mut f64, wk: &mut f64| {
+        // GroupNorm input + SiLU input for each of the two norm/act pairs; conv inputs when the
+        // convs are trained.
+        let mut b = c.r * 2.0 * (cin + cout) * n;
+        if conv_lora {
+            b += c.e * (cin + cout) * n;
+        }
+        *stored += b;
+        *ck += c.r * cin * n;
+        *big = big.max(b);
+        *wk = wk.max(c.e * 3.0 * cout * n);
+    };
+    let transformer = |ch: f64, heads: f64, n: f64| -> (f64, f64) {
+        // LayerNorm ×3 + GroupNorm inputs, q,k,v of self-attention, q of cross-attention,
+        // GEGLU (hidden, gate, gelu(gate): 12c), SDPA adds the two attention outputs.
+        let mut elems = 20.0 * ch * n;
+        let mut maps = 0.0;
+        let mut wk = c.e * 12.0 * ch * n;
+        match s.attention {
+            Attention::Sdpa => elems += 2.0 * ch * n,
+            Attention::Math => {
+                maps = c.e * heads * n * (n + ctx_len);
+                wk += 2.0 * c.e * heads * n * n;
+            }
+        }
+        let mut b = c.e * elems + maps + 4.0 * heads * n;
+        b += lora_in(&["attn1.to_q", "attn1.to_k", "attn1.to_v"], ch * n);
+        b += lora_in(&["attn1.to_out.0"], ch * n);
+        b += lora_in(&["attn2.to_q"], ch * n);
+        b += lora_in(&["attn2.to_out.0"], ch * n);
+        b += lora_in(&["ff.net.0.proj"], ch * n);
+        b += lora_in(&["ff.net.2"], 4.0 * ch * n);
+        b += lora_in(&["proj_in"], ch * n);
+        b += lora_in(&["proj_out"], ch * n);
+        (b, wk)
+    };
+    let nlev = d.levels.len();
+    for (i, lv) in d.levels.iter().enumerate() {
+        let n = n0 / 4f64.powi(i as i32);
+        let ch = lv.channels as f64;
+        let heads = lv.heads as f64;
+        let (tb, twk) = transformer(ch, heads, n);
+        let depth = lv.transformer_depth as f64;
+        for _ in 0..lv.resnets {
+            resnet(ch, ch, n, &mut stored, &mut ckpt_stored, &mut biggest_block, &mut working);
+        }
+        for _ in 0..=lv.resnets {
+            resnet(2.0 * ch, ch, n, &mut stored, &mut ckpt_stored, &mut biggest_block, &mut working);
+        }
+        let blocks = depth * (2 * lv.resnets + 1) as f64;
+        stored += blocks * tb;
+        ckpt_stored += blocks * c.r * ch * n;
+        if depth > 0.0 {
+            biggest_block = biggest_block.max(tb);
+            working = working.max(twk);
+        }
+        if i + 1 == nlev {
+            for _ in 0..2 {
+                resnet(ch, ch, n, &mut stored, &mut ckpt_stored, &mut biggest_block, &mut working);
+            }
+            let md = d.mid_transformer_depth as f64;
+            stored += md * tb;
+            ckpt_stored += md * c.r * ch * n;
+            if md > 0.0 {
+                biggest_block = biggest_block.max(tb);
+                working = working.max(twk);
+            }
+        }
+    }
+    // conv_out head: GroupNorm + SiLU inputs at full latent resolution.
+    let c0 = d.levels.first().map(|l| l.channels as f64).unwrap_or(320.0);
+    stored += c.r * 2.0 * c0 * n0;
+    ckpt_stored += c.r * c0 * n0;
+    // Text encoder(s) in training: per layer per token ≈ LayerNorm ×2 + q,k,v,out + probs + MLP.
+    let mut te_act = 0.0;
+    if s.train_text_encoder {
+        for te in &d.text_encoders {
+            let th = te.hidden as f64;
+            let per_token = c.e * (12.0 * th + 2.0 * te.intermediate as f64) + c.e * te.heads as f64 * ctx_len;
+            te_act += te.layers as f64 * ctx_len * per_token;
+        }
+    }
+    let act_per_sample = if s.gradient_checkpointing { ckpt_stored + biggest_block + working } else { stored + working };
+    let activations = samples * (act_per_sample + te_act);
+    // Latents, noise, noisy latents, prediction (fp32) + text conditioning.
+    let ctx_dim = d.cross_attention_dim as f64;
+    let batch = samples * (4.0 * 4.0 * d.latent_channels as f64 * n0 + 4.0 * ctx_len * ctx_dim);
+
+    finish(FinishArgs {
+        model: d.name.clone(),
+        s,
+        trainable: trainable.params,
+        base_weights: base,
+        autocast_copies,
+        adapter_bytes,
+        gradients,
+        states,
+        step_tmp,
+        step_tmp_small_pool: trainable.largest as f64 * state_bytes <= 1_048_576.0,
+        activations,
+        logits_loss: 0.0,
+        batch,
+        notes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::Profile;
+
+    #[test]
+    fn qlora_weights_follow_the_nf4_formula() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else { panic!() };
+        let s = Settings::default().with_base_dtype(BaseDtype::Nf4 { double_quant: false });
+        let e = estimate(&m, &s).unwrap();
+        let want = d.layer_linear_params() as f64 * 0.5625 + (d.params - d.layer_linear_params()) as f64 * 2.0;
+        assert!((e.breakdown.base_weights.as_f64() - want).abs() < 2.0);
+    }
+
+    #[test]
+    fn adapter_params_are_r_times_in_plus_out() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let e = estimate(&m, &Settings::default()).unwrap();
+        assert_eq!(e.trainable_params, 32 * 2 * 8 * (4096 + 4096));
+        assert_eq!(e.breakdown.adapter_params, Bytes(e.trainable_params * 4));
+        assert_eq!(e.breakdown.optimizer_states, Bytes(e.trainable_params * 8));
+    }
+
+    #[test]
+    fn full_finetune_mixed_precision_model_states_are_16_bytes_per_param() {
+        // ZeRO: fp32 weights + fp32 grads + 2 fp32 Adam states = 16 B/param with an fp32 master copy
+        // kept as the base (our autocast layout).
+        let m = ModelDescriptor::preset("Llama-3.2-1B").unwrap();
+        let s = Settings::default()
+            .with_method(Method::Full)
+            .with_base_dtype(BaseDtype::F32)
+            .with_mixed_precision(MixedPrecision::Bf16)
+            .with_micro_batch(1)
+            .with_seq_len(16);
+        let e = estimate(&m, &s).unwrap();
+        let p = m.params() as f64;
+        let states = e.breakdown.base_weights.as_f64() + e.breakdown.optimizer_states.as_f64() + 4.0 * p;
+        assert!((states / p - 16.0).abs() < 0.01, "{}", states / p);
+    }
+
+    #[test]
+    fn errors_name_the_setting() {
+        let m = ModelDescriptor::preset("SmolLM2-135M").unwrap();
+        let e = estimate(&m, &Settings::default().with_target_modules(&["to_q"])).unwrap_err().to_string();
+        assert!(e.contains("to_q") && e.contains("self_attn.q_proj"), "{e}");
+        let e = estimate(&m, &Settings::default().with_micro_batch(0)).unwrap_err().to_string();
+        assert!(e.contains("micro_batch"), "{e}");
+        let sd = ModelDescriptor::preset("SD1.5").unwrap();
+        let s = Settings::default().with_target_modules(&["to_q"]).with_train_text_encoder(true).with_cache_text_encoder_outputs(true);
+        assert!(estimate(&sd, &s).is_err());
+    }
+
+    #[test]
+    fn table_lists_every_term_and_totals() {
+        let m = ModelDescriptor::preset("SmolLM2-135M").unwrap();
+        let e = estimate(&m, &Settings::default().with_profile(Profile::peft_transformers())).unwrap();
+        let t = e.to_table();
+        for term in e.breakdown.terms() {
+            assert!(t.contains(term.name), "{t}");
+        }
+        assert!(t.contains("peak reserved") && t.contains("total (process peak)"));
+        let j: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
+        assert_eq!(j["peak_allocated"].as_u64(), Some(e.peak_allocated.0));
+        // The printed terms add up to the process peak.
+        let sum: Bytes = e.breakdown.terms().iter().map(|t| t.bytes).sum();
+        let diff = sum.as_f64() - e.peak_process.as_f64();
+        assert!(diff.abs() < 16.0, "{diff}");
+    }
+}

@@ -1,0 +1,309 @@
+//! `fit()`: walk the ladder users know until a run fits a budget; `max_micro_batch()`.
+
+use crate::error::Error;
+use crate::estimate::{Estimate, estimate};
+use crate::model::ModelDescriptor;
+use crate::settings::{BaseDtype, MixedPrecision, Optimizer, Settings};
+use crate::units::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// One change `fit` made, with why and what it bought.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Change {
+    /// The setting changed (`micro_batch`, `gradient_checkpointing`, …).
+    pub setting: String,
+    /// Old value, as text.
+    pub from: String,
+    /// New value, as text.
+    pub to: String,
+    /// Why, in words.
+    pub reason: String,
+    /// Predicted peak after the change.
+    pub peak_after: Bytes,
+}
+
+/// A config that fits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fit {
+    /// The settings to use.
+    pub settings: Settings,
+    /// Changes made, in order.
+    pub changes: Vec<Change>,
+    /// The estimate of `settings`.
+    pub estimate: Estimate,
+    /// Budget − predicted peak.
+    pub headroom: Bytes,
+}
+
+/// Why `fit` failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FitError {
+    /// Estimating failed (invalid settings).
+    #[error(transparent)]
+    Estimate(#[from] Error),
+    /// Even the most frugal config on the ladder does not fit.
+    #[error("does not fit in {budget}: the smallest peak reached is {smallest_peak} after {} changes; a larger GPU or a smaller model is needed", changes.len())]
+    DoesNotFit {
+        /// The budget.
+        budget: Bytes,
+        /// The smallest predicted peak reached.
+        smallest_peak: Bytes,
+        /// The settings that reached it.
+        settings: Box<Settings>,
+        /// The changes tried and kept.
+        changes: Vec<Change>,
+    },
+}
+
+type Step = (&'static str, fn(&Settings) -> Option<(Settings, String, String, String)>);
+
+fn halve_batch(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.micro_batch <= 1 {
+        return None;
+    }
+    let eff = s.effective_batch();
+    let mut n = s.clone();
+    n.micro_batch = s.micro_batch / 2;
+    n.gradient_accumulation_steps = u32::try_from(eff.div_ceil(u64::from(n.micro_batch))).unwrap_or(u32::MAX);
+    Some((
+        n.clone(),
+        format!("{} × {}", s.micro_batch, s.gradient_accumulation_steps),
+        format!("{} × {}", n.micro_batch, n.gradient_accumulation_steps),
+        format!("activations scale with micro_batch; gradient accumulation keeps the effective batch at {}", n.effective_batch()),
+    ))
+}
+
+fn mixed_precision(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.base_dtype != BaseDtype::F32 || s.mixed_precision != MixedPrecision::No {
+        return None;
+    }
+    let mut n = s.clone();
+    n.base_dtype = BaseDtype::Bf16;
+    n.mixed_precision = MixedPrecision::Bf16;
+    Some((
+        n,
+        "fp32 base, no mixed precision".into(),
+        "bf16 base, bf16 mixed precision".into(),
+        "a frozen bf16 base halves its weights; bf16 compute halves most activations".into(),
+    ))
+}
+
+fn checkpointing(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.gradient_checkpointing {
+        return None;
+    }
+    let mut n = s.clone();
+    n.gradient_checkpointing = true;
+    Some((n, "off".into(), "on".into(), "keeps only each block's input and recomputes the block in the backward pass (~30% slower)".into()))
+}
+
+fn optimizer(s: &Settings) -> Option<(Settings, String, String, String)> {
+    let (to, why) = match s.optimizer {
+        Optimizer::AdamW => (Optimizer::AdamW8bit, "8-bit block-wise states: 2 B instead of 8 B per trainable parameter"),
+        Optimizer::AdamW8bit => (Optimizer::Adafactor, "factored second moment, no first moment"),
+        _ => return None,
+    };
+    let mut n = s.clone();
+    n.optimizer = to;
+    Some((n, format!("{:?}", s.optimizer), format!("{to:?}"), why.into()))
+}
+
+fn cache_inputs(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.cache_latents && (s.cache_text_encoder_outputs || s.train_text_encoder) {
+        return None;
+    }
+    let mut n = s.clone();
+    n.cache_latents = true;
+    if !s.train_text_encoder {
+        n.cache_text_encoder_outputs = true;
+    }
+    Some((
+        n,
+        "VAE / text encoders resident".into(),
+        "latents and text-encoder outputs cached".into(),
+        "precomputed latents and conditioning let the VAE and frozen text encoders leave the device".into(),
+    ))
+}
+
+fn lower_rank(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.method == crate::settings::Method::Full || s.lora.rank <= 4 {
+        return None;
+    }
+    let mut n = s.clone();
+    n.lora.rank = (s.lora.rank / 2).max(4);
+    let ratio = s.lora.alpha / s.lora.rank as f32;
+    n.lora.alpha = ratio * n.lora.rank as f32;
+    if let Some(cr) = s.lora.conv_rank {
+        n.lora.conv_rank = Some((cr / 2).max(1));
+    }
+    Some((
+        n.clone(),
+        format!("r{} α{}", s.lora.rank, s.lora.alpha),
+        format!("r{} α{}", n.lora.rank, n.lora.alpha),
+        "fewer adapter parameters, gradients and optimizer states (alpha scaled to keep alpha/rank)".into(),
+    ))
+}
+
+fn quantize(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.base_dtype.is_quantized() || s.method == crate::settings::Method::Full {
+        return None;
+    }
+    let mut n = s.clone();
+    n.base_dtype = BaseDtype::Nf4 { double_quant: true };
+    if n.mixed_precision == MixedPrecision::No {
+        n.mixed_precision = MixedPrecision::Bf16;
+    }
+    Some((
+        n,
+        format!("{:?}", s.base_dtype),
+        "NF4 (double quant)".into(),
+        "QLoRA: 4-bit NormalFloat base ≈ 0.52 B per linear parameter".into(),
+    ))
+}
+
+fn shorter(s: &Settings) -> Option<(Settings, String, String, String)> {
+    let mut n = s.clone();
+    if let Some([w, h]) = s.largest_bucket {
+        if w.max(h) <= 256 {
+            return None;
+        }
+        n.largest_bucket = Some([(w * 3 / 4) / 64 * 64, (h * 3 / 4) / 64 * 64]);
+        n.resolution = (s.resolution * 3 / 4) / 64 * 64;
+        return Some((n.clone(), format!("bucket {w}×{h}"), format!("bucket {}×{}", n.largest_bucket.map_or(0, |b| b[0]), n.largest_bucket.map_or(0, |b| b[1])), "activations scale with pixels".into()));
+    }
+    if s.seq_len > 128 {
+        n.seq_len = (s.seq_len / 2).max(128);
+    }
+    if s.resolution > 256 {
+        n.resolution = ((s.resolution * 3 / 4) / 64 * 64).max(256);
+    }
+    if n == *s {
+        return None;
+    }
+    Some((
+        n.clone(),
+        format!("seq_len {} / resolution {}", s.seq_len, s.resolution),
+        format!("seq_len {} / resolution {}", n.seq_len, n.resolution),
+        "activations scale with tokens and pixels; longer samples must be truncated or bucketed smaller".into(),
+    ))
+}
+
+/// The ladder, in order.
+const LADDER: &[Step] = &[
+    ("micro_batch × gradient_accumulation_steps", halve_batch),
+    ("mixed_precision", mixed_precision),
+    ("gradient_checkpointing", checkpointing),
+    ("optimizer", optimizer),
+    ("cache_latents / cache_text_encoder_outputs", cache_inputs),
+    ("lora.rank", lower_rank),
+    ("base_dtype", quantize),
+    ("seq_len / resolution", shorter),
+];
+
+/// Finds a config that fits `budget` (compared with [`Estimate::peak`], the whole-process peak
+/// on the device), walking the ladder: micro-batch down keeping the effective batch via gradient
+/// accumulation → mixed precision → gradient checkpointing → 8-bit then factored optimizer →
+/// cached latents / text-encoder outputs (diffusion) → lower rank (down to 4) → NF4 base →
+/// shorter sequences / smaller resolution. Each rung is applied repeatedly while it helps; a change
+/// that does not lower the peak is not kept.
+///
+/// # Errors
+/// [`FitError::Estimate`] for invalid settings; [`FitError::DoesNotFit`] with the smallest peak
+/// reached and its settings.
+pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Result<Fit, FitError> {
+    let mut cur = settings.clone();
+    let mut est = estimate(model, &cur)?;
+    let mut changes = Vec::new();
+    let done = |s: Settings, e: Estimate, changes: Vec<Change>| Fit { headroom: budget - e.peak, settings: s, estimate: e, changes };
+    if est.peak <= budget {
+        return Ok(done(cur, est, changes));
+    }
+    for (setting, step) in LADDER {
+        while let Some((next, from, to, reason)) = step(&cur) {
+            let e = estimate(model, &next)?;
+            if e.peak >= est.peak {
+                break;
+            }
+            changes.push(Change { setting: (*setting).to_string(), from, to, reason, peak_after: e.peak });
+            cur = next;
+            est = e;
+            if est.peak <= budget {
+                return Ok(done(cur, est, changes));
+            }
+        }
+    }
+    Err(FitError::DoesNotFit { budget, smallest_peak: est.peak, settings: Box::new(cur), changes })
+}
+
+/// The largest micro-batch (≤ 4096) whose predicted peak fits in `free`, all else equal; 0 when
+/// even one sample does not fit. The peak grows with the batch, so a binary search suffices.
+///
+/// # Errors
+/// [`Error`] from [`estimate`] for invalid settings.
+pub fn max_micro_batch(model: &ModelDescriptor, settings: &Settings, free: Bytes) -> Result<u32, Error> {
+    let peak = |b: u32| -> Result<Bytes, Error> { Ok(estimate(model, &settings.clone().with_micro_batch(b))?.peak) };
+    if peak(1)? > free {
+        return Ok(0);
+    }
+    let (mut lo, mut hi) = (1u32, 4096u32);
+    if peak(hi)? <= free {
+        return Ok(hi);
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if peak(mid)? <= free {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::GIB;
+
+    #[test]
+    fn fit_walks_the_ladder_in_order_and_fits() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let s = Settings::default().with_micro_batch(8).with_seq_len(2048);
+        let f = fit(&m, &s, Bytes(24 * GIB)).unwrap();
+        assert!(f.estimate.peak <= Bytes(24 * GIB));
+        assert_eq!(f.changes[0].setting, "micro_batch × gradient_accumulation_steps");
+        assert_eq!(f.settings.effective_batch(), 8);
+        assert!(f.changes.iter().all(|c| !c.reason.is_empty()));
+        for w in f.changes.windows(2) {
+            assert!(w[1].peak_after < w[0].peak_after);
+        }
+        assert_eq!(f.headroom, Bytes(24 * GIB) - f.estimate.peak);
+    }
+
+    #[test]
+    fn impossible_budgets_report_the_smallest_peak() {
+        let m = ModelDescriptor::preset("Qwen3-32B").unwrap();
+        match fit(&m, &Settings::default(), Bytes(4 * GIB)) {
+            Err(FitError::DoesNotFit { smallest_peak, settings, .. }) => {
+                assert!(smallest_peak > Bytes(4 * GIB));
+                assert!(settings.base_dtype.is_quantized());
+                // 32B params at ~0.52 B/param cannot fit 4 GiB.
+                assert!(smallest_peak > Bytes(16 * GIB));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn max_micro_batch_is_the_boundary() {
+        let m = ModelDescriptor::preset("SmolLM2-360M").unwrap();
+        let s = Settings::default().with_seq_len(1024);
+        let free = Bytes(8 * GIB);
+        let b = max_micro_batch(&m, &s, free).unwrap();
+        assert!(b >= 1);
+        assert!(estimate(&m, &s.clone().with_micro_batch(b)).unwrap().peak <= free);
+        assert!(estimate(&m, &s.clone().with_micro_batch(b + 1)).unwrap().peak > free);
+        assert_eq!(max_micro_batch(&m, &s, Bytes(1 << 20)).unwrap(), 0);
+    }
+}

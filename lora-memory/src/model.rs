@@ -1,0 +1,734 @@
+//! Model descriptors: the shapes and parameter counts the estimator needs, nothing else.
+//!
+//! A descriptor is built from a named preset ([`ModelDescriptor::preset`]), an HF `config.json`
+//! ([`ModelDescriptor::from_hf_config_json`]), a GGUF header ([`ModelDescriptor::from_gguf`]) or a
+//! safetensors header ([`ModelDescriptor::from_safetensors`]) — never from tensor data.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A model the estimator knows how to reason about.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ModelDescriptor {
+    /// A LLaMA-family decoder (LLaMA, Mistral, Qwen2/2.5/3, SmolLM2, …).
+    Decoder(DecoderDescriptor),
+    /// A latent-diffusion model (Stable Diffusion 1.x / SDXL).
+    Diffusion(DiffusionDescriptor),
+}
+
+/// Norm kind of a decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// RMSNorm (LLaMA). HF's implementation computes in fp32.
+    RmsNorm,
+    /// LayerNorm with bias (BERT-style encoders).
+    LayerNorm,
+}
+
+/// A LLaMA-family decoder block stack.
+///
+/// Linear sites per layer use HF module names: `self_attn.{q,k,v,o}_proj`,
+/// `mlp.{gate,up,down}_proj` (`mlp.{up,down}_proj` when `gated_mlp` is false).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecoderDescriptor {
+    /// Display name.
+    pub name: String,
+    /// Model width `h` (`hidden_size`).
+    pub hidden: u64,
+    /// MLP width `f` (`intermediate_size`).
+    pub intermediate: u64,
+    /// Number of transformer layers `L`.
+    pub layers: u64,
+    /// Attention heads `a`.
+    pub heads: u64,
+    /// Key/value heads (GQA); equal to `heads` for multi-head attention.
+    pub kv_heads: u64,
+    /// Per-head width `d` (`head_dim`, default `hidden / heads`).
+    pub head_dim: u64,
+    /// Vocabulary size `V`.
+    pub vocab: u64,
+    /// `lm_head` shares the embedding matrix (`tie_word_embeddings`).
+    pub tied_embeddings: bool,
+    /// Per-head RMSNorm on q and k (Qwen3).
+    pub qk_norm: bool,
+    /// Bias on q/k/v projections (Qwen2, Qwen1).
+    pub attention_bias: bool,
+    /// SwiGLU MLP (gate, up, down) vs. a plain two-matrix MLP.
+    pub gated_mlp: bool,
+    /// Norm kind.
+    pub norm: NormKind,
+    /// Learned absolute position embeddings (rows), 0 for RoPE models.
+    pub position_embeddings: u64,
+    /// Total parameter count; computed from the shapes unless a file gave the exact number.
+    pub params: u64,
+}
+
+/// One kind of LoRA-targetable layer, repeated `count` times in the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearSite {
+    /// Module path relative to its block, HF / diffusers naming (`self_attn.q_proj`,
+    /// `attn2.to_k`, `resnets.conv1`, `lm_head`).
+    pub name: String,
+    /// Which sub-model holds it: `"decoder"`, `"unet"`, `"text_encoder"`, `"text_encoder_2"`.
+    pub component: String,
+    /// Input features (conv: input channels).
+    pub in_features: u64,
+    /// Output features (conv: output channels).
+    pub out_features: u64,
+    /// Kernel area `k·k` (1 for linear layers).
+    pub kernel_area: u64,
+    /// How many such layers the model holds.
+    pub count: u64,
+    /// A convolution (targeted only by conv LoRA / LoCon).
+    pub conv: bool,
+}
+
+impl LinearSite {
+    /// Weight parameters of one such layer: `in · out · k²`.
+    pub fn weight_params(&self) -> u64 {
+        self.in_features * self.out_features * self.kernel_area
+    }
+
+    /// LoRA parameters of one such layer at rank `r`: `r · (in · k² + out)`
+    /// (lora_A / lora_down `[r, in, k, k]`, lora_B / lora_up `[out, r, 1, 1]`; LoRA,
+    /// arXiv:2106.09685; kohya LoCon for convs).
+    pub fn lora_params(&self, rank: u64) -> u64 {
+        rank * (self.in_features * self.kernel_area + self.out_features)
+    }
+
+    /// PEFT-style target matching: a target equals the site name or the site name ends with
+    /// `"." + target`; `"all-linear"` matches every non-conv site except `lm_head`.
+    pub fn matches(&self, target: &str) -> bool {
+        if target == "all-linear" {
+            return !self.conv && self.name != "lm_head";
+        }
+        self.name == target || self.name.ends_with(&format!(".{target}"))
+    }
+}
+
+impl DecoderDescriptor {
+    /// Builds a descriptor and computes `params` from the shapes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: &str,
+        hidden: u64,
+        intermediate: u64,
+        layers: u64,
+        heads: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        vocab: u64,
+        tied_embeddings: bool,
+    ) -> DecoderDescriptor {
+        let mut d = DecoderDescriptor {
+            name: name.to_string(),
+            hidden,
+            intermediate,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            tied_embeddings,
+            qk_norm: false,
+            attention_bias: false,
+            gated_mlp: true,
+            norm: NormKind::RmsNorm,
+            position_embeddings: 0,
+            params: 0,
+        };
+        d.params = d.computed_params();
+        d
+    }
+
+    /// Parameter count from the shapes: embeddings `V·h` (+ `V·h` untied `lm_head`), per layer the
+    /// linear sites, q/k/v biases, 2 norms (+ q/k norms), plus the final norm.
+    pub fn computed_params(&self) -> u64 {
+        let h = self.hidden;
+        let per_layer_linear: u64 = self.layer_sites().iter().map(|s| s.weight_params()).sum();
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        let bias = if self.attention_bias { q + 2 * kv } else { 0 };
+        let norm_w = if self.norm == NormKind::LayerNorm { 2 } else { 1 };
+        let norms = 2 * h * norm_w + if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let emb = self.vocab * h * if self.tied_embeddings { 1 } else { 2 };
+        emb + self.position_embeddings * h + self.layers * (per_layer_linear + bias + norms) + h * norm_w
+    }
+
+    /// The linear sites of one transformer layer (each `count` = number of layers).
+    pub fn layer_sites(&self) -> Vec<LinearSite> {
+        let h = self.hidden;
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        let f = self.intermediate;
+        let mk = |name: &str, i: u64, o: u64| LinearSite {
+            name: name.to_string(),
+            component: "decoder".into(),
+            in_features: i,
+            out_features: o,
+            kernel_area: 1,
+            count: self.layers,
+            conv: false,
+        };
+        let mut v = vec![
+            mk("self_attn.q_proj", h, q),
+            mk("self_attn.k_proj", h, kv),
+            mk("self_attn.v_proj", h, kv),
+            mk("self_attn.o_proj", q, h),
+        ];
+        if self.gated_mlp {
+            v.push(mk("mlp.gate_proj", h, f));
+        }
+        v.push(mk("mlp.up_proj", h, f));
+        v.push(mk("mlp.down_proj", f, h));
+        v
+    }
+
+    /// All linear sites: the layer sites plus `lm_head` (count 1).
+    pub fn sites(&self) -> Vec<LinearSite> {
+        let mut v = self.layer_sites();
+        v.push(LinearSite {
+            name: "lm_head".into(),
+            component: "decoder".into(),
+            in_features: self.hidden,
+            out_features: self.vocab,
+            kernel_area: 1,
+            count: 1,
+            conv: false,
+        });
+        v
+    }
+
+    /// Parameters held by the per-layer linear sites (what NF4 / GGUF quantization applies to).
+    pub fn layer_linear_params(&self) -> u64 {
+        self.layer_sites().iter().map(|s| s.weight_params() * s.count).sum()
+    }
+}
+
+/// Which latent-diffusion family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiffusionFamily {
+    /// Stable Diffusion 1.x (CLIP ViT-L/14 text encoder, 768-d cross attention).
+    Sd1,
+    /// Stable Diffusion XL base (CLIP ViT-L + OpenCLIP bigG, 2048-d cross attention).
+    Sdxl,
+}
+
+/// One resolution level of a UNet (diffusers `down_blocks[i]` / mirrored `up_blocks`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnetLevel {
+    /// Channels `c` at this level (`block_out_channels[i]`).
+    pub channels: u64,
+    /// ResNet blocks in the down block (`layers_per_block`); the up block has one more.
+    pub resnets: u64,
+    /// Transformer blocks after each ResNet (0 = no attention at this level).
+    pub transformer_depth: u64,
+    /// Attention heads.
+    pub heads: u64,
+}
+
+/// A text encoder (CLIP-style transformer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TextEncoderDescriptor {
+    /// `text_encoder` or `text_encoder_2`.
+    pub name: String,
+    /// Parameter count.
+    pub params: u64,
+    /// Width.
+    pub hidden: u64,
+    /// MLP width.
+    pub intermediate: u64,
+    /// Layers.
+    pub layers: u64,
+    /// Heads.
+    pub heads: u64,
+    /// Context length (77 for CLIP).
+    pub max_tokens: u64,
+}
+
+/// A Stable Diffusion model: UNet, text encoder(s), VAE.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DiffusionDescriptor {
+    /// Display name.
+    pub name: String,
+    /// Family.
+    pub family: DiffusionFamily,
+    /// UNet parameter count.
+    pub unet_params: u64,
+    /// UNet levels, highest resolution first.
+    pub levels: Vec<UnetLevel>,
+    /// Transformer depth of the mid block.
+    pub mid_transformer_depth: u64,
+    /// Cross-attention context width (768 SD1, 2048 SDXL).
+    pub cross_attention_dim: u64,
+    /// Text encoders.
+    pub text_encoders: Vec<TextEncoderDescriptor>,
+    /// VAE parameter count.
+    pub vae_params: u64,
+    /// Latent channels (4).
+    pub latent_channels: u64,
+    /// VAE down-scaling factor (8).
+    pub vae_scale: u64,
+}
+
+impl DiffusionDescriptor {
+    /// All LoRA-targetable sites of the UNet and text encoders (diffusers naming). UNet attention
+    /// and feed-forward linears (`attn1.to_q`, …, `ff.net.0.proj`, `ff.net.2`, `proj_in`,
+    /// `proj_out`), ResNet convs (`resnets.conv1`, `resnets.conv2`, conv sites), and text-encoder
+    /// `self_attn.{q,k,v,out}_proj`, `mlp.fc1`, `mlp.fc2`.
+    ///
+    /// Up-block ResNets take the concatenated skip input; their `conv1` input is approximated as
+    /// `2c` channels (exact values vary per block by at most a factor 1.5).
+    pub fn sites(&self) -> Vec<LinearSite> {
+        let mut out: Vec<LinearSite> = Vec::new();
+        let mut push = |name: &str, comp: &str, i: u64, o: u64, k: u64, n: u64, conv: bool| {
+            if n == 0 {
+                return;
+            }
+            if let Some(s) = out
+                .iter_mut()
+                .find(|s| s.name == name && s.component == comp && s.in_features == i && s.out_features == o && s.kernel_area == k)
+            {
+                s.count += n;
+            } else {
+                out.push(LinearSite {
+                    name: name.into(),
+                    component: comp.into(),
+                    in_features: i,
+                    out_features: o,
+                    kernel_area: k,
+                    count: n,
+                    conv,
+                });
+            }
+        };
+        let ctx = self.cross_attention_dim;
+        let nlev = self.levels.len();
+        for (i, lv) in self.levels.iter().enumerate() {
+            let c = lv.channels;
+            let is_last = i + 1 == nlev;
+            let mid = if is_last { self.mid_transformer_depth } else { 0 };
+            let down_blocks = lv.resnets * lv.transformer_depth;
+            let up_blocks = (lv.resnets + 1) * lv.transformer_depth;
+            let blocks = down_blocks + up_blocks + mid;
+            let t2d = if lv.transformer_depth > 0 { 2 * lv.resnets + 1 } else { 0 } + u64::from(mid > 0);
+            for n in ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_out.0"] {
+                push(n, "unet", c, c, 1, blocks, false);
+            }
+            push("attn2.to_k", "unet", ctx, c, 1, blocks, false);
+            push("attn2.to_v", "unet", ctx, c, 1, blocks, false);
+            push("ff.net.0.proj", "unet", c, 8 * c, 1, blocks, false);
+            push("ff.net.2", "unet", 4 * c, c, 1, blocks, false);
+            push("proj_in", "unet", c, c, 1, t2d, false);
+            push("proj_out", "unet", c, c, 1, t2d, false);
+            let mid_res = if is_last { 2 } else { 0 };
+            push("resnets.conv1", "unet", c, c, 9, lv.resnets + mid_res, true);
+            push("resnets.conv1", "unet", 2 * c, c, 9, lv.resnets + 1, true);
+            push("resnets.conv2", "unet", c, c, 9, 2 * lv.resnets + 1 + mid_res, true);
+            push("resnets.time_emb_proj", "unet", 4 * self.levels[0].channels, c, 1, 2 * lv.resnets + 1 + mid_res, false);
+        }
+        for te in &self.text_encoders {
+            let h = te.hidden;
+            for n in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"] {
+                push(n, &te.name, h, h, 1, te.layers, false);
+            }
+            push("mlp.fc1", &te.name, h, te.intermediate, 1, te.layers, false);
+            push("mlp.fc2", &te.name, te.intermediate, h, 1, te.layers, false);
+        }
+        out
+    }
+
+    /// Text-encoder parameters, all encoders.
+    pub fn text_encoder_params(&self) -> u64 {
+        self.text_encoders.iter().map(|t| t.params).sum()
+    }
+}
+
+/// The preset names accepted by [`ModelDescriptor::preset`] (case-insensitive; `-`, `_`, `.` and
+/// spaces are ignored when matching).
+pub const PRESET_NAMES: &[&str] = &[
+    "SmolLM2-135M",
+    "SmolLM2-360M",
+    "SmolLM2-1.7B",
+    "Llama-2-7B",
+    "Llama-2-13B",
+    "Llama-3.1-8B",
+    "Llama-3.2-1B",
+    "Llama-3.2-3B",
+    "Mistral-7B",
+    "Qwen2.5-0.5B",
+    "Qwen2.5-7B",
+    "Qwen2.5-14B",
+    "Qwen3-8B",
+    "Qwen3-32B",
+    "Qwen-14B",
+    "bert-large-uncased",
+    "SD1.5",
+    "SDXL",
+];
+
+fn normalize(name: &str) -> String {
+    name.chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .map(|c| c.to_ascii_lowercase())
+        .collect()
+}
+
+fn clip_l() -> TextEncoderDescriptor {
+    // CLIP ViT-L/14 text model (openai/clip-vit-large-patch14): 12 layers, width 768, MLP 3072.
+    TextEncoderDescriptor {
+        name: "text_encoder".into(),
+        params: 123_060_480,
+        hidden: 768,
+        intermediate: 3072,
+        layers: 12,
+        heads: 12,
+        max_tokens: 77,
+    }
+}
+
+fn sd15() -> DiffusionDescriptor {
+    // diffusers UNet2DConditionModel config of runwayml/stable-diffusion-v1-5: block_out_channels
+    // [320, 640, 1280, 1280], layers_per_block 2, attention_head_dim 8 (= 8 heads),
+    // cross_attention_dim 768; 859,520,964 UNet params; AutoencoderKL 83,653,863 params.
+    let lv = |c, t| UnetLevel { channels: c, resnets: 2, transformer_depth: t, heads: 8 };
+    DiffusionDescriptor {
+        name: "SD1.5".into(),
+        family: DiffusionFamily::Sd1,
+        unet_params: 859_520_964,
+        levels: vec![lv(320, 1), lv(640, 1), lv(1280, 1), lv(1280, 0)],
+        mid_transformer_depth: 1,
+        cross_attention_dim: 768,
+        text_encoders: vec![clip_l()],
+        vae_params: 83_653_863,
+        latent_channels: 4,
+        vae_scale: 8,
+    }
+}
+
+fn sdxl() -> DiffusionDescriptor {
+    // diffusers config of stabilityai/stable-diffusion-xl-base-1.0: block_out_channels
+    // [320, 640, 1280], transformer_layers_per_block [1, 2, 10] (level 0 has no attention),
+    // attention_head_dim [5, 10, 20] (head width 64), cross_attention_dim 2048;
+    // 2,567,463,684 UNet params; text_encoder_2 = OpenCLIP ViT-bigG/14 text (694,659,840 params).
+    DiffusionDescriptor {
+        name: "SDXL".into(),
+        family: DiffusionFamily::Sdxl,
+        unet_params: 2_567_463_684,
+        levels: vec![
+            UnetLevel { channels: 320, resnets: 2, transformer_depth: 0, heads: 5 },
+            UnetLevel { channels: 640, resnets: 2, transformer_depth: 2, heads: 10 },
+            UnetLevel { channels: 1280, resnets: 2, transformer_depth: 10, heads: 20 },
+        ],
+        mid_transformer_depth: 10,
+        cross_attention_dim: 2048,
+        text_encoders: vec![
+            clip_l(),
+            TextEncoderDescriptor {
+                name: "text_encoder_2".into(),
+                params: 694_659_840,
+                hidden: 1280,
+                intermediate: 5120,
+                layers: 32,
+                heads: 20,
+                max_tokens: 77,
+            },
+        ],
+        vae_params: 83_653_863,
+        latent_channels: 4,
+        vae_scale: 8,
+    }
+}
+
+impl ModelDescriptor {
+    /// A named preset (see [`PRESET_NAMES`]). Shapes are those of the models' published HF
+    /// `config.json` files.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPreset`] listing the known names.
+    ///
+    /// ```
+    /// let m = lora_memory::ModelDescriptor::preset("smollm2-135m").unwrap();
+    /// assert_eq!(m.params(), 134_515_008);
+    /// ```
+    pub fn preset(name: &str) -> Result<ModelDescriptor> {
+        let d = DecoderDescriptor::new;
+        let key = normalize(name);
+        let m = match key.as_str() {
+            "smollm2135m" | "smollm2135minstruct" => d("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, true),
+            "smollm2360m" | "smollm2360minstruct" => d("SmolLM2-360M", 960, 2560, 32, 15, 5, 64, 49152, true),
+            "smollm217b" | "smollm217binstruct" => d("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 64, 49152, true),
+            "llama27b" | "llama27bhf" => d("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, false),
+            "llama213b" | "llama213bhf" => d("Llama-2-13B", 5120, 13824, 40, 40, 40, 128, 32000, false),
+            "llama318b" | "metallama318b" | "llama318binstruct" => {
+                d("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, false)
+            }
+            "llama321b" | "metallama321b" => d("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, 128256, true),
+            "llama323b" | "metallama323b" => d("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, 128256, true),
+            "mistral7b" | "mistral7bv01" => d("Mistral-7B", 4096, 14336, 32, 32, 8, 128, 32000, false),
+            "qwen2505b" => with_bias(d("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, true)),
+            "qwen257b" => with_bias(d("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 128, 152064, false)),
+            "qwen2514b" => with_bias(d("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 128, 152064, false)),
+            "qwen38b" => with_qk_norm(d("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, false)),
+            "qwen332b" => with_qk_norm(d("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, false)),
+            // Qwen (v1) 14B: hidden 5120, intermediate 27392/2 per SwiGLU half, 40 layers, c_attn bias.
+            "qwen14b" => with_bias(d("Qwen-14B", 5120, 13696, 40, 40, 40, 128, 152064, false)),
+            "bertlargeuncased" | "bertlarge" => {
+                let mut b = d("bert-large-uncased", 1024, 4096, 24, 16, 16, 64, 30522, true);
+                b.gated_mlp = false;
+                b.norm = NormKind::LayerNorm;
+                b.attention_bias = true;
+                b.position_embeddings = 512 + 2;
+                b.params = 335_141_888;
+                b
+            }
+            "sd15" | "sdv15" | "stablediffusion15" | "stablediffusionv15" | "sd1" | "sdv14" | "sd14" => {
+                return Ok(ModelDescriptor::Diffusion(sd15()));
+            }
+            "sdxl" | "sdxlbase" | "sdxlbase10" | "stablediffusionxl" | "stablediffusionxlbase10" => {
+                return Ok(ModelDescriptor::Diffusion(sdxl()));
+            }
+            _ => {
+                return Err(Error::UnknownPreset {
+                    name: name.to_string(),
+                    known: PRESET_NAMES.join(", "),
+                });
+            }
+        };
+        Ok(ModelDescriptor::Decoder(m))
+    }
+
+    /// Display name.
+    pub fn name(&self) -> &str {
+        match self {
+            ModelDescriptor::Decoder(d) => &d.name,
+            ModelDescriptor::Diffusion(d) => &d.name,
+        }
+    }
+
+    /// Total parameters (decoder; or UNet + text encoders + VAE).
+    pub fn params(&self) -> u64 {
+        match self {
+            ModelDescriptor::Decoder(d) => d.params,
+            ModelDescriptor::Diffusion(d) => d.unet_params + d.text_encoder_params() + d.vae_params,
+        }
+    }
+
+    /// All LoRA-targetable sites.
+    pub fn sites(&self) -> Vec<LinearSite> {
+        match self {
+            ModelDescriptor::Decoder(d) => d.sites(),
+            ModelDescriptor::Diffusion(d) => d.sites(),
+        }
+    }
+
+    /// Reads a LLaMA-family HF `config.json` (keys `hidden_size`, `intermediate_size`,
+    /// `num_hidden_layers`, `num_attention_heads`, optional `num_key_value_heads`, `head_dim`,
+    /// `vocab_size`, `tie_word_embeddings`, `attention_bias`, `model_type`). A diffusers
+    /// `UNet2DConditionModel` config maps to the SD1.5 or SDXL preset by its
+    /// `cross_attention_dim`.
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::Json`], [`Error::Config`] naming the missing key,
+    /// [`Error::UnsupportedArchitecture`].
+    pub fn from_hf_config_json(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.into(), source })?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| Error::Json { path: path.into(), source })?;
+        from_config_value(path, &v)
+    }
+
+    /// Reads only the header of a GGUF file and derives a decoder descriptor from its metadata
+    /// (`<arch>.block_count`, `.embedding_length`, `.feed_forward_length`, `.attention.head_count`,
+    /// `.attention.head_count_kv`, `.rope.dimension_count`, `.vocab_size` or the token-list
+    /// length) and tensor infos (parameter count = sum of tensor elements; tied embeddings when no
+    /// `output.weight`).
+    ///
+    /// # Errors
+    /// See [`crate::gguf::read_header`]; [`Error::Config`] for a missing metadata key.
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
+        crate::gguf::descriptor_from_gguf(path.as_ref())
+    }
+
+    /// Reads only safetensors headers (8-byte length + JSON) of a file or a folder (all
+    /// `*.safetensors` files in it, plus `config.json` when present) and derives a descriptor:
+    /// LLaMA-family HF checkpoints, Stable Diffusion single-file checkpoints (original LDM keys)
+    /// and diffusers UNet checkpoints.
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::Safetensors`], [`Error::UnsupportedArchitecture`].
+    pub fn from_safetensors(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
+        crate::safetensors_header::descriptor_from_safetensors(path.as_ref())
+    }
+}
+
+fn with_bias(mut d: DecoderDescriptor) -> DecoderDescriptor {
+    d.attention_bias = true;
+    d.params = d.computed_params();
+    d
+}
+
+fn with_qk_norm(mut d: DecoderDescriptor) -> DecoderDescriptor {
+    d.qk_norm = true;
+    d.params = d.computed_params();
+    d
+}
+
+pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<ModelDescriptor> {
+    let get = |key: &str| -> Result<u64> {
+        v.get(key).and_then(|x| x.as_u64()).ok_or_else(|| Error::Config {
+            path: path.into(),
+            key: key.into(),
+            reason: "missing or not a non-negative integer; is this a LLaMA-family config.json?".into(),
+        })
+    };
+    if v.get("_class_name").and_then(|x| x.as_str()) == Some("UNet2DConditionModel") {
+        let ctx = v.get("cross_attention_dim").and_then(|x| x.as_u64()).unwrap_or(0);
+        return match ctx {
+            768 => ModelDescriptor::preset("SD1.5"),
+            2048 => ModelDescriptor::preset("SDXL"),
+            other => Err(Error::UnsupportedArchitecture {
+                path: path.into(),
+                arch: format!("UNet2DConditionModel with cross_attention_dim {other}"),
+                hint: "SD1.x (768) and SDXL (2048) UNets are described".into(),
+            }),
+        };
+    }
+    let model_type = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("").to_string();
+    const DECODERS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "gemma", "phi3", "olmo"];
+    if !model_type.is_empty() && !DECODERS.iter().any(|m| model_type == *m) {
+        return Err(Error::UnsupportedArchitecture {
+            path: path.into(),
+            arch: model_type,
+            hint: format!("LLaMA-family decoders ({}) are described", DECODERS.join(", ")),
+        });
+    }
+    let hidden = get("hidden_size")?;
+    let heads = get("num_attention_heads")?;
+    if heads == 0 || hidden == 0 {
+        return Err(Error::Config {
+            path: path.into(),
+            key: "num_attention_heads".into(),
+            reason: "must be positive".into(),
+        });
+    }
+    let kv_heads = v.get("num_key_value_heads").and_then(|x| x.as_u64()).unwrap_or(heads);
+    let head_dim = v.get("head_dim").and_then(|x| x.as_u64()).unwrap_or(hidden / heads);
+    let name = v
+        .get("_name_or_path")
+        .and_then(|x| x.as_str())
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .unwrap_or_else(|| path.display().to_string());
+    let mut d = DecoderDescriptor::new(
+        &name,
+        hidden,
+        get("intermediate_size")?,
+        get("num_hidden_layers")?,
+        heads,
+        kv_heads,
+        head_dim,
+        get("vocab_size")?,
+        v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
+    );
+    d.attention_bias = v
+        .get("attention_bias")
+        .and_then(|x| x.as_bool())
+        .unwrap_or(model_type == "qwen2");
+    d.qk_norm = model_type == "qwen3";
+    d.params = d.computed_params();
+    Ok(ModelDescriptor::Decoder(d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dec(name: &str) -> DecoderDescriptor {
+        match ModelDescriptor::preset(name).unwrap() {
+            ModelDescriptor::Decoder(d) => d,
+            ModelDescriptor::Diffusion(_) => panic!("not a decoder"),
+        }
+    }
+
+    #[test]
+    fn preset_parameter_counts_match_the_published_models() {
+        // Published totals (HF model cards / safetensors index metadata), within 0.5 %.
+        let cases: &[(&str, u64)] = &[
+            ("SmolLM2-135M", 134_515_008),
+            ("SmolLM2-360M", 361_821_120),
+            ("SmolLM2-1.7B", 1_711_376_384),
+            ("Llama-2-7B", 6_738_415_616),
+            ("Llama-2-13B", 13_015_864_320),
+            ("Llama-3.1-8B", 8_030_261_248),
+            ("Llama-3.2-1B", 1_235_814_400),
+            ("Llama-3.2-3B", 3_212_749_824),
+            ("Mistral-7B", 7_241_732_096),
+            ("Qwen2.5-0.5B", 494_032_768),
+            ("Qwen2.5-7B", 7_615_616_512),
+            ("Qwen2.5-14B", 14_770_033_664),
+            ("Qwen3-8B", 8_190_735_360),
+            ("Qwen3-32B", 32_762_123_264),
+            ("Qwen-14B", 14_167_290_880),
+        ];
+        for (name, want) in cases {
+            let got = dec(name).params;
+            let rel = (got as f64 - *want as f64).abs() / *want as f64;
+            assert!(rel < 0.005, "{name}: {got} vs {want} ({rel})");
+        }
+        assert_eq!(dec("smollm2_135m").params, 134_515_008);
+    }
+
+    #[test]
+    fn unknown_preset_lists_known_names() {
+        let e = ModelDescriptor::preset("gpt-5").unwrap_err().to_string();
+        assert!(e.contains("gpt-5") && e.contains("Llama-3.1-8B") && e.contains("SDXL"), "{e}");
+    }
+
+    #[test]
+    fn lora_param_counts_follow_r_times_in_plus_out() {
+        let d = dec("Llama-2-7B");
+        let sites = d.sites();
+        let q = sites.iter().find(|s| s.matches("q_proj")).unwrap();
+        assert_eq!(q.lora_params(8), 8 * (4096 + 4096));
+        assert_eq!(q.count, 32);
+        assert!(!sites.iter().any(|s| s.matches("all-linear") && s.name == "lm_head"));
+        assert!(!q.matches("proj"));
+    }
+
+    #[test]
+    fn diffusion_sites_cover_attention_and_convs() {
+        let m = ModelDescriptor::preset("SD1.5").unwrap();
+        let sites = m.sites();
+        let to_k: u64 = sites.iter().filter(|s| s.component == "unet" && s.name == "attn2.to_k").map(|s| s.count).sum();
+        assert_eq!(to_k, 16, "SD1.5 has 16 transformer blocks");
+        let sdxl = ModelDescriptor::preset("sdxl").unwrap();
+        let blocks: u64 = sdxl.sites().iter().filter(|s| s.name == "attn1.to_q").map(|s| s.count).sum();
+        assert_eq!(blocks, 70, "SDXL has 70 transformer blocks");
+        // Attention + ff weight params of SD1.5's UNet transformer blocks: a real fraction of the UNet.
+        let attn: u64 = sites.iter().filter(|s| s.component == "unet" && !s.conv).map(|s| s.weight_params() * s.count).sum();
+        assert!(attn > 150_000_000 && attn < 859_520_964, "{attn}");
+    }
+
+    #[test]
+    fn hf_config_json_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.json");
+        std::fs::write(
+            &p,
+            r#"{"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,
+               "num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,"tie_word_embeddings":true}"#,
+        )
+        .unwrap();
+        assert_eq!(ModelDescriptor::from_hf_config_json(&p).unwrap().params(), 134_515_008);
+        std::fs::write(&p, r#"{"model_type":"llama","hidden_size":576}"#).unwrap();
+        let e = ModelDescriptor::from_hf_config_json(&p).unwrap_err().to_string();
+        assert!(e.contains("num_attention_heads") || e.contains("intermediate_size"), "{e}");
+        std::fs::write(&p, r#"{"model_type":"t5"}"#).unwrap();
+        assert!(matches!(ModelDescriptor::from_hf_config_json(&p), Err(Error::UnsupportedArchitecture { .. })));
+    }
+}

@@ -1,0 +1,447 @@
+//! Training settings that change the memory of a run.
+
+use crate::units::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// Storage type of the frozen base weights.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BaseDtype {
+    /// 4 bytes/param.
+    F32,
+    /// 2 bytes/param.
+    F16,
+    /// 2 bytes/param.
+    Bf16,
+    /// QLoRA 4-bit NormalFloat, block 64: 0.5 B/param + one fp32 absmax per 64 (= 0.5625 B/param);
+    /// with double quantization the absmax is 8-bit with an fp32 constant per 256 blocks
+    /// (= 0.5 + 1/64 + 4/(64·256) ≈ 0.516 B/param). Only the decoder-layer linears are quantized;
+    /// embeddings, `lm_head` and norms stay 16-bit (QLoRA, arXiv:2305.14314, §2 and App. B).
+    Nf4 {
+        /// Double quantization of the block constants.
+        double_quant: bool,
+    },
+    /// GGUF Q8_0: 34 bytes per 32 weights (ggml type traits).
+    Q8_0,
+    /// GGUF Q4_0: 18 bytes per 32 weights.
+    Q4_0,
+    /// GGUF Q4_1: 20 bytes per 32 weights.
+    Q4_1,
+    /// GPTQ int4 (AutoGPTQ layout): 0.5 B/param + per group of `group_size` one fp16 scale and one
+    /// packed 4-bit zero (`(2 + 0.5) / group_size` B/param). Qwen's "Q-LoRA" uses this base.
+    Gptq4 {
+        /// Quantization group size (128 in Qwen's Int4 checkpoints).
+        group_size: u32,
+    },
+}
+
+impl BaseDtype {
+    /// Bytes per quantized parameter (see each variant).
+    pub fn bytes_per_param(self) -> f64 {
+        match self {
+            BaseDtype::F32 => 4.0,
+            BaseDtype::F16 | BaseDtype::Bf16 => 2.0,
+            BaseDtype::Nf4 { double_quant: false } => 0.5 + 4.0 / 64.0,
+            BaseDtype::Nf4 { double_quant: true } => 0.5 + 1.0 / 64.0 + 4.0 / (64.0 * 256.0),
+            BaseDtype::Q8_0 => 34.0 / 32.0,
+            BaseDtype::Q4_0 => 18.0 / 32.0,
+            BaseDtype::Q4_1 => 20.0 / 32.0,
+            BaseDtype::Gptq4 { group_size } => 0.5 + 2.5 / f64::from(group_size.max(1)),
+        }
+    }
+
+    /// True for the block-quantized types.
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16)
+    }
+}
+
+/// Mixed-precision mode (the `mixed_precision` key of accelerate / kohya configs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MixedPrecision {
+    /// Compute in the base dtype (quantized bases compute in bf16).
+    No,
+    /// fp16 autocast: matmuls in fp16; a 32-bit base is cast per op.
+    Fp16,
+    /// bf16 autocast.
+    Bf16,
+    /// Everything bf16, no autocast (torchtune's `dtype: bf16`, kohya `--full_bf16`).
+    FullBf16,
+}
+
+/// What is trained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Method {
+    /// LoRA adapters on the target sites.
+    Lora,
+    /// DoRA (arXiv:2402.09353): LoRA plus a per-output magnitude vector; PEFT's implementation
+    /// keeps the base output and the LoRA output of each adapted layer for the backward pass.
+    Dora,
+    /// Full fine-tuning: every parameter is trainable.
+    Full,
+}
+
+/// LoRA hyper-parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoraSettings {
+    /// Rank `r` (default 8).
+    pub rank: u32,
+    /// `alpha` (default 16); `scaling = alpha / rank`. No effect on memory.
+    pub alpha: f32,
+    /// `target_modules` with PEFT matching (exact name or `.`-suffix; `"all-linear"`), default
+    /// `["q_proj", "v_proj"]`; for diffusion models e.g. `["to_q","to_k","to_v","to_out.0"]`.
+    pub target_modules: Vec<String>,
+    /// Rank of conv LoRA (LoCon) on ResNet convs; `None` = no conv adapters.
+    pub conv_rank: Option<u32>,
+    /// `lora_dropout` (default 0): with p > 0 each adapted layer keeps a dropped-out copy of its
+    /// input and a 1-byte mask.
+    pub dropout: f32,
+}
+
+impl Default for LoraSettings {
+    fn default() -> Self {
+        LoraSettings {
+            rank: 8,
+            alpha: 16.0,
+            target_modules: vec!["q_proj".into(), "v_proj".into()],
+            conv_rank: None,
+            dropout: 0.0,
+        }
+    }
+}
+
+/// Optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Optimizer {
+    /// AdamW with two fp32 states: 8 B per trainable parameter.
+    AdamW,
+    /// Block-wise 8-bit AdamW (bitsandbytes, arXiv:2110.02861): 2 B/param + one fp32 absmax per
+    /// 2048-element block and state; tensors under 4096 elements stay 32-bit.
+    AdamW8bit,
+    /// Adafactor (arXiv:1804.04235), factored, no momentum: `4·(n + m)` bytes per `n×m` matrix,
+    /// `4·n` for vectors.
+    Adafactor,
+    /// SGD: 4 B/param of momentum buffer when `momentum > 0`, nothing otherwise.
+    Sgd {
+        /// Momentum coefficient.
+        momentum: f32,
+    },
+}
+
+/// Attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Attention {
+    /// `scaled_dot_product_attention` with a flash / memory-efficient kernel: O(s) memory.
+    Sdpa,
+    /// Eager attention: materializes the `heads × s × s` probabilities (and keeps them).
+    Math,
+}
+
+/// Where the run executes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// A CUDA GPU.
+    Cuda {
+        /// CUDA context + kernels resident on the card (0.3–1.4 GB depending on GPU, driver and
+        /// lazy module loading; libtorch enables lazy loading). Default 0.5 GB.
+        context: Bytes,
+        /// cuBLAS / cuDNN workspaces (default 64 MiB).
+        workspace: Bytes,
+    },
+    /// The CPU (process resident memory).
+    Cpu {
+        /// Resident memory of the runtime before the model is loaded (libtorch, allocator arenas,
+        /// thread pools). Default 0.3 GB.
+        runtime: Bytes,
+    },
+}
+
+impl Device {
+    /// CUDA with the default context and workspace.
+    pub fn cuda() -> Device {
+        Device::Cuda { context: Bytes(500_000_000), workspace: Bytes(64 << 20) }
+    }
+
+    /// CPU with the default runtime baseline.
+    pub fn cpu() -> Device {
+        Device::Cpu { runtime: Bytes(300_000_000) }
+    }
+
+    /// True for CUDA.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda { .. })
+    }
+}
+
+/// The training stack whose memory behaviour is modelled. Each one is a set of documented,
+/// explicit differences, not a correction factor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Framework {
+    /// This SDK's trainer (lora-train): fp32 adapters; the LoRA input is cast to the adapter dtype
+    /// (one copy per adapted layer, like PEFT); HF-equivalent layer math.
+    Ours,
+    /// PEFT + transformers: fp32 adapters (`autocast_adapter_dtype`), the LoRA input cast to fp32
+    /// per adapted layer, logits upcast to fp32 and kept next to the 16-bit ones, `repeat_kv`
+    /// materializing GQA keys/values, `torch.optim.AdamW` with `foreach` temporaries on CUDA.
+    PeftTransformers,
+    /// torchtune: adapters in the model dtype (`dtype: bf16`, so 2-byte adapters, grads and
+    /// optimizer states), the LoRA branch reads the same input as the base (no copy), output
+    /// projection upcast to fp32 (`.float()`) before the loss.
+    Torchtune,
+}
+
+/// Reference-framework profile: the framework plus optional behaviours that change memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Profile {
+    /// The framework.
+    pub framework: Framework,
+    /// bitsandbytes before 0.43.2: `MatMul4Bit` saved the input of every 4-bit linear for the
+    /// backward pass, even frozen ones.
+    pub bnb_saves_4bit_inputs: bool,
+    /// Fused AdamW (`fused=True`): no `foreach` temporaries in the optimizer step.
+    pub fused_adamw: bool,
+    /// `torch.compile`: Inductor fuses pointwise chains, so norms keep only their 16-bit input
+    /// and SiLU·up keeps only gate and up (AOTAutograd's min-cut partitioner recomputes cheap
+    /// pointwise ops); the loss is fused and keeps no fp32 copy of the logits.
+    pub torch_compile: bool,
+    /// Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`, 8 chunks): only one chunk of
+    /// fp32 logits exists at a time.
+    pub chunked_cross_entropy: bool,
+    /// Batches are padded per batch to varying lengths (unpacked datasets): the caching allocator
+    /// cannot reuse blocks across shapes, see [`crate::estimate`]'s allocator term.
+    pub variable_length: bool,
+    /// GQA keys/values are expanded to all heads before attention (HF `repeat_kv`).
+    pub repeat_kv: bool,
+    /// transformers before 4.45: the model returns fp32 logits (`logits.float()`) and the loss
+    /// makes a shifted contiguous copy before `cross_entropy`: `20·V` bytes per token at the
+    /// loss backward instead of `(e + 12)·V`.
+    pub legacy_fp32_logits: bool,
+    /// torchtune `enable_activation_offloading`: checkpointed layer inputs live in host memory;
+    /// the device keeps only the layers in flight.
+    pub activation_offloading: bool,
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Profile::ours()
+    }
+}
+
+impl Profile {
+    /// This SDK's trainer.
+    pub fn ours() -> Profile {
+        Profile {
+            framework: Framework::Ours,
+            bnb_saves_4bit_inputs: false,
+            fused_adamw: false,
+            torch_compile: false,
+            chunked_cross_entropy: false,
+            variable_length: false,
+            repeat_kv: true,
+            legacy_fp32_logits: false,
+            activation_offloading: false,
+        }
+    }
+
+    /// PEFT + transformers (current releases).
+    pub fn peft_transformers() -> Profile {
+        Profile { framework: Framework::PeftTransformers, ..Profile::ours() }
+    }
+
+    /// PEFT + transformers with bitsandbytes before 0.43.2 (extra saved input per 4-bit linear).
+    pub fn bitsandbytes_old() -> Profile {
+        Profile { bnb_saves_4bit_inputs: true, ..Profile::peft_transformers() }
+    }
+
+    /// torchtune single-device recipes.
+    pub fn torchtune() -> Profile {
+        Profile { framework: Framework::Torchtune, ..Profile::ours() }
+    }
+}
+
+/// Everything about a run that changes its peak memory.
+///
+/// Defaults: bf16 base, no autocast, LoRA r8 α16 on q_proj/v_proj, micro_batch 1,
+/// gradient_accumulation_steps 1, seq_len 512, resolution 512, no checkpointing, AdamW, SDPA,
+/// CUDA, this SDK's profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Settings {
+    /// Frozen base storage.
+    pub base_dtype: BaseDtype,
+    /// Mixed precision.
+    pub mixed_precision: MixedPrecision,
+    /// LoRA, DoRA or full fine-tuning.
+    pub method: Method,
+    /// LoRA hyper-parameters (ignored for `Method::Full`).
+    pub lora: LoraSettings,
+    /// Sequences (or images) per forward pass.
+    pub micro_batch: u32,
+    /// Micro-batches accumulated per optimizer step (effective batch = micro_batch × this).
+    pub gradient_accumulation_steps: u32,
+    /// Tokens per sequence (decoders): the padded length of the longest batch.
+    pub seq_len: u32,
+    /// Square training resolution in pixels (diffusion).
+    pub resolution: u32,
+    /// Largest aspect bucket `[width, height]` in pixels, when bucketing (overrides `resolution`
+    /// for the peak).
+    pub largest_bucket: Option<[u32; 2]>,
+    /// Recompute each block in the backward pass.
+    pub gradient_checkpointing: bool,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Latents precomputed: the VAE is not on the device.
+    pub cache_latents: bool,
+    /// Text-encoder outputs precomputed: the text encoders are not on the device.
+    pub cache_text_encoder_outputs: bool,
+    /// Train LoRA on the text encoder(s) too.
+    pub train_text_encoder: bool,
+    /// DreamBooth prior preservation: a class image per instance image (doubles the batch).
+    pub prior_preservation: bool,
+    /// Attention kernel.
+    pub attention: Attention,
+    /// Device.
+    pub device: Device,
+    /// Reference framework.
+    pub profile: Profile,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            base_dtype: BaseDtype::Bf16,
+            mixed_precision: MixedPrecision::No,
+            method: Method::Lora,
+            lora: LoraSettings::default(),
+            micro_batch: 1,
+            gradient_accumulation_steps: 1,
+            seq_len: 512,
+            resolution: 512,
+            largest_bucket: None,
+            gradient_checkpointing: false,
+            optimizer: Optimizer::AdamW,
+            cache_latents: false,
+            cache_text_encoder_outputs: false,
+            train_text_encoder: false,
+            prior_preservation: false,
+            attention: Attention::Sdpa,
+            device: Device::cuda(),
+            profile: Profile::ours(),
+        }
+    }
+}
+
+macro_rules! setter {
+    ($(#[$m:meta])* $name:ident, $field:ident : $ty:ty) => {
+        $(#[$m])*
+        pub fn $name(mut self, v: $ty) -> Self {
+            self.$field = v;
+            self
+        }
+    };
+}
+
+impl Settings {
+    setter!(/// Sets `base_dtype`.
+        with_base_dtype, base_dtype: BaseDtype);
+    setter!(/// Sets `mixed_precision`.
+        with_mixed_precision, mixed_precision: MixedPrecision);
+    setter!(/// Sets `method`.
+        with_method, method: Method);
+    setter!(/// Sets `micro_batch`.
+        with_micro_batch, micro_batch: u32);
+    setter!(/// Sets `gradient_accumulation_steps`.
+        with_gradient_accumulation_steps, gradient_accumulation_steps: u32);
+    setter!(/// Sets `seq_len`.
+        with_seq_len, seq_len: u32);
+    setter!(/// Sets `resolution`.
+        with_resolution, resolution: u32);
+    setter!(/// Sets `largest_bucket`.
+        with_largest_bucket, largest_bucket: Option<[u32; 2]>);
+    setter!(/// Sets `gradient_checkpointing`.
+        with_gradient_checkpointing, gradient_checkpointing: bool);
+    setter!(/// Sets `optimizer`.
+        with_optimizer, optimizer: Optimizer);
+    setter!(/// Sets `cache_latents`.
+        with_cache_latents, cache_latents: bool);
+    setter!(/// Sets `cache_text_encoder_outputs`.
+        with_cache_text_encoder_outputs, cache_text_encoder_outputs: bool);
+    setter!(/// Sets `train_text_encoder`.
+        with_train_text_encoder, train_text_encoder: bool);
+    setter!(/// Sets `prior_preservation`.
+        with_prior_preservation, prior_preservation: bool);
+    setter!(/// Sets `attention`.
+        with_attention, attention: Attention);
+    setter!(/// Sets `device`.
+        with_device, device: Device);
+    setter!(/// Sets `profile`.
+        with_profile, profile: Profile);
+
+    /// Sets the LoRA rank.
+    pub fn with_rank(mut self, rank: u32) -> Self {
+        self.lora.rank = rank;
+        self
+    }
+
+    /// Sets the LoRA alpha.
+    pub fn with_alpha(mut self, alpha: f32) -> Self {
+        self.lora.alpha = alpha;
+        self
+    }
+
+    /// Sets `target_modules`.
+    pub fn with_target_modules<S: AsRef<str>>(mut self, targets: &[S]) -> Self {
+        self.lora.target_modules = targets.iter().map(|s| s.as_ref().to_string()).collect();
+        self
+    }
+
+    /// Sets the conv LoRA rank.
+    pub fn with_conv_rank(mut self, rank: Option<u32>) -> Self {
+        self.lora.conv_rank = rank;
+        self
+    }
+
+    /// Sets `lora_dropout`.
+    pub fn with_lora_dropout(mut self, p: f32) -> Self {
+        self.lora.dropout = p;
+        self
+    }
+
+    /// `micro_batch × gradient_accumulation_steps`.
+    pub fn effective_batch(&self) -> u64 {
+        u64::from(self.micro_batch) * u64::from(self.gradient_accumulation_steps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_per_param_match_the_formats() {
+        assert!((BaseDtype::Nf4 { double_quant: false }.bytes_per_param() - 0.5625).abs() < 1e-9);
+        assert!((BaseDtype::Nf4 { double_quant: true }.bytes_per_param() - 0.516).abs() < 1e-3);
+        assert_eq!(BaseDtype::Q4_1.bytes_per_param(), 0.625);
+        assert_eq!(BaseDtype::Q8_0.bytes_per_param(), 1.0625);
+    }
+
+    #[test]
+    fn settings_round_trip_through_json_and_fill_defaults() {
+        let s = Settings::default().with_rank(16).with_optimizer(Optimizer::Sgd { momentum: 0.9 });
+        let j = serde_json::to_string(&s).unwrap();
+        let back: Settings = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, s);
+        let partial: Settings = serde_json::from_str(r#"{"micro_batch": 4, "base_dtype": {"nf4": {"double_quant": true}}}"#).unwrap();
+        assert_eq!(partial.micro_batch, 4);
+        assert_eq!(partial.lora.rank, 8);
+        assert_eq!(partial.base_dtype, BaseDtype::Nf4 { double_quant: true });
+    }
+}
