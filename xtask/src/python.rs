@@ -1,0 +1,255 @@
+//! libtorch and the Python interop venv.
+//!
+//! tch 0.26 links libtorch 2.13.0. PyPI's `torch==2.13.0` wheel carries a complete libtorch
+//! (`torch/lib/*.so` + `torch/include`), and it is what the interop peers (transformers, peft, …)
+//! need anyway, so one venv serves both: `.venv/libtorch` links to the wheel's `torch/` folder and
+//! `.cargo/config.toml` points `LIBTORCH` there. A user who already has libtorch 2.13.0 sets
+//! `LIBTORCH` themselves; it is version-checked and used for linking.
+
+use crate::util::{self, output, require_free, sha256_file};
+use crate::{Env, TORCH_VERSION};
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Disk the torch wheel and its CUDA dependencies take once installed (measured: ~4.7 GB) plus pip's
+/// temporary copies.
+const TORCH_DISK_BYTES: u64 = 8_000_000_000;
+
+fn venv(root: &Path) -> PathBuf {
+    root.join(".venv")
+}
+
+fn venv_python(root: &Path) -> PathBuf {
+    venv(root).join("bin/python")
+}
+
+/// The `torch/` folder inside the venv's site-packages, if torch is installed there.
+fn venv_torch_dir(root: &Path) -> Option<PathBuf> {
+    let lib = venv(root).join("lib");
+    let rd = std::fs::read_dir(&lib).ok()?;
+    for e in rd.flatten() {
+        let cand = e.path().join("site-packages/torch");
+        if cand.join("lib").is_dir() {
+            return Some(cand);
+        }
+    }
+    None
+}
+
+/// Version of a libtorch folder: `version.py` (PyPI wheel) or `build-version` (libtorch zip).
+fn libtorch_version(dir: &Path) -> Option<String> {
+    if let Ok(s) = std::fs::read_to_string(dir.join("build-version")) {
+        return Some(s.trim().split('+').next().unwrap_or("").to_string());
+    }
+    let s = std::fs::read_to_string(dir.join("version.py")).ok()?;
+    let line = s.lines().find(|l| l.starts_with("__version__"))?;
+    let v = line.split(['\'', '"']).nth(1)?;
+    Some(v.split('+').next().unwrap_or(v).to_string())
+}
+
+fn base_python() -> String {
+    std::env::var("LORA_SDK_PYTHON_BASE")
+        .ok()
+        .or_else(|| std::env::var("LORA_SDK_PYTHON").ok())
+        .filter(|p| !p.contains(".venv"))
+        .unwrap_or_else(|| "python3".to_string())
+}
+
+/// Makes sure libtorch 2.13.0 is available and returns where, plus the venv python.
+pub fn ensure_libtorch(root: &Path) -> Result<Env> {
+    ensure_venv_torch(root)?;
+    let python = venv_python(root);
+    let torch_dir = venv_torch_dir(root).context(
+        "setup/libtorch: torch was installed but its folder was not found under .venv/lib/*/site-packages. \
+         Remove .venv and run `cargo xtask setup` again.",
+    )?;
+    // `.venv/libtorch` -> the wheel's torch folder (relative, so the checkout can move).
+    let link = venv(root).join("libtorch");
+    let rel = torch_dir
+        .strip_prefix(venv(root))
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|_| torch_dir.clone());
+    let current = std::fs::read_link(&link).ok();
+    if current.as_deref() != Some(rel.as_path()) {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&rel, &link)
+            .with_context(|| format!("setup/libtorch: cannot create the link {}", link.display()))?;
+    }
+
+    // An LIBTORCH the user set (not the project default injected by .cargo/config.toml) wins.
+    let default = link.clone();
+    let libtorch = match std::env::var_os("LIBTORCH").map(PathBuf::from) {
+        Some(p) if !same_path(&p, &default) => {
+            let v = libtorch_version(&p).with_context(|| {
+                format!(
+                    "setup/libtorch: LIBTORCH={} has neither build-version nor version.py: it does not look \
+                     like a libtorch folder. Point LIBTORCH at libtorch {TORCH_VERSION} (the folder with lib/ \
+                     and include/) or unset it to use the project's .venv.",
+                    p.display()
+                )
+            })?;
+            if v != TORCH_VERSION {
+                bail!(
+                    "setup/libtorch: LIBTORCH={} is libtorch {v}, but tch 0.26 needs {TORCH_VERSION}. Point \
+                     LIBTORCH at a {TORCH_VERSION} install, or unset LIBTORCH so setup uses the project's \
+                     .venv (PyPI torch=={TORCH_VERSION}).",
+                    p.display()
+                );
+            }
+            eprintln!("   using your LIBTORCH={} ({v})", p.display());
+            p
+        }
+        _ => {
+            eprintln!(
+                "   using .venv/libtorch -> {} ({TORCH_VERSION})",
+                torch_dir.display()
+            );
+            default
+        }
+    };
+    Ok(Env { libtorch, python })
+}
+
+fn same_path(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+fn ensure_venv_torch(root: &Path) -> Result<()> {
+    let python = venv_python(root);
+    if !python.exists() {
+        let base = base_python();
+        if output(Command::new(&base).arg("--version")).is_none() {
+            bail!(
+                "setup/python: `{base}` was not found. Install Python 3.9+ with pip and venv (Debian/Ubuntu: \
+                 `apt-get install python3 python3-venv python3-pip`), or set LORA_SDK_PYTHON_BASE to a python \
+                 executable, and run `cargo xtask setup` again."
+            );
+        }
+        eprintln!("   creating .venv with {base}");
+        let status = Command::new(&base)
+            .args(["-m", "venv"])
+            .arg(venv(root))
+            .status();
+        if !matches!(status, Ok(s) if s.success()) || !python.exists() {
+            let _ = std::fs::remove_dir_all(venv(root));
+            bail!(
+                "setup/python: `{base} -m venv .venv` failed. Install the venv module (Debian/Ubuntu: \
+                 `apt-get install python3-venv`) and run `cargo xtask setup` again."
+            );
+        }
+    }
+    let installed = venv_torch_dir(root).and_then(|d| libtorch_version(&d));
+    if installed.as_deref() == Some(TORCH_VERSION) {
+        return Ok(());
+    }
+    if let Some(v) = &installed {
+        eprintln!("   .venv has torch {v}; tch 0.26 needs {TORCH_VERSION}: reinstalling");
+    }
+    require_free(root, TORCH_DISK_BYTES, "setup/libtorch (torch wheel)")?;
+    eprintln!(
+        "   installing torch=={TORCH_VERSION} from PyPI into .venv (~4.7 GB with its CUDA libraries; a few minutes)"
+    );
+    let mut cmd = Command::new(&python);
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--progress-bar",
+        "off",
+    ])
+    .arg(format!("torch=={TORCH_VERSION}"));
+    if util::run(&mut cmd, "pip install torch").is_err() {
+        bail!(
+            "setup/libtorch: `pip install torch=={TORCH_VERSION}` into .venv failed (see pip's output above). \
+             Check that PyPI is reachable and that there is ~8 GB of free disk, then run `cargo xtask setup` \
+             again; pip leaves no half-installed package behind."
+        );
+    }
+    match venv_torch_dir(root).and_then(|d| libtorch_version(&d)) {
+        Some(v) if v == TORCH_VERSION => Ok(()),
+        other => bail!(
+            "setup/libtorch: after installing, .venv reports torch {other:?} instead of {TORCH_VERSION}. \
+             Remove .venv and run `cargo xtask setup` again."
+        ),
+    }
+}
+
+/// Installs `python/requirements.txt` into the venv unless the same file was installed before.
+pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
+    let req = root.join("python/requirements.txt");
+    let want = sha256_file(&req).context("setup/python peers: python/requirements.txt is missing")?;
+    let stamp = venv(root).join(".requirements.sha256");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
+        eprintln!("   up to date");
+        return Ok(());
+    }
+    require_free(root, 2_000_000_000, "setup/python peers")?;
+    let mut cmd = Command::new(python);
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--progress-bar",
+        "off",
+        "--quiet",
+        "-r",
+    ])
+    .arg(&req);
+    if util::run(&mut cmd, "pip install -r python/requirements.txt").is_err() {
+        let _ = std::fs::remove_file(&stamp);
+        bail!(
+            "setup/python peers: `pip install -r python/requirements.txt` failed (see pip's output above). \
+             Check that PyPI is reachable and the disk has room, then run `cargo xtask setup` again."
+        );
+    }
+    std::fs::write(&stamp, want).context("setup/python peers: cannot write the install stamp in .venv")?;
+    Ok(())
+}
+
+/// Prints what is installed, changing nothing.
+pub fn report(root: &Path) {
+    let python = venv_python(root);
+    println!(
+        "venv python:     {}",
+        if python.exists() {
+            python.display().to_string()
+        } else {
+            "missing (run `cargo xtask setup`)".into()
+        }
+    );
+    match venv_torch_dir(root) {
+        Some(d) => println!(
+            "venv torch:      {} at {}",
+            libtorch_version(&d).unwrap_or_else(|| "unknown".into()),
+            d.display()
+        ),
+        None => println!("venv torch:      missing"),
+    }
+    if let Some(p) = std::env::var_os("LIBTORCH") {
+        let p = PathBuf::from(p);
+        println!(
+            "LIBTORCH:        {} ({})",
+            p.display(),
+            libtorch_version(&p).unwrap_or_else(|| "not found".into())
+        );
+    }
+    let req = root.join("python/requirements.txt");
+    let stamp = venv(root).join(".requirements.sha256");
+    let ok = sha256_file(&req).ok() == std::fs::read_to_string(&stamp).ok();
+    println!(
+        "interop peers:   {}",
+        if ok {
+            "installed"
+        } else {
+            "not installed or outdated"
+        }
+    );
+}
