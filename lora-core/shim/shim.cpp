@@ -1,0 +1,331 @@
+// A small C ABI over the parts of libtorch 2.13 that tch 0.26 does not expose: bf16/fp16 autocast
+// state, CUDA caching-allocator statistics, a counting CPU allocator (exact tensor bytes, optional
+// limit), RNG generator state and the deterministic-algorithms switch.
+//
+// Every function returns NULL on success or a heap-allocated error message (free it with
+// `lsdk_free_error`); C++ exceptions never cross the C boundary.
+//
+// Headers checked against libtorch 2.13: ATen/autocast_mode.h, c10/core/CPUAllocator.h,
+// c10/core/Allocator.h (CachingAllocator::Stat), ATen/DeviceAccelerator.h, ATen/Context.h.
+
+#include <ATen/Context.h>
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Generator.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+char* dup_message(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  std::memcpy(out, s.data(), s.size());
+  out[s.size()] = '\0';
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return dup_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return dup_message(e.what());
+  } catch (...) {
+    return dup_message("unknown C++ exception in the libtorch shim");
+  }
+}
+
+c10::DeviceType device_type_of(int32_t device) {
+  return device == 1 ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+}
+
+// True when a CUDA accelerator is registered and has at least one device.
+bool cuda_available() {
+  auto acc = at::accelerator::getAccelerator(false);
+  if (!acc.has_value() || acc.value() != c10::DeviceType::CUDA) {
+    return false;
+  }
+  return at::accelerator::deviceCount() > 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counting CPU allocator. Allocation goes through c10::alloc_cpu / c10::free_cpu (what the
+// default CPU allocator uses), so a pointer allocated before installation can be freed by our
+// deleter: such unknown pointers count 0 bytes.
+struct CountingCpuAllocator final : public c10::Allocator {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> sizes;
+  int64_t current = 0;
+  int64_t peak = 0;
+  int64_t total_allocated = 0;
+  int64_t n_allocations = 0;
+  int64_t limit = 0;  // 0 = no limit
+
+  static void deleter(void* ptr);
+
+  c10::DataPtr allocate(size_t n) override {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (limit > 0 && current + static_cast<int64_t>(n) > limit) {
+        TORCH_CHECK_WITH(
+            OutOfMemoryError,
+            false,
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate ",
+            n,
+            " bytes with ",
+            current,
+            " bytes in use under a limit of ",
+            limit,
+            " bytes (set by lora_core::sys::set_cpu_alloc_limit; raise or clear the limit)");
+      }
+    }
+    void* data = c10::alloc_cpu(n);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      sizes[data] = n;
+      current += static_cast<int64_t>(n);
+      total_allocated += static_cast<int64_t>(n);
+      n_allocations += 1;
+      if (current > peak) {
+        peak = current;
+      }
+    }
+    return {data, data, &CountingCpuAllocator::deleter, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &CountingCpuAllocator::deleter;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+CountingCpuAllocator* counting_allocator() {
+  // Never destroyed: libtorch keeps the pointer for the life of the process.
+  static CountingCpuAllocator* alloc = new CountingCpuAllocator();
+  return alloc;
+}
+
+void CountingCpuAllocator::deleter(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  CountingCpuAllocator* a = counting_allocator();
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    auto it = a->sizes.find(ptr);
+    if (it != a->sizes.end()) {
+      a->current -= static_cast<int64_t>(it->second);
+      a->sizes.erase(it);
+    }
+  }
+  c10::free_cpu(ptr);
+}
+
+std::atomic<bool> counting_installed{false};
+
+}  // namespace
+
+extern "C" {
+
+void lsdk_free_error(char* msg) {
+  std::free(msg);
+}
+
+// ---- autocast ---------------------------------------------------------------------------------
+
+char* lsdk_autocast_get(int32_t device, int32_t* enabled, int32_t* dtype) {
+  return guarded([&] {
+    auto dt = device_type_of(device);
+    *enabled = at::autocast::is_autocast_enabled(dt) ? 1 : 0;
+    *dtype = static_cast<int32_t>(at::autocast::get_autocast_dtype(dt));
+  });
+}
+
+char* lsdk_autocast_set(int32_t device, int32_t enabled, int32_t dtype) {
+  return guarded([&] {
+    auto dt = device_type_of(device);
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(dt, enabled != 0);
+  });
+}
+
+char* lsdk_autocast_increment_nesting(int32_t* depth) {
+  return guarded([&] { *depth = at::autocast::increment_nesting(); });
+}
+
+char* lsdk_autocast_decrement_nesting(int32_t* depth) {
+  return guarded([&] { *depth = at::autocast::decrement_nesting(); });
+}
+
+char* lsdk_autocast_clear_cache() {
+  return guarded([&] { at::autocast::clear_cache(); });
+}
+
+// ---- CUDA allocator ---------------------------------------------------------------------------
+
+char* lsdk_cuda_device_count(int32_t* count) {
+  return guarded([&] { *count = cuda_available() ? static_cast<int32_t>(at::accelerator::deviceCount()) : 0; });
+}
+
+// out: allocated current, allocated peak, reserved current, reserved peak, active current,
+// active peak, requested current, requested peak, n allocations (current) — 9 values.
+char* lsdk_cuda_mem_stats(int32_t device, int64_t* out) {
+  return guarded([&] {
+    TORCH_CHECK(cuda_available(), "no CUDA device is available");
+    auto s = at::accelerator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = s.allocated_bytes[agg].current;
+    out[1] = s.allocated_bytes[agg].peak;
+    out[2] = s.reserved_bytes[agg].current;
+    out[3] = s.reserved_bytes[agg].peak;
+    out[4] = s.active_bytes[agg].current;
+    out[5] = s.active_bytes[agg].peak;
+    out[6] = s.requested_bytes[agg].current;
+    out[7] = s.requested_bytes[agg].peak;
+    out[8] = s.allocation[agg].current;
+  });
+}
+
+char* lsdk_cuda_reset_peak(int32_t device) {
+  return guarded([&] {
+    TORCH_CHECK(cuda_available(), "no CUDA device is available");
+    at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+  });
+}
+
+char* lsdk_cuda_empty_cache() {
+  return guarded([&] {
+    TORCH_CHECK(cuda_available(), "no CUDA device is available");
+    at::accelerator::emptyCache();
+  });
+}
+
+char* lsdk_cuda_mem_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  return guarded([&] {
+    TORCH_CHECK(cuda_available(), "no CUDA device is available");
+    auto info = at::accelerator::getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    *free_bytes = static_cast<uint64_t>(info.first);
+    *total_bytes = static_cast<uint64_t>(info.second);
+  });
+}
+
+// ---- counting CPU allocator -------------------------------------------------------------------
+
+char* lsdk_cpu_counting_install() {
+  return guarded([&] {
+    bool expected = false;
+    if (counting_installed.compare_exchange_strong(expected, true)) {
+      // Priority above the default allocator's (0) so later default registrations do not win.
+      c10::SetCPUAllocator(counting_allocator(), /*priority=*/100);
+    }
+  });
+}
+
+char* lsdk_cpu_counting_installed(int32_t* installed) {
+  return guarded([&] {
+    *installed = (counting_installed.load() && c10::GetCPUAllocator() == counting_allocator()) ? 1 : 0;
+  });
+}
+
+// out: current, peak, total allocated, number of allocations, limit (0 = none), live blocks.
+char* lsdk_cpu_mem_stats(int64_t* out) {
+  return guarded([&] {
+    CountingCpuAllocator* a = counting_allocator();
+    std::lock_guard<std::mutex> lock(a->mu);
+    out[0] = a->current;
+    out[1] = a->peak;
+    out[2] = a->total_allocated;
+    out[3] = a->n_allocations;
+    out[4] = a->limit;
+    out[5] = static_cast<int64_t>(a->sizes.size());
+  });
+}
+
+char* lsdk_cpu_reset_peak() {
+  return guarded([&] {
+    CountingCpuAllocator* a = counting_allocator();
+    std::lock_guard<std::mutex> lock(a->mu);
+    a->peak = a->current;
+  });
+}
+
+char* lsdk_cpu_set_limit(int64_t limit) {
+  return guarded([&] {
+    TORCH_CHECK(limit >= 0, "the CPU allocation limit must be >= 0 bytes, got ", limit);
+    CountingCpuAllocator* a = counting_allocator();
+    std::lock_guard<std::mutex> lock(a->mu);
+    a->limit = limit;
+  });
+}
+
+// ---- RNG and determinism ----------------------------------------------------------------------
+
+char* lsdk_manual_seed(uint64_t seed) {
+  return guarded([&] { at::manual_seed(seed); });
+}
+
+// Copies the generator state into buf when cap is large enough; *len receives the state size.
+char* lsdk_rng_get_state(int32_t device, int32_t index, uint8_t* buf, int64_t cap, int64_t* len) {
+  return guarded([&] {
+    auto dt = device_type_of(device);
+    if (dt == c10::DeviceType::CUDA) {
+      TORCH_CHECK(cuda_available(), "no CUDA device is available");
+    }
+    auto gen = at::globalContext().defaultGenerator(c10::Device(dt, static_cast<c10::DeviceIndex>(index)));
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    auto n = static_cast<int64_t>(state.numel() * state.element_size());
+    *len = n;
+    if (buf != nullptr && cap >= n) {
+      std::memcpy(buf, state.data_ptr(), static_cast<size_t>(n));
+    }
+  });
+}
+
+char* lsdk_rng_set_state(int32_t device, int32_t index, const uint8_t* buf, int64_t len) {
+  return guarded([&] {
+    auto dt = device_type_of(device);
+    if (dt == c10::DeviceType::CUDA) {
+      TORCH_CHECK(cuda_available(), "no CUDA device is available");
+    }
+    auto gen = at::globalContext().defaultGenerator(c10::Device(dt, static_cast<c10::DeviceIndex>(index)));
+    auto state = at::empty({len}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(state.data_ptr(), buf, static_cast<size_t>(len));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  });
+}
+
+char* lsdk_set_deterministic(int32_t enabled, int32_t warn_only) {
+  return guarded([&] { at::globalContext().setDeterministicAlgorithms(enabled != 0, warn_only != 0); });
+}
+
+char* lsdk_get_deterministic(int32_t* enabled) {
+  return guarded([&] { *enabled = at::globalContext().deterministicAlgorithms() ? 1 : 0; });
+}
+
+}  // extern "C"

@@ -1,0 +1,645 @@
+//! Bindings to the small C++ shim over libtorch (`lora-core/shim/shim.cpp`): bf16/fp16 autocast,
+//! CUDA caching-allocator statistics, a counting CPU allocator with exact tensor bytes and an
+//! optional limit, RNG generator state and the deterministic-algorithms switch.
+//!
+//! tch 0.26 exposes none of these (its `autocast` is fp16-only and a no-op on CPU). Every call
+//! returns a [`ShimError`] instead of panicking: C++ exceptions are caught inside the shim and come
+//! back as their message.
+//!
+//! Autocast state is **per thread** in libtorch: an [`AutocastGuard`] affects the thread that
+//! created it only.
+
+use std::ffi::{CStr, c_char};
+use std::marker::PhantomData;
+
+use tch::{Device, Kind};
+
+mod ffi {
+    use std::ffi::c_char;
+    unsafe extern "C" {
+        pub fn lsdk_free_error(msg: *mut c_char);
+        pub fn lsdk_autocast_get(device: i32, enabled: *mut i32, dtype: *mut i32) -> *mut c_char;
+        pub fn lsdk_autocast_set(device: i32, enabled: i32, dtype: i32) -> *mut c_char;
+        pub fn lsdk_autocast_increment_nesting(depth: *mut i32) -> *mut c_char;
+        pub fn lsdk_autocast_decrement_nesting(depth: *mut i32) -> *mut c_char;
+        pub fn lsdk_autocast_clear_cache() -> *mut c_char;
+        pub fn lsdk_cuda_device_count(count: *mut i32) -> *mut c_char;
+        pub fn lsdk_cuda_mem_stats(device: i32, out: *mut i64) -> *mut c_char;
+        pub fn lsdk_cuda_reset_peak(device: i32) -> *mut c_char;
+        pub fn lsdk_cuda_empty_cache() -> *mut c_char;
+        pub fn lsdk_cuda_mem_info(device: i32, free: *mut u64, total: *mut u64) -> *mut c_char;
+        pub fn lsdk_cpu_counting_install() -> *mut c_char;
+        pub fn lsdk_cpu_counting_installed(installed: *mut i32) -> *mut c_char;
+        pub fn lsdk_cpu_mem_stats(out: *mut i64) -> *mut c_char;
+        pub fn lsdk_cpu_reset_peak() -> *mut c_char;
+        pub fn lsdk_cpu_set_limit(limit: i64) -> *mut c_char;
+        pub fn lsdk_manual_seed(seed: u64) -> *mut c_char;
+        pub fn lsdk_rng_get_state(
+            device: i32,
+            index: i32,
+            buf: *mut u8,
+            cap: i64,
+            len: *mut i64,
+        ) -> *mut c_char;
+        pub fn lsdk_rng_set_state(device: i32, index: i32, buf: *const u8, len: i64)
+        -> *mut c_char;
+        pub fn lsdk_set_deterministic(enabled: i32, warn_only: i32) -> *mut c_char;
+        pub fn lsdk_get_deterministic(enabled: *mut i32) -> *mut c_char;
+    }
+}
+
+/// An error reported by the libtorch shim: the operation and libtorch's message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("libtorch shim: {op} failed: {message}")]
+pub struct ShimError {
+    /// The shim operation that failed (e.g. `"cuda_mem_stats"`).
+    pub op: &'static str,
+    /// libtorch's error message (without backtrace), or why the call was rejected.
+    pub message: String,
+}
+
+/// `Result` with a [`ShimError`].
+pub type ShimResult<T> = std::result::Result<T, ShimError>;
+
+/// Turns a shim return value (NULL or an owned message) into a `Result`.
+fn check(op: &'static str, ret: *mut c_char) -> ShimResult<()> {
+    if ret.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string malloc'd by the shim; we copy it and
+    // hand it back to the shim's `free`.
+    let message = unsafe { CStr::from_ptr(ret) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { ffi::lsdk_free_error(ret) };
+    Err(ShimError { op, message })
+}
+
+fn device_code(op: &'static str, device: Device) -> ShimResult<(i32, i32)> {
+    match device {
+        Device::Cpu => Ok((0, 0)),
+        Device::Cuda(i) => Ok((1, i as i32)),
+        other => Err(ShimError {
+            op,
+            message: format!("device {other:?} is not supported (use Device::Cpu or Device::Cuda)"),
+        }),
+    }
+}
+
+/// libtorch's `c10::ScalarType` code for the floating kinds autocast accepts.
+fn scalar_type_code(op: &'static str, kind: Kind) -> ShimResult<i32> {
+    match kind {
+        Kind::Half => Ok(5),
+        Kind::Float => Ok(6),
+        Kind::BFloat16 => Ok(15),
+        other => Err(ShimError {
+            op,
+            message: format!("autocast dtype must be BFloat16, Half or Float, got {other:?}"),
+        }),
+    }
+}
+
+fn kind_from_code(code: i32) -> Option<Kind> {
+    match code {
+        5 => Some(Kind::Half),
+        6 => Some(Kind::Float),
+        15 => Some(Kind::BFloat16),
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autocast
+
+/// The autocast state of one device type on the current thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AutocastState {
+    /// Whether autocast is on.
+    pub enabled: bool,
+    /// The lower-precision dtype ops are cast to (`None` when libtorch reports another dtype).
+    pub dtype: Option<Kind>,
+}
+
+/// Reads the autocast state of `device`'s type on the current thread
+/// (`at::autocast::is_autocast_enabled` / `get_autocast_dtype`).
+///
+/// # Errors
+/// A device other than CPU/CUDA, or a libtorch error.
+pub fn autocast_state(device: Device) -> ShimResult<AutocastState> {
+    let (dev, _) = device_code("autocast_state", device)?;
+    let (mut enabled, mut dtype) = (0i32, 0i32);
+    // SAFETY: both out-pointers are valid for the call.
+    check("autocast_state", unsafe {
+        ffi::lsdk_autocast_get(dev, &mut enabled, &mut dtype)
+    })?;
+    Ok(AutocastState {
+        enabled: enabled != 0,
+        dtype: kind_from_code(dtype),
+    })
+}
+
+/// RAII autocast scope, like `torch.autocast(device_type, dtype)`: while alive, eligible ops
+/// (matmul, linear, conv, …) on `device`'s type run in `dtype` on the creating thread; dropping it
+/// restores the previous state and, when the outermost scope closes, clears libtorch's autocast
+/// weight-cast cache (what `torch.autocast.__exit__` does).
+///
+/// Unlike `tch::autocast`, this works for bf16 and on CPU. Not `Send`: autocast state is per thread.
+///
+/// ```no_run
+/// # fn main() -> Result<(), lora_core::sys::ShimError> {
+/// use tch::{Device, Kind, Tensor};
+/// let a = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
+/// let y = {
+///     let _autocast = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16)?;
+///     a.matmul(&a)
+/// };
+/// assert_eq!(y.kind(), Kind::BFloat16);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct AutocastGuard {
+    dev: i32,
+    prev_enabled: i32,
+    prev_dtype: i32,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl AutocastGuard {
+    /// Enables autocast to `dtype` (`Kind::BFloat16` or `Kind::Half`) for `device`'s type
+    /// (`Device::Cpu` or `Device::Cuda(_)`; the index does not matter).
+    ///
+    /// # Errors
+    /// An unsupported device or dtype, or a libtorch error.
+    pub fn new(device: Device, dtype: Kind) -> ShimResult<Self> {
+        Self::with_enabled(device, dtype, true)
+    }
+
+    /// Like [`AutocastGuard::new`] but with an explicit on/off switch (`false` disables autocast
+    /// inside the scope, e.g. for a loss that must run in fp32).
+    ///
+    /// # Errors
+    /// An unsupported device or dtype, or a libtorch error.
+    pub fn with_enabled(device: Device, dtype: Kind, enabled: bool) -> ShimResult<Self> {
+        let op = "autocast_enter";
+        let (dev, _) = device_code(op, device)?;
+        let code = scalar_type_code(op, dtype)?;
+        let (mut prev_enabled, mut prev_dtype) = (0i32, 0i32);
+        // SAFETY: valid out-pointers.
+        check(op, unsafe {
+            ffi::lsdk_autocast_get(dev, &mut prev_enabled, &mut prev_dtype)
+        })?;
+        // SAFETY: plain values.
+        check(op, unsafe {
+            ffi::lsdk_autocast_set(dev, i32::from(enabled), code)
+        })?;
+        let mut depth = 0i32;
+        // SAFETY: valid out-pointer.
+        if let Err(e) = check(op, unsafe {
+            ffi::lsdk_autocast_increment_nesting(&mut depth)
+        }) {
+            // SAFETY: plain values; restore what we changed.
+            let _ = check(op, unsafe {
+                ffi::lsdk_autocast_set(dev, prev_enabled, prev_dtype)
+            });
+            return Err(e);
+        }
+        Ok(Self {
+            dev,
+            prev_enabled,
+            prev_dtype,
+            _not_send: PhantomData,
+        })
+    }
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        let mut depth = 0i32;
+        // Errors cannot be returned from Drop; these calls only touch thread-local flags and
+        // cannot fail in practice.
+        // SAFETY: valid out-pointer / plain values.
+        let dec = check("autocast_exit", unsafe {
+            ffi::lsdk_autocast_decrement_nesting(&mut depth)
+        });
+        if dec.is_ok() && depth == 0 {
+            // SAFETY: no arguments.
+            let _ = check("autocast_exit", unsafe { ffi::lsdk_autocast_clear_cache() });
+        }
+        // SAFETY: plain values.
+        let _ = check("autocast_exit", unsafe {
+            ffi::lsdk_autocast_set(self.dev, self.prev_enabled, self.prev_dtype)
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA allocator
+
+/// CUDA caching-allocator statistics of one device, in bytes
+/// (`c10::CachingDeviceAllocator::DeviceStats`, aggregate pool — what
+/// `torch.cuda.memory_stats()` reports as `*.all.*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CudaMemStats {
+    /// Bytes held by live tensors (`allocated_bytes.all.current`, `torch.cuda.memory_allocated`).
+    pub allocated_bytes: u64,
+    /// Peak of `allocated_bytes` since the last reset (`torch.cuda.max_memory_allocated`).
+    pub peak_allocated_bytes: u64,
+    /// Bytes reserved from the driver by the caching allocator (`torch.cuda.memory_reserved`).
+    pub reserved_bytes: u64,
+    /// Peak of `reserved_bytes` since the last reset (`torch.cuda.max_memory_reserved`).
+    pub peak_reserved_bytes: u64,
+    /// Bytes of active blocks (allocated, including rounding).
+    pub active_bytes: u64,
+    /// Peak of `active_bytes`.
+    pub peak_active_bytes: u64,
+    /// Bytes requested by callers (before the allocator rounds up).
+    pub requested_bytes: u64,
+    /// Peak of `requested_bytes`.
+    pub peak_requested_bytes: u64,
+    /// Number of live allocations.
+    pub n_allocations: u64,
+}
+
+/// Number of CUDA devices libtorch sees (0 on a CPU-only machine or when `libtorch_cuda` is not
+/// loaded).
+///
+/// # Errors
+/// A libtorch error.
+pub fn cuda_device_count() -> ShimResult<usize> {
+    let mut n = 0i32;
+    // SAFETY: valid out-pointer.
+    check("cuda_device_count", unsafe {
+        ffi::lsdk_cuda_device_count(&mut n)
+    })?;
+    Ok(n.max(0) as usize)
+}
+
+fn cuda_index(op: &'static str, index: usize) -> ShimResult<Option<i32>> {
+    let n = cuda_device_count()?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if index >= n {
+        return Err(ShimError {
+            op,
+            message: format!("CUDA device {index} does not exist ({n} device(s) visible)"),
+        });
+    }
+    Ok(Some(index as i32))
+}
+
+/// Caching-allocator statistics of CUDA device `index`; `Ok(None)` when there is no CUDA device.
+///
+/// # Errors
+/// `index` beyond the device count, or a libtorch error.
+pub fn cuda_mem_stats(index: usize) -> ShimResult<Option<CudaMemStats>> {
+    let op = "cuda_mem_stats";
+    let Some(i) = cuda_index(op, index)? else {
+        return Ok(None);
+    };
+    let mut out = [0i64; 9];
+    // SAFETY: `out` has the 9 slots the shim writes.
+    check(op, unsafe { ffi::lsdk_cuda_mem_stats(i, out.as_mut_ptr()) })?;
+    let u = |v: i64| v.max(0) as u64;
+    Ok(Some(CudaMemStats {
+        allocated_bytes: u(out[0]),
+        peak_allocated_bytes: u(out[1]),
+        reserved_bytes: u(out[2]),
+        peak_reserved_bytes: u(out[3]),
+        active_bytes: u(out[4]),
+        peak_active_bytes: u(out[5]),
+        requested_bytes: u(out[6]),
+        peak_requested_bytes: u(out[7]),
+        n_allocations: u(out[8]),
+    }))
+}
+
+/// Resets the peak statistics of CUDA device `index` (`torch.cuda.reset_peak_memory_stats`).
+/// Returns `false` (and does nothing) when there is no CUDA device.
+///
+/// # Errors
+/// `index` beyond the device count, or a libtorch error.
+pub fn cuda_reset_peak(index: usize) -> ShimResult<bool> {
+    let op = "cuda_reset_peak";
+    let Some(i) = cuda_index(op, index)? else {
+        return Ok(false);
+    };
+    // SAFETY: plain value.
+    check(op, unsafe { ffi::lsdk_cuda_reset_peak(i) })?;
+    Ok(true)
+}
+
+/// Returns cached, unused CUDA blocks to the driver (`torch.cuda.empty_cache`). Returns `false`
+/// when there is no CUDA device.
+///
+/// # Errors
+/// A libtorch error.
+pub fn cuda_empty_cache() -> ShimResult<bool> {
+    if cuda_device_count()? == 0 {
+        return Ok(false);
+    }
+    // SAFETY: no arguments.
+    check("cuda_empty_cache", unsafe { ffi::lsdk_cuda_empty_cache() })?;
+    Ok(true)
+}
+
+/// `(free, total)` bytes of CUDA device `index` as the driver reports them
+/// (`cudaMemGetInfo`, `torch.cuda.mem_get_info`); `Ok(None)` when there is no CUDA device.
+///
+/// # Errors
+/// `index` beyond the device count, or a libtorch error.
+pub fn cuda_mem_info(index: usize) -> ShimResult<Option<(u64, u64)>> {
+    let op = "cuda_mem_info";
+    let Some(i) = cuda_index(op, index)? else {
+        return Ok(None);
+    };
+    let (mut free, mut total) = (0u64, 0u64);
+    // SAFETY: valid out-pointers.
+    check(op, unsafe {
+        ffi::lsdk_cuda_mem_info(i, &mut free, &mut total)
+    })?;
+    Ok(Some((free, total)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counting CPU allocator
+
+/// Tensor memory on CPU as counted by the shim's allocator, in bytes.
+///
+/// Counts every CPU tensor allocation made through libtorch's CPU allocator after
+/// [`install_counting_cpu_allocator`]; memory allocated before installation, mmap'd weights, and
+/// the process heap outside tensors are not counted (blocks allocated before installation and freed
+/// afterwards count 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CpuMemStats {
+    /// Bytes of live tensor storage.
+    pub current_bytes: u64,
+    /// Peak of `current_bytes` since installation or the last [`cpu_reset_peak`].
+    pub peak_bytes: u64,
+    /// Bytes allocated in total (never decreases).
+    pub total_allocated_bytes: u64,
+    /// Number of allocations in total.
+    pub n_allocations: u64,
+    /// The allocation limit, if one is set ([`set_cpu_alloc_limit`]).
+    pub limit_bytes: Option<u64>,
+    /// Number of live blocks.
+    pub live_blocks: u64,
+}
+
+/// Installs the counting CPU allocator (`c10::SetCPUAllocator` with priority 100). Idempotent.
+/// Tensors allocated before this keep their original deleter and are not counted.
+///
+/// # Errors
+/// A libtorch error.
+pub fn install_counting_cpu_allocator() -> ShimResult<()> {
+    // SAFETY: no arguments.
+    check("install_counting_cpu_allocator", unsafe {
+        ffi::lsdk_cpu_counting_install()
+    })
+}
+
+/// Whether the counting allocator is the current CPU allocator.
+///
+/// # Errors
+/// A libtorch error.
+pub fn counting_cpu_allocator_installed() -> ShimResult<bool> {
+    let mut v = 0i32;
+    // SAFETY: valid out-pointer.
+    check("counting_cpu_allocator_installed", unsafe {
+        ffi::lsdk_cpu_counting_installed(&mut v)
+    })?;
+    Ok(v != 0)
+}
+
+/// Exact CPU tensor bytes (current, peak, …). Installs the counting allocator on first use, so
+/// the first call reports only what is allocated from then on.
+///
+/// # Errors
+/// A libtorch error.
+pub fn cpu_mem_stats() -> ShimResult<CpuMemStats> {
+    install_counting_cpu_allocator()?;
+    let mut out = [0i64; 6];
+    // SAFETY: `out` has the 6 slots the shim writes.
+    check("cpu_mem_stats", unsafe {
+        ffi::lsdk_cpu_mem_stats(out.as_mut_ptr())
+    })?;
+    let u = |v: i64| v.max(0) as u64;
+    Ok(CpuMemStats {
+        current_bytes: u(out[0]),
+        peak_bytes: u(out[1]),
+        total_allocated_bytes: u(out[2]),
+        n_allocations: u(out[3]),
+        limit_bytes: (out[4] > 0).then(|| u(out[4])),
+        live_blocks: u(out[5]),
+    })
+}
+
+/// Resets the CPU peak to the current byte count.
+///
+/// # Errors
+/// A libtorch error.
+pub fn cpu_reset_peak() -> ShimResult<()> {
+    // SAFETY: no arguments.
+    check("cpu_reset_peak", unsafe { ffi::lsdk_cpu_reset_peak() })
+}
+
+/// Sets (or with `None` clears) a limit on live CPU tensor bytes. An allocation that would exceed
+/// it fails like a real out-of-memory: libtorch throws `c10::OutOfMemoryError` with
+/// "DefaultCPUAllocator: can't allocate memory" in its message, which tch's `f_*` functions return
+/// as `TchError::Torch`. Installs the counting allocator if needed. Meant for testing OOM recovery.
+///
+/// # Errors
+/// A limit above `i64::MAX`, or a libtorch error.
+pub fn set_cpu_alloc_limit(limit_bytes: Option<u64>) -> ShimResult<()> {
+    install_counting_cpu_allocator()?;
+    let v = match limit_bytes {
+        None => 0,
+        Some(b) => i64::try_from(b.max(1)).map_err(|_| ShimError {
+            op: "set_cpu_alloc_limit",
+            message: format!("limit {b} bytes is too large"),
+        })?,
+    };
+    // SAFETY: plain value.
+    check("set_cpu_alloc_limit", unsafe { ffi::lsdk_cpu_set_limit(v) })
+}
+
+/// RAII form of [`set_cpu_alloc_limit`]: sets a limit and restores the previous one on drop.
+#[derive(Debug)]
+pub struct CpuAllocLimitGuard {
+    prev: Option<u64>,
+}
+
+impl CpuAllocLimitGuard {
+    /// Limits live CPU tensor bytes to `limit_bytes` until the guard is dropped.
+    ///
+    /// # Errors
+    /// See [`set_cpu_alloc_limit`].
+    pub fn new(limit_bytes: u64) -> ShimResult<Self> {
+        let prev = cpu_mem_stats()?.limit_bytes;
+        set_cpu_alloc_limit(Some(limit_bytes))?;
+        Ok(Self { prev })
+    }
+}
+
+impl Drop for CpuAllocLimitGuard {
+    fn drop(&mut self) {
+        let _ = set_cpu_alloc_limit(self.prev);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RNG and determinism
+
+/// Seeds the CPU generator and every CUDA device's generator (`at::manual_seed`,
+/// `torch.manual_seed`).
+///
+/// # Errors
+/// A libtorch error.
+pub fn manual_seed(seed: u64) -> ShimResult<()> {
+    // SAFETY: plain value.
+    check("manual_seed", unsafe { ffi::lsdk_manual_seed(seed) })
+}
+
+/// The default generator state of `device` as bytes (`torch.get_rng_state()` on CPU — 5056
+/// bytes for the mt19937 CPU generator; `torch.cuda.get_rng_state(i)` on CUDA).
+///
+/// # Errors
+/// An unsupported device, CUDA without a device, or a libtorch error.
+pub fn rng_state(device: Device) -> ShimResult<Vec<u8>> {
+    let op = "rng_state";
+    let (dev, idx) = device_code(op, device)?;
+    let mut len = 0i64;
+    // SAFETY: a null buffer only asks for the length.
+    check(op, unsafe {
+        ffi::lsdk_rng_get_state(dev, idx, std::ptr::null_mut(), 0, &mut len)
+    })?;
+    let mut buf = vec![0u8; len.max(0) as usize];
+    let mut len2 = 0i64;
+    // SAFETY: `buf` has `len` bytes.
+    check(op, unsafe {
+        ffi::lsdk_rng_get_state(dev, idx, buf.as_mut_ptr(), buf.len() as i64, &mut len2)
+    })?;
+    if len2 != len {
+        return Err(ShimError {
+            op,
+            message: format!("generator state changed size during the read ({len} → {len2} bytes)"),
+        });
+    }
+    Ok(buf)
+}
+
+/// Restores a generator state read by [`rng_state`] on the same device type.
+///
+/// # Errors
+/// An unsupported device, or libtorch rejecting the state (wrong size or content).
+pub fn set_rng_state(device: Device, state: &[u8]) -> ShimResult<()> {
+    let op = "set_rng_state";
+    let (dev, idx) = device_code(op, device)?;
+    // SAFETY: `state` is valid for `len` bytes.
+    check(op, unsafe {
+        ffi::lsdk_rng_set_state(dev, idx, state.as_ptr(), state.len() as i64)
+    })
+}
+
+/// Switches libtorch's deterministic-algorithms mode
+/// (`torch.use_deterministic_algorithms(enabled, warn_only=warn_only)`).
+///
+/// # Errors
+/// A libtorch error.
+pub fn set_deterministic(enabled: bool, warn_only: bool) -> ShimResult<()> {
+    // SAFETY: plain values.
+    check("set_deterministic", unsafe {
+        ffi::lsdk_set_deterministic(i32::from(enabled), i32::from(warn_only))
+    })
+}
+
+/// Whether deterministic-algorithms mode is on.
+///
+/// # Errors
+/// A libtorch error.
+pub fn deterministic() -> ShimResult<bool> {
+    let mut v = 0i32;
+    // SAFETY: valid out-pointer.
+    check("deterministic", unsafe {
+        ffi::lsdk_get_deterministic(&mut v)
+    })?;
+    Ok(v != 0)
+}
+
+/// Sets libtorch's intra-op thread count for the calling thread (`tch::set_num_threads`) and
+/// returns the previous value.
+pub fn set_num_threads(n: usize) -> usize {
+    let prev = tch::get_num_threads().max(0) as usize;
+    tch::set_num_threads(n.max(1) as i32);
+    prev
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    #[test]
+    fn autocast_bf16_on_cpu_and_restore() {
+        let before = autocast_state(Device::Cpu).unwrap();
+        assert!(!before.enabled);
+        let a = Tensor::ones([8, 8], (Kind::Float, Device::Cpu));
+        {
+            let _g = AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+            let st = autocast_state(Device::Cpu).unwrap();
+            assert!(st.enabled);
+            assert_eq!(st.dtype, Some(Kind::BFloat16));
+            let y = a.matmul(&a);
+            assert_eq!(y.kind(), Kind::BFloat16);
+            assert_eq!(y.double_value(&[0, 0]), 8.0);
+            {
+                let _off = AutocastGuard::with_enabled(Device::Cpu, Kind::BFloat16, false).unwrap();
+                assert_eq!(a.matmul(&a).kind(), Kind::Float);
+            }
+            assert_eq!(a.matmul(&a).kind(), Kind::BFloat16);
+        }
+        assert_eq!(autocast_state(Device::Cpu).unwrap(), before);
+        assert_eq!(a.matmul(&a).kind(), Kind::Float);
+    }
+
+    #[test]
+    fn autocast_rejects_integer_dtype() {
+        let err = AutocastGuard::new(Device::Cpu, Kind::Int64).unwrap_err();
+        assert!(err.message.contains("Int64"), "{err}");
+    }
+
+    #[test]
+    fn cuda_calls_are_none_without_a_gpu() {
+        if cuda_device_count().unwrap() == 0 {
+            assert_eq!(cuda_mem_stats(0).unwrap(), None);
+            assert_eq!(cuda_mem_info(0).unwrap(), None);
+            assert!(!cuda_reset_peak(0).unwrap());
+            assert!(!cuda_empty_cache().unwrap());
+        } else {
+            let before = cuda_mem_stats(0).unwrap().unwrap();
+            let t = Tensor::zeros([1 << 20], (Kind::Float, Device::Cuda(0)));
+            let after = cuda_mem_stats(0).unwrap().unwrap();
+            assert!(after.allocated_bytes >= before.allocated_bytes + 4 * (1 << 20));
+            drop(t);
+            let (free, total) = cuda_mem_info(0).unwrap().unwrap();
+            assert!(free <= total && total > 0);
+        }
+    }
+
+    // The counting allocator is process-global and other tests in this crate allocate in parallel,
+    // so only monotone totals are checked here; exact current/peak bytes and the limit are tested
+    // in a dedicated process (lora-train/tests/engine_sys.rs).
+    #[test]
+    fn counting_cpu_allocator_counts_tensor_bytes() {
+        install_counting_cpu_allocator().unwrap();
+        assert!(counting_cpu_allocator_installed().unwrap());
+        let s0 = cpu_mem_stats().unwrap();
+        let n = 1_000_000i64;
+        let t = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        let s1 = cpu_mem_stats().unwrap();
+        assert!(s1.total_allocated_bytes >= s0.total_allocated_bytes + 4 * n as u64);
+        assert!(s1.n_allocations > s0.n_allocations);
+        assert!(s1.peak_bytes >= 4 * n as u64);
+        drop(t);
+    }
+}
