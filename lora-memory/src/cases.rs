@@ -21,6 +21,9 @@ pub enum CaseGroup {
     CpuRss,
     /// A fits / does-not-fit boundary.
     Boundary,
+    /// A percentile of per-step values (PEFT's p99 of reserved memory): below the peak at the
+    /// longest batch by construction; the peak prediction must not be below it.
+    Percentile,
     /// The published peak is set outside the training step (e.g. at model initialisation); the
     /// training-step prediction must stay below it.
     OutOfScope,
@@ -144,7 +147,7 @@ pub fn public_cases() -> Vec<Case> {
         group: CaseGroup::UnstatedMetric,
         note: "torchtune README 2024, QLoRA + torch.compile defaults",
     });
-    let tt31 = Profile { fused_adamw: true, chunked_cross_entropy: true, ..Profile::torchtune() };
+    let tt31 = Profile { fused_adamw: true, chunked_cross_entropy: true, torch_compile: true, compiled_loss: true, ..Profile::torchtune() };
     v.push(Case {
         id: "T10".into(),
         model: "Llama-3.1-8B",
@@ -157,7 +160,7 @@ pub fn public_cases() -> Vec<Case> {
         measured: gib(16.2),
         tolerance: (-0.15, 0.20),
         group: CaseGroup::UnstatedMetric,
-        note: "torchtune README (Llama 3.1 configs: packed, fused AdamW, chunked cross-entropy)",
+        note: "torchtune README (Llama 3.1 configs: packed, fused AdamW, chunked cross-entropy, compiled model and loss)",
     });
     v.push(Case {
         id: "T12".into(),
@@ -196,9 +199,26 @@ pub fn public_cases() -> Vec<Case> {
             settings: peft(s),
             metric: Metric::Reserved,
             measured: gb(peak),
+            tolerance: (0.0, 0.35),
+            group: CaseGroup::Percentile,
+            note: peft_note,
+        });
+    }
+    // The same benchmark's `cuda_memory_max` (max of the per-step reserved log, results files at
+    // huggingface/peft commit 0a179c1e): a peak, compared with the peak at max_seq_length.
+    for (id, s, peak) in [
+        ("P1-max", lora(&["q_proj", "v_proj"], 32, 64.0), 22_273_851_392u64),
+        ("P5-max", Settings::default().with_method(Method::Full), 37_241_225_216u64),
+    ] {
+        v.push(Case {
+            id: id.into(),
+            model: "Llama-3.2-3B",
+            settings: peft(s),
+            metric: Metric::Reserved,
+            measured: Bytes(peak),
             tolerance: (-0.10, 0.15),
             group: CaseGroup::AllocReserved,
-            note: peft_note,
+            note: "PEFT MetaMathQA results json, train_info.cuda_memory_max",
         });
     }
     v.push(Case {
@@ -285,7 +305,7 @@ pub fn public_cases() -> Vec<Case> {
                 .with_mixed_precision(MixedPrecision::Fp16),
             metric: Metric::Process,
             measured: gb(qlora_gb),
-            tolerance: (-0.60, 0.25),
+            tolerance: (-0.30, 0.30),
             group: CaseGroup::UnstatedMetric,
             note: "Qwen README \"Q-LoRA\" = GPTQ int4 base; metric unstated; the published numbers include GPTQ kernel buffers we do not model",
         });
@@ -299,7 +319,7 @@ pub fn public_cases() -> Vec<Case> {
             .with_resolution(512)
             .with_train_text_encoder(true)
             .with_attention(Attention::Math)
-            .with_profile(Profile::peft_transformers())
+            .with_profile(Profile { zero_grad_keeps_buffers: true, ..Profile::peft_transformers() })
     };
     let sd_targets = &["to_q", "to_v", "q_proj", "v_proj"];
     for (id, s, peak) in [
@@ -315,7 +335,7 @@ pub fn public_cases() -> Vec<Case> {
             measured: gb(peak),
             tolerance: (-0.10, 0.20),
             group: CaseGroup::AllocReserved,
-            note: "PEFT README DreamBooth; eager attention assumed",
+            note: "PEFT README DreamBooth (2023: torch 1.13 zero_grad keeps buffers); eager attention assumed",
         });
     }
     v.push(Case {
@@ -415,6 +435,7 @@ pub fn report(results: &[CaseResult]) -> String {
         ("allocated/reserved", CaseGroup::AllocReserved),
         ("unstated metric", CaseGroup::UnstatedMetric),
         ("CPU RSS delta", CaseGroup::CpuRss),
+        ("p99 (percentile)", CaseGroup::Percentile),
     ] {
         let (mape, worst, n) = summary(results, g);
         out += &format!("{name:<20} n={n:<3} MAPE {:>5.1}%  worst underprediction {:>+6.1}%\n", 100.0 * mape, 100.0 * worst);

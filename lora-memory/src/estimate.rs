@@ -36,7 +36,8 @@ pub enum Metric {
     Process,
     /// CPU: peak RSS during training steps minus RSS before them (after load and LoRA injection).
     CpuRssDelta,
-    /// Weights + adapters + optimizer states: what stays allocated between steps.
+    /// Weights + adapters + gradients + optimizer states: allocated right after the optimizer
+    /// step, before `zero_grad`.
     Persistent,
 }
 
@@ -127,7 +128,8 @@ pub struct Estimate {
     pub peak_process: Bytes,
     /// CPU: predicted peak RSS over the training steps minus RSS before them.
     pub step_delta: Bytes,
-    /// Weights + adapters + optimizer states.
+    /// Weights + adapters + gradients + optimizer states: what is allocated right after
+    /// `optimizer.step()`, before `zero_grad`.
     pub persistent: Bytes,
     /// The number to compare with a budget: `peak_process`.
     pub peak: Bytes,
@@ -192,7 +194,7 @@ pub const ALLOCATOR_FRAGMENTATION_FIXED: f64 = 0.05;
 /// The same with batches padded to varying lengths: freed blocks sized for one length are split
 /// for another and stay cached (PyTorch CUDA semantics notes, "Memory management";
 /// `expandable_segments` unset).
-pub const ALLOCATOR_FRAGMENTATION_VARIABLE: f64 = 0.15;
+pub const ALLOCATOR_FRAGMENTATION_VARIABLE: f64 = 0.10;
 
 struct Ctx {
     /// bytes of matmul outputs / saved activations
@@ -492,8 +494,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     let layers = d.layers as f64;
     let lm_lora = sites.iter().any(|x| x.name == "lm_head");
     let e_logits = c.e;
-    let (logits_peak, logits_kept) = if s.profile.torch_compile {
-        (2.0 * e_logits * v, e_logits * v)
+    let (logits_peak, logits_kept) = if s.profile.compiled_loss {
+        // fused cross-entropy: 16-bit logits + their gradient (one chunk at a time when chunked)
+        let grad = if s.profile.chunked_cross_entropy { e_logits * v / 8.0 } else { e_logits * v };
+        (e_logits * v + grad, e_logits * v)
     } else if s.profile.chunked_cross_entropy {
         (e_logits * v + 4.0 * v + 8.0 * v / 8.0, e_logits * v)
     } else {
@@ -560,7 +564,15 @@ struct FinishArgs<'a> {
 fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     let s = a.s;
     let persistent = a.base_weights + a.adapter_bytes + a.states;
-    let grads_at_backward = if s.method != Method::Full || s.gradient_accumulation_steps > 1 { a.gradients } else { 0.0 };
+    // Gradients exist during the backward peak when they persist across micro-batches, when
+    // zero_grad keeps the buffers, or when they are small (LoRA: counted, conservative). A full
+    // fine-tune with set_to_none produces them layer by layer while that layer's activations are
+    // freed, so its backward peak is taken without them.
+    let grads_at_backward = if s.method != Method::Full || s.gradient_accumulation_steps > 1 || s.profile.zero_grad_keeps_buffers {
+        a.gradients
+    } else {
+        0.0
+    };
     let backward = persistent + grads_at_backward + a.autocast_copies + a.activations + a.logits_loss + a.batch;
     let step = persistent + a.gradients + a.step_tmp;
     let allocated = backward.max(step);
@@ -607,7 +619,7 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         peak_reserved: Bytes::from_f64(reserved),
         peak_process: Bytes::from_f64(process),
         step_delta: Bytes::from_f64(step_delta),
-        persistent: Bytes::from_f64(persistent),
+        persistent: Bytes::from_f64(persistent + a.gradients),
         peak: Bytes::from_f64(process),
         metric: Metric::Process,
         notes,

@@ -208,10 +208,16 @@ pub struct Profile {
     pub bnb_saves_4bit_inputs: bool,
     /// Fused AdamW (`fused=True`): no `foreach` temporaries in the optimizer step.
     pub fused_adamw: bool,
-    /// `torch.compile`: Inductor fuses pointwise chains, so norms keep only their 16-bit input
+    /// `torch.compile` of the model: Inductor fuses pointwise chains, so norms keep only their 16-bit input
     /// and SiLU·up keeps only gate and up (AOTAutograd's min-cut partitioner recomputes cheap
-    /// pointwise ops); the loss is fused and keeps no fp32 copy of the logits.
+    /// pointwise ops). The loss is only fused with `compiled_loss`.
     pub torch_compile: bool,
+    /// The loss is compiled too (torchtune `compile: true` compiles the loss separately): the
+    /// fused cross-entropy keeps the 16-bit logits and their logsumexp, no fp32 copy.
+    pub compiled_loss: bool,
+    /// `optimizer.zero_grad(set_to_none=False)` (the PyTorch default before 2.0): gradient
+    /// buffers live through the whole backward pass.
+    pub zero_grad_keeps_buffers: bool,
     /// Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`, 8 chunks): only one chunk of
     /// fp32 logits exists at a time.
     pub chunked_cross_entropy: bool,
@@ -248,6 +254,8 @@ impl Profile {
             repeat_kv: true,
             legacy_fp32_logits: false,
             activation_offloading: false,
+            compiled_loss: false,
+            zero_grad_keeps_buffers: false,
         }
     }
 
