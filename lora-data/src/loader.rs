@@ -505,10 +505,7 @@ mod tests {
         }
         fn get_seeded(&self, index: usize, seed: u64) -> Result<(usize, u64)> {
             if index >= self.n {
-                return Err(Error::IndexOutOfRange {
-                    index,
-                    len: self.n,
-                });
+                return Err(Error::IndexOutOfRange { index, len: self.n });
             }
             self.loads.fetch_add(1, Ordering::SeqCst);
             Ok((index, seed))
@@ -525,7 +522,11 @@ mod tests {
         }
     }
 
-    fn loader(n: usize, groups: u64, config: LoaderConfig) -> (Loader<Numbers, Ids>, Arc<AtomicUsize>) {
+    fn loader(
+        n: usize,
+        groups: u64,
+        config: LoaderConfig,
+    ) -> (Loader<Numbers, Ids>, Arc<AtomicUsize>) {
         let loads = Arc::new(AtomicUsize::new(0));
         let ds = Numbers {
             n,
@@ -630,7 +631,11 @@ mod tests {
         resumed.restore(restored).unwrap();
         let tail = collect(&mut resumed);
         assert_eq!(tail, all[6..].to_vec());
-        assert_eq!(loads.load(Ordering::SeqCst), 30 - 12, "only the rest is loaded");
+        assert_eq!(
+            loads.load(Ordering::SeqCst),
+            30 - 12,
+            "only the rest is loaded"
+        );
         assert!(
             resumed
                 .restore(LoaderState {

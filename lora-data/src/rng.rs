@@ -69,8 +69,12 @@ mod tests {
 
     #[test]
     fn same_seed_same_stream_and_shuffle_is_a_permutation() {
-        let a: Vec<u64> = (0..5).scan(Rng::new(7), |r, _| Some(r.next_u64())).collect();
-        let b: Vec<u64> = (0..5).scan(Rng::new(7), |r, _| Some(r.next_u64())).collect();
+        let a: Vec<u64> = (0..5)
+            .scan(Rng::new(7), |r, _| Some(r.next_u64()))
+            .collect();
+        let b: Vec<u64> = (0..5)
+            .scan(Rng::new(7), |r, _| Some(r.next_u64()))
+            .collect();
         assert_eq!(a, b);
         let mut v: Vec<usize> = (0..100).collect();
         Rng::new(3).shuffle(&mut v);
