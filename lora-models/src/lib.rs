@@ -1,1 +1,17 @@
-//! placeholder
+//! Architectures over tch with injectable linear sites: the LLaMA family (HF safetensors, GGUF)
+//! and Stable Diffusion.
+//!
+//! - [`gguf`]: a memory-mapped GGUF v2/v3 reader and the reference dequantisation of its block
+//!   formats.
+//! - [`tokenizer`]: tokenizers from `tokenizer.json` or GGUF metadata; chat templates.
+//! - [`checkpoint`]: activation checkpointing by segment recomputation.
+//! - [`llama`]: the LLaMA family (Llama 2/3, Mistral, Qwen2/3, SmolLM2).
+#![deny(missing_docs)]
+
+pub mod checkpoint;
+pub mod error;
+pub mod gguf;
+pub mod llama;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,12 @@
+//! The LLaMA family: Llama 2/3, Mistral, Qwen2/Qwen3, SmolLM2 — over tch, every linear a LoRA
+//! site, loaded from HF safetensors or GGUF.
+
+mod config;
+mod generate;
+mod model;
+mod weights;
+
+pub use config::{LlamaConfig, RopeScaling};
+pub use generate::{GenerateOptions, Generation, PerplexityOptions, PerplexityReport, StopReason};
+pub use model::{KvCache, Llama, IGNORE_INDEX};
+pub use weights::WeightMode;

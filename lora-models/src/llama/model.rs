@@ -1,0 +1,709 @@
+//! The decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, and the causal-LM head.
+//!
+//! Follows transformers' `models/llama/modeling_llama.py` (and `qwen2`, `qwen3`) so that logits
+//! match it: RMSNorm (Zhang & Sennrich, arXiv:1910.07467) computed in f32; RoPE (Su et al.,
+//! arXiv:2104.09864) in HF's "rotate half" layout; GQA (Ainslie et al., arXiv:2305.13245) with
+//! kv heads repeated `n_head / n_kv` times; SwiGLU (Shazeer, arXiv:2002.05202)
+//! `down(silu(gate(x)) ⊙ up(x))`; pre-norm residual blocks.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use lora_core::embedding::LoraEmbedding;
+use lora_core::inject::{Adaptable, SiteMut};
+use lora_core::layer::LoraLayer;
+use lora_core::linear::LoraLinear;
+use tch::{Device, Kind, Tensor};
+
+use super::config::LlamaConfig;
+use super::weights::{GgufSource, MapSource, SafetensorsSource, WeightMode, WeightSource};
+use crate::checkpoint::SegmentTape;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+
+/// The label value that [`Llama::loss`] ignores (PyTorch's `ignore_index` default, HF's
+/// convention for prompt and padding positions).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// RMSNorm: `y = w ⊙ x / sqrt(mean(x²) + ε)`, the normalisation in f32, the result cast back to
+/// the input dtype before the weight is applied (HF `LlamaRMSNorm`).
+#[derive(Debug)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let kind = x.kind();
+        let xf = x.f_to_kind(Kind::Float)?;
+        let var = xf.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
+        let y = xf.f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?.f_to_kind(kind)?;
+        Ok(y.f_mul(&self.weight)?)
+    }
+
+    fn bytes(&self) -> u64 {
+        tensor_bytes(&self.weight)
+    }
+}
+
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// `[x1, x2] → [−x2, x1]` on the last dim (HF `rotate_half`).
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let half = x.size().last().copied().unwrap_or(0) / 2;
+    let x1 = x.f_narrow(-1, 0, half)?;
+    let x2 = x.f_narrow(-1, half, half)?;
+    Ok(Tensor::f_cat(&[x2.f_neg()?, x1], -1)?)
+}
+
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    Ok(x.f_mul(cos)?.f_add(&rotate_half(x)?.f_mul(sin)?)?)
+}
+
+/// One layer's cached keys and values `[batch, n_kv_heads, past, head_dim]`.
+#[derive(Debug, Default)]
+struct LayerCache {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+/// Keys and values of the tokens seen so far, for incremental decoding.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    len: i64,
+}
+
+impl KvCache {
+    /// An empty cache for a model with `n_layers` layers.
+    pub fn new(n_layers: usize) -> Self {
+        Self { layers: (0..n_layers).map(|_| LayerCache::default()).collect(), len: 0 }
+    }
+
+    /// Number of cached positions.
+    pub fn seq_len(&self) -> i64 {
+        self.len
+    }
+
+    /// Bytes held by the cached tensors.
+    pub fn bytes(&self) -> u64 {
+        self.layers.iter().filter_map(|l| l.kv.as_ref()).map(|(k, v)| tensor_bytes(k) + tensor_bytes(v)).sum()
+    }
+}
+
+#[derive(Debug)]
+struct Attention {
+    q_proj: LoraLinear,
+    k_proj: LoraLinear,
+    v_proj: LoraLinear,
+    o_proj: LoraLinear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    n_head: i64,
+    n_kv: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    /// `x` `[b, s, d]`; `cos`/`sin` `[b, 1, s, hd]`; `mask` bool `[b, 1, s, past + s]` (true =
+    /// attend).
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut LayerCache>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let heads = |t: Tensor, n: i64, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let t = t.f_view([b, s, n, self.head_dim])?;
+            let t = match norm {
+                Some(nm) => nm.forward(&t)?,
+                None => t,
+            };
+            Ok(t.f_transpose(1, 2)?)
+        };
+        let q = heads(self.q_proj.forward_t(x, train)?, self.n_head, &self.q_norm)?;
+        let k = heads(self.k_proj.forward_t(x, train)?, self.n_kv, &self.k_norm)?;
+        let v = heads(self.v_proj.forward_t(x, train)?, self.n_kv, &None)?;
+        let q = apply_rope(&q, cos, sin)?;
+        let mut k = apply_rope(&k, cos, sin)?;
+        let mut v = v;
+        if let Some(c) = cache {
+            if let Some((pk, pv)) = &c.kv {
+                k = Tensor::f_cat(&[pk, &k], 2)?;
+                v = Tensor::f_cat(&[pv, &v], 2)?;
+            }
+            c.kv = Some((k.shallow_clone(), v.shallow_clone()));
+        }
+        let rep = self.n_head / self.n_kv;
+        let repeat = |t: &Tensor| -> Result<Tensor> {
+            if rep == 1 {
+                return Ok(t.shallow_clone());
+            }
+            let sz = t.size();
+            // HF `repeat_kv`: query head h reads kv head h / rep.
+            Ok(t.f_unsqueeze(2)?
+                .f_expand([sz[0], sz[1], rep, sz[2], sz[3]], false)?
+                .f_reshape([sz[0], sz[1] * rep, sz[2], sz[3]])?)
+        };
+        let (k, v) = (repeat(&k)?, repeat(&v)?);
+        let y = Tensor::f_scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, false)?;
+        let y = y.f_transpose(1, 2)?.f_reshape([b, s, self.n_head * self.head_dim])?;
+        Ok(self.o_proj.forward_t(&y, train)?)
+    }
+}
+
+#[derive(Debug)]
+struct Mlp {
+    gate_proj: LoraLinear,
+    up_proj: LoraLinear,
+    down_proj: LoraLinear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let g = self.gate_proj.forward_t(x, train)?.f_silu()?;
+        let u = self.up_proj.forward_t(x, train)?;
+        Ok(self.down_proj.forward_t(&g.f_mul(&u)?, train)?)
+    }
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut LayerCache>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let h = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, mask, cache, train)?;
+        let h = x.f_add(&h)?;
+        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, train)?;
+        Ok(h.f_add(&m)?)
+    }
+}
+
+/// Everything the decoder layers share for one forward pass.
+struct Prepared {
+    x0: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
+/// A LLaMA-family causal LM whose every linear (and the embedding) is a LoRA site.
+///
+/// Sites, named as in HF transformers so that a PEFT adapter maps 1:1: `model.embed_tokens`,
+/// `model.layers.N.self_attn.{q,k,v,o}_proj`, `model.layers.N.mlp.{gate,up,down}_proj`, and
+/// `lm_head` when the head is not tied to the embedding.
+#[derive(Debug)]
+pub struct Llama {
+    config: LlamaConfig,
+    embed_tokens: LoraEmbedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Option<LoraLinear>,
+    inv_freq: Tensor,
+    kind: Kind,
+    device: Device,
+    gradient_checkpointing: bool,
+}
+
+impl Llama {
+    /// Loads a GGUF file (`llama`, `qwen2` or `qwen3` architecture).
+    ///
+    /// With [`WeightMode::KeepQuantized`], `Q8_0`/`Q4_0`/`Q4_1` weights stay in block format on
+    /// `device`; with [`WeightMode::Dense`] they are dequantised once. llama.cpp's Q/K row
+    /// permutation (architecture `llama`) is undone on the stored rows, so the HF layout and
+    /// HF's rotate-half RoPE apply, and a PEFT adapter trained on the HF model fits.
+    ///
+    /// # Errors
+    /// [`Error::Io`]/[`Error::Gguf`] for an unreadable file, [`Error::Metadata`] for missing
+    /// keys, [`Error::MissingTensor`]/[`Error::Shape`] when tensors do not match the metadata,
+    /// [`Error::Unsupported`] for tensor types other than F32/F16/BF16/Q8_0/Q4_0/Q4_1.
+    pub fn from_gguf(path: impl AsRef<Path>, mode: WeightMode, device: Device) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        Self::from_gguf_file(&file, mode, device)
+    }
+
+    /// As [`Llama::from_gguf`], from an opened file.
+    ///
+    /// # Errors
+    /// As [`Llama::from_gguf`].
+    pub fn from_gguf_file(file: &GgufFile, mode: WeightMode, device: Device) -> Result<Self> {
+        let config = LlamaConfig::from_gguf(file)?;
+        let src = GgufSource { file, mode, device, permute_qk: config.model_type == "llama" };
+        Self::build(config, &src, mode.compute_kind(), device)
+    }
+
+    /// Loads an HF checkpoint folder: `config.json` plus `model.safetensors` or the shards of
+    /// `model.safetensors.index.json`, memory-mapped and copied into tensors of the mode's dtype
+    /// (`KeepQuantized` = float32: safetensors weights are not block-quantised).
+    ///
+    /// # Errors
+    /// [`Error::Io`]/[`Error::Config`] for the folder's files, [`Error::Safetensors`] for bad
+    /// headers, [`Error::MissingTensor`]/[`Error::Shape`] for mismatching weights.
+    pub fn from_safetensors(dir: impl AsRef<Path>, mode: WeightMode, device: Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = LlamaConfig::from_hf_json(dir.join("config.json"))?;
+        let src = SafetensorsSource::open(dir, mode, device)?;
+        Self::build(config, &src, mode.compute_kind(), device)
+    }
+
+    /// Builds the model from tensors keyed by HF parameter name (`model.layers.0.mlp.up_proj.weight`,
+    /// …), converted to `kind` on `device`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`]/[`Error::Shape`] when the map does not fit `config`.
+    pub fn from_tensors(config: LlamaConfig, tensors: &HashMap<String, Tensor>, kind: Kind, device: Device) -> Result<Self> {
+        config.validate()?;
+        let src = MapSource { map: tensors, kind, device };
+        Self::build(config, &src, kind, device)
+    }
+
+    fn build(config: LlamaConfig, src: &dyn WeightSource, kind: Kind, device: Device) -> Result<Self> {
+        config.validate()?;
+        let (d, hd) = (config.hidden_size, config.head_dim());
+        let (nh, nkv, ff) = (config.num_attention_heads, config.n_kv_heads(), config.intermediate_size);
+        let missing = |name: &str| Error::MissingTensor { name: name.to_string(), path: src.origin() };
+        let norm = |name: &str| -> Result<RmsNorm> {
+            let w = src.dense(name, kind)?.ok_or_else(|| missing(name))?;
+            Ok(RmsNorm { weight: w, eps: config.rms_norm_eps })
+        };
+        let linear = |p: &str, out: i64, inp: i64, bias: bool, qk: bool| -> Result<LoraLinear> {
+            let base = src.base(&format!("{p}.weight"), [out, inp], qk.then_some(hd))?;
+            let b = if bias {
+                let name = format!("{p}.bias");
+                Some(src.dense(&name, kind)?.ok_or_else(|| missing(&name))?)
+            } else {
+                None
+            };
+            Ok(LoraLinear::new(base, b)?)
+        };
+        let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
+        for i in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let (qkv_b, o_b, mlp_b) = (config.qkv_bias(), config.o_bias(), config.mlp_bias);
+            let self_attn = Attention {
+                q_proj: linear(&format!("{p}.self_attn.q_proj"), nh * hd, d, qkv_b, true)?,
+                k_proj: linear(&format!("{p}.self_attn.k_proj"), nkv * hd, d, qkv_b, true)?,
+                v_proj: linear(&format!("{p}.self_attn.v_proj"), nkv * hd, d, qkv_b, false)?,
+                o_proj: linear(&format!("{p}.self_attn.o_proj"), d, nh * hd, o_b, false)?,
+                q_norm: if config.qk_norm() { Some(norm(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
+                k_norm: if config.qk_norm() { Some(norm(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
+                n_head: nh,
+                n_kv: nkv,
+                head_dim: hd,
+            };
+            let mlp = Mlp {
+                gate_proj: linear(&format!("{p}.mlp.gate_proj"), ff, d, mlp_b, false)?,
+                up_proj: linear(&format!("{p}.mlp.up_proj"), ff, d, mlp_b, false)?,
+                down_proj: linear(&format!("{p}.mlp.down_proj"), d, ff, mlp_b, false)?,
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
+                self_attn,
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                mlp,
+            });
+        }
+        let embed_base = src.base("model.embed_tokens.weight", [config.vocab_size, d], None)?;
+        let embed_tokens = LoraEmbedding::new(embed_base)?.with_output_kind(kind);
+        let tied = config.tie_word_embeddings || !src.has("lm_head.weight");
+        let lm_head = if tied { None } else { Some(linear("lm_head", config.vocab_size, d, false, false)?) };
+        let final_norm = norm("model.norm.weight")?;
+        let mut config = config;
+        config.tie_word_embeddings = tied;
+        let factors = src.rope_freq_factors()?;
+        let inv: Vec<f32> = config.inv_freq(factors.as_deref()).into_iter().map(|f| f as f32).collect();
+        let inv_freq = Tensor::f_from_slice(&inv)?.f_to_device(device)?;
+        Ok(Self {
+            norm: final_norm,
+            config,
+            embed_tokens,
+            layers,
+            lm_head,
+            inv_freq,
+            kind,
+            device,
+            gradient_checkpointing: false,
+        })
+    }
+
+    /// The configuration (with `tie_word_embeddings` as loaded).
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The dtype activations are computed in.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Turns per-decoder-layer activation checkpointing on or off for [`Llama::loss_backward`].
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether activation checkpointing is on.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
+    }
+
+    /// Bytes held by the frozen weights (linear/embedding storage as held — quantised blocks or
+    /// dense —, norms, biases). Adapters are not counted.
+    pub fn weights_resident_bytes(&self) -> u64 {
+        let lin = |l: &LoraLinear| l.base().storage_bytes() + l.bias().map_or(0, tensor_bytes);
+        let mut total = self.embed_tokens.base().storage_bytes() + self.norm.bytes() + tensor_bytes(&self.inv_freq);
+        if let Some(h) = &self.lm_head {
+            total += lin(h);
+        }
+        for l in &self.layers {
+            let a = &l.self_attn;
+            total += [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]
+                .into_iter()
+                .map(lin)
+                .sum::<u64>();
+            total += l.input_layernorm.bytes() + l.post_attention_layernorm.bytes();
+            total += a.q_norm.as_ref().map_or(0, RmsNorm::bytes) + a.k_norm.as_ref().map_or(0, RmsNorm::bytes);
+        }
+        total
+    }
+
+    /// Number of frozen parameters (all weights, norms and biases).
+    pub fn num_params(&self) -> i64 {
+        let lin = |l: &LoraLinear| l.base().numel() + l.bias().map_or(0, |b| b.numel() as i64);
+        let mut n = self.embed_tokens.base().numel() + self.norm.weight.numel() as i64;
+        if let Some(h) = &self.lm_head {
+            n += lin(h);
+        }
+        for l in &self.layers {
+            let a = &l.self_attn;
+            n += [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]
+                .into_iter()
+                .map(lin)
+                .sum::<i64>();
+            n += (l.input_layernorm.weight.numel() + l.post_attention_layernorm.weight.numel()) as i64;
+            n += a.q_norm.as_ref().map_or(0, |x| x.weight.numel() as i64);
+            n += a.k_norm.as_ref().map_or(0, |x| x.weight.numel() as i64);
+        }
+        n
+    }
+
+    fn check_ids(&self, ids: &Tensor) -> Result<(i64, i64)> {
+        let sz = ids.size();
+        if sz.len() != 2 || sz[1] == 0 {
+            return Err(Error::InvalidArgument(format!("input ids must be [batch, seq] with seq ≥ 1, got {sz:?}")));
+        }
+        if !matches!(ids.kind(), Kind::Int64 | Kind::Int) {
+            return Err(Error::InvalidArgument(format!("input ids must be int64, got {:?}", ids.kind())));
+        }
+        Ok((sz[0], sz[1]))
+    }
+
+    /// cos/sin `[b, 1, s, hd]` in the compute dtype for positions `[b, s]`.
+    fn rope(&self, pos: &Tensor) -> Result<(Tensor, Tensor)> {
+        let freqs = pos.f_to_kind(Kind::Float)?.f_unsqueeze(-1)?.f_mul(&self.inv_freq)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        let cos = emb.f_cos()?.f_to_kind(self.kind)?.f_unsqueeze(1)?;
+        let sin = emb.f_sin()?.f_to_kind(self.kind)?.f_unsqueeze(1)?;
+        Ok((cos, sin))
+    }
+
+    /// Boolean attention mask `[b, 1, s, past + s]` (true = attend): causal, padding (keys whose
+    /// `attn_mask` is 0), documents (keys of another document, for packed rows), and always the
+    /// diagonal so that no row is empty (a padded query attends to itself only; its output is
+    /// never used, and this keeps it finite).
+    fn mask(&self, b: i64, s: i64, past: i64, attn_mask: Option<&Tensor>, doc: Option<&Tensor>) -> Result<Tensor> {
+        let dev = self.device;
+        let t = past + s;
+        let q = Tensor::f_arange(s, (Kind::Int64, dev))?.f_add_scalar(past)?.f_view([s, 1])?;
+        let k = Tensor::f_arange(t, (Kind::Int64, dev))?.f_view([1, t])?;
+        let mut m = k.f_le_tensor(&q)?.f_view([1, 1, s, t])?.f_expand([b, 1, s, t], false)?;
+        if let Some(am) = attn_mask {
+            if am.size() != [b, t] {
+                return Err(Error::InvalidArgument(format!(
+                    "attention mask must be [batch, past + seq] = [{b}, {t}], got {:?}",
+                    am.size()
+                )));
+            }
+            let am = am.f_to_device(dev)?.f_ne(0)?.f_view([b, 1, 1, t])?;
+            m = m.f_logical_and(&am)?;
+        }
+        if let Some(doc) = doc {
+            let same = doc.f_view([b, 1, s, 1])?.f_eq_tensor(&doc.f_view([b, 1, 1, s])?)?;
+            m = m.f_logical_and(&same)?;
+        }
+        let diag = k.f_eq_tensor(&q)?.f_view([1, 1, s, t])?;
+        Ok(m.f_logical_or(&diag)?)
+    }
+
+    /// Document ids `[b, s]` from position ids: a new document starts wherever a position is not
+    /// the previous one plus 1 (the convention of packed-sequence collators, e.g. transformers'
+    /// `DataCollatorWithFlattening`, whose positions restart at 0 per document).
+    fn documents(pos: &Tensor) -> Result<Tensor> {
+        let s = pos.size()[1];
+        let prev = pos.f_narrow(1, 0, s - 1)?.f_add_scalar(1)?;
+        let cont = pos.f_narrow(1, 1, s - 1)?.f_eq_tensor(&prev)?;
+        let first = Tensor::f_zeros([pos.size()[0], 1], (Kind::Int64, pos.device()))?;
+        let starts = Tensor::f_cat(&[first, cont.f_logical_not()?.f_to_kind(Kind::Int64)?], 1)?;
+        Ok(starts.f_cumsum(1, Kind::Int64)?)
+    }
+
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let x = self.embed_tokens.forward(&ids.f_to_device(self.device)?)?;
+        if x.kind() == self.kind { Ok(x) } else { Ok(x.f_to_kind(self.kind)?) }
+    }
+
+    fn prepare(&self, ids: &Tensor, attn_mask: Option<&Tensor>, pos_ids: Option<&Tensor>) -> Result<Prepared> {
+        let (b, s) = self.check_ids(ids)?;
+        let (pos, doc) = match pos_ids {
+            Some(p) => {
+                if p.size() != [b, s] {
+                    return Err(Error::InvalidArgument(format!(
+                        "position ids must be [batch, seq] = [{b}, {s}], got {:?}",
+                        p.size()
+                    )));
+                }
+                let p = p.f_to_device(self.device)?.f_to_kind(Kind::Int64)?;
+                let doc = Self::documents(&p)?;
+                (p, Some(doc))
+            }
+            None => {
+                let pos = match attn_mask {
+                    // left padding: positions count real tokens (HF `generate`'s convention)
+                    Some(am) => am
+                        .f_to_device(self.device)?
+                        .f_ne(0)?
+                        .f_to_kind(Kind::Int64)?
+                        .f_cumsum(1, Kind::Int64)?
+                        .f_sub_scalar(1)?
+                        .f_clamp_min(0)?,
+                    None => Tensor::f_arange(s, (Kind::Int64, self.device))?.f_view([1, s])?.f_expand([b, s], false)?,
+                };
+                (pos, None)
+            }
+        };
+        let (cos, sin) = self.rope(&pos)?;
+        let mask = self.mask(b, s, 0, attn_mask, doc.as_ref())?;
+        Ok(Prepared { x0: self.embed(ids)?, cos, sin, mask })
+    }
+
+    /// Final norm + LM head → f32 logits.
+    fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let h = self.norm.forward(h)?;
+        let logits = match &self.lm_head {
+            Some(l) => l.forward_t(&h, false)?,
+            None => {
+                let w = self.embed_tokens.base().weight(self.kind)?;
+                h.f_linear::<Tensor>(&w, None)?
+            }
+        };
+        Ok(logits.f_to_kind(Kind::Float)?)
+    }
+
+    /// Hidden states after the last decoder layer (before the final norm) `[b, s, d]`.
+    ///
+    /// # Errors
+    /// As [`Llama::forward_t`].
+    pub fn hidden_states(&self, ids: &Tensor, attn_mask: Option<&Tensor>, pos_ids: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let p = self.prepare(ids, attn_mask, pos_ids)?;
+        let mut x = p.x0;
+        for l in &self.layers {
+            x = l.forward(&x, &p.cos, &p.sin, &p.mask, None, train)?;
+        }
+        Ok(x)
+    }
+
+    /// The causal-LM forward pass.
+    ///
+    /// # Shapes
+    /// - `ids`: `[batch, seq]` int64;
+    /// - `attn_mask`: `[batch, seq]`, nonzero = real token, 0 = padding (keys masked out);
+    ///   without `pos_ids`, positions are then `cumsum(mask) − 1` so left padding works;
+    /// - `pos_ids`: `[batch, seq]` int64 RoPE positions; a row whose positions restart (any
+    ///   position ≠ previous + 1) holds several packed documents, which do not attend to each other;
+    /// - returns logits `[batch, seq, vocab]` float32.
+    ///
+    /// `train` enables LoRA dropout. This pass always keeps the full autograd graph; activation
+    /// checkpointing applies to [`Llama::loss_backward`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for badly shaped inputs; [`Error::Torch`] for op failures (out
+    /// of memory, ids out of range).
+    pub fn forward_t(&self, ids: &Tensor, attn_mask: Option<&Tensor>, pos_ids: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let h = self.hidden_states(ids, attn_mask, pos_ids, train)?;
+        self.head(&h)
+    }
+
+    /// One incremental step with a [`KvCache`]: `ids` `[batch, new]` are the tokens after the
+    /// `cache.seq_len()` cached ones (all rows the same length, no padding); returns logits
+    /// `[batch, new, vocab]` float32 and appends the new keys/values to the cache. No autograd
+    /// graph is recorded.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the cache belongs to another model or the context
+    /// exceeds `max_position_embeddings`; [`Error::Torch`] for op failures.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let (b, s) = self.check_ids(ids)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the cache has {} layers, the model {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let past = cache.len;
+        let pos = Tensor::f_arange(s, (Kind::Int64, self.device))?.f_add_scalar(past)?.f_view([1, s])?.f_expand([b, s], false)?;
+        let (cos, sin) = self.rope(&pos)?;
+        let mask = self.mask(b, s, past, None, None)?;
+        let mut x = self.embed(ids)?;
+        for (l, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = l.forward(&x, &cos, &sin, &mask, Some(c), false)?;
+        }
+        cache.len += s;
+        self.head(&x)
+    }
+
+    /// Mean next-token cross-entropy (nats) of `logits` `[b, s, V]` against `labels` `[b, s]`:
+    /// position `t` predicts `labels[t + 1]`; labels equal to [`IGNORE_INDEX`] are skipped (HF
+    /// `ForCausalLMLoss`).
+    fn shifted_ce(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let (b, s, v) = (logits.size()[0], logits.size()[1], logits.size()[2]);
+        if labels.size() != [b, s] {
+            return Err(Error::InvalidArgument(format!("labels must be [{b}, {s}], got {:?}", labels.size())));
+        }
+        let lg = logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?;
+        let lb = labels.f_to_device(logits.device())?.f_to_kind(Kind::Int64)?.f_narrow(1, 1, s - 1)?.f_reshape([-1])?;
+        Ok(lg.f_cross_entropy_loss::<Tensor>(&lb, None, tch::Reduction::Mean, IGNORE_INDEX, 0.0)?)
+    }
+
+    /// Mean next-token negative log-likelihood: the causal-LM training loss.
+    ///
+    /// `labels` `[batch, seq]` int64 are usually the input ids with prompt/padding positions set
+    /// to [`IGNORE_INDEX`] (−100); they are shifted inside (position `t` predicts `labels[t+1]`),
+    /// as HF does. Returns a 0-d float32 tensor with a graph (when anything requires grad).
+    ///
+    /// # Errors
+    /// As [`Llama::forward_t`], plus [`Error::InvalidArgument`] for mis-shaped labels.
+    pub fn loss(
+        &self,
+        ids: &Tensor,
+        labels: &Tensor,
+        attn_mask: Option<&Tensor>,
+        pos_ids: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let logits = self.forward_t(ids, attn_mask, pos_ids, train)?;
+        Self::shifted_ce(&logits, labels)
+    }
+
+    /// Computes [`Llama::loss`] and backpropagates `loss · loss_scale` into every tensor that
+    /// requires grad (the adapters), with per-decoder-layer activation checkpointing when
+    /// [`Llama::set_gradient_checkpointing`] is on. Returns the unscaled loss, detached.
+    ///
+    /// With checkpointing, the layers run without a graph and only their inputs `[b, s, d]` are
+    /// kept; at backward time each layer is recomputed and backpropagated in turn
+    /// ([`SegmentTape`]). Gradients equal those of the plain path (tested); LoRA dropout draws the
+    /// same masks in the recomputation (per-layer reseeding, see [`crate::checkpoint`]).
+    ///
+    /// `loss_scale` is `1 / gradient_accumulation_steps` (times a loss-scaling factor for fp16).
+    ///
+    /// # Errors
+    /// As [`Llama::loss`]; [`Error::Torch`] when nothing requires grad.
+    pub fn loss_backward(
+        &self,
+        ids: &Tensor,
+        labels: &Tensor,
+        attn_mask: Option<&Tensor>,
+        pos_ids: Option<&Tensor>,
+        train: bool,
+        loss_scale: f64,
+    ) -> Result<Tensor> {
+        if !self.gradient_checkpointing {
+            let loss = self.loss(ids, labels, attn_mask, pos_ids, train)?;
+            loss.f_mul_scalar(loss_scale)?.f_backward()?;
+            return Ok(loss.f_detach()?);
+        }
+        let p = self.prepare(ids, attn_mask, pos_ids)?;
+        let seg = |i: usize, x: &Tensor| self.layers[i].forward(x, &p.cos, &p.sin, &p.mask, None, train);
+        let (h, tape) = SegmentTape::forward(&p.x0, self.layers.len(), seg)?;
+        let loss = Self::shifted_ce(&self.head(&h)?, labels)?;
+        loss.f_mul_scalar(loss_scale)?.f_backward()?;
+        let g = h.f_grad()?;
+        let g0 = tape.backward(&g, seg)?;
+        if p.x0.requires_grad() {
+            p.x0.f_mul(&g0.f_to_kind(p.x0.kind())?)?.f_sum(Kind::Float)?.f_backward()?;
+        }
+        Ok(loss.f_detach()?)
+    }
+}
+
+impl Adaptable for Llama {
+    fn visit_sites(
+        &mut self,
+        f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
+    ) -> lora_core::Result<()> {
+        f("model.embed_tokens", SiteMut::Embedding(&mut self.embed_tokens))?;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let a = &mut l.self_attn;
+            f(&format!("model.layers.{i}.self_attn.q_proj"), SiteMut::Linear(&mut a.q_proj))?;
+            f(&format!("model.layers.{i}.self_attn.k_proj"), SiteMut::Linear(&mut a.k_proj))?;
+            f(&format!("model.layers.{i}.self_attn.v_proj"), SiteMut::Linear(&mut a.v_proj))?;
+            f(&format!("model.layers.{i}.self_attn.o_proj"), SiteMut::Linear(&mut a.o_proj))?;
+            let m = &mut l.mlp;
+            f(&format!("model.layers.{i}.mlp.gate_proj"), SiteMut::Linear(&mut m.gate_proj))?;
+            f(&format!("model.layers.{i}.mlp.up_proj"), SiteMut::Linear(&mut m.up_proj))?;
+            f(&format!("model.layers.{i}.mlp.down_proj"), SiteMut::Linear(&mut m.down_proj))?;
+        }
+        if let Some(h) = &mut self.lm_head {
+            f("lm_head", SiteMut::Linear(h))?;
+        }
+        Ok(())
+    }
+
+    fn frozen_param_count(&self) -> Option<i64> {
+        Some(self.num_params())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotate_half_and_documents() {
+        let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]);
+        let r = rotate_half(&x).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&r).unwrap(), vec![-3.0, -4.0, 1.0, 2.0]);
+        let pos = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 0, 5, 6]).view([1, 8]);
+        let doc = Llama::documents(&pos).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&doc.view([-1])).unwrap(), vec![1, 1, 1, 2, 2, 3, 4, 4]);
+    }
+}
