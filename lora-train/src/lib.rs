@@ -1,1 +1,12 @@
-//! placeholder
+//! LoRA fine-tuning that knows its memory: plan, train, survive, export.
+#![deny(missing_docs)]
+
+pub use lora_core as core;
+pub use lora_data as data;
+pub use lora_memory as memory;
+pub use lora_models as models;
+pub use tch;
+
+pub mod config;
+pub mod optim;
+pub mod trainer;
