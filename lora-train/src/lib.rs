@@ -8,5 +8,3 @@ pub use lora_models as models;
 pub use tch;
 
 pub mod config;
-pub mod optim;
-pub mod trainer;
