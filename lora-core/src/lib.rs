@@ -14,6 +14,7 @@ pub mod config;
 pub mod conv;
 pub mod embedding;
 mod error;
+pub mod formats;
 pub mod inject;
 pub mod layer;
 pub mod linear;

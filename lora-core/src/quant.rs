@@ -300,7 +300,7 @@ pub fn nf4_double_dequantize_reference(q: &[i8], scales: &[f32], offset: f32, n:
 /// - GGUF kinds: `codes` `[out, in/32, 32]` i8 (Q8_0) or `[out, in/32, 16]` u8 (Q4_*), `scales`
 ///   `[out, in/32]` f16, `mins` `[out, in/32]` f16 (Q4_1 only).
 /// - NF4: `codes` `[out·in/64, 32]` u8, `scales` `[out·in/64]` f32 absmax, or with double quantization
-///   `[⌈out·in/64/256⌉·256]` i8 plus `dq_scales` f32 `[⌈…/256⌉]` and a scalar offset; `table` f32 `[16]`.
+///   `[out·in/64]` i8 plus `dq_scales` f32 `[⌈out·in/64/256⌉]` and a scalar offset; `table` f32 `[16]`.
 #[derive(Debug)]
 pub struct QuantWeight {
     kind: QuantKind,
@@ -449,8 +449,9 @@ impl QuantWeight {
         let table = Tensor::f_from_slice(&NF4_TABLE).and_then(|t| t.f_to_device(device)).ctx(ctx)?;
         let (scales, dq_scales, dq_offset) = if double_quant {
             let (q, s, off) = double_quantize(absmax);
-            let qb: Vec<u8> = q.iter().map(|&v| v as u8).collect();
-            let qt = Tensor::f_from_data_size(&qb, &[q.len() as i64], Kind::Int8)
+            // keep only the real constants (the last 256-block may be partial)
+            let qb: Vec<u8> = q[..absmax.len()].iter().map(|&v| v as u8).collect();
+            let qt = Tensor::f_from_data_size(&qb, &[qb.len() as i64], Kind::Int8)
                 .and_then(|t| t.f_to_device(device))
                 .ctx(ctx)?;
             let st = Tensor::f_from_slice(&s).and_then(|t| t.f_to_device(device)).ctx(ctx)?;
@@ -518,8 +519,10 @@ impl QuantWeight {
             Some(s2) => {
                 let nb = self.shape[0] * self.shape[1] / NF4_BLOCK as i64;
                 let blocks = s2.size()[0];
+                let pad = blocks * NF4_DQ_BLOCK as i64 - nb;
                 self.scales
                     .f_to_kind(Kind::Float)?
+                    .f_constant_pad_nd([0, pad])?
                     .f_reshape([blocks, NF4_DQ_BLOCK as i64])?
                     .f_mul(&s2.f_unsqueeze(1)?)?
                     .f_reshape([-1])?

@@ -1,0 +1,412 @@
+//! Adapter files: PEFT ([`peft`]), kohya ([`kohya`]) and diffusers ([`diffusers`]) layouts.
+//!
+//! All formats go through [`AdapterWeights`], a format-neutral set of per-module `(A, B, alpha,
+//! magnitude)`; conversions between formats preserve the adapter's strength (the product
+//! `scaling · B·A`), whatever alpha, rank and rsLoRA setting were used.
+//!
+//! safetensors I/O uses the `safetensors` crate over a `memmap2` map (tch's own reader loads whole
+//! files and ignores `__metadata__`); [`read_header`] parses only the header.
+
+pub mod diffusers;
+pub mod kohya;
+pub mod peft;
+
+use crate::config::{AdapterSpec, scaling};
+use crate::error::{Error, Result, TchContext};
+use crate::inject::{Adaptable, InjectionReport, count_params};
+use crate::layer::SiteKind;
+use safetensors::{Dtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+/// One module's LoRA weights, format-neutral.
+#[derive(Debug)]
+pub struct ModuleLora {
+    /// The wrapped layer type.
+    pub kind: SiteKind,
+    /// A: `[r, in]` (Linear), `[r, in, kh, kw]` (Conv2d), `[r, num_embeddings]` (Embedding).
+    pub lora_a: Tensor,
+    /// B: `[out, r]`, `[out, r, 1, 1]`, `[dim, r]`.
+    pub lora_b: Tensor,
+    /// Alpha (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA).
+    pub alpha: f64,
+    /// DoRA magnitude `[out]`.
+    pub magnitude: Option<Tensor>,
+}
+
+impl ModuleLora {
+    /// The rank (`A.size(0)`).
+    pub fn rank(&self) -> i64 {
+        self.lora_a.size()[0]
+    }
+}
+
+/// A whole adapter, format-neutral: module path → weights, plus settings and free-form metadata.
+#[derive(Debug, Default)]
+pub struct AdapterWeights {
+    /// Per-module weights keyed by module path (as the model's sites are named).
+    pub modules: BTreeMap<String, ModuleLora>,
+    /// Scaling is `alpha / sqrt(r)` instead of `alpha / r`.
+    pub use_rslora: bool,
+    /// Free-form metadata (written to the safetensors `__metadata__` by the formats that keep it).
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl AdapterWeights {
+    /// The scaling of `module`'s adapter, if present.
+    pub fn scaling(&self, module: &str) -> Option<f64> {
+        self.modules.get(module).map(|m| scaling(m.alpha, m.rank(), self.use_rslora))
+    }
+
+    /// Whether any module carries a DoRA magnitude.
+    pub fn use_dora(&self) -> bool {
+        self.modules.values().any(|m| m.magnitude.is_some())
+    }
+
+    /// Copies adapter `adapter_name` out of `model` (detached, on the CPU).
+    ///
+    /// # Errors
+    /// [`Error::Adapter`] when no site has the adapter, or its sites mix rsLoRA and plain scaling.
+    pub fn from_model(model: &mut dyn Adaptable, adapter_name: &str) -> Result<Self> {
+        let mut modules = BTreeMap::new();
+        let mut rslora: Option<bool> = None;
+        let mut mixed = false;
+        model.visit_sites(&mut |path, site| {
+            let layer = site.layer_ref();
+            if let Some(ad) = layer.adapter(adapter_name) {
+                let cp = |t: &Tensor| {
+                    t.f_detach_copy()
+                        .and_then(|t| t.f_to_device(Device::Cpu))
+                        .and_then(|t| t.f_contiguous())
+                        .ctx(|| format!("copying adapter tensors of {path}"))
+                };
+                if rslora.is_some_and(|r| r != ad.spec().use_rslora) {
+                    mixed = true;
+                }
+                rslora = Some(ad.spec().use_rslora);
+                // the mixing weight is part of the strength: fold it into alpha
+                modules.insert(
+                    path.to_string(),
+                    ModuleLora {
+                        kind: layer.site_kind(),
+                        lora_a: cp(ad.lora_a())?,
+                        lora_b: cp(ad.lora_b())?,
+                        alpha: ad.alpha() * ad.weight(),
+                        magnitude: ad.magnitude().map(cp).transpose()?,
+                    },
+                );
+            }
+            Ok(())
+        })?;
+        if modules.is_empty() {
+            return Err(Error::Adapter { name: adapter_name.into(), reason: "no site of the model has it".into() });
+        }
+        if mixed {
+            return Err(Error::Adapter {
+                name: adapter_name.into(),
+                reason: "mixes rsLoRA and plain scaling across modules; no file format can express that".into(),
+            });
+        }
+        Ok(Self { modules, use_rslora: rslora.unwrap_or(false), metadata: BTreeMap::new() })
+    }
+
+    /// Adds these weights to `model` as adapter `adapter_name` (tensors created in `vs`, then
+    /// overwritten with the file's values, cast to `vs`'s dtype). Every module must exist in the
+    /// model with matching shapes; `dropout` applies to every module (training only).
+    ///
+    /// # Errors
+    /// [`Error::Format`]-like [`Error::Adapter`] listing modules the model lacks; [`Error::Shape`]
+    /// naming the module and tensor whose shape does not fit the model's site.
+    pub fn load_into(
+        &self,
+        model: &mut dyn Adaptable,
+        adapter_name: &str,
+        vs: &tch::nn::Path,
+        dropout: f64,
+    ) -> Result<InjectionReport> {
+        let mut seen = Vec::new();
+        let mut added = 0i64;
+        model.visit_sites(&mut |path, mut site| {
+            let Some(m) = self.modules.get(path) else { return Ok(()) };
+            let layer = site.layer();
+            if layer.site_kind() != m.kind {
+                return Err(Error::Adapter {
+                    name: adapter_name.into(),
+                    reason: format!("module {path} is a {:?} in the file but a {:?} in the model", m.kind, layer.site_kind()),
+                });
+            }
+            let r = m.rank();
+            let (a_shape, b_shape) = layer.adapter_shapes(r);
+            for (what, t, want) in [("lora_A", &m.lora_a, &a_shape), ("lora_B", &m.lora_b, &b_shape)] {
+                if &t.size() != want {
+                    return Err(Error::Shape { key: format!("{path}.{what}"), expected: want.clone(), found: t.size() });
+                }
+            }
+            let spec = AdapterSpec {
+                rank: r,
+                alpha: m.alpha,
+                use_rslora: self.use_rslora,
+                use_dora: m.magnitude.is_some(),
+                dropout,
+                init: crate::config::InitLoraWeights::Kaiming,
+            };
+            added += layer.add_adapter(path, adapter_name, &spec, vs)?;
+            let ad = layer.adapter(adapter_name).ok_or_else(|| crate::layer::missing(adapter_name))?;
+            let _g = tch::no_grad_guard();
+            let fill = |dst: &Tensor, src: &Tensor, what: &str| -> Result<()> {
+                let ctx = || format!("loading {path}.{what}");
+                if dst.size() != src.size() {
+                    return Err(Error::Shape { key: format!("{path}.{what}"), expected: dst.size(), found: src.size() });
+                }
+                let mut d = dst.shallow_clone();
+                d.f_copy_(src).ctx(ctx)
+            };
+            fill(ad.lora_a(), &m.lora_a, "lora_A")?;
+            fill(ad.lora_b(), &m.lora_b, "lora_B")?;
+            if let (Some(dst), Some(src)) = (ad.magnitude(), &m.magnitude) {
+                let src = src.f_reshape([-1]).ctx(|| format!("reshaping {path}.lora_magnitude_vector"))?;
+                fill(dst, &src, "lora_magnitude_vector")?;
+            }
+            seen.push(path.to_string());
+            Ok(())
+        })?;
+        let missing: Vec<&str> =
+            self.modules.keys().filter(|k| !seen.iter().any(|s| s == *k)).map(String::as_str).collect();
+        if !missing.is_empty() {
+            return Err(Error::Adapter {
+                name: adapter_name.into(),
+                reason: format!("the model has no site named [{}]", missing.join(", ")),
+            });
+        }
+        let (trainable, all) = count_params(model)?;
+        Ok(InjectionReport {
+            adapter_name: adapter_name.into(),
+            modules: seen,
+            params_added: added,
+            trainable_params: trainable,
+            all_params: all,
+        })
+    }
+
+    /// The most common rank and alpha (for a config's `r` / `lora_alpha`).
+    pub(crate) fn dominant_rank_alpha(&self) -> (i64, f64) {
+        let mut counts: BTreeMap<(i64, u64), usize> = BTreeMap::new();
+        for m in self.modules.values() {
+            *counts.entry((m.rank(), m.alpha.to_bits())).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .max_by_key(|(_, c)| *c)
+            .map(|((r, a), _)| (r, f64::from_bits(a)))
+            .unwrap_or((8, 8.0))
+    }
+}
+
+/// A safetensors header read without loading tensor data.
+#[derive(Debug, Clone, Default)]
+pub struct SafetensorsHeader {
+    /// `__metadata__` (string → string).
+    pub metadata: BTreeMap<String, String>,
+    /// Tensor name → (dtype, shape).
+    pub tensors: BTreeMap<String, (Dtype, Vec<usize>)>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
+}
+
+fn st_err(path: &Path) -> impl FnOnce(safetensors::SafeTensorError) -> Error + '_ {
+    move |source| Error::SafeTensors { path: path.to_path_buf(), source }
+}
+
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let f = std::fs::File::open(path).map_err(io_err(path))?;
+    // SAFETY: the map is read-only and lives only while we read it; files are not expected to be
+    // modified concurrently (the same contract as every mmap-based safetensors reader).
+    unsafe { memmap2::Mmap::map(&f) }.map_err(io_err(path))
+}
+
+/// Reads a safetensors file's header (names, dtypes, shapes, `__metadata__`) through a memory map,
+/// touching only the header bytes.
+///
+/// # Errors
+/// [`Error::Io`] / [`Error::SafeTensors`] with the path.
+pub fn read_header(path: &Path) -> Result<SafetensorsHeader> {
+    let map = map_file(path)?;
+    let (_, meta) = SafeTensors::read_metadata(&map).map_err(st_err(path))?;
+    let mut h = SafetensorsHeader::default();
+    if let Some(m) = meta.metadata() {
+        h.metadata = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    }
+    for (name, info) in meta.tensors() {
+        h.tensors.insert(name, (info.dtype, info.shape.clone()));
+    }
+    Ok(h)
+}
+
+/// A safetensors file's tensors loaded as CPU tensors (copied out of the map) plus metadata.
+pub(crate) struct Loaded {
+    pub tensors: BTreeMap<String, Tensor>,
+    pub metadata: BTreeMap<String, String>,
+    pub path: PathBuf,
+}
+
+fn kind_of(dtype: Dtype) -> Option<Kind> {
+    Some(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F64 => Kind::Double,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I8 => Kind::Int8,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::BOOL => Kind::Bool,
+        _ => return None,
+    })
+}
+
+fn dtype_of(kind: Kind) -> Option<Dtype> {
+    Some(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Double => Dtype::F64,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        _ => return None,
+    })
+}
+
+pub(crate) fn load_safetensors(path: &Path) -> Result<Loaded> {
+    let map = map_file(path)?;
+    let st = SafeTensors::deserialize(&map).map_err(st_err(path))?;
+    let (_, meta) = SafeTensors::read_metadata(&map).map_err(st_err(path))?;
+    let metadata = meta.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
+    let mut tensors = BTreeMap::new();
+    for (name, view) in st.iter() {
+        let kind = kind_of(view.dtype()).ok_or_else(|| Error::Dtype {
+            key: name.to_string(),
+            found: format!("{:?}", view.dtype()),
+            what: "expected a float or integer dtype".into(),
+        })?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        // from_data_size copies (memcpy), so safetensors' unaligned offsets are fine.
+        let t = Tensor::f_from_data_size(view.data(), &shape, kind).ctx(|| format!("reading {name} from {}", path.display()))?;
+        tensors.insert(name.to_string(), t);
+    }
+    Ok(Loaded { tensors, metadata, path: path.to_path_buf() })
+}
+
+impl Loaded {
+    /// Takes tensor `key`, requiring a float dtype (f32/f16/bf16/f64) and returning it as `kind`.
+    pub(crate) fn take_float(&mut self, key: &str) -> Result<Tensor> {
+        let t = self.tensors.remove(key).ok_or_else(|| Error::MissingKey { key: key.into(), file: self.path.clone() })?;
+        if !matches!(t.kind(), Kind::Float | Kind::Half | Kind::BFloat16 | Kind::Double) {
+            return Err(Error::Dtype {
+                key: key.into(),
+                found: format!("{:?}", t.kind()),
+                what: "lora weights must be f32, f16, bf16 or f64".into(),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Takes a scalar alpha (0-d or `[1]`, any float or integer dtype).
+    pub(crate) fn take_alpha(&mut self, key: &str) -> Result<Option<f64>> {
+        let Some(t) = self.tensors.remove(key) else { return Ok(None) };
+        if t.numel() != 1 {
+            return Err(Error::Shape { key: key.into(), expected: vec![], found: t.size() });
+        }
+        let v = t.f_to_kind(Kind::Double).and_then(|t| t.f_reshape([-1])).and_then(|t| t.f_double_value(&[0]));
+        Ok(Some(v.ctx(|| format!("reading alpha {key}"))?))
+    }
+}
+
+/// A tensor's bytes in a form safetensors can write.
+pub(crate) struct OwnedView {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl View for &OwnedView {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+pub(crate) fn owned_view(key: &str, t: &Tensor) -> Result<OwnedView> {
+    let dtype = dtype_of(t.kind()).ok_or_else(|| Error::Dtype {
+        key: key.into(),
+        found: format!("{:?}", t.kind()),
+        what: "writable dtypes are f32, f16, bf16, f64, i64, i32".into(),
+    })?;
+    let ctx = || format!("serializing {key}");
+    let c = t.f_detach().and_then(|t| t.f_to_device(Device::Cpu)).and_then(|t| t.f_contiguous()).ctx(ctx)?;
+    let numel = c.numel();
+    let mut data = vec![0u8; numel * c.kind().elt_size_in_bytes()];
+    c.f_copy_data_u8(&mut data, numel).ctx(ctx)?;
+    Ok(OwnedView { dtype, shape: c.size().iter().map(|&d| d as usize).collect(), data })
+}
+
+pub(crate) fn write_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, Tensor>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    let views: Vec<(String, OwnedView)> =
+        tensors.iter().map(|(k, t)| Ok((k.clone(), owned_view(k, t)?))).collect::<Result<_>>()?;
+    let meta: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    }
+    safetensors::serialize_to_file(
+        views.iter().map(|(k, v)| (k.as_str(), v)),
+        if meta.is_empty() { None } else { Some(meta) },
+        path,
+    )
+    .map_err(st_err(path))
+}
+
+/// Infers the site kind from A's rank-dimension count (2 → Linear, 4 → Conv2d).
+pub(crate) fn kind_from_a(key: &str, a: &Tensor) -> Result<SiteKind> {
+    match a.dim() {
+        2 => Ok(SiteKind::Linear),
+        4 => Ok(SiteKind::Conv2d),
+        _ => Err(Error::Shape { key: key.into(), expected: vec![-1, -1], found: a.size() }),
+    }
+}
+
+/// Checks that A and B agree on the rank and B has the right trailing dims.
+pub(crate) fn check_pair(key: &str, kind: SiteKind, a: &Tensor, b: &Tensor) -> Result<()> {
+    let (sa, sb) = (a.size(), b.size());
+    let ok = match kind {
+        SiteKind::Linear => sb.len() == 2 && sb[1] == sa[0],
+        SiteKind::Conv2d => sb.len() == 4 && sb[1] == sa[0] && sb[2] == 1 && sb[3] == 1,
+        SiteKind::Embedding => sb.len() == 2 && sb[1] == sa[0],
+    };
+    if ok {
+        Ok(())
+    } else {
+        let mut expected = vec![-1, sa[0]];
+        if kind == SiteKind::Conv2d {
+            expected.extend([1, 1]);
+        }
+        Err(Error::Shape { key: key.into(), expected, found: sb })
+    }
+}
