@@ -8,3 +8,4 @@ pub use lora_models as models;
 pub use tch;
 
 pub mod config;
+pub mod llm;

@@ -1,0 +1,130 @@
+//! Command-line interface (clap derive). Each subcommand lives in its own file and returns a
+//! [`CliError`] carrying the process exit code.
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+mod doctor;
+mod plan;
+mod train;
+
+/// Success.
+pub const EXIT_OK: i32 = 0;
+/// A runtime failure (I/O, libtorch, training).
+pub const EXIT_RUNTIME: i32 = 1;
+/// Bad usage or an invalid config (clap also exits 2 on usage errors).
+pub const EXIT_USAGE: i32 = 2;
+/// The run is predicted not to fit its memory budget (`plan`, or `train` without `--force`).
+pub const EXIT_DOES_NOT_FIT: i32 = 3;
+
+const AFTER_HELP: &str = "\
+Exit codes:
+  0  ok
+  1  runtime failure (I/O, libtorch, training)
+  2  bad usage or invalid config (unknown keys, bad values, conflicts, missing files)
+  3  predicted not to fit the memory budget (plan; train without --force)
+
+Examples:
+  lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"
+  lora-train train --config examples/configs/smollm2-shakespeare.yaml
+  lora-train doctor";
+
+/// LoRA fine-tuning that knows its memory: plan, train, survive, export.
+#[derive(Debug, Parser)]
+#[command(name = "lora-train", version, about, long_about = None, after_help = AFTER_HELP)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan, train and export a LoRA adapter from a YAML/TOML config.
+    Train {
+        /// Config file (.yaml, .yml or .toml).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Resume from the latest checkpoint in the run's output folder, or from DIR.
+        #[arg(long, num_args = 0..=1, value_name = "DIR")]
+        resume: Option<Option<PathBuf>>,
+        /// Start even when the plan predicts the run does not fit its budget.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Predict the peak memory of a config and check it against a budget (reads headers only).
+    Plan {
+        /// Config file (.yaml, .yml or .toml).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Budget: a GPU by name (e.g. "RTX 3060", "A100 80GB"); plans for CUDA.
+        #[arg(long, conflicts_with = "budget")]
+        gpu: Option<String>,
+        /// Budget: a size ("12GB", "8GiB", "cuda: 6GB").
+        #[arg(long)]
+        budget: Option<String>,
+        /// Print the plan as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Report libtorch, CUDA/GPU, CPU, RAM and disk.
+    Doctor,
+}
+
+/// An error with its exit code.
+#[derive(Debug)]
+pub struct CliError {
+    /// Process exit code.
+    pub code: i32,
+    /// Message printed to stderr.
+    pub message: String,
+}
+
+impl CliError {
+    /// Runtime failure (exit 1).
+    pub fn runtime(msg: impl std::fmt::Display) -> Self {
+        CliError { code: EXIT_RUNTIME, message: msg.to_string() }
+    }
+
+    /// Bad usage / config (exit 2).
+    pub fn usage(msg: impl std::fmt::Display) -> Self {
+        CliError { code: EXIT_USAGE, message: msg.to_string() }
+    }
+}
+
+impl From<lora_train::config::ConfigError> for CliError {
+    fn from(e: lora_train::config::ConfigError) -> Self {
+        CliError::usage(e)
+    }
+}
+
+impl From<lora_train::llm::JobError> for CliError {
+    fn from(e: lora_train::llm::JobError) -> Self {
+        use lora_train::llm::JobError as J;
+        let code = match &e {
+            J::Config(_) | J::MissingFile { .. } => EXIT_USAGE,
+            J::Memory(m) if !matches!(m, lora_memory::Error::Io { .. }) => EXIT_USAGE,
+            J::DoesNotFit { .. } => EXIT_DOES_NOT_FIT,
+            _ => EXIT_RUNTIME,
+        };
+        CliError { code, message: e.to_string() }
+    }
+}
+
+/// Parses the arguments, runs the command and returns the exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train { config, resume, force } => train::run(&config, resume, force),
+        Command::Plan { config, gpu, budget, json } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json),
+        Command::Doctor => doctor::run(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {}", e.message);
+            e.code
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! `lora-train plan`: the memory plan of a config, from headers only.
+
+use super::{CliError, EXIT_DOES_NOT_FIT, EXIT_OK};
+use lora_memory::Budget;
+use lora_train::config::TrainConfig;
+use lora_train::llm;
+use std::path::Path;
+
+/// Runs `plan`; exit 3 when a budget is known and the plan does not fit it.
+pub fn run(config: &Path, gpu: Option<&str>, budget: Option<&str>, json: bool) -> Result<i32, CliError> {
+    let mut cfg = TrainConfig::from_file(config)?;
+    let override_budget = match (gpu, budget) {
+        (Some(g), _) => Some(Budget::gpu(g).map_err(CliError::usage)?),
+        (None, Some(b)) => Some(Budget::parse(b).map_err(CliError::usage)?),
+        (None, None) => None,
+    };
+    // A GPU budget plans for CUDA; otherwise the config's device decides ("auto" = CUDA when a
+    // GPU budget is set in the config, else CPU — plan never touches libtorch).
+    let cuda = gpu.is_some()
+        || cfg.system.device.starts_with("cuda")
+        || (cfg.system.device == "auto" && cfg.memory.gpu.is_some());
+    let p = llm::plan(&mut cfg, config.parent(), override_budget, cuda)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&p).map_err(CliError::runtime)?);
+    } else {
+        print!("{}", p.report());
+    }
+    Ok(if p.fits == Some(false) { EXIT_DOES_NOT_FIT } else { EXIT_OK })
+}
