@@ -1,1 +1,1 @@
-//! cache (in progress)
+//! placeholder

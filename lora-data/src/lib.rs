@@ -19,7 +19,7 @@ pub mod text;
 pub mod validate;
 
 mod error;
-pub(crate) mod rng;
+pub mod rng;
 
 pub use error::Error;
 

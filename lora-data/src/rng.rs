@@ -6,33 +6,33 @@
 
 /// SplitMix64 state.
 #[derive(Debug, Clone)]
-pub(crate) struct Rng(u64);
+pub struct Rng(u64);
 
 impl Rng {
     /// A generator for `seed`.
-    pub(crate) fn new(seed: u64) -> Self {
+    pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
 
     /// A generator for a seed derived from several values (seed, epoch, index, …).
-    pub(crate) fn derived(parts: &[u64]) -> Self {
+    pub fn derived(parts: &[u64]) -> Self {
         Rng(mix(parts))
     }
 
     /// Next 64 random bits.
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         finalize(self.0)
     }
 
     /// Uniform in `[0, 1)` with 53 bits.
-    pub(crate) fn next_f64(&mut self) -> f64 {
+    pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
     /// Uniform in `0..n` (`n > 0`; returns 0 for `n == 0`). Lemire's multiply-shift; the bias is
     /// below 2^-32 for the sizes used here.
-    pub(crate) fn below(&mut self, n: usize) -> usize {
+    pub fn below(&mut self, n: usize) -> usize {
         if n == 0 {
             return 0;
         }
@@ -40,7 +40,7 @@ impl Rng {
     }
 
     /// Fisher–Yates shuffle in place.
-    pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
             let j = self.below(i + 1);
             items.swap(i, j);
@@ -55,7 +55,7 @@ fn finalize(mut z: u64) -> u64 {
 }
 
 /// Mixes several values into one seed (order matters).
-pub(crate) fn mix(parts: &[u64]) -> u64 {
+pub fn mix(parts: &[u64]) -> u64 {
     let mut h = 0x6A09_E667_F3BC_C908u64;
     for &p in parts {
         h = finalize(h ^ finalize(p.wrapping_add(0x9E37_79B9_7F4A_7C15)));
