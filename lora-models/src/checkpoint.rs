@@ -24,49 +24,73 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Randomness: a segment that draws random numbers (dropout) must draw the same ones when
-//! recomputed, or the gradients belong to a different forward pass. [`SegmentTape`] therefore
-//! reseeds libtorch's global generator with a per-segment seed before each segment's forward and
-//! its recomputation (the seed is drawn once per [`SegmentTape::forward`] from the generator
-//! itself, so runs stay reproducible under `tch::manual_seed`).
+//! Randomness: a segment that draws random numbers (LoRA dropout) must draw the same ones when
+//! recomputed, or the gradients belong to a different forward pass. As `torch.utils.checkpoint`
+//! does (`preserve_rng_state=True`), [`SegmentTape`] saves the default generator state (CPU, and
+//! the input's CUDA device) before each segment's forward and restores it before the
+//! recomputation; after [`SegmentTape::backward`] the generator is back where it was.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+
+/// The generator states of the devices a segment may draw from.
+type RngStates = Vec<(Device, Vec<u8>)>;
+
+fn rng_devices(x: &Tensor) -> Vec<Device> {
+    match x.device() {
+        Device::Cpu => vec![Device::Cpu],
+        d => vec![Device::Cpu, d],
+    }
+}
+
+fn save_rng(devices: &[Device]) -> Result<RngStates> {
+    devices.iter().map(|&d| Ok((d, lora_core::sys::rng_state(d)?))).collect()
+}
+
+fn restore_rng(states: &RngStates) -> Result<()> {
+    for (d, s) in states {
+        lora_core::sys::set_rng_state(*d, s)?;
+    }
+    Ok(())
+}
 
 /// The stored segment inputs of one checkpointed forward pass.
 #[derive(Debug)]
 pub struct SegmentTape {
     inputs: Vec<Tensor>,
-    seeds: Vec<i64>,
+    rng: Vec<RngStates>,
+    devices: Vec<Device>,
 }
 
 impl SegmentTape {
-    /// Runs segments `0..n` in order on `x0` with autograd off, keeping each segment's input.
+    /// Runs segments `0..n` in order on `x0` with autograd off, keeping each segment's input
+    /// (one activation per segment) and the generator state before it.
     ///
     /// Returns the last output as a leaf that requires grad (so the head's backward pass
     /// fills its `.grad()`), and the tape.
     ///
     /// # Errors
-    /// Whatever a segment returns; [`Error::Torch`] from libtorch.
+    /// Whatever a segment returns; [`Error::Torch`] from libtorch; [`Error::Shim`] when the
+    /// generator state cannot be read.
     pub fn forward<F>(x0: &Tensor, n: usize, mut f: F) -> Result<(Tensor, Self)>
     where
         F: FnMut(usize, &Tensor) -> Result<Tensor>,
     {
-        let base = Tensor::f_randint(i64::from(i32::MAX), [1], (Kind::Int64, tch::Device::Cpu))?.int64_value(&[0]);
-        let seeds: Vec<i64> = (0..n as i64).map(|i| base.wrapping_add(i.wrapping_mul(0x9E37_79B9))).collect();
+        let devices = rng_devices(x0);
         let mut inputs = Vec::with_capacity(n);
+        let mut rng = Vec::with_capacity(n);
         let mut x = x0.f_detach()?;
         {
             let _guard = tch::no_grad_guard();
-            for (i, &seed) in seeds.iter().enumerate() {
+            for i in 0..n {
                 inputs.push(x.shallow_clone());
-                tch::manual_seed(seed);
+                rng.push(save_rng(&devices)?);
                 x = f(i, &x)?;
             }
         }
         let out = x.f_detach()?.f_set_requires_grad(true)?;
-        Ok((out, Self { inputs, seeds }))
+        Ok((out, Self { inputs, rng, devices }))
     }
 
     /// Number of segments.
@@ -85,7 +109,8 @@ impl SegmentTape {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `grad_out` is undefined (the head's backward did not reach
-    /// the tape's output); whatever a segment returns; [`Error::Torch`] from libtorch.
+    /// the tape's output); whatever a segment returns; [`Error::Torch`] from libtorch;
+    /// [`Error::Shim`] when the generator state cannot be restored.
     pub fn backward<F>(self, grad_out: &Tensor, mut f: F) -> Result<Tensor>
     where
         F: FnMut(usize, &Tensor) -> Result<Tensor>,
@@ -97,11 +122,12 @@ impl SegmentTape {
                     .into(),
             ));
         }
-        tch::with_grad(|| {
+        let now = save_rng(&self.devices)?;
+        let res = tch::with_grad(|| {
             let mut g = grad_out.f_detach()?;
             for i in (0..self.inputs.len()).rev() {
                 let x = self.inputs[i].f_detach()?.f_set_requires_grad(true)?;
-                tch::manual_seed(self.seeds[i]);
+                restore_rng(&self.rng[i])?;
                 let y = f(i, &x)?;
                 if y.requires_grad() {
                     y.f_mul(&g.f_to_kind(y.kind())?)?.f_sum(Kind::Float)?.f_backward()?;
@@ -110,21 +136,26 @@ impl SegmentTape {
                 g = if gx.defined() { gx.f_detach()? } else { x.f_zeros_like()? };
             }
             Ok(g)
-        })
+        });
+        restore_rng(&now)?;
+        res
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Device;
+
+    /// libtorch's generator is process-wide: tests that seed it must not interleave.
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     #[test]
     fn checkpointed_gradients_equal_plain_ones() {
+        let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(0);
         let opts = (Kind::Double, Device::Cpu);
         let ws: Vec<Tensor> = (0..4).map(|_| Tensor::randn([5, 5], opts).set_requires_grad(true)).collect();
-        // dropout inside: the reseeding must make recomputation see the same mask
+        // dropout inside: the recomputation must see the same masks
         let seg = |i: usize, x: &Tensor| -> Result<Tensor> {
             Ok(x.f_matmul(&ws[i])?.f_tanh()?.f_dropout(0.3, true)?)
         };
@@ -135,21 +166,24 @@ mod tests {
         let loss_ck = h.f_pow_tensor_scalar(2).unwrap().f_sum(Kind::Double).unwrap();
         loss_ck.backward();
         let g0 = tape.backward(&h.grad(), seg).unwrap();
+        // the generator is back where the forward pass left it
+        let after_ck = Tensor::randn([8], opts);
         let grads_ck: Vec<Tensor> = ws.iter().map(|w| w.grad().copy()).collect();
         for w in &ws {
-            w.grad().zero_();
+            let _ = w.grad().zero_();
         }
 
-        // plain run with the same per-segment seeds
+        // plain run from the same generator state
         tch::manual_seed(7);
-        let base = Tensor::randint(i64::from(i32::MAX), [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]);
         let mut x = x0.shallow_clone();
         for i in 0..4 {
-            tch::manual_seed(base.wrapping_add((i as i64).wrapping_mul(0x9E37_79B9)));
             x = seg(i, &x).unwrap();
         }
+        let after_plain = Tensor::randn([8], opts);
+        assert_eq!(Vec::<f64>::try_from(&after_ck).unwrap(), Vec::<f64>::try_from(&after_plain).unwrap());
         let loss = x.pow_tensor_scalar(2).sum(Kind::Double);
-        assert!((loss.double_value(&[]) - loss_ck.double_value(&[])).abs() < 1e-12);
+        let (l1, l2) = (loss.double_value(&[]), loss_ck.double_value(&[]));
+        assert!((l1 - l2).abs() < 1e-12, "{l1} vs {l2}");
         loss.backward();
         for (a, w) in grads_ck.iter().zip(&ws) {
             let diff = (a - w.grad()).abs().max().double_value(&[]);
@@ -162,6 +196,7 @@ mod tests {
 
     #[test]
     fn undefined_output_gradient_is_an_error() {
+        let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
         let x0 = Tensor::ones([2], (Kind::Float, Device::Cpu));
         let seg = |_: usize, x: &Tensor| -> Result<Tensor> { Ok(x.f_mul_scalar(2.0)?) };
         let (_h, tape) = SegmentTape::forward(&x0, 2, seg).unwrap();

@@ -87,6 +87,9 @@ pub enum Error {
     /// A LoRA-layer or quantisation operation of `lora-core` failed.
     #[error(transparent)]
     Core(#[from] lora_core::Error),
+    /// A call into the libtorch shim of `lora-core` (generator state, …) failed.
+    #[error(transparent)]
+    Shim(#[from] lora_core::sys::ShimError),
     /// A libtorch operation failed (this includes out-of-memory on CPU and CUDA).
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),

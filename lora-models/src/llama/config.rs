@@ -137,7 +137,7 @@ impl LlamaConfig {
             num_hidden_layers: 30,
             num_attention_heads: 9,
             num_key_value_heads: Some(3),
-            head_dim: Some(64),
+            head_dim: None,
             rms_norm_eps: 1e-5,
             rope_theta: 100000.0,
             rope_scaling: None,

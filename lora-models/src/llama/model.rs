@@ -704,6 +704,6 @@ mod tests {
         assert_eq!(Vec::<f32>::try_from(&r).unwrap(), vec![-3.0, -4.0, 1.0, 2.0]);
         let pos = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 0, 5, 6]).view([1, 8]);
         let doc = Llama::documents(&pos).unwrap();
-        assert_eq!(Vec::<i64>::try_from(&doc.view([-1])).unwrap(), vec![1, 1, 1, 2, 2, 3, 4, 4]);
+        assert_eq!(Vec::<i64>::try_from(&doc.view([-1])).unwrap(), vec![0, 0, 0, 1, 1, 2, 3, 3]);
     }
 }
