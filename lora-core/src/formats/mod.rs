@@ -281,6 +281,15 @@ fn dtype_of(kind: Kind) -> Option<Dtype> {
     })
 }
 
+/// Reads a whole safetensors file (through a memory map) into CPU tensors plus its `__metadata__`.
+///
+/// # Errors
+/// [`Error::Io`] / [`Error::SafeTensors`] with the path; [`Error::Dtype`] for unsupported dtypes.
+pub fn read_safetensors(path: &Path) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, String>)> {
+    let l = load_safetensors(path)?;
+    Ok((l.tensors, l.metadata))
+}
+
 pub(crate) fn load_safetensors(path: &Path) -> Result<Loaded> {
     let map = map_file(path)?;
     let st = SafeTensors::deserialize(&map).map_err(st_err(path))?;
@@ -362,7 +371,12 @@ pub(crate) fn owned_view(key: &str, t: &Tensor) -> Result<OwnedView> {
     Ok(OwnedView { dtype, shape: c.size().iter().map(|&d| d as usize).collect(), data })
 }
 
-pub(crate) fn write_safetensors(
+/// Writes `tensors` (any device; f32/f16/bf16/f64/i64/i32) and `metadata` to a safetensors file,
+/// creating the parent folder.
+///
+/// # Errors
+/// [`Error::Dtype`] for other dtypes; [`Error::Io`] / [`Error::SafeTensors`] with the path.
+pub fn write_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, Tensor>,
     metadata: &BTreeMap<String, String>,
