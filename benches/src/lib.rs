@@ -1,1 +1,1 @@
-//! placeholder
+//! Benchmarks of the lora-sdk.

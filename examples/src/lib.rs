@@ -1,1 +1,1 @@
-//! placeholder
+//! Runnable examples of the lora-sdk.
