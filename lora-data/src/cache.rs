@@ -234,10 +234,22 @@ mod tests {
         assert!(back.allclose(&lat, 0.0, 0.0, false));
         // every parameter is part of the key
         for other in [
-            CacheKey { model_id: "vae-b".into(), ..key.clone() },
-            CacheKey { flip: true, ..key.clone() },
-            CacheKey { crop: (1, 0), ..key.clone() },
-            CacheKey { bucket: (64, 128), ..key.clone() },
+            CacheKey {
+                model_id: "vae-b".into(),
+                ..key.clone()
+            },
+            CacheKey {
+                flip: true,
+                ..key.clone()
+            },
+            CacheKey {
+                crop: (1, 0),
+                ..key.clone()
+            },
+            CacheKey {
+                bucket: (64, 128),
+                ..key.clone()
+            },
         ] {
             assert_ne!(other.digest(), key.digest());
             assert!(cache.get(&other).unwrap().is_none());
@@ -252,7 +264,13 @@ mod tests {
         // no temporary files left behind
         let leftovers = std::fs::read_dir(cache.path_for(&key).parent().unwrap())
             .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp"))
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".tmp")
+            })
             .count();
         assert_eq!(leftovers, 0);
     }
