@@ -10,7 +10,13 @@ fn main() -> Result<(), lora_memory::Error> {
         }
         let m = lora_memory::ModelDescriptor::preset(c.model)?;
         let e = lora_memory::estimate(&m, &c.settings)?;
-        println!("== {} ({:?} measured {:.3} GB)\n{}", c.id, c.metric, c.measured.gb(), e.to_table());
+        println!(
+            "== {} ({:?} measured {:.3} GB)\n{}",
+            c.id,
+            c.metric,
+            c.measured.gb(),
+            e.to_table()
+        );
     }
     Ok(())
 }

@@ -64,52 +64,313 @@ const fn mib(n: u64) -> u64 {
 /// (e.g. A100 80GB = 81,920 MiB, H100 80GB = 81,559 MiB, H200 = 143,771 MiB, T4 = 15,360 MiB,
 /// L40S = 46,068 MiB).
 pub const GPU_PRESETS: &[GpuPreset] = &[
-    GpuPreset { name: "GTX 1060 6GB", model: "1060", marketed_gb: 6, bytes: gib(6), default: true },
-    GpuPreset { name: "GTX 1070 8GB", model: "1070", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "GTX 1080 8GB", model: "1080", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "GTX 1080 Ti 11GB", model: "1080ti", marketed_gb: 11, bytes: gib(11), default: true },
-    GpuPreset { name: "RTX 2060 6GB", model: "2060", marketed_gb: 6, bytes: gib(6), default: true },
-    GpuPreset { name: "RTX 2060 12GB", model: "2060", marketed_gb: 12, bytes: gib(12), default: false },
-    GpuPreset { name: "RTX 2070 8GB", model: "2070", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 2080 8GB", model: "2080", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 2080 Ti 11GB", model: "2080ti", marketed_gb: 11, bytes: gib(11), default: true },
-    GpuPreset { name: "RTX 3050 8GB", model: "3050", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 3060 12GB", model: "3060", marketed_gb: 12, bytes: gib(12), default: true },
-    GpuPreset { name: "RTX 3060 8GB", model: "3060", marketed_gb: 8, bytes: gib(8), default: false },
-    GpuPreset { name: "RTX 3060 Ti 8GB", model: "3060ti", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 3070 8GB", model: "3070", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 3070 Ti 8GB", model: "3070ti", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 3080 10GB", model: "3080", marketed_gb: 10, bytes: gib(10), default: true },
-    GpuPreset { name: "RTX 3080 12GB", model: "3080", marketed_gb: 12, bytes: gib(12), default: false },
-    GpuPreset { name: "RTX 3080 Ti 12GB", model: "3080ti", marketed_gb: 12, bytes: gib(12), default: true },
-    GpuPreset { name: "RTX 3090 24GB", model: "3090", marketed_gb: 24, bytes: gib(24), default: true },
-    GpuPreset { name: "RTX 3090 Ti 24GB", model: "3090ti", marketed_gb: 24, bytes: gib(24), default: true },
-    GpuPreset { name: "RTX 4060 8GB", model: "4060", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 4060 Ti 8GB", model: "4060ti", marketed_gb: 8, bytes: gib(8), default: true },
-    GpuPreset { name: "RTX 4060 Ti 16GB", model: "4060ti", marketed_gb: 16, bytes: gib(16), default: false },
-    GpuPreset { name: "RTX 4070 12GB", model: "4070", marketed_gb: 12, bytes: gib(12), default: true },
-    GpuPreset { name: "RTX 4070 Ti 12GB", model: "4070ti", marketed_gb: 12, bytes: gib(12), default: true },
-    GpuPreset { name: "RTX 4070 Ti Super 16GB", model: "4070tisuper", marketed_gb: 16, bytes: gib(16), default: true },
-    GpuPreset { name: "RTX 4080 16GB", model: "4080", marketed_gb: 16, bytes: gib(16), default: true },
-    GpuPreset { name: "RTX 4090 24GB", model: "4090", marketed_gb: 24, bytes: gib(24), default: true },
-    GpuPreset { name: "RTX 5080 16GB", model: "5080", marketed_gb: 16, bytes: gib(16), default: true },
-    GpuPreset { name: "RTX 5090 32GB", model: "5090", marketed_gb: 32, bytes: gib(32), default: true },
-    GpuPreset { name: "RTX A6000 48GB", model: "a6000", marketed_gb: 48, bytes: mib(49_140), default: true },
-    GpuPreset { name: "RTX 6000 Ada 48GB", model: "6000ada", marketed_gb: 48, bytes: mib(49_140), default: true },
-    GpuPreset { name: "T4 16GB", model: "t4", marketed_gb: 16, bytes: mib(15_360), default: true },
-    GpuPreset { name: "V100 16GB", model: "v100", marketed_gb: 16, bytes: mib(16_384), default: true },
-    GpuPreset { name: "V100 32GB", model: "v100", marketed_gb: 32, bytes: mib(32_768), default: false },
-    GpuPreset { name: "A10 24GB", model: "a10", marketed_gb: 24, bytes: mib(23_028), default: true },
-    GpuPreset { name: "A10G 24GB", model: "a10g", marketed_gb: 24, bytes: mib(23_028), default: true },
-    GpuPreset { name: "L4 24GB", model: "l4", marketed_gb: 24, bytes: mib(23_034), default: true },
-    GpuPreset { name: "L40S 48GB", model: "l40s", marketed_gb: 48, bytes: mib(46_068), default: true },
-    GpuPreset { name: "A100 40GB", model: "a100", marketed_gb: 40, bytes: mib(40_960), default: true },
-    GpuPreset { name: "A100 80GB", model: "a100", marketed_gb: 80, bytes: mib(81_920), default: false },
-    GpuPreset { name: "H100 80GB", model: "h100", marketed_gb: 80, bytes: mib(81_559), default: true },
-    GpuPreset { name: "H200 141GB", model: "h200", marketed_gb: 141, bytes: mib(143_771), default: true },
+    GpuPreset {
+        name: "GTX 1060 6GB",
+        model: "1060",
+        marketed_gb: 6,
+        bytes: gib(6),
+        default: true,
+    },
+    GpuPreset {
+        name: "GTX 1070 8GB",
+        model: "1070",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "GTX 1080 8GB",
+        model: "1080",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "GTX 1080 Ti 11GB",
+        model: "1080ti",
+        marketed_gb: 11,
+        bytes: gib(11),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 2060 6GB",
+        model: "2060",
+        marketed_gb: 6,
+        bytes: gib(6),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 2060 12GB",
+        model: "2060",
+        marketed_gb: 12,
+        bytes: gib(12),
+        default: false,
+    },
+    GpuPreset {
+        name: "RTX 2070 8GB",
+        model: "2070",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 2080 8GB",
+        model: "2080",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 2080 Ti 11GB",
+        model: "2080ti",
+        marketed_gb: 11,
+        bytes: gib(11),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3050 8GB",
+        model: "3050",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3060 12GB",
+        model: "3060",
+        marketed_gb: 12,
+        bytes: gib(12),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3060 8GB",
+        model: "3060",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: false,
+    },
+    GpuPreset {
+        name: "RTX 3060 Ti 8GB",
+        model: "3060ti",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3070 8GB",
+        model: "3070",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3070 Ti 8GB",
+        model: "3070ti",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3080 10GB",
+        model: "3080",
+        marketed_gb: 10,
+        bytes: gib(10),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3080 12GB",
+        model: "3080",
+        marketed_gb: 12,
+        bytes: gib(12),
+        default: false,
+    },
+    GpuPreset {
+        name: "RTX 3080 Ti 12GB",
+        model: "3080ti",
+        marketed_gb: 12,
+        bytes: gib(12),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3090 24GB",
+        model: "3090",
+        marketed_gb: 24,
+        bytes: gib(24),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 3090 Ti 24GB",
+        model: "3090ti",
+        marketed_gb: 24,
+        bytes: gib(24),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4060 8GB",
+        model: "4060",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4060 Ti 8GB",
+        model: "4060ti",
+        marketed_gb: 8,
+        bytes: gib(8),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4060 Ti 16GB",
+        model: "4060ti",
+        marketed_gb: 16,
+        bytes: gib(16),
+        default: false,
+    },
+    GpuPreset {
+        name: "RTX 4070 12GB",
+        model: "4070",
+        marketed_gb: 12,
+        bytes: gib(12),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4070 Ti 12GB",
+        model: "4070ti",
+        marketed_gb: 12,
+        bytes: gib(12),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4070 Ti Super 16GB",
+        model: "4070tisuper",
+        marketed_gb: 16,
+        bytes: gib(16),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4080 16GB",
+        model: "4080",
+        marketed_gb: 16,
+        bytes: gib(16),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 4090 24GB",
+        model: "4090",
+        marketed_gb: 24,
+        bytes: gib(24),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 5080 16GB",
+        model: "5080",
+        marketed_gb: 16,
+        bytes: gib(16),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 5090 32GB",
+        model: "5090",
+        marketed_gb: 32,
+        bytes: gib(32),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX A6000 48GB",
+        model: "a6000",
+        marketed_gb: 48,
+        bytes: mib(49_140),
+        default: true,
+    },
+    GpuPreset {
+        name: "RTX 6000 Ada 48GB",
+        model: "6000ada",
+        marketed_gb: 48,
+        bytes: mib(49_140),
+        default: true,
+    },
+    GpuPreset {
+        name: "T4 16GB",
+        model: "t4",
+        marketed_gb: 16,
+        bytes: mib(15_360),
+        default: true,
+    },
+    GpuPreset {
+        name: "V100 16GB",
+        model: "v100",
+        marketed_gb: 16,
+        bytes: mib(16_384),
+        default: true,
+    },
+    GpuPreset {
+        name: "V100 32GB",
+        model: "v100",
+        marketed_gb: 32,
+        bytes: mib(32_768),
+        default: false,
+    },
+    GpuPreset {
+        name: "A10 24GB",
+        model: "a10",
+        marketed_gb: 24,
+        bytes: mib(23_028),
+        default: true,
+    },
+    GpuPreset {
+        name: "A10G 24GB",
+        model: "a10g",
+        marketed_gb: 24,
+        bytes: mib(23_028),
+        default: true,
+    },
+    GpuPreset {
+        name: "L4 24GB",
+        model: "l4",
+        marketed_gb: 24,
+        bytes: mib(23_034),
+        default: true,
+    },
+    GpuPreset {
+        name: "L40S 48GB",
+        model: "l40s",
+        marketed_gb: 48,
+        bytes: mib(46_068),
+        default: true,
+    },
+    GpuPreset {
+        name: "A100 40GB",
+        model: "a100",
+        marketed_gb: 40,
+        bytes: mib(40_960),
+        default: true,
+    },
+    GpuPreset {
+        name: "A100 80GB",
+        model: "a100",
+        marketed_gb: 80,
+        bytes: mib(81_920),
+        default: false,
+    },
+    GpuPreset {
+        name: "H100 80GB",
+        model: "h100",
+        marketed_gb: 80,
+        bytes: mib(81_559),
+        default: true,
+    },
+    GpuPreset {
+        name: "H200 141GB",
+        model: "h200",
+        marketed_gb: 141,
+        bytes: mib(143_771),
+        default: true,
+    },
 ];
 
-const NOISE: &[&str] = &["nvidia", "geforce", "tesla", "quadro", "rtx", "gtx", "pcie", "sxm5", "sxm4", "sxm", "nvl", "gpu"];
+const NOISE: &[&str] = &[
+    "nvidia", "geforce", "tesla", "quadro", "rtx", "gtx", "pcie", "sxm5", "sxm4", "sxm", "nvl",
+    "gpu",
+];
 
 /// Splits a normalized name into (model token, memory in GB if given).
 fn split_name(name: &str) -> (String, Option<u32>) {
@@ -117,7 +378,9 @@ fn split_name(name: &str) -> (String, Option<u32>) {
     // Find a memory size: digits followed by "gb"/"gib"/"g" as a separate word or suffix.
     let mut mem = None;
     let mut rest = String::new();
-    for word in lower.split(|c: char| c.is_whitespace() || c == '-' || c == '_' || c == '/' || c == '(' || c == ')') {
+    for word in lower.split(|c: char| {
+        c.is_whitespace() || c == '-' || c == '_' || c == '/' || c == '(' || c == ')'
+    }) {
         let w = word.trim_end_matches("ib").trim_end_matches('b');
         let digits: String = w.chars().take_while(|c| c.is_ascii_digit()).collect();
         if !digits.is_empty() && w.len() == digits.len() + 1 && w.ends_with('g') {
@@ -132,7 +395,9 @@ fn split_name(name: &str) -> (String, Option<u32>) {
         compact = compact.replace(n, "");
     }
     if mem.is_none()
-        && let Some(stripped) = compact.strip_suffix("gb").or_else(|| compact.strip_suffix("g"))
+        && let Some(stripped) = compact
+            .strip_suffix("gb")
+            .or_else(|| compact.strip_suffix("g"))
     {
         // Try every split point: model token + digits.
         for p in GPU_PRESETS {
@@ -155,7 +420,13 @@ impl Budget {
     pub fn parse(text: &str) -> Result<Budget> {
         let value = text.rsplit(':').next().unwrap_or(text).trim();
         let p = parse_size(value)?;
-        Ok(Budget { bytes: p.bytes, source: BudgetSource::Size { input: text.to_string(), assumed: p.assumed } })
+        Ok(Budget {
+            bytes: p.bytes,
+            source: BudgetSource::Size {
+                input: text.to_string(),
+                assumed: p.assumed,
+            },
+        })
     }
 
     /// The total memory of a GPU by name. Matching ignores case, spaces, dashes and the words
@@ -171,12 +442,23 @@ impl Budget {
     /// ```
     pub fn gpu(name: &str) -> Result<Budget> {
         let (model, mem) = split_name(name);
-        let hit = GPU_PRESETS.iter().find(|p| p.model == model && mem.map(|m| m == p.marketed_gb).unwrap_or(p.default));
+        let hit = GPU_PRESETS
+            .iter()
+            .find(|p| p.model == model && mem.map(|m| m == p.marketed_gb).unwrap_or(p.default));
         match hit {
-            Some(p) => Ok(Budget { bytes: Bytes(p.bytes), source: BudgetSource::Gpu { name: p.name.to_string() } }),
+            Some(p) => Ok(Budget {
+                bytes: Bytes(p.bytes),
+                source: BudgetSource::Gpu {
+                    name: p.name.to_string(),
+                },
+            }),
             None => Err(Error::UnknownGpu {
                 name: name.to_string(),
-                known: GPU_PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", "),
+                known: GPU_PRESETS
+                    .iter()
+                    .map(|p| p.name)
+                    .collect::<Vec<_>>()
+                    .join(", "),
             }),
         }
     }
@@ -188,11 +470,16 @@ impl Budget {
     /// index does not exist, or the query fails.
     #[cfg(feature = "nvml")]
     pub fn nvml_free(device_index: u32) -> Result<Budget> {
-        let no = |e: &dyn std::fmt::Display| Error::NoGpu { reason: e.to_string() };
+        let no = |e: &dyn std::fmt::Display| Error::NoGpu {
+            reason: e.to_string(),
+        };
         let nvml = nvml_wrapper::Nvml::init().map_err(|e| no(&e))?;
         let dev = nvml.device_by_index(device_index).map_err(|e| no(&e))?;
         let info = dev.memory_info().map_err(|e| no(&e))?;
-        Ok(Budget { bytes: Bytes(info.free), source: BudgetSource::NvmlFree { device_index } })
+        Ok(Budget {
+            bytes: Bytes(info.free),
+            source: BudgetSource::NvmlFree { device_index },
+        })
     }
 }
 
@@ -224,8 +511,14 @@ mod tests {
     #[test]
     fn size_budgets_accept_the_max_memory_form() {
         assert_eq!(Budget::parse("6GB").unwrap().bytes, Bytes(6_000_000_000));
-        assert_eq!(Budget::parse("cuda: 6GB").unwrap().bytes, Bytes(6_000_000_000));
-        assert_eq!(Budget::parse("max_memory: cuda: 12GiB").unwrap().bytes, Bytes(12 * GIB));
+        assert_eq!(
+            Budget::parse("cuda: 6GB").unwrap().bytes,
+            Bytes(6_000_000_000)
+        );
+        assert_eq!(
+            Budget::parse("max_memory: cuda: 12GiB").unwrap().bytes,
+            Bytes(12 * GIB)
+        );
         assert!(Budget::parse("cuda: lots").is_err());
     }
 
@@ -237,6 +530,9 @@ mod tests {
             Err(e) => assert!(matches!(e, Error::NoGpu { .. }), "{e}"),
         }
         // An index that cannot exist is always a NoGpu answer.
-        assert!(matches!(Budget::nvml_free(10_000), Err(Error::NoGpu { .. })));
+        assert!(matches!(
+            Budget::nvml_free(10_000),
+            Err(Error::NoGpu { .. })
+        ));
     }
 }

@@ -4,11 +4,13 @@
 //! metric that was measured and its value in bytes, and a tolerance. `cargo run -p lora-memory
 //! --example cases` prints predicted vs measured, MAPE and the worst underprediction.
 
+use crate::error::Result;
 use crate::estimate::{Metric, estimate};
 use crate::model::ModelDescriptor;
-use crate::settings::{Attention, BaseDtype, Device, Method, MixedPrecision, Optimizer, Profile, Settings};
+use crate::settings::{
+    Attention, BaseDtype, Device, Method, MixedPrecision, Optimizer, Profile, Settings,
+};
 use crate::units::Bytes;
-use crate::error::Result;
 
 /// Which summary a case belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,9 +71,11 @@ impl CaseResult {
 }
 
 fn lora(targets: &[&str], rank: u32, alpha: f32) -> Settings {
-    Settings::default().with_target_modules(targets).with_rank(rank).with_alpha(alpha)
+    Settings::default()
+        .with_target_modules(targets)
+        .with_rank(rank)
+        .with_alpha(alpha)
 }
-
 
 /// All public cases.
 pub fn public_cases() -> Vec<Case> {
@@ -86,14 +90,45 @@ pub fn public_cases() -> Vec<Case> {
             .with_micro_batch(2)
             .with_seq_len(1024)
             .with_gradient_checkpointing(true)
-            .with_profile(Profile { variable_length: true, ..Profile::torchtune() })
+            .with_profile(Profile {
+                variable_length: true,
+                ..Profile::torchtune()
+            })
     };
     let tt_note = "torchtune lora_finetune tutorial; longest Alpaca batch assumed 2 × 1,024 tokens";
     for (id, targets, rank, peak) in [
         ("T1", &["q_proj", "v_proj"][..], 8, 15.57),
-        ("T2", &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"][..], 8, 15.87),
+        (
+            "T2",
+            &[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                "lm_head",
+            ][..],
+            8,
+            15.87,
+        ),
         ("T3", &["q_proj", "v_proj"][..], 64, 15.86),
-        ("T4", &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"][..], 64, 17.04),
+        (
+            "T4",
+            &[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                "lm_head",
+            ][..],
+            64,
+            17.04,
+        ),
     ] {
         v.push(Case {
             id: id.into(),
@@ -135,19 +170,40 @@ pub fn public_cases() -> Vec<Case> {
     v.push(Case {
         id: "T7".into(),
         model: "Llama-2-7B",
-        settings: lora(&["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, 16.0)
-            .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
-            .with_micro_batch(4)
-            .with_seq_len(2048)
-            .with_gradient_checkpointing(true)
-            .with_profile(Profile { torch_compile: true, ..Profile::torchtune() }),
+        settings: lora(
+            &[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+            8,
+            16.0,
+        )
+        .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
+        .with_micro_batch(4)
+        .with_seq_len(2048)
+        .with_gradient_checkpointing(true)
+        .with_profile(Profile {
+            torch_compile: true,
+            ..Profile::torchtune()
+        }),
         metric: Metric::Reserved,
         measured: gb(12.3),
         tolerance: (-0.15, 0.20),
         group: CaseGroup::UnstatedMetric,
         note: "torchtune README 2024, QLoRA + torch.compile defaults",
     });
-    let tt31 = Profile { fused_adamw: true, chunked_cross_entropy: true, torch_compile: true, compiled_loss: true, ..Profile::torchtune() };
+    let tt31 = Profile {
+        fused_adamw: true,
+        chunked_cross_entropy: true,
+        torch_compile: true,
+        compiled_loss: true,
+        ..Profile::torchtune()
+    };
     v.push(Case {
         id: "T10".into(),
         model: "Llama-3.1-8B",
@@ -183,14 +239,25 @@ pub fn public_cases() -> Vec<Case> {
         s.with_base_dtype(BaseDtype::Bf16)
             .with_micro_batch(4)
             .with_seq_len(768)
-            .with_profile(Profile { variable_length: true, ..Profile::peft_transformers() })
+            .with_profile(Profile {
+                variable_length: true,
+                ..Profile::peft_transformers()
+            })
     };
     let peft_note = "PEFT method_comparison/MetaMathQA default_training_params.json";
     for (id, s, peak) in [
         ("P1", lora(&["q_proj", "v_proj"], 32, 64.0), 20.12),
         ("P2", lora(&["q_proj", "v_proj"], 64, 128.0), 20.37),
-        ("P3", lora(&["gate_proj", "up_proj", "down_proj"], 10, 20.0), 22.06),
-        ("P4", lora(&["q_proj", "v_proj"], 32, 64.0).with_method(Method::Dora), 22.18),
+        (
+            "P3",
+            lora(&["gate_proj", "up_proj", "down_proj"], 10, 20.0),
+            22.06,
+        ),
+        (
+            "P4",
+            lora(&["q_proj", "v_proj"], 32, 64.0).with_method(Method::Dora),
+            22.18,
+        ),
         ("P5", Settings::default().with_method(Method::Full), 37.35),
     ] {
         v.push(Case {
@@ -207,8 +274,16 @@ pub fn public_cases() -> Vec<Case> {
     // The same benchmark's `cuda_memory_max` (max of the per-step reserved log, results files at
     // huggingface/peft commit 0a179c1e): a peak, compared with the peak at max_seq_length.
     for (id, s, peak) in [
-        ("P1-max", lora(&["q_proj", "v_proj"], 32, 64.0), 22_273_851_392u64),
-        ("P5-max", Settings::default().with_method(Method::Full), 37_241_225_216u64),
+        (
+            "P1-max",
+            lora(&["q_proj", "v_proj"], 32, 64.0),
+            22_273_851_392u64,
+        ),
+        (
+            "P5-max",
+            Settings::default().with_method(Method::Full),
+            37_241_225_216u64,
+        ),
     ] {
         v.push(Case {
             id: id.into(),
@@ -242,8 +317,18 @@ pub fn public_cases() -> Vec<Case> {
         note: "full fine-tune: bf16 weights + bf16 AdamW states (+ bf16 grads until zero_grad)",
     });
     // fsdp_qlora DDP (full replica per GPU): pure bf16, fixed length, bitsandbytes 0.43.0.
-    let fsdp = Profile { legacy_fp32_logits: true, ..Profile::bitsandbytes_old() };
-    let fsdp_targets = &["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"];
+    let fsdp = Profile {
+        legacy_fp32_logits: true,
+        ..Profile::bitsandbytes_old()
+    };
+    let fsdp_targets = &[
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
     v.push(Case {
         id: "F1".into(),
         model: "Llama-2-7B",
@@ -277,9 +362,16 @@ pub fn public_cases() -> Vec<Case> {
         note: "AnswerDotAI/fsdp_qlora benchmarks_03_2024",
     });
     // Qwen README profiling (A100-80G, flash-attn 2, batch 1, checkpointing).
-    for (i, (seq, lora_gb, qlora_gb)) in [(256, 34.6, 18.7), (512, 35.1, 18.4), (1024, 35.3, 18.9), (2048, 37.4, 19.9), (4096, 42.5, 23.0), (8192, 55.2, 27.9)]
-        .into_iter()
-        .enumerate()
+    for (i, (seq, lora_gb, qlora_gb)) in [
+        (256, 34.6, 18.7),
+        (512, 35.1, 18.4),
+        (1024, 35.3, 18.9),
+        (2048, 37.4, 19.9),
+        (4096, 42.5, 23.0),
+        (8192, 55.2, 27.9),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let base = lora(&["all-linear"], 64, 16.0)
             .with_micro_batch(1)
@@ -319,13 +411,24 @@ pub fn public_cases() -> Vec<Case> {
             .with_resolution(512)
             .with_train_text_encoder(true)
             .with_attention(Attention::Math)
-            .with_profile(Profile { zero_grad_keeps_buffers: true, ..Profile::peft_transformers() })
+            .with_profile(Profile {
+                zero_grad_keeps_buffers: true,
+                ..Profile::peft_transformers()
+            })
     };
     let sd_targets = &["to_q", "to_v", "q_proj", "v_proj"];
     for (id, s, peak) in [
-        ("S1-full", Settings::default().with_method(Method::Full), 27.5),
+        (
+            "S1-full",
+            Settings::default().with_method(Method::Full),
+            27.5,
+        ),
         ("S1-lora", lora(sd_targets, 16, 27.0), 15.5),
-        ("S1-lora-ckpt", lora(sd_targets, 16, 27.0).with_gradient_checkpointing(true), 8.12),
+        (
+            "S1-lora-ckpt",
+            lora(sd_targets, 16, 27.0).with_gradient_checkpointing(true),
+            8.12,
+        ),
     ] {
         v.push(Case {
             id: id.into(),
@@ -356,7 +459,14 @@ pub fn public_cases() -> Vec<Case> {
         note: "kohya sd-scripts train_SDXL-en.md: fits an 8 GB card (the prediction must be ≤ 8 GiB)",
     });
     // PUBLIC.md CPU table: SmolLM2-135M dequantized to fp32, PEFT r8 α16 q,v, AdamW, 2 threads.
-    for (b, s, fp32, bf16) in [(1, 256, 420.0, 603.0), (2, 256, 1073.0, 932.0), (4, 128, 1047.0, 936.0), (4, 256, 2264.0, 1854.0), (4, 512, 4784.0, 3586.0), (8, 256, 4866.0, 3469.0)] {
+    for (b, s, fp32, bf16) in [
+        (1, 256, 420.0, 603.0),
+        (2, 256, 1073.0, 932.0),
+        (4, 128, 1047.0, 936.0),
+        (4, 256, 2264.0, 1854.0),
+        (4, 512, 4784.0, 3586.0),
+        (8, 256, 4866.0, 3469.0),
+    ] {
         let cpu = lora(&["q_proj", "v_proj"], 8, 16.0)
             .with_base_dtype(BaseDtype::F32)
             .with_micro_batch(b)
@@ -399,7 +509,11 @@ pub fn evaluate(cases: &[Case]) -> Result<Vec<CaseResult>> {
             let e = estimate(&m, &c.settings)?;
             let predicted = e.value(c.metric);
             let error = (predicted.as_f64() - c.measured.as_f64()) / c.measured.as_f64();
-            Ok(CaseResult { case: c.clone(), predicted, error })
+            Ok(CaseResult {
+                case: c.clone(),
+                predicted,
+                error,
+            })
         })
         .collect()
 }
@@ -418,7 +532,10 @@ pub fn summary(results: &[CaseResult], group: CaseGroup) -> (f64, f64, usize) {
 
 /// A printable report of all results with the per-group summaries.
 pub fn report(results: &[CaseResult]) -> String {
-    let mut out = format!("{:<16} {:<14} {:<12} {:>10} {:>10} {:>8}  {}\n", "case", "model", "metric", "measured", "predicted", "error", "status");
+    let mut out = format!(
+        "{:<16} {:<14} {:<12} {:>10} {:>10} {:>8}  {}\n",
+        "case", "model", "metric", "measured", "predicted", "error", "status"
+    );
     for r in results {
         out += &format!(
             "{:<16} {:<14} {:<12} {:>10.3} {:>10.3} {:>+7.1}%  {}\n",
@@ -438,7 +555,11 @@ pub fn report(results: &[CaseResult]) -> String {
         ("p99 (percentile)", CaseGroup::Percentile),
     ] {
         let (mape, worst, n) = summary(results, g);
-        out += &format!("{name:<20} n={n:<3} MAPE {:>5.1}%  worst underprediction {:>+6.1}%\n", 100.0 * mape, 100.0 * worst);
+        out += &format!(
+            "{name:<20} n={n:<3} MAPE {:>5.1}%  worst underprediction {:>+6.1}%\n",
+            100.0 * mape,
+            100.0 * worst
+        );
     }
     out
 }

@@ -9,7 +9,9 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum Error {
     /// A size string such as `"6GB"` could not be parsed.
-    #[error("invalid size {input:?}: {reason} (write e.g. \"6GB\", \"12GiB\", \"512MB\" or a byte count)")]
+    #[error(
+        "invalid size {input:?}: {reason} (write e.g. \"6GB\", \"12GiB\", \"512MB\" or a byte count)"
+    )]
     InvalidSize {
         /// The text as given.
         input: String,

@@ -19,7 +19,9 @@
 
 use crate::error::{Error, Result};
 use crate::model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor, NormKind};
-use crate::settings::{Attention, BaseDtype, Device, Framework, Method, MixedPrecision, Optimizer, Settings};
+use crate::settings::{
+    Attention, BaseDtype, Device, Framework, Method, MixedPrecision, Optimizer, Settings,
+};
 use crate::units::Bytes;
 use serde::{Deserialize, Serialize};
 
@@ -96,17 +98,61 @@ impl Breakdown {
     /// The terms in a fixed order, with their formulas.
     pub fn terms(&self) -> Vec<Term> {
         vec![
-            Term { name: "base weights", bytes: self.base_weights, formula: "linears × B/param(dtype) + embeddings/norms 16-bit" },
-            Term { name: "autocast weight copies", bytes: self.autocast_weight_copies, formula: "2 B × linear params (32-bit base under autocast)" },
-            Term { name: "adapter params", bytes: self.adapter_params, formula: "Σ r·(in·k²+out) × adapter bytes" },
-            Term { name: "gradients", bytes: self.gradients, formula: "trainable × grad bytes" },
-            Term { name: "optimizer states", bytes: self.optimizer_states, formula: "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B" },
-            Term { name: "optimizer step temporaries", bytes: self.optimizer_step_temporaries, formula: "foreach: one state-sized list" },
-            Term { name: "activations", bytes: self.activations, formula: "Σ saved tensors per layer × b·s (Korthikanti split)" },
-            Term { name: "logits / loss", bytes: self.logits_loss, formula: "b·s·V·(e + 12)" },
-            Term { name: "batch data", bytes: self.batch_data, formula: "ids/labels/mask int64" },
-            Term { name: "context / workspace", bytes: self.context_workspace, formula: "CUDA context + cuBLAS workspace" },
-            Term { name: "allocator margin", bytes: self.allocator_margin, formula: "caching allocator: reserved − allocated" },
+            Term {
+                name: "base weights",
+                bytes: self.base_weights,
+                formula: "linears × B/param(dtype) + embeddings/norms 16-bit",
+            },
+            Term {
+                name: "autocast weight copies",
+                bytes: self.autocast_weight_copies,
+                formula: "2 B × linear params (32-bit base under autocast)",
+            },
+            Term {
+                name: "adapter params",
+                bytes: self.adapter_params,
+                formula: "Σ r·(in·k²+out) × adapter bytes",
+            },
+            Term {
+                name: "gradients",
+                bytes: self.gradients,
+                formula: "trainable × grad bytes",
+            },
+            Term {
+                name: "optimizer states",
+                bytes: self.optimizer_states,
+                formula: "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B",
+            },
+            Term {
+                name: "optimizer step temporaries",
+                bytes: self.optimizer_step_temporaries,
+                formula: "foreach: one state-sized list",
+            },
+            Term {
+                name: "activations",
+                bytes: self.activations,
+                formula: "Σ saved tensors per layer × b·s (Korthikanti split)",
+            },
+            Term {
+                name: "logits / loss",
+                bytes: self.logits_loss,
+                formula: "b·s·V·(e + 12)",
+            },
+            Term {
+                name: "batch data",
+                bytes: self.batch_data,
+                formula: "ids/labels/mask int64",
+            },
+            Term {
+                name: "context / workspace",
+                bytes: self.context_workspace,
+                formula: "CUDA context + cuBLAS workspace",
+            },
+            Term {
+                name: "allocator margin",
+                bytes: self.allocator_margin,
+                formula: "caching allocator: reserved − allocated",
+            },
         ]
     }
 }
@@ -157,21 +203,52 @@ impl Estimate {
             .breakdown
             .terms()
             .into_iter()
-            .map(|t| (t.name.to_string(), format!("{:.3}", t.bytes.gb()), format!("{:.3}", t.bytes.gib()), t.formula.to_string()))
+            .map(|t| {
+                (
+                    t.name.to_string(),
+                    format!("{:.3}", t.bytes.gb()),
+                    format!("{:.3}", t.bytes.gib()),
+                    t.formula.to_string(),
+                )
+            })
             .collect();
         rows.push(("─".repeat(3), String::new(), String::new(), String::new()));
         for (name, b, what) in [
-            ("peak allocated", self.peak_allocated, "max_memory_allocated"),
+            (
+                "peak allocated",
+                self.peak_allocated,
+                "max_memory_allocated",
+            ),
             ("peak reserved", self.peak_reserved, "max_memory_reserved"),
-            ("total (process peak)", self.peak_process, "nvidia-smi / RSS"),
+            (
+                "total (process peak)",
+                self.peak_process,
+                "nvidia-smi / RSS",
+            ),
         ] {
-            rows.push((name.to_string(), format!("{:.3}", b.gb()), format!("{:.3}", b.gib()), what.to_string()));
+            rows.push((
+                name.to_string(),
+                format!("{:.3}", b.gb()),
+                format!("{:.3}", b.gib()),
+                what.to_string(),
+            ));
         }
-        let w0 = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).max(4);
+        let w0 = rows
+            .iter()
+            .map(|r| r.0.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(4);
         let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max(2);
         let w2 = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(3);
-        let mut out = format!("{}  (trainable params: {})\n", self.model, self.trainable_params);
-        out += &format!("{:<w0$}  {:>w1$}  {:>w2$}  {}\n", "term", "GB", "GiB", "formula");
+        let mut out = format!(
+            "{}  (trainable params: {})\n",
+            self.model, self.trainable_params
+        );
+        out += &format!(
+            "{:<w0$}  {:>w1$}  {:>w2$}  {}\n",
+            "term", "GB", "GiB", "formula"
+        );
         for r in rows {
             out += &format!("{:<w0$}  {:>w1$}  {:>w2$}  {}\n", r.0, r.1, r.2, r.3);
         }
@@ -228,7 +305,12 @@ fn ctx(s: &Settings) -> Ctx {
 }
 
 fn validate(s: &Settings) -> Result<()> {
-    let bad = |key: &'static str, reason: &str| Err(Error::InvalidSetting { key, reason: reason.into() });
+    let bad = |key: &'static str, reason: &str| {
+        Err(Error::InvalidSetting {
+            key,
+            reason: reason.into(),
+        })
+    };
     if s.micro_batch == 0 {
         return bad("micro_batch", "must be at least 1");
     }
@@ -261,12 +343,24 @@ struct Trainable {
 }
 
 fn lora_trainable(sites: &[&LinearSite], s: &Settings) -> Trainable {
-    let mut t = Trainable { params: 0, factored: 0, small: 0, largest: 0 };
+    let mut t = Trainable {
+        params: 0,
+        factored: 0,
+        small: 0,
+        largest: 0,
+    };
     for site in sites {
-        let rank = u64::from(if site.conv { s.lora.conv_rank.unwrap_or(0) } else { s.lora.rank });
+        let rank = u64::from(if site.conv {
+            s.lora.conv_rank.unwrap_or(0)
+        } else {
+            s.lora.rank
+        });
         let a = rank * site.in_features * site.kernel_area;
         let b = rank * site.out_features;
-        for (n, rows, cols) in [(a, rank, site.in_features * site.kernel_area), (b, site.out_features, rank)] {
+        for (n, rows, cols) in [
+            (a, rank, site.in_features * site.kernel_area),
+            (b, site.out_features, rank),
+        ] {
             t.params += n * site.count;
             t.factored += (rows + cols) * site.count;
             if n < 4096 {
@@ -277,7 +371,11 @@ fn lora_trainable(sites: &[&LinearSite], s: &Settings) -> Trainable {
         if s.method == Method::Dora {
             t.params += site.out_features * site.count;
             t.factored += site.out_features * site.count;
-            t.small += if site.out_features < 4096 { site.out_features * site.count } else { 0 };
+            t.small += if site.out_features < 4096 {
+                site.out_features * site.count
+            } else {
+                0
+            };
         }
     }
     t
@@ -303,7 +401,10 @@ fn optimizer_bytes(t: &Trainable, opt: Optimizer, state_bytes: f64) -> (f64, f64
         Optimizer::AdamW => (2.0 * state_bytes * p, state_bytes * p),
         Optimizer::AdamW8bit => {
             let big = (t.params - t.small) as f64;
-            (2.0 * (big * (1.0 + 4.0 / 2048.0)) + 8.0 * t.small as f64, 4.0 * t.largest as f64)
+            (
+                2.0 * (big * (1.0 + 4.0 / 2048.0)) + 8.0 * t.small as f64,
+                4.0 * t.largest as f64,
+            )
         }
         Optimizer::Adafactor => (4.0 * t.factored as f64, 4.0 * t.largest as f64),
         Optimizer::Sgd { momentum } => (if momentum > 0.0 { 4.0 * p } else { 0.0 }, 0.0),
@@ -337,7 +438,11 @@ fn no_target_error(sites: &[LinearSite], s: &Settings) -> Error {
     names.dedup();
     Error::InvalidSetting {
         key: "lora.target_modules",
-        reason: format!("{:?} matches no layer; layers are: {}", s.lora.target_modules, names.join(", ")),
+        reason: format!(
+            "{:?} matches no layer; layers are: {}",
+            s.lora.target_modules,
+            names.join(", ")
+        ),
     }
 }
 
@@ -347,7 +452,13 @@ struct LayerCost {
     working: f64,
 }
 
-fn decoder_layer(d: &DecoderDescriptor, s: &Settings, c: &Ctx, sites: &[&LinearSite], seq: f64) -> LayerCost {
+fn decoder_layer(
+    d: &DecoderDescriptor,
+    s: &Settings,
+    c: &Ctx,
+    sites: &[&LinearSite],
+    seq: f64,
+) -> LayerCost {
     let h = d.hidden as f64;
     let f = d.intermediate as f64;
     let q = (d.heads * d.head_dim) as f64;
@@ -370,17 +481,21 @@ fn decoder_layer(d: &DecoderDescriptor, s: &Settings, c: &Ctx, sites: &[&LinearS
     // GQA keys/values to all heads before the kernel.
     let kv_saved = if p.repeat_kv { q } else { kv };
     saved += c.e * (2.0 * q + 2.0 * kv_saved) + 4.0 * a;
-    let working_attn;
-    if s.attention == Attention::Math {
-        // eager: fp32 softmax output + its 16-bit cast (saved by the PV matmul).
+    let working_attn = if s.attention == Attention::Math {
+        // eager: fp32 softmax output + its 16-bit cast (saved by the PV matmul); the backward
+        // holds the fp32 gradients of the probabilities and of the scores.
         saved += (4.0 + c.e) * a * seq;
-        working_attn = 2.0 * 4.0 * a * seq;
+        2.0 * 4.0 * a * seq
     } else {
-        working_attn = 0.0;
-    }
+        0.0
+    };
     // Gated MLP: SiLU keeps gate, the product keeps SiLU(gate) and up; compile keeps gate, up.
     saved += if d.gated_mlp {
-        if p.torch_compile { 2.0 * c.e * f } else { 3.0 * c.e * f }
+        if p.torch_compile {
+            2.0 * c.e * f
+        } else {
+            3.0 * c.e * f
+        }
     } else {
         2.0 * c.e * f
     };
@@ -388,7 +503,10 @@ fn decoder_layer(d: &DecoderDescriptor, s: &Settings, c: &Ctx, sites: &[&LinearS
     // that an old bitsandbytes saved anyway. Distinct input tensors: norm1 out (q,k,v), attention
     // out (o), norm2 out (gate, up), MLP product (down).
     let groups: [(&[&str], f64); 4] = [
-        (&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], h),
+        (
+            &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            h,
+        ),
         (&["self_attn.o_proj"], q),
         (&["mlp.gate_proj", "mlp.up_proj"], h),
         (&["mlp.down_proj"], f),
@@ -418,7 +536,11 @@ fn decoder_layer(d: &DecoderDescriptor, s: &Settings, c: &Ctx, sites: &[&LinearS
                 saved += c.e * width;
             }
             for n in &adapted {
-                let out = sites.iter().find(|x| x.name == **n).map(|x| x.out_features as f64).unwrap_or(0.0);
+                let out = sites
+                    .iter()
+                    .find(|x| x.name == **n)
+                    .map(|x| x.out_features as f64)
+                    .unwrap_or(0.0);
                 // lora_A output (input of lora_B).
                 saved += c.ad * f64::from(s.lora.rank);
                 if s.lora.dropout > 0.0 {
@@ -454,36 +576,69 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // Base weights.
     let linear = d.layer_linear_params() as f64;
     let rest = (d.params as f64 - linear).max(0.0);
-    let rest_bytes = if s.base_dtype == BaseDtype::F32 { 4.0 } else { 2.0 };
+    let rest_bytes = if s.base_dtype == BaseDtype::F32 {
+        4.0
+    } else {
+        2.0
+    };
     let base_weights = linear * s.base_dtype.bytes_per_param() + rest * rest_bytes;
     let lm_head_params = if d.tied_embeddings { v * h } else { 0.0 };
-    let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 { 2.0 * (linear + d.vocab as f64 * h.max(0.0)) } else { 0.0 };
+    let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 {
+        2.0 * (linear + d.vocab as f64 * h.max(0.0))
+    } else {
+        0.0
+    };
     let _ = lm_head_params;
 
     // Trainable parameters.
     let (trainable, adapter_bytes, grad_bytes, state_bytes) = if s.method == Method::Full {
         let p = d.params;
         let largest = d.vocab * d.hidden;
-        let t = Trainable { params: p, factored: 0, small: 0, largest };
+        let t = Trainable {
+            params: p,
+            factored: 0,
+            small: 0,
+            largest,
+        };
         let pb = if s.base_dtype.is_quantized() {
-            notes.push("full fine-tuning of a quantized base is not possible; counted as bf16".into());
+            notes.push(
+                "full fine-tuning of a quantized base is not possible; counted as bf16".into(),
+            );
             2.0
         } else {
             rest_bytes.max(c.r)
         };
         let t = Trainable {
-            factored: all_sites.iter().map(|x| (x.in_features + x.out_features) * x.count).sum::<u64>() + d.vocab + d.hidden,
+            factored: all_sites
+                .iter()
+                .map(|x| (x.in_features + x.out_features) * x.count)
+                .sum::<u64>()
+                + d.vocab
+                + d.hidden,
             ..t
         };
         (t, 0.0, pb, pb)
     } else {
         let t = lora_trainable(&sites, s);
         let ab = t.params as f64 * c.ad;
-        (t, ab, c.ad, c.ad.max(if s.profile.framework == Framework::Torchtune { c.ad } else { 4.0 }))
+        (
+            t,
+            ab,
+            c.ad,
+            c.ad.max(if s.profile.framework == Framework::Torchtune {
+                c.ad
+            } else {
+                4.0
+            }),
+        )
     };
     let gradients = trainable.params as f64 * grad_bytes;
     let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
-    let step_tmp = if s.optimizer == Optimizer::AdamW && s.device.is_cuda() && !s.profile.fused_adamw && s.profile.framework != Framework::Ours {
+    let step_tmp = if s.optimizer == Optimizer::AdamW
+        && s.device.is_cuda()
+        && !s.profile.fused_adamw
+        && s.profile.framework != Framework::Ours
+    {
         foreach_tmp
     } else {
         trainable.largest as f64 * state_bytes
@@ -496,7 +651,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     let e_logits = c.e;
     let (logits_peak, logits_kept) = if s.profile.compiled_loss {
         // fused cross-entropy: 16-bit logits + their gradient (one chunk at a time when chunked)
-        let grad = if s.profile.chunked_cross_entropy { e_logits * v / 8.0 } else { e_logits * v };
+        let grad = if s.profile.chunked_cross_entropy {
+            e_logits * v / 8.0
+        } else {
+            e_logits * v
+        };
         (e_logits * v + grad, e_logits * v)
     } else if s.profile.chunked_cross_entropy {
         (e_logits * v + 4.0 * v + 8.0 * v / 8.0, e_logits * v)
@@ -509,7 +668,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     };
     let logits_extra = if lm_lora { c.ad * v } else { 0.0 };
     let (stored, recompute) = if s.gradient_checkpointing {
-        let kept = if s.profile.activation_offloading { 2.0 } else { layers };
+        let kept = if s.profile.activation_offloading {
+            2.0
+        } else {
+            layers
+        };
         (kept * c.r * h, layer.saved)
     } else {
         (layers * layer.saved, 0.0)
@@ -568,18 +731,30 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     // zero_grad keeps the buffers, or when they are small (LoRA: counted, conservative). A full
     // fine-tune with set_to_none produces them layer by layer while that layer's activations are
     // freed, so its backward peak is taken without them.
-    let grads_at_backward = if s.method != Method::Full || s.gradient_accumulation_steps > 1 || s.profile.zero_grad_keeps_buffers {
+    let grads_at_backward = if s.method != Method::Full
+        || s.gradient_accumulation_steps > 1
+        || s.profile.zero_grad_keeps_buffers
+    {
         a.gradients
     } else {
         0.0
     };
-    let backward = persistent + grads_at_backward + a.autocast_copies + a.activations + a.logits_loss + a.batch;
+    let backward = persistent
+        + grads_at_backward
+        + a.autocast_copies
+        + a.activations
+        + a.logits_loss
+        + a.batch;
     let step = persistent + a.gradients + a.step_tmp;
     let allocated = backward.max(step);
     let transient = a.activations + a.logits_loss + a.autocast_copies;
     let (margin, context) = match s.device {
         Device::Cuda { context, workspace } => {
-            let frac = if s.profile.variable_length { ALLOCATOR_FRAGMENTATION_VARIABLE } else { ALLOCATOR_FRAGMENTATION_FIXED };
+            let frac = if s.profile.variable_length {
+                ALLOCATOR_FRAGMENTATION_VARIABLE
+            } else {
+                ALLOCATOR_FRAGMENTATION_FIXED
+            };
             (frac * transient, (context + workspace).as_f64())
         }
         Device::Cpu { runtime } => (0.0, runtime.as_f64()),
@@ -587,7 +762,11 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     // PyTorch's caching allocator serves requests ≤ 1 MiB from a separate small pool that never
     // reuses large-pool blocks: small optimizer temporaries (LoRA tensors) add to the reserved
     // peak even though they come after the activations are freed.
-    let small_tmp = if a.step_tmp_small_pool && s.device.is_cuda() { a.step_tmp } else { 0.0 };
+    let small_tmp = if a.step_tmp_small_pool && s.device.is_cuda() {
+        a.step_tmp
+    } else {
+        0.0
+    };
     let reserved = (backward + small_tmp).max(allocated) + margin;
     let margin = reserved - allocated;
     let process = reserved + context;
@@ -596,15 +775,30 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     let step_delta = allocated - a.base_weights - a.adapter_bytes;
     let mut notes = a.notes;
     if a.step_tmp > a.activations + a.logits_loss && s.optimizer == Optimizer::AdamW {
-        notes.push("the optimizer step is the peak: fused AdamW or a per-tensor loop would lower it".into());
+        notes.push(
+            "the optimizer step is the peak: fused AdamW or a per-tensor loop would lower it"
+                .into(),
+        );
     }
     let breakdown = Breakdown {
         base_weights: Bytes::from_f64(a.base_weights),
-        autocast_weight_copies: Bytes::from_f64(if backward >= step { a.autocast_copies } else { 0.0 }),
+        autocast_weight_copies: Bytes::from_f64(if backward >= step {
+            a.autocast_copies
+        } else {
+            0.0
+        }),
         adapter_params: Bytes::from_f64(a.adapter_bytes),
-        gradients: Bytes::from_f64(if backward >= step { grads_at_backward } else { a.gradients }),
+        gradients: Bytes::from_f64(if backward >= step {
+            grads_at_backward
+        } else {
+            a.gradients
+        }),
         optimizer_states: Bytes::from_f64(a.states),
-        optimizer_step_temporaries: Bytes::from_f64(if backward >= step { 0.0 } else { a.step_tmp }),
+        optimizer_step_temporaries: Bytes::from_f64(if backward >= step {
+            0.0
+        } else {
+            a.step_tmp
+        }),
         activations: Bytes::from_f64(if backward >= step { a.activations } else { 0.0 }),
         logits_loss: Bytes::from_f64(if backward >= step { a.logits_loss } else { 0.0 }),
         batch_data: Bytes::from_f64(if backward >= step { a.batch } else { 0.0 }),
@@ -645,18 +839,30 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         return Err(no_target_error(&usable, s));
     }
     let notes = Vec::new();
-    let wb = if s.base_dtype == BaseDtype::F32 { 4.0 } else { s.base_dtype.bytes_per_param().max(1.0).min(2.0) };
-    let wb = if s.base_dtype.is_quantized() { s.base_dtype.bytes_per_param() } else { wb };
+    // UNet weights in the base dtype (block-quantized types apply to the UNet as a whole).
+    let wb = s.base_dtype.bytes_per_param();
     let mut base = d.unet_params as f64 * wb;
-    let te_bytes = if s.base_dtype == BaseDtype::F32 { 4.0 } else { 2.0 };
+    let te_bytes = if s.base_dtype == BaseDtype::F32 {
+        4.0
+    } else {
+        2.0
+    };
     if !s.cache_text_encoder_outputs {
         base += d.text_encoder_params() as f64 * te_bytes;
     }
     if !s.cache_latents {
         base += d.vae_params as f64 * te_bytes;
     }
-    let unet_linear: f64 = all_sites.iter().filter(|x| x.component == "unet").map(|x| (x.weight_params() * x.count) as f64).sum();
-    let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 { 2.0 * unet_linear.min(d.unet_params as f64) } else { 0.0 };
+    let unet_linear: f64 = all_sites
+        .iter()
+        .filter(|x| x.component == "unet")
+        .map(|x| (x.weight_params() * x.count) as f64)
+        .sum();
+    let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 {
+        2.0 * unet_linear.min(d.unet_params as f64)
+    } else {
+        0.0
+    };
 
     let (trainable, adapter_bytes, grad_bytes, state_bytes) = if s.method == Method::Full {
         let mut p = d.unet_params;
@@ -665,11 +871,18 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         }
         let t = Trainable {
             params: p,
-            factored: usable.iter().map(|x| (x.in_features * x.kernel_area + x.out_features) * x.count).sum(),
+            factored: usable
+                .iter()
+                .map(|x| (x.in_features * x.kernel_area + x.out_features) * x.count)
+                .sum(),
             small: 0,
             largest: 1280 * 1280 * 9,
         };
-        let pb = if s.base_dtype == BaseDtype::F32 { 4.0 } else { 2.0 };
+        let pb = if s.base_dtype == BaseDtype::F32 {
+            4.0
+        } else {
+            2.0
+        };
         (t, 0.0, pb, pb)
     } else {
         let t = lora_trainable(&sites, s);
@@ -678,7 +891,11 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     };
     let gradients = trainable.params as f64 * grad_bytes;
     let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
-    let step_tmp = if s.optimizer == Optimizer::AdamW && s.device.is_cuda() && !s.profile.fused_adamw && s.profile.framework != Framework::Ours {
+    let step_tmp = if s.optimizer == Optimizer::AdamW
+        && s.device.is_cuda()
+        && !s.profile.fused_adamw
+        && s.profile.framework != Framework::Ours
+    {
         foreach_tmp
     } else {
         trainable.largest as f64 * state_bytes
@@ -694,7 +911,11 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     let samples = f64::from(s.micro_batch) * if s.prior_preservation { 2.0 } else { 1.0 };
     let ctx_len = 77.0;
     let full = s.method == Method::Full;
-    let is = |name: &str| full || sites.iter().any(|x| x.component == "unet" && x.name == name);
+    let is = |name: &str| {
+        full || sites
+            .iter()
+            .any(|x| x.component == "unet" && x.name == name)
+    };
     let per_module = |n: usize| -> f64 {
         // copies of an adapted layer's input (see the decoder notes)
         if full {
@@ -721,7 +942,13 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     let mut biggest_block = 0.0f64; // saved bytes of the largest block (recompute)
     let mut working = 0.0f64; // backward working set of the largest block
     let conv_lora = s.lora.conv_rank.is_some() || full;
-    let resnet = |cin: f64, cout: f64, n: f64, stored: &mut f64, ck: &mut f64, big: &mut f64, wk: &mut f64| {
+    let resnet = |cin: f64,
+                  cout: f64,
+                  n: f64,
+                  stored: &mut f64,
+                  ck: &mut f64,
+                  big: &mut f64,
+                  wk: &mut f64| {
         // GroupNorm input + SiLU input for each of the two norm/act pairs; conv inputs when the
         // convs are trained.
         let mut b = c.r * 2.0 * (cin + cout) * n;
@@ -765,10 +992,26 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         let (tb, twk) = transformer(ch, heads, n);
         let depth = lv.transformer_depth as f64;
         for _ in 0..lv.resnets {
-            resnet(ch, ch, n, &mut stored, &mut ckpt_stored, &mut biggest_block, &mut working);
+            resnet(
+                ch,
+                ch,
+                n,
+                &mut stored,
+                &mut ckpt_stored,
+                &mut biggest_block,
+                &mut working,
+            );
         }
         for _ in 0..=lv.resnets {
-            resnet(2.0 * ch, ch, n, &mut stored, &mut ckpt_stored, &mut biggest_block, &mut working);
+            resnet(
+                2.0 * ch,
+                ch,
+                n,
+                &mut stored,
+                &mut ckpt_stored,
+                &mut biggest_block,
+                &mut working,
+            );
         }
         let blocks = depth * (2 * lv.resnets + 1) as f64;
         stored += blocks * tb;
@@ -779,7 +1022,15 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         }
         if i + 1 == nlev {
             for _ in 0..2 {
-                resnet(ch, ch, n, &mut stored, &mut ckpt_stored, &mut biggest_block, &mut working);
+                resnet(
+                    ch,
+                    ch,
+                    n,
+                    &mut stored,
+                    &mut ckpt_stored,
+                    &mut biggest_block,
+                    &mut working,
+                );
             }
             let md = d.mid_transformer_depth as f64;
             stored += md * tb;
@@ -799,11 +1050,16 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     if s.train_text_encoder {
         for te in &d.text_encoders {
             let th = te.hidden as f64;
-            let per_token = c.e * (12.0 * th + 2.0 * te.intermediate as f64) + c.e * te.heads as f64 * ctx_len;
+            let per_token =
+                c.e * (12.0 * th + 2.0 * te.intermediate as f64) + c.e * te.heads as f64 * ctx_len;
             te_act += te.layers as f64 * ctx_len * per_token;
         }
     }
-    let act_per_sample = if s.gradient_checkpointing { ckpt_stored + biggest_block + working } else { stored + working };
+    let act_per_sample = if s.gradient_checkpointing {
+        ckpt_stored + biggest_block + working
+    } else {
+        stored + working
+    };
     let activations = samples * (act_per_sample + te_act);
     // Latents, noise, noisy latents, prediction (fp32) + text conditioning.
     let ctx_dim = d.cross_attention_dim as f64;
@@ -835,10 +1091,15 @@ mod tests {
     #[test]
     fn qlora_weights_follow_the_nf4_formula() {
         let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
-        let ModelDescriptor::Decoder(d) = &m else { panic!() };
-        let s = Settings::default().with_base_dtype(BaseDtype::Nf4 { double_quant: false });
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let s = Settings::default().with_base_dtype(BaseDtype::Nf4 {
+            double_quant: false,
+        });
         let e = estimate(&m, &s).unwrap();
-        let want = d.layer_linear_params() as f64 * 0.5625 + (d.params - d.layer_linear_params()) as f64 * 2.0;
+        let want = d.layer_linear_params() as f64 * 0.5625
+            + (d.params - d.layer_linear_params()) as f64 * 2.0;
         assert!((e.breakdown.base_weights.as_f64() - want).abs() < 2.0);
     }
 
@@ -864,26 +1125,38 @@ mod tests {
             .with_seq_len(16);
         let e = estimate(&m, &s).unwrap();
         let p = m.params() as f64;
-        let states = e.breakdown.base_weights.as_f64() + e.breakdown.optimizer_states.as_f64() + 4.0 * p;
+        let states =
+            e.breakdown.base_weights.as_f64() + e.breakdown.optimizer_states.as_f64() + 4.0 * p;
         assert!((states / p - 16.0).abs() < 0.01, "{}", states / p);
     }
 
     #[test]
     fn errors_name_the_setting() {
         let m = ModelDescriptor::preset("SmolLM2-135M").unwrap();
-        let e = estimate(&m, &Settings::default().with_target_modules(&["to_q"])).unwrap_err().to_string();
+        let e = estimate(&m, &Settings::default().with_target_modules(&["to_q"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("to_q") && e.contains("self_attn.q_proj"), "{e}");
-        let e = estimate(&m, &Settings::default().with_micro_batch(0)).unwrap_err().to_string();
+        let e = estimate(&m, &Settings::default().with_micro_batch(0))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("micro_batch"), "{e}");
         let sd = ModelDescriptor::preset("SD1.5").unwrap();
-        let s = Settings::default().with_target_modules(&["to_q"]).with_train_text_encoder(true).with_cache_text_encoder_outputs(true);
+        let s = Settings::default()
+            .with_target_modules(&["to_q"])
+            .with_train_text_encoder(true)
+            .with_cache_text_encoder_outputs(true);
         assert!(estimate(&sd, &s).is_err());
     }
 
     #[test]
     fn table_lists_every_term_and_totals() {
         let m = ModelDescriptor::preset("SmolLM2-135M").unwrap();
-        let e = estimate(&m, &Settings::default().with_profile(Profile::peft_transformers())).unwrap();
+        let e = estimate(
+            &m,
+            &Settings::default().with_profile(Profile::peft_transformers()),
+        )
+        .unwrap();
         let t = e.to_table();
         for term in e.breakdown.terms() {
             assert!(t.contains(term.name), "{t}");

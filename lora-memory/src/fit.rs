@@ -56,7 +56,10 @@ pub enum FitError {
     },
 }
 
-type Step = (&'static str, fn(&Settings) -> Option<(Settings, String, String, String)>);
+type Step = (
+    &'static str,
+    fn(&Settings) -> Option<(Settings, String, String, String)>,
+);
 
 fn halve_batch(s: &Settings) -> Option<(Settings, String, String, String)> {
     if s.micro_batch <= 1 {
@@ -65,12 +68,16 @@ fn halve_batch(s: &Settings) -> Option<(Settings, String, String, String)> {
     let eff = s.effective_batch();
     let mut n = s.clone();
     n.micro_batch = s.micro_batch / 2;
-    n.gradient_accumulation_steps = u32::try_from(eff.div_ceil(u64::from(n.micro_batch))).unwrap_or(u32::MAX);
+    n.gradient_accumulation_steps =
+        u32::try_from(eff.div_ceil(u64::from(n.micro_batch))).unwrap_or(u32::MAX);
     Some((
         n.clone(),
         format!("{} × {}", s.micro_batch, s.gradient_accumulation_steps),
         format!("{} × {}", n.micro_batch, n.gradient_accumulation_steps),
-        format!("activations scale with micro_batch; gradient accumulation keeps the effective batch at {}", n.effective_batch()),
+        format!(
+            "activations scale with micro_batch; gradient accumulation keeps the effective batch at {}",
+            n.effective_batch()
+        ),
     ))
 }
 
@@ -95,18 +102,35 @@ fn checkpointing(s: &Settings) -> Option<(Settings, String, String, String)> {
     }
     let mut n = s.clone();
     n.gradient_checkpointing = true;
-    Some((n, "off".into(), "on".into(), "keeps only each block's input and recomputes the block in the backward pass (~30% slower)".into()))
+    Some((
+        n,
+        "off".into(),
+        "on".into(),
+        "keeps only each block's input and recomputes the block in the backward pass (~30% slower)"
+            .into(),
+    ))
 }
 
 fn optimizer(s: &Settings) -> Option<(Settings, String, String, String)> {
     let (to, why) = match s.optimizer {
-        Optimizer::AdamW => (Optimizer::AdamW8bit, "8-bit block-wise states: 2 B instead of 8 B per trainable parameter"),
-        Optimizer::AdamW8bit => (Optimizer::Adafactor, "factored second moment, no first moment"),
+        Optimizer::AdamW => (
+            Optimizer::AdamW8bit,
+            "8-bit block-wise states: 2 B instead of 8 B per trainable parameter",
+        ),
+        Optimizer::AdamW8bit => (
+            Optimizer::Adafactor,
+            "factored second moment, no first moment",
+        ),
         _ => return None,
     };
     let mut n = s.clone();
     n.optimizer = to;
-    Some((n, format!("{:?}", s.optimizer), format!("{to:?}"), why.into()))
+    Some((
+        n,
+        format!("{:?}", s.optimizer),
+        format!("{to:?}"),
+        why.into(),
+    ))
 }
 
 fn cache_inputs(s: &Settings) -> Option<(Settings, String, String, String)> {
@@ -170,7 +194,16 @@ fn shorter(s: &Settings) -> Option<(Settings, String, String, String)> {
         }
         n.largest_bucket = Some([(w * 3 / 4) / 64 * 64, (h * 3 / 4) / 64 * 64]);
         n.resolution = (s.resolution * 3 / 4) / 64 * 64;
-        return Some((n.clone(), format!("bucket {w}×{h}"), format!("bucket {}×{}", n.largest_bucket.map_or(0, |b| b[0]), n.largest_bucket.map_or(0, |b| b[1])), "activations scale with pixels".into()));
+        return Some((
+            n.clone(),
+            format!("bucket {w}×{h}"),
+            format!(
+                "bucket {}×{}",
+                n.largest_bucket.map_or(0, |b| b[0]),
+                n.largest_bucket.map_or(0, |b| b[1])
+            ),
+            "activations scale with pixels".into(),
+        ));
     }
     if s.seq_len > 128 {
         n.seq_len = (s.seq_len / 2).max(128);
@@ -215,7 +248,12 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
     let mut cur = settings.clone();
     let mut est = estimate(model, &cur)?;
     let mut changes = Vec::new();
-    let done = |s: Settings, e: Estimate, changes: Vec<Change>| Fit { headroom: budget - e.peak, settings: s, estimate: e, changes };
+    let done = |s: Settings, e: Estimate, changes: Vec<Change>| Fit {
+        headroom: budget - e.peak,
+        settings: s,
+        estimate: e,
+        changes,
+    };
     if est.peak <= budget {
         return Ok(done(cur, est, changes));
     }
@@ -225,7 +263,13 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
             if e.peak >= est.peak {
                 break;
             }
-            changes.push(Change { setting: (*setting).to_string(), from, to, reason, peak_after: e.peak });
+            changes.push(Change {
+                setting: (*setting).to_string(),
+                from,
+                to,
+                reason,
+                peak_after: e.peak,
+            });
             cur = next;
             est = e;
             if est.peak <= budget {
@@ -233,7 +277,12 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
             }
         }
     }
-    Err(FitError::DoesNotFit { budget, smallest_peak: est.peak, settings: Box::new(cur), changes })
+    Err(FitError::DoesNotFit {
+        budget,
+        smallest_peak: est.peak,
+        settings: Box::new(cur),
+        changes,
+    })
 }
 
 /// The largest micro-batch (≤ 4096) whose predicted peak fits in `free`, all else equal; 0 when
@@ -241,8 +290,14 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
 ///
 /// # Errors
 /// [`Error`] from [`estimate`] for invalid settings.
-pub fn max_micro_batch(model: &ModelDescriptor, settings: &Settings, free: Bytes) -> Result<u32, Error> {
-    let peak = |b: u32| -> Result<Bytes, Error> { Ok(estimate(model, &settings.clone().with_micro_batch(b))?.peak) };
+pub fn max_micro_batch(
+    model: &ModelDescriptor,
+    settings: &Settings,
+    free: Bytes,
+) -> Result<u32, Error> {
+    let peak = |b: u32| -> Result<Bytes, Error> {
+        Ok(estimate(model, &settings.clone().with_micro_batch(b))?.peak)
+    };
     if peak(1)? > free {
         return Ok(0);
     }
@@ -272,7 +327,10 @@ mod tests {
         let s = Settings::default().with_micro_batch(8).with_seq_len(2048);
         let f = fit(&m, &s, Bytes(24 * GIB)).unwrap();
         assert!(f.estimate.peak <= Bytes(24 * GIB));
-        assert_eq!(f.changes[0].setting, "micro_batch × gradient_accumulation_steps");
+        assert_eq!(
+            f.changes[0].setting,
+            "micro_batch × gradient_accumulation_steps"
+        );
         assert_eq!(f.settings.effective_batch(), 8);
         assert!(f.changes.iter().all(|c| !c.reason.is_empty()));
         for w in f.changes.windows(2) {
@@ -285,7 +343,11 @@ mod tests {
     fn impossible_budgets_report_the_smallest_peak() {
         let m = ModelDescriptor::preset("Qwen3-32B").unwrap();
         match fit(&m, &Settings::default(), Bytes(4 * GIB)) {
-            Err(FitError::DoesNotFit { smallest_peak, settings, .. }) => {
+            Err(FitError::DoesNotFit {
+                smallest_peak,
+                settings,
+                ..
+            }) => {
                 assert!(smallest_peak > Bytes(4 * GIB));
                 assert!(settings.base_dtype.is_quantized());
                 // 32B params at ~0.52 B/param cannot fit 4 GiB.
@@ -303,7 +365,12 @@ mod tests {
         let b = max_micro_batch(&m, &s, free).unwrap();
         assert!(b >= 1);
         assert!(estimate(&m, &s.clone().with_micro_batch(b)).unwrap().peak <= free);
-        assert!(estimate(&m, &s.clone().with_micro_batch(b + 1)).unwrap().peak > free);
+        assert!(
+            estimate(&m, &s.clone().with_micro_batch(b + 1))
+                .unwrap()
+                .peak
+                > free
+        );
         assert_eq!(max_micro_batch(&m, &s, Bytes(1 << 20)).unwrap(), 0);
     }
 }

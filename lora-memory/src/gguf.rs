@@ -136,7 +136,11 @@ struct Reader {
 
 impl Reader {
     fn err(&self, reason: impl Into<String>) -> Error {
-        Error::Gguf { path: self.path.clone(), offset: self.pos, reason: reason.into() }
+        Error::Gguf {
+            path: self.path.clone(),
+            offset: self.pos,
+            reason: reason.into(),
+        }
     }
 
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
@@ -158,7 +162,9 @@ impl Reader {
 
     fn skip(&mut self, n: u64) -> Result<()> {
         if self.pos.saturating_add(n) > self.file_len {
-            return Err(self.err(format!("a length of {n} bytes runs past the end of the file")));
+            return Err(self.err(format!(
+                "a length of {n} bytes runs past the end of the file"
+            )));
         }
         let step = i64::try_from(n).map_err(|_| self.err("length too large"))?;
         self.inner
@@ -206,7 +212,9 @@ impl Reader {
                 let elem_type = self.u32()?;
                 let len = self.u64()?;
                 if let Some(size) = Self::scalar_size(elem_type) {
-                    let total = len.checked_mul(size).ok_or_else(|| self.err("array too large"))?;
+                    let total = len
+                        .checked_mul(size)
+                        .ok_or_else(|| self.err("array too large"))?;
                     self.skip(total)?;
                 } else if elem_type == 8 {
                     for _ in 0..len {
@@ -237,24 +245,43 @@ impl Reader {
 /// implausible length.
 pub fn read_header(path: impl AsRef<Path>) -> Result<GgufHeader> {
     let path = path.as_ref();
-    let file = File::open(path).map_err(|source| Error::Io { path: path.into(), source })?;
+    let file = File::open(path).map_err(|source| Error::Io {
+        path: path.into(),
+        source,
+    })?;
     let file_len = file
         .metadata()
-        .map_err(|source| Error::Io { path: path.into(), source })?
+        .map_err(|source| Error::Io {
+            path: path.into(),
+            source,
+        })?
         .len();
-    let mut r = Reader { inner: BufReader::with_capacity(1 << 16, file), pos: 0, path: path.into(), file_len };
+    let mut r = Reader {
+        inner: BufReader::with_capacity(1 << 16, file),
+        pos: 0,
+        path: path.into(),
+        file_len,
+    };
     let magic = r.bytes::<4>()?;
     if &magic != b"GGUF" {
-        return Err(Error::Gguf { path: path.into(), offset: 0, reason: format!("magic {magic:?} is not \"GGUF\"") });
+        return Err(Error::Gguf {
+            path: path.into(),
+            offset: 0,
+            reason: format!("magic {magic:?} is not \"GGUF\""),
+        });
     }
     let version = r.u32()?;
     if !(2..=3).contains(&version) {
-        return Err(r.err(format!("version {version} is not supported (2 and 3 are); re-convert with a current llama.cpp")));
+        return Err(r.err(format!(
+            "version {version} is not supported (2 and 3 are); re-convert with a current llama.cpp"
+        )));
     }
     let tensor_count = r.u64()?;
     let kv_count = r.u64()?;
     if tensor_count > MAX_ITEMS || kv_count > MAX_ITEMS {
-        return Err(r.err(format!("implausible counts: {tensor_count} tensors, {kv_count} metadata pairs")));
+        return Err(r.err(format!(
+            "implausible counts: {tensor_count} tensors, {kv_count} metadata pairs"
+        )));
     }
     let mut metadata = BTreeMap::new();
     for _ in 0..kv_count {
@@ -276,9 +303,19 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<GgufHeader> {
         }
         let ggml_type = r.u32()?;
         let offset = r.u64()?;
-        tensors.push(GgufTensorInfo { name, dims, ggml_type, offset });
+        tensors.push(GgufTensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+        });
     }
-    Ok(GgufHeader { version, metadata, tensors, header_bytes: r.pos })
+    Ok(GgufHeader {
+        version,
+        metadata,
+        tensors,
+        header_bytes: r.pos,
+    })
 }
 
 pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
@@ -299,16 +336,23 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
     }
     let get = |k: &str| -> Result<u64> {
         let key = format!("{arch}.{k}");
-        h.metadata.get(&key).and_then(GgufValue::as_u64).ok_or_else(|| Error::Config {
-            path: path.into(),
-            key,
-            reason: "missing or not an integer in the GGUF metadata".into(),
-        })
+        h.metadata
+            .get(&key)
+            .and_then(GgufValue::as_u64)
+            .ok_or_else(|| Error::Config {
+                path: path.into(),
+                key,
+                reason: "missing or not an integer in the GGUF metadata".into(),
+            })
     };
     let hidden = get("embedding_length")?;
     let heads = get("attention.head_count")?;
     if heads == 0 {
-        return Err(Error::Config { path: path.into(), key: format!("{arch}.attention.head_count"), reason: "is zero".into() });
+        return Err(Error::Config {
+            path: path.into(),
+            key: format!("{arch}.attention.head_count"),
+            reason: "is zero".into(),
+        });
     }
     let kv_heads = get("attention.head_count_kv").unwrap_or(heads);
     let head_dim = h
@@ -342,7 +386,10 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
         tied,
     );
     d.attention_bias = h.tensors.iter().any(|t| t.name.ends_with("attn_q.bias"));
-    d.qk_norm = h.tensors.iter().any(|t| t.name.ends_with("attn_q_norm.weight"));
+    d.qk_norm = h
+        .tensors
+        .iter()
+        .any(|t| t.name.ends_with("attn_q_norm.weight"));
     d.params = h.tensors.iter().map(GgufTensorInfo::elements).sum();
     Ok(ModelDescriptor::Decoder(d))
 }
@@ -350,7 +397,12 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
 /// Test helper and format documentation in code: writes a GGUF v3 file with the given metadata
 /// and tensor infos (data section zero-filled, 32-byte aligned).
 #[doc(hidden)]
-pub fn write_test_file(path: &Path, metadata: &[(&str, GgufValue)], tensors: &[GgufTensorInfo], string_array: Option<(&str, &[&str])>) -> std::io::Result<()> {
+pub fn write_test_file(
+    path: &Path,
+    metadata: &[(&str, GgufValue)],
+    tensors: &[GgufTensorInfo],
+    string_array: Option<(&str, &[&str])>,
+) -> std::io::Result<()> {
     let mut b: Vec<u8> = Vec::new();
     let s = |b: &mut Vec<u8>, x: &str| {
         b.extend_from_slice(&(x.len() as u64).to_le_bytes());
@@ -424,9 +476,24 @@ mod tests {
 
     fn tiny(path: &Path) {
         let tensors = vec![
-            GgufTensorInfo { name: "token_embd.weight".into(), dims: vec![64, 100], ggml_type: 8, offset: 0 },
-            GgufTensorInfo { name: "blk.0.attn_q.weight".into(), dims: vec![64, 64], ggml_type: 3, offset: 7000 },
-            GgufTensorInfo { name: "blk.0.attn_norm.weight".into(), dims: vec![64], ggml_type: 0, offset: 9600 },
+            GgufTensorInfo {
+                name: "token_embd.weight".into(),
+                dims: vec![64, 100],
+                ggml_type: 8,
+                offset: 0,
+            },
+            GgufTensorInfo {
+                name: "blk.0.attn_q.weight".into(),
+                dims: vec![64, 64],
+                ggml_type: 3,
+                offset: 7000,
+            },
+            GgufTensorInfo {
+                name: "blk.0.attn_norm.weight".into(),
+                dims: vec![64],
+                ggml_type: 0,
+                offset: 9600,
+            },
         ];
         write_test_file(
             path,
@@ -439,7 +506,13 @@ mod tests {
                 ("llama.attention.head_count_kv", GgufValue::UInt(2)),
                 ("llama.rope.freq_base", GgufValue::Float(10000.0)),
                 ("general.flag", GgufValue::Bool(true)),
-                ("general.ids", GgufValue::Array { elem_type: 5, len: 10 }),
+                (
+                    "general.ids",
+                    GgufValue::Array {
+                        elem_type: 5,
+                        len: 10,
+                    },
+                ),
             ],
             &tensors,
             Some(("tokenizer.ggml.tokens", &["a"; 100])),
@@ -457,11 +530,25 @@ mod tests {
         assert_eq!(h.tensors.len(), 3);
         assert_eq!(h.tensors[1].dims, vec![64, 64]);
         assert_eq!(h.tensors[1].stored_bytes(), Some(64 * 64 / 32 * 20));
-        assert_eq!(h.metadata["tokenizer.ggml.tokens"], GgufValue::Array { elem_type: 8, len: 100 });
+        assert_eq!(
+            h.metadata["tokenizer.ggml.tokens"],
+            GgufValue::Array {
+                elem_type: 8,
+                len: 100
+            }
+        );
         assert_eq!(h.metadata["general.flag"], GgufValue::Bool(true));
-        assert_eq!(h.metadata["llama.rope.freq_base"], GgufValue::Float(10000.0));
-        let ModelDescriptor::Decoder(d) = descriptor_from_gguf(&p).unwrap() else { panic!() };
-        assert_eq!((d.hidden, d.heads, d.kv_heads, d.head_dim, d.vocab), (64, 4, 2, 16, 100));
+        assert_eq!(
+            h.metadata["llama.rope.freq_base"],
+            GgufValue::Float(10000.0)
+        );
+        let ModelDescriptor::Decoder(d) = descriptor_from_gguf(&p).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (d.hidden, d.heads, d.kv_heads, d.head_dim, d.vocab),
+            (64, 4, 2, 16, 100)
+        );
         assert!(d.tied_embeddings);
         assert_eq!(d.params, 6400 + 4096 + 64);
     }
@@ -480,11 +567,21 @@ mod tests {
         let mut v1 = full.clone();
         v1[4] = 1;
         std::fs::write(&p, &v1).unwrap();
-        assert!(read_header(&p).unwrap_err().to_string().contains("version 1"));
+        assert!(
+            read_header(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("version 1")
+        );
         // A huge string length must not allocate.
         let mut huge = full[..24].to_vec();
         huge.extend_from_slice(&u64::MAX.to_le_bytes());
         std::fs::write(&p, &huge).unwrap();
-        assert!(read_header(&p).unwrap_err().to_string().contains("implausible"));
+        assert!(
+            read_header(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("implausible")
+        );
     }
 }

@@ -39,5 +39,8 @@ pub use error::{Error, Result};
 pub use estimate::{Breakdown, Estimate, Metric, Term, estimate};
 pub use fit::{Change, Fit, FitError, fit, max_micro_batch};
 pub use model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor};
-pub use settings::{Attention, BaseDtype, Device, Framework, LoraSettings, Method, MixedPrecision, Optimizer, Profile, Settings};
+pub use settings::{
+    Attention, BaseDtype, Device, Framework, LoraSettings, Method, MixedPrecision, Optimizer,
+    Profile, Settings,
+};
 pub use units::{Bytes, ParsedSize, parse_size};

@@ -152,10 +152,16 @@ impl DecoderDescriptor {
         let q = self.heads * self.head_dim;
         let kv = self.kv_heads * self.head_dim;
         let bias = if self.attention_bias { q + 2 * kv } else { 0 };
-        let norm_w = if self.norm == NormKind::LayerNorm { 2 } else { 1 };
+        let norm_w = if self.norm == NormKind::LayerNorm {
+            2
+        } else {
+            1
+        };
         let norms = 2 * h * norm_w + if self.qk_norm { 2 * self.head_dim } else { 0 };
         let emb = self.vocab * h * if self.tied_embeddings { 1 } else { 2 };
-        emb + self.position_embeddings * h + self.layers * (per_layer_linear + bias + norms) + h * norm_w
+        emb + self.position_embeddings * h
+            + self.layers * (per_layer_linear + bias + norms)
+            + h * norm_w
     }
 
     /// The linear sites of one transformer layer (each `count` = number of layers).
@@ -204,7 +210,10 @@ impl DecoderDescriptor {
 
     /// Parameters held by the per-layer linear sites (what NF4 / GGUF quantization applies to).
     pub fn layer_linear_params(&self) -> u64 {
-        self.layer_sites().iter().map(|s| s.weight_params() * s.count).sum()
+        self.layer_sites()
+            .iter()
+            .map(|s| s.weight_params() * s.count)
+            .sum()
     }
 }
 
@@ -289,10 +298,13 @@ impl DiffusionDescriptor {
             if n == 0 {
                 return;
             }
-            if let Some(s) = out
-                .iter_mut()
-                .find(|s| s.name == name && s.component == comp && s.in_features == i && s.out_features == o && s.kernel_area == k)
-            {
+            if let Some(s) = out.iter_mut().find(|s| {
+                s.name == name
+                    && s.component == comp
+                    && s.in_features == i
+                    && s.out_features == o
+                    && s.kernel_area == k
+            }) {
                 s.count += n;
             } else {
                 out.push(LinearSite {
@@ -311,12 +323,27 @@ impl DiffusionDescriptor {
         for (i, lv) in self.levels.iter().enumerate() {
             let c = lv.channels;
             let is_last = i + 1 == nlev;
-            let mid = if is_last { self.mid_transformer_depth } else { 0 };
+            let mid = if is_last {
+                self.mid_transformer_depth
+            } else {
+                0
+            };
             let down_blocks = lv.resnets * lv.transformer_depth;
             let up_blocks = (lv.resnets + 1) * lv.transformer_depth;
             let blocks = down_blocks + up_blocks + mid;
-            let t2d = if lv.transformer_depth > 0 { 2 * lv.resnets + 1 } else { 0 } + u64::from(mid > 0);
-            for n in ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_out.0"] {
+            let t2d = if lv.transformer_depth > 0 {
+                2 * lv.resnets + 1
+            } else {
+                0
+            } + u64::from(mid > 0);
+            for n in [
+                "attn1.to_q",
+                "attn1.to_k",
+                "attn1.to_v",
+                "attn1.to_out.0",
+                "attn2.to_q",
+                "attn2.to_out.0",
+            ] {
                 push(n, "unet", c, c, 1, blocks, false);
             }
             push("attn2.to_k", "unet", ctx, c, 1, blocks, false);
@@ -328,12 +355,33 @@ impl DiffusionDescriptor {
             let mid_res = if is_last { 2 } else { 0 };
             push("resnets.conv1", "unet", c, c, 9, lv.resnets + mid_res, true);
             push("resnets.conv1", "unet", 2 * c, c, 9, lv.resnets + 1, true);
-            push("resnets.conv2", "unet", c, c, 9, 2 * lv.resnets + 1 + mid_res, true);
-            push("resnets.time_emb_proj", "unet", 4 * self.levels[0].channels, c, 1, 2 * lv.resnets + 1 + mid_res, false);
+            push(
+                "resnets.conv2",
+                "unet",
+                c,
+                c,
+                9,
+                2 * lv.resnets + 1 + mid_res,
+                true,
+            );
+            push(
+                "resnets.time_emb_proj",
+                "unet",
+                4 * self.levels[0].channels,
+                c,
+                1,
+                2 * lv.resnets + 1 + mid_res,
+                false,
+            );
         }
         for te in &self.text_encoders {
             let h = te.hidden;
-            for n in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"] {
+            for n in [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.out_proj",
+            ] {
                 push(n, &te.name, h, h, 1, te.layers, false);
             }
             push("mlp.fc1", &te.name, h, te.intermediate, 1, te.layers, false);
@@ -395,7 +443,12 @@ fn sd15() -> DiffusionDescriptor {
     // diffusers UNet2DConditionModel config of runwayml/stable-diffusion-v1-5: block_out_channels
     // [320, 640, 1280, 1280], layers_per_block 2, attention_head_dim 8 (= 8 heads),
     // cross_attention_dim 768; 859,520,964 UNet params; AutoencoderKL 83,653,863 params.
-    let lv = |c, t| UnetLevel { channels: c, resnets: 2, transformer_depth: t, heads: 8 };
+    let lv = |c, t| UnetLevel {
+        channels: c,
+        resnets: 2,
+        transformer_depth: t,
+        heads: 8,
+    };
     DiffusionDescriptor {
         name: "SD1.5".into(),
         family: DiffusionFamily::Sd1,
@@ -420,9 +473,24 @@ fn sdxl() -> DiffusionDescriptor {
         family: DiffusionFamily::Sdxl,
         unet_params: 2_567_463_684,
         levels: vec![
-            UnetLevel { channels: 320, resnets: 2, transformer_depth: 0, heads: 5 },
-            UnetLevel { channels: 640, resnets: 2, transformer_depth: 2, heads: 10 },
-            UnetLevel { channels: 1280, resnets: 2, transformer_depth: 10, heads: 20 },
+            UnetLevel {
+                channels: 320,
+                resnets: 2,
+                transformer_depth: 0,
+                heads: 5,
+            },
+            UnetLevel {
+                channels: 640,
+                resnets: 2,
+                transformer_depth: 2,
+                heads: 10,
+            },
+            UnetLevel {
+                channels: 1280,
+                resnets: 2,
+                transformer_depth: 10,
+                heads: 20,
+            },
         ],
         mid_transformer_depth: 10,
         cross_attention_dim: 2048,
@@ -459,17 +527,33 @@ impl ModelDescriptor {
         let d = DecoderDescriptor::new;
         let key = normalize(name);
         let m = match key.as_str() {
-            "smollm2135m" | "smollm2135minstruct" => d("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, true),
-            "smollm2360m" | "smollm2360minstruct" => d("SmolLM2-360M", 960, 2560, 32, 15, 5, 64, 49152, true),
-            "smollm217b" | "smollm217binstruct" => d("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 64, 49152, true),
-            "llama27b" | "llama27bhf" => d("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, false),
-            "llama213b" | "llama213bhf" => d("Llama-2-13B", 5120, 13824, 40, 40, 40, 128, 32000, false),
+            "smollm2135m" | "smollm2135minstruct" => {
+                d("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, true)
+            }
+            "smollm2360m" | "smollm2360minstruct" => {
+                d("SmolLM2-360M", 960, 2560, 32, 15, 5, 64, 49152, true)
+            }
+            "smollm217b" | "smollm217binstruct" => {
+                d("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 64, 49152, true)
+            }
+            "llama27b" | "llama27bhf" => {
+                d("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, false)
+            }
+            "llama213b" | "llama213bhf" => {
+                d("Llama-2-13B", 5120, 13824, 40, 40, 40, 128, 32000, false)
+            }
             "llama318b" | "metallama318b" | "llama318binstruct" => {
                 d("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, false)
             }
-            "llama321b" | "metallama321b" => d("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, 128256, true),
-            "llama323b" | "metallama323b" => d("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, 128256, true),
-            "mistral7b" | "mistral7bv01" => d("Mistral-7B", 4096, 14336, 32, 32, 8, 128, 32000, false),
+            "llama321b" | "metallama321b" => {
+                d("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, 128256, true)
+            }
+            "llama323b" | "metallama323b" => {
+                d("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, 128256, true)
+            }
+            "mistral7b" | "mistral7bv01" => {
+                d("Mistral-7B", 4096, 14336, 32, 32, 8, 128, 32000, false)
+            }
             "qwen2505b" => with_bias(d("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, true)),
             "qwen257b" => with_bias(d("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 128, 152064, false)),
             "qwen2514b" => with_bias(d("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 128, 152064, false)),
@@ -478,7 +562,17 @@ impl ModelDescriptor {
             // Qwen (v1) 14B: hidden 5120, intermediate 27392/2 per SwiGLU half, 40 layers, c_attn bias.
             "qwen14b" => with_bias(d("Qwen-14B", 5120, 13696, 40, 40, 40, 128, 152064, false)),
             "bertlargeuncased" | "bertlarge" => {
-                let mut b = d("bert-large-uncased", 1024, 4096, 24, 16, 16, 64, 30522, true);
+                let mut b = d(
+                    "bert-large-uncased",
+                    1024,
+                    4096,
+                    24,
+                    16,
+                    16,
+                    64,
+                    30522,
+                    true,
+                );
                 b.gated_mlp = false;
                 b.norm = NormKind::LayerNorm;
                 b.attention_bias = true;
@@ -486,10 +580,15 @@ impl ModelDescriptor {
                 b.params = 335_141_888;
                 b
             }
-            "sd15" | "sdv15" | "stablediffusion15" | "stablediffusionv15" | "sd1" | "sdv14" | "sd14" => {
+            "sd15" | "sdv15" | "stablediffusion15" | "stablediffusionv15" | "sd1" | "sdv14"
+            | "sd14" => {
                 return Ok(ModelDescriptor::Diffusion(sd15()));
             }
-            "sdxl" | "sdxlbase" | "sdxlbase10" | "stablediffusionxl" | "stablediffusionxlbase10" => {
+            "sdxl"
+            | "sdxlbase"
+            | "sdxlbase10"
+            | "stablediffusionxl"
+            | "stablediffusionxlbase10" => {
                 return Ok(ModelDescriptor::Diffusion(sdxl()));
             }
             _ => {
@@ -537,8 +636,14 @@ impl ModelDescriptor {
     /// [`Error::UnsupportedArchitecture`].
     pub fn from_hf_config_json(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.into(), source })?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| Error::Json { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.into(),
+            source,
+        })?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| Error::Json {
+            path: path.into(),
+            source,
+        })?;
         from_config_value(path, &v)
     }
 
@@ -580,14 +685,21 @@ fn with_qk_norm(mut d: DecoderDescriptor) -> DecoderDescriptor {
 
 pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<ModelDescriptor> {
     let get = |key: &str| -> Result<u64> {
-        v.get(key).and_then(|x| x.as_u64()).ok_or_else(|| Error::Config {
-            path: path.into(),
-            key: key.into(),
-            reason: "missing or not a non-negative integer; is this a LLaMA-family config.json?".into(),
-        })
+        v.get(key)
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| Error::Config {
+                path: path.into(),
+                key: key.into(),
+                reason:
+                    "missing or not a non-negative integer; is this a LLaMA-family config.json?"
+                        .into(),
+            })
     };
     if v.get("_class_name").and_then(|x| x.as_str()) == Some("UNet2DConditionModel") {
-        let ctx = v.get("cross_attention_dim").and_then(|x| x.as_u64()).unwrap_or(0);
+        let ctx = v
+            .get("cross_attention_dim")
+            .and_then(|x| x.as_u64())
+            .unwrap_or(0);
         return match ctx {
             768 => ModelDescriptor::preset("SD1.5"),
             2048 => ModelDescriptor::preset("SDXL"),
@@ -598,13 +710,22 @@ pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<Mo
             }),
         };
     }
-    let model_type = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("").to_string();
-    const DECODERS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "gemma", "phi3", "olmo"];
+    let model_type = v
+        .get("model_type")
+        .and_then(|x| x.as_str())
+        .unwrap_or("")
+        .to_string();
+    const DECODERS: &[&str] = &[
+        "llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "gemma", "phi3", "olmo",
+    ];
     if !model_type.is_empty() && !DECODERS.iter().any(|m| model_type == *m) {
         return Err(Error::UnsupportedArchitecture {
             path: path.into(),
             arch: model_type,
-            hint: format!("LLaMA-family decoders ({}) are described", DECODERS.join(", ")),
+            hint: format!(
+                "LLaMA-family decoders ({}) are described",
+                DECODERS.join(", ")
+            ),
         });
     }
     let hidden = get("hidden_size")?;
@@ -616,8 +737,14 @@ pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<Mo
             reason: "must be positive".into(),
         });
     }
-    let kv_heads = v.get("num_key_value_heads").and_then(|x| x.as_u64()).unwrap_or(heads);
-    let head_dim = v.get("head_dim").and_then(|x| x.as_u64()).unwrap_or(hidden / heads);
+    let kv_heads = v
+        .get("num_key_value_heads")
+        .and_then(|x| x.as_u64())
+        .unwrap_or(heads);
+    let head_dim = v
+        .get("head_dim")
+        .and_then(|x| x.as_u64())
+        .unwrap_or(hidden / heads);
     let name = v
         .get("_name_or_path")
         .and_then(|x| x.as_str())
@@ -633,7 +760,9 @@ pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<Mo
         kv_heads,
         head_dim,
         get("vocab_size")?,
-        v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
+        v.get("tie_word_embeddings")
+            .and_then(|x| x.as_bool())
+            .unwrap_or(false),
     );
     d.attention_bias = v
         .get("attention_bias")
@@ -686,7 +815,10 @@ mod tests {
     #[test]
     fn unknown_preset_lists_known_names() {
         let e = ModelDescriptor::preset("gpt-5").unwrap_err().to_string();
-        assert!(e.contains("gpt-5") && e.contains("Llama-3.1-8B") && e.contains("SDXL"), "{e}");
+        assert!(
+            e.contains("gpt-5") && e.contains("Llama-3.1-8B") && e.contains("SDXL"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -696,7 +828,11 @@ mod tests {
         let q = sites.iter().find(|s| s.matches("q_proj")).unwrap();
         assert_eq!(q.lora_params(8), 8 * (4096 + 4096));
         assert_eq!(q.count, 32);
-        assert!(!sites.iter().any(|s| s.matches("all-linear") && s.name == "lm_head"));
+        assert!(
+            !sites
+                .iter()
+                .any(|s| s.matches("all-linear") && s.name == "lm_head")
+        );
         assert!(!q.matches("proj"));
     }
 
@@ -704,13 +840,26 @@ mod tests {
     fn diffusion_sites_cover_attention_and_convs() {
         let m = ModelDescriptor::preset("SD1.5").unwrap();
         let sites = m.sites();
-        let to_k: u64 = sites.iter().filter(|s| s.component == "unet" && s.name == "attn2.to_k").map(|s| s.count).sum();
+        let to_k: u64 = sites
+            .iter()
+            .filter(|s| s.component == "unet" && s.name == "attn2.to_k")
+            .map(|s| s.count)
+            .sum();
         assert_eq!(to_k, 16, "SD1.5 has 16 transformer blocks");
         let sdxl = ModelDescriptor::preset("sdxl").unwrap();
-        let blocks: u64 = sdxl.sites().iter().filter(|s| s.name == "attn1.to_q").map(|s| s.count).sum();
+        let blocks: u64 = sdxl
+            .sites()
+            .iter()
+            .filter(|s| s.name == "attn1.to_q")
+            .map(|s| s.count)
+            .sum();
         assert_eq!(blocks, 70, "SDXL has 70 transformer blocks");
         // Attention + ff weight params of SD1.5's UNet transformer blocks: a real fraction of the UNet.
-        let attn: u64 = sites.iter().filter(|s| s.component == "unet" && !s.conv).map(|s| s.weight_params() * s.count).sum();
+        let attn: u64 = sites
+            .iter()
+            .filter(|s| s.component == "unet" && !s.conv)
+            .map(|s| s.weight_params() * s.count)
+            .sum();
         assert!(attn > 150_000_000 && attn < 859_520_964, "{attn}");
     }
 
@@ -724,11 +873,22 @@ mod tests {
                "num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,"tie_word_embeddings":true}"#,
         )
         .unwrap();
-        assert_eq!(ModelDescriptor::from_hf_config_json(&p).unwrap().params(), 134_515_008);
+        assert_eq!(
+            ModelDescriptor::from_hf_config_json(&p).unwrap().params(),
+            134_515_008
+        );
         std::fs::write(&p, r#"{"model_type":"llama","hidden_size":576}"#).unwrap();
-        let e = ModelDescriptor::from_hf_config_json(&p).unwrap_err().to_string();
-        assert!(e.contains("num_attention_heads") || e.contains("intermediate_size"), "{e}");
+        let e = ModelDescriptor::from_hf_config_json(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("num_attention_heads") || e.contains("intermediate_size"),
+            "{e}"
+        );
         std::fs::write(&p, r#"{"model_type":"t5"}"#).unwrap();
-        assert!(matches!(ModelDescriptor::from_hf_config_json(&p), Err(Error::UnsupportedArchitecture { .. })));
+        assert!(matches!(
+            ModelDescriptor::from_hf_config_json(&p),
+            Err(Error::UnsupportedArchitecture { .. })
+        ));
     }
 }

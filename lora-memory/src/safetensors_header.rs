@@ -34,20 +34,34 @@ impl TensorEntry {
 /// invalid JSON, or an entry without `dtype`/`shape`.
 pub fn read_header(path: impl AsRef<Path>) -> Result<BTreeMap<String, TensorEntry>> {
     let path = path.as_ref();
-    let io = |source| Error::Io { path: path.into(), source };
-    let bad = |reason: String| Error::Safetensors { path: path.into(), reason };
+    let io = |source| Error::Io {
+        path: path.into(),
+        source,
+    };
+    let bad = |reason: String| Error::Safetensors {
+        path: path.into(),
+        reason,
+    };
     let mut f = std::fs::File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
     let mut len_bytes = [0u8; 8];
-    f.read_exact(&mut len_bytes).map_err(|e| bad(format!("cannot read the 8-byte header length ({e})")))?;
+    f.read_exact(&mut len_bytes)
+        .map_err(|e| bad(format!("cannot read the 8-byte header length ({e})")))?;
     let n = u64::from_le_bytes(len_bytes);
     if n > MAX_HEADER || n.saturating_add(8) > file_len {
-        return Err(bad(format!("header length {n} is larger than the file or the 100 MB limit")));
+        return Err(bad(format!(
+            "header length {n} is larger than the file or the 100 MB limit"
+        )));
     }
     let mut buf = vec![0u8; n as usize];
     f.read_exact(&mut buf).map_err(io)?;
-    let v: serde_json::Value = serde_json::from_slice(&buf).map_err(|source| Error::Json { path: path.into(), source })?;
-    let obj = v.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
+    let v: serde_json::Value = serde_json::from_slice(&buf).map_err(|source| Error::Json {
+        path: path.into(),
+        source,
+    })?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("header is not a JSON object".into()))?;
     let mut out = BTreeMap::new();
     for (name, entry) in obj {
         if name == "__metadata__" {
@@ -63,7 +77,10 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<BTreeMap<String, TensorEntr
             .and_then(|x| x.as_array())
             .ok_or_else(|| bad(format!("tensor {name:?} has no shape")))?
             .iter()
-            .map(|d| d.as_u64().ok_or_else(|| bad(format!("tensor {name:?} has a non-integer dim"))))
+            .map(|d| {
+                d.as_u64()
+                    .ok_or_else(|| bad(format!("tensor {name:?} has a non-integer dim")))
+            })
             .collect::<Result<Vec<u64>>>()?;
         out.insert(name.clone(), TensorEntry { dtype, shape });
     }
@@ -72,14 +89,20 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<BTreeMap<String, TensorEntr
 
 fn files_of(path: &Path) -> Result<Vec<PathBuf>> {
     if path.is_dir() {
-        let rd = std::fs::read_dir(path).map_err(|source| Error::Io { path: path.into(), source })?;
+        let rd = std::fs::read_dir(path).map_err(|source| Error::Io {
+            path: path.into(),
+            source,
+        })?;
         let mut v: Vec<PathBuf> = rd
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
             .collect();
         v.sort();
         if v.is_empty() {
-            return Err(Error::Safetensors { path: path.into(), reason: "folder holds no *.safetensors file".into() });
+            return Err(Error::Safetensors {
+                path: path.into(),
+                reason: "folder holds no *.safetensors file".into(),
+            });
         }
         Ok(v)
     } else {
@@ -92,7 +115,12 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
     for f in files_of(path)? {
         all.extend(read_header(&f)?);
     }
-    let total = |prefix: &str| -> u64 { all.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(_, t)| t.elements()).sum() };
+    let total = |prefix: &str| -> u64 {
+        all.iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, t)| t.elements())
+            .sum()
+    };
     let shape = |k: &str| all.get(k).map(|t| t.shape.clone());
 
     // Stable Diffusion single file (original LDM key layout).
@@ -102,7 +130,10 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
             ModelDescriptor::Diffusion(d) => d,
             ModelDescriptor::Decoder(_) => unreachable_decoder(path)?,
         };
-        m.name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or(m.name);
+        m.name = path
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or(m.name);
         m.unet_params = total("model.diffusion_model.");
         let vae = total("first_stage_model.");
         if vae > 0 {
@@ -124,8 +155,15 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
         return Ok(ModelDescriptor::Diffusion(m));
     }
     // diffusers UNet (diffusion_pytorch_model.safetensors).
-    if all.keys().any(|k| k.starts_with("down_blocks.") || k.starts_with("unet.down_blocks.")) {
-        let prefix = if all.keys().any(|k| k.starts_with("unet.")) { "unet." } else { "" };
+    if all
+        .keys()
+        .any(|k| k.starts_with("down_blocks.") || k.starts_with("unet.down_blocks."))
+    {
+        let prefix = if all.keys().any(|k| k.starts_with("unet.")) {
+            "unet."
+        } else {
+            ""
+        };
         let ctx = all
             .iter()
             .find(|(k, _)| k.ends_with("attn2.to_k.weight"))
@@ -142,7 +180,11 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
                 });
             }
         };
-        let mut m = match ModelDescriptor::preset(if family == DiffusionFamily::Sdxl { "SDXL" } else { "SD1.5" })? {
+        let mut m = match ModelDescriptor::preset(if family == DiffusionFamily::Sdxl {
+            "SDXL"
+        } else {
+            "SD1.5"
+        })? {
             ModelDescriptor::Diffusion(d) => d,
             ModelDescriptor::Decoder(_) => unreachable_decoder(path)?,
         };
@@ -155,7 +197,11 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
         arch: format!("{} tensors, first {:?}", all.len(), all.keys().next()),
         hint: "LLaMA-family HF checkpoints (model.embed_tokens.weight, model.layers.N.…), SD single-file and diffusers UNet checkpoints are described".into(),
     })?;
-    let cfg = if path.is_dir() { path.join("config.json") } else { path.with_file_name("config.json") };
+    let cfg = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.with_file_name("config.json")
+    };
     if cfg.is_file() {
         let mut m = ModelDescriptor::from_hf_config_json(&cfg)?;
         if let ModelDescriptor::Decoder(d) = &mut m {
@@ -163,19 +209,34 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
         }
         return Ok(m);
     }
-    let missing = |k: &str| Error::Safetensors { path: path.into(), reason: format!("tensor {k:?} is missing; put config.json beside the weights") };
-    let (vocab, hidden) = (embed[0], *embed.get(1).ok_or_else(|| missing("model.embed_tokens.weight"))?);
+    let missing = |k: &str| Error::Safetensors {
+        path: path.into(),
+        reason: format!("tensor {k:?} is missing; put config.json beside the weights"),
+    };
+    let (vocab, hidden) = (
+        embed[0],
+        *embed
+            .get(1)
+            .ok_or_else(|| missing("model.embed_tokens.weight"))?,
+    );
     let layers = (0..)
         .take_while(|i| all.contains_key(&format!("model.layers.{i}.self_attn.q_proj.weight")))
         .count() as u64;
-    let q = shape("model.layers.0.self_attn.q_proj.weight").ok_or_else(|| missing("model.layers.0.self_attn.q_proj.weight"))?;
-    let k = shape("model.layers.0.self_attn.k_proj.weight").ok_or_else(|| missing("model.layers.0.self_attn.k_proj.weight"))?;
-    let up = shape("model.layers.0.mlp.up_proj.weight").ok_or_else(|| missing("model.layers.0.mlp.up_proj.weight"))?;
+    let q = shape("model.layers.0.self_attn.q_proj.weight")
+        .ok_or_else(|| missing("model.layers.0.self_attn.q_proj.weight"))?;
+    let k = shape("model.layers.0.self_attn.k_proj.weight")
+        .ok_or_else(|| missing("model.layers.0.self_attn.k_proj.weight"))?;
+    let up = shape("model.layers.0.mlp.up_proj.weight")
+        .ok_or_else(|| missing("model.layers.0.mlp.up_proj.weight"))?;
     // Without config.json the head width is not in the shapes: q_norm gives it (Qwen3); otherwise
     // 128 when it divides q's width and the model is wide, else 64 (the two widths in use).
     let head_dim = shape("model.layers.0.self_attn.q_norm.weight")
         .map(|s| s[0])
-        .unwrap_or(if hidden >= 2048 && q[0] % 128 == 0 { 128 } else { 64 });
+        .unwrap_or(if hidden >= 2048 && q[0] % 128 == 0 {
+            128
+        } else {
+            64
+        });
     let mut d = DecoderDescriptor::new(
         &path.display().to_string(),
         hidden,
@@ -231,7 +292,8 @@ mod tests {
     fn llama_checkpoint_without_config_is_described_from_shapes() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("model.safetensors");
-        let mut t: Vec<(String, &str, Vec<u64>)> = vec![("model.embed_tokens.weight".into(), "BF16", vec![1000, 256])];
+        let mut t: Vec<(String, &str, Vec<u64>)> =
+            vec![("model.embed_tokens.weight".into(), "BF16", vec![1000, 256])];
         for i in 0..2 {
             for (n, s) in [
                 ("self_attn.q_proj", vec![256, 256]),
@@ -245,15 +307,30 @@ mod tests {
                 t.push((format!("model.layers.{i}.{n}.weight"), "BF16", s));
             }
         }
-        let refs: Vec<(&str, &str, &[u64])> = t.iter().map(|(a, b, c)| (a.as_str(), *b, c.as_slice())).collect();
+        let refs: Vec<(&str, &str, &[u64])> = t
+            .iter()
+            .map(|(a, b, c)| (a.as_str(), *b, c.as_slice()))
+            .collect();
         write_test_file(&p, &refs).unwrap();
-        let ModelDescriptor::Decoder(d) = ModelDescriptor::from_safetensors(&p).unwrap() else { panic!() };
-        assert_eq!((d.hidden, d.intermediate, d.layers, d.vocab), (256, 512, 2, 1000));
+        let ModelDescriptor::Decoder(d) = ModelDescriptor::from_safetensors(&p).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (d.hidden, d.intermediate, d.layers, d.vocab),
+            (256, 512, 2, 1000)
+        );
         assert_eq!((d.heads, d.kv_heads, d.head_dim), (4, 2, 64));
         assert!(d.tied_embeddings);
-        assert_eq!(d.params, 256_000 + 2 * (256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3));
+        assert_eq!(
+            d.params,
+            256_000 + 2 * (256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3)
+        );
         // The folder form reads the same.
-        let ModelDescriptor::Decoder(mut from_dir) = ModelDescriptor::from_safetensors(dir.path()).unwrap() else { panic!() };
+        let ModelDescriptor::Decoder(mut from_dir) =
+            ModelDescriptor::from_safetensors(dir.path()).unwrap()
+        else {
+            panic!()
+        };
         from_dir.name.clone_from(&d.name);
         assert_eq!(from_dir, d);
     }
@@ -265,13 +342,27 @@ mod tests {
         write_test_file(
             &p,
             &[
-                ("model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight", "F16", &[320, 768]),
-                ("first_stage_model.encoder.conv_in.weight", "F16", &[128, 3, 3, 3]),
-                ("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", "F16", &[49408, 768]),
+                (
+                    "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight",
+                    "F16",
+                    &[320, 768],
+                ),
+                (
+                    "first_stage_model.encoder.conv_in.weight",
+                    "F16",
+                    &[128, 3, 3, 3],
+                ),
+                (
+                    "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight",
+                    "F16",
+                    &[49408, 768],
+                ),
             ],
         )
         .unwrap();
-        let ModelDescriptor::Diffusion(d) = ModelDescriptor::from_safetensors(&p).unwrap() else { panic!() };
+        let ModelDescriptor::Diffusion(d) = ModelDescriptor::from_safetensors(&p).unwrap() else {
+            panic!()
+        };
         assert_eq!(d.family, DiffusionFamily::Sd1);
         assert_eq!(d.unet_params, 320 * 768);
         assert_eq!(d.vae_params, 128 * 27);
@@ -283,8 +374,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("x.safetensors");
         std::fs::write(&p, u64::MAX.to_le_bytes()).unwrap();
-        assert!(read_header(&p).unwrap_err().to_string().contains("header length"));
+        assert!(
+            read_header(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("header length")
+        );
         write_test_file(&p, &[("foo.weight", "F32", &[3])]).unwrap();
-        assert!(matches!(ModelDescriptor::from_safetensors(&p), Err(Error::UnsupportedArchitecture { .. })));
+        assert!(matches!(
+            ModelDescriptor::from_safetensors(&p),
+            Err(Error::UnsupportedArchitecture { .. })
+        ));
     }
 }

@@ -41,7 +41,9 @@ impl BaseDtype {
         match self {
             BaseDtype::F32 => 4.0,
             BaseDtype::F16 | BaseDtype::Bf16 => 2.0,
-            BaseDtype::Nf4 { double_quant: false } => 0.5 + 4.0 / 64.0,
+            BaseDtype::Nf4 {
+                double_quant: false,
+            } => 0.5 + 4.0 / 64.0,
             BaseDtype::Nf4 { double_quant: true } => 0.5 + 1.0 / 64.0 + 4.0 / (64.0 * 256.0),
             BaseDtype::Q8_0 => 34.0 / 32.0,
             BaseDtype::Q4_0 => 18.0 / 32.0,
@@ -165,12 +167,17 @@ pub enum Device {
 impl Device {
     /// CUDA with the default context and workspace.
     pub fn cuda() -> Device {
-        Device::Cuda { context: Bytes(500_000_000), workspace: Bytes(64 << 20) }
+        Device::Cuda {
+            context: Bytes(500_000_000),
+            workspace: Bytes(64 << 20),
+        }
     }
 
     /// CPU with the default runtime baseline.
     pub fn cpu() -> Device {
-        Device::Cpu { runtime: Bytes(300_000_000) }
+        Device::Cpu {
+            runtime: Bytes(300_000_000),
+        }
     }
 
     /// True for CUDA.
@@ -261,17 +268,26 @@ impl Profile {
 
     /// PEFT + transformers (current releases).
     pub fn peft_transformers() -> Profile {
-        Profile { framework: Framework::PeftTransformers, ..Profile::ours() }
+        Profile {
+            framework: Framework::PeftTransformers,
+            ..Profile::ours()
+        }
     }
 
     /// PEFT + transformers with bitsandbytes before 0.43.2 (extra saved input per 4-bit linear).
     pub fn bitsandbytes_old() -> Profile {
-        Profile { bnb_saves_4bit_inputs: true, ..Profile::peft_transformers() }
+        Profile {
+            bnb_saves_4bit_inputs: true,
+            ..Profile::peft_transformers()
+        }
     }
 
     /// torchtune single-device recipes.
     pub fn torchtune() -> Profile {
-        Profile { framework: Framework::Torchtune, ..Profile::ours() }
+        Profile {
+            framework: Framework::Torchtune,
+            ..Profile::ours()
+        }
     }
 }
 
@@ -435,7 +451,15 @@ mod tests {
 
     #[test]
     fn bytes_per_param_match_the_formats() {
-        assert!((BaseDtype::Nf4 { double_quant: false }.bytes_per_param() - 0.5625).abs() < 1e-9);
+        assert!(
+            (BaseDtype::Nf4 {
+                double_quant: false
+            }
+            .bytes_per_param()
+                - 0.5625)
+                .abs()
+                < 1e-9
+        );
         assert!((BaseDtype::Nf4 { double_quant: true }.bytes_per_param() - 0.516).abs() < 1e-3);
         assert_eq!(BaseDtype::Q4_1.bytes_per_param(), 0.625);
         assert_eq!(BaseDtype::Q8_0.bytes_per_param(), 1.0625);
@@ -443,11 +467,16 @@ mod tests {
 
     #[test]
     fn settings_round_trip_through_json_and_fill_defaults() {
-        let s = Settings::default().with_rank(16).with_optimizer(Optimizer::Sgd { momentum: 0.9 });
+        let s = Settings::default()
+            .with_rank(16)
+            .with_optimizer(Optimizer::Sgd { momentum: 0.9 });
         let j = serde_json::to_string(&s).unwrap();
         let back: Settings = serde_json::from_str(&j).unwrap();
         assert_eq!(back, s);
-        let partial: Settings = serde_json::from_str(r#"{"micro_batch": 4, "base_dtype": {"nf4": {"double_quant": true}}}"#).unwrap();
+        let partial: Settings = serde_json::from_str(
+            r#"{"micro_batch": 4, "base_dtype": {"nf4": {"double_quant": true}}}"#,
+        )
+        .unwrap();
         assert_eq!(partial.micro_batch, 4);
         assert_eq!(partial.lora.rank, 8);
         assert_eq!(partial.base_dtype, BaseDtype::Nf4 { double_quant: true });

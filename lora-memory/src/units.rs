@@ -12,7 +12,9 @@ use std::ops::{Add, AddAssign, Sub};
 ///
 /// `Display` prints decimal GB (and MB below 1 GB) with the binary GiB in parentheses, e.g.
 /// `12.35 GB (11.50 GiB)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
 #[serde(transparent)]
 pub struct Bytes(pub u64);
 
@@ -82,7 +84,12 @@ impl fmt::Display for Bytes {
         if self.0 >= 1_000_000_000 {
             write!(f, "{:.2} GB ({:.2} GiB)", self.gb(), self.gib())
         } else if self.0 >= 1_000_000 {
-            write!(f, "{:.1} MB ({:.1} MiB)", self.mb(), self.0 as f64 / MIB as f64)
+            write!(
+                f,
+                "{:.1} MB ({:.1} MiB)",
+                self.mb(),
+                self.0 as f64 / MIB as f64
+            )
         } else {
             write!(f, "{} B", self.0)
         }
@@ -150,7 +157,10 @@ pub fn parse_size(input: &str) -> Result<ParsedSize> {
         input: input.to_string(),
         reason: reason.to_string(),
     };
-    let compact: String = input.chars().filter(|c| !c.is_whitespace() && *c != '_').collect();
+    let compact: String = input
+        .chars()
+        .filter(|c| !c.is_whitespace() && *c != '_')
+        .collect();
     if compact.is_empty() {
         return Err(err("empty"));
     }
@@ -178,10 +188,22 @@ pub fn parse_size(input: &str) -> Result<ParsedSize> {
         "mib" => (MIB as f64, None),
         "gib" => (GIB as f64, None),
         "tib" => (GIB as f64 * 1024.0, None),
-        "k" => (1024.0, Some("'K' read as KiB (2^10 bytes); write KB for 10^3".into())),
-        "m" => (MIB as f64, Some("'M' read as MiB (2^20 bytes); write MB for 10^6".into())),
-        "g" => (GIB as f64, Some("'G' read as GiB (2^30 bytes); write GB for 10^9".into())),
-        "t" => (GIB as f64 * 1024.0, Some("'T' read as TiB (2^40 bytes); write TB for 10^12".into())),
+        "k" => (
+            1024.0,
+            Some("'K' read as KiB (2^10 bytes); write KB for 10^3".into()),
+        ),
+        "m" => (
+            MIB as f64,
+            Some("'M' read as MiB (2^20 bytes); write MB for 10^6".into()),
+        ),
+        "g" => (
+            GIB as f64,
+            Some("'G' read as GiB (2^30 bytes); write GB for 10^9".into()),
+        ),
+        "t" => (
+            GIB as f64 * 1024.0,
+            Some("'T' read as TiB (2^40 bytes); write TB for 10^12".into()),
+        ),
         _ => return Err(err(&format!("unknown unit {unit_text:?}"))),
     };
     if assumed.is_none() && unit_text.ends_with('b') && unit_text.len() > 1 {
@@ -209,7 +231,13 @@ mod tests {
 
     #[test]
     fn parses_the_documented_forms() {
-        assert_eq!(parse_size("6GB").unwrap(), ParsedSize { bytes: Bytes(6_000_000_000), assumed: None });
+        assert_eq!(
+            parse_size("6GB").unwrap(),
+            ParsedSize {
+                bytes: Bytes(6_000_000_000),
+                assumed: None
+            }
+        );
         assert_eq!(parse_size("12GiB").unwrap().bytes, Bytes(12 * GIB));
         assert_eq!(parse_size("512MB").unwrap().bytes, Bytes(512_000_000));
         let lower = parse_size("6 gb").unwrap();
@@ -221,7 +249,10 @@ mod tests {
         let bare = parse_size("4096").unwrap();
         assert_eq!(bare.bytes, Bytes(4096));
         assert!(bare.assumed.is_some());
-        assert_eq!(parse_size("1.5 TB").unwrap().bytes, Bytes(1_500_000_000_000));
+        assert_eq!(
+            parse_size("1.5 TB").unwrap().bytes,
+            Bytes(1_500_000_000_000)
+        );
         assert_eq!(parse_size("1,024 MiB").unwrap().bytes, Bytes(GIB));
     }
 

@@ -1,27 +1,57 @@
 //! proptest invariants of `estimate` and `fit`.
 
 use lora_memory::{
-    Attention, BaseDtype, Bytes, MixedPrecision, ModelDescriptor, Optimizer, Profile, Settings, estimate, fit, max_micro_batch,
+    Attention, BaseDtype, Bytes, MixedPrecision, ModelDescriptor, Optimizer, Profile, Settings,
+    estimate, fit, max_micro_batch,
 };
 use proptest::prelude::*;
 
 fn decoder() -> impl Strategy<Value = ModelDescriptor> {
-    prop::sample::select(vec!["SmolLM2-135M", "Llama-3.2-1B", "Llama-2-7B", "Qwen3-8B", "Mistral-7B"])
-        .prop_map(|n| ModelDescriptor::preset(n).unwrap())
+    prop::sample::select(vec![
+        "SmolLM2-135M",
+        "Llama-3.2-1B",
+        "Llama-2-7B",
+        "Qwen3-8B",
+        "Mistral-7B",
+    ])
+    .prop_map(|n| ModelDescriptor::preset(n).unwrap())
 }
 
 fn settings() -> impl Strategy<Value = Settings> {
     (
-        prop::sample::select(vec![BaseDtype::F32, BaseDtype::Bf16, BaseDtype::Nf4 { double_quant: true }, BaseDtype::Q4_1]),
-        prop::sample::select(vec![MixedPrecision::No, MixedPrecision::Bf16, MixedPrecision::FullBf16]),
+        prop::sample::select(vec![
+            BaseDtype::F32,
+            BaseDtype::Bf16,
+            BaseDtype::Nf4 { double_quant: true },
+            BaseDtype::Q4_1,
+        ]),
+        prop::sample::select(vec![
+            MixedPrecision::No,
+            MixedPrecision::Bf16,
+            MixedPrecision::FullBf16,
+        ]),
         1u32..16,
         prop::sample::select(vec![64u32, 128, 256, 512, 1024, 2048]),
         prop::sample::select(vec![4u32, 8, 16, 64]),
         any::<bool>(),
-        prop::sample::select(vec![Optimizer::AdamW, Optimizer::AdamW8bit, Optimizer::Adafactor, Optimizer::Sgd { momentum: 0.9 }]),
-        prop::sample::select(vec![Profile::ours(), Profile::peft_transformers(), Profile::torchtune(), Profile::bitsandbytes_old()]),
+        prop::sample::select(vec![
+            Optimizer::AdamW,
+            Optimizer::AdamW8bit,
+            Optimizer::Adafactor,
+            Optimizer::Sgd { momentum: 0.9 },
+        ]),
+        prop::sample::select(vec![
+            Profile::ours(),
+            Profile::peft_transformers(),
+            Profile::torchtune(),
+            Profile::bitsandbytes_old(),
+        ]),
         prop::sample::select(vec![Attention::Sdpa, Attention::Math]),
-        prop::sample::select(vec![vec!["q_proj", "v_proj"], vec!["all-linear"], vec!["gate_proj", "down_proj"]]),
+        prop::sample::select(vec![
+            vec!["q_proj", "v_proj"],
+            vec!["all-linear"],
+            vec!["gate_proj", "down_proj"],
+        ]),
     )
         .prop_map(|(dt, mp, mb, seq, rank, ck, opt, profile, attn, targets)| {
             Settings::default()
@@ -100,7 +130,14 @@ proptest! {
 }
 
 fn diffusion_settings() -> impl Strategy<Value = Settings> {
-    (1u32..4, prop::sample::select(vec![512u32, 768, 1024]), prop::sample::select(vec![4u32, 16, 32]), any::<bool>(), any::<bool>(), prop::sample::select(vec![Attention::Sdpa, Attention::Math]))
+    (
+        1u32..4,
+        prop::sample::select(vec![512u32, 768, 1024]),
+        prop::sample::select(vec![4u32, 16, 32]),
+        any::<bool>(),
+        any::<bool>(),
+        prop::sample::select(vec![Attention::Sdpa, Attention::Math]),
+    )
         .prop_map(|(mb, res, rank, ck, te, attn)| {
             Settings::default()
                 .with_base_dtype(BaseDtype::F16)

@@ -90,7 +90,11 @@ fn every_case_has_a_test() {
 fn alloc_reserved_mape_and_worst_underprediction_meet_the_target() {
     let results = evaluate(&public_cases()).unwrap();
     let (mape, worst, n) = summary(&results, CaseGroup::AllocReserved);
-    println!("allocated/reserved: n={n} MAPE {:.1}% worst underprediction {:+.1}%", 100.0 * mape, 100.0 * worst);
+    println!(
+        "allocated/reserved: n={n} MAPE {:.1}% worst underprediction {:+.1}%",
+        100.0 * mape,
+        100.0 * worst
+    );
     assert!(n >= 10);
     assert!(mape <= 0.10, "MAPE {mape}");
     assert!(worst >= -0.10, "worst underprediction {worst}");
