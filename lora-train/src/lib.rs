@@ -9,3 +9,4 @@ pub use tch;
 
 pub mod config;
 pub mod llm;
+pub mod export;

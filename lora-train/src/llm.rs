@@ -379,6 +379,613 @@ pub fn plan(cfg: &mut TrainConfig, config_dir: Option<&Path>, override_budget: O
     Ok(plan)
 }
 
+// ---------------------------------------------------------------------------------------------
+// The run
+// ---------------------------------------------------------------------------------------------
+
+/// How [`run`] is called.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Folder of the config file (relative paths are tried there after the current directory).
+    pub config_dir: Option<PathBuf>,
+    /// Start even when the plan predicts the run does not fit.
+    pub force: bool,
+    /// Print progress and the report to stderr/stdout.
+    pub verbose: bool,
+}
+
+/// Held-out evaluation of the model.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct EvalResult {
+    /// Mean next-token NLL (nats).
+    pub mean_nll: f64,
+    /// `exp(mean_nll)`.
+    pub perplexity: f64,
+    /// Tokens scored.
+    pub tokens: usize,
+}
+
+/// Measured memory of the run.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Default)]
+pub struct MeasuredMemory {
+    /// Process resident set right before the first training step (bytes, `/proc/self/status` VmRSS).
+    pub rss_before_steps: u64,
+    /// Peak resident set during the training steps (VmHWM after resetting it before the steps).
+    pub rss_peak_steps: u64,
+    /// `rss_peak_steps − rss_before_steps`: what lora-memory's `step_delta` predicts on CPU.
+    pub rss_step_delta: u64,
+    /// Peak live CPU tensor bytes (the shim's counting allocator), weights included.
+    pub tensor_peak: u64,
+    /// Peak resident set of the whole process since start (VmHWM before the reset).
+    pub rss_peak_process: u64,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    /// The plan it started with.
+    pub plan: Plan,
+    /// Optimizer steps done.
+    pub steps: u64,
+    /// Training tokens seen (non-padding).
+    pub tokens: u64,
+    /// Seconds spent in the training steps.
+    pub train_seconds: f64,
+    /// Seconds for the whole run.
+    pub total_seconds: f64,
+    /// `(step, loss)` per logged step.
+    pub losses: Vec<(u64, f64)>,
+    /// Held-out evaluation before training.
+    pub eval_before: Option<EvalResult>,
+    /// Held-out evaluation after training.
+    pub eval_after: Option<EvalResult>,
+    /// Sample generation before training (greedy).
+    pub sample_before: Option<String>,
+    /// Sample generation after training (greedy).
+    pub sample_after: Option<String>,
+    /// Measured memory.
+    pub memory: MeasuredMemory,
+    /// Files written (adapters, summary).
+    pub outputs: Vec<PathBuf>,
+}
+
+impl RunSummary {
+    /// A human-readable summary.
+    pub fn report(&self) -> String {
+        let mut out = String::new();
+        out += &format!(
+            "summary: {} optimizer steps, {} tokens in {:.1} s of training ({:.0} tokens/s), {:.1} s in all\n",
+            self.steps,
+            self.tokens,
+            self.train_seconds,
+            self.tokens as f64 / self.train_seconds.max(1e-9),
+            self.total_seconds
+        );
+        if let (Some(b), Some(a)) = (self.eval_before, self.eval_after) {
+            out += &format!(
+                "held-out perplexity: {:.3} → {:.3} ({:+.1}%), mean NLL {:.4} → {:.4} over {} tokens\n",
+                b.perplexity,
+                a.perplexity,
+                100.0 * (a.perplexity / b.perplexity - 1.0),
+                b.mean_nll,
+                a.mean_nll,
+                a.tokens
+            );
+        }
+        if let Some(s) = &self.sample_before {
+            out += &format!("sample before: {s:?}\n");
+        }
+        if let Some(s) = &self.sample_after {
+            out += &format!("sample after:  {s:?}\n");
+        }
+        let e = &self.plan.estimate;
+        let m = &self.memory;
+        let pct = |pred: u64, meas: u64| 100.0 * (pred as f64 - meas as f64) / (meas.max(1) as f64);
+        out += &format!(
+            "memory (CPU): step RSS delta measured {} vs predicted {} ({:+.1}%)\n",
+            lora_memory::Bytes(m.rss_step_delta),
+            e.step_delta,
+            pct(e.step_delta.0, m.rss_step_delta)
+        );
+        out += &format!(
+            "              tensor peak (counting allocator) {} vs predicted allocated peak {} ({:+.1}%)\n",
+            lora_memory::Bytes(m.tensor_peak),
+            e.peak_allocated,
+            pct(e.peak_allocated.0, m.tensor_peak)
+        );
+        out += &format!(
+            "              process peak RSS {} vs predicted process peak {} ({:+.1}%)\n",
+            lora_memory::Bytes(m.rss_peak_process.max(m.rss_peak_steps)),
+            e.peak_process,
+            pct(e.peak_process.0, m.rss_peak_process.max(m.rss_peak_steps))
+        );
+        for o in &self.outputs {
+            out += &format!("wrote {}\n", o.display());
+        }
+        out
+    }
+}
+
+fn rt<E: std::fmt::Display>(ctx: &str) -> impl FnOnce(E) -> JobError + '_ {
+    move |e| JobError::Runtime(format!("{ctx}: {e}"))
+}
+
+/// `VmRSS` and `VmHWM` of this process in bytes (Linux; zeros elsewhere).
+pub fn proc_rss() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |key: &str| {
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// Resets the kernel's peak-RSS counter (`echo 5 > /proc/self/clear_refs`, Linux ≥ 4.0), so the
+/// next `VmHWM` is the peak from now on. Returns false when not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Reads the training text: one file, or every `.txt` file of a folder (sorted), cut to
+/// `max_bytes` at a character boundary.
+fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf>)> {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(rt(&format!("reading folder {}", path.display())))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut text = String::new();
+    for f in &files {
+        let t = std::fs::read_to_string(f).map_err(rt(&format!("reading {}", f.display())))?;
+        text.push_str(&t);
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        if max_bytes.is_some_and(|m| text.len() as u64 >= m) {
+            break;
+        }
+    }
+    if let Some(m) = max_bytes {
+        let mut cut = (m as usize).min(text.len());
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    Ok((text, files))
+}
+
+/// Splits `text` into (train, held-out): the last `fraction` of it, starting at a line boundary.
+pub fn split_tail(text: &str, fraction: f64) -> (&str, &str) {
+    if fraction <= 0.0 {
+        return (text, "");
+    }
+    let mut at = ((1.0 - fraction) * text.len() as f64) as usize;
+    while at < text.len() && !text.is_char_boundary(at) {
+        at += 1;
+    }
+    let at = text[at..].find('\n').map(|i| at + i + 1).unwrap_or(at).min(text.len());
+    (&text[..at], &text[at..])
+}
+
+fn evaluate(model: &lora_models::llama::Llama, ids: &[i64], seq_len: usize) -> Result<Option<EvalResult>> {
+    if ids.len() < 2 {
+        return Ok(None);
+    }
+    let opts = lora_models::llama::PerplexityOptions { max_length: seq_len, stride: seq_len };
+    let r = model.perplexity_ids(ids, &opts).map_err(rt("held-out perplexity"))?;
+    Ok(Some(EvalResult { mean_nll: r.mean_nll, perplexity: r.perplexity, tokens: r.tokens_scored }))
+}
+
+fn sample(model: &lora_models::llama::Llama, tok: &lora_models::tokenizer::Tokenizer, prompt: &str, max_new: u32) -> Result<String> {
+    let ids = tok.encode(prompt, false).map_err(rt("tokenizing the sample prompt"))?;
+    let opts = lora_models::llama::GenerateOptions { max_new_tokens: max_new as usize, ..Default::default() };
+    let g = model.generate(&ids, &opts).map_err(rt("sample generation"))?;
+    tok.decode(&g.tokens, true).map_err(rt("decoding the sample"))
+}
+
+/// The PEFT `LoraConfig` of a run.
+///
+/// # Errors
+/// [`JobError::Runtime`] when lora-core rejects the settings.
+pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::config::LoraConfig> {
+    let mut v = cfg.lora.to_peft_json();
+    if let serde_json::Value::Object(m) = &mut v {
+        m.insert("task_type".into(), "CAUSAL_LM".into());
+        m.insert("base_model_name_or_path".into(), base_model.into());
+        m.insert("peft_type".into(), "LORA".into());
+    }
+    let c: lora_core::config::LoraConfig = serde_json::from_value(v).map_err(rt("building the LoRA config"))?;
+    c.validate().map_err(rt("validating the LoRA config"))?;
+    Ok(c)
+}
+
+/// Loads a LLaMA-family base and its tokenizer from a GGUF file or an HF folder.
+///
+/// # Errors
+/// [`JobError::Runtime`] with the loader's message.
+pub fn load_base(
+    path: &Path,
+    weights: BaseWeights,
+    dtype: Dtype,
+    device: tch::Device,
+) -> Result<(lora_models::llama::Llama, lora_models::tokenizer::Tokenizer)> {
+    use lora_models::llama::{Llama, WeightMode};
+    let kind = match dtype {
+        Dtype::F32 => tch::Kind::Float,
+        Dtype::Bf16 => tch::Kind::BFloat16,
+        Dtype::F16 => tch::Kind::Half,
+    };
+    let mode = match weights {
+        BaseWeights::Dense => WeightMode::Dense(kind),
+        BaseWeights::Quantized => WeightMode::KeepQuantized,
+    };
+    let ctx = format!("loading {}", path.display());
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        let model = Llama::from_gguf(path, mode, device).map_err(rt(&ctx))?;
+        let tok = lora_models::tokenizer::load_tokenizer_from_gguf(path).map_err(rt(&ctx))?;
+        Ok((model, tok))
+    } else {
+        let model = Llama::from_safetensors(path, mode, device).map_err(rt(&ctx))?;
+        let tok = lora_models::tokenizer::load_tokenizer(path.join("tokenizer.json")).map_err(rt(&ctx))?;
+        Ok((model, tok))
+    }
+}
+
+fn lr_factor(cfg: &TrainConfig, step: u64, total: u64) -> f64 {
+    use crate::config::SchedulerKind as S;
+    let w = cfg.train.warmup_steps;
+    if step < w && !matches!(cfg.train.lr_scheduler, S::Constant) {
+        return (step + 1) as f64 / w as f64;
+    }
+    let progress = if total > w { (step - w.min(step)) as f64 / (total - w) as f64 } else { 1.0 };
+    match cfg.train.lr_scheduler {
+        S::Constant | S::ConstantWithWarmup => 1.0,
+        S::Linear => (1.0 - progress).max(0.0),
+        S::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+        S::CosineWithRestarts => {
+            let c = f64::from(cfg.train.num_cycles.max(1));
+            0.5 * (1.0 + (std::f64::consts::PI * ((c * progress) % 1.0)).cos())
+        }
+        S::Polynomial => (1.0 - progress).max(0.0).powf(cfg.train.power),
+    }
+}
+
+/// Runs the causal-LM job: plan (refusing a run predicted not to fit unless forced) → load →
+/// inject → data → train → export → summary.
+///
+/// # Errors
+/// [`JobError::DoesNotFit`] before loading anything; config, file and runtime errors.
+pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
+    use lora_data::loader::{Loader, LoaderConfig};
+    use lora_data::text::{TextConfig, TextDataset, TextFormat};
+    let t_start = std::time::Instant::now();
+    let say = |s: &str| {
+        if opts.verbose {
+            eprintln!("{s}");
+        }
+    };
+    // Count tensor bytes from the start so the weights are in the allocator peak.
+    let _ = lora_core::sys::install_counting_cpu_allocator();
+    if let Some(n) = cfg.system.num_threads {
+        tch::set_num_threads(n as i32);
+    }
+    let cuda = match cfg.system.device.as_str() {
+        "cpu" => false,
+        "auto" => tch::Cuda::is_available(),
+        _ => true,
+    };
+    let device = match cfg.system.device.as_str() {
+        "cpu" => tch::Device::Cpu,
+        "auto" => tch::Device::cuda_if_available(),
+        d => tch::Device::Cuda(d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)),
+    };
+
+    // 1–3. plan
+    let plan = plan(&mut cfg, opts.config_dir.as_deref(), None, cuda)?;
+    if opts.verbose {
+        print!("{}", plan.report());
+    }
+    if plan.fits == Some(false) {
+        let b = plan.budget.clone().map(|b| (b.bytes, budget_source(&b))).unwrap_or_default();
+        if !(opts.force || cfg.memory.force) {
+            return Err(JobError::DoesNotFit { peak: plan.estimate.peak, budget: b.0, source_desc: b.1 });
+        }
+        say("warning: predicted not to fit; starting anyway (forced)");
+    }
+
+    // 4. load, inject
+    let base_written = cfg.base_model()?.to_string();
+    let base_path = resolve_path("model.base_model", &base_written, opts.config_dir.as_deref())?;
+    say(&format!("loading {} ({:?}, {:?}) on {device:?}", base_path.display(), cfg.model.weights, cfg.model.dtype));
+    let (mut model, tok) = load_base(&base_path, cfg.model.weights, cfg.model.dtype, device)?;
+    model.set_gradient_checkpointing(cfg.train.gradient_checkpointing);
+    tch::manual_seed(cfg.system.seed as i64);
+    let lcfg = lora_config(&cfg, &base_written)?;
+    let vs = tch::nn::VarStore::new(device);
+    let report = lora_core::inject::inject(&mut model, &lcfg, "default", &vs.root()).map_err(rt("injecting LoRA"))?;
+    say(&format!(
+        "LoRA r{} α{} on {} modules: {} trainable of {} parameters ({:.3}%)",
+        cfg.lora.rank,
+        cfg.lora.alpha,
+        report.modules.len(),
+        report.trainable_params,
+        report.all_params,
+        report.trainable_percent()
+    ));
+
+    // data
+    let data_written = cfg.data.train_data_dir.clone().ok_or_else(|| crate::config::ConfigError::Missing {
+        key: "data.train_data_dir".into(),
+        hint: "set it to a text file or a folder of .txt files".into(),
+    })?;
+    let data_path = resolve_path("data.train_data_dir", &data_written, opts.config_dir.as_deref())?;
+    let seq_len = cfg.data.seq_len as usize;
+    let text_cfg = TextConfig {
+        format: match cfg.data.format {
+            crate::config::DataFormat::Text => TextFormat::Plain,
+            crate::config::DataFormat::Jsonl => TextFormat::Jsonl { text_field: "text".into() },
+            crate::config::DataFormat::Alpaca => TextFormat::Alpaca,
+            crate::config::DataFormat::Chat => TextFormat::Conversations,
+            crate::config::DataFormat::Images => {
+                return Err(crate::config::ConfigError::InvalidValue {
+                    key: "data.format".into(),
+                    value: "\"images\"".into(),
+                    expected: "a text format (text, jsonl, alpaca, chat) for the causal-LM job".into(),
+                }
+                .into());
+            }
+        },
+        seq_len,
+        packing: true,
+        eos_token_id: tok.eos_id,
+        pad_token_id: tok.pad_id.or(tok.eos_id).unwrap_or(0),
+        seed: cfg.system.seed,
+        ..TextConfig::default()
+    };
+    let (train_ds, eval_ids, data_stats) = if matches!(text_cfg.format, TextFormat::Plain) {
+        let (text, files) = read_text(&data_path, cfg.data.max_bytes)?;
+        let (train_text, mut held) = split_tail(&text, if cfg.data.eval_file.is_some() { 0.0 } else { cfg.data.eval_fraction });
+        let eval_text;
+        if let Some(e) = &cfg.data.eval_file {
+            let p = resolve_path("data.eval_file", e, opts.config_dir.as_deref())?;
+            eval_text = std::fs::read_to_string(&p).map_err(rt(&format!("reading {}", p.display())))?;
+            held = &eval_text;
+        }
+        let ds = TextDataset::from_texts(&[(&data_written, train_text)], tok.inner(), text_cfg).map_err(rt("building the text dataset"))?;
+        let eval_ids = if held.is_empty() { Vec::new() } else { tok.encode(held, false).map_err(rt("tokenizing held-out text"))? };
+        let st = ds.stats();
+        let stats = serde_json::json!({
+            "files": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
+            "train_bytes": train_text.len(),
+            "eval_bytes": held.len(),
+            "train_tokens": st.tokens,
+            "rows": st.rows,
+            "seq_len": seq_len,
+            "eval_tokens": eval_ids.len(),
+        });
+        (ds, eval_ids, stats)
+    } else {
+        let full = TextDataset::from_files(&[&data_path], tok.inner(), text_cfg).map_err(rt("building the dataset"))?;
+        let (t, v) = full.split(cfg.data.eval_fraction, cfg.system.seed).map_err(rt("splitting the dataset"))?;
+        let eval_ids: Vec<i64> = v.documents().iter().flat_map(|d| d.ids.iter().copied()).collect();
+        let st = t.stats();
+        let stats = serde_json::json!({
+            "files": [data_path.display().to_string()],
+            "documents": st.documents, "train_tokens": st.tokens, "rows": st.rows,
+            "seq_len": seq_len, "eval_tokens": eval_ids.len(),
+        });
+        (t, eval_ids, stats)
+    };
+    let rows = lora_data::loader::Dataset::len(&train_ds);
+    if rows == 0 {
+        return Err(JobError::Runtime(format!("{}: no training rows of {seq_len} tokens; use more text or a smaller data.seq_len", data_path.display())));
+    }
+    let collate = train_ds.collate();
+    let micro = cfg.train.batch_size as usize;
+    let mut loader = Loader::new(
+        train_ds,
+        collate,
+        LoaderConfig {
+            batch_size: micro,
+            shuffle: cfg.data_loader.shuffle,
+            drop_last: false,
+            seed: cfg.system.seed,
+            num_workers: cfg.data_loader.num_workers as usize,
+            prefetch_factor: cfg.data_loader.prefetch_factor.max(1) as usize,
+            persistent_workers: cfg.data_loader.persistent_workers,
+        },
+    )
+    .map_err(rt("building the data loader"))?;
+    let accum = cfg.train.gradient_accumulation_steps.max(1) as usize;
+    let per_epoch = loader.batches_per_epoch().div_ceil(accum) as u64;
+    let total_steps = cfg.train.max_steps.unwrap_or(per_epoch * u64::from(cfg.train.epochs)).max(1);
+    say(&format!(
+        "data: {rows} rows of {seq_len} tokens, {} micro-batches of {micro} per epoch; {total_steps} optimizer steps (gradient_accumulation_steps {accum}); {} held-out tokens",
+        loader.batches_per_epoch(),
+        eval_ids.len()
+    ));
+
+    // before
+    let eval_before = evaluate(&model, &eval_ids, seq_len)?;
+    if let Some(e) = eval_before {
+        say(&format!("held-out perplexity before: {:.3} ({} tokens)", e.perplexity, e.tokens));
+    }
+    let sample_before = match &cfg.logging.sample_prompt {
+        Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
+        None => None,
+    };
+
+    // 5. train
+    let out_dir = PathBuf::from(&cfg.train.output_dir);
+    std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
+    let params: Vec<tch::Tensor> = vs.trainable_variables();
+    let mut m1: Vec<tch::Tensor> = Vec::new();
+    let mut m2: Vec<tch::Tensor> = Vec::new();
+    for p in &params {
+        m1.push(p.f_zeros_like().map_err(rt("optimizer state"))?);
+        m2.push(p.f_zeros_like().map_err(rt("optimizer state"))?);
+    }
+    let (rss_before_steps, hwm_process) = proc_rss();
+    let _ = reset_peak_rss();
+    let _ = lora_core::sys::cpu_reset_peak();
+    let t_train = std::time::Instant::now();
+    let mut losses = Vec::new();
+    let mut step = 0u64;
+    let mut tokens = 0u64;
+    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+    'outer: loop {
+        let mut micro_count = 0usize;
+        let mut loss_acc = 0.0f64;
+        for batch in loader.epoch() {
+            let batch = batch.map_err(rt("loading a batch"))?;
+            let ids = batch.input_ids.f_to_device(device).map_err(rt("batch to device"))?;
+            let labels = batch.labels.f_to_device(device).map_err(rt("batch to device"))?;
+            let pos = batch.position_ids.f_to_device(device).map_err(rt("batch to device"))?;
+            let mask = batch.attention_mask.f_to_device(device).map_err(rt("batch to device"))?;
+            tokens += batch.attention_mask.f_sum(tch::Kind::Int64).and_then(|t| t.f_int64_value(&[])).map_err(rt("counting tokens"))? as u64;
+            let loss = model
+                .loss_backward(&ids, &labels, Some(&mask), Some(&pos), true, 1.0 / accum as f64)
+                .map_err(rt(&format!("training step {}", step + 1)))?;
+            loss_acc += loss.f_double_value(&[]).map_err(rt("reading the loss"))?;
+            micro_count += 1;
+            if micro_count < accum {
+                continue;
+            }
+            // AdamW (Loshchilov & Hutter, arXiv:1711.05101) with global-norm clipping.
+            let lr = cfg.train.learning_rate * lr_factor(&cfg, step, total_steps);
+            {
+                let _g = tch::no_grad_guard();
+                let mut sq = 0.0f64;
+                for p in &params {
+                    let g = p.grad();
+                    if g.defined() {
+                        sq += g.f_square().and_then(|t| t.f_sum(tch::Kind::Double)).and_then(|t| t.f_double_value(&[])).map_err(rt("grad norm"))?;
+                    }
+                }
+                let norm = sq.sqrt();
+                let clip = if cfg.train.max_grad_norm > 0.0 && norm > cfg.train.max_grad_norm { cfg.train.max_grad_norm / (norm + 1e-6) } else { 1.0 };
+                let t = (step + 1) as f64;
+                let (c1, c2) = (1.0 - b1.powf(t), 1.0 - b2.powf(t));
+                for (i, p) in params.iter().enumerate() {
+                    let g = p.grad();
+                    if !g.defined() {
+                        continue;
+                    }
+                    let g = g.f_mul_scalar(clip).map_err(rt("optimizer"))?;
+                    m1[i] = m1[i].f_mul_scalar(b1).and_then(|m| m.f_add(&g.f_mul_scalar(1.0 - b1)?)).map_err(rt("optimizer"))?;
+                    m2[i] = m2[i].f_mul_scalar(b2).and_then(|m| m.f_add(&g.f_square()?.f_mul_scalar(1.0 - b2)?)).map_err(rt("optimizer"))?;
+                    let upd = m1[i]
+                        .f_div_scalar(c1)
+                        .and_then(|m| m.f_div(&m2[i].f_div_scalar(c2)?.f_sqrt()?.f_add_scalar(eps)?))
+                        .map_err(rt("optimizer"))?;
+                    let mut pm = p.shallow_clone();
+                    if cfg.train.weight_decay > 0.0 {
+                        let _ = pm.f_mul_scalar_(1.0 - lr * cfg.train.weight_decay).map_err(rt("optimizer"))?;
+                    }
+                    let _ = pm.f_sub_(&upd.f_mul_scalar(lr).map_err(rt("optimizer"))?).map_err(rt("optimizer"))?;
+                    let mut gm = p.grad();
+                    let _ = gm.f_zero_().map_err(rt("zero grad"))?;
+                }
+            }
+            step += 1;
+            let loss_v = loss_acc / accum as f64;
+            if !loss_v.is_finite() {
+                return Err(JobError::Runtime(format!("non-finite loss {loss_v} at step {step}; lower train.learning_rate")));
+            }
+            losses.push((step, loss_v));
+            if opts.verbose && (step % cfg.logging.log_every_n_steps.max(1) == 0 || step == total_steps) {
+                let el = t_train.elapsed().as_secs_f64();
+                let rate = step as f64 / el.max(1e-9);
+                eprintln!(
+                    "step {step}/{total_steps}  loss {loss_v:.4}  lr {lr:.2e}  {rate:.2} it/s  ETA {:.0} s  rss {}",
+                    (total_steps - step) as f64 / rate.max(1e-9),
+                    lora_memory::Bytes(proc_rss().0)
+                );
+            }
+            if let Some(n) = cfg.train.save_every_n_steps
+                && step % n == 0
+                && step < total_steps
+            {
+                let dir = out_dir.join(format!("checkpoint-{step}"));
+                lora_core::formats::peft::save_adapter(&mut model, "default", Some(&lcfg), &dir).map_err(rt("writing a checkpoint"))?;
+                say(&format!("checkpoint: {}", dir.display()));
+            }
+            micro_count = 0;
+            loss_acc = 0.0;
+            if step >= total_steps {
+                break 'outer;
+            }
+        }
+    }
+    let train_seconds = t_train.elapsed().as_secs_f64();
+    let (_, hwm_steps) = proc_rss();
+    let tensor_peak = lora_core::sys::cpu_mem_stats().map(|s| s.peak_bytes).unwrap_or(0);
+    let memory = MeasuredMemory {
+        rss_before_steps,
+        rss_peak_steps: hwm_steps,
+        rss_step_delta: hwm_steps.saturating_sub(rss_before_steps),
+        tensor_peak,
+        rss_peak_process: hwm_process.max(hwm_steps),
+    };
+
+    // after
+    let eval_after = evaluate(&model, &eval_ids, seq_len)?;
+    let sample_after = match &cfg.logging.sample_prompt {
+        Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
+        None => None,
+    };
+
+    // 6. export
+    let sha = if base_path.is_file() { Some(crate::export::sha256_file(&base_path).map_err(rt("hashing the base model"))?) } else { None };
+    let meta = crate::export::metadata_for(
+        &cfg,
+        &crate::export::RunMetadata {
+            base_model: base_written.clone(),
+            base_model_sha256: sha,
+            dataset: data_stats,
+            steps: step,
+            epochs: 1 + step.saturating_sub(1) / per_epoch.max(1),
+        },
+    );
+    let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir).map_err(rt("exporting the adapter"))?;
+    let mut summary = RunSummary {
+        plan,
+        steps: step,
+        tokens,
+        train_seconds,
+        total_seconds: 0.0,
+        losses,
+        eval_before,
+        eval_after,
+        sample_before,
+        sample_after,
+        memory,
+        outputs: Vec::new(),
+    };
+    summary.total_seconds = t_start.elapsed().as_secs_f64();
+    let summary_path = out_dir.join("summary.json");
+    outputs.push(summary_path.clone());
+    summary.outputs = outputs;
+    let text = serde_json::to_string_pretty(&summary).map_err(rt("serializing the summary"))?;
+    std::fs::write(&summary_path, text).map_err(rt(&format!("writing {}", summary_path.display())))?;
+    if opts.verbose {
+        print!("{}", summary.report());
+    }
+    Ok(summary)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,9 +1,17 @@
 //! `lora-train train`: the whole job.
 
-use super::CliError;
+use super::{CliError, EXIT_OK};
+use lora_train::config::TrainConfig;
+use lora_train::llm::{self, RunOptions};
 use std::path::{Path, PathBuf};
 
 /// Runs `train`.
-pub fn run(_config: &Path, _resume: Option<Option<PathBuf>>, _force: bool) -> Result<i32, CliError> {
-    Err(CliError::runtime("train: the causal-LM job is not wired yet"))
+pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Result<i32, CliError> {
+    let cfg = TrainConfig::from_file(config)?;
+    if resume.is_some() {
+        return Err(CliError::usage("--resume needs the checkpointing trainer, which this build does not have yet"));
+    }
+    let opts = RunOptions { config_dir: config.parent().map(Path::to_path_buf), force, verbose: true };
+    llm::run(cfg, &opts)?;
+    Ok(EXIT_OK)
 }

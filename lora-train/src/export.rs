@@ -1,0 +1,265 @@
+//! Writing and converting adapters: PEFT folders and kohya single files, with metadata.
+//!
+//! Formats are lora-core's ([`lora_core::formats`]); this module adds what a training run knows:
+//! the config summary, the base model's SHA-256 and the dataset statistics, written into the
+//! safetensors `__metadata__` (`lora_train.*` keys, and kohya's `ss_*` keys for kohya files).
+//!
+//! kohya has no convention for decoder-only LLMs; their modules are written under the prefix
+//! [`KOHYA_LLM_PREFIX`] (`lora_te`, kohya's text-encoder prefix: `model.layers.0.self_attn.q_proj`
+//! → `lora_te_model_layers_0_self_attn_q_proj`), and [`llama_site_from_kohya`] maps them back.
+
+use crate::config::{ExportFormat, TrainConfig};
+use lora_core::formats::{AdapterWeights, kohya, peft};
+use lora_core::inject::Adaptable;
+use lora_core::config::LoraConfig;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// kohya module prefix used for LLaMA-family sites.
+pub const KOHYA_LLM_PREFIX: &str = "lora_te";
+
+/// Errors writing or converting adapters.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExportError {
+    /// A lora-core format error (with its file and key).
+    #[error(transparent)]
+    Core(#[from] lora_core::Error),
+    /// Reading a file (for hashing) failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// An input is neither a PEFT folder nor a kohya file.
+    #[error("{path}: not an adapter ({reason}); give a PEFT folder (adapter_config.json + adapter_model.safetensors) or a kohya .safetensors file")]
+    NotAnAdapter {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A kohya module name that is not a LLaMA-family site.
+    #[error("kohya module {name:?} is not a LLaMA-family site (expected {KOHYA_LLM_PREFIX}_model_layers_<i>_self_attn_<q|k|v|o>_proj, …_mlp_<gate|up|down>_proj, lm_head or model_embed_tokens)")]
+    UnknownKohyaModule {
+        /// The kohya name.
+        name: String,
+    },
+}
+
+/// `Result` with an [`ExportError`].
+pub type Result<T> = std::result::Result<T, ExportError>;
+
+/// SHA-256 of a file, lowercase hex (streamed, 1 MiB at a time).
+///
+/// # Errors
+/// [`ExportError::Io`].
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let io = |source| ExportError::Io { path: path.to_path_buf(), source };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// What a run writes next to the weights.
+#[derive(Debug, Clone, Default)]
+pub struct RunMetadata {
+    /// Base model file name as given.
+    pub base_model: String,
+    /// SHA-256 of the base model file (hex), when it is a single file.
+    pub base_model_sha256: Option<String>,
+    /// Dataset statistics (JSON object: files, bytes, tokens, rows, held-out tokens).
+    pub dataset: serde_json::Value,
+    /// Optimizer steps done.
+    pub steps: u64,
+    /// Epochs started.
+    pub epochs: u64,
+}
+
+/// The metadata map for a run (`lora_train.*` keys plus kohya's `ss_*` keys).
+pub fn metadata_for(cfg: &TrainConfig, run: &RunMetadata) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    m.insert("lora_train.version".into(), env!("CARGO_PKG_VERSION").into());
+    m.insert("lora_train.config".into(), serde_json::to_string(cfg).unwrap_or_default());
+    m.insert("lora_train.base_model".into(), run.base_model.clone());
+    if let Some(h) = &run.base_model_sha256 {
+        m.insert("lora_train.base_model_sha256".into(), h.clone());
+        m.insert("ss_new_sd_model_hash".into(), h.clone());
+    }
+    m.insert("lora_train.dataset".into(), run.dataset.to_string());
+    m.insert("lora_train.steps".into(), run.steps.to_string());
+    // kohya's training metadata names (sd-scripts `train_network.py`, `metadata` dict)
+    m.insert("ss_network_module".into(), "networks.lora".into());
+    m.insert("ss_network_dim".into(), cfg.lora.rank.to_string());
+    m.insert("ss_network_alpha".into(), cfg.lora.alpha.to_string());
+    m.insert("ss_output_name".into(), cfg.train.output_name.clone());
+    m.insert("ss_learning_rate".into(), cfg.train.learning_rate.to_string());
+    m.insert("ss_max_train_steps".into(), run.steps.to_string());
+    m.insert("ss_epoch".into(), run.epochs.to_string());
+    m.insert("ss_seed".into(), cfg.system.seed.to_string());
+    m.insert("ss_optimizer".into(), format!("{:?}", cfg.train.optimizer));
+    m.insert("ss_lr_scheduler".into(), serde_json::to_value(cfg.train.lr_scheduler).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+    m.insert("ss_mixed_precision".into(), serde_json::to_value(cfg.train.mixed_precision).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+    m.insert("ss_gradient_checkpointing".into(), cfg.train.gradient_checkpointing.to_string());
+    m.insert("ss_gradient_accumulation_steps".into(), cfg.train.gradient_accumulation_steps.to_string());
+    m.insert("ss_batch_size_per_device".into(), cfg.train.batch_size.to_string());
+    m.insert("ss_sd_model_name".into(), Path::new(&run.base_model).file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+    m
+}
+
+/// Writes adapter `adapter_name` of `model` in every format of `cfg.train.export_formats`:
+/// PEFT → `<output_dir>/<output_name>/`, kohya → `<output_dir>/<output_name>.safetensors`.
+/// Returns the written paths.
+///
+/// # Errors
+/// lora-core format errors with their paths.
+pub fn export_run(
+    model: &mut dyn Adaptable,
+    adapter_name: &str,
+    template: &LoraConfig,
+    cfg: &TrainConfig,
+    metadata: BTreeMap<String, String>,
+    output_dir: &Path,
+) -> Result<Vec<PathBuf>> {
+    let mut w = AdapterWeights::from_model(model, adapter_name)?;
+    w.metadata = metadata;
+    let mut out = Vec::new();
+    for f in &cfg.train.export_formats {
+        match f {
+            ExportFormat::Peft => {
+                let dir = output_dir.join(&cfg.train.output_name);
+                peft::save(&w, Some(template), &dir)?;
+                out.push(dir);
+            }
+            ExportFormat::Kohya => {
+                let path = output_dir.join(format!("{}.safetensors", cfg.train.output_name));
+                kohya::write(&path, &[(KOHYA_LLM_PREFIX, &w)])?;
+                out.push(path);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Maps a kohya module name under [`KOHYA_LLM_PREFIX`] back to its LLaMA-family module path
+/// (`lora_te_model_layers_3_mlp_gate_proj` → `model.layers.3.mlp.gate_proj`).
+///
+/// # Errors
+/// [`ExportError::UnknownKohyaModule`].
+pub fn llama_site_from_kohya(name: &str) -> Result<String> {
+    let bad = || ExportError::UnknownKohyaModule { name: name.to_string() };
+    let rest = name.strip_prefix(KOHYA_LLM_PREFIX).and_then(|r| r.strip_prefix('_')).ok_or_else(bad)?;
+    match rest {
+        "lm_head" => return Ok("lm_head".into()),
+        "model_embed_tokens" => return Ok("model.embed_tokens".into()),
+        _ => {}
+    }
+    let rest = rest.strip_prefix("model_layers_").ok_or_else(bad)?;
+    let (idx, tail) = rest.split_once('_').ok_or_else(bad)?;
+    let i: usize = idx.parse().map_err(|_| bad())?;
+    let (block, proj) = if let Some(p) = tail.strip_prefix("self_attn_") {
+        ("self_attn", p)
+    } else if let Some(p) = tail.strip_prefix("mlp_") {
+        ("mlp", p)
+    } else {
+        return Err(bad());
+    };
+    let ok = match block {
+        "self_attn" => matches!(proj, "q_proj" | "k_proj" | "v_proj" | "o_proj"),
+        _ => matches!(proj, "gate_proj" | "up_proj" | "down_proj"),
+    };
+    if !ok {
+        return Err(bad());
+    }
+    Ok(format!("model.layers.{i}.{block}.{proj}"))
+}
+
+/// Reads an adapter from a PEFT folder or a kohya file (LLaMA-family naming).
+///
+/// # Errors
+/// [`ExportError::NotAnAdapter`] and format errors.
+pub fn read_adapter(path: &Path) -> Result<(Option<LoraConfig>, AdapterWeights)> {
+    if path.is_dir() {
+        if !path.join(peft::CONFIG_FILE).is_file() {
+            return Err(ExportError::NotAnAdapter { path: path.into(), reason: format!("the folder has no {}", peft::CONFIG_FILE) });
+        }
+        let (c, w) = peft::load(path)?;
+        return Ok((Some(c), w));
+    }
+    if path.is_file() && path.file_name().is_some_and(|f| f == peft::WEIGHTS_FILE) {
+        if let Some(dir) = path.parent() {
+            return read_adapter(dir);
+        }
+    }
+    if !path.is_file() {
+        return Err(ExportError::NotAnAdapter { path: path.into(), reason: "no such file or folder".into() });
+    }
+    let mut file = kohya::read(path)?;
+    let sites = file.modules.keys().map(|k| llama_site_from_kohya(k)).collect::<Result<Vec<_>>>()?;
+    let w = file.take_prefix(KOHYA_LLM_PREFIX, &sites)?;
+    Ok((None, w))
+}
+
+/// Converts an adapter between formats: a PEFT folder or kohya file in, `to` out at `output`
+/// (a folder for PEFT, a `.safetensors` file for kohya). Strength (`scaling · B·A`) is preserved;
+/// metadata is carried over.
+///
+/// # Errors
+/// As [`read_adapter`] and the writers.
+pub fn convert(input: &Path, to: ExportFormat, output: &Path) -> Result<usize> {
+    let (cfg, w) = read_adapter(input)?;
+    match to {
+        ExportFormat::Peft => {
+            let mut template = cfg.unwrap_or_default();
+            if template.task_type.is_none() {
+                template.task_type = Some("CAUSAL_LM".into());
+            }
+            peft::save(&w, Some(&template), output)?;
+        }
+        ExportFormat::Kohya => kohya::write(output, &[(KOHYA_LLM_PREFIX, &w)])?,
+    }
+    Ok(w.modules.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kohya_names_map_back_to_llama_sites() {
+        for site in [
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.29.mlp.down_proj",
+            "model.layers.7.mlp.gate_proj",
+            "lm_head",
+            "model.embed_tokens",
+        ] {
+            let k = kohya::kohya_name(KOHYA_LLM_PREFIX, site);
+            assert_eq!(llama_site_from_kohya(&k).unwrap(), site, "{k}");
+        }
+        assert!(llama_site_from_kohya("lora_unet_down_blocks_0_proj_in").is_err());
+        assert!(llama_site_from_kohya("lora_te_model_layers_x_mlp_up_proj").is_err());
+        assert!(llama_site_from_kohya("lora_te_model_layers_1_mlp_q_proj").is_err());
+    }
+
+    #[test]
+    fn sha256_matches_a_known_vector() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abc");
+        std::fs::write(&p, b"abc").unwrap();
+        // FIPS 180-2 appendix B.1 test vector
+        assert_eq!(sha256_file(&p).unwrap(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
+}
