@@ -45,7 +45,10 @@ fn rng_devices(x: &Tensor) -> Vec<Device> {
 }
 
 fn save_rng(devices: &[Device]) -> Result<RngStates> {
-    devices.iter().map(|&d| Ok((d, lora_core::sys::rng_state(d)?))).collect()
+    devices
+        .iter()
+        .map(|&d| Ok((d, lora_core::sys::rng_state(d)?)))
+        .collect()
 }
 
 fn restore_rng(states: &RngStates) -> Result<()> {
@@ -90,7 +93,14 @@ impl SegmentTape {
             }
         }
         let out = x.f_detach()?.f_set_requires_grad(true)?;
-        Ok((out, Self { inputs, rng, devices }))
+        Ok((
+            out,
+            Self {
+                inputs,
+                rng,
+                devices,
+            },
+        ))
     }
 
     /// Number of segments.
@@ -130,10 +140,16 @@ impl SegmentTape {
                 restore_rng(&self.rng[i])?;
                 let y = f(i, &x)?;
                 if y.requires_grad() {
-                    y.f_mul(&g.f_to_kind(y.kind())?)?.f_sum(Kind::Float)?.f_backward()?;
+                    y.f_mul(&g.f_to_kind(y.kind())?)?
+                        .f_sum(Kind::Float)?
+                        .f_backward()?;
                 }
                 let gx = x.f_grad()?;
-                g = if gx.defined() { gx.f_detach()? } else { x.f_zeros_like()? };
+                g = if gx.defined() {
+                    gx.f_detach()?
+                } else {
+                    x.f_zeros_like()?
+                };
             }
             Ok(g)
         });
@@ -154,7 +170,9 @@ mod tests {
         let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(0);
         let opts = (Kind::Double, Device::Cpu);
-        let ws: Vec<Tensor> = (0..4).map(|_| Tensor::randn([5, 5], opts).set_requires_grad(true)).collect();
+        let ws: Vec<Tensor> = (0..4)
+            .map(|_| Tensor::randn([5, 5], opts).set_requires_grad(true))
+            .collect();
         // dropout inside: the recomputation must see the same masks
         let seg = |i: usize, x: &Tensor| -> Result<Tensor> {
             Ok(x.f_matmul(&ws[i])?.f_tanh()?.f_dropout(0.3, true)?)
@@ -163,7 +181,11 @@ mod tests {
 
         tch::manual_seed(7);
         let (h, tape) = SegmentTape::forward(&x0, 4, seg).unwrap();
-        let loss_ck = h.f_pow_tensor_scalar(2).unwrap().f_sum(Kind::Double).unwrap();
+        let loss_ck = h
+            .f_pow_tensor_scalar(2)
+            .unwrap()
+            .f_sum(Kind::Double)
+            .unwrap();
         loss_ck.backward();
         let g0 = tape.backward(&h.grad(), seg).unwrap();
         // the generator is back where the forward pass left it
@@ -180,7 +202,10 @@ mod tests {
             x = seg(i, &x).unwrap();
         }
         let after_plain = Tensor::randn([8], opts);
-        assert_eq!(Vec::<f64>::try_from(&after_ck).unwrap(), Vec::<f64>::try_from(&after_plain).unwrap());
+        assert_eq!(
+            Vec::<f64>::try_from(&after_ck).unwrap(),
+            Vec::<f64>::try_from(&after_plain).unwrap()
+        );
         let loss = x.pow_tensor_scalar(2).sum(Kind::Double);
         let (l1, l2) = (loss.double_value(&[]), loss_ck.double_value(&[]));
         assert!((l1 - l2).abs() < 1e-12, "{l1} vs {l2}");
@@ -201,6 +226,9 @@ mod tests {
         let seg = |_: usize, x: &Tensor| -> Result<Tensor> { Ok(x.f_mul_scalar(2.0)?) };
         let (_h, tape) = SegmentTape::forward(&x0, 2, seg).unwrap();
         assert_eq!(tape.len(), 2);
-        assert!(matches!(tape.backward(&Tensor::new(), seg), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            tape.backward(&Tensor::new(), seg),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 }

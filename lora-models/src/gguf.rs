@@ -261,7 +261,10 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn err(&self, msg: impl Into<String>) -> Error {
-        Error::Gguf { path: self.path.to_path_buf(), msg: format!("{} (at byte {})", msg.into(), self.pos) }
+        Error::Gguf {
+            path: self.path.to_path_buf(),
+            msg: format!("{} (at byte {})", msg.into(), self.pos),
+        }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
@@ -272,7 +275,10 @@ impl<'a> Cursor<'a> {
                 self.pos = end;
                 Ok(s)
             }
-            None => Err(self.err(format!("truncated: need {n} more bytes, file has {}", self.buf.len()))),
+            None => Err(self.err(format!(
+                "truncated: need {n} more bytes, file has {}",
+                self.buf.len()
+            ))),
         }
     }
 
@@ -346,22 +352,34 @@ impl GgufFile {
     /// outside the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        let file = File::open(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
         // SAFETY: the map is read-only; the file must not be truncated while mapped (a documented
         // requirement of memory-mapped model files, as in llama.cpp and safetensors).
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io { path: path.clone(), source })?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
         Self::parse(path, mmap)
     }
 
     fn parse(path: PathBuf, mmap: Mmap) -> Result<Self> {
-        let mut c = Cursor { buf: &mmap, pos: 0, path: &path };
+        let mut c = Cursor {
+            buf: &mmap,
+            pos: 0,
+            path: &path,
+        };
         let magic = c.arr::<4>()?;
         if &magic != b"GGUF" {
             return Err(c.err(format!("bad magic {magic:?}, expected \"GGUF\"")));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(c.err(format!("GGUF version {version} is not supported (2 and 3 are)")));
+            return Err(c.err(format!(
+                "GGUF version {version} is not supported (2 and 3 are)"
+            )));
         }
         let n_tensors = c.len("tensor count")?;
         let n_kv = c.len("metadata count")?;
@@ -387,13 +405,20 @@ impl GgufFile {
             let ggml_type = GgmlType::from_id(c.u32()?);
             let offset = c.u64()?;
             index.insert(name.clone(), tensors.len());
-            tensors.push(GgufTensorInfo { name, dims, ggml_type, offset });
+            tensors.push(GgufTensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset,
+            });
         }
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
             Some(v) => match v.as_i64() {
                 Some(a) if a > 0 => a as u64,
-                _ => return Err(c.err(format!("general.alignment {v:?} is not a positive integer"))),
+                _ => {
+                    return Err(c.err(format!("general.alignment {v:?} is not a positive integer")));
+                }
             },
         };
         let pos = c.pos as u64;
@@ -401,7 +426,9 @@ impl GgufFile {
         let file_len = mmap.len() as u64;
         for t in &tensors {
             if let Some(n) = t.nbytes() {
-                let end = data_start.checked_add(t.offset).and_then(|s| s.checked_add(n));
+                let end = data_start
+                    .checked_add(t.offset)
+                    .and_then(|s| s.checked_add(n));
                 if end.is_none_or(|e| e > file_len) {
                     return Err(Error::Gguf {
                         path: path.clone(),
@@ -413,7 +440,15 @@ impl GgufFile {
                 }
             }
         }
-        Ok(Self { path, mmap, version, metadata, tensors, index, data_start })
+        Ok(Self {
+            path,
+            mmap,
+            version,
+            metadata,
+            tensors,
+            index,
+            data_start,
+        })
     }
 
     /// The file's path.
@@ -452,7 +487,11 @@ impl GgufFile {
     }
 
     fn meta_err(&self, key: &str, msg: impl Into<String>) -> Error {
-        Error::Metadata { path: self.path.clone(), key: key.to_string(), msg: msg.into() }
+        Error::Metadata {
+            path: self.path.clone(),
+            key: key.to_string(),
+            msg: msg.into(),
+        }
     }
 
     /// An integer metadata value.
@@ -461,7 +500,8 @@ impl GgufFile {
     /// [`Error::Metadata`] when the key is absent or not an integer.
     pub fn get_i64(&self, key: &str) -> Result<i64> {
         let v = self.get(key).ok_or_else(|| self.meta_err(key, "missing"))?;
-        v.as_i64().ok_or_else(|| self.meta_err(key, format!("expected an integer, found {v:?}")))
+        v.as_i64()
+            .ok_or_else(|| self.meta_err(key, format!("expected an integer, found {v:?}")))
     }
 
     /// A numeric metadata value as `f64`.
@@ -470,7 +510,8 @@ impl GgufFile {
     /// [`Error::Metadata`] when the key is absent or not numeric.
     pub fn get_f64(&self, key: &str) -> Result<f64> {
         let v = self.get(key).ok_or_else(|| self.meta_err(key, "missing"))?;
-        v.as_f64().ok_or_else(|| self.meta_err(key, format!("expected a number, found {v:?}")))
+        v.as_f64()
+            .ok_or_else(|| self.meta_err(key, format!("expected a number, found {v:?}")))
     }
 
     /// A string metadata value.
@@ -479,7 +520,8 @@ impl GgufFile {
     /// [`Error::Metadata`] when the key is absent or not a string.
     pub fn get_str(&self, key: &str) -> Result<&str> {
         let v = self.get(key).ok_or_else(|| self.meta_err(key, "missing"))?;
-        v.as_str().ok_or_else(|| self.meta_err(key, "expected a string"))
+        v.as_str()
+            .ok_or_else(|| self.meta_err(key, "expected a string"))
     }
 
     /// A string-array metadata value (e.g. `tokenizer.ggml.tokens`).
@@ -488,9 +530,14 @@ impl GgufFile {
     /// [`Error::Metadata`] when the key is absent or not an array of strings.
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
         let v = self.get(key).ok_or_else(|| self.meta_err(key, "missing"))?;
-        let a = v.as_array().ok_or_else(|| self.meta_err(key, "expected an array"))?;
+        let a = v
+            .as_array()
+            .ok_or_else(|| self.meta_err(key, "expected an array"))?;
         a.iter()
-            .map(|x| x.as_str().ok_or_else(|| self.meta_err(key, "expected an array of strings")))
+            .map(|x| {
+                x.as_str()
+                    .ok_or_else(|| self.meta_err(key, "expected an array of strings"))
+            })
             .collect()
     }
 
@@ -500,9 +547,14 @@ impl GgufFile {
     /// [`Error::Metadata`] when the key is absent or not an array of integers.
     pub fn get_i64_array(&self, key: &str) -> Result<Vec<i64>> {
         let v = self.get(key).ok_or_else(|| self.meta_err(key, "missing"))?;
-        let a = v.as_array().ok_or_else(|| self.meta_err(key, "expected an array"))?;
+        let a = v
+            .as_array()
+            .ok_or_else(|| self.meta_err(key, "expected an array"))?;
         a.iter()
-            .map(|x| x.as_i64().ok_or_else(|| self.meta_err(key, "expected an array of integers")))
+            .map(|x| {
+                x.as_i64()
+                    .ok_or_else(|| self.meta_err(key, "expected an array of integers"))
+            })
             .collect()
     }
 
@@ -511,12 +563,16 @@ impl GgufFile {
     /// # Errors
     /// [`Error::MissingTensor`] when absent; [`Error::Unsupported`] when its type's size is unknown.
     pub fn tensor_bytes(&self, name: &str) -> Result<(&GgufTensorInfo, &[u8])> {
-        let info = self
-            .tensor_info(name)
-            .ok_or_else(|| Error::MissingTensor { name: name.to_string(), path: self.path.clone() })?;
+        let info = self.tensor_info(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            path: self.path.clone(),
+        })?;
         let n = info.nbytes().ok_or_else(|| Error::Unsupported {
             what: "GGUF tensor type",
-            value: format!("{:?} (tensor `{name}`, dims {:?})", info.ggml_type, info.dims),
+            value: format!(
+                "{:?} (tensor `{name}`, dims {:?})",
+                info.ggml_type, info.dims
+            ),
             hint: "its block size is unknown to this reader".into(),
         })?;
         // Bounds were checked in `parse`.
@@ -531,9 +587,11 @@ impl GgufFile {
     pub fn tensor_f32(&self, name: &str) -> Result<(Vec<i64>, Vec<f32>)> {
         let (info, raw) = self.tensor_bytes(name)?;
         let v = dequantize(info.ggml_type, raw, info.numel() as usize).map_err(|e| match e {
-            Error::Unsupported { what, value, hint } => {
-                Error::Unsupported { what, value: format!("{value} (tensor `{name}`)"), hint }
-            }
+            Error::Unsupported { what, value, hint } => Error::Unsupported {
+                what,
+                value: format!("{value} (tensor `{name}`)"),
+                hint,
+            },
             e => e,
         })?;
         Ok((info.torch_shape(), v))
@@ -567,9 +625,18 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>> {
     }
     let mut out = Vec::with_capacity(n);
     match ty {
-        GgmlType::F32 => out.extend(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
-        GgmlType::F16 => out.extend(raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
-        GgmlType::BF16 => out.extend(raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+        GgmlType::F32 => out.extend(
+            raw.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        GgmlType::F16 => out.extend(
+            raw.chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        GgmlType::BF16 => out.extend(
+            raw.chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
         GgmlType::Q8_0 => {
             for b in raw.chunks_exact(34) {
                 let d = f16_at(b, 0);
@@ -614,14 +681,19 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>> {
 /// [`Error::InvalidArgument`] when `raw` is not a whole number of rows or `src_row` leaves the range.
 pub fn permute_rows(raw: &[u8], rows: usize, src_row: impl Fn(usize) -> usize) -> Result<Vec<u8>> {
     if rows == 0 || raw.len() % rows != 0 {
-        return Err(Error::InvalidArgument(format!("{} bytes are not {rows} equal rows", raw.len())));
+        return Err(Error::InvalidArgument(format!(
+            "{} bytes are not {rows} equal rows",
+            raw.len()
+        )));
     }
     let row_bytes = raw.len() / rows;
     let mut out = Vec::with_capacity(raw.len());
     for r in 0..rows {
         let s = src_row(r);
         if s >= rows {
-            return Err(Error::InvalidArgument(format!("source row {s} out of range 0..{rows}")));
+            return Err(Error::InvalidArgument(format!(
+                "source row {s} out of range 0..{rows}"
+            )));
         }
         out.extend_from_slice(&raw[s * row_bytes..(s + 1) * row_bytes]);
     }
@@ -703,14 +775,23 @@ mod tests {
             let f = write_tmp(&tiny_gguf(alignment));
             let g = GgufFile::open(f.path()).unwrap();
             assert_eq!(g.version(), 3);
-            assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), vec!["a", "bc"]);
+            assert_eq!(
+                g.get_str_array("tokenizer.ggml.tokens").unwrap(),
+                vec!["a", "bc"]
+            );
             assert_eq!(g.get_i64("llama.block_count").unwrap(), 30);
             assert_eq!(g.data_start() % alignment.unwrap_or(32) as u64, 0);
             let (shape, v) = g.tensor_f32("w").unwrap();
             assert_eq!(shape, vec![2, 3]);
             assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-            assert!(matches!(g.tensor_f32("nope"), Err(Error::MissingTensor { .. })));
-            assert!(matches!(g.get_str("llama.block_count"), Err(Error::Metadata { .. })));
+            assert!(matches!(
+                g.tensor_f32("nope"),
+                Err(Error::MissingTensor { .. })
+            ));
+            assert!(matches!(
+                g.get_str("llama.block_count"),
+                Err(Error::Metadata { .. })
+            ));
         }
     }
 
@@ -722,9 +803,19 @@ mod tests {
         assert!(e.contains("outside the file"), "{e}");
         b[0] = b'X';
         let f = write_tmp(&b);
-        assert!(GgufFile::open(f.path()).unwrap_err().to_string().contains("bad magic"));
+        assert!(
+            GgufFile::open(f.path())
+                .unwrap_err()
+                .to_string()
+                .contains("bad magic")
+        );
         let f = write_tmp(&b"GGUF\x03\x00\x00\x00"[..]);
-        assert!(GgufFile::open(f.path()).unwrap_err().to_string().contains("truncated"));
+        assert!(
+            GgufFile::open(f.path())
+                .unwrap_err()
+                .to_string()
+                .contains("truncated")
+        );
     }
 
     #[test]
@@ -751,7 +842,10 @@ mod tests {
         assert_eq!(v[3], -0.25);
         assert_eq!(v[16], 2.75);
         assert!(dequantize(GgmlType::Q4_1, &b[..19], 32).is_err());
-        assert!(matches!(dequantize(GgmlType::Q4K, &[0; 144], 256), Err(Error::Unsupported { .. })));
+        assert!(matches!(
+            dequantize(GgmlType::Q4K, &[0; 144], 256),
+            Err(Error::Unsupported { .. })
+        ));
     }
 
     #[test]

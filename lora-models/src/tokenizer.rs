@@ -10,13 +10,13 @@
 
 use std::path::Path;
 
+use tokenizers::AddedToken;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::AddedToken;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -53,7 +53,13 @@ impl Tokenizer {
         pad_id: Option<u32>,
         add_bos: bool,
     ) -> Self {
-        Self { inner, bos_id, eos_id, pad_id: pad_id.or(eos_id), add_bos }
+        Self {
+            inner,
+            bos_id,
+            eos_id,
+            pad_id: pad_id.or(eos_id),
+            add_bos,
+        }
     }
 
     /// The wrapped `tokenizers::Tokenizer`.
@@ -85,9 +91,13 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
         let ids: Vec<u32> = ids
             .iter()
-            .map(|&i| u32::try_from(i).map_err(|_| Error::Tokenizer(format!("token id {i} is negative"))))
+            .map(|&i| {
+                u32::try_from(i).map_err(|_| Error::Tokenizer(format!("token id {i} is negative")))
+            })
             .collect::<Result<_>>()?;
-        self.inner.decode(&ids, skip_special_tokens).map_err(tok_err)
+        self.inner
+            .decode(&ids, skip_special_tokens)
+            .map_err(tok_err)
     }
 
     /// The id of one token string (e.g. `"<|im_end|>"`).
@@ -109,7 +119,8 @@ impl Tokenizer {
 /// [`Error::Tokenizer`] when the file cannot be read or parsed.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let path = path.as_ref();
-    let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+    let inner = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
     let find = |names: &[&str]| names.iter().find_map(|n| inner.token_to_id(n));
     let bos = find(&["<|begin_of_text|>", "<s>", "<|im_start|>", "<|endoftext|>"]);
     let eos = find(&["<|end_of_text|>", "</s>", "<|im_end|>", "<|endoftext|>"]);
@@ -152,22 +163,37 @@ pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer> {
         Some(_) => g.get_i64_array("tokenizer.ggml.token_type")?,
         None => vec![1; tokens.len()],
     };
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
     let merges: Vec<(String, String)> = merges
         .iter()
         .map(|m| {
             m.split_once(' ')
                 .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| Error::Tokenizer(format!("merge `{m}` is not two space-separated tokens")))
+                .ok_or_else(|| {
+                    Error::Tokenizer(format!("merge `{m}` is not two space-separated tokens"))
+                })
         })
         .collect::<Result<_>>()?;
-    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
-    let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
     let byte_level = ByteLevel::new(false, true, true);
     // Families whose HF tokenizer.json splits digits one by one before the byte-level step
     // (llama.cpp `llm_tokenizer_bpe` pre-types with a `\p{N}` single-digit regex).
-    let split_digits = matches!(pre, "smollm" | "starcoder" | "refact" | "codeshell" | "command-r");
+    let split_digits = matches!(
+        pre,
+        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r"
+    );
     let pre_tok: PreTokenizerWrapper = if split_digits {
         Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
     } else {
@@ -181,7 +207,9 @@ pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer> {
         let Some(tok) = tokens.get(i) else { break };
         match t {
             TOKEN_TYPE_CONTROL => special.push(AddedToken::from(tok.to_string(), true)),
-            TOKEN_TYPE_USER_DEFINED => added.push(AddedToken::from(tok.to_string(), false).normalized(false)),
+            TOKEN_TYPE_USER_DEFINED => {
+                added.push(AddedToken::from(tok.to_string(), false).normalized(false))
+            }
             _ => {}
         }
     }
@@ -193,7 +221,11 @@ pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer> {
             Some(_) => Ok(u32::try_from(g.get_i64(k)?).ok()),
         }
     };
-    let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_i64()).unwrap_or(0) != 0;
+    let add_bos = g
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.as_i64())
+        .unwrap_or(0)
+        != 0;
     Ok(Tokenizer::new(
         inner,
         id("tokenizer.ggml.bos_token_id")?,
@@ -215,7 +247,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 
     /// A `user` message.
@@ -240,7 +275,9 @@ pub enum ChatTemplate {
 impl ChatTemplate {
     /// Plain ChatML without a default system prompt.
     pub fn chatml() -> Self {
-        ChatTemplate::ChatMl { default_system: None }
+        ChatTemplate::ChatMl {
+            default_system: None,
+        }
     }
 
     /// Recognises the Jinja template stored under `tokenizer.chat_template` of a GGUF file.
@@ -277,7 +314,10 @@ impl ChatTemplate {
                     }
                 }
                 for m in messages {
-                    s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+                    s.push_str(&format!(
+                        "<|im_start|>{}\n{}<|im_end|>\n",
+                        m.role, m.content
+                    ));
                 }
                 if add_generation_prompt {
                     s.push_str("<|im_start|>assistant\n");
@@ -303,18 +343,29 @@ mod tests {
     fn chatml_renders_with_and_without_default_system() {
         let t = ChatTemplate::chatml();
         let msgs = [ChatMessage::user("Hi")];
-        assert_eq!(t.apply(&msgs, true), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            t.apply(&msgs, true),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
         let jinja = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}\
                      {{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}{% endif %}\
                      {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
         let t = ChatTemplate::from_jinja(jinja).unwrap();
-        assert_eq!(t, ChatTemplate::ChatMl { default_system: Some("You are helpful".into()) });
+        assert_eq!(
+            t,
+            ChatTemplate::ChatMl {
+                default_system: Some("You are helpful".into())
+            }
+        );
         assert_eq!(
             t.apply(&msgs, false),
             "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         );
         let with_sys = [ChatMessage::new("system", "S"), ChatMessage::user("Hi")];
-        assert!(t.apply(&with_sys, false).starts_with("<|im_start|>system\nS<|im_end|>"));
+        assert!(
+            t.apply(&with_sys, false)
+                .starts_with("<|im_start|>system\nS<|im_end|>")
+        );
         assert_eq!(ChatTemplate::from_jinja("{{ bos_token }}[INST]"), None);
     }
 }

@@ -11,12 +11,20 @@ use tch::{Kind, Tensor};
 
 fn python() -> PathBuf {
     let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(py.exists(), "{} is missing: run `cargo xtask setup` (it creates the interop venv)", py.display());
+    assert!(
+        py.exists(),
+        "{} is missing: run `cargo xtask setup` (it creates the interop venv)",
+        py.display()
+    );
     let ok = Command::new(&py)
         .args(["-c", "import transformers, gguf, safetensors, torch"])
         .status()
         .is_ok_and(|s| s.success());
-    assert!(ok, "transformers/gguf/safetensors are not importable in {}: run `cargo xtask setup`", py.display());
+    assert!(
+        ok,
+        "transformers/gguf/safetensors are not importable in {}: run `cargo xtask setup`",
+        py.display()
+    );
     py
 }
 
@@ -45,17 +53,31 @@ fn logits_and_token_ids_match_transformers() {
         .arg(out.path())
         .output()
         .unwrap();
-    assert!(res.status.success(), "hf_logits.py failed:\n{}", String::from_utf8_lossy(&res.stderr));
+    assert!(
+        res.status.success(),
+        "hf_logits.py failed:\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
 
     // token ids: ours (built from the GGUF vocabulary + merges) vs transformers' GGUF tokenizer
     let tok = common::tokenizer();
     let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.path().join("tokens.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("tokens.json")).unwrap())
+            .unwrap();
     let extra = json["extra"].as_object().unwrap();
     assert!(extra.len() >= 6);
     for (text, ids) in extra {
-        let want: Vec<i64> = ids.as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
-        assert_eq!(tok.encode(text, false).unwrap(), want, "token ids of {text:?}");
+        let want: Vec<i64> = ids
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap())
+            .collect();
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            want,
+            "token ids of {text:?}"
+        );
     }
 
     // logits: our f32 forward on the dequantised weights vs transformers' f32 forward
@@ -71,12 +93,18 @@ fn logits_and_token_ids_match_transformers() {
         assert_eq!(got.size(), want.size());
         let d = (&got - &want).abs().max().double_value(&[]);
         let scale = want.abs().max().double_value(&[]);
-        println!("case {i}: {} tokens, max |Δlogit| = {d:.3e} (max |logit| {scale:.1})", ids.size()[1]);
+        println!(
+            "case {i}: {} tokens, max |Δlogit| = {d:.3e} (max |logit| {scale:.1})",
+            ids.size()[1]
+        );
         worst = worst.max(d);
         // same argmax everywhere
         let a = got.argmax(-1, false);
         let b = want.argmax(-1, false);
-        assert!(bool::try_from(a.eq_tensor(&b).all()).unwrap(), "argmax differs in case {i}");
+        assert!(
+            bool::try_from(a.eq_tensor(&b).all()).unwrap(),
+            "argmax differs in case {i}"
+        );
     }
     // Both sides are f32 on the same dequantised weights; the remaining differences are
     // summation order: tolerance 5e-4 on logits of magnitude ~30 (measured: < 1e-4).

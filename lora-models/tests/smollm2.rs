@@ -3,10 +3,10 @@
 
 mod common;
 
-use common::{dense_f32, quantized, tokenizer, FOX, ONCE};
+use common::{FOX, ONCE, dense_f32, quantized, tokenizer};
+use lora_models::gguf::GgufFile;
 use lora_models::llama::{GenerateOptions, Llama, PerplexityOptions, StopReason, WeightMode};
 use lora_models::tokenizer::{ChatMessage, ChatTemplate};
-use lora_models::gguf::GgufFile;
 use tch::{Device, Kind, Tensor};
 
 fn ids_tensor(ids: &[i64]) -> Tensor {
@@ -23,7 +23,9 @@ fn tokenizer_matches_golden_ids() {
     assert_eq!(t.encode(ONCE, true).unwrap(), vec![6403, 1980, 253, 655]);
     assert_eq!(t.encode(FOX, true).unwrap().len(), 24);
     // special tokens are single ids; digits are split one by one; no BOS is added
-    let chat = t.encode("<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n", true).unwrap();
+    let chat = t
+        .encode("<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n", true)
+        .unwrap();
     assert_eq!(chat[0], 1);
     assert_eq!(&chat[5..8], &[216, 33, 34]);
     assert!(chat.contains(&2));
@@ -36,8 +38,14 @@ fn tokenizer_matches_golden_ids() {
 fn config_from_gguf_metadata() {
     let g = GgufFile::open(common::gguf_path()).unwrap();
     let c = lora_models::llama::LlamaConfig::from_gguf(&g).unwrap();
-    assert_eq!((c.num_hidden_layers, c.hidden_size, c.intermediate_size), (30, 576, 1536));
-    assert_eq!((c.num_attention_heads, c.n_kv_heads(), c.head_dim()), (9, 3, 64));
+    assert_eq!(
+        (c.num_hidden_layers, c.hidden_size, c.intermediate_size),
+        (30, 576, 1536)
+    );
+    assert_eq!(
+        (c.num_attention_heads, c.n_kv_heads(), c.head_dim()),
+        (9, 3, 64)
+    );
     assert_eq!((c.rope_theta, c.vocab_size), (100000.0, 49152));
     // stored as f32 in the file
     assert!((c.rms_norm_eps - 1e-5).abs() < 1e-12);
@@ -50,7 +58,9 @@ fn config_from_gguf_metadata() {
 #[test]
 fn next_token_logits_match_golden() {
     let m = dense_f32();
-    let logits = m.forward_t(&ids_tensor(&[6403, 1980, 253, 655]), None, None, false).unwrap();
+    let logits = m
+        .forward_t(&ids_tensor(&[6403, 1980, 253, 655]), None, None, false)
+        .unwrap();
     assert_eq!(logits.size(), vec![1, 4, 49152]);
     assert_eq!(logits.kind(), Kind::Float);
     let last = logits.select(1, 3).select(0, 0);
@@ -79,17 +89,41 @@ fn mean_nll_matches_golden() {
     // labels at -100 are ignored: masking the first half changes the mean to that of the rest
     let mut lab = ids.clone();
     lab[..12].iter_mut().for_each(|l| *l = -100);
-    let half = m.loss(&x, &ids_tensor(&lab), None, None, false).unwrap().double_value(&[]);
+    let half = m
+        .loss(&x, &ids_tensor(&lab), None, None, false)
+        .unwrap()
+        .double_value(&[]);
     assert!((half - nll).abs() > 1e-3);
     // perplexity over a file with one window equals exp(mean NLL)
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("fox.txt");
     std::fs::write(&f, FOX).unwrap();
-    let r = m.perplexity(tokenizer(), &f, &PerplexityOptions { max_length: 64, stride: 32 }).unwrap();
+    let r = m
+        .perplexity(
+            tokenizer(),
+            &f,
+            &PerplexityOptions {
+                max_length: 64,
+                stride: 32,
+            },
+        )
+        .unwrap();
     assert_eq!((r.tokens_scored, r.windows), (23, 1));
-    assert!((r.mean_nll - nll).abs() < 1e-4 && (r.perplexity - 16.0).abs() < 0.1, "{r:?}");
+    assert!(
+        (r.mean_nll - nll).abs() < 1e-4 && (r.perplexity - 16.0).abs() < 0.1,
+        "{r:?}"
+    );
     // strided windows: still every token once, but with less context the NLL is higher
-    let r8 = m.perplexity(tokenizer(), &f, &PerplexityOptions { max_length: 8, stride: 4 }).unwrap();
+    let r8 = m
+        .perplexity(
+            tokenizer(),
+            &f,
+            &PerplexityOptions {
+                max_length: 8,
+                stride: 4,
+            },
+        )
+        .unwrap();
     assert_eq!(r8.tokens_scored, 23);
     assert!(r8.windows > 1 && r8.mean_nll > r.mean_nll, "{r8:?}");
 }
@@ -99,8 +133,18 @@ fn chatml_capital_of_france_is_paris() {
     let m = dense_f32();
     let g = GgufFile::open(common::gguf_path()).unwrap();
     let template = ChatTemplate::from_gguf(&g).unwrap_or_else(ChatTemplate::chatml);
-    let opts = GenerateOptions { max_new_tokens: 24, ..Default::default() };
-    let answer = m.chat(tokenizer(), &template, &[ChatMessage::user("What is the capital of France?")], &opts).unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        ..Default::default()
+    };
+    let answer = m
+        .chat(
+            tokenizer(),
+            &template,
+            &[ChatMessage::user("What is the capital of France?")],
+            &opts,
+        )
+        .unwrap();
     println!("template {template:?}\nanswer: {answer:?}");
     assert_eq!(answer.trim(), "The capital of France is Paris.");
 }
@@ -109,17 +153,31 @@ fn chatml_capital_of_france_is_paris() {
 fn kv_cache_matches_full_forward_and_sampling_is_seeded() {
     let m = dense_f32();
     let ids = tokenizer().encode(FOX, true).unwrap();
-    let full = m.forward_t(&ids_tensor(&ids[..10]), None, None, false).unwrap();
+    let full = m
+        .forward_t(&ids_tensor(&ids[..10]), None, None, false)
+        .unwrap();
     let mut cache = lora_models::llama::KvCache::new(m.num_layers());
-    let a = m.forward_cached(&ids_tensor(&ids[..6]), &mut cache).unwrap();
-    let b = m.forward_cached(&ids_tensor(&ids[6..9]), &mut cache).unwrap();
-    let c = m.forward_cached(&ids_tensor(&ids[9..10]), &mut cache).unwrap();
+    let a = m
+        .forward_cached(&ids_tensor(&ids[..6]), &mut cache)
+        .unwrap();
+    let b = m
+        .forward_cached(&ids_tensor(&ids[6..9]), &mut cache)
+        .unwrap();
+    let c = m
+        .forward_cached(&ids_tensor(&ids[9..10]), &mut cache)
+        .unwrap();
     assert_eq!(cache.seq_len(), 10);
     let inc = Tensor::cat(&[a, b, c], 1);
     let d = max_abs_diff(&inc, &full);
     assert!(d < 1e-3, "cached vs full logits differ by {d}");
     // seeded sampling: same seed same tokens, stop by max tokens
-    let opts = GenerateOptions { max_new_tokens: 6, temperature: 0.9, top_p: 0.9, seed: 3, ..Default::default() };
+    let opts = GenerateOptions {
+        max_new_tokens: 6,
+        temperature: 0.9,
+        top_p: 0.9,
+        seed: 3,
+        ..Default::default()
+    };
     let g1 = m.generate(&ids[..5], &opts).unwrap();
     let g2 = m.generate(&ids[..5], &opts).unwrap();
     assert_eq!(g1, g2);
@@ -152,7 +210,9 @@ fn padding_and_packed_documents_match_separate_runs() {
     // the two packed into one row, positions restarting at 0
     let packed = ids_tensor(&[a.clone(), b.clone()].concat());
     let pos: Vec<i64> = (0..na).chain(0..nb).collect();
-    let out = m.forward_t(&packed, None, Some(&ids_tensor(&pos)), false).unwrap();
+    let out = m
+        .forward_t(&packed, None, Some(&ids_tensor(&pos)), false)
+        .unwrap();
     let d3 = max_abs_diff(&out.get(0).narrow(0, 0, na), &la.get(0));
     let d4 = max_abs_diff(&out.get(0).narrow(0, na, nb), &lb.get(0));
     assert!(d3 < 1e-3 && d4 < 1e-3, "packed documents differ: {d3} {d4}");
@@ -166,15 +226,26 @@ fn kept_quantized_matches_dense_and_memory() {
     let q = quantized();
     let q_logits = q.forward_t(&x, None, None, false).unwrap();
     let d = max_abs_diff(&q_logits, &dense_logits);
-    assert!(d < 1e-3, "kept-quantized logits differ from dense f32 by {d}");
+    assert!(
+        d < 1e-3,
+        "kept-quantized logits differ from dense f32 by {d}"
+    );
     let q_bytes = q.weights_resident_bytes();
     drop(q);
     common::init_threads();
-    let bf16 = Llama::from_gguf(common::gguf_path(), WeightMode::Dense(Kind::BFloat16), Device::Cpu).unwrap();
+    let bf16 = Llama::from_gguf(
+        common::gguf_path(),
+        WeightMode::Dense(Kind::BFloat16),
+        Device::Cpu,
+    )
+    .unwrap();
     let bf16_bytes = bf16.weights_resident_bytes();
     let ids = tokenizer().encode(FOX, true).unwrap();
     let xf = ids_tensor(&ids);
-    let nll_bf16 = bf16.loss(&xf, &xf, None, None, false).unwrap().double_value(&[]);
+    let nll_bf16 = bf16
+        .loss(&xf, &xf, None, None, false)
+        .unwrap()
+        .double_value(&[]);
     println!(
         "weights resident: KeepQuantized {q_bytes} B ({:.1} MiB), Dense(BFloat16) {bf16_bytes} B ({:.1} MiB), \
          Dense(Float) {dense_bytes} B ({:.1} MiB); bf16 mean NLL {nll_bf16:.4}",

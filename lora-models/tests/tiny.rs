@@ -8,7 +8,7 @@ use lora_core::config::LoraConfig;
 use lora_core::inject::{inject, site_names};
 use lora_models::llama::{KvCache, Llama, LlamaConfig, WeightMode};
 use safetensors::tensor::TensorView;
-use tch::{nn, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor, nn};
 
 /// libtorch's generator is process-wide: tests that draw from it take this lock.
 static RNG: Mutex<()> = Mutex::new(());
@@ -45,10 +45,19 @@ fn random_weights(c: &LlamaConfig, seed: i64) -> HashMap<String, Tensor> {
     let mut put = |k: String, t: Tensor| {
         m.insert(k, t);
     };
-    put("model.embed_tokens.weight".into(), Tensor::randn([c.vocab_size, d], o));
-    put("model.norm.weight".into(), Tensor::randn([d], o) * 0.1 + 1.0);
+    put(
+        "model.embed_tokens.weight".into(),
+        Tensor::randn([c.vocab_size, d], o),
+    );
+    put(
+        "model.norm.weight".into(),
+        Tensor::randn([d], o) * 0.1 + 1.0,
+    );
     if !c.tie_word_embeddings {
-        put("lm_head.weight".into(), Tensor::randn([c.vocab_size, d], o) * 0.2);
+        put(
+            "lm_head.weight".into(),
+            Tensor::randn([c.vocab_size, d], o) * 0.2,
+        );
     }
     for i in 0..c.num_hidden_layers {
         let p = format!("model.layers.{i}");
@@ -61,23 +70,42 @@ fn random_weights(c: &LlamaConfig, seed: i64) -> HashMap<String, Tensor> {
             ("mlp.up_proj", ff, d),
             ("mlp.down_proj", d, ff),
         ] {
-            put(format!("{p}.{name}.weight"), Tensor::randn([out, inp], o) * (1.0 / (inp as f64).sqrt()));
-            if c.qkv_bias() && name.ends_with("q_proj") | name.ends_with("k_proj") | name.ends_with("v_proj") {
+            put(
+                format!("{p}.{name}.weight"),
+                Tensor::randn([out, inp], o) * (1.0 / (inp as f64).sqrt()),
+            );
+            if c.qkv_bias()
+                && name.ends_with("q_proj") | name.ends_with("k_proj") | name.ends_with("v_proj")
+            {
                 put(format!("{p}.{name}.bias"), Tensor::randn([out], o) * 0.1);
             }
         }
-        put(format!("{p}.input_layernorm.weight"), Tensor::randn([d], o) * 0.1 + 1.0);
-        put(format!("{p}.post_attention_layernorm.weight"), Tensor::randn([d], o) * 0.1 + 1.0);
+        put(
+            format!("{p}.input_layernorm.weight"),
+            Tensor::randn([d], o) * 0.1 + 1.0,
+        );
+        put(
+            format!("{p}.post_attention_layernorm.weight"),
+            Tensor::randn([d], o) * 0.1 + 1.0,
+        );
         if c.qk_norm() {
-            put(format!("{p}.self_attn.q_norm.weight"), Tensor::randn([hd], o) * 0.1 + 1.0);
-            put(format!("{p}.self_attn.k_norm.weight"), Tensor::randn([hd], o) * 0.1 + 1.0);
+            put(
+                format!("{p}.self_attn.q_norm.weight"),
+                Tensor::randn([hd], o) * 0.1 + 1.0,
+            );
+            put(
+                format!("{p}.self_attn.k_norm.weight"),
+                Tensor::randn([hd], o) * 0.1 + 1.0,
+            );
         }
     }
     m
 }
 
 fn ids(b: i64, s: i64) -> Tensor {
-    Tensor::arange(b * s, (Kind::Int64, Device::Cpu)).remainder(61).view([b, s])
+    Tensor::arange(b * s, (Kind::Int64, Device::Cpu))
+        .remainder(61)
+        .view([b, s])
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -88,11 +116,24 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 fn sites_have_hf_names_and_peft_targets_map_one_to_one() {
     let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
     let c = tiny_config("llama");
-    let mut m = Llama::from_tensors(c.clone(), &random_weights(&c, 0), Kind::Float, Device::Cpu).unwrap();
-    let names: Vec<String> = site_names(&mut m).unwrap().into_iter().map(|(n, _)| n).collect();
+    let mut m =
+        Llama::from_tensors(c.clone(), &random_weights(&c, 0), Kind::Float, Device::Cpu).unwrap();
+    let names: Vec<String> = site_names(&mut m)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     let mut want = vec!["model.embed_tokens".to_string()];
     for i in 0..2 {
-        for s in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] {
+        for s in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ] {
             want.push(format!("model.layers.{i}.{s}"));
         }
     }
@@ -102,14 +143,31 @@ fn sites_have_hf_names_and_peft_targets_map_one_to_one() {
     // tied head: no lm_head site
     let mut ct = c.clone();
     ct.tie_word_embeddings = true;
-    let mut mt = Llama::from_tensors(ct.clone(), &random_weights(&ct, 0), Kind::Float, Device::Cpu).unwrap();
-    assert!(!site_names(&mut mt).unwrap().iter().any(|(n, _)| n == "lm_head"));
+    let mut mt = Llama::from_tensors(
+        ct.clone(),
+        &random_weights(&ct, 0),
+        Kind::Float,
+        Device::Cpu,
+    )
+    .unwrap();
+    assert!(
+        !site_names(&mut mt)
+            .unwrap()
+            .iter()
+            .any(|(n, _)| n == "lm_head")
+    );
 
     // PEFT-style targets: q_proj and v_proj in both layers; B = 0 leaves the output unchanged
     let x = ids(2, 7);
     let before = m.forward_t(&x, None, None, false).unwrap();
     let vs = nn::VarStore::new(Device::Cpu);
-    let report = inject(&mut m, &LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]), "default", &vs.root()).unwrap();
+    let report = inject(
+        &mut m,
+        &LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]),
+        "default",
+        &vs.root(),
+    )
+    .unwrap();
     assert_eq!(
         report.modules,
         vec![
@@ -124,7 +182,10 @@ fn sites_have_hf_names_and_peft_targets_map_one_to_one() {
     assert_eq!(max_diff(&before, &after), 0.0);
     tch::no_grad(|| {
         for v in vs.trainable_variables() {
-            let _ = v.shallow_clone().f_add_(&(Tensor::randn_like(&v) * 0.1)).unwrap();
+            let _ = v
+                .shallow_clone()
+                .f_add_(&(Tensor::randn_like(&v) * 0.1))
+                .unwrap();
         }
     });
     let changed = m.forward_t(&x, None, None, false).unwrap();
@@ -132,7 +193,11 @@ fn sites_have_hf_names_and_peft_targets_map_one_to_one() {
 }
 
 fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(k, t)| (k, t.grad().copy())).collect();
+    let mut v: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(k, t)| (k, t.grad().copy()))
+        .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
@@ -141,14 +206,32 @@ fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 fn checkpointed_gradients_equal_plain_gradients() {
     let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
     let c = tiny_config("llama");
-    let mut m = Llama::from_tensors(c.clone(), &random_weights(&c, 1), Kind::Float, Device::Cpu).unwrap();
+    let mut m =
+        Llama::from_tensors(c.clone(), &random_weights(&c, 1), Kind::Float, Device::Cpu).unwrap();
     let vs = nn::VarStore::new(Device::Cpu);
-    let mut cfg = LoraConfig::new(4, 8.0, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]);
+    let mut cfg = LoraConfig::new(
+        4,
+        8.0,
+        &[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "lm_head",
+            "embed_tokens",
+        ],
+    );
     cfg.lora_dropout = 0.2; // the recomputation must redraw the same dropout masks
     inject(&mut m, &cfg, "default", &vs.root()).unwrap();
     tch::no_grad(|| {
         for v in vs.trainable_variables() {
-            let _ = v.shallow_clone().f_add_(&(Tensor::randn_like(&v) * 0.05)).unwrap();
+            let _ = v
+                .shallow_clone()
+                .f_add_(&(Tensor::randn_like(&v) * 0.05))
+                .unwrap();
         }
     });
     let x = ids(2, 9);
@@ -165,7 +248,9 @@ fn checkpointed_gradients_equal_plain_gradients() {
             }
         }
         tch::manual_seed(11);
-        let loss = m.loss_backward(&x, &labels, Some(&mask), None, true, 0.5).unwrap();
+        let loss = m
+            .loss_backward(&x, &labels, Some(&mask), None, true, 0.5)
+            .unwrap();
         (loss.double_value(&[]), grads(&vs))
     };
     let (l_plain, g_plain) = run(&m);
@@ -178,7 +263,10 @@ fn checkpointed_gradients_equal_plain_gradients() {
         assert!(a.defined() && b.defined(), "{name} has no gradient");
         let scale = a.abs().max().double_value(&[]);
         let d = max_diff(a, b);
-        assert!(d <= 1e-5 * scale.max(1e-3), "{name}: grads differ by {d} (scale {scale})");
+        assert!(
+            d <= 1e-5 * scale.max(1e-3),
+            "{name}: grads differ by {d} (scale {scale})"
+        );
         if scale > 0.0 {
             nonzero += 1;
         }
@@ -208,10 +296,16 @@ fn kv_cache_and_variants() {
             _ => None,
         };
         if let Some(key) = key {
-            let mut w2: HashMap<String, Tensor> = w.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+            let mut w2: HashMap<String, Tensor> = w
+                .iter()
+                .map(|(k, t)| (k.clone(), t.shallow_clone()))
+                .collect();
             w2.insert(key.into(), w[key].copy() * 3.0);
             let m2 = Llama::from_tensors(c.clone(), &w2, Kind::Float, Device::Cpu).unwrap();
-            assert!(max_diff(&m2.forward_t(&x, None, None, false).unwrap(), &full) > 1e-4, "{key} unused");
+            assert!(
+                max_diff(&m2.forward_t(&x, None, None, false).unwrap(), &full) > 1e-4,
+                "{key} unused"
+            );
             w2.remove(key);
             let e = Llama::from_tensors(c.clone(), &w2, Kind::Float, Device::Cpu).unwrap_err();
             assert!(e.to_string().contains(key), "{e}");
@@ -224,14 +318,24 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(&String, &Tensor)], kin
         .iter()
         .map(|(k, t)| {
             let t = t.to_kind(kind).contiguous();
-            let mut bytes = vec![0u8; (t.numel() * kind.elt_size_in_bytes()) as usize];
+            let mut bytes = vec![0u8; t.numel() * kind.elt_size_in_bytes()];
             t.copy_data_u8(&mut bytes, t.numel());
-            (k.to_string(), bytes, t.size().iter().map(|&d| d as usize).collect())
+            (
+                k.to_string(),
+                bytes,
+                t.size().iter().map(|&d| d as usize).collect(),
+            )
         })
         .collect();
-    let dtype = if kind == Kind::BFloat16 { safetensors::Dtype::BF16 } else { safetensors::Dtype::F32 };
-    let views: Vec<(String, TensorView<'_>)> =
-        bufs.iter().map(|(k, b, s)| (k.clone(), TensorView::new(dtype, s.clone(), b).unwrap())).collect();
+    let dtype = if kind == Kind::BFloat16 {
+        safetensors::Dtype::BF16
+    } else {
+        safetensors::Dtype::F32
+    };
+    let views: Vec<(String, TensorView<'_>)> = bufs
+        .iter()
+        .map(|(k, b, s)| (k.clone(), TensorView::new(dtype, s.clone(), b).unwrap()))
+        .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
@@ -254,10 +358,17 @@ fn loads_single_and_sharded_safetensors() {
     names.sort();
     // sharded, f32
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("config.json"), serde_json::to_string(&c).unwrap()).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_string(&c).unwrap(),
+    )
+    .unwrap();
     let (first, second) = names.split_at(names.len() / 2);
     let mut map = serde_json::Map::new();
-    for (file, part) in [("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)] {
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
         let ts: Vec<(&String, &Tensor)> = part.iter().map(|k| (*k, &w[*k])).collect();
         write_safetensors(&dir.path().join(file), &ts, Kind::Float);
         for k in part {
@@ -265,25 +376,44 @@ fn loads_single_and_sharded_safetensors() {
         }
     }
     let index = serde_json::json!({"metadata": {}, "weight_map": map});
-    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
-    let m = Llama::from_safetensors(dir.path(), WeightMode::Dense(Kind::Float), Device::Cpu).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let m =
+        Llama::from_safetensors(dir.path(), WeightMode::Dense(Kind::Float), Device::Cpu).unwrap();
     assert_eq!(m.config().rope_scaling, c.rope_scaling);
     let d = max_diff(&m.forward_t(&x, None, None, false).unwrap(), &want);
     assert!(d < 1e-6, "sharded load differs by {d}");
 
     // single file stored in bf16, loaded as f32: equal to the bf16-rounded weights
     let dir2 = tempfile::tempdir().unwrap();
-    std::fs::write(dir2.path().join("config.json"), serde_json::to_string(&c).unwrap()).unwrap();
+    std::fs::write(
+        dir2.path().join("config.json"),
+        serde_json::to_string(&c).unwrap(),
+    )
+    .unwrap();
     let ts: Vec<(&String, &Tensor)> = names.iter().map(|k| (*k, &w[*k])).collect();
     write_safetensors(&dir2.path().join("model.safetensors"), &ts, Kind::BFloat16);
     let m2 = Llama::from_safetensors(dir2.path(), WeightMode::KeepQuantized, Device::Cpu).unwrap();
-    let rounded: HashMap<String, Tensor> = w.iter().map(|(k, t)| (k.clone(), t.to_kind(Kind::BFloat16).to_kind(Kind::Float))).collect();
-    let want2 = Llama::from_tensors(c.clone(), &rounded, Kind::Float, Device::Cpu).unwrap().forward_t(&x, None, None, false).unwrap();
+    let rounded: HashMap<String, Tensor> = w
+        .iter()
+        .map(|(k, t)| (k.clone(), t.to_kind(Kind::BFloat16).to_kind(Kind::Float)))
+        .collect();
+    let want2 = Llama::from_tensors(c.clone(), &rounded, Kind::Float, Device::Cpu)
+        .unwrap()
+        .forward_t(&x, None, None, false)
+        .unwrap();
     let d2 = max_diff(&m2.forward_t(&x, None, None, false).unwrap(), &want2);
     assert!(d2 < 1e-6, "bf16 file differs by {d2}");
 
     // a missing tensor is named in the error
     std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
-    let e = Llama::from_safetensors(dir.path(), WeightMode::Dense(Kind::Float), Device::Cpu).unwrap_err();
-    assert!(e.to_string().contains("model-00002-of-00002.safetensors"), "{e}");
+    let e = Llama::from_safetensors(dir.path(), WeightMode::Dense(Kind::Float), Device::Cpu)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("model-00002-of-00002.safetensors"),
+        "{e}"
+    );
 }

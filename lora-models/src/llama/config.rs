@@ -158,7 +158,8 @@ impl LlamaConfig {
 
     /// Per-head width.
     pub fn head_dim(&self) -> i64 {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// Whether q/k/v projections carry a bias (Qwen2 always; others per `attention_bias`).
@@ -181,7 +182,12 @@ impl LlamaConfig {
     /// # Errors
     /// [`Error::Config`] naming the offending field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |msg: String| Err(Error::Config { path: "<config>".into(), msg });
+        let bad = |msg: String| {
+            Err(Error::Config {
+                path: "<config>".into(),
+                msg,
+            })
+        };
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -203,7 +209,10 @@ impl LlamaConfig {
             ));
         }
         if self.head_dim() % 2 != 0 {
-            return bad(format!("head_dim {} must be even for RoPE", self.head_dim()));
+            return bad(format!(
+                "head_dim {} must be even for RoPE",
+                self.head_dim()
+            ));
         }
         if self.hidden_act != "silu" {
             return Err(Error::Unsupported {
@@ -212,7 +221,10 @@ impl LlamaConfig {
                 hint: "the LLaMA family uses `silu` (SwiGLU)".into(),
             });
         }
-        if !matches!(self.model_type.as_str(), "llama" | "mistral" | "qwen2" | "qwen3" | "smollm") {
+        if !matches!(
+            self.model_type.as_str(),
+            "llama" | "mistral" | "qwen2" | "qwen3" | "smollm"
+        ) {
             return Err(Error::Unsupported {
                 what: "model_type",
                 value: self.model_type.clone(),
@@ -228,11 +240,17 @@ impl LlamaConfig {
     /// # Errors
     /// [`Error::Config`] for invalid JSON, missing fields or an unknown rope type.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let err = |msg: String| Error::Config { path: path.to_path_buf(), msg };
-        let mut v: serde_json::Value = serde_json::from_str(text).map_err(|e| err(e.to_string()))?;
+        let err = |msg: String| Error::Config {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let mut v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| err(e.to_string()))?;
         if let Some(obj) = v.as_object_mut() {
             // transformers ≥ 5: rope_parameters {rope_type, rope_theta, factor, …}
-            let rope = obj.remove("rope_parameters").or_else(|| obj.remove("rope_scaling"));
+            let rope = obj
+                .remove("rope_parameters")
+                .or_else(|| obj.remove("rope_scaling"));
             if let Some(serde_json::Value::Object(mut r)) = rope {
                 if let Some(theta) = r.remove("rope_theta") {
                     obj.insert("rope_theta".into(), theta);
@@ -240,7 +258,11 @@ impl LlamaConfig {
                 if let Some(t) = r.remove("type") {
                     r.entry("rope_type").or_insert(t);
                 }
-                let ty = r.get("rope_type").and_then(|t| t.as_str()).unwrap_or("default").to_string();
+                let ty = r
+                    .get("rope_type")
+                    .and_then(|t| t.as_str())
+                    .unwrap_or("default")
+                    .to_string();
                 if !matches!(ty.as_str(), "default" | "linear" | "llama3") {
                     return Err(Error::Unsupported {
                         what: "rope_type",
@@ -267,7 +289,10 @@ impl LlamaConfig {
     /// [`Error::Io`] when unreadable; otherwise as [`LlamaConfig::from_json_str`].
     pub fn from_hf_json(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::from_json_str(&text, path)
     }
 
@@ -292,7 +317,11 @@ impl LlamaConfig {
         let k = |s: &str| format!("{arch}.{s}");
         let opt_i = |s: &str| -> Result<Option<i64>> {
             let key = k(s);
-            if g.get(&key).is_some() { g.get_i64(&key).map(Some) } else { Ok(None) }
+            if g.get(&key).is_some() {
+                g.get_i64(&key).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         let n_head = g.get_i64(&k("attention.head_count"))?;
         let hidden = g.get_i64(&k("embedding_length"))?;
@@ -302,7 +331,9 @@ impl LlamaConfig {
         };
         let rope_scaling = match g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
             None | Some("none") => None,
-            Some("linear") => Some(RopeScaling::Linear { factor: g.get_f64(&k("rope.scaling.factor"))? }),
+            Some("linear") => Some(RopeScaling::Linear {
+                factor: g.get_f64(&k("rope.scaling.factor"))?,
+            }),
             Some(other) => {
                 return Err(Error::Unsupported {
                     what: "GGUF rope scaling",
@@ -321,18 +352,31 @@ impl LlamaConfig {
             num_key_value_heads: opt_i("attention.head_count_kv")?,
             head_dim: opt_i("attention.key_length")?.or(Some(hidden / n_head.max(1))),
             rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))?,
-            rope_theta: if g.get(&k("rope.freq_base")).is_some() { g.get_f64(&k("rope.freq_base"))? } else { 10000.0 },
+            rope_theta: if g.get(&k("rope.freq_base")).is_some() {
+                g.get_f64(&k("rope.freq_base"))?
+            } else {
+                10000.0
+            },
             rope_scaling,
             max_position_embeddings: opt_i("context_length")?.unwrap_or(2048),
             tie_word_embeddings: g.tensor_info("output.weight").is_none(),
             attention_bias: false,
             mlp_bias: false,
             hidden_act: "silu".into(),
-            bos_token_id: g.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_i64()),
-            eos_token_id: g.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_i64()).into_iter().collect(),
+            bos_token_id: g
+                .get("tokenizer.ggml.bos_token_id")
+                .and_then(|v| v.as_i64()),
+            eos_token_id: g
+                .get("tokenizer.ggml.eos_token_id")
+                .and_then(|v| v.as_i64())
+                .into_iter()
+                .collect(),
         };
         cfg.validate().map_err(|e| match e {
-            Error::Config { msg, .. } => Error::Config { path: g.path().to_path_buf(), msg },
+            Error::Config { msg, .. } => Error::Config {
+                path: g.path().to_path_buf(),
+                msg,
+            },
             e => e,
         })?;
         Ok(cfg)
@@ -345,12 +389,18 @@ impl LlamaConfig {
     /// transformers' `modeling_rope_utils.py`.
     pub fn inv_freq(&self, freq_factors: Option<&[f32]>) -> Vec<f64> {
         let d = self.head_dim() as f64;
-        let mut inv: Vec<f64> =
-            (0..self.head_dim() / 2).map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d)).collect();
+        let mut inv: Vec<f64> = (0..self.head_dim() / 2)
+            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d))
+            .collect();
         match &self.rope_scaling {
             None | Some(RopeScaling::Default) => {}
             Some(RopeScaling::Linear { factor }) => inv.iter_mut().for_each(|f| *f /= factor),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
                 let old = *original_max_position_embeddings;
                 let low_wavelen = old / low_freq_factor;
                 let high_wavelen = old / high_freq_factor;
@@ -359,7 +409,8 @@ impl LlamaConfig {
                     if wavelen > low_wavelen {
                         *f /= factor;
                     } else if wavelen >= high_wavelen {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         *f = (1.0 - smooth) * *f / factor + smooth * *f;
                     }
                 }
@@ -395,7 +446,9 @@ mod tests {
         let c = LlamaConfig::from_json_str(llama31, p).unwrap();
         assert_eq!(c.eos_token_id, vec![128001, 128008, 128009]);
         assert_eq!(c.head_dim(), 128);
-        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
+        assert!(
+            matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0)
+        );
         // transformers 5 style
         let v5 = r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,"intermediate_size":16,
             "num_hidden_layers":1,"num_attention_heads":2,"head_dim":4,
@@ -405,10 +458,18 @@ mod tests {
         assert!(c.rope_scaling.is_none() && c.qk_norm() && !c.qkv_bias());
         let bad = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
             "num_attention_heads":3,"num_key_value_heads":2}"#;
-        assert!(LlamaConfig::from_json_str(bad, p).unwrap_err().to_string().contains("multiple"));
+        assert!(
+            LlamaConfig::from_json_str(bad, p)
+                .unwrap_err()
+                .to_string()
+                .contains("multiple")
+        );
         let yarn = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
             "num_attention_heads":2,"rope_scaling":{"type":"yarn","factor":4.0}}"#;
-        assert!(matches!(LlamaConfig::from_json_str(yarn, p), Err(Error::Unsupported { .. })));
+        assert!(matches!(
+            LlamaConfig::from_json_str(yarn, p),
+            Err(Error::Unsupported { .. })
+        ));
     }
 
     #[test]
@@ -441,7 +502,10 @@ mod tests {
             .collect();
         assert!(!mid.is_empty());
         for i in mid {
-            assert!(scaled[i] < plain[i] && scaled[i] > plain[i] / 8.0, "band {i}");
+            assert!(
+                scaled[i] < plain[i] && scaled[i] > plain[i] / 8.0,
+                "band {i}"
+            );
         }
         assert_eq!(c.inv_freq(Some(&[2.0; 64]))[0], plain[0] / 2.0);
     }

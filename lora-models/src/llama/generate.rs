@@ -30,7 +30,14 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { max_new_tokens: 128, temperature: 0.0, top_p: 1.0, top_k: 0, stop_tokens: Vec::new(), seed: 0 }
+        Self {
+            max_new_tokens: 128,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_tokens: Vec::new(),
+            seed: 0,
+        }
     }
 }
 
@@ -77,15 +84,20 @@ fn sample(logits: &[f32], opts: &GenerateOptions, rng: &mut SplitMix64) -> Resul
         logits
             .iter()
             .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+            .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                if v > bv { (i, v) } else { (bi, bv) }
+            })
             .0 as i64
     };
     if opts.temperature <= 0.0 {
         return Ok(argmax());
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let mut probs: Vec<(usize, f64)> =
-        logits.iter().enumerate().map(|(i, &l)| (i, ((l as f64 - max) / opts.temperature).exp())).collect();
+    let mut probs: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i, ((l as f64 - max) / opts.temperature).exp()))
+        .collect();
     probs.sort_by(|a, b| b.1.total_cmp(&a.1));
     if opts.top_k > 0 {
         probs.truncate(opts.top_k);
@@ -127,7 +139,10 @@ pub struct PerplexityOptions {
 
 impl Default for PerplexityOptions {
     fn default() -> Self {
-        Self { max_length: 512, stride: 256 }
+        Self {
+            max_length: 512,
+            stride: 256,
+        }
     }
 }
 
@@ -153,10 +168,15 @@ impl Llama {
     /// [`Error::Torch`] for op failures.
     pub fn generate(&self, prompt: &[i64], opts: &GenerateOptions) -> Result<Generation> {
         if prompt.is_empty() {
-            return Err(Error::InvalidArgument("generate: the prompt is empty".into()));
+            return Err(Error::InvalidArgument(
+                "generate: the prompt is empty".into(),
+            ));
         }
         if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
-            return Err(Error::InvalidArgument(format!("top_p must be in (0, 1], got {}", opts.top_p)));
+            return Err(Error::InvalidArgument(format!(
+                "top_p must be in (0, 1], got {}",
+                opts.top_p
+            )));
         }
         let _guard = tch::no_grad_guard();
         let mut rng = SplitMix64(opts.seed);
@@ -168,17 +188,30 @@ impl Llama {
         let mut tokens = Vec::new();
         loop {
             if tokens.len() >= opts.max_new_tokens {
-                return Ok(Generation { tokens, stop_reason: StopReason::MaxTokens });
+                return Ok(Generation {
+                    tokens,
+                    stop_reason: StopReason::MaxTokens,
+                });
             }
             if cache.seq_len() + input.size()[1] > max_ctx {
-                return Ok(Generation { tokens, stop_reason: StopReason::ContextFull });
+                return Ok(Generation {
+                    tokens,
+                    stop_reason: StopReason::ContextFull,
+                });
             }
             let logits = self.forward_cached(&input, &mut cache)?;
-            let last = logits.f_select(1, -1)?.f_select(0, 0)?.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?;
+            let last = logits
+                .f_select(1, -1)?
+                .f_select(0, 0)?
+                .f_to_kind(Kind::Float)?
+                .f_to_device(tch::Device::Cpu)?;
             let row = Vec::<f32>::try_from(&last)?;
             let next = sample(&row, opts, &mut rng)?;
             if stops.contains(&next) {
-                return Ok(Generation { tokens, stop_reason: StopReason::StopToken(next) });
+                return Ok(Generation {
+                    tokens,
+                    stop_reason: StopReason::StopToken(next),
+                });
             }
             tokens.push(next);
             input = Tensor::f_from_slice(&[next])?.f_view([1, 1])?;
@@ -213,7 +246,11 @@ impl Llama {
     /// # Errors
     /// [`Error::InvalidArgument`] for fewer than 2 tokens or `stride` not in `1..=max_length`;
     /// [`Error::Torch`] for op failures.
-    pub fn perplexity_ids(&self, ids: &[i64], opts: &PerplexityOptions) -> Result<PerplexityReport> {
+    pub fn perplexity_ids(
+        &self,
+        ids: &[i64],
+        opts: &PerplexityOptions,
+    ) -> Result<PerplexityReport> {
         let n = ids.len();
         if n < 2 || opts.max_length < 2 || opts.stride == 0 || opts.stride > opts.max_length {
             return Err(Error::InvalidArgument(format!(
@@ -232,13 +269,21 @@ impl Llama {
             let input = Tensor::f_from_slice(&ids[begin..end])?.f_view([1, -1])?;
             let logits = self.forward_t(&input, None, None, false)?;
             let s = (end - begin) as i64;
-            let logp = logits.f_log_softmax(-1, Kind::Float)?.f_select(0, 0)?.f_narrow(0, 0, s - 1)?;
-            let targets = Tensor::f_from_slice(&ids[begin + 1..end])?.f_to_device(logp.device())?.f_view([-1, 1])?;
+            let logp = logits
+                .f_log_softmax(-1, Kind::Float)?
+                .f_select(0, 0)?
+                .f_narrow(0, 0, s - 1)?;
+            let targets = Tensor::f_from_slice(&ids[begin + 1..end])?
+                .f_to_device(logp.device())?
+                .f_view([-1, 1])?;
             let tok_nll = logp.f_gather(1, &targets, false)?.f_neg()?.f_view([-1])?;
             let from = (first_scored - begin - 1) as i64;
             let cnt = (end - first_scored) as i64;
             if cnt > 0 {
-                nll_sum += tok_nll.f_narrow(0, from, cnt)?.f_sum(Kind::Double)?.f_double_value(&[])?;
+                nll_sum += tok_nll
+                    .f_narrow(0, from, cnt)?
+                    .f_sum(Kind::Double)?
+                    .f_double_value(&[])?;
                 scored += cnt as usize;
             }
             windows += 1;
@@ -249,7 +294,12 @@ impl Llama {
             begin += opts.stride;
         }
         let mean_nll = nll_sum / scored.max(1) as f64;
-        Ok(PerplexityReport { mean_nll, perplexity: mean_nll.exp(), tokens_scored: scored, windows })
+        Ok(PerplexityReport {
+            mean_nll,
+            perplexity: mean_nll.exp(),
+            tokens_scored: scored,
+            windows,
+        })
     }
 
     /// Perplexity of a UTF-8 text file, tokenized whole (no BOS added unless the tokenizer adds
@@ -258,9 +308,17 @@ impl Llama {
     /// # Errors
     /// [`Error::Io`] for an unreadable file, [`Error::Tokenizer`], and as
     /// [`Llama::perplexity_ids`].
-    pub fn perplexity(&self, tokenizer: &Tokenizer, path: impl AsRef<Path>, opts: &PerplexityOptions) -> Result<PerplexityReport> {
+    pub fn perplexity(
+        &self,
+        tokenizer: &Tokenizer,
+        path: impl AsRef<Path>,
+        opts: &PerplexityOptions,
+    ) -> Result<PerplexityReport> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let ids = tokenizer.encode(&text, true)?;
         self.perplexity_ids(&ids, opts)
     }
@@ -277,12 +335,20 @@ mod tests {
         let greedy = GenerateOptions::default();
         assert_eq!(sample(&logits, &greedy, &mut rng).unwrap(), 1);
         // top_k = 1 is greedy whatever the temperature
-        let k1 = GenerateOptions { temperature: 5.0, top_k: 1, ..Default::default() };
+        let k1 = GenerateOptions {
+            temperature: 5.0,
+            top_k: 1,
+            ..Default::default()
+        };
         for _ in 0..20 {
             assert_eq!(sample(&logits, &k1, &mut rng).unwrap(), 1);
         }
         // top_p small enough keeps only the best two (p ≈ 0.45, 0.41 at T = 1)
-        let p = GenerateOptions { temperature: 1.0, top_p: 0.8, ..Default::default() };
+        let p = GenerateOptions {
+            temperature: 1.0,
+            top_p: 0.8,
+            ..Default::default()
+        };
         let mut seen = [0usize; 4];
         for _ in 0..400 {
             seen[sample(&logits, &p, &mut rng).unwrap() as usize] += 1;
@@ -290,10 +356,15 @@ mod tests {
         assert_eq!(seen[0] + seen[2], 0, "{seen:?}");
         assert!(seen[1] > 100 && seen[3] > 100, "{seen:?}");
         // same seed, same draws
-        let hot = GenerateOptions { temperature: 2.0, ..Default::default() };
+        let hot = GenerateOptions {
+            temperature: 2.0,
+            ..Default::default()
+        };
         let draw = |seed| {
             let mut r = SplitMix64(seed);
-            (0..32).map(|_| sample(&logits, &hot, &mut r).unwrap()).collect::<Vec<_>>()
+            (0..32)
+                .map(|_| sample(&logits, &hot, &mut r).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));
         assert_ne!(draw(42), draw(43));

@@ -8,5 +8,5 @@ mod weights;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use generate::{GenerateOptions, Generation, PerplexityOptions, PerplexityReport, StopReason};
-pub use model::{KvCache, Llama, IGNORE_INDEX};
+pub use model::{IGNORE_INDEX, KvCache, Llama};
 pub use weights::WeightMode;

@@ -38,7 +38,9 @@ impl RmsNorm {
         let kind = x.kind();
         let xf = x.f_to_kind(Kind::Float)?;
         let var = xf.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
-        let y = xf.f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?.f_to_kind(kind)?;
+        let y = xf
+            .f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?
+            .f_to_kind(kind)?;
         Ok(y.f_mul(&self.weight)?)
     }
 
@@ -79,7 +81,10 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for a model with `n_layers` layers.
     pub fn new(n_layers: usize) -> Self {
-        Self { layers: (0..n_layers).map(|_| LayerCache::default()).collect(), len: 0 }
+        Self {
+            layers: (0..n_layers).map(|_| LayerCache::default()).collect(),
+            len: 0,
+        }
     }
 
     /// Number of cached positions.
@@ -89,7 +94,11 @@ impl KvCache {
 
     /// Bytes held by the cached tensors.
     pub fn bytes(&self) -> u64 {
-        self.layers.iter().filter_map(|l| l.kv.as_ref()).map(|(k, v)| tensor_bytes(k) + tensor_bytes(v)).sum()
+        self.layers
+            .iter()
+            .filter_map(|l| l.kv.as_ref())
+            .map(|(k, v)| tensor_bytes(k) + tensor_bytes(v))
+            .sum()
     }
 }
 
@@ -152,8 +161,19 @@ impl Attention {
                 .f_reshape([sz[0], sz[1] * rep, sz[2], sz[3]])?)
         };
         let (k, v) = (repeat(&k)?, repeat(&v)?);
-        let y = Tensor::f_scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, false)?;
-        let y = y.f_transpose(1, 2)?.f_reshape([b, s, self.n_head * self.head_dim])?;
+        let y = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            Some(mask),
+            0.0,
+            false,
+            None,
+            false,
+        )?;
+        let y = y
+            .f_transpose(1, 2)?
+            .f_reshape([b, s, self.n_head * self.head_dim])?;
         Ok(self.o_proj.forward_t(&y, train)?)
     }
 }
@@ -191,9 +211,18 @@ impl DecoderLayer {
         cache: Option<&mut LayerCache>,
         train: bool,
     ) -> Result<Tensor> {
-        let h = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, mask, cache, train)?;
+        let h = self.self_attn.forward(
+            &self.input_layernorm.forward(x)?,
+            cos,
+            sin,
+            mask,
+            cache,
+            train,
+        )?;
         let h = x.f_add(&h)?;
-        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, train)?;
+        let m = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?, train)?;
         Ok(h.f_add(&m)?)
     }
 }
@@ -247,7 +276,12 @@ impl Llama {
     /// As [`Llama::from_gguf`].
     pub fn from_gguf_file(file: &GgufFile, mode: WeightMode, device: Device) -> Result<Self> {
         let config = LlamaConfig::from_gguf(file)?;
-        let src = GgufSource { file, mode, device, permute_qk: config.model_type == "llama" };
+        let src = GgufSource {
+            file,
+            mode,
+            device,
+            permute_qk: config.model_type == "llama",
+        };
         Self::build(config, &src, mode.compute_kind(), device)
     }
 
@@ -258,7 +292,11 @@ impl Llama {
     /// # Errors
     /// [`Error::Io`]/[`Error::Config`] for the folder's files, [`Error::Safetensors`] for bad
     /// headers, [`Error::MissingTensor`]/[`Error::Shape`] for mismatching weights.
-    pub fn from_safetensors(dir: impl AsRef<Path>, mode: WeightMode, device: Device) -> Result<Self> {
+    pub fn from_safetensors(
+        dir: impl AsRef<Path>,
+        mode: WeightMode,
+        device: Device,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
         let config = LlamaConfig::from_hf_json(dir.join("config.json"))?;
         let src = SafetensorsSource::open(dir, mode, device)?;
@@ -270,20 +308,44 @@ impl Llama {
     ///
     /// # Errors
     /// [`Error::MissingTensor`]/[`Error::Shape`] when the map does not fit `config`.
-    pub fn from_tensors(config: LlamaConfig, tensors: &HashMap<String, Tensor>, kind: Kind, device: Device) -> Result<Self> {
+    pub fn from_tensors(
+        config: LlamaConfig,
+        tensors: &HashMap<String, Tensor>,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
         config.validate()?;
-        let src = MapSource { map: tensors, kind, device };
+        let src = MapSource {
+            map: tensors,
+            kind,
+            device,
+        };
         Self::build(config, &src, kind, device)
     }
 
-    fn build(config: LlamaConfig, src: &dyn WeightSource, kind: Kind, device: Device) -> Result<Self> {
+    fn build(
+        config: LlamaConfig,
+        src: &dyn WeightSource,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
         config.validate()?;
         let (d, hd) = (config.hidden_size, config.head_dim());
-        let (nh, nkv, ff) = (config.num_attention_heads, config.n_kv_heads(), config.intermediate_size);
-        let missing = |name: &str| Error::MissingTensor { name: name.to_string(), path: src.origin() };
+        let (nh, nkv, ff) = (
+            config.num_attention_heads,
+            config.n_kv_heads(),
+            config.intermediate_size,
+        );
+        let missing = |name: &str| Error::MissingTensor {
+            name: name.to_string(),
+            path: src.origin(),
+        };
         let norm = |name: &str| -> Result<RmsNorm> {
             let w = src.dense(name, kind)?.ok_or_else(|| missing(name))?;
-            Ok(RmsNorm { weight: w, eps: config.rms_norm_eps })
+            Ok(RmsNorm {
+                weight: w,
+                eps: config.rms_norm_eps,
+            })
         };
         let linear = |p: &str, out: i64, inp: i64, bias: bool, qk: bool| -> Result<LoraLinear> {
             let base = src.base(&format!("{p}.weight"), [out, inp], qk.then_some(hd))?;
@@ -304,8 +366,16 @@ impl Llama {
                 k_proj: linear(&format!("{p}.self_attn.k_proj"), nkv * hd, d, qkv_b, true)?,
                 v_proj: linear(&format!("{p}.self_attn.v_proj"), nkv * hd, d, qkv_b, false)?,
                 o_proj: linear(&format!("{p}.self_attn.o_proj"), d, nh * hd, o_b, false)?,
-                q_norm: if config.qk_norm() { Some(norm(&format!("{p}.self_attn.q_norm.weight"))?) } else { None },
-                k_norm: if config.qk_norm() { Some(norm(&format!("{p}.self_attn.k_norm.weight"))?) } else { None },
+                q_norm: if config.qk_norm() {
+                    Some(norm(&format!("{p}.self_attn.q_norm.weight"))?)
+                } else {
+                    None
+                },
+                k_norm: if config.qk_norm() {
+                    Some(norm(&format!("{p}.self_attn.k_norm.weight"))?)
+                } else {
+                    None
+                },
                 n_head: nh,
                 n_kv: nkv,
                 head_dim: hd,
@@ -325,12 +395,20 @@ impl Llama {
         let embed_base = src.base("model.embed_tokens.weight", [config.vocab_size, d], None)?;
         let embed_tokens = LoraEmbedding::new(embed_base)?.with_output_kind(kind);
         let tied = config.tie_word_embeddings || !src.has("lm_head.weight");
-        let lm_head = if tied { None } else { Some(linear("lm_head", config.vocab_size, d, false, false)?) };
+        let lm_head = if tied {
+            None
+        } else {
+            Some(linear("lm_head", config.vocab_size, d, false, false)?)
+        };
         let final_norm = norm("model.norm.weight")?;
         let mut config = config;
         config.tie_word_embeddings = tied;
         let factors = src.rope_freq_factors()?;
-        let inv: Vec<f32> = config.inv_freq(factors.as_deref()).into_iter().map(|f| f as f32).collect();
+        let inv: Vec<f32> = config
+            .inv_freq(factors.as_deref())
+            .into_iter()
+            .map(|f| f as f32)
+            .collect();
         let inv_freq = Tensor::f_from_slice(&inv)?.f_to_device(device)?;
         Ok(Self {
             norm: final_norm,
@@ -379,18 +457,29 @@ impl Llama {
     /// dense —, norms, biases). Adapters are not counted.
     pub fn weights_resident_bytes(&self) -> u64 {
         let lin = |l: &LoraLinear| l.base().storage_bytes() + l.bias().map_or(0, tensor_bytes);
-        let mut total = self.embed_tokens.base().storage_bytes() + self.norm.bytes() + tensor_bytes(&self.inv_freq);
+        let mut total = self.embed_tokens.base().storage_bytes()
+            + self.norm.bytes()
+            + tensor_bytes(&self.inv_freq);
         if let Some(h) = &self.lm_head {
             total += lin(h);
         }
         for l in &self.layers {
             let a = &l.self_attn;
-            total += [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]
-                .into_iter()
-                .map(lin)
-                .sum::<u64>();
+            total += [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &l.mlp.gate_proj,
+                &l.mlp.up_proj,
+                &l.mlp.down_proj,
+            ]
+            .into_iter()
+            .map(lin)
+            .sum::<u64>();
             total += l.input_layernorm.bytes() + l.post_attention_layernorm.bytes();
-            total += a.q_norm.as_ref().map_or(0, RmsNorm::bytes) + a.k_norm.as_ref().map_or(0, RmsNorm::bytes);
+            total += a.q_norm.as_ref().map_or(0, RmsNorm::bytes)
+                + a.k_norm.as_ref().map_or(0, RmsNorm::bytes);
         }
         total
     }
@@ -404,11 +493,20 @@ impl Llama {
         }
         for l in &self.layers {
             let a = &l.self_attn;
-            n += [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]
-                .into_iter()
-                .map(lin)
-                .sum::<i64>();
-            n += (l.input_layernorm.weight.numel() + l.post_attention_layernorm.weight.numel()) as i64;
+            n += [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &l.mlp.gate_proj,
+                &l.mlp.up_proj,
+                &l.mlp.down_proj,
+            ]
+            .into_iter()
+            .map(lin)
+            .sum::<i64>();
+            n += (l.input_layernorm.weight.numel() + l.post_attention_layernorm.weight.numel())
+                as i64;
             n += a.q_norm.as_ref().map_or(0, |x| x.weight.numel() as i64);
             n += a.k_norm.as_ref().map_or(0, |x| x.weight.numel() as i64);
         }
@@ -418,17 +516,25 @@ impl Llama {
     fn check_ids(&self, ids: &Tensor) -> Result<(i64, i64)> {
         let sz = ids.size();
         if sz.len() != 2 || sz[1] == 0 {
-            return Err(Error::InvalidArgument(format!("input ids must be [batch, seq] with seq ≥ 1, got {sz:?}")));
+            return Err(Error::InvalidArgument(format!(
+                "input ids must be [batch, seq] with seq ≥ 1, got {sz:?}"
+            )));
         }
         if !matches!(ids.kind(), Kind::Int64 | Kind::Int) {
-            return Err(Error::InvalidArgument(format!("input ids must be int64, got {:?}", ids.kind())));
+            return Err(Error::InvalidArgument(format!(
+                "input ids must be int64, got {:?}",
+                ids.kind()
+            )));
         }
         Ok((sz[0], sz[1]))
     }
 
     /// cos/sin `[b, 1, s, hd]` in the compute dtype for positions `[b, s]`.
     fn rope(&self, pos: &Tensor) -> Result<(Tensor, Tensor)> {
-        let freqs = pos.f_to_kind(Kind::Float)?.f_unsqueeze(-1)?.f_mul(&self.inv_freq)?;
+        let freqs = pos
+            .f_to_kind(Kind::Float)?
+            .f_unsqueeze(-1)?
+            .f_mul(&self.inv_freq)?;
         let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
         let cos = emb.f_cos()?.f_to_kind(self.kind)?.f_unsqueeze(1)?;
         let sin = emb.f_sin()?.f_to_kind(self.kind)?.f_unsqueeze(1)?;
@@ -439,12 +545,24 @@ impl Llama {
     /// `attn_mask` is 0), documents (keys of another document, for packed rows), and always the
     /// diagonal so that no row is empty (a padded query attends to itself only; its output is
     /// never used, and this keeps it finite).
-    fn mask(&self, b: i64, s: i64, past: i64, attn_mask: Option<&Tensor>, doc: Option<&Tensor>) -> Result<Tensor> {
+    fn mask(
+        &self,
+        b: i64,
+        s: i64,
+        past: i64,
+        attn_mask: Option<&Tensor>,
+        doc: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let dev = self.device;
         let t = past + s;
-        let q = Tensor::f_arange(s, (Kind::Int64, dev))?.f_add_scalar(past)?.f_view([s, 1])?;
+        let q = Tensor::f_arange(s, (Kind::Int64, dev))?
+            .f_add_scalar(past)?
+            .f_view([s, 1])?;
         let k = Tensor::f_arange(t, (Kind::Int64, dev))?.f_view([1, t])?;
-        let mut m = k.f_le_tensor(&q)?.f_view([1, 1, s, t])?.f_expand([b, 1, s, t], false)?;
+        let mut m = k
+            .f_le_tensor(&q)?
+            .f_view([1, 1, s, t])?
+            .f_expand([b, 1, s, t], false)?;
         if let Some(am) = attn_mask {
             if am.size() != [b, t] {
                 return Err(Error::InvalidArgument(format!(
@@ -456,7 +574,9 @@ impl Llama {
             m = m.f_logical_and(&am)?;
         }
         if let Some(doc) = doc {
-            let same = doc.f_view([b, 1, s, 1])?.f_eq_tensor(&doc.f_view([b, 1, 1, s])?)?;
+            let same = doc
+                .f_view([b, 1, s, 1])?
+                .f_eq_tensor(&doc.f_view([b, 1, 1, s])?)?;
             m = m.f_logical_and(&same)?;
         }
         let diag = k.f_eq_tensor(&q)?.f_view([1, 1, s, t])?;
@@ -477,10 +597,19 @@ impl Llama {
 
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let x = self.embed_tokens.forward(&ids.f_to_device(self.device)?)?;
-        if x.kind() == self.kind { Ok(x) } else { Ok(x.f_to_kind(self.kind)?) }
+        if x.kind() == self.kind {
+            Ok(x)
+        } else {
+            Ok(x.f_to_kind(self.kind)?)
+        }
     }
 
-    fn prepare(&self, ids: &Tensor, attn_mask: Option<&Tensor>, pos_ids: Option<&Tensor>) -> Result<Prepared> {
+    fn prepare(
+        &self,
+        ids: &Tensor,
+        attn_mask: Option<&Tensor>,
+        pos_ids: Option<&Tensor>,
+    ) -> Result<Prepared> {
         let (b, s) = self.check_ids(ids)?;
         let (pos, doc) = match pos_ids {
             Some(p) => {
@@ -504,14 +633,21 @@ impl Llama {
                         .f_cumsum(1, Kind::Int64)?
                         .f_sub_scalar(1)?
                         .f_clamp_min(0)?,
-                    None => Tensor::f_arange(s, (Kind::Int64, self.device))?.f_view([1, s])?.f_expand([b, s], false)?,
+                    None => Tensor::f_arange(s, (Kind::Int64, self.device))?
+                        .f_view([1, s])?
+                        .f_expand([b, s], false)?,
                 };
                 (pos, None)
             }
         };
         let (cos, sin) = self.rope(&pos)?;
         let mask = self.mask(b, s, 0, attn_mask, doc.as_ref())?;
-        Ok(Prepared { x0: self.embed(ids)?, cos, sin, mask })
+        Ok(Prepared {
+            x0: self.embed(ids)?,
+            cos,
+            sin,
+            mask,
+        })
     }
 
     /// Final norm + LM head → f32 logits.
@@ -531,7 +667,13 @@ impl Llama {
     ///
     /// # Errors
     /// As [`Llama::forward_t`].
-    pub fn hidden_states(&self, ids: &Tensor, attn_mask: Option<&Tensor>, pos_ids: Option<&Tensor>, train: bool) -> Result<Tensor> {
+    pub fn hidden_states(
+        &self,
+        ids: &Tensor,
+        attn_mask: Option<&Tensor>,
+        pos_ids: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
         let p = self.prepare(ids, attn_mask, pos_ids)?;
         let mut x = p.x0;
         for l in &self.layers {
@@ -556,7 +698,13 @@ impl Llama {
     /// # Errors
     /// [`Error::InvalidArgument`] for badly shaped inputs; [`Error::Torch`] for op failures (out
     /// of memory, ids out of range).
-    pub fn forward_t(&self, ids: &Tensor, attn_mask: Option<&Tensor>, pos_ids: Option<&Tensor>, train: bool) -> Result<Tensor> {
+    pub fn forward_t(
+        &self,
+        ids: &Tensor,
+        attn_mask: Option<&Tensor>,
+        pos_ids: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
         let h = self.hidden_states(ids, attn_mask, pos_ids, train)?;
         self.head(&h)
     }
@@ -580,7 +728,10 @@ impl Llama {
             )));
         }
         let past = cache.len;
-        let pos = Tensor::f_arange(s, (Kind::Int64, self.device))?.f_add_scalar(past)?.f_view([1, s])?.f_expand([b, s], false)?;
+        let pos = Tensor::f_arange(s, (Kind::Int64, self.device))?
+            .f_add_scalar(past)?
+            .f_view([1, s])?
+            .f_expand([b, s], false)?;
         let (cos, sin) = self.rope(&pos)?;
         let mask = self.mask(b, s, past, None, None)?;
         let mut x = self.embed(ids)?;
@@ -597,10 +748,17 @@ impl Llama {
     fn shifted_ce(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let (b, s, v) = (logits.size()[0], logits.size()[1], logits.size()[2]);
         if labels.size() != [b, s] {
-            return Err(Error::InvalidArgument(format!("labels must be [{b}, {s}], got {:?}", labels.size())));
+            return Err(Error::InvalidArgument(format!(
+                "labels must be [{b}, {s}], got {:?}",
+                labels.size()
+            )));
         }
         let lg = logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?;
-        let lb = labels.f_to_device(logits.device())?.f_to_kind(Kind::Int64)?.f_narrow(1, 1, s - 1)?.f_reshape([-1])?;
+        let lb = labels
+            .f_to_device(logits.device())?
+            .f_to_kind(Kind::Int64)?
+            .f_narrow(1, 1, s - 1)?
+            .f_reshape([-1])?;
         Ok(lg.f_cross_entropy_loss::<Tensor>(&lb, None, tch::Reduction::Mean, IGNORE_INDEX, 0.0)?)
     }
 
@@ -652,14 +810,17 @@ impl Llama {
             return Ok(loss.f_detach()?);
         }
         let p = self.prepare(ids, attn_mask, pos_ids)?;
-        let seg = |i: usize, x: &Tensor| self.layers[i].forward(x, &p.cos, &p.sin, &p.mask, None, train);
+        let seg =
+            |i: usize, x: &Tensor| self.layers[i].forward(x, &p.cos, &p.sin, &p.mask, None, train);
         let (h, tape) = SegmentTape::forward(&p.x0, self.layers.len(), seg)?;
         let loss = Self::shifted_ce(&self.head(&h)?, labels)?;
         loss.f_mul_scalar(loss_scale)?.f_backward()?;
         let g = h.f_grad()?;
         let g0 = tape.backward(&g, seg)?;
         if p.x0.requires_grad() {
-            p.x0.f_mul(&g0.f_to_kind(p.x0.kind())?)?.f_sum(Kind::Float)?.f_backward()?;
+            p.x0.f_mul(&g0.f_to_kind(p.x0.kind())?)?
+                .f_sum(Kind::Float)?
+                .f_backward()?;
         }
         Ok(loss.f_detach()?)
     }
@@ -670,17 +831,41 @@ impl Adaptable for Llama {
         &mut self,
         f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
     ) -> lora_core::Result<()> {
-        f("model.embed_tokens", SiteMut::Embedding(&mut self.embed_tokens))?;
+        f(
+            "model.embed_tokens",
+            SiteMut::Embedding(&mut self.embed_tokens),
+        )?;
         for (i, l) in self.layers.iter_mut().enumerate() {
             let a = &mut l.self_attn;
-            f(&format!("model.layers.{i}.self_attn.q_proj"), SiteMut::Linear(&mut a.q_proj))?;
-            f(&format!("model.layers.{i}.self_attn.k_proj"), SiteMut::Linear(&mut a.k_proj))?;
-            f(&format!("model.layers.{i}.self_attn.v_proj"), SiteMut::Linear(&mut a.v_proj))?;
-            f(&format!("model.layers.{i}.self_attn.o_proj"), SiteMut::Linear(&mut a.o_proj))?;
+            f(
+                &format!("model.layers.{i}.self_attn.q_proj"),
+                SiteMut::Linear(&mut a.q_proj),
+            )?;
+            f(
+                &format!("model.layers.{i}.self_attn.k_proj"),
+                SiteMut::Linear(&mut a.k_proj),
+            )?;
+            f(
+                &format!("model.layers.{i}.self_attn.v_proj"),
+                SiteMut::Linear(&mut a.v_proj),
+            )?;
+            f(
+                &format!("model.layers.{i}.self_attn.o_proj"),
+                SiteMut::Linear(&mut a.o_proj),
+            )?;
             let m = &mut l.mlp;
-            f(&format!("model.layers.{i}.mlp.gate_proj"), SiteMut::Linear(&mut m.gate_proj))?;
-            f(&format!("model.layers.{i}.mlp.up_proj"), SiteMut::Linear(&mut m.up_proj))?;
-            f(&format!("model.layers.{i}.mlp.down_proj"), SiteMut::Linear(&mut m.down_proj))?;
+            f(
+                &format!("model.layers.{i}.mlp.gate_proj"),
+                SiteMut::Linear(&mut m.gate_proj),
+            )?;
+            f(
+                &format!("model.layers.{i}.mlp.up_proj"),
+                SiteMut::Linear(&mut m.up_proj),
+            )?;
+            f(
+                &format!("model.layers.{i}.mlp.down_proj"),
+                SiteMut::Linear(&mut m.down_proj),
+            )?;
         }
         if let Some(h) = &mut self.lm_head {
             f("lm_head", SiteMut::Linear(h))?;
@@ -701,9 +886,15 @@ mod tests {
     fn rotate_half_and_documents() {
         let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]);
         let r = rotate_half(&x).unwrap();
-        assert_eq!(Vec::<f32>::try_from(&r).unwrap(), vec![-3.0, -4.0, 1.0, 2.0]);
+        assert_eq!(
+            Vec::<f32>::try_from(&r).unwrap(),
+            vec![-3.0, -4.0, 1.0, 2.0]
+        );
         let pos = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 0, 5, 6]).view([1, 8]);
         let doc = Llama::documents(&pos).unwrap();
-        assert_eq!(Vec::<i64>::try_from(&doc.view([-1])).unwrap(), vec![0, 0, 0, 1, 1, 2, 3, 3]);
+        assert_eq!(
+            Vec::<i64>::try_from(&doc.view([-1])).unwrap(),
+            vec![0, 0, 0, 1, 1, 2, 3, 3]
+        );
     }
 }

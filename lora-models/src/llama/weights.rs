@@ -15,7 +15,7 @@ use safetensors::{Dtype, SafeTensors};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::gguf::{dequantize, permute_rows, unpermute_qk_src_row, GgmlType, GgufFile};
+use crate::gguf::{GgmlType, GgufFile, dequantize, permute_rows, unpermute_qk_src_row};
 
 /// How frozen base weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,13 +58,20 @@ pub(crate) trait WeightSource {
 
 fn check_shape(name: &str, expected: &[i64], found: &[i64]) -> Result<()> {
     if expected != found {
-        return Err(Error::Shape { name: name.to_string(), expected: expected.to_vec(), found: found.to_vec() });
+        return Err(Error::Shape {
+            name: name.to_string(),
+            expected: expected.to_vec(),
+            found: found.to_vec(),
+        });
     }
     Ok(())
 }
 
 fn dense_tensor(values: &[f32], shape: &[i64], kind: Kind, device: Device) -> Result<Tensor> {
-    Ok(Tensor::f_from_slice(values)?.f_reshape(shape)?.f_to_kind(kind)?.f_to_device(device)?)
+    Ok(Tensor::f_from_slice(values)?
+        .f_reshape(shape)?
+        .f_to_kind(kind)?
+        .f_to_device(device)?)
 }
 
 /// Maps an HF parameter name to llama.cpp's GGUF tensor name.
@@ -106,7 +113,10 @@ pub(crate) struct GgufSource<'a> {
 
 impl GgufSource<'_> {
     fn gguf_name(&self, name: &str) -> Result<String> {
-        hf_to_gguf_name(name).ok_or_else(|| Error::MissingTensor { name: name.to_string(), path: self.file.path().into() })
+        hf_to_gguf_name(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            path: self.file.path().into(),
+        })
     }
 }
 
@@ -127,23 +137,33 @@ impl WeightSource for GgufSource<'_> {
         let raw: std::borrow::Cow<'_, [u8]> = match qk_head_dim {
             // Rows are whole (row-major blocks along `in`), so the permutation moves row bytes
             // and never touches a block's contents: it works on quantised data as is.
-            Some(hd) if self.permute_qk => {
-                permute_rows(raw, shape[0] as usize, |r| unpermute_qk_src_row(r, hd as usize))?.into()
-            }
+            Some(hd) if self.permute_qk => permute_rows(raw, shape[0] as usize, |r| {
+                unpermute_qk_src_row(r, hd as usize)
+            })?
+            .into(),
             _ => raw.into(),
         };
         match (self.mode, quant_kind(info.ggml_type)) {
-            (WeightMode::KeepQuantized, Some(kind)) => {
-                Ok(BaseWeight::Quant(QuantWeight::from_gguf_blocks(kind, &raw, shape, self.device)?))
-            }
+            (WeightMode::KeepQuantized, Some(kind)) => Ok(BaseWeight::Quant(
+                QuantWeight::from_gguf_blocks(kind, &raw, shape, self.device)?,
+            )),
             (mode, _) => {
-                let v = dequantize(info.ggml_type, &raw, info.numel() as usize).map_err(|e| match e {
-                    Error::Unsupported { what, value, hint } => {
-                        Error::Unsupported { what, value: format!("{value} (tensor `{gname}`)"), hint }
-                    }
-                    e => e,
-                })?;
-                Ok(BaseWeight::Dense(dense_tensor(&v, &shape, mode.compute_kind(), self.device)?))
+                let v = dequantize(info.ggml_type, &raw, info.numel() as usize).map_err(
+                    |e| match e {
+                        Error::Unsupported { what, value, hint } => Error::Unsupported {
+                            what,
+                            value: format!("{value} (tensor `{gname}`)"),
+                            hint,
+                        },
+                        e => e,
+                    },
+                )?;
+                Ok(BaseWeight::Dense(dense_tensor(
+                    &v,
+                    &shape,
+                    mode.compute_kind(),
+                    self.device,
+                )?))
             }
         }
     }
@@ -188,15 +208,25 @@ impl SafetensorsSource {
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
         let names: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|source| Error::Io { path: index_path.clone(), source })?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::Config { path: index_path.clone(), msg: e.to_string() })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Config {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| Error::Io {
                 path: index_path.clone(),
-                msg: "no `weight_map` object".into(),
+                source,
             })?;
-            let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+                path: index_path.clone(),
+                msg: e.to_string(),
+            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::Config {
+                    path: index_path.clone(),
+                    msg: "no `weight_map` object".into(),
+                })?;
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect();
             files.sort();
             files.dedup();
             files.into_iter().map(|f| dir.join(f)).collect()
@@ -214,23 +244,42 @@ impl SafetensorsSource {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for path in names {
-            let f = File::open(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+            let f = File::open(&path).map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
             // SAFETY: read-only map; the file must not change while the model loads.
-            let mmap = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io { path: path.clone(), source })?;
-            let (n, meta) = SafeTensors::read_metadata(&mmap)
-                .map_err(|e| Error::Safetensors { path: path.clone(), msg: e.to_string() })?;
+            let mmap = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?;
             for name in meta.tensors().keys() {
                 index.insert(name.clone(), files.len());
             }
             files.push((path, mmap, n, meta));
         }
-        Ok(Self { dir: dir.to_path_buf(), files, index, mode, device })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+            mode,
+            device,
+        })
     }
 
     fn load(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
-        let Some(&fi) = self.index.get(name) else { return Ok(None) };
+        let Some(&fi) = self.index.get(name) else {
+            return Ok(None);
+        };
         let (path, mmap, n, meta) = &self.files[fi];
-        let info = meta.info(name).ok_or_else(|| Error::MissingTensor { name: name.into(), path: path.clone() })?;
+        let info = meta.info(name).ok_or_else(|| Error::MissingTensor {
+            name: name.into(),
+            path: path.clone(),
+        })?;
         let src_kind = match info.dtype {
             Dtype::F32 => Kind::Float,
             Dtype::F16 => Kind::Half,
@@ -262,7 +311,10 @@ impl WeightSource for SafetensorsSource {
     fn base(&self, name: &str, shape: [i64; 2], _qk: Option<i64>) -> Result<BaseWeight> {
         let t = self
             .load(name, self.mode.compute_kind())?
-            .ok_or_else(|| Error::MissingTensor { name: name.into(), path: self.dir.clone() })?;
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.into(),
+                path: self.dir.clone(),
+            })?;
         check_shape(name, &shape, &t.size())?;
         Ok(BaseWeight::Dense(t))
     }
@@ -289,7 +341,12 @@ pub(crate) struct MapSource<'a> {
 
 impl WeightSource for MapSource<'_> {
     fn base(&self, name: &str, shape: [i64; 2], _qk: Option<i64>) -> Result<BaseWeight> {
-        let t = self.dense(name, self.kind)?.ok_or_else(|| Error::MissingTensor { name: name.into(), path: "<map>".into() })?;
+        let t = self
+            .dense(name, self.kind)?
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.into(),
+                path: "<map>".into(),
+            })?;
         check_shape(name, &shape, &t.size())?;
         Ok(BaseWeight::Dense(t))
     }
@@ -297,7 +354,9 @@ impl WeightSource for MapSource<'_> {
     fn dense(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
         match self.map.get(name) {
             None => Ok(None),
-            Some(t) => Ok(Some(t.f_detach()?.f_to_kind(kind)?.f_to_device(self.device)?)),
+            Some(t) => Ok(Some(
+                t.f_detach()?.f_to_kind(kind)?.f_to_device(self.device)?,
+            )),
         }
     }
 
@@ -316,11 +375,29 @@ mod tests {
 
     #[test]
     fn maps_hf_names_to_gguf() {
-        assert_eq!(hf_to_gguf_name("model.layers.12.self_attn.q_proj.weight").unwrap(), "blk.12.attn_q.weight");
-        assert_eq!(hf_to_gguf_name("model.layers.0.self_attn.k_proj.bias").unwrap(), "blk.0.attn_k.bias");
-        assert_eq!(hf_to_gguf_name("model.layers.3.post_attention_layernorm.weight").unwrap(), "blk.3.ffn_norm.weight");
-        assert_eq!(hf_to_gguf_name("model.layers.3.mlp.down_proj.weight").unwrap(), "blk.3.ffn_down.weight");
-        assert_eq!(hf_to_gguf_name("model.embed_tokens.weight").unwrap(), "token_embd.weight");
-        assert_eq!(hf_to_gguf_name("model.layers.3.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(
+            hf_to_gguf_name("model.layers.12.self_attn.q_proj.weight").unwrap(),
+            "blk.12.attn_q.weight"
+        );
+        assert_eq!(
+            hf_to_gguf_name("model.layers.0.self_attn.k_proj.bias").unwrap(),
+            "blk.0.attn_k.bias"
+        );
+        assert_eq!(
+            hf_to_gguf_name("model.layers.3.post_attention_layernorm.weight").unwrap(),
+            "blk.3.ffn_norm.weight"
+        );
+        assert_eq!(
+            hf_to_gguf_name("model.layers.3.mlp.down_proj.weight").unwrap(),
+            "blk.3.ffn_down.weight"
+        );
+        assert_eq!(
+            hf_to_gguf_name("model.embed_tokens.weight").unwrap(),
+            "token_embd.weight"
+        );
+        assert_eq!(
+            hf_to_gguf_name("model.layers.3.self_attn.rotary_emb.inv_freq"),
+            None
+        );
     }
 }

@@ -5,12 +5,13 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use lora_models::llama::{Llama, WeightMode};
-use lora_models::tokenizer::{load_tokenizer_from_gguf, Tokenizer};
+use lora_models::tokenizer::{Tokenizer, load_tokenizer_from_gguf};
 use tch::{Device, Kind};
 
 /// `assets/models/SmolLM2-135M-Instruct.Q4_1.gguf` (fetched by `cargo xtask setup`).
 pub fn gguf_path() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         p.exists(),
         "{} is missing: run `cargo xtask setup` to fetch the test assets (see shared ASSETS.md)",
@@ -52,5 +53,4 @@ pub fn tokenizer() -> &'static Tokenizer {
 }
 
 pub const ONCE: &str = "Once upon a time";
-pub const FOX: &str =
-    "The quick brown fox jumps over the lazy dog. It was a sunny day and the children were playing in the park.";
+pub const FOX: &str = "The quick brown fox jumps over the lazy dog. It was a sunny day and the children were playing in the park.";
