@@ -509,3 +509,68 @@ fn lora_plus_groups_dora_magnitude_with_b_and_embeddings_apart() {
     let vs_n: usize = vs.trainable_variables().iter().map(|t| t.numel()).sum();
     assert_eq!(n, vs_n);
 }
+
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Any shape / rank / alpha: forward = formula, merged = unmerged, merge→unmerge restores,
+        /// parameter count = r·(in + out).
+        #[test]
+        fn linear_any_shape(out in 1i64..40, in_blocks in 1i64..4, r in 1i64..9, alpha in 0.5f64..32.0,
+                            batch in 1i64..4, rslora in any::<bool>(), quant in 0usize..3, seed in 0i64..1000) {
+            let inn = in_blocks * 32;
+            let w = dense(&[out, inn], seed);
+            let base = match quant {
+                0 => BaseWeight::Dense(w.copy()),
+                1 => BaseWeight::Quant(QuantWeight::quantize(&w, QuantKind::Q4_1).unwrap()),
+                _ => BaseWeight::Quant(QuantWeight::quantize(&w, QuantKind::Q8_0).unwrap()),
+            };
+            let mut m = One { name: "blk.proj", site: Site::Linear, layer: Layer::Lin(LoraLinear::new(base, Some(dense(&[out], seed + 1))).unwrap()) };
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut cfg = LoraConfig::new(r, alpha, &["proj"]);
+            cfg.use_rslora = rslora;
+            let rep = inject(&mut m, &cfg, "default", &vs.root()).unwrap();
+            prop_assert_eq!(rep.params_added, r * (inn + out));
+            randomize(&mut m, "default", seed);
+            let x = dense(&[batch, inn], seed + 2);
+            let y = m.forward(&x, false);
+            let f = m.formula(&x, "default");
+            prop_assert!(max_abs_diff(&y, &f) < 1e-4);
+            if quant == 0 {
+                let w0 = m.base_snapshot();
+                merge_adapters(&mut m, None, true).unwrap();
+                prop_assert!(max_abs_diff(&m.forward(&x, false), &y) < 1e-4);
+                unmerge_adapters(&mut m).unwrap();
+                prop_assert!(max_abs_diff(&m.base_snapshot(), &w0) < 1e-5);
+            }
+        }
+
+        /// Conv2d with any kernel / stride / padding / rank.
+        #[test]
+        fn conv_any_shape(cin in 1i64..5, cout in 1i64..6, k in 1i64..4, stride in 1i64..3, pad in 0i64..2,
+                          r in 1i64..5, seed in 0i64..1000) {
+            let mut m = One {
+                name: "conv",
+                site: Site::Conv,
+                layer: Layer::Conv(LoraConv2d::new(
+                    BaseWeight::Dense(dense(&[cout, cin, k, k], seed)),
+                    None,
+                    Conv2dParams { stride: [stride, stride], padding: [pad, pad], ..Default::default() },
+                ).unwrap()),
+            };
+            let vs = nn::VarStore::new(Device::Cpu);
+            let rep = inject(&mut m, &LoraConfig::new(r, 2.0 * r as f64, &["conv"]), "default", &vs.root()).unwrap();
+            prop_assert_eq!(rep.params_added, r * cin * k * k + cout * r);
+            randomize(&mut m, "default", seed);
+            let x = dense(&[2, cin, 5, 6], seed + 3);
+            let y = m.forward(&x, false);
+            prop_assert!(max_abs_diff(&y, &m.formula(&x, "default")) < 1e-4);
+            merge_adapters(&mut m, None, false).unwrap();
+            prop_assert!(max_abs_diff(&m.forward(&x, false), &y) < 1e-4);
+        }
+    }
+}
