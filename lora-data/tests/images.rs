@@ -622,3 +622,26 @@ fn real_photos_bucket_by_aspect_ratio() {
     assert!(s.pixels.get(0).equal(&s.pixels.get(2)));
     println!("{report}");
 }
+
+#[test]
+fn bilinear_resize_matches_pillow() {
+    use lora_data::image::resize::resize_bilinear;
+    let src = image::open(fixture("gradient.png")).unwrap().to_rgb8();
+    for (w, h) in [(16, 10), (80, 50), (37, 9)] {
+        let want = image::open(fixture(&format!("gradient_bilinear_{w}x{h}.png")))
+            .unwrap()
+            .to_rgb8();
+        let got = resize_bilinear(&src, w, h);
+        let max_diff = got
+            .as_raw()
+            .iter()
+            .zip(want.as_raw())
+            .map(|(a, b)| (*a as i32 - *b as i32).abs())
+            .max()
+            .unwrap();
+        assert_eq!(
+            max_diff, 0,
+            "{w}x{h}: differs from Pillow by up to {max_diff}"
+        );
+    }
+}

@@ -24,6 +24,7 @@ pub mod bucket;
 pub mod caption;
 pub mod config;
 pub mod decode;
+pub mod resize;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -73,6 +74,8 @@ pub struct ImageSample {
     pub bucket: (u32, u32),
     /// Size after EXIF orientation, before resizing `(width, height)`.
     pub original_size: (u32, u32),
+    /// Size after the cover resize, before cropping `(width, height)`.
+    pub resized: (u32, u32),
     /// Top-left of the crop in the resized image `(x, y)` (SDXL's `crop_coords_top_left`).
     pub crop: (u32, u32),
     /// Flipped horizontally.
@@ -81,6 +84,16 @@ pub struct ImageSample {
     pub is_reg: bool,
     /// The image file.
     pub path: PathBuf,
+}
+
+impl ImageSample {
+    /// The latent-cache key of this sample for the encoder `model_id` (hashes the image file).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the image cannot be read.
+    pub fn cache_key(&self, model_id: &str) -> Result<crate::cache::CacheKey> {
+        crate::cache::CacheKey::for_file(&self.path, self.bucket, self.crop, self.flipped, model_id)
+    }
 }
 
 /// A batch of images from one bucket.
@@ -253,8 +266,9 @@ impl ImageDataset {
         })
     }
 
-    /// Resampling filter of the cover resize. Default `Triangle` (bilinear, area-aware when
-    /// shrinking, like Pillow's `BILINEAR`).
+    /// Resampling filter of the cover resize. Default `Triangle`: this crate's bilinear resize
+    /// ([`resize::resize_bilinear`]), antialiased when shrinking and pixel-identical to Pillow's
+    /// `BILINEAR`; other filters use the `image` crate's (slower) `imageops::resize`.
     pub fn with_filter(mut self, filter: FilterType) -> Self {
         self.filter = filter;
         self
@@ -413,6 +427,8 @@ impl Dataset for ImageDataset {
         let p = bucket::place(size, bucket_wh, sub.random_crop.then_some(&mut rng));
         let resized = if p.resized == size {
             decoded.rgb
+        } else if self.filter == FilterType::Triangle {
+            resize::resize_bilinear(&decoded.rgb, p.resized.0, p.resized.1)
         } else {
             imageops::resize(&decoded.rgb, p.resized.0, p.resized.1, self.filter)
         };
@@ -431,6 +447,7 @@ impl Dataset for ImageDataset {
             caption,
             bucket: bucket_wh,
             original_size: size,
+            resized: p.resized,
             crop: p.crop,
             flipped,
             is_reg: sub.is_reg,
