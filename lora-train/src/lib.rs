@@ -8,5 +8,11 @@ pub use lora_models as models;
 pub use tch;
 
 pub mod config;
-pub mod llm;
 pub mod export;
+pub mod llm;
+pub mod callbacks;
+pub mod checkpoint;
+pub mod optim;
+pub mod precision;
+pub mod sched;
+pub mod trainer;

@@ -1,0 +1,325 @@
+//! Hooks into the training loop: a [`Callback`] sees every step, epoch, checkpoint and event and
+//! answers with a [`Control`] (continue, checkpoint now, stop). Progress bars and metric writers
+//! are callbacks ([`ProgressBar`], [`crate::metrics::MetricsLogger`]).
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::trainer::{Result, TrainReport};
+
+/// What the loop should do after a callback returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Control {
+    /// Keep training.
+    #[default]
+    Continue,
+    /// Write a checkpoint now, then continue.
+    Checkpoint,
+    /// Stop after this step (a final checkpoint is written when checkpointing is on).
+    Stop,
+}
+
+impl Control {
+    /// Combines two answers: `Stop` beats `Checkpoint` beats `Continue`.
+    pub fn merge(self, other: Control) -> Control {
+        match (self, other) {
+            (Control::Stop, _) | (_, Control::Stop) => Control::Stop,
+            (Control::Checkpoint, _) | (_, Control::Checkpoint) => Control::Checkpoint,
+            _ => Control::Continue,
+        }
+    }
+}
+
+/// Memory at the end of a step, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemSnapshot {
+    /// Live CPU tensor bytes (counting allocator; 0 when not installed).
+    pub cpu_current_bytes: u64,
+    /// Peak CPU tensor bytes since the run started.
+    pub cpu_peak_bytes: u64,
+    /// CUDA bytes held by tensors (training device), if on CUDA.
+    pub cuda_allocated_bytes: Option<u64>,
+    /// CUDA peak allocated bytes since the run started, if on CUDA.
+    pub cuda_peak_bytes: Option<u64>,
+}
+
+impl MemSnapshot {
+    /// The peak on the training device: CUDA peak when on CUDA, else the CPU peak.
+    pub fn peak_bytes(&self) -> u64 {
+        self.cuda_peak_bytes.unwrap_or(self.cpu_peak_bytes)
+    }
+}
+
+/// What happened in one optimizer step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepInfo {
+    /// Optimizer steps done after this one (1-based).
+    pub step: u64,
+    /// Planned optimizer steps of the run.
+    pub total_steps: u64,
+    /// Epoch (0-based).
+    pub epoch: u64,
+    /// Mean training loss of the step (over its micro-batches, sample-weighted).
+    pub loss: f64,
+    /// Learning rate used (base; groups multiply by their `lr_scale`).
+    pub lr: f64,
+    /// Global L2 norm of the gradients before clipping (`None` if the step was skipped before it
+    /// was computed).
+    pub grad_norm: Option<f64>,
+    /// True when the update was skipped (non-finite loss/gradients, or fp16 overflow).
+    pub skipped: bool,
+    /// Loader batches per optimizer step (`gradient_accumulation_steps`).
+    pub grad_accum: usize,
+    /// Micro-batches each loader batch is split into (OOM back-off).
+    pub micro_batch_split: usize,
+    /// Samples in this step.
+    pub samples: u64,
+    /// Tokens in this step (0 when the task reports none).
+    pub tokens: u64,
+    /// Wall time of this step, seconds.
+    pub step_time_s: f64,
+    /// Optimizer steps per second (this step).
+    pub it_per_s: f64,
+    /// Tokens per second (this step).
+    pub tokens_per_s: f64,
+    /// Seconds since the run (or resume) started.
+    pub elapsed_s: f64,
+    /// Memory after the step.
+    pub mem: MemSnapshot,
+}
+
+/// Notable events the loop reports besides steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum TrainEvent {
+    /// Out of memory: the step's tensors were dropped, the micro-batch halved and the step retried.
+    OomBackoff {
+        /// The step being retried (1-based).
+        step: u64,
+        /// The new split of each loader batch.
+        micro_batch_split: usize,
+        /// libtorch's message.
+        message: String,
+    },
+    /// Non-finite loss or gradient norm.
+    NonFinite {
+        /// The step (1-based).
+        step: u64,
+        /// "loss" or "grad_norm".
+        what: String,
+        /// The value.
+        value: f64,
+        /// What the policy did ("skip", "lower_lr", "stop").
+        action: String,
+    },
+    /// fp16 loss-scaler overflow: step skipped, scale lowered.
+    ScalerOverflow {
+        /// The step (1-based).
+        step: u64,
+        /// The new loss scale.
+        scale: f64,
+    },
+    /// The run resumed from a checkpoint.
+    Resumed {
+        /// The step the checkpoint was taken after.
+        step: u64,
+        /// The checkpoint folder.
+        path: String,
+    },
+    /// A checkpoint was not written (e.g. non-finite values).
+    CheckpointRefused {
+        /// The step.
+        step: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A hook into the training loop. Every method has a default that does nothing.
+pub trait Callback {
+    /// Called once before the first step with the planned number of optimizer steps and the step
+    /// the run starts from (non-zero after a resume).
+    ///
+    /// # Errors
+    /// Stops the run with the error.
+    fn on_start(&mut self, _total_steps: u64, _start_step: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Called after every optimizer step (skipped ones included).
+    ///
+    /// # Errors
+    /// Stops the run with the error.
+    fn on_step(&mut self, _info: &StepInfo) -> Result<Control> {
+        Ok(Control::Continue)
+    }
+    /// Called at the end of each epoch (0-based), with the last step's info.
+    ///
+    /// # Errors
+    /// Stops the run with the error.
+    fn on_epoch(&mut self, _epoch: u64, _last: Option<&StepInfo>) -> Result<Control> {
+        Ok(Control::Continue)
+    }
+    /// Called after a checkpoint was written.
+    ///
+    /// # Errors
+    /// Stops the run with the error.
+    fn on_checkpoint(&mut self, _step: u64, _path: &Path) -> Result<Control> {
+        Ok(Control::Continue)
+    }
+    /// Called on OOM back-off, non-finite values, resume, refused checkpoints.
+    ///
+    /// # Errors
+    /// Stops the run with the error.
+    fn on_event(&mut self, _event: &TrainEvent) -> Result<()> {
+        Ok(())
+    }
+    /// Called once when the run ends (normally or stopped).
+    ///
+    /// # Errors
+    /// Reported as the run's error.
+    fn on_end(&mut self, _report: &TrainReport) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Stops the run after a given optimizer step (e.g. to split a run in two).
+#[derive(Debug, Clone, Copy)]
+pub struct StopAfter(pub u64);
+
+impl Callback for StopAfter {
+    fn on_step(&mut self, info: &StepInfo) -> Result<Control> {
+        Ok(if info.step >= self.0 { Control::Stop } else { Control::Continue })
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
+    } else {
+        format!("{:.0} MiB", b / (1024.0 * 1024.0))
+    }
+}
+
+/// A terminal progress bar (`indicatif`) showing step, loss, lr, it/s, ETA and peak memory.
+/// Hidden when stderr is not a terminal.
+pub struct ProgressBar {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl std::fmt::Debug for ProgressBar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProgressBar").finish()
+    }
+}
+
+impl Default for ProgressBar {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProgressBar {
+    /// A progress bar (created in `on_start`).
+    pub fn new() -> Self {
+        Self { bar: None }
+    }
+
+    /// The text after the bar for a step.
+    pub fn message(info: &StepInfo) -> String {
+        let gn = info.grad_norm.map(|g| format!(" | gnorm {g:.3}")).unwrap_or_default();
+        let tok = if info.tokens_per_s > 0.0 { format!(" | {:.0} tok/s", info.tokens_per_s) } else { String::new() };
+        format!(
+            "loss {:.4} | lr {:.2e}{gn} | {:.2} it/s{tok} | mem {}{}",
+            info.loss,
+            info.lr,
+            info.it_per_s,
+            human_bytes(info.mem.peak_bytes()),
+            if info.skipped { " | skipped" } else { "" }
+        )
+    }
+}
+
+impl Callback for ProgressBar {
+    fn on_start(&mut self, total_steps: u64, start_step: u64) -> Result<()> {
+        let bar = indicatif::ProgressBar::new(total_steps);
+        let style = indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}<{eta_precise}] {bar:30} {pos}/{len} {msg}",
+        )
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+        bar.set_style(style);
+        bar.set_position(start_step);
+        bar.enable_steady_tick(Duration::from_millis(500));
+        self.bar = Some(bar);
+        Ok(())
+    }
+
+    fn on_step(&mut self, info: &StepInfo) -> Result<Control> {
+        if let Some(bar) = &self.bar {
+            bar.set_position(info.step);
+            bar.set_message(Self::message(info));
+        }
+        Ok(Control::Continue)
+    }
+
+    fn on_event(&mut self, event: &TrainEvent) -> Result<()> {
+        if let Some(bar) = &self.bar {
+            let line = match event {
+                TrainEvent::OomBackoff { step, micro_batch_split, message } => format!(
+                    "step {step}: out of memory, retrying with each batch split in {micro_batch_split} ({})",
+                    message.lines().next().unwrap_or("")
+                ),
+                TrainEvent::NonFinite { step, what, value, action } => {
+                    format!("step {step}: non-finite {what} ({value}); {action}")
+                }
+                TrainEvent::ScalerOverflow { step, scale } => {
+                    format!("step {step}: fp16 overflow, step skipped, loss scale now {scale}")
+                }
+                TrainEvent::Resumed { step, path } => format!("resumed from {path} (step {step})"),
+                TrainEvent::CheckpointRefused { step, reason } => {
+                    format!("step {step}: checkpoint not written: {reason}")
+                }
+            };
+            bar.println(line);
+        }
+        Ok(())
+    }
+
+    fn on_end(&mut self, _report: &TrainReport) -> Result<()> {
+        if let Some(bar) = self.bar.take() {
+            bar.finish();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_merge_prefers_stop() {
+        assert_eq!(Control::Continue.merge(Control::Checkpoint), Control::Checkpoint);
+        assert_eq!(Control::Checkpoint.merge(Control::Stop), Control::Stop);
+        assert_eq!(Control::Continue.merge(Control::Continue), Control::Continue);
+    }
+
+    #[test]
+    fn progress_message_has_loss_lr_speed_and_memory() {
+        let info = StepInfo {
+            loss: 1.23456,
+            lr: 2e-4,
+            grad_norm: Some(0.5),
+            it_per_s: 3.0,
+            tokens_per_s: 900.0,
+            mem: MemSnapshot { cpu_peak_bytes: 3 << 30, ..Default::default() },
+            ..Default::default()
+        };
+        let m = ProgressBar::message(&info);
+        assert!(m.contains("loss 1.2346") && m.contains("lr 2.00e-4") && m.contains("3.00 it/s"), "{m}");
+        assert!(m.contains("900 tok/s") && m.contains("3.00 GiB"), "{m}");
+    }
+}

@@ -1,0 +1,493 @@
+//! Checkpoints that survive a crash at any instant, and exact resume.
+//!
+//! A checkpoint is a folder `step-XXXXXXXX/` under the run's checkpoint folder holding
+//! - `adapter.safetensors` — the trainable adapter tensors by name, bit-exact;
+//! - `optimizer.safetensors` — the optimizer's state tensors;
+//! - `state.json` — step, epoch, optimizer meta, scheduler, RNG state (hex), loader position
+//!   and run config (both opaque JSON), loss scaler and trainer counters.
+//!
+//! Writing is atomic: everything goes to a hidden temporary folder, each file is fsync'ed, the
+//! folder is fsync'ed, renamed to its final name, and the parent folder is fsync'ed. A crash leaves
+//! either the complete checkpoint or a temporary folder that is ignored (and removed by the next
+//! save). Only the last `keep_last` checkpoints are kept. A checkpoint whose adapter or optimizer
+//! state holds NaN/Inf is never written.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::optim::OptimizerState;
+use crate::precision::ScalerState;
+use crate::sched::Scheduler;
+use crate::trainer::{Result, TrainError};
+
+const ADAPTER_FILE: &str = "adapter.safetensors";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+const STATE_FILE: &str = "state.json";
+const FORMAT_VERSION: u32 = 1;
+
+/// Counters of the training loop that a resume must restore.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerCounters {
+    /// Optimizer steps applied (including skipped ones, which still advance the schedule).
+    pub step: u64,
+    /// Current epoch (0-based).
+    pub epoch: u64,
+    /// Loader batches consumed in the current epoch.
+    pub batches_in_epoch: u64,
+    /// Samples seen in total.
+    pub samples: u64,
+    /// Tokens seen in total (as reported by the [`crate::trainer::TrainStep`]).
+    pub tokens: u64,
+    /// Each loader batch is split into this many micro-batches (OOM back-off; 1 normally).
+    pub micro_batch_split: usize,
+    /// Multiplier applied to the scheduled learning rate (lowered by the NaN policy).
+    pub lr_factor: f64,
+    /// Steps skipped because of non-finite loss / gradients.
+    pub skipped_steps: u64,
+    /// Times the micro-batch was halved after an out-of-memory error.
+    pub oom_backoffs: u64,
+}
+
+/// Everything needed to continue a run exactly.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// Trainable tensors by name (any dtype; CPU or device tensors).
+    pub adapter: Vec<(String, Tensor)>,
+    /// The optimizer's state.
+    pub optimizer: OptimizerState,
+    /// The learning-rate schedule (a pure function of the step).
+    pub scheduler: Option<Scheduler>,
+    /// Loop counters.
+    pub counters: TrainerCounters,
+    /// CPU generator state (`torch.get_rng_state()`).
+    pub rng_cpu: Vec<u8>,
+    /// CUDA generator state of the training device, if training on CUDA.
+    pub rng_cuda: Option<Vec<u8>>,
+    /// The data loader's position (opaque; from [`crate::trainer::BatchSource::state`]).
+    pub loader: serde_json::Value,
+    /// The run's configuration (opaque JSON), for the record and for resume checks.
+    pub config: serde_json::Value,
+    /// fp16 loss-scaler state.
+    pub scaler: Option<ScalerState>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StateFile {
+    format_version: u32,
+    counters: TrainerCounters,
+    optimizer_meta: serde_json::Value,
+    scheduler: Option<Scheduler>,
+    rng_cpu: String,
+    rng_cuda: Option<String>,
+    loader: serde_json::Value,
+    config: serde_json::Value,
+    scaler: Option<ScalerState>,
+    adapter_names: Vec<String>,
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
+    move |source| TrainError::Io { op, path: path.to_path_buf(), source }
+}
+
+fn hex_encode(bytes: &[u8]) -> String {
+    hex::encode(bytes)
+}
+
+fn hex_decode(s: &str) -> Result<Vec<u8>> {
+    hex::decode(s).map_err(|e| TrainError::State {
+        what: "checkpoint state.json".into(),
+        message: format!("RNG state is not valid hex: {e}"),
+    })
+}
+
+fn dtype_of(kind: Kind) -> Result<Dtype> {
+    Ok(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Int8 => Dtype::I8,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int => Dtype::I32,
+        Kind::Int64 => Dtype::I64,
+        Kind::Bool => Dtype::BOOL,
+        other => {
+            return Err(TrainError::State {
+                what: "checkpoint".into(),
+                message: format!("tensors of dtype {other:?} cannot be saved"),
+            });
+        }
+    })
+}
+
+fn kind_of(dtype: Dtype, key: &str) -> Result<Kind> {
+    Ok(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::I8 => Kind::Int8,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I32 => Kind::Int,
+        Dtype::I64 => Kind::Int64,
+        Dtype::BOOL => Kind::Bool,
+        other => {
+            return Err(TrainError::State {
+                what: "checkpoint".into(),
+                message: format!("tensor `{key}` has unsupported dtype {other:?}"),
+            });
+        }
+    })
+}
+
+/// Raw bytes of a tensor (moved to CPU, made contiguous).
+fn tensor_to_bytes(t: &Tensor) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
+    let dtype = dtype_of(t.kind())?;
+    let c = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
+    let numel = c.numel();
+    let mut buf = vec![0u8; numel * dtype.bitsize() / 8];
+    c.f_copy_data_u8(&mut buf, numel)?;
+    Ok((dtype, c.size().iter().map(|&d| d as usize).collect(), buf))
+}
+
+fn check_finite(key: &str, t: &Tensor) -> Result<()> {
+    if !t.is_floating_point() || t.numel() == 0 {
+        return Ok(());
+    }
+    let ok = t.f_isfinite()?.f_all()?.f_int64_value(&[])? != 0;
+    if !ok {
+        return Err(TrainError::State {
+            what: "checkpoint".into(),
+            message: format!(
+                "refusing to write a checkpoint: `{key}` holds NaN/Inf (the last good checkpoint is kept)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn write_file_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = fs::File::create(path).map_err(io_err("create", path))?;
+    f.write_all(bytes).map_err(io_err("write", path))?;
+    f.sync_all().map_err(io_err("fsync", path))?;
+    Ok(())
+}
+
+fn sync_dir(path: &Path) -> Result<()> {
+    fs::File::open(path).and_then(|d| d.sync_all()).map_err(io_err("fsync folder", path))
+}
+
+fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let raw: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(k, t)| tensor_to_bytes(t).map(|(d, s, b)| (k.clone(), d, s, b)))
+        .collect::<Result<_>>()?;
+    let views: Vec<(String, TensorView<'_>)> = raw
+        .iter()
+        .map(|(k, d, s, b)| {
+            TensorView::new(*d, s.clone(), b).map(|v| (k.clone(), v)).map_err(|e| TrainError::State {
+                what: "checkpoint".into(),
+                message: format!("tensor `{k}`: {e}"),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| TrainError::State {
+        what: "checkpoint".into(),
+        message: format!("serializing `{}`: {e}", path.display()),
+    })?;
+    write_file_synced(path, &bytes)
+}
+
+fn read_safetensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    let bytes = fs::read(path).map_err(io_err("read", path))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| TrainError::State {
+        what: "checkpoint".into(),
+        message: format!("`{}` is not a valid safetensors file: {e}", path.display()),
+    })?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        let kind = kind_of(view.dtype(), &name)?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        out.push((name, Tensor::f_from_data_size(view.data(), &shape, kind)?));
+    }
+    Ok(out)
+}
+
+impl Checkpoint {
+    /// Writes the checkpoint into the (new) folder `dir` non-atomically; use
+    /// [`CheckpointManager::save`] for the atomic, pruned version.
+    ///
+    /// # Errors
+    /// Non-finite values (nothing is written), I/O or libtorch errors.
+    pub fn write_to(&self, dir: &Path) -> Result<()> {
+        for (k, t) in &self.adapter {
+            check_finite(k, t)?;
+        }
+        for (k, t) in &self.optimizer.tensors {
+            check_finite(k, t)?;
+        }
+        fs::create_dir_all(dir).map_err(io_err("create folder", dir))?;
+        write_safetensors(&dir.join(ADAPTER_FILE), &self.adapter)?;
+        let opt: Vec<(String, Tensor)> =
+            self.optimizer.tensors.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        write_safetensors(&dir.join(OPTIMIZER_FILE), &opt)?;
+        let state = StateFile {
+            format_version: FORMAT_VERSION,
+            counters: self.counters.clone(),
+            optimizer_meta: self.optimizer.meta.clone(),
+            scheduler: self.scheduler.clone(),
+            rng_cpu: hex_encode(&self.rng_cpu),
+            rng_cuda: self.rng_cuda.as_deref().map(hex_encode),
+            loader: self.loader.clone(),
+            config: self.config.clone(),
+            scaler: self.scaler,
+            adapter_names: self.adapter.iter().map(|(k, _)| k.clone()).collect(),
+        };
+        let json = serde_json::to_vec_pretty(&state).map_err(|e| TrainError::State {
+            what: "checkpoint".into(),
+            message: format!("serializing state.json: {e}"),
+        })?;
+        let path = dir.join(STATE_FILE);
+        write_file_synced(&path, &json)?;
+        sync_dir(dir)
+    }
+
+    /// Reads a checkpoint folder (tensors on CPU, in the order they were saved).
+    ///
+    /// # Errors
+    /// Missing or corrupt files, or a newer format.
+    pub fn read_from(dir: &Path) -> Result<Self> {
+        let path = dir.join(STATE_FILE);
+        let text = fs::read(&path).map_err(io_err("read", &path))?;
+        let st: StateFile = serde_json::from_slice(&text).map_err(|e| TrainError::State {
+            what: "checkpoint state.json".into(),
+            message: format!("`{}`: {e}", path.display()),
+        })?;
+        if st.format_version != FORMAT_VERSION {
+            return Err(TrainError::State {
+                what: "checkpoint".into(),
+                message: format!(
+                    "`{}` has format version {}, this build reads {FORMAT_VERSION}",
+                    dir.display(),
+                    st.format_version
+                ),
+            });
+        }
+        let mut by_name: BTreeMap<String, Tensor> = read_safetensors(&dir.join(ADAPTER_FILE))?.into_iter().collect();
+        let mut adapter = Vec::with_capacity(st.adapter_names.len());
+        for name in &st.adapter_names {
+            let t = by_name.remove(name).ok_or_else(|| TrainError::State {
+                what: "checkpoint".into(),
+                message: format!("adapter tensor `{name}` listed in state.json is missing from {ADAPTER_FILE}"),
+            })?;
+            adapter.push((name.clone(), t));
+        }
+        let tensors: BTreeMap<String, Tensor> = read_safetensors(&dir.join(OPTIMIZER_FILE))?.into_iter().collect();
+        Ok(Self {
+            adapter,
+            optimizer: OptimizerState { tensors, meta: st.optimizer_meta },
+            scheduler: st.scheduler,
+            counters: st.counters,
+            rng_cpu: hex_decode(&st.rng_cpu)?,
+            rng_cuda: st.rng_cuda.as_deref().map(hex_decode).transpose()?,
+            loader: st.loader,
+            config: st.config,
+            scaler: st.scaler,
+        })
+    }
+}
+
+/// Saves, lists, prunes and finds checkpoints under one folder.
+#[derive(Debug, Clone)]
+pub struct CheckpointManager {
+    dir: PathBuf,
+    keep_last: usize,
+}
+
+impl CheckpointManager {
+    /// Manages checkpoints in `dir` (created on first save), keeping the last `keep_last`
+    /// (at least 1).
+    pub fn new(dir: impl Into<PathBuf>, keep_last: usize) -> Self {
+        Self { dir: dir.into(), keep_last: keep_last.max(1) }
+    }
+
+    /// The managed folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The folder name of the checkpoint of `step`.
+    pub fn name_for(step: u64) -> String {
+        format!("step-{step:08}")
+    }
+
+    /// Complete checkpoints, oldest first, as `(step, folder)`.
+    ///
+    /// # Errors
+    /// The folder exists but cannot be read.
+    pub fn list(&self) -> Result<Vec<(u64, PathBuf)>> {
+        if !self.dir.exists() {
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&self.dir).map_err(io_err("list", &self.dir))? {
+            let entry = entry.map_err(io_err("list", &self.dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(num) = name.strip_prefix("step-") else { continue };
+            let Ok(step) = num.parse::<u64>() else { continue };
+            if entry.path().join(STATE_FILE).is_file() {
+                out.push((step, entry.path()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The newest complete checkpoint folder.
+    ///
+    /// # Errors
+    /// The folder cannot be read.
+    pub fn latest(&self) -> Result<Option<PathBuf>> {
+        Ok(self.list()?.pop().map(|(_, p)| p))
+    }
+
+    /// Writes `ckpt` atomically as `step-<counters.step>` and prunes old checkpoints.
+    /// Returns the final folder.
+    ///
+    /// # Errors
+    /// Non-finite values (nothing is written; older checkpoints are untouched), I/O errors.
+    pub fn save(&self, ckpt: &Checkpoint) -> Result<PathBuf> {
+        fs::create_dir_all(&self.dir).map_err(io_err("create folder", &self.dir))?;
+        self.remove_temporaries()?;
+        let name = Self::name_for(ckpt.counters.step);
+        let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp).map_err(io_err("remove", &tmp))?;
+        }
+        if let Err(e) = ckpt.write_to(&tmp) {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        let dst = self.dir.join(&name);
+        if dst.exists() {
+            // Re-saving a step after resuming from an older checkpoint: move the old one aside
+            // first so that a complete checkpoint of this step exists at every instant.
+            let old = self.dir.join(format!(".old-{name}-{}", std::process::id()));
+            fs::rename(&dst, &old).map_err(io_err("rename", &dst))?;
+            fs::rename(&tmp, &dst).map_err(io_err("rename", &tmp))?;
+            let _ = fs::remove_dir_all(&old);
+        } else {
+            fs::rename(&tmp, &dst).map_err(io_err("rename", &tmp))?;
+        }
+        sync_dir(&self.dir)?;
+        self.prune()?;
+        Ok(dst)
+    }
+
+    fn remove_temporaries(&self) -> Result<()> {
+        for entry in fs::read_dir(&self.dir).map_err(io_err("list", &self.dir))? {
+            let entry = entry.map_err(io_err("list", &self.dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".tmp-step-") || name.starts_with(".old-step-") {
+                let p = entry.path();
+                fs::remove_dir_all(&p).map_err(io_err("remove", &p))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes all but the newest `keep_last` checkpoints.
+    ///
+    /// # Errors
+    /// I/O errors.
+    pub fn prune(&self) -> Result<()> {
+        let list = self.list()?;
+        let n = list.len().saturating_sub(self.keep_last);
+        for (_, p) in list.into_iter().take(n) {
+            fs::remove_dir_all(&p).map_err(io_err("remove", &p))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(step: u64, v: f32) -> Checkpoint {
+        let mut optimizer = OptimizerState::default();
+        optimizer.tensors.insert("g0.p0.exp_avg".into(), Tensor::from_slice(&[v, 2.0 * v]));
+        optimizer.tensors.insert("g0.p0.codes".into(), Tensor::from_slice(&[1u8, 2, 255]));
+        optimizer.meta = serde_json::json!({"optimizer": "AdamW", "steps": step});
+        Checkpoint {
+            adapter: vec![
+                ("b.lora_B".into(), Tensor::from_slice(&[v, -v, 1e-30]).reshape([3, 1])),
+                ("a.lora_A".into(), Tensor::from_slice(&[0.1f32, 0.2]).to_kind(Kind::BFloat16)),
+            ],
+            optimizer,
+            scheduler: None,
+            counters: TrainerCounters { step, micro_batch_split: 1, lr_factor: 1.0, ..Default::default() },
+            rng_cpu: vec![0, 1, 254, 255],
+            rng_cuda: None,
+            loader: serde_json::json!({"cursor": step}),
+            config: serde_json::json!({"lr": 1e-4}),
+            scaler: None,
+        }
+    }
+
+    #[test]
+    fn roundtrip_is_bit_exact_and_keeps_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path(), 2);
+        let p = m.save(&sample(3, 0.3)).unwrap();
+        let c = Checkpoint::read_from(&p).unwrap();
+        assert_eq!(c.adapter[0].0, "b.lora_B");
+        assert!(c.adapter[0].1.equal(&sample(3, 0.3).adapter[0].1));
+        assert_eq!(c.adapter[1].1.kind(), Kind::BFloat16);
+        assert_eq!(c.rng_cpu, vec![0, 1, 254, 255]);
+        assert_eq!(c.loader["cursor"], 3);
+        assert_eq!(c.optimizer.tensors["g0.p0.codes"].kind(), Kind::Uint8);
+        assert_eq!(c.counters.step, 3);
+    }
+
+    #[test]
+    fn keeps_last_k_and_ignores_temporaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path(), 2);
+        for s in [1, 2, 3] {
+            m.save(&sample(s, s as f32)).unwrap();
+        }
+        // A half-written checkpoint left by a crash is neither listed nor kept.
+        fs::create_dir_all(dir.path().join(".tmp-step-00000004-1")).unwrap();
+        let steps: Vec<u64> = m.list().unwrap().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, vec![2, 3]);
+        m.save(&sample(4, 4.0)).unwrap();
+        assert!(!dir.path().join(".tmp-step-00000004-1").exists());
+        assert_eq!(m.latest().unwrap().unwrap(), dir.path().join("step-00000004"));
+    }
+
+    #[test]
+    fn non_finite_values_are_never_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path(), 3);
+        m.save(&sample(1, 1.0)).unwrap();
+        let err = m.save(&sample(2, f32::NAN)).unwrap_err().to_string();
+        assert!(err.contains("NaN/Inf") && err.contains("b.lora_B"), "{err}");
+        let steps: Vec<u64> = m.list().unwrap().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, vec![1]);
+        let mut bad = sample(2, 1.0);
+        bad.optimizer.tensors.insert("g0.p0.exp_avg_sq".into(), Tensor::from_slice(&[f32::INFINITY]));
+        assert!(m.save(&bad).is_err());
+        assert_eq!(m.list().unwrap().len(), 1);
+    }
+}

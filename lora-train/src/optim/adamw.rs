@@ -1,0 +1,226 @@
+//! AdamW: Adam with decoupled weight decay (Loshchilov & Hutter, arXiv:1711.05101), exactly the
+//! update of `torch.optim.AdamW` (non-amsgrad, `torch/optim/adamw.py` / `_single_tensor_adam`):
+//!
+//! ```text
+//! θ ← θ·(1 − lr·λ)
+//! m ← β₁·m + (1 − β₁)·g            v ← β₂·v + (1 − β₂)·g²
+//! θ ← θ − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
+//! ```
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use super::{
+    OptimizerState, ParamGroup, check_lr, check_meta_name, grad_f32, load_slot, meta_u64,
+    param_f32, slot_key, tensor_bytes, write_param, zero_grads,
+};
+use crate::optim::Optimizer;
+use crate::trainer::{Result, TrainError};
+
+/// AdamW hyper-parameters (defaults of `torch.optim.AdamW`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamWConfig {
+    /// `(β₁, β₂)`, default `(0.9, 0.999)`.
+    pub betas: (f64, f64),
+    /// ε added to the denominator, default `1e-8`.
+    pub eps: f64,
+    /// Decoupled weight decay λ, default `0.01`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+impl AdamWConfig {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let (b1, b2) = self.betas;
+        if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
+            return Err(TrainError::Invalid {
+                what: "betas".into(),
+                value: format!("({b1}, {b2})"),
+                hint: "both betas must be in [0, 1), e.g. (0.9, 0.999)".into(),
+            });
+        }
+        if !(self.eps >= 0.0 && self.weight_decay >= 0.0) {
+            return Err(TrainError::Invalid {
+                what: "eps / weight_decay".into(),
+                value: format!("{} / {}", self.eps, self.weight_decay),
+                hint: "both must be >= 0".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+struct Slot {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: u64,
+}
+
+/// AdamW over parameter groups, state in fp32 (`exp_avg`, `exp_avg_sq`: 8 bytes per parameter).
+pub struct AdamW {
+    groups: Vec<ParamGroup>,
+    slots: Vec<Vec<Slot>>,
+    lr: f64,
+    cfg: AdamWConfig,
+    steps: u64,
+}
+
+impl std::fmt::Debug for AdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdamW").field("lr", &self.lr).field("cfg", &self.cfg).field("steps", &self.steps).finish()
+    }
+}
+
+impl AdamW {
+    /// Builds the optimizer; state is allocated now (zeros, fp32, on each parameter's device).
+    ///
+    /// # Errors
+    /// Invalid hyper-parameters or a libtorch error.
+    pub fn new(groups: Vec<ParamGroup>, lr: f64, cfg: AdamWConfig) -> Result<Self> {
+        check_lr(lr)?;
+        cfg.validate()?;
+        let mut slots = Vec::with_capacity(groups.len());
+        for g in &groups {
+            let mut s = Vec::with_capacity(g.params.len());
+            for p in &g.params {
+                let z = Tensor::f_zeros(p.size(), (Kind::Float, p.device()))?;
+                s.push(Slot { exp_avg: z.f_detach_copy()?, exp_avg_sq: z, step: 0 });
+            }
+            slots.push(s);
+        }
+        Ok(Self { groups, slots, lr, cfg, steps: 0 })
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.cfg
+    }
+}
+
+/// One AdamW update of parameter `p` with fp32 gradient `g`; shared with [`super::AdamW8bit`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adamw_update(
+    p: &Tensor,
+    g: &Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    step: u64,
+    lr: f64,
+    weight_decay: f64,
+    cfg: &AdamWConfig,
+) -> Result<()> {
+    let (b1, b2) = cfg.betas;
+    let mut w = if p.kind() == Kind::Float { p.shallow_clone() } else { param_f32(p)? };
+    if weight_decay != 0.0 {
+        let _ = w.f_mul_scalar_(1.0 - lr * weight_decay)?;
+    }
+    let _ = exp_avg.f_lerp_(g, 1.0 - b1)?;
+    let _ = exp_avg_sq.f_mul_scalar_(b2)?;
+    let _ = exp_avg_sq.f_addcmul_(g, &g.f_mul_scalar(1.0 - b2)?)?;
+    let bias_correction1 = 1.0 - b1.powi(step as i32);
+    let bias_correction2 = 1.0 - b2.powi(step as i32);
+    let step_size = lr / bias_correction1;
+    let mut denom = exp_avg_sq.f_sqrt()?.f_div_scalar(bias_correction2.sqrt())?;
+    let _ = denom.f_add_scalar_(cfg.eps)?;
+    let _ = w.f_addcdiv_(&exp_avg.f_mul_scalar(-step_size)?, &denom)?;
+    if p.kind() != Kind::Float {
+        write_param(p, &w)?;
+    }
+    Ok(())
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        let _ng = tch::no_grad_guard();
+        for (gi, group) in self.groups.iter().enumerate() {
+            let lr = self.lr * group.lr_scale;
+            let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);
+            for (pi, p) in group.params.iter().enumerate() {
+                let Some(g) = grad_f32(p)? else { continue };
+                let slot = &mut self.slots[gi][pi];
+                slot.step += 1;
+                adamw_update(p, &g, &mut slot.exp_avg, &mut slot.exp_avg_sq, slot.step, lr, wd, &self.cfg)?;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        zero_grads(&self.params())
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    fn state_dict(&self) -> Result<OptimizerState> {
+        let mut st = OptimizerState::default();
+        let mut per_param_steps = Vec::new();
+        for (gi, slots) in self.slots.iter().enumerate() {
+            for (pi, s) in slots.iter().enumerate() {
+                st.tensors.insert(slot_key(gi, pi, "exp_avg"), s.exp_avg.f_detach_copy()?);
+                st.tensors.insert(slot_key(gi, pi, "exp_avg_sq"), s.exp_avg_sq.f_detach_copy()?);
+                per_param_steps.push(s.step);
+            }
+        }
+        st.meta = serde_json::json!({
+            "optimizer": self.name(),
+            "steps": self.steps,
+            "lr": self.lr,
+            "param_steps": per_param_steps,
+            "config": self.cfg,
+        });
+        Ok(st)
+    }
+
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        check_meta_name(&state.meta, self.name())?;
+        let _ng = tch::no_grad_guard();
+        let steps = meta_u64(&state.meta, "steps", self.name())?;
+        let param_steps: Vec<u64> = state
+            .meta
+            .get("param_steps")
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default();
+        let mut k = 0;
+        for (gi, slots) in self.slots.iter_mut().enumerate() {
+            for (pi, s) in slots.iter_mut().enumerate() {
+                let key = slot_key(gi, pi, "exp_avg");
+                load_slot(&mut s.exp_avg, state.tensor(&key, "AdamW")?, &key)?;
+                let key = slot_key(gi, pi, "exp_avg_sq");
+                load_slot(&mut s.exp_avg_sq, state.tensor(&key, "AdamW")?, &key)?;
+                s.step = param_steps.get(k).copied().unwrap_or(steps);
+                k += 1;
+            }
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.slots.iter().flatten().map(|s| tensor_bytes(&s.exp_avg) + tensor_bytes(&s.exp_avg_sq)).sum()
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.shallow_clone())).collect()
+    }
+
+    fn name(&self) -> &'static str {
+        "AdamW"
+    }
+}
