@@ -92,6 +92,7 @@ pub fn public_cases() -> Vec<Case> {
             .with_gradient_checkpointing(true)
             .with_profile(Profile {
                 variable_length: true,
+                legacy_fp32_logits: true,
                 ..Profile::torchtune()
             })
     };
@@ -160,7 +161,10 @@ pub fn public_cases() -> Vec<Case> {
             .with_micro_batch(4)
             .with_seq_len(2048)
             .with_gradient_checkpointing(true)
-            .with_profile(Profile::torchtune()),
+            .with_profile(Profile {
+                legacy_fp32_logits: true,
+                ..Profile::torchtune()
+            }),
         metric: Metric::Reserved,
         measured: gb(21.3),
         tolerance: (-0.15, 0.15),
@@ -189,6 +193,7 @@ pub fn public_cases() -> Vec<Case> {
         .with_gradient_checkpointing(true)
         .with_profile(Profile {
             torch_compile: true,
+            legacy_fp32_logits: true,
             ..Profile::torchtune()
         }),
         metric: Metric::Reserved,

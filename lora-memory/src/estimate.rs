@@ -136,7 +136,7 @@ impl Breakdown {
             Term {
                 name: "logits / loss",
                 bytes: self.logits_loss,
-                formula: "b·s·V·(e + 12)",
+                formula: "b·s·V·(kept logits + fp32 log-softmax + 2 fp32 grads)",
             },
             Term {
                 name: "batch data",
@@ -582,13 +582,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         2.0
     };
     let base_weights = linear * s.base_dtype.bytes_per_param() + rest * rest_bytes;
-    let lm_head_params = if d.tied_embeddings { v * h } else { 0.0 };
     let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 {
         2.0 * (linear + d.vocab as f64 * h.max(0.0))
     } else {
         0.0
     };
-    let _ = lm_head_params;
 
     // Trainable parameters.
     let (trainable, adapter_bytes, grad_bytes, state_bytes) = if s.method == Method::Full {
@@ -600,14 +598,16 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             small: 0,
             largest,
         };
-        let pb = if s.base_dtype.is_quantized() {
-            notes.push(
-                "full fine-tuning of a quantized base is not possible; counted as bf16".into(),
-            );
-            2.0
-        } else {
-            rest_bytes.max(c.r)
-        };
+        if s.base_dtype.is_quantized() {
+            return Err(Error::InvalidSetting {
+                key: "method",
+                reason: format!(
+                    "full fine-tuning cannot train a {:?} base; use LoRA on it or a 16/32-bit base",
+                    s.base_dtype
+                ),
+            });
+        }
+        let pb = rest_bytes.max(c.r);
         let t = Trainable {
             factored: all_sites
                 .iter()
@@ -625,11 +625,12 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             t,
             ab,
             c.ad,
-            c.ad.max(if s.profile.framework == Framework::Torchtune {
-                c.ad
-            } else {
-                4.0
-            }),
+            // torch.optim keeps states in the parameter dtype (PEFT, torchtune); this SDK's
+            // optimizers keep fp32 states for 16-bit adapters.
+            match s.profile.framework {
+                Framework::Ours => 4.0,
+                _ => c.ad,
+            },
         )
     };
     let gradients = trainable.params as f64 * grad_bytes;
@@ -661,8 +662,8 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         (e_logits * v + 4.0 * v + 8.0 * v / 8.0, e_logits * v)
     } else {
         match s.profile.framework {
-            Framework::Torchtune => (16.0 * v, 4.0 * v),
             _ if s.profile.legacy_fp32_logits => (20.0 * v, 4.0 * v),
+            Framework::Torchtune => (16.0 * v, 4.0 * v),
             _ => (e_logits * v + 12.0 * v, e_logits * v),
         }
     };

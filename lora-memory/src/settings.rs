@@ -233,9 +233,10 @@ pub struct Profile {
     pub variable_length: bool,
     /// GQA keys/values are expanded to all heads before attention (HF `repeat_kv`).
     pub repeat_kv: bool,
-    /// transformers before 4.45: the model returns fp32 logits (`logits.float()`) and the loss
-    /// makes a shifted contiguous copy before `cross_entropy`: `20·V` bytes per token at the
-    /// loss backward instead of `(e + 12)·V`.
+    /// transformers before 4.45 and torchtune's 2024 recipes: the model returns fp32 logits
+    /// (`.float()`) and the loss makes a shifted contiguous copy
+    /// (`logits[..., :-1, :].contiguous()`) before `cross_entropy`: `20·V` bytes per token at
+    /// the loss backward instead of `(e + 12)·V`.
     pub legacy_fp32_logits: bool,
     /// torchtune `enable_activation_offloading`: checkpointed layer inputs live in host memory;
     /// the device keeps only the layers in flight.
