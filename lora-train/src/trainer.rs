@@ -2,9 +2,18 @@
 //! clipping, mixed precision, OOM back-off, NaN/Inf policy, checkpoints, exact resume) and the
 //! crate's error type.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-use lora_core::sys::ShimError;
+use lora_core::sys::{self, ShimError};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::callbacks::{Callback, Control, MemSnapshot, StepInfo, TrainEvent};
+use crate::checkpoint::{Checkpoint, CheckpointManager, TrainerCounters};
+use crate::optim::{Optimizer, OptimizerKind, ParamGroup};
+use crate::precision::{GradScaler, Precision};
+use crate::sched::{Scheduler, SchedulerKind};
 
 /// Errors of the training engine.
 #[derive(Debug, thiserror::Error)]
@@ -121,4 +130,712 @@ pub struct TrainReport {
     pub samples: u64,
     /// Tokens seen (whole run).
     pub tokens: u64,
+}
+
+/// The application side of training: the model's loss on a batch and its trainable tensors.
+///
+/// The trainer owns the loop; the app owns the model. `loss` runs the forward pass (the trainer
+/// wraps it in autocast when mixed precision is on) and returns a 0-d loss tensor, the mean over
+/// the batch's samples (or tokens).
+pub trait TrainStep {
+    /// One batch as the loader produces it (e.g. token ids `[batch, seq]` and labels).
+    type Batch;
+
+    /// The mean loss of `batch` as a 0-d tensor attached to the autograd graph.
+    /// `train` is true during training (dropout on).
+    ///
+    /// # Errors
+    /// Any libtorch error; out-of-memory errors must be returned (through tch's `f_*`
+    /// functions), not panics, for the OOM back-off to work.
+    fn loss(&mut self, batch: &Self::Batch, train: bool) -> Result<Tensor>;
+
+    /// The trainable tensors by stable name (e.g. PEFT keys). Checkpoints save and restore these;
+    /// the names must be identical across runs.
+    fn named_trainable(&self) -> Vec<(String, Tensor)>;
+
+    /// Parameter groups for the optimizer (default: one group of all trainable tensors). Use
+    /// [`crate::optim::lora_plus_groups`] for LoRA+.
+    fn param_groups(&self) -> Vec<ParamGroup> {
+        vec![ParamGroup::new("adapters", self.named_trainable().into_iter().map(|(_, t)| t).collect())]
+    }
+
+    /// Number of samples in `batch` (the micro-batch size).
+    fn micro_batch_len(&self, batch: &Self::Batch) -> usize;
+
+    /// Splits `batch` into `parts` smaller batches, in order, covering every sample once (used to
+    /// halve the micro-batch after an out-of-memory error). `parts` never exceeds
+    /// `micro_batch_len(batch)`.
+    ///
+    /// # Errors
+    /// The default returns an error: OOM back-off then stops the run.
+    fn split_batch(&self, batch: &Self::Batch, parts: usize) -> Result<Vec<Self::Batch>> {
+        let _ = (batch, parts);
+        Err(TrainError::App("this TrainStep cannot split batches (implement split_batch for OOM back-off)".into()))
+    }
+
+    /// Tokens in `batch`, for tokens/s (default 0).
+    fn batch_tokens(&self, _batch: &Self::Batch) -> u64 {
+        0
+    }
+}
+
+/// Where batches come from: a resumable, epoch-based loader (e.g. `lora_data`'s loader).
+pub trait BatchSource<B> {
+    /// Starts epoch `epoch` (0-based): reshuffle, rewind.
+    ///
+    /// # Errors
+    /// Loader errors.
+    fn start_epoch(&mut self, epoch: u64) -> Result<()>;
+    /// The next batch of the current epoch, or `None` at its end.
+    ///
+    /// # Errors
+    /// Loader errors.
+    fn next_batch(&mut self) -> Result<Option<B>>;
+    /// Batches per epoch, if known (needed when no `max_steps` is set).
+    fn batches_per_epoch(&self) -> Option<u64>;
+    /// The position to checkpoint (opaque JSON): after `load_state` the loader must yield exactly
+    /// the batches it would have yielded next.
+    fn state(&self) -> serde_json::Value;
+    /// Restores a position from [`BatchSource::state`].
+    ///
+    /// # Errors
+    /// A state from another dataset or loader configuration.
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()>;
+}
+
+/// What to do when the loss or the gradient norm is NaN/Inf.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "policy")]
+pub enum NonFinitePolicy {
+    /// Skip the update (the step still counts).
+    Skip,
+    /// Skip the update and multiply the learning rate by `factor` for the rest of the run.
+    LowerLr {
+        /// Multiplier, in (0, 1).
+        factor: f64,
+    },
+    /// Stop with [`TrainError::NonFinite`].
+    Stop,
+}
+
+impl Default for NonFinitePolicy {
+    fn default() -> Self {
+        NonFinitePolicy::LowerLr { factor: 0.5 }
+    }
+}
+
+/// Which checkpoint a run starts from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Resume {
+    /// Start fresh.
+    #[default]
+    No,
+    /// The newest checkpoint in `checkpoint_dir`, or fresh when there is none.
+    Latest,
+    /// A given checkpoint folder.
+    From(PathBuf),
+}
+
+/// Settings of the training loop. Field names follow the field (kohya / transformers).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainerConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Optimizer and its hyper-parameters.
+    pub optimizer: OptimizerKind,
+    /// Learning-rate schedule.
+    pub scheduler: SchedulerKind,
+    /// Warm-up steps of the schedule (`lr_warmup_steps`).
+    pub warmup_steps: u64,
+    /// Epochs (`max_train_epochs`); ignored once `max_steps` is reached.
+    pub epochs: u64,
+    /// Stop after this many optimizer steps (`max_train_steps`).
+    pub max_steps: Option<u64>,
+    /// Loader batches per optimizer step (`gradient_accumulation_steps`).
+    pub gradient_accumulation_steps: usize,
+    /// Clip the global gradient L2 norm to this value (`max_grad_norm`; `None` = no clipping).
+    pub max_grad_norm: Option<f64>,
+    /// Mixed precision.
+    pub precision: Precision,
+    /// Training device (where the model lives).
+    #[serde(skip, default = "default_device")]
+    pub device: Device,
+    /// NaN/Inf policy.
+    pub non_finite: NonFinitePolicy,
+    /// Halve the micro-batch and retry after an out-of-memory error.
+    pub oom_backoff: bool,
+    /// Largest split of a loader batch the OOM back-off may reach.
+    pub max_micro_batch_split: usize,
+    /// Checkpoint folder (`None` = no checkpoints).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N optimizer steps (`save_every_n_steps`).
+    pub save_every_n_steps: Option<u64>,
+    /// Checkpoint every N epochs (`save_every_n_epochs`).
+    pub save_every_n_epochs: Option<u64>,
+    /// Checkpoints to keep.
+    pub keep_last: usize,
+    /// Seed for libtorch's generators at the start of a fresh run (`system.seed`).
+    pub seed: Option<u64>,
+    /// Install the counting CPU allocator to report exact CPU tensor memory.
+    pub track_cpu_memory: bool,
+    /// The run's configuration as JSON, stored in checkpoints.
+    pub run_config: serde_json::Value,
+}
+
+fn default_device() -> Device {
+    Device::Cpu
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-4,
+            optimizer: OptimizerKind::default(),
+            scheduler: SchedulerKind::default(),
+            warmup_steps: 0,
+            epochs: 1,
+            max_steps: None,
+            gradient_accumulation_steps: 1,
+            max_grad_norm: Some(1.0),
+            precision: Precision::Fp32,
+            device: Device::Cpu,
+            non_finite: NonFinitePolicy::default(),
+            oom_backoff: true,
+            max_micro_batch_split: 64,
+            checkpoint_dir: None,
+            save_every_n_steps: None,
+            save_every_n_epochs: None,
+            keep_last: 3,
+            seed: None,
+            track_cpu_memory: true,
+            run_config: serde_json::Value::Null,
+        }
+    }
+}
+
+impl TrainerConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |what: &str, value: String, hint: &str| {
+            Err(TrainError::Invalid { what: what.into(), value, hint: hint.into() })
+        };
+        if self.gradient_accumulation_steps == 0 {
+            return bad("gradient_accumulation_steps", "0".into(), "use 1 or more");
+        }
+        if let Some(m) = self.max_grad_norm
+            && !(m > 0.0 && m.is_finite())
+        {
+            return bad("max_grad_norm", m.to_string(), "use a positive value or leave it unset");
+        }
+        if let NonFinitePolicy::LowerLr { factor } = self.non_finite
+            && !(factor > 0.0 && factor < 1.0)
+        {
+            return bad("non_finite lower_lr factor", factor.to_string(), "use a value in (0, 1), e.g. 0.5");
+        }
+        if self.epochs == 0 && self.max_steps.is_none() {
+            return bad("epochs", "0".into(), "set epochs >= 1 or max_steps");
+        }
+        self.precision.check_device(self.device)
+    }
+}
+
+enum StepOutcome {
+    Done { loss: f64, samples: u64, tokens: u64 },
+    NonFiniteLoss { value: f64, samples: u64, tokens: u64 },
+}
+
+/// The training loop over a [`TrainStep`].
+///
+/// ```no_run
+/// # use lora_train::trainer::*;
+/// # fn run<S: TrainStep>(mut task: S, mut data: impl BatchSource<S::Batch>) -> Result<()> {
+/// let cfg = TrainerConfig { lr: 2e-4, epochs: 3, gradient_accumulation_steps: 4, ..Default::default() };
+/// let mut trainer: Trainer<S> = Trainer::new(cfg);
+/// trainer.add_callback(Box::new(lora_train::callbacks::ProgressBar::new()));
+/// let report = trainer.fit(&mut task, &mut data, Resume::Latest)?;
+/// println!("final loss {:?}", report.final_loss);
+/// # Ok(()) }
+/// ```
+pub struct Trainer<S: TrainStep> {
+    cfg: TrainerConfig,
+    callbacks: Vec<Box<dyn Callback>>,
+    _task: std::marker::PhantomData<fn(&mut S)>,
+}
+
+impl<S: TrainStep> std::fmt::Debug for Trainer<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer").field("cfg", &self.cfg).field("callbacks", &self.callbacks.len()).finish()
+    }
+}
+
+struct Run<'a> {
+    opt: Box<dyn Optimizer>,
+    sched: Scheduler,
+    scaler: Option<GradScaler>,
+    counters: TrainerCounters,
+    ckpt: Option<CheckpointManager>,
+    last_saved: Option<u64>,
+    report: TrainReport,
+    params: Vec<Tensor>,
+    cfg: &'a TrainerConfig,
+}
+
+fn emit(callbacks: &mut [Box<dyn Callback>], ev: &TrainEvent) -> Result<()> {
+    for c in callbacks.iter_mut() {
+        c.on_event(ev)?;
+    }
+    Ok(())
+}
+
+fn mem_snapshot(device: Device, track_cpu: bool) -> MemSnapshot {
+    let mut m = MemSnapshot::default();
+    if track_cpu && let Ok(s) = sys::cpu_mem_stats() {
+        m.cpu_current_bytes = s.current_bytes;
+        m.cpu_peak_bytes = s.peak_bytes;
+    }
+    if let Device::Cuda(i) = device
+        && let Ok(Some(s)) = sys::cuda_mem_stats(i)
+    {
+        m.cuda_allocated_bytes = Some(s.allocated_bytes);
+        m.cuda_peak_bytes = Some(s.peak_allocated_bytes);
+    }
+    m
+}
+
+/// Global L2 norm of the defined gradients of `params` (fp32), like `clip_grad_norm_`.
+///
+/// # Errors
+/// A libtorch error.
+pub fn global_grad_norm(params: &[Tensor]) -> Result<f64> {
+    let _ng = tch::no_grad_guard();
+    let mut norms = Vec::new();
+    for p in params {
+        let g = p.f_grad()?;
+        if g.defined() {
+            norms.push(g.f_to_kind(Kind::Float)?.f_norm()?);
+        }
+    }
+    if norms.is_empty() {
+        return Ok(0.0);
+    }
+    Ok(Tensor::f_stack(&norms, 0)?.f_norm()?.f_double_value(&[])?)
+}
+
+/// Scales gradients so their global norm is at most `max_norm` (`torch.nn.utils.clip_grad_norm_`:
+/// coefficient `max_norm / (norm + 1e-6)`, applied only when below 1).
+///
+/// # Errors
+/// A libtorch error.
+pub fn clip_grads(params: &[Tensor], norm: f64, max_norm: f64) -> Result<()> {
+    let coef = max_norm / (norm + 1e-6);
+    if coef >= 1.0 {
+        return Ok(());
+    }
+    let _ng = tch::no_grad_guard();
+    for p in params {
+        let mut g = p.f_grad()?;
+        if g.defined() {
+            let _ = g.f_mul_scalar_(coef)?;
+        }
+    }
+    Ok(())
+}
+
+impl<S: TrainStep> Trainer<S> {
+    /// A trainer with `cfg` and no callbacks.
+    pub fn new(cfg: TrainerConfig) -> Self {
+        Self { cfg, callbacks: Vec::new(), _task: std::marker::PhantomData }
+    }
+
+    /// Adds a callback (called in the order added).
+    pub fn add_callback(&mut self, cb: Box<dyn Callback>) -> &mut Self {
+        self.callbacks.push(cb);
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.cfg
+    }
+
+    /// Planned optimizer steps for `data`.
+    ///
+    /// # Errors
+    /// Neither `max_steps` nor a known epoch length.
+    pub fn total_steps<B>(&self, data: &dyn BatchSource<B>) -> Result<u64> {
+        let per_epoch = data.batches_per_epoch().map(|b| b.div_ceil(self.cfg.gradient_accumulation_steps as u64));
+        match (self.cfg.max_steps, per_epoch) {
+            (Some(m), Some(p)) => Ok(m.min(p * self.cfg.epochs.max(1))),
+            (Some(m), None) => Ok(m),
+            (None, Some(p)) => Ok(p * self.cfg.epochs),
+            (None, None) => Err(TrainError::Invalid {
+                what: "max_steps".into(),
+                value: "unset".into(),
+                hint: "the loader does not know its length; set max_steps (max_train_steps)".into(),
+            }),
+        }
+    }
+
+    /// Trains `task` on `data` until the planned steps are done or a callback stops the run.
+    ///
+    /// # Errors
+    /// Invalid settings, a non-finite loss under the `Stop` policy, OOM even at one sample per
+    /// micro-batch, checkpoint I/O errors, or errors from the task, loader or callbacks.
+    pub fn fit(&mut self, task: &mut S, data: &mut dyn BatchSource<S::Batch>, resume: Resume) -> Result<TrainReport> {
+        self.cfg.validate()?;
+        let cfg = self.cfg.clone();
+        let started = Instant::now();
+        if cfg.track_cpu_memory {
+            sys::install_counting_cpu_allocator()?;
+            sys::cpu_reset_peak()?;
+        }
+        if let Device::Cuda(i) = cfg.device {
+            let _ = sys::cuda_reset_peak(i)?;
+        }
+        let total = self.total_steps(data)?;
+        let opt = cfg.optimizer.build(task.param_groups(), cfg.lr)?;
+        let params = opt.params();
+        let mut run = Run {
+            params,
+            opt,
+            sched: Scheduler::new(cfg.scheduler.clone(), cfg.lr, cfg.warmup_steps, total)?,
+            scaler: if cfg.precision.uses_loss_scaling() { Some(GradScaler::new(cfg.device)?) } else { None },
+            counters: TrainerCounters { micro_batch_split: 1, lr_factor: 1.0, ..Default::default() },
+            ckpt: cfg.checkpoint_dir.as_ref().map(|d| CheckpointManager::new(d, cfg.keep_last)),
+            last_saved: None,
+            report: TrainReport::default(),
+            cfg: &cfg,
+        };
+        let resume_from = match resume {
+            Resume::No => None,
+            Resume::From(p) => Some(p),
+            Resume::Latest => match &run.ckpt {
+                Some(m) => m.latest()?,
+                None => {
+                    return Err(TrainError::Invalid {
+                        what: "resume".into(),
+                        value: "latest".into(),
+                        hint: "set checkpoint_dir to resume from its newest checkpoint".into(),
+                    });
+                }
+            },
+        };
+        match resume_from {
+            Some(path) => self.restore(&path, task, data, &mut run)?,
+            None => {
+                if let Some(seed) = cfg.seed {
+                    sys::manual_seed(seed)?;
+                }
+            }
+        }
+        for c in self.callbacks.iter_mut() {
+            c.on_start(total, run.counters.step)?;
+        }
+        let mut last_info: Option<StepInfo> = None;
+        let mut stop = false;
+        while !stop && run.counters.step < total && (run.counters.epoch < cfg.epochs || cfg.max_steps.is_some()) {
+            if run.counters.batches_in_epoch == 0 {
+                data.start_epoch(run.counters.epoch)?;
+            }
+            let mut epoch_ended = false;
+            while run.counters.step < total {
+                let mut batches = Vec::with_capacity(cfg.gradient_accumulation_steps);
+                while batches.len() < cfg.gradient_accumulation_steps {
+                    match data.next_batch()? {
+                        Some(b) => batches.push(b),
+                        None => break,
+                    }
+                }
+                if batches.is_empty() {
+                    epoch_ended = true;
+                    break;
+                }
+                run.counters.batches_in_epoch += batches.len() as u64;
+                let info = self.one_step(task, &batches, &mut run, total, started)?;
+                drop(batches);
+                let mut control = Control::Continue;
+                for c in self.callbacks.iter_mut() {
+                    control = control.merge(c.on_step(&info)?);
+                }
+                last_info = Some(info);
+                let every = cfg.save_every_n_steps.is_some_and(|n| n > 0 && run.counters.step % n == 0);
+                if every || control != Control::Continue {
+                    self.checkpoint(task, data, &mut run)?;
+                }
+                if control == Control::Stop {
+                    stop = true;
+                    run.report.stopped_early = run.counters.step < total;
+                    break;
+                }
+            }
+            if stop {
+                break;
+            }
+            if !epoch_ended {
+                // Reached the planned steps mid-epoch.
+                break;
+            }
+            let finished_epoch = run.counters.epoch;
+            run.counters.epoch += 1;
+            run.counters.batches_in_epoch = 0;
+            run.report.epochs = run.counters.epoch;
+            let mut control = Control::Continue;
+            for c in self.callbacks.iter_mut() {
+                control = control.merge(c.on_epoch(finished_epoch, last_info.as_ref())?);
+            }
+            let every = cfg.save_every_n_epochs.is_some_and(|n| n > 0 && run.counters.epoch % n == 0);
+            if every || control != Control::Continue {
+                self.checkpoint(task, data, &mut run)?;
+            }
+            if control == Control::Stop {
+                run.report.stopped_early = run.counters.step < total;
+                break;
+            }
+            if cfg.max_steps.is_none() && run.counters.epoch >= cfg.epochs {
+                break;
+            }
+        }
+        if run.ckpt.is_some() && run.last_saved != Some(run.counters.step) && run.counters.step > 0 {
+            self.checkpoint(task, data, &mut run)?;
+        }
+        let mut report = std::mem::take(&mut run.report);
+        report.steps = run.counters.step;
+        report.epochs = run.counters.epoch;
+        report.skipped_steps = run.counters.skipped_steps;
+        report.oom_backoffs = run.counters.oom_backoffs;
+        report.micro_batch_split = run.counters.micro_batch_split;
+        report.samples = run.counters.samples;
+        report.tokens = run.counters.tokens;
+        report.elapsed_s = started.elapsed().as_secs_f64();
+        report.peak_bytes = mem_snapshot(cfg.device, cfg.track_cpu_memory).peak_bytes();
+        for c in self.callbacks.iter_mut() {
+            c.on_end(&report)?;
+        }
+        Ok(report)
+    }
+
+    fn restore(&mut self, path: &Path, task: &mut S, data: &mut dyn BatchSource<S::Batch>, run: &mut Run<'_>) -> Result<()> {
+        let ck = Checkpoint::read_from(path)?;
+        {
+            let _ng = tch::no_grad_guard();
+            for (name, t) in task.named_trainable() {
+                let src = ck.adapter.iter().find(|(n, _)| *n == name).map(|(_, t)| t).ok_or_else(|| {
+                    TrainError::State {
+                        what: "checkpoint".into(),
+                        message: format!("`{}` has no tensor `{name}`; was it written by another model or LoRA config?", path.display()),
+                    }
+                })?;
+                if src.size() != t.size() {
+                    return Err(TrainError::State {
+                        what: "checkpoint".into(),
+                        message: format!("`{name}` is {:?} in `{}` but {:?} here", src.size(), path.display(), t.size()),
+                    });
+                }
+                let mut dst = t.shallow_clone();
+                dst.f_copy_(&src.f_to_device(t.device())?.f_to_kind(t.kind())?)?;
+            }
+        }
+        run.opt.load_state_dict(&ck.optimizer)?;
+        run.counters = ck.counters.clone();
+        if run.counters.micro_batch_split == 0 {
+            run.counters.micro_batch_split = 1;
+        }
+        sys::set_rng_state(Device::Cpu, &ck.rng_cpu)?;
+        if let (Device::Cuda(i), Some(st)) = (self.cfg.device, &ck.rng_cuda) {
+            sys::set_rng_state(Device::Cuda(i), st)?;
+        }
+        if let (Some(s), Some(st)) = (run.scaler.as_mut(), ck.scaler) {
+            s.load_state(st)?;
+        }
+        data.load_state(&ck.loader)?;
+        run.last_saved = Some(run.counters.step);
+        run.report.resumed_from = Some(run.counters.step);
+        run.report.last_checkpoint = Some(path.to_path_buf());
+        emit(&mut self.callbacks, &TrainEvent::Resumed { step: run.counters.step, path: path.display().to_string() })
+    }
+
+    fn checkpoint(&mut self, task: &S, data: &dyn BatchSource<S::Batch>, run: &mut Run<'_>) -> Result<()> {
+        let Some(mgr) = run.ckpt.clone() else { return Ok(()) };
+        let ck = Checkpoint {
+            adapter: task.named_trainable(),
+            optimizer: run.opt.state_dict()?,
+            scheduler: Some(run.sched.clone()),
+            counters: run.counters.clone(),
+            rng_cpu: sys::rng_state(Device::Cpu)?,
+            rng_cuda: match self.cfg.device {
+                Device::Cuda(i) => Some(sys::rng_state(Device::Cuda(i))?),
+                _ => None,
+            },
+            loader: data.state(),
+            config: self.cfg.run_config.clone(),
+            scaler: run.scaler.as_ref().map(|s| s.state()).transpose()?,
+        };
+        match mgr.save(&ck) {
+            Ok(path) => {
+                run.last_saved = Some(run.counters.step);
+                run.report.last_checkpoint = Some(path.clone());
+                for c in self.callbacks.iter_mut() {
+                    // A checkpoint callback's Control is advisory only.
+                    let _ = c.on_checkpoint(run.counters.step, &path)?;
+                }
+                Ok(())
+            }
+            Err(TrainError::State { message, .. }) if message.contains("NaN/Inf") => {
+                run.last_saved = Some(run.counters.step);
+                emit(&mut self.callbacks, &TrainEvent::CheckpointRefused { step: run.counters.step, reason: message })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn forward_backward(&self, task: &mut S, batches: &[S::Batch], split: usize, scaler: Option<&GradScaler>) -> Result<StepOutcome> {
+        let lens: Vec<usize> = batches.iter().map(|b| task.micro_batch_len(b)).collect();
+        let total_len: usize = lens.iter().sum();
+        let samples = total_len as u64;
+        let tokens: u64 = batches.iter().map(|b| task.batch_tokens(b)).sum();
+        let n_pieces = batches.len() * split;
+        let mut loss_sum = 0.0;
+        for b in batches {
+            let pieces = if split > 1 { Some(task.split_batch(b, split)?) } else { None };
+            let list: Vec<&S::Batch> = match &pieces {
+                Some(p) => p.iter().collect(),
+                None => vec![b],
+            };
+            for piece in list {
+                let w = if total_len > 0 {
+                    task.micro_batch_len(piece) as f64 / total_len as f64
+                } else {
+                    1.0 / n_pieces as f64
+                };
+                let loss = {
+                    let _ac = self.cfg.precision.autocast(self.cfg.device)?;
+                    task.loss(piece, true)?
+                };
+                let lv = loss.f_double_value(&[])?;
+                if !lv.is_finite() {
+                    return Ok(StepOutcome::NonFiniteLoss { value: lv, samples, tokens });
+                }
+                let mut scaled = loss.f_to_kind(Kind::Float)?.f_mul_scalar(w)?;
+                if let Some(s) = scaler {
+                    scaled = s.scale_loss(&scaled)?;
+                }
+                scaled.f_backward()?;
+                loss_sum += lv * w;
+            }
+        }
+        Ok(StepOutcome::Done { loss: loss_sum, samples, tokens })
+    }
+
+    fn one_step(&mut self, task: &mut S, batches: &[S::Batch], run: &mut Run<'_>, total: u64, started: Instant) -> Result<StepInfo> {
+        let t0 = Instant::now();
+        let step_no = run.counters.step + 1;
+        let outcome = loop {
+            run.opt.zero_grad()?;
+            match self.forward_backward(task, batches, run.counters.micro_batch_split, run.scaler.as_ref()) {
+                Ok(o) => break o,
+                Err(e) if e.is_oom() && run.cfg.oom_backoff => {
+                    run.opt.zero_grad()?;
+                    let _ = sys::cuda_empty_cache();
+                    let min_len = batches.iter().map(|b| task.micro_batch_len(b)).min().unwrap_or(1);
+                    let next = run.counters.micro_batch_split * 2;
+                    if next > min_len || next > run.cfg.max_micro_batch_split {
+                        return Err(TrainError::OutOfMemory {
+                            step: step_no,
+                            micro_batch: min_len / run.counters.micro_batch_split.max(1),
+                            message: e.to_string(),
+                        });
+                    }
+                    run.counters.micro_batch_split = next;
+                    run.counters.oom_backoffs += 1;
+                    emit(&mut self.callbacks, &TrainEvent::OomBackoff { step: step_no, micro_batch_split: next, message: e.to_string() })?;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let lr = run.sched.lr_at(run.counters.step) * run.counters.lr_factor;
+        let (loss, samples, tokens, grad_norm, skipped) = match outcome {
+            StepOutcome::NonFiniteLoss { value, samples, tokens } => {
+                self.non_finite(run, step_no, "loss", value)?;
+                (value, samples, tokens, None, true)
+            }
+            StepOutcome::Done { loss, samples, tokens } => {
+                let mut overflow = false;
+                if let Some(s) = run.scaler.as_mut() {
+                    overflow = s.unscale(&run.params)?;
+                    if overflow {
+                        s.update(true)?;
+                        let scale = s.scale_value()?;
+                        emit(&mut self.callbacks, &TrainEvent::ScalerOverflow { step: step_no, scale })?;
+                    }
+                }
+                if overflow {
+                    run.counters.skipped_steps += 1;
+                    (loss, samples, tokens, None, true)
+                } else {
+                    let norm = global_grad_norm(&run.params)?;
+                    if !norm.is_finite() {
+                        self.non_finite(run, step_no, "grad_norm", norm)?;
+                        (loss, samples, tokens, Some(norm), true)
+                    } else {
+                        if let Some(m) = run.cfg.max_grad_norm {
+                            clip_grads(&run.params, norm, m)?;
+                        }
+                        run.opt.set_lr(lr);
+                        run.opt.step()?;
+                        if let Some(s) = run.scaler.as_mut() {
+                            s.update(false)?;
+                        }
+                        (loss, samples, tokens, Some(norm), false)
+                    }
+                }
+            }
+        };
+        run.opt.zero_grad()?;
+        run.counters.step = step_no;
+        run.counters.samples += samples;
+        run.counters.tokens += tokens;
+        run.report.losses.push((step_no, loss));
+        run.report.final_loss = Some(loss);
+        let dt = t0.elapsed().as_secs_f64().max(1e-9);
+        Ok(StepInfo {
+            step: step_no,
+            total_steps: total,
+            epoch: run.counters.epoch,
+            loss,
+            lr,
+            grad_norm,
+            skipped,
+            grad_accum: run.cfg.gradient_accumulation_steps,
+            micro_batch_split: run.counters.micro_batch_split,
+            samples,
+            tokens,
+            step_time_s: dt,
+            it_per_s: 1.0 / dt,
+            tokens_per_s: tokens as f64 / dt,
+            elapsed_s: started.elapsed().as_secs_f64(),
+            mem: mem_snapshot(run.cfg.device, run.cfg.track_cpu_memory),
+        })
+    }
+
+    fn non_finite(&mut self, run: &mut Run<'_>, step: u64, what: &'static str, value: f64) -> Result<()> {
+        let action = match run.cfg.non_finite {
+            NonFinitePolicy::Skip => "skip",
+            NonFinitePolicy::LowerLr { .. } => "lower_lr",
+            NonFinitePolicy::Stop => "stop",
+        };
+        emit(&mut self.callbacks, &TrainEvent::NonFinite { step, what: what.into(), value, action: action.into() })?;
+        run.opt.zero_grad()?;
+        match run.cfg.non_finite {
+            NonFinitePolicy::Stop => Err(TrainError::NonFinite { what, step, value }),
+            NonFinitePolicy::Skip => {
+                run.counters.skipped_steps += 1;
+                Ok(())
+            }
+            NonFinitePolicy::LowerLr { factor } => {
+                run.counters.skipped_steps += 1;
+                run.counters.lr_factor *= factor;
+                Ok(())
+            }
+        }
+    }
 }
