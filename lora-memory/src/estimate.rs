@@ -567,7 +567,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     if s.method != Method::Full && sites.is_empty() {
         return Err(no_target_error(&all_sites, s));
     }
-    let mut notes = Vec::new();
+    let notes = Vec::new();
     let tokens = f64::from(s.micro_batch) * f64::from(s.seq_len);
     let seq = f64::from(s.seq_len);
     let h = d.hidden as f64;
