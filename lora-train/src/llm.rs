@@ -673,7 +673,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let t_start = std::time::Instant::now();
     let say = |s: &str| {
         if opts.verbose {
-            eprintln!("{s}");
+            eprintln!("[{:6.1} s] {s}", t_start.elapsed().as_secs_f64());
         }
     };
     // Count tensor bytes from the start so the weights are in the allocator peak.

@@ -4,7 +4,12 @@
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
+mod convert;
 mod doctor;
+mod eval;
+mod generate;
+mod merge;
+mod model;
 mod plan;
 mod train;
 
@@ -70,6 +75,91 @@ pub enum Command {
     },
     /// Report libtorch, CUDA/GPU, CPU, RAM and disk.
     Doctor,
+    /// Convert an adapter between PEFT (folder) and kohya (single .safetensors file).
+    #[command(alias = "export")]
+    Convert {
+        /// A PEFT folder (adapter_config.json + adapter_model.safetensors) or a kohya file.
+        #[arg(long, short)]
+        input: PathBuf,
+        /// Output format.
+        #[arg(long, value_enum)]
+        to: Format,
+        /// Output folder (PEFT) or .safetensors file (kohya).
+        #[arg(long, short)]
+        output: PathBuf,
+    },
+    /// Merge an adapter into its base and write the merged weights (safetensors, HF names).
+    Merge {
+        /// Base model (GGUF file).
+        #[arg(long, short)]
+        model: PathBuf,
+        /// Adapter (PEFT folder or kohya file).
+        #[arg(long, short)]
+        adapter: PathBuf,
+        /// Output .safetensors file.
+        #[arg(long, short)]
+        output: PathBuf,
+    },
+    /// Perplexity of a text file under the base model, with or without an adapter.
+    Eval {
+        /// Base model (GGUF file or HF folder).
+        #[arg(long, short)]
+        model: PathBuf,
+        /// Adapter (PEFT folder or kohya file).
+        #[arg(long, short)]
+        adapter: Option<PathBuf>,
+        /// UTF-8 text file.
+        #[arg(long, short)]
+        text: PathBuf,
+        /// Window length in tokens.
+        #[arg(long, default_value_t = 256)]
+        max_length: usize,
+        /// Stride between windows (default: the window length, i.e. disjoint windows).
+        #[arg(long)]
+        stride: Option<usize>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate text from a prompt (optionally as a ChatML user turn), with or without an adapter.
+    Generate {
+        /// Base model (GGUF file or HF folder).
+        #[arg(long, short)]
+        model: PathBuf,
+        /// Adapter (PEFT folder or kohya file).
+        #[arg(long, short)]
+        adapter: Option<PathBuf>,
+        /// The prompt.
+        #[arg(long, short)]
+        prompt: String,
+        /// Wrap the prompt in the ChatML template (user turn, then the assistant turn opens).
+        #[arg(long)]
+        chat: bool,
+        /// System message for --chat.
+        #[arg(long)]
+        system: Option<String>,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// Temperature (0 = greedy).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Nucleus sampling threshold.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        /// Sampler seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+/// Adapter file formats.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Format {
+    /// PEFT folder.
+    Peft,
+    /// kohya single file.
+    Kohya,
 }
 
 /// An error with its exit code.
@@ -119,6 +209,31 @@ pub fn main() -> i32 {
         Command::Train { config, resume, force } => train::run(&config, resume, force),
         Command::Plan { config, gpu, budget, json } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json),
         Command::Doctor => doctor::run(),
+        Command::Convert { input, to, output } => convert::run(
+            &input,
+            match to {
+                Format::Peft => lora_train::config::ExportFormat::Peft,
+                Format::Kohya => lora_train::config::ExportFormat::Kohya,
+            },
+            &output,
+        ),
+        Command::Merge { model, adapter, output } => merge::run(&model, &adapter, &output),
+        Command::Eval { model, adapter, text, max_length, stride, json } => {
+            eval::run(&model, adapter.as_deref(), &text, max_length, stride, json)
+        }
+        Command::Generate { model, adapter, prompt, chat, system, max_new_tokens, temperature, top_p, seed } => {
+            generate::run(&generate::GenerateArgs {
+                model: &model,
+                adapter: adapter.as_deref(),
+                prompt: &prompt,
+                chat,
+                system: system.as_deref(),
+                max_new_tokens,
+                temperature,
+                top_p,
+                seed,
+            })
+        }
     };
     match result {
         Ok(code) => code,
