@@ -240,6 +240,24 @@ struct Prepared {
 /// Sites, named as in HF transformers so that a PEFT adapter maps 1:1: `model.embed_tokens`,
 /// `model.layers.N.self_attn.{q,k,v,o}_proj`, `model.layers.N.mlp.{gate,up,down}_proj`, and
 /// `lm_head` when the head is not tied to the embedding.
+///
+/// ```no_run
+/// # fn main() -> lora_models::Result<()> {
+/// use lora_models::llama::{GenerateOptions, Llama, WeightMode};
+/// use lora_models::tokenizer::load_tokenizer_from_gguf;
+/// use tch::{Device, Tensor};
+///
+/// let path = "assets/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// let model = Llama::from_gguf(path, WeightMode::KeepQuantized, Device::Cpu)?;
+/// let tok = load_tokenizer_from_gguf(path)?;
+/// let ids = tok.encode("Once upon a time", true)?;
+/// let x = Tensor::from_slice(&ids).view([1, -1]);
+/// let logits = model.forward_t(&x, None, None, false)?; // [1, 4, 49152] f32
+/// let nll = model.loss(&x, &x, None, None, false)?; // mean next-token NLL
+/// let out = model.generate(&ids, &GenerateOptions { max_new_tokens: 16, ..Default::default() })?;
+/// println!("{:?} {} {}", logits.size(), nll.double_value(&[]), tok.decode(&out.tokens, true)?);
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Llama {
     config: LlamaConfig,
