@@ -125,6 +125,7 @@ struct Job<B> {
     plan: Arc<Vec<Vec<usize>>>,
     start: usize,
     epoch: u64,
+    seed: u64,
     tx: SyncSender<Result<B>>,
 }
 
@@ -227,7 +228,8 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
     }
 
     /// Moves to `state` (e.g. from a checkpoint). The next [`Loader::epoch`] starts at batch
-    /// `state.step` of epoch `state.epoch` in the order of `state.seed`.
+    /// `state.step` of epoch `state.epoch` in the order of `state.seed`; a `step` equal to the
+    /// number of batches means the epoch is done and moves to the next epoch's step 0.
     ///
     /// # Errors
     /// [`Error::Config`] when `state.step` is beyond the number of batches of that epoch.
@@ -244,7 +246,15 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
                 ),
             ));
         }
-        self.state = state;
+        self.state = if state.step == n && n > 0 {
+            LoaderState {
+                epoch: state.epoch + 1,
+                step: 0,
+                seed: state.seed,
+            }
+        } else {
+            state
+        };
         Ok(())
     }
 
@@ -261,7 +271,7 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
     fn plan_for(&self, seed: u64, epoch: u64) -> Vec<Vec<usize>> {
         let n = self.dataset.len();
         let bs = self.config.batch_size;
-        let mut rng = Rng::derived(&[seed, epoch, 0x6f72_6465_72]);
+        let mut rng = Rng::derived(&[seed, epoch, 0x006f_7264_6572]);
         let mut indices: Vec<usize> = (0..n).collect();
         if self.config.shuffle {
             rng.shuffle(&mut indices);
@@ -309,6 +319,7 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
                     plan: Arc::clone(&plan),
                     start: start + w,
                     epoch: self.state.epoch,
+                    seed: self.state.seed,
                     tx,
                 };
                 // A send fails only when the worker is gone; the receive below reports it.
@@ -339,11 +350,10 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
             let (job_tx, job_rx) = mpsc::channel::<Job<C::Batch>>();
             let dataset = Arc::clone(&self.dataset);
             let collate = Arc::clone(&self.collate);
-            let seed = self.state.seed;
             let stride = n;
             let spawned = std::thread::Builder::new()
                 .name(format!("lora-data-worker-{w}"))
-                .spawn(move || worker_loop(&*dataset, &*collate, job_rx, seed, stride));
+                .spawn(move || worker_loop(&*dataset, &*collate, job_rx, stride));
             match spawned {
                 Ok(h) => {
                     jobs.push(job_tx);
@@ -364,13 +374,12 @@ fn worker_loop<D: Dataset, C: Collate<D::Item>>(
     dataset: &D,
     collate: &C,
     jobs: Receiver<Job<C::Batch>>,
-    seed: u64,
     stride: usize,
 ) {
     for job in jobs {
         let mut k = job.start;
         while k < job.plan.len() {
-            let batch = load_batch(dataset, collate, &job.plan[k], seed, job.epoch);
+            let batch = load_batch(dataset, collate, &job.plan[k], job.seed, job.epoch);
             if job.tx.send(batch).is_err() {
                 break; // the consumer dropped this epoch
             }
@@ -644,6 +653,50 @@ mod tests {
                     seed: 42
                 })
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn persistent_workers_follow_a_restored_seed_and_finished_epochs_roll_over() {
+        let cfg = LoaderConfig {
+            batch_size: 3,
+            num_workers: 2,
+            persistent_workers: true,
+            ..LoaderConfig::default()
+        };
+        let (mut l, _) = loader(12, 1, cfg.clone());
+        let _ = collect(&mut l); // workers now exist, spawned under seed 42
+        let st = LoaderState {
+            epoch: 3,
+            step: 0,
+            seed: 7,
+        };
+        l.restore(st).unwrap();
+        let got = collect(&mut l);
+        let (mut fresh, _) = loader(
+            12,
+            1,
+            LoaderConfig {
+                num_workers: 0,
+                ..cfg
+            },
+        );
+        fresh.restore(st).unwrap();
+        assert_eq!(got, collect(&mut fresh));
+        assert_eq!(got[0][0].1, mix(&[7, 3, got[0][0].0 as u64]));
+        l.restore(LoaderState {
+            epoch: 5,
+            step: 4,
+            seed: 7,
+        })
+        .unwrap();
+        assert_eq!(
+            l.state(),
+            LoaderState {
+                epoch: 6,
+                step: 0,
+                seed: 7
+            }
         );
     }
 

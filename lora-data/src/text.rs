@@ -479,7 +479,7 @@ impl TextDataset {
         }
         let n = self.docs.len();
         let mut order: Vec<usize> = (0..n).collect();
-        Rng::derived(&[seed, 0x7370_6c69_74]).shuffle(&mut order);
+        Rng::derived(&[seed, 0x0073_706c_6974]).shuffle(&mut order);
         let mut n_val = (fraction * n as f64).round() as usize;
         if fraction > 0.0 && n_val == 0 && n >= 2 {
             n_val = 1;

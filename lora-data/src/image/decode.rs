@@ -108,9 +108,9 @@ fn to_rgb(img: DynamicImage, bg: [u8; 3]) -> RgbImage {
     let mut out = RgbImage::new(w, h);
     for (o, p) in out.pixels_mut().zip(rgba.pixels()) {
         let a = p.0[3] as u32;
-        for c in 0..3 {
+        for ((o, &c), &b) in o.0.iter_mut().zip(&p.0[..3]).zip(&bg) {
             // round(c·a/255 + bg·(255−a)/255) in integers
-            o.0[c] = ((p.0[c] as u32 * a + bg[c] as u32 * (255 - a) + 127) / 255) as u8;
+            *o = ((c as u32 * a + b as u32 * (255 - a) + 127) / 255) as u8;
         }
     }
     out
