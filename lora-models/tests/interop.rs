@@ -66,6 +66,11 @@ fn logits_and_token_ids_match_transformers() {
             .unwrap();
     let extra = json["extra"].as_object().unwrap();
     assert!(extra.len() >= 6);
+    // and transformers' tokenizer saved as tokenizer.json, read by `load_tokenizer`
+    let from_json =
+        lora_models::tokenizer::load_tokenizer(out.path().join("tokenizer/tokenizer.json"))
+            .unwrap();
+    assert_eq!(from_json.token_to_id("<|im_end|>"), Some(2));
     for (text, ids) in extra {
         let want: Vec<i64> = ids
             .as_array()
@@ -77,6 +82,15 @@ fn logits_and_token_ids_match_transformers() {
             tok.encode(text, false).unwrap(),
             want,
             "token ids of {text:?}"
+        );
+        assert_eq!(
+            from_json.encode(text, false).unwrap(),
+            want,
+            "tokenizer.json ids of {text:?}"
+        );
+        assert_eq!(
+            from_json.decode(&want, false).unwrap(),
+            tok.decode(&want, false).unwrap()
         );
     }
 

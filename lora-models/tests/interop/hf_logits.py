@@ -6,7 +6,8 @@ GGUF tokenizer converter builds the tokenizer from the file's vocabulary and mer
 
 Usage: hf_logits.py --gguf PATH --out DIR
 Writes DIR/reference.safetensors with, for each case N, `ids.N` (int64 [1, s]) and `logits.N`
-(float32 [1, s, vocab]), and DIR/tokens.json {"cases": [...texts], "extra": {text: ids}}.
+(float32 [1, s, vocab]), DIR/tokens.json {"cases": [...texts], "extra": {text: ids}}, and the
+tokenizer saved by transformers under DIR/tokenizer/ (tokenizer.json).
 """
 
 import argparse
@@ -52,6 +53,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     save_file(tensors, os.path.join(a.out, "reference.safetensors"))
     extra = {t: tok(t, add_special_tokens=False).input_ids for t in EXTRA + CASES}
+    # the same tokenizer as an HF tokenizer.json, for `load_tokenizer`
+    tok.save_pretrained(os.path.join(a.out, "tokenizer"))
     with open(os.path.join(a.out, "tokens.json"), "w") as f:
         json.dump({"cases": CASES, "extra": extra}, f, ensure_ascii=False)
 
