@@ -5,8 +5,8 @@
 //! - [`ModelDescriptor`]: shapes and parameter counts from a preset, an HF `config.json`, a GGUF
 //!   header or a safetensors header;
 //! - [`Settings`]: everything about the run that changes memory;
-//! - [`estimate`]: the peak, term by term ([`Breakdown`]), for a stated [`Metric`];
-//! - [`fit`]: walk the usual ladder of changes until the run fits a [`Budget`];
+//! - [`estimate()`]: the peak, term by term ([`Breakdown`]), for a stated [`Metric`];
+//! - [`fit()`]: walk the usual ladder of changes until the run fits a [`Budget`];
 //! - [`max_micro_batch`]: the largest micro-batch that fits the memory free right now.
 //!
 //! ```

@@ -229,7 +229,7 @@ pub struct Profile {
     /// fp32 logits exists at a time.
     pub chunked_cross_entropy: bool,
     /// Batches are padded per batch to varying lengths (unpacked datasets): the caching allocator
-    /// cannot reuse blocks across shapes, see [`crate::estimate`]'s allocator term.
+    /// cannot reuse blocks across shapes, see [`crate::estimate::ALLOCATOR_FRAGMENTATION_VARIABLE`].
     pub variable_length: bool,
     /// GQA keys/values are expanded to all heads before attention (HF `repeat_kv`).
     pub repeat_kv: bool,
