@@ -392,6 +392,9 @@ pub struct RunOptions {
     pub force: bool,
     /// Print progress and the report to stderr/stdout.
     pub verbose: bool,
+    /// `None`: start fresh; `Some(None)`: resume from the newest checkpoint of the run's output
+    /// folder; `Some(Some(dir))`: resume from that checkpoint.
+    pub resume: Option<Option<PathBuf>>,
 }
 
 /// Held-out evaluation of the model.
@@ -643,23 +646,231 @@ pub fn load_base(
     }
 }
 
-fn lr_factor(cfg: &TrainConfig, step: u64, total: u64) -> f64 {
-    use crate::config::SchedulerKind as S;
-    let w = cfg.train.warmup_steps;
-    if step < w && !matches!(cfg.train.lr_scheduler, S::Constant) {
-        return (step + 1) as f64 / w as f64;
+
+/// The causal-LM [`crate::trainer::TrainStep`]: a LLaMA-family model with LoRA adapters and
+/// packed text batches; loss = mean next-token NLL over labels ≠ −100 ([`lora_models::llama::Llama::loss`]).
+pub struct LlamaTask<'a> {
+    /// The model (adapters injected).
+    pub model: &'a lora_models::llama::Llama,
+    /// Adapter tensors by VarStore name (`<module>.lora_A.default.weight`, …), sorted.
+    pub named: Vec<(String, tch::Tensor)>,
+    /// LoRA+ ratio for the B matrices, if any.
+    pub loraplus_lr_ratio: Option<f64>,
+}
+
+fn model_err(e: lora_models::Error) -> crate::trainer::TrainError {
+    match e {
+        lora_models::Error::Torch(t) => crate::trainer::TrainError::Torch(t),
+        other => crate::trainer::TrainError::App(other.to_string()),
     }
-    let progress = if total > w { (step - w.min(step)) as f64 / (total - w) as f64 } else { 1.0 };
-    match cfg.train.lr_scheduler {
-        S::Constant | S::ConstantWithWarmup => 1.0,
-        S::Linear => (1.0 - progress).max(0.0),
-        S::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
-        S::CosineWithRestarts => {
-            let c = f64::from(cfg.train.num_cycles.max(1));
-            0.5 * (1.0 + (std::f64::consts::PI * ((c * progress) % 1.0)).cos())
+}
+
+impl crate::trainer::TrainStep for LlamaTask<'_> {
+    type Batch = lora_data::text::TextBatch;
+
+    fn loss(&mut self, b: &Self::Batch, train: bool) -> crate::trainer::Result<tch::Tensor> {
+        let d = self.model.device();
+        let ids = b.input_ids.f_to_device(d)?;
+        let labels = b.labels.f_to_device(d)?;
+        let mask = b.attention_mask.f_to_device(d)?;
+        let pos = b.position_ids.f_to_device(d)?;
+        self.model.loss(&ids, &labels, Some(&mask), Some(&pos), train).map_err(model_err)
+    }
+
+    fn named_trainable(&self) -> Vec<(String, tch::Tensor)> {
+        self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+    }
+
+    fn param_groups(&self) -> Vec<crate::optim::ParamGroup> {
+        match self.loraplus_lr_ratio {
+            Some(r) => crate::optim::lora_plus_groups(self.named_trainable(), r),
+            None => vec![crate::optim::ParamGroup::new("adapters", self.named.iter().map(|(_, t)| t.shallow_clone()).collect())],
         }
-        S::Polynomial => (1.0 - progress).max(0.0).powf(cfg.train.power),
     }
+
+    fn micro_batch_len(&self, b: &Self::Batch) -> usize {
+        b.input_ids.size().first().copied().unwrap_or(0).max(0) as usize
+    }
+
+    fn split_batch(&self, b: &Self::Batch, parts: usize) -> crate::trainer::Result<Vec<Self::Batch>> {
+        let n = parts.max(1) as i64;
+        let ids = b.input_ids.f_chunk(n, 0)?;
+        let labels = b.labels.f_chunk(n, 0)?;
+        let mask = b.attention_mask.f_chunk(n, 0)?;
+        let pos = b.position_ids.f_chunk(n, 0)?;
+        let docs = match &b.doc_ids {
+            Some(t) => Some(t.f_chunk(n, 0)?),
+            None => None,
+        };
+        let mut out = Vec::new();
+        for i in 0..ids.len() {
+            out.push(lora_data::text::TextBatch {
+                input_ids: ids[i].shallow_clone(),
+                labels: labels[i].shallow_clone(),
+                attention_mask: mask[i].shallow_clone(),
+                position_ids: pos[i].shallow_clone(),
+                doc_ids: docs.as_ref().map(|d| d[i].shallow_clone()),
+            });
+        }
+        Ok(out)
+    }
+
+    fn batch_tokens(&self, b: &Self::Batch) -> u64 {
+        b.attention_mask.f_sum(tch::Kind::Int64).and_then(|t| t.f_int64_value(&[])).unwrap_or(0).max(0) as u64
+    }
+}
+
+/// The trainer's batch source over lora-data's text loader: the loader's seeded per-epoch plan,
+/// batches built in the training thread; the position (epoch, batch index) is checkpointed.
+pub struct TextSource {
+    loader: lora_data::loader::Loader<lora_data::text::TextDataset, lora_data::text::TextCollate>,
+    collate: lora_data::text::TextCollate,
+    plan: Vec<Vec<usize>>,
+    epoch: u64,
+    next: usize,
+}
+
+impl TextSource {
+    /// Wraps a loader.
+    pub fn new(loader: lora_data::loader::Loader<lora_data::text::TextDataset, lora_data::text::TextCollate>) -> Self {
+        let collate = loader.dataset().collate();
+        TextSource { loader, collate, plan: Vec::new(), epoch: 0, next: 0 }
+    }
+}
+
+fn data_err(e: lora_data::Error) -> crate::trainer::TrainError {
+    crate::trainer::TrainError::App(format!("data: {e}"))
+}
+
+impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
+    fn start_epoch(&mut self, epoch: u64) -> crate::trainer::Result<()> {
+        self.plan = self.loader.plan(epoch);
+        self.epoch = epoch;
+        self.next = 0;
+        Ok(())
+    }
+
+    fn next_batch(&mut self) -> crate::trainer::Result<Option<lora_data::text::TextBatch>> {
+        use lora_data::loader::{Collate, Dataset};
+        let Some(idx) = self.plan.get(self.next) else { return Ok(None) };
+        let items = idx.iter().map(|&i| self.loader.dataset().get(i)).collect::<std::result::Result<Vec<_>, _>>().map_err(data_err)?;
+        self.next += 1;
+        self.collate.collate(items).map(Some).map_err(data_err)
+    }
+
+    fn batches_per_epoch(&self) -> Option<u64> {
+        Some(self.loader.batches_per_epoch() as u64)
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({"epoch": self.epoch, "next": self.next, "rows": lora_data::loader::Dataset::len(self.loader.dataset())})
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::trainer::Result<()> {
+        let bad = |m: &str| crate::trainer::TrainError::State { what: "loader position".into(), message: m.into() };
+        let rows = state["rows"].as_u64().ok_or_else(|| bad("no row count"))?;
+        if rows != lora_data::loader::Dataset::len(self.loader.dataset()) as u64 {
+            return Err(bad(&format!("the checkpoint was taken over {rows} rows, this dataset has {}; resume with the same data and seq_len", lora_data::loader::Dataset::len(self.loader.dataset()))));
+        }
+        let epoch = state["epoch"].as_u64().ok_or_else(|| bad("no epoch"))?;
+        let next = state["next"].as_u64().ok_or_else(|| bad("no batch index"))? as usize;
+        self.start_epoch(epoch)?;
+        self.next = next.min(self.plan.len());
+        Ok(())
+    }
+}
+
+/// Writes one JSON line per logged step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`,
+/// memory) to a file.
+pub struct MetricsJsonl {
+    file: std::fs::File,
+    every: u64,
+}
+
+impl MetricsJsonl {
+    /// Creates (truncates) `path`, logging every `every` steps.
+    ///
+    /// # Errors
+    /// [`JobError::Runtime`] when the file cannot be created.
+    pub fn create(path: &Path, every: u64) -> Result<Self> {
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).map_err(rt(&format!("creating {}", d.display())))?;
+        }
+        let file = std::fs::File::create(path).map_err(rt(&format!("creating {}", path.display())))?;
+        Ok(MetricsJsonl { file, every: every.max(1) })
+    }
+}
+
+impl crate::callbacks::Callback for MetricsJsonl {
+    fn on_step(&mut self, i: &crate::callbacks::StepInfo) -> crate::trainer::Result<crate::callbacks::Control> {
+        use std::io::Write;
+        if i.step % self.every == 0 || i.step == i.total_steps {
+            let v = serde_json::json!({
+                "step": i.step, "epoch": i.epoch, "loss": i.loss, "lr": i.lr, "grad_norm": i.grad_norm,
+                "skipped": i.skipped, "tokens_per_s": i.tokens_per_s, "it_per_s": i.it_per_s,
+                "elapsed_s": i.elapsed_s, "rss_bytes": proc_rss().0, "cpu_tensor_peak_bytes": i.mem.cpu_peak_bytes,
+            });
+            writeln!(self.file, "{v}").map_err(|e| crate::trainer::TrainError::Io { op: "write metrics", path: PathBuf::from("metrics.jsonl"), source: e })?;
+        }
+        Ok(crate::callbacks::Control::Continue)
+    }
+}
+
+/// The engine's settings for a config.
+///
+/// # Errors
+/// [`JobError::Runtime`] for settings the engine rejects.
+pub fn trainer_config(cfg: &TrainConfig, device: tch::Device, out_dir: &Path, total_steps: u64) -> Result<crate::trainer::TrainerConfig> {
+    use crate::config::{NanPolicy, SchedulerKind as S};
+    use crate::optim::{AdafactorConfig, AdamWConfig, OptimizerKind as O, SgdConfig};
+    use crate::sched::SchedulerKind as E;
+    let t = &cfg.train;
+    let adamw = AdamWConfig { weight_decay: t.weight_decay, ..AdamWConfig::default() };
+    let optimizer = match t.optimizer {
+        OptimizerKind::AdamW => O::AdamW(adamw),
+        OptimizerKind::AdamW8bit => O::AdamW8bit(adamw),
+        OptimizerKind::Adafactor => O::Adafactor(AdafactorConfig::default()),
+        OptimizerKind::Sgd => O::Sgd(SgdConfig { momentum: t.momentum, weight_decay: t.weight_decay, ..SgdConfig::default() }),
+    };
+    let scheduler = match t.lr_scheduler {
+        S::Constant => E::Constant,
+        S::ConstantWithWarmup => E::ConstantWithWarmup,
+        S::Linear => E::Linear,
+        S::Cosine => E::Cosine { num_cycles: 0.5 },
+        S::CosineWithRestarts => E::CosineWithRestarts { num_cycles: f64::from(t.num_cycles.max(1)) },
+        S::Polynomial => E::Polynomial { lr_end: 1e-7, power: t.power },
+    };
+    let precision = match t.mixed_precision {
+        Precision::No => crate::precision::Precision::Fp32,
+        Precision::Bf16 => crate::precision::Precision::Bf16,
+        Precision::Fp16 => crate::precision::Precision::Fp16,
+        Precision::FullBf16 => crate::precision::Precision::FullBf16,
+    };
+    Ok(crate::trainer::TrainerConfig {
+        lr: t.learning_rate,
+        optimizer,
+        scheduler,
+        warmup_steps: t.warmup_steps,
+        epochs: u64::from(t.epochs),
+        max_steps: Some(total_steps),
+        gradient_accumulation_steps: t.gradient_accumulation_steps.max(1) as usize,
+        max_grad_norm: (t.max_grad_norm > 0.0).then_some(t.max_grad_norm),
+        precision,
+        device,
+        non_finite: match t.nan_policy {
+            NanPolicy::Skip => crate::trainer::NonFinitePolicy::Skip,
+            NanPolicy::LowerLr => crate::trainer::NonFinitePolicy::LowerLr { factor: 0.5 },
+            NanPolicy::Stop => crate::trainer::NonFinitePolicy::Stop,
+        },
+        checkpoint_dir: Some(out_dir.join("checkpoints")),
+        save_every_n_steps: t.save_every_n_steps,
+        save_every_n_epochs: t.save_every_n_epochs.map(u64::from),
+        keep_last: t.keep_last_checkpoints.max(1) as usize,
+        seed: Some(cfg.system.seed),
+        track_cpu_memory: true,
+        run_config: serde_json::to_value(cfg).map_err(rt("serializing the config"))?,
+        ..crate::trainer::TrainerConfig::default()
+    })
 }
 
 /// Runs the causal-LM job: plan (refusing a run predicted not to fit unless forced) → load →
@@ -794,7 +1005,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     }
     let collate = train_ds.collate();
     let micro = cfg.train.batch_size as usize;
-    let mut loader = Loader::new(
+    let loader = Loader::new(
         train_ds,
         collate,
         LoaderConfig {
@@ -827,107 +1038,42 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         None => None,
     };
 
-    // 5. train
+    // 5. train (the engine's Trainer: accumulation, clipping, mixed precision, OOM back-off,
+    // NaN policy, checkpoints, exact resume)
     let out_dir = PathBuf::from(&cfg.train.output_dir);
     std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
-    let params: Vec<tch::Tensor> = vs.trainable_variables();
-    let mut m1: Vec<tch::Tensor> = Vec::new();
-    let mut m2: Vec<tch::Tensor> = Vec::new();
-    for p in &params {
-        m1.push(p.f_zeros_like().map_err(rt("optimizer state"))?);
-        m2.push(p.f_zeros_like().map_err(rt("optimizer state"))?);
+    if cfg.train.gradient_checkpointing {
+        say("note: gradient checkpointing is applied by Llama::loss_backward, which the trainer loop does not call yet; this run keeps all activations");
     }
+    let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut task = LlamaTask { model: &model, named, loraplus_lr_ratio: cfg.train.loraplus_lr_ratio };
+    let mut source = TextSource::new(loader);
+    let tcfg = trainer_config(&cfg, device, &out_dir, total_steps)?;
+    let mut trainer: crate::trainer::Trainer<LlamaTask<'_>> = crate::trainer::Trainer::new(tcfg);
+    if cfg.logging.progress && opts.verbose {
+        trainer.add_callback(Box::new(crate::callbacks::ProgressBar::new()));
+    }
+    let log_dir = cfg.logging.logging_dir.clone().map(PathBuf::from).unwrap_or_else(|| out_dir.join("logs"));
+    trainer.add_callback(Box::new(MetricsJsonl::create(&log_dir.join("metrics.jsonl"), cfg.logging.log_every_n_steps)?));
+    let resume = match &opts.resume {
+        None => crate::trainer::Resume::No,
+        Some(None) => crate::trainer::Resume::Latest,
+        Some(Some(dir)) => crate::trainer::Resume::From(dir.clone()),
+    };
     let (rss_before_steps, hwm_process) = proc_rss();
     let _ = reset_peak_rss();
     let _ = lora_core::sys::cpu_reset_peak();
     let t_train = std::time::Instant::now();
-    let mut losses = Vec::new();
-    let mut step = 0u64;
-    let mut tokens = 0u64;
-    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
-    'outer: loop {
-        let mut micro_count = 0usize;
-        let mut loss_acc = 0.0f64;
-        for batch in loader.epoch() {
-            let batch = batch.map_err(rt("loading a batch"))?;
-            let ids = batch.input_ids.f_to_device(device).map_err(rt("batch to device"))?;
-            let labels = batch.labels.f_to_device(device).map_err(rt("batch to device"))?;
-            let pos = batch.position_ids.f_to_device(device).map_err(rt("batch to device"))?;
-            let mask = batch.attention_mask.f_to_device(device).map_err(rt("batch to device"))?;
-            tokens += batch.attention_mask.f_sum(tch::Kind::Int64).and_then(|t| t.f_int64_value(&[])).map_err(rt("counting tokens"))? as u64;
-            let loss = model
-                .loss_backward(&ids, &labels, Some(&mask), Some(&pos), true, 1.0 / accum as f64)
-                .map_err(rt(&format!("training step {}", step + 1)))?;
-            loss_acc += loss.f_double_value(&[]).map_err(rt("reading the loss"))?;
-            micro_count += 1;
-            if micro_count < accum {
-                continue;
-            }
-            // AdamW (Loshchilov & Hutter, arXiv:1711.05101) with global-norm clipping.
-            let lr = cfg.train.learning_rate * lr_factor(&cfg, step, total_steps);
-            {
-                let _g = tch::no_grad_guard();
-                let mut sq = 0.0f64;
-                for p in &params {
-                    let g = p.grad();
-                    if g.defined() {
-                        sq += g.f_square().and_then(|t| t.f_sum(tch::Kind::Double)).and_then(|t| t.f_double_value(&[])).map_err(rt("grad norm"))?;
-                    }
-                }
-                let norm = sq.sqrt();
-                let clip = if cfg.train.max_grad_norm > 0.0 && norm > cfg.train.max_grad_norm { cfg.train.max_grad_norm / (norm + 1e-6) } else { 1.0 };
-                let t = (step + 1) as f64;
-                let (c1, c2) = (1.0 - b1.powf(t), 1.0 - b2.powf(t));
-                for (i, p) in params.iter().enumerate() {
-                    let g = p.grad();
-                    if !g.defined() {
-                        continue;
-                    }
-                    let g = g.f_mul_scalar(clip).map_err(rt("optimizer"))?;
-                    m1[i] = m1[i].f_mul_scalar(b1).and_then(|m| m.f_add(&g.f_mul_scalar(1.0 - b1)?)).map_err(rt("optimizer"))?;
-                    m2[i] = m2[i].f_mul_scalar(b2).and_then(|m| m.f_add(&g.f_square()?.f_mul_scalar(1.0 - b2)?)).map_err(rt("optimizer"))?;
-                    let upd = m1[i]
-                        .f_div_scalar(c1)
-                        .and_then(|m| m.f_div(&m2[i].f_div_scalar(c2)?.f_sqrt()?.f_add_scalar(eps)?))
-                        .map_err(rt("optimizer"))?;
-                    let mut pm = p.shallow_clone();
-                    if cfg.train.weight_decay > 0.0 {
-                        let _ = pm.f_mul_scalar_(1.0 - lr * cfg.train.weight_decay).map_err(rt("optimizer"))?;
-                    }
-                    let _ = pm.f_sub_(&upd.f_mul_scalar(lr).map_err(rt("optimizer"))?).map_err(rt("optimizer"))?;
-                    let mut gm = p.grad();
-                    let _ = gm.f_zero_().map_err(rt("zero grad"))?;
-                }
-            }
-            step += 1;
-            let loss_v = loss_acc / accum as f64;
-            if !loss_v.is_finite() {
-                return Err(JobError::Runtime(format!("non-finite loss {loss_v} at step {step}; lower train.learning_rate")));
-            }
-            losses.push((step, loss_v));
-            if opts.verbose && (step % cfg.logging.log_every_n_steps.max(1) == 0 || step == total_steps) {
-                let el = t_train.elapsed().as_secs_f64();
-                let rate = step as f64 / el.max(1e-9);
-                eprintln!(
-                    "step {step}/{total_steps}  loss {loss_v:.4}  lr {lr:.2e}  {rate:.2} it/s  ETA {:.0} s  rss {}",
-                    (total_steps - step) as f64 / rate.max(1e-9),
-                    lora_memory::Bytes(proc_rss().0)
-                );
-            }
-            if let Some(n) = cfg.train.save_every_n_steps
-                && step % n == 0
-                && step < total_steps
-            {
-                let dir = out_dir.join(format!("checkpoint-{step}"));
-                lora_core::formats::peft::save_adapter(&mut model, "default", Some(&lcfg), &dir).map_err(rt("writing a checkpoint"))?;
-                say(&format!("checkpoint: {}", dir.display()));
-            }
-            micro_count = 0;
-            loss_acc = 0.0;
-            if step >= total_steps {
-                break 'outer;
-            }
-        }
+    let report = trainer.fit(&mut task, &mut source, resume).map_err(|e| match e {
+        crate::trainer::TrainError::NonFinite { .. } | crate::trainer::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
+        other => JobError::Runtime(format!("training: {other}")),
+    })?;
+    let step = report.steps;
+    let tokens = report.tokens;
+    let losses = report.losses.clone();
+    if report.oom_backoffs > 0 {
+        say(&format!("out-of-memory back-offs: {} (final micro-batch split {})", report.oom_backoffs, report.micro_batch_split));
     }
     let train_seconds = t_train.elapsed().as_secs_f64();
     let (_, hwm_steps) = proc_rss();

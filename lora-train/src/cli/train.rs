@@ -8,10 +8,7 @@ use std::path::{Path, PathBuf};
 /// Runs `train`.
 pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Result<i32, CliError> {
     let cfg = TrainConfig::from_file(config)?;
-    if resume.is_some() {
-        return Err(CliError::usage("--resume needs the checkpointing trainer, which this build does not have yet"));
-    }
-    let opts = RunOptions { config_dir: config.parent().map(Path::to_path_buf), force, verbose: true };
+    let opts = RunOptions { config_dir: config.parent().map(Path::to_path_buf), force, verbose: true, resume };
     llm::run(cfg, &opts)?;
     Ok(EXIT_OK)
 }
