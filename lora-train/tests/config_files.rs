@@ -24,7 +24,7 @@ fn demo_yaml_reads_as_written() {
     assert_eq!(c.data.format, DataFormat::Text);
     assert_eq!(c.data.seq_len, 128);
     assert_eq!(c.data.max_bytes, Some(60_000));
-    assert_eq!(c.train.max_steps, Some(60));
+    assert_eq!(c.train.max_steps, Some(16));
     assert_eq!(c.train.learning_rate, 1e-3);
     assert_eq!(c.train.lr_scheduler, SchedulerKind::Cosine);
     assert_eq!(c.train.export_formats, vec![ExportFormat::Peft, ExportFormat::Kohya]);
