@@ -497,6 +497,18 @@ impl TextDataset {
         Ok((t, v))
     }
 
+    /// A [`Loader`](crate::loader::Loader) over this dataset with its collate function.
+    ///
+    /// # Errors
+    /// As [`crate::loader::Loader::new`].
+    pub fn into_loader(
+        self,
+        config: crate::loader::LoaderConfig,
+    ) -> Result<crate::loader::Loader<TextDataset, TextCollate>> {
+        let collate = self.collate();
+        crate::loader::Loader::new(self, collate, config)
+    }
+
     /// A collate function matching this dataset's padding settings.
     pub fn collate(&self) -> TextCollate {
         TextCollate {

@@ -388,3 +388,40 @@ fn loader_over_packed_text_is_identical_with_and_without_workers() {
     assert!(a.iter().all(|b| b.len() % 48 == 0));
     let _ = Tensor::zeros([1], (Kind::Float, tch::Device::Cpu));
 }
+
+#[test]
+fn padded_batch_mask_is_causal_and_hides_padding() {
+    use lora_data::text::{TextCollate, TextSample};
+    let collate = TextCollate {
+        pad_token_id: 0,
+        pad_to_multiple_of: 4,
+        seq_len: None,
+    };
+    let sample = |n: usize| TextSample {
+        input_ids: (1..=n as i64).collect(),
+        labels: (1..=n as i64).collect(),
+        position_ids: (0..n as i64).collect(),
+        doc_ids: vec![1; n],
+    };
+    let b = collate.collate(vec![sample(5), sample(2)]).unwrap();
+    assert_eq!(b.input_ids.size(), vec![2, 8]);
+    assert!(b.doc_ids.is_none());
+    let m: Vec<i64> = Vec::try_from(
+        b.attention_mask_4d()
+            .unwrap()
+            .to_kind(Kind::Int64)
+            .flatten(0, -1),
+    )
+    .unwrap();
+    let lens = [5usize, 2];
+    for (r, &n) in lens.iter().enumerate() {
+        for i in 0..8 {
+            for j in 0..8 {
+                let want = i == j || (j <= i && j < n);
+                assert_eq!(m[r * 64 + i * 8 + j] == 1, want, "row {r} ({i},{j})");
+            }
+        }
+    }
+    let labels: Vec<i64> = Vec::try_from(b.labels.get(1)).unwrap();
+    assert_eq!(labels, vec![1, 2, -100, -100, -100, -100, -100, -100]);
+}

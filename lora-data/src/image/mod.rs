@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! use lora_data::image::{DatasetConfig, ImageDataset};
-//! use lora_data::loader::{Loader, LoaderConfig};
+//! use lora_data::loader::LoaderConfig;
 //! use lora_data::validate::Policy;
 //! let config = DatasetConfig::from_toml_file("dataset.toml".as_ref())?;
 //! let dataset = ImageDataset::new(config, Policy::Skip)?;
@@ -11,8 +11,7 @@
 //!     eprintln!("warning: skipped {p}");
 //! }
 //! println!("{}", dataset.bucket_report());
-//! let collate = dataset.collate();
-//! let mut loader = Loader::new(dataset, collate, LoaderConfig { batch_size: 4, ..Default::default() })?;
+//! let mut loader = dataset.into_loader(LoaderConfig { batch_size: 4, ..Default::default() })?;
 //! for batch in loader.epoch() {
 //!     let batch = batch?; // batch.pixels: [4, 3, h, w] f32 in [-1, 1]
 //! #   let _ = batch;
@@ -337,6 +336,17 @@ impl ImageDataset {
                 })
                 .count(),
         }
+    }
+
+    /// A [`Loader`](crate::loader::Loader) over this dataset (batches never mix buckets).
+    ///
+    /// # Errors
+    /// As [`crate::loader::Loader::new`].
+    pub fn into_loader(
+        self,
+        config: crate::loader::LoaderConfig,
+    ) -> Result<crate::loader::Loader<ImageDataset, ImageCollate>> {
+        crate::loader::Loader::new(self, ImageCollate, config)
     }
 
     /// The collate function for this dataset.
