@@ -60,7 +60,9 @@ pub enum ConfigError {
         path: PathBuf,
     },
     /// The document is not a mapping at the top level.
-    #[error("the config must be a mapping of sections (model:, lora:, data:, train:, …), found {found}")]
+    #[error(
+        "the config must be a mapping of sections (model:, lora:, data:, train:, …), found {found}"
+    )]
     NotAMapping {
         /// What was found instead.
         found: String,
@@ -163,7 +165,11 @@ impl Size {
             value: format!("{text:?}"),
             expected: format!("a size like \"6GB\", \"12GiB\" or \"512MB\" ({e})"),
         })?;
-        Ok(Size { text: text.to_string(), bytes: p.bytes.0, assumed: p.assumed })
+        Ok(Size {
+            text: text.to_string(),
+            bytes: p.bytes.0,
+            assumed: p.assumed,
+        })
     }
 }
 
@@ -179,7 +185,11 @@ impl<'de> Deserialize<'de> for Size {
         let text = match v {
             Value::String(s) => s,
             Value::Number(n) => n.to_string(),
-            other => return Err(serde::de::Error::custom(format!("expected a size string, found {other}"))),
+            other => {
+                return Err(serde::de::Error::custom(format!(
+                    "expected a size string, found {other}"
+                )));
+            }
         };
         Size::parse("size", &text).map_err(serde::de::Error::custom)
     }
@@ -607,7 +617,11 @@ pub struct SystemSection {
 
 impl Default for SystemSection {
     fn default() -> Self {
-        SystemSection { seed: 42, device: "auto".into(), num_threads: None }
+        SystemSection {
+            seed: 42,
+            device: "auto".into(),
+            num_threads: None,
+        }
     }
 }
 
@@ -627,7 +641,12 @@ pub struct DataLoaderSection {
 
 impl Default for DataLoaderSection {
     fn default() -> Self {
-        DataLoaderSection { num_workers: 0, persistent_workers: false, prefetch_factor: 2, shuffle: true }
+        DataLoaderSection {
+            num_workers: 0,
+            persistent_workers: false,
+            prefetch_factor: 2,
+            shuffle: true,
+        }
     }
 }
 
@@ -727,12 +746,21 @@ pub struct TrainConfig {
 /// top-level). The first spelling is the canonical one.
 const KEYS: &[&[&str]] = &[
     // model
-    &["model.base_model", "model.path", "pretrained_model_name_or_path"],
+    &[
+        "model.base_model",
+        "model.path",
+        "pretrained_model_name_or_path",
+    ],
     &["model.weights", "model.weight_mode"],
     &["model.dtype"],
     // lora
     &["lora.rank", "lora.r", "model.lora_rank", "network_dim"],
-    &["lora.alpha", "lora.lora_alpha", "model.lora_alpha", "network_alpha"],
+    &[
+        "lora.alpha",
+        "lora.lora_alpha",
+        "model.lora_alpha",
+        "network_alpha",
+    ],
     &["lora.dropout", "lora.lora_dropout", "network_dropout"],
     &["lora.target_modules"],
     &["lora.exclude_modules"],
@@ -743,12 +771,22 @@ const KEYS: &[&[&str]] = &[
     &["lora.alpha_pattern"],
     &["lora.network_module", "network_module"],
     // data
-    &["data.train_data_dir", "data.path", "data.train_file", "train_data_dir"],
+    &[
+        "data.train_data_dir",
+        "data.path",
+        "data.train_file",
+        "train_data_dir",
+    ],
     &["data.format"],
     &["data.eval_file"],
     &["data.eval_fraction"],
     &["data.max_bytes"],
-    &["data.seq_len", "data.max_seq_len", "data.block_size", "max_token_length"],
+    &[
+        "data.seq_len",
+        "data.max_seq_len",
+        "data.block_size",
+        "max_token_length",
+    ],
     &["data.resolution", "resolution"],
     &["data.caption_extension", "caption_extension"],
     &["data.keep_tokens", "keep_tokens"],
@@ -760,7 +798,11 @@ const KEYS: &[&[&str]] = &[
     &["data.cache_latents", "cache_latents"],
     // train
     &["train.batch_size", "data.batch_size", "train_batch_size"],
-    &["train.gradient_accumulation_steps", "data.gradient_accumulation_steps", "gradient_accumulation_steps"],
+    &[
+        "train.gradient_accumulation_steps",
+        "data.gradient_accumulation_steps",
+        "gradient_accumulation_steps",
+    ],
     &["train.epochs", "max_train_epochs"],
     &["train.max_steps", "max_train_steps"],
     &["train.learning_rate", "learning_rate"],
@@ -769,14 +811,23 @@ const KEYS: &[&[&str]] = &[
     &["train.momentum"],
     &["train.loraplus_lr_ratio", "loraplus_lr_ratio"],
     &["train.lr_scheduler", "lr_scheduler"],
-    &["train.warmup_steps", "train.lr_warmup_steps", "lr_warmup_steps"],
+    &[
+        "train.warmup_steps",
+        "train.lr_warmup_steps",
+        "lr_warmup_steps",
+    ],
     &["train.num_cycles", "lr_scheduler_num_cycles"],
     &["train.power", "lr_scheduler_power"],
     &["train.mixed_precision", "mixed_precision"],
     &["train.gradient_checkpointing", "gradient_checkpointing"],
     &["train.max_grad_norm", "max_grad_norm"],
     &["train.nan_policy"],
-    &["train.save_every_n_steps", "save_steps", "save_every_n_steps", "train.save_steps"],
+    &[
+        "train.save_every_n_steps",
+        "save_steps",
+        "save_every_n_steps",
+        "train.save_steps",
+    ],
     &["train.save_every_n_epochs", "save_every_n_epochs"],
     &["train.keep_last_checkpoints"],
     &["train.eval_every_n_steps"],
@@ -801,7 +852,10 @@ const KEYS: &[&[&str]] = &[
     &["system.num_threads"],
     // data_loader
     &["data_loader.num_workers", "max_data_loader_n_workers"],
-    &["data_loader.persistent_workers", "persistent_data_loader_workers"],
+    &[
+        "data_loader.persistent_workers",
+        "persistent_data_loader_workers",
+    ],
     &["data_loader.prefetch_factor"],
     &["data_loader.shuffle"],
     // tagger
@@ -819,7 +873,13 @@ const KEYS: &[&[&str]] = &[
 ];
 
 /// Spellings that carry a transformed value (handled in code, not by [`KEYS`]).
-const SPECIAL_KEYS: &[&str] = &["use_fp16", "train.use_fp16", "train.use_8bit_adam", "use_8bit_adam", "full_bf16"];
+const SPECIAL_KEYS: &[&str] = &[
+    "use_fp16",
+    "train.use_fp16",
+    "train.use_8bit_adam",
+    "use_8bit_adam",
+    "full_bf16",
+];
 
 /// Keys whose value is itself a mapping (not flattened).
 const MAP_VALUED: &[&str] = &["lora.rank_pattern", "lora.alpha_pattern"];
@@ -862,7 +922,11 @@ fn render(v: &Value) -> String {
 
 fn flatten(prefix: &str, map: &Map<String, Value>, out: &mut Vec<Entry>) {
     for (k, v) in map {
-        let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
         match v {
             Value::Object(inner) if prefix.is_empty() && KOHYA_SECTIONS.contains(&k.as_str()) => {
                 flatten("", inner, out);
@@ -871,13 +935,20 @@ fn flatten(prefix: &str, map: &Map<String, Value>, out: &mut Vec<Entry>) {
                 flatten(&path, inner, out);
             }
             Value::Null => {} // `key:` with nothing after it means "default"
-            _ => out.push(Entry { path, value: v.clone(), used: false }),
+            _ => out.push(Entry {
+                path,
+                value: v.clone(),
+                used: false,
+            }),
         }
     }
 }
 
 fn spellings(canonical: &str) -> &'static [&'static str] {
-    KEYS.iter().find(|s| s[0] == canonical).copied().unwrap_or(&[])
+    KEYS.iter()
+        .find(|s| s[0] == canonical)
+        .copied()
+        .unwrap_or(&[])
 }
 
 impl Doc {
@@ -927,18 +998,34 @@ impl Doc {
         Ok(found.map(|(t, p, _)| (t, p)))
     }
 
-    fn get<T: DeserializeOwned + PartialEq + fmt::Debug>(&mut self, canonical: &str, expected: &str) -> Result<Option<T>> {
-        Ok(self.get_with(canonical, |k, v| typed(k, v, expected))?.map(|(t, _)| t))
+    fn get<T: DeserializeOwned + PartialEq + fmt::Debug>(
+        &mut self,
+        canonical: &str,
+        expected: &str,
+    ) -> Result<Option<T>> {
+        Ok(self
+            .get_with(canonical, |k, v| typed(k, v, expected))?
+            .map(|(t, _)| t))
     }
 
-    fn set<T: DeserializeOwned + PartialEq + fmt::Debug>(&mut self, canonical: &str, expected: &str, slot: &mut T) -> Result<()> {
+    fn set<T: DeserializeOwned + PartialEq + fmt::Debug>(
+        &mut self,
+        canonical: &str,
+        expected: &str,
+        slot: &mut T,
+    ) -> Result<()> {
         if let Some(v) = self.get(canonical, expected)? {
             *slot = v;
         }
         Ok(())
     }
 
-    fn set_choice<T: Copy + PartialEq + fmt::Debug>(&mut self, canonical: &str, table: &[(&str, T)], slot: &mut T) -> Result<()> {
+    fn set_choice<T: Copy + PartialEq + fmt::Debug>(
+        &mut self,
+        canonical: &str,
+        table: &[(&str, T)],
+        slot: &mut T,
+    ) -> Result<()> {
         if let Some((v, _)) = self.get_with(canonical, |k, v| choose(k, v, table))? {
             *slot = v;
         }
@@ -947,7 +1034,11 @@ impl Doc {
 }
 
 fn invalid(key: &str, value: &Value, expected: impl Into<String>) -> ConfigError {
-    ConfigError::InvalidValue { key: key.to_string(), value: render(value), expected: expected.into() }
+    ConfigError::InvalidValue {
+        key: key.to_string(),
+        value: render(value),
+        expected: expected.into(),
+    }
 }
 
 fn typed<T: DeserializeOwned>(key: &str, v: &Value, expected: &str) -> Result<T> {
@@ -986,7 +1077,10 @@ fn typed<T: DeserializeOwned>(key: &str, v: &Value, expected: &str) -> Result<T>
 }
 
 fn normalise_choice(s: &str) -> String {
-    s.chars().filter(|c| !matches!(c, '_' | '-' | ' ' | '.')).flat_map(|c| c.to_lowercase()).collect()
+    s.chars()
+        .filter(|c| !matches!(c, '_' | '-' | ' ' | '.'))
+        .flat_map(|c| c.to_lowercase())
+        .collect()
 }
 
 fn choose<T: Copy>(key: &str, v: &Value, table: &[(&str, T)]) -> Result<T> {
@@ -997,7 +1091,14 @@ fn choose<T: Copy>(key: &str, v: &Value, table: &[(&str, T)]) -> Result<T> {
                 names.push(n);
             }
         }
-        format!("one of {}", names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", "))
+        format!(
+            "one of {}",
+            names
+                .iter()
+                .map(|n| format!("\"{n}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
     };
     let s = match v {
         Value::String(s) => s.as_str(),
@@ -1042,7 +1143,10 @@ const PRECISIONS: &[(&str, Precision)] = &[
     ("none", Precision::No),
 ];
 
-const WEIGHT_MODES: &[(&str, BaseWeights)] = &[("dense", BaseWeights::Dense), ("quantized", BaseWeights::Quantized)];
+const WEIGHT_MODES: &[(&str, BaseWeights)] = &[
+    ("dense", BaseWeights::Dense),
+    ("quantized", BaseWeights::Quantized),
+];
 
 const DTYPES: &[(&str, Dtype)] = &[
     ("f32", Dtype::F32),
@@ -1063,10 +1167,14 @@ const FORMATS: &[(&str, DataFormat)] = &[
     ("images", DataFormat::Images),
 ];
 
-const NAN_POLICIES: &[(&str, NanPolicy)] =
-    &[("skip", NanPolicy::Skip), ("lower_lr", NanPolicy::LowerLr), ("stop", NanPolicy::Stop)];
+const NAN_POLICIES: &[(&str, NanPolicy)] = &[
+    ("skip", NanPolicy::Skip),
+    ("lower_lr", NanPolicy::LowerLr),
+    ("stop", NanPolicy::Stop),
+];
 
-const EXPORTS: &[(&str, ExportFormat)] = &[("peft", ExportFormat::Peft), ("kohya", ExportFormat::Kohya)];
+const EXPORTS: &[(&str, ExportFormat)] =
+    &[("peft", ExportFormat::Peft), ("kohya", ExportFormat::Kohya)];
 
 /// Levenshtein distance (Wagner–Fischer).
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -1087,16 +1195,24 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 /// The closest known spelling to an unknown key path.
 fn suggest(path: &str) -> Option<String> {
-    let all: Vec<&str> = KEYS.iter().flat_map(|s| s.iter().copied()).chain(SPECIAL_KEYS.iter().copied()).collect();
+    let all: Vec<&str> = KEYS
+        .iter()
+        .flat_map(|s| s.iter().copied())
+        .chain(SPECIAL_KEYS.iter().copied())
+        .collect();
     let last = path.rsplit('.').next().unwrap_or(path);
     // The same leaf name under another section (`train.lora_rank` → `model.lora_rank`).
-    if let Some(k) = all.iter().find(|k| k.rsplit('.').next() == Some(last) && **k != path) {
+    if let Some(k) = all
+        .iter()
+        .find(|k| k.rsplit('.').next() == Some(last) && **k != path)
+    {
         return Some((*k).to_string());
     }
     let mut best: Option<(usize, &str)> = None;
     for k in &all {
         let d_full = edit_distance(path, k);
-        let d_leaf = edit_distance(last, k.rsplit('.').next().unwrap_or(k)) + usize::from(!same_section(path, k));
+        let d_leaf = edit_distance(last, k.rsplit('.').next().unwrap_or(k))
+            + usize::from(!same_section(path, k));
         let d = d_full.min(d_leaf);
         if best.map(|(bd, _)| d < bd).unwrap_or(true) {
             best = Some((d, k));
@@ -1108,15 +1224,28 @@ fn suggest(path: &str) -> Option<String> {
 }
 
 fn same_section(a: &str, b: &str) -> bool {
-    let sec = |s: &str| s.rsplit_once('.').map(|(p, _)| p.to_string()).unwrap_or_default();
+    let sec = |s: &str| {
+        s.rsplit_once('.')
+            .map(|(p, _)| p.to_string())
+            .unwrap_or_default()
+    };
     sec(a) == sec(b)
 }
 
-fn check_range<T: PartialOrd + fmt::Display + Copy>(key: &str, v: T, ok: bool, expected: &str) -> Result<()> {
+fn check_range<T: PartialOrd + fmt::Display + Copy>(
+    key: &str,
+    v: T,
+    ok: bool,
+    expected: &str,
+) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(ConfigError::InvalidValue { key: key.to_string(), value: v.to_string(), expected: expected.to_string() })
+        Err(ConfigError::InvalidValue {
+            key: key.to_string(),
+            value: v.to_string(),
+            expected: expected.to_string(),
+        })
     }
 }
 
@@ -1130,8 +1259,16 @@ fn resolution(key: &str, v: &Value) -> Result<[u32; 2]> {
         }
     };
     let parts: Vec<u32> = match v {
-        Value::Array(a) => a.iter().map(one).collect::<Option<Vec<_>>>().ok_or_else(bad)?,
-        Value::String(s) => s.split(',').map(|p| p.trim().parse().ok()).collect::<Option<Vec<_>>>().ok_or_else(bad)?,
+        Value::Array(a) => a
+            .iter()
+            .map(one)
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(bad)?,
+        Value::String(s) => s
+            .split(',')
+            .map(|p| p.trim().parse().ok())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(bad)?,
         Value::Number(_) => vec![one(v).ok_or_else(bad)?],
         _ => return Err(bad()),
     };
@@ -1146,7 +1283,11 @@ fn size_of(key: &str, v: &Value) -> Result<Size> {
     match v {
         Value::String(s) => Size::parse(key, s),
         Value::Number(n) => Size::parse(key, &n.to_string()),
-        _ => Err(invalid(key, v, "a size like \"6GB\", \"12GiB\" or \"512MB\"")),
+        _ => Err(invalid(
+            key,
+            v,
+            "a size like \"6GB\", \"12GiB\" or \"512MB\"",
+        )),
     }
 }
 
@@ -1159,7 +1300,11 @@ fn targets(key: &str, v: &Value) -> Result<TargetModules> {
             .collect::<Option<Vec<_>>>()
             .map(TargetModules::List)
             .ok_or_else(|| invalid(key, v, "a list of module names or one regex string")),
-        _ => Err(invalid(key, v, "a non-empty list of module names (e.g. [q_proj, v_proj]) or one regex string")),
+        _ => Err(invalid(
+            key,
+            v,
+            "a non-empty list of module names (e.g. [q_proj, v_proj]) or one regex string",
+        )),
     }
 }
 
@@ -1170,8 +1315,14 @@ impl TrainConfig {
     /// Any [`ConfigError`]: I/O, syntax, unknown keys (with hints), invalid values, conflicts.
     pub fn from_file(path: impl AsRef<Path>) -> Result<TrainConfig> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
-        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
         let value = match ext.as_deref() {
             Some("yaml" | "yml") => parse_yaml(&text).map_err(|m| ConfigError::Syntax {
                 path: path.to_path_buf(),
@@ -1183,7 +1334,11 @@ impl TrainConfig {
                 format: "TOML",
                 message: m,
             })?,
-            _ => return Err(ConfigError::Extension { path: path.to_path_buf() }),
+            _ => {
+                return Err(ConfigError::Extension {
+                    path: path.to_path_buf(),
+                });
+            }
         };
         TrainConfig::from_value(&value)
     }
@@ -1193,7 +1348,11 @@ impl TrainConfig {
     /// # Errors
     /// As [`TrainConfig::from_file`].
     pub fn from_yaml_str(text: &str) -> Result<TrainConfig> {
-        let v = parse_yaml(text).map_err(|m| ConfigError::Syntax { path: PathBuf::from("<string>"), format: "YAML", message: m })?;
+        let v = parse_yaml(text).map_err(|m| ConfigError::Syntax {
+            path: PathBuf::from("<string>"),
+            format: "YAML",
+            message: m,
+        })?;
         TrainConfig::from_value(&v)
     }
 
@@ -1202,7 +1361,11 @@ impl TrainConfig {
     /// # Errors
     /// As [`TrainConfig::from_file`].
     pub fn from_toml_str(text: &str) -> Result<TrainConfig> {
-        let v = parse_toml(text).map_err(|m| ConfigError::Syntax { path: PathBuf::from("<string>"), format: "TOML", message: m })?;
+        let v = parse_toml(text).map_err(|m| ConfigError::Syntax {
+            path: PathBuf::from("<string>"),
+            format: "TOML",
+            message: m,
+        })?;
         TrainConfig::from_value(&v)
     }
 
@@ -1222,23 +1385,58 @@ impl TrainConfig {
         let map = match root {
             Value::Object(m) => m.clone(),
             Value::Null => Map::new(),
-            other => return Err(ConfigError::NotAMapping { found: render(other) }),
+            other => {
+                return Err(ConfigError::NotAMapping {
+                    found: render(other),
+                });
+            }
         };
         let mut doc = Doc::new(&map);
         let mut c = TrainConfig::default();
 
         // model
-        doc.set("model.base_model", "a path to a .gguf / .safetensors file or a model folder", &mut c.model.base_model)?;
+        doc.set(
+            "model.base_model",
+            "a path to a .gguf / .safetensors file or a model folder",
+            &mut c.model.base_model,
+        )?;
         doc.set_choice("model.weights", WEIGHT_MODES, &mut c.model.weights)?;
         doc.set_choice("model.dtype", DTYPES, &mut c.model.dtype)?;
 
         // lora
-        doc.set("lora.rank", "a positive integer (the LoRA rank r)", &mut c.lora.rank)?;
-        check_range("lora.rank", c.lora.rank, c.lora.rank >= 1, "an integer >= 1")?;
-        doc.set("lora.alpha", "a positive number (scaling = alpha / rank)", &mut c.lora.alpha)?;
-        check_range("lora.alpha", c.lora.alpha, c.lora.alpha > 0.0 && c.lora.alpha.is_finite(), "a number > 0")?;
-        doc.set("lora.dropout", "a probability in [0, 1)", &mut c.lora.dropout)?;
-        check_range("lora.dropout", c.lora.dropout, (0.0..1.0).contains(&c.lora.dropout), "a probability in [0, 1)")?;
+        doc.set(
+            "lora.rank",
+            "a positive integer (the LoRA rank r)",
+            &mut c.lora.rank,
+        )?;
+        check_range(
+            "lora.rank",
+            c.lora.rank,
+            c.lora.rank >= 1,
+            "an integer >= 1",
+        )?;
+        doc.set(
+            "lora.alpha",
+            "a positive number (scaling = alpha / rank)",
+            &mut c.lora.alpha,
+        )?;
+        check_range(
+            "lora.alpha",
+            c.lora.alpha,
+            c.lora.alpha > 0.0 && c.lora.alpha.is_finite(),
+            "a number > 0",
+        )?;
+        doc.set(
+            "lora.dropout",
+            "a probability in [0, 1)",
+            &mut c.lora.dropout,
+        )?;
+        check_range(
+            "lora.dropout",
+            c.lora.dropout,
+            (0.0..1.0).contains(&c.lora.dropout),
+            "a probability in [0, 1)",
+        )?;
         if let Some((t, _)) = doc.get_with("lora.target_modules", targets)? {
             c.lora.target_modules = t;
         }
@@ -1254,11 +1452,23 @@ impl TrainConfig {
         })? {
             c.lora.init_lora_weights = v;
         }
-        doc.set("lora.rank_pattern", "a mapping module pattern -> rank", &mut c.lora.rank_pattern)?;
-        doc.set("lora.alpha_pattern", "a mapping module pattern -> alpha", &mut c.lora.alpha_pattern)?;
+        doc.set(
+            "lora.rank_pattern",
+            "a mapping module pattern -> rank",
+            &mut c.lora.rank_pattern,
+        )?;
+        doc.set(
+            "lora.alpha_pattern",
+            "a mapping module pattern -> alpha",
+            &mut c.lora.alpha_pattern,
+        )?;
         if let Some((m, _)) = doc.get_with("lora.network_module", |k, v| match v.as_str() {
             Some("networks.lora") => Ok("networks.lora".to_string()),
-            _ => Err(invalid(k, v, "\"networks.lora\" (other kohya network modules, e.g. LyCORIS, are not supported)")),
+            _ => Err(invalid(
+                k,
+                v,
+                "\"networks.lora\" (other kohya network modules, e.g. LyCORIS, are not supported)",
+            )),
         })? {
             c.lora.network_module = Some(m);
         }
@@ -1267,68 +1477,191 @@ impl TrainConfig {
         doc.set("data.train_data_dir", "a path", &mut c.data.train_data_dir)?;
         doc.set_choice("data.format", FORMATS, &mut c.data.format)?;
         doc.set("data.eval_file", "a path", &mut c.data.eval_file)?;
-        doc.set("data.eval_fraction", "a fraction in [0, 1)", &mut c.data.eval_fraction)?;
-        check_range("data.eval_fraction", c.data.eval_fraction, (0.0..1.0).contains(&c.data.eval_fraction), "a fraction in [0, 1)")?;
+        doc.set(
+            "data.eval_fraction",
+            "a fraction in [0, 1)",
+            &mut c.data.eval_fraction,
+        )?;
+        check_range(
+            "data.eval_fraction",
+            c.data.eval_fraction,
+            (0.0..1.0).contains(&c.data.eval_fraction),
+            "a fraction in [0, 1)",
+        )?;
         if let Some((b, _)) = doc.get_with("data.max_bytes", |k, v| match v {
-            Value::Number(n) => n.as_u64().ok_or_else(|| invalid(k, v, "a byte count or a size like \"200KB\"")),
+            Value::Number(n) => n
+                .as_u64()
+                .ok_or_else(|| invalid(k, v, "a byte count or a size like \"200KB\"")),
             _ => size_of(k, v).map(|s| s.bytes),
         })? {
             c.data.max_bytes = Some(b);
         }
-        doc.set("data.seq_len", "a positive integer (tokens per sequence)", &mut c.data.seq_len)?;
-        check_range("data.seq_len", c.data.seq_len, c.data.seq_len >= 2, "an integer >= 2")?;
+        doc.set(
+            "data.seq_len",
+            "a positive integer (tokens per sequence)",
+            &mut c.data.seq_len,
+        )?;
+        check_range(
+            "data.seq_len",
+            c.data.seq_len,
+            c.data.seq_len >= 2,
+            "an integer >= 2",
+        )?;
         if let Some((r, _)) = doc.get_with("data.resolution", resolution)? {
             c.data.resolution = Some(r);
         }
-        doc.set("data.caption_extension", "a file extension such as \".txt\"", &mut c.data.caption_extension)?;
-        doc.set("data.keep_tokens", "a non-negative integer", &mut c.data.keep_tokens)?;
-        doc.set("data.shuffle_caption", "true or false", &mut c.data.shuffle_caption)?;
-        doc.set("data.enable_bucket", "true or false", &mut c.data.enable_bucket)?;
-        doc.set("data.min_bucket_reso", "pixels", &mut c.data.min_bucket_reso)?;
-        doc.set("data.max_bucket_reso", "pixels", &mut c.data.max_bucket_reso)?;
-        doc.set("data.bucket_reso_steps", "pixels", &mut c.data.bucket_reso_steps)?;
-        doc.set("data.cache_latents", "true or false", &mut c.data.cache_latents)?;
+        doc.set(
+            "data.caption_extension",
+            "a file extension such as \".txt\"",
+            &mut c.data.caption_extension,
+        )?;
+        doc.set(
+            "data.keep_tokens",
+            "a non-negative integer",
+            &mut c.data.keep_tokens,
+        )?;
+        doc.set(
+            "data.shuffle_caption",
+            "true or false",
+            &mut c.data.shuffle_caption,
+        )?;
+        doc.set(
+            "data.enable_bucket",
+            "true or false",
+            &mut c.data.enable_bucket,
+        )?;
+        doc.set(
+            "data.min_bucket_reso",
+            "pixels",
+            &mut c.data.min_bucket_reso,
+        )?;
+        doc.set(
+            "data.max_bucket_reso",
+            "pixels",
+            &mut c.data.max_bucket_reso,
+        )?;
+        doc.set(
+            "data.bucket_reso_steps",
+            "pixels",
+            &mut c.data.bucket_reso_steps,
+        )?;
+        doc.set(
+            "data.cache_latents",
+            "true or false",
+            &mut c.data.cache_latents,
+        )?;
 
         // train
         let t = &mut c.train;
-        doc.set("train.batch_size", "a positive integer (micro-batch)", &mut t.batch_size)?;
-        check_range("train.batch_size", t.batch_size, t.batch_size >= 1, "an integer >= 1")?;
-        doc.set("train.gradient_accumulation_steps", "a positive integer", &mut t.gradient_accumulation_steps)?;
-        check_range("train.gradient_accumulation_steps", t.gradient_accumulation_steps, t.gradient_accumulation_steps >= 1, "an integer >= 1")?;
+        doc.set(
+            "train.batch_size",
+            "a positive integer (micro-batch)",
+            &mut t.batch_size,
+        )?;
+        check_range(
+            "train.batch_size",
+            t.batch_size,
+            t.batch_size >= 1,
+            "an integer >= 1",
+        )?;
+        doc.set(
+            "train.gradient_accumulation_steps",
+            "a positive integer",
+            &mut t.gradient_accumulation_steps,
+        )?;
+        check_range(
+            "train.gradient_accumulation_steps",
+            t.gradient_accumulation_steps,
+            t.gradient_accumulation_steps >= 1,
+            "an integer >= 1",
+        )?;
         doc.set("train.epochs", "a positive integer", &mut t.epochs)?;
         check_range("train.epochs", t.epochs, t.epochs >= 1, "an integer >= 1")?;
         doc.set("train.max_steps", "a positive integer", &mut t.max_steps)?;
         if let Some(s) = t.max_steps {
             check_range("train.max_steps", s, s >= 1, "an integer >= 1")?;
         }
-        doc.set("train.learning_rate", "a positive number such as 1e-4", &mut t.learning_rate)?;
-        check_range("train.learning_rate", t.learning_rate, t.learning_rate > 0.0 && t.learning_rate.is_finite(), "a number > 0")?;
+        doc.set(
+            "train.learning_rate",
+            "a positive number such as 1e-4",
+            &mut t.learning_rate,
+        )?;
+        check_range(
+            "train.learning_rate",
+            t.learning_rate,
+            t.learning_rate > 0.0 && t.learning_rate.is_finite(),
+            "a number > 0",
+        )?;
         doc.set_choice("train.optimizer", OPTIMIZERS, &mut t.optimizer)?;
         doc.set("train.weight_decay", "a number >= 0", &mut t.weight_decay)?;
-        check_range("train.weight_decay", t.weight_decay, t.weight_decay >= 0.0, "a number >= 0")?;
+        check_range(
+            "train.weight_decay",
+            t.weight_decay,
+            t.weight_decay >= 0.0,
+            "a number >= 0",
+        )?;
         doc.set("train.momentum", "a number in [0, 1)", &mut t.momentum)?;
-        doc.set("train.loraplus_lr_ratio", "a number > 0", &mut t.loraplus_lr_ratio)?;
+        doc.set(
+            "train.loraplus_lr_ratio",
+            "a number > 0",
+            &mut t.loraplus_lr_ratio,
+        )?;
         doc.set_choice("train.lr_scheduler", SCHEDULERS, &mut t.lr_scheduler)?;
-        doc.set("train.warmup_steps", "a non-negative integer", &mut t.warmup_steps)?;
+        doc.set(
+            "train.warmup_steps",
+            "a non-negative integer",
+            &mut t.warmup_steps,
+        )?;
         doc.set("train.num_cycles", "a positive integer", &mut t.num_cycles)?;
         doc.set("train.power", "a number > 0", &mut t.power)?;
         doc.set_choice("train.mixed_precision", PRECISIONS, &mut t.mixed_precision)?;
-        doc.set("train.gradient_checkpointing", "true or false", &mut t.gradient_checkpointing)?;
-        doc.set("train.max_grad_norm", "a number >= 0 (0 = no clipping)", &mut t.max_grad_norm)?;
+        doc.set(
+            "train.gradient_checkpointing",
+            "true or false",
+            &mut t.gradient_checkpointing,
+        )?;
+        doc.set(
+            "train.max_grad_norm",
+            "a number >= 0 (0 = no clipping)",
+            &mut t.max_grad_norm,
+        )?;
         doc.set_choice("train.nan_policy", NAN_POLICIES, &mut t.nan_policy)?;
-        doc.set("train.save_every_n_steps", "a positive integer", &mut t.save_every_n_steps)?;
-        doc.set("train.save_every_n_epochs", "a positive integer", &mut t.save_every_n_epochs)?;
-        doc.set("train.keep_last_checkpoints", "a positive integer", &mut t.keep_last_checkpoints)?;
-        doc.set("train.eval_every_n_steps", "a non-negative integer", &mut t.eval_every_n_steps)?;
+        doc.set(
+            "train.save_every_n_steps",
+            "a positive integer",
+            &mut t.save_every_n_steps,
+        )?;
+        doc.set(
+            "train.save_every_n_epochs",
+            "a positive integer",
+            &mut t.save_every_n_epochs,
+        )?;
+        doc.set(
+            "train.keep_last_checkpoints",
+            "a positive integer",
+            &mut t.keep_last_checkpoints,
+        )?;
+        doc.set(
+            "train.eval_every_n_steps",
+            "a non-negative integer",
+            &mut t.eval_every_n_steps,
+        )?;
         doc.set("train.output_dir", "a folder", &mut t.output_dir)?;
-        doc.set("train.output_name", "a file name without extension", &mut t.output_name)?;
+        doc.set(
+            "train.output_name",
+            "a file name without extension",
+            &mut t.output_name,
+        )?;
         if let Some((f, _)) = doc.get_with("train.export_formats", |k, v| {
             let items: Vec<Value> = match v {
                 Value::Array(a) => a.clone(),
                 Value::String(_) => vec![v.clone()],
                 _ => return Err(invalid(k, v, "a list of \"peft\" and/or \"kohya\"")),
             };
-            let mut out: Vec<ExportFormat> = items.iter().map(|x| choose(k, x, EXPORTS)).collect::<Result<_>>()?;
+            let mut out: Vec<ExportFormat> = items
+                .iter()
+                .map(|x| choose(k, x, EXPORTS))
+                .collect::<Result<_>>()?;
             out.sort();
             out.dedup();
             if out.is_empty() {
@@ -1340,13 +1673,18 @@ impl TrainConfig {
         }
 
         // special spellings: use_fp16, use_8bit_adam, full_bf16
-        let mp_written = spellings("train.mixed_precision").iter().any(|k| doc.entries.iter().any(|e| e.path == *k));
+        let mp_written = spellings("train.mixed_precision")
+            .iter()
+            .any(|k| doc.entries.iter().any(|e| e.path == *k));
         for key in ["use_fp16", "train.use_fp16"] {
             if let Some(e) = doc.entries.iter_mut().find(|e| e.path == key) {
                 e.used = true;
                 let on: bool = typed(key, &e.value, "true or false")?;
                 let implied = if on { Precision::Fp16 } else { Precision::No };
-                if mp_written && (on != (c.train.mixed_precision == Precision::Fp16)) && (on || c.train.mixed_precision == Precision::Fp16) {
+                if mp_written
+                    && (on != (c.train.mixed_precision == Precision::Fp16))
+                    && (on || c.train.mixed_precision == Precision::Fp16)
+                {
                     return Err(ConfigError::Conflict {
                         canonical: "train.mixed_precision".into(),
                         first_key: "train.mixed_precision".into(),
@@ -1364,7 +1702,12 @@ impl TrainConfig {
             e.used = true;
             let on: bool = typed("full_bf16", &e.value, "true or false")?;
             if on {
-                if mp_written && !matches!(c.train.mixed_precision, Precision::Bf16 | Precision::FullBf16) {
+                if mp_written
+                    && !matches!(
+                        c.train.mixed_precision,
+                        Precision::Bf16 | Precision::FullBf16
+                    )
+                {
                     return Err(ConfigError::Conflict {
                         canonical: "train.mixed_precision".into(),
                         first_key: "mixed_precision".into(),
@@ -1376,7 +1719,9 @@ impl TrainConfig {
                 c.train.mixed_precision = Precision::FullBf16;
             }
         }
-        let opt_written = spellings("train.optimizer").iter().any(|k| doc.entries.iter().any(|e| e.path == *k));
+        let opt_written = spellings("train.optimizer")
+            .iter()
+            .any(|k| doc.entries.iter().any(|e| e.path == *k));
         for key in ["train.use_8bit_adam", "use_8bit_adam"] {
             if let Some(e) = doc.entries.iter_mut().find(|e| e.path == key) {
                 e.used = true;
@@ -1402,53 +1747,133 @@ impl TrainConfig {
         if let Some((s, _)) = doc.get_with("memory.budget", size_of)? {
             c.memory.budget = Some(s);
         }
-        doc.set("memory.gpu", "a GPU name such as \"RTX 3060\"", &mut c.memory.gpu)?;
+        doc.set(
+            "memory.gpu",
+            "a GPU name such as \"RTX 3060\"",
+            &mut c.memory.gpu,
+        )?;
         if c.memory.gpu.is_some() && c.memory.budget.is_some() {
             return Err(ConfigError::Conflict {
                 canonical: "memory budget".into(),
                 first_key: "memory.budget".into(),
-                first_value: c.memory.budget.as_ref().map(|s| format!("{:?}", s.text)).unwrap_or_default(),
+                first_value: c
+                    .memory
+                    .budget
+                    .as_ref()
+                    .map(|s| format!("{:?}", s.text))
+                    .unwrap_or_default(),
                 second_key: "memory.gpu".into(),
-                second_value: c.memory.gpu.as_ref().map(|s| format!("{s:?}")).unwrap_or_default(),
+                second_value: c
+                    .memory
+                    .gpu
+                    .as_ref()
+                    .map(|s| format!("{s:?}"))
+                    .unwrap_or_default(),
             });
         }
         doc.set("memory.auto_fit", "true or false", &mut c.memory.auto_fit)?;
         doc.set("memory.force", "true or false", &mut c.memory.force)?;
 
         // logging
-        doc.set("logging.log_every_n_steps", "a positive integer", &mut c.logging.log_every_n_steps)?;
-        doc.set("logging.logging_dir", "a folder", &mut c.logging.logging_dir)?;
+        doc.set(
+            "logging.log_every_n_steps",
+            "a positive integer",
+            &mut c.logging.log_every_n_steps,
+        )?;
+        doc.set(
+            "logging.logging_dir",
+            "a folder",
+            &mut c.logging.logging_dir,
+        )?;
         doc.set("logging.progress", "true or false", &mut c.logging.progress)?;
-        doc.set("logging.tensorboard", "true or false", &mut c.logging.tensorboard)?;
-        doc.set("logging.sample_prompt", "a string", &mut c.logging.sample_prompt)?;
-        doc.set("logging.sample_max_new_tokens", "a positive integer", &mut c.logging.sample_max_new_tokens)?;
+        doc.set(
+            "logging.tensorboard",
+            "true or false",
+            &mut c.logging.tensorboard,
+        )?;
+        doc.set(
+            "logging.sample_prompt",
+            "a string",
+            &mut c.logging.sample_prompt,
+        )?;
+        doc.set(
+            "logging.sample_max_new_tokens",
+            "a positive integer",
+            &mut c.logging.sample_max_new_tokens,
+        )?;
 
         // system
         doc.set("system.seed", "a non-negative integer", &mut c.system.seed)?;
         if let Some((d, _)) = doc.get_with("system.device", |k, v| {
             let s = v.as_str().unwrap_or_default();
             let ok = matches!(s, "cpu" | "cuda" | "auto")
-                || s.strip_prefix("cuda:").map(|n| n.parse::<u32>().is_ok()).unwrap_or(false);
-            if ok { Ok(s.to_string()) } else { Err(invalid(k, v, "one of \"auto\", \"cpu\", \"cuda\", \"cuda:N\"")) }
+                || s.strip_prefix("cuda:")
+                    .map(|n| n.parse::<u32>().is_ok())
+                    .unwrap_or(false);
+            if ok {
+                Ok(s.to_string())
+            } else {
+                Err(invalid(
+                    k,
+                    v,
+                    "one of \"auto\", \"cpu\", \"cuda\", \"cuda:N\"",
+                ))
+            }
         })? {
             c.system.device = d;
         }
-        doc.set("system.num_threads", "a positive integer", &mut c.system.num_threads)?;
+        doc.set(
+            "system.num_threads",
+            "a positive integer",
+            &mut c.system.num_threads,
+        )?;
 
         // data_loader
-        doc.set("data_loader.num_workers", "a non-negative integer", &mut c.data_loader.num_workers)?;
-        doc.set("data_loader.persistent_workers", "true or false", &mut c.data_loader.persistent_workers)?;
-        doc.set("data_loader.prefetch_factor", "a positive integer", &mut c.data_loader.prefetch_factor)?;
-        doc.set("data_loader.shuffle", "true or false", &mut c.data_loader.shuffle)?;
+        doc.set(
+            "data_loader.num_workers",
+            "a non-negative integer",
+            &mut c.data_loader.num_workers,
+        )?;
+        doc.set(
+            "data_loader.persistent_workers",
+            "true or false",
+            &mut c.data_loader.persistent_workers,
+        )?;
+        doc.set(
+            "data_loader.prefetch_factor",
+            "a positive integer",
+            &mut c.data_loader.prefetch_factor,
+        )?;
+        doc.set(
+            "data_loader.shuffle",
+            "true or false",
+            &mut c.data_loader.shuffle,
+        )?;
 
         // tagger
         if doc.entries.iter().any(|e| e.path.starts_with("tagger.")) {
             let mut tg = TaggerSection::default();
             let ms = &mut tg.model_settings;
-            doc.set("tagger.model_settings.precision", "a string such as \"fp16\"", &mut ms.precision)?;
-            doc.set("tagger.model_settings.device", "a string such as \"cuda\"", &mut ms.device)?;
-            doc.set("tagger.model_settings.device_map", "a string such as \"auto\"", &mut ms.device_map)?;
-            doc.set("tagger.model_settings.low_cpu_mem_usage", "true or false", &mut ms.low_cpu_mem_usage)?;
+            doc.set(
+                "tagger.model_settings.precision",
+                "a string such as \"fp16\"",
+                &mut ms.precision,
+            )?;
+            doc.set(
+                "tagger.model_settings.device",
+                "a string such as \"cuda\"",
+                &mut ms.device,
+            )?;
+            doc.set(
+                "tagger.model_settings.device_map",
+                "a string such as \"auto\"",
+                &mut ms.device_map,
+            )?;
+            doc.set(
+                "tagger.model_settings.low_cpu_mem_usage",
+                "true or false",
+                &mut ms.low_cpu_mem_usage,
+            )?;
             if let Some((s, _)) = doc.get_with("tagger.model_settings.max_memory.cuda", size_of)? {
                 ms.max_memory.cuda = Some(s);
             }
@@ -1456,12 +1881,32 @@ impl TrainConfig {
                 ms.max_memory.cpu = Some(s);
             }
             let g = &mut tg.generation_settings;
-            doc.set("tagger.generation_settings.max_batch_size", "a positive integer", &mut g.max_batch_size)?;
-            doc.set("tagger.generation_settings.timeout", "seconds", &mut g.timeout)?;
-            doc.set("tagger.generation_settings.retry_attempts", "a non-negative integer", &mut g.retry_attempts)?;
+            doc.set(
+                "tagger.generation_settings.max_batch_size",
+                "a positive integer",
+                &mut g.max_batch_size,
+            )?;
+            doc.set(
+                "tagger.generation_settings.timeout",
+                "seconds",
+                &mut g.timeout,
+            )?;
+            doc.set(
+                "tagger.generation_settings.retry_attempts",
+                "a non-negative integer",
+                &mut g.retry_attempts,
+            )?;
             let m = &mut tg.memory_management;
-            doc.set("tagger.memory_management.auto_clear_interval", "a positive integer", &mut m.auto_clear_interval)?;
-            doc.set("tagger.memory_management.cache_size", "a non-negative integer", &mut m.cache_size)?;
+            doc.set(
+                "tagger.memory_management.auto_clear_interval",
+                "a positive integer",
+                &mut m.auto_clear_interval,
+            )?;
+            doc.set(
+                "tagger.memory_management.cache_size",
+                "a non-negative integer",
+                &mut m.cache_size,
+            )?;
             c.tagger = Some(tg);
         }
 
@@ -1473,12 +1918,23 @@ impl TrainConfig {
             .map(|e| {
                 let top = e.path.split('.').next().unwrap_or_default();
                 let hint = if TAGGER_SECTIONS.contains(&top) {
-                    Some(format!("`{top}` is a tagger setting: put it under a `tagger:` section"))
+                    Some(format!(
+                        "`{top}` is a tagger setting: put it under a `tagger:` section"
+                    ))
                 } else {
                     None
                 };
-                let suggestion = if hint.is_some() { Some(format!("tagger.{}", e.path)) } else { suggest(&e.path) };
-                UnknownKey { key: e.path.clone(), value: render(&e.value), suggestion, hint }
+                let suggestion = if hint.is_some() {
+                    Some(format!("tagger.{}", e.path))
+                } else {
+                    suggest(&e.path)
+                };
+                UnknownKey {
+                    key: e.path.clone(),
+                    value: render(&e.value),
+                    suggestion,
+                    hint,
+                }
             })
             .collect();
         if !unknown.is_empty() {
@@ -1492,10 +1948,14 @@ impl TrainConfig {
     /// # Errors
     /// [`ConfigError::Missing`].
     pub fn base_model(&self) -> Result<&str> {
-        self.model.base_model.as_deref().ok_or_else(|| ConfigError::Missing {
-            key: "model.base_model".into(),
-            hint: "set it to a .gguf file, a .safetensors file or a folder with config.json".into(),
-        })
+        self.model
+            .base_model
+            .as_deref()
+            .ok_or_else(|| ConfigError::Missing {
+                key: "model.base_model".into(),
+                hint: "set it to a .gguf file, a .safetensors file or a folder with config.json"
+                    .into(),
+            })
     }
 
     /// Notes about how values were read (assumed size units), for printing at start.
@@ -1532,19 +1992,28 @@ mod tests {
 
     #[test]
     fn aliases_agreeing_are_accepted_and_disagreeing_conflict() {
-        let c = TrainConfig::from_yaml_str("train:\n  batch_size: 4\ndata:\n  batch_size: 4\n").unwrap();
+        let c = TrainConfig::from_yaml_str("train:\n  batch_size: 4\ndata:\n  batch_size: 4\n")
+            .unwrap();
         assert_eq!(c.train.batch_size, 4);
-        let e = TrainConfig::from_yaml_str("train:\n  batch_size: 4\ndata:\n  batch_size: 2\n").unwrap_err();
+        let e = TrainConfig::from_yaml_str("train:\n  batch_size: 4\ndata:\n  batch_size: 2\n")
+            .unwrap_err();
         let msg = e.to_string();
         assert!(matches!(e, ConfigError::Conflict { .. }), "{msg}");
-        assert!(msg.contains("train.batch_size") && msg.contains("data.batch_size"), "{msg}");
+        assert!(
+            msg.contains("train.batch_size") && msg.contains("data.batch_size"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn unknown_key_gets_a_hint() {
         let e = TrainConfig::from_yaml_str("train:\n  learnig_rate: 0.001\n").unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("train.learnig_rate") && msg.contains("did you mean `train.learning_rate`"), "{msg}");
+        assert!(
+            msg.contains("train.learnig_rate")
+                && msg.contains("did you mean `train.learning_rate`"),
+            "{msg}"
+        );
         assert!(msg.contains("0.001"), "{msg}");
     }
 
@@ -1552,7 +2021,12 @@ mod tests {
     fn choices_report_allowed_values() {
         let e = TrainConfig::from_yaml_str("train:\n  mixed_precision: fp8\n").unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("\"fp8\"") && msg.contains("\"bf16\"") && msg.contains("train.mixed_precision"), "{msg}");
+        assert!(
+            msg.contains("\"fp8\"")
+                && msg.contains("\"bf16\"")
+                && msg.contains("train.mixed_precision"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -9,9 +9,9 @@
 //! → `lora_te_model_layers_0_self_attn_q_proj`), and [`llama_site_from_kohya`] maps them back.
 
 use crate::config::{ExportFormat, TrainConfig};
+use lora_core::config::LoraConfig;
 use lora_core::formats::{AdapterWeights, kohya, peft};
 use lora_core::inject::Adaptable;
-use lora_core::config::LoraConfig;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -36,7 +36,9 @@ pub enum ExportError {
         source: std::io::Error,
     },
     /// An input is neither a PEFT folder nor a kohya file.
-    #[error("{path}: not an adapter ({reason}); give a PEFT folder (adapter_config.json + adapter_model.safetensors) or a kohya .safetensors file")]
+    #[error(
+        "{path}: not an adapter ({reason}); give a PEFT folder (adapter_config.json + adapter_model.safetensors) or a kohya .safetensors file"
+    )]
     NotAnAdapter {
         /// The path.
         path: PathBuf,
@@ -44,7 +46,9 @@ pub enum ExportError {
         reason: String,
     },
     /// A kohya module name that is not a LLaMA-family site.
-    #[error("kohya module {name:?} is not a LLaMA-family site (expected {KOHYA_LLM_PREFIX}_model_layers_<i>_self_attn_<q|k|v|o>_proj, …_mlp_<gate|up|down>_proj, lm_head or model_embed_tokens)")]
+    #[error(
+        "kohya module {name:?} is not a LLaMA-family site (expected {KOHYA_LLM_PREFIX}_model_layers_<i>_self_attn_<q|k|v|o>_proj, …_mlp_<gate|up|down>_proj, lm_head or model_embed_tokens)"
+    )]
     UnknownKohyaModule {
         /// The kohya name.
         name: String,
@@ -59,7 +63,10 @@ pub type Result<T> = std::result::Result<T, ExportError>;
 /// # Errors
 /// [`ExportError::Io`].
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let io = |source| ExportError::Io { path: path.to_path_buf(), source };
+    let io = |source| ExportError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut f = std::fs::File::open(path).map_err(io)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -91,8 +98,14 @@ pub struct RunMetadata {
 /// The metadata map for a run (`lora_train.*` keys plus kohya's `ss_*` keys).
 pub fn metadata_for(cfg: &TrainConfig, run: &RunMetadata) -> BTreeMap<String, String> {
     let mut m = BTreeMap::new();
-    m.insert("lora_train.version".into(), env!("CARGO_PKG_VERSION").into());
-    m.insert("lora_train.config".into(), serde_json::to_string(cfg).unwrap_or_default());
+    m.insert(
+        "lora_train.version".into(),
+        env!("CARGO_PKG_VERSION").into(),
+    );
+    m.insert(
+        "lora_train.config".into(),
+        serde_json::to_string(cfg).unwrap_or_default(),
+    );
     m.insert("lora_train.base_model".into(), run.base_model.clone());
     if let Some(h) = &run.base_model_sha256 {
         m.insert("lora_train.base_model_sha256".into(), h.clone());
@@ -105,17 +118,47 @@ pub fn metadata_for(cfg: &TrainConfig, run: &RunMetadata) -> BTreeMap<String, St
     m.insert("ss_network_dim".into(), cfg.lora.rank.to_string());
     m.insert("ss_network_alpha".into(), cfg.lora.alpha.to_string());
     m.insert("ss_output_name".into(), cfg.train.output_name.clone());
-    m.insert("ss_learning_rate".into(), cfg.train.learning_rate.to_string());
+    m.insert(
+        "ss_learning_rate".into(),
+        cfg.train.learning_rate.to_string(),
+    );
     m.insert("ss_max_train_steps".into(), run.steps.to_string());
     m.insert("ss_epoch".into(), run.epochs.to_string());
     m.insert("ss_seed".into(), cfg.system.seed.to_string());
     m.insert("ss_optimizer".into(), format!("{:?}", cfg.train.optimizer));
-    m.insert("ss_lr_scheduler".into(), serde_json::to_value(cfg.train.lr_scheduler).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
-    m.insert("ss_mixed_precision".into(), serde_json::to_value(cfg.train.mixed_precision).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
-    m.insert("ss_gradient_checkpointing".into(), cfg.train.gradient_checkpointing.to_string());
-    m.insert("ss_gradient_accumulation_steps".into(), cfg.train.gradient_accumulation_steps.to_string());
-    m.insert("ss_batch_size_per_device".into(), cfg.train.batch_size.to_string());
-    m.insert("ss_sd_model_name".into(), Path::new(&run.base_model).file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+    m.insert(
+        "ss_lr_scheduler".into(),
+        serde_json::to_value(cfg.train.lr_scheduler)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+    );
+    m.insert(
+        "ss_mixed_precision".into(),
+        serde_json::to_value(cfg.train.mixed_precision)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+    );
+    m.insert(
+        "ss_gradient_checkpointing".into(),
+        cfg.train.gradient_checkpointing.to_string(),
+    );
+    m.insert(
+        "ss_gradient_accumulation_steps".into(),
+        cfg.train.gradient_accumulation_steps.to_string(),
+    );
+    m.insert(
+        "ss_batch_size_per_device".into(),
+        cfg.train.batch_size.to_string(),
+    );
+    m.insert(
+        "ss_sd_model_name".into(),
+        Path::new(&run.base_model)
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
     m
 }
 
@@ -159,8 +202,13 @@ pub fn export_run(
 /// # Errors
 /// [`ExportError::UnknownKohyaModule`].
 pub fn llama_site_from_kohya(name: &str) -> Result<String> {
-    let bad = || ExportError::UnknownKohyaModule { name: name.to_string() };
-    let rest = name.strip_prefix(KOHYA_LLM_PREFIX).and_then(|r| r.strip_prefix('_')).ok_or_else(bad)?;
+    let bad = || ExportError::UnknownKohyaModule {
+        name: name.to_string(),
+    };
+    let rest = name
+        .strip_prefix(KOHYA_LLM_PREFIX)
+        .and_then(|r| r.strip_prefix('_'))
+        .ok_or_else(bad)?;
     match rest {
         "lm_head" => return Ok("lm_head".into()),
         "model_embed_tokens" => return Ok("model.embed_tokens".into()),
@@ -193,7 +241,10 @@ pub fn llama_site_from_kohya(name: &str) -> Result<String> {
 pub fn read_adapter(path: &Path) -> Result<(Option<LoraConfig>, AdapterWeights)> {
     if path.is_dir() {
         if !path.join(peft::CONFIG_FILE).is_file() {
-            return Err(ExportError::NotAnAdapter { path: path.into(), reason: format!("the folder has no {}", peft::CONFIG_FILE) });
+            return Err(ExportError::NotAnAdapter {
+                path: path.into(),
+                reason: format!("the folder has no {}", peft::CONFIG_FILE),
+            });
         }
         let (c, w) = peft::load(path)?;
         return Ok((Some(c), w));
@@ -204,10 +255,17 @@ pub fn read_adapter(path: &Path) -> Result<(Option<LoraConfig>, AdapterWeights)>
         }
     }
     if !path.is_file() {
-        return Err(ExportError::NotAnAdapter { path: path.into(), reason: "no such file or folder".into() });
+        return Err(ExportError::NotAnAdapter {
+            path: path.into(),
+            reason: "no such file or folder".into(),
+        });
     }
     let mut file = kohya::read(path)?;
-    let sites = file.modules.keys().map(|k| llama_site_from_kohya(k)).collect::<Result<Vec<_>>>()?;
+    let sites = file
+        .modules
+        .keys()
+        .map(|k| llama_site_from_kohya(k))
+        .collect::<Result<Vec<_>>>()?;
     let w = file.take_prefix(KOHYA_LLM_PREFIX, &sites)?;
     Ok((None, w))
 }
@@ -260,6 +318,9 @@ mod tests {
         let p = dir.path().join("abc");
         std::fs::write(&p, b"abc").unwrap();
         // FIPS 180-2 appendix B.1 test vector
-        assert_eq!(sha256_file(&p).unwrap(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            sha256_file(&p).unwrap(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 }

@@ -5,7 +5,10 @@
 //! `memory.auto_fit`, applies lora-memory's `fit()`.
 
 use crate::config::{BaseWeights, Dtype, OptimizerKind, Precision, TargetModules, TrainConfig};
-use lora_memory::{BaseDtype, Budget, Change, Device, Estimate, FitError, MixedPrecision, ModelDescriptor, Optimizer, Settings};
+use lora_memory::{
+    BaseDtype, Budget, Change, Device, Estimate, FitError, MixedPrecision, ModelDescriptor,
+    Optimizer, Settings,
+};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -61,7 +64,13 @@ pub fn resolve_path(key: &str, written: &str, config_dir: Option<&Path>) -> Resu
     if p.exists() {
         return Ok(p);
     }
-    let mut looked = vec![std::env::current_dir().map(|d| d.join(&p)).unwrap_or_else(|_| p.clone()).display().to_string()];
+    let mut looked = vec![
+        std::env::current_dir()
+            .map(|d| d.join(&p))
+            .unwrap_or_else(|_| p.clone())
+            .display()
+            .to_string(),
+    ];
     if p.is_relative()
         && let Some(dir) = config_dir
     {
@@ -124,7 +133,11 @@ impl Plan {
             s.micro_batch,
             s.gradient_accumulation_steps,
             s.seq_len,
-            if s.gradient_checkpointing { "on" } else { "off" },
+            if s.gradient_checkpointing {
+                "on"
+            } else {
+                "off"
+            },
             s.optimizer
         );
         out += &self.estimate.to_table();
@@ -156,7 +169,12 @@ impl Plan {
                     self.estimate.peak.saturating_sub(b.bytes)
                 )
             }
-            (None, _) => out += &format!("verdict: predicted peak {} (no budget given)\n", self.estimate.peak),
+            (None, _) => {
+                out += &format!(
+                    "verdict: predicted peak {} (no budget given)\n",
+                    self.estimate.peak
+                )
+            }
         }
         out
     }
@@ -170,7 +188,9 @@ pub fn budget_source(b: &Budget) -> String {
             None => format!("{input:?}"),
         },
         lora_memory::BudgetSource::Gpu { name } => format!("GPU preset {name}"),
-        lora_memory::BudgetSource::NvmlFree { device_index } => format!("free memory of cuda:{device_index} (NVML)"),
+        lora_memory::BudgetSource::NvmlFree { device_index } => {
+            format!("free memory of cuda:{device_index} (NVML)")
+        }
     }
 }
 
@@ -180,7 +200,10 @@ pub fn budget_source(b: &Budget) -> String {
 ///
 /// # Errors
 /// [`JobError::MissingFile`] when the path does not exist and is no preset; header errors.
-pub fn read_descriptor(cfg: &TrainConfig, config_dir: Option<&Path>) -> Result<(ModelDescriptor, String, Option<BaseDtype>)> {
+pub fn read_descriptor(
+    cfg: &TrainConfig,
+    config_dir: Option<&Path>,
+) -> Result<(ModelDescriptor, String, Option<BaseDtype>)> {
     let written = cfg.base_model()?;
     let path = match resolve_path("model.base_model", written, config_dir) {
         Ok(p) => p,
@@ -210,23 +233,42 @@ pub fn read_descriptor(cfg: &TrainConfig, config_dir: Option<&Path>) -> Result<(
             });
         Ok((desc, path.display().to_string(), q))
     } else if path.is_dir() && path.join("config.json").is_file() && !has_safetensors(&path) {
-        Ok((ModelDescriptor::from_hf_config_json(path.join("config.json"))?, path.display().to_string(), None))
+        Ok((
+            ModelDescriptor::from_hf_config_json(path.join("config.json"))?,
+            path.display().to_string(),
+            None,
+        ))
     } else if lower.ends_with("config.json") {
-        Ok((ModelDescriptor::from_hf_config_json(&path)?, path.display().to_string(), None))
+        Ok((
+            ModelDescriptor::from_hf_config_json(&path)?,
+            path.display().to_string(),
+            None,
+        ))
     } else {
-        Ok((ModelDescriptor::from_safetensors(&path)?, path.display().to_string(), None))
+        Ok((
+            ModelDescriptor::from_safetensors(&path)?,
+            path.display().to_string(),
+            None,
+        ))
     }
 }
 
 fn has_safetensors(dir: &Path) -> bool {
     std::fs::read_dir(dir)
-        .map(|rd| rd.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors")))
+        .map(|rd| {
+            rd.flatten()
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        })
         .unwrap_or(false)
 }
 
 /// lora-memory settings for a config. `file_quant` is the storage type of the file's layer
 /// linears (GGUF), used when `model.weights: quantized`; `cuda` selects the device model.
-pub fn settings_for(cfg: &TrainConfig, file_quant: Option<BaseDtype>, cuda: bool) -> (Settings, Vec<String>) {
+pub fn settings_for(
+    cfg: &TrainConfig,
+    file_quant: Option<BaseDtype>,
+    cuda: bool,
+) -> (Settings, Vec<String>) {
     let mut notes = Vec::new();
     let base_dtype = match cfg.model.weights {
         BaseWeights::Dense => match cfg.model.dtype {
@@ -260,12 +302,18 @@ pub fn settings_for(cfg: &TrainConfig, file_quant: Option<BaseDtype>, cuda: bool
         OptimizerKind::AdamW => Optimizer::AdamW,
         OptimizerKind::AdamW8bit => Optimizer::AdamW8bit,
         OptimizerKind::Adafactor => Optimizer::Adafactor,
-        OptimizerKind::Sgd => Optimizer::Sgd { momentum: cfg.train.momentum as f32 },
+        OptimizerKind::Sgd => Optimizer::Sgd {
+            momentum: cfg.train.momentum as f32,
+        },
     };
     let mut s = Settings::default()
         .with_base_dtype(base_dtype)
         .with_mixed_precision(mixed_precision)
-        .with_method(if cfg.lora.use_dora { lora_memory::Method::Dora } else { lora_memory::Method::Lora })
+        .with_method(if cfg.lora.use_dora {
+            lora_memory::Method::Dora
+        } else {
+            lora_memory::Method::Lora
+        })
         .with_rank(cfg.lora.rank)
         .with_alpha(cfg.lora.alpha as f32)
         .with_target_modules(&targets)
@@ -338,7 +386,12 @@ pub fn budget_for(cfg: &TrainConfig, override_budget: Option<Budget>) -> Result<
 ///
 /// # Errors
 /// Config / header / budget errors. Not fitting is *not* an error here (see [`Plan::fits`]).
-pub fn plan(cfg: &mut TrainConfig, config_dir: Option<&Path>, override_budget: Option<Budget>, cuda: bool) -> Result<Plan> {
+pub fn plan(
+    cfg: &mut TrainConfig,
+    config_dir: Option<&Path>,
+    override_budget: Option<Budget>,
+    cuda: bool,
+) -> Result<Plan> {
     let (desc, model_source, file_quant) = read_descriptor(cfg, config_dir)?;
     let (settings, mut notes) = settings_for(cfg, file_quant, cuda);
     notes.extend(cfg.notes());
@@ -366,7 +419,11 @@ pub fn plan(cfg: &mut TrainConfig, config_dir: Option<&Path>, override_budget: O
                 plan.estimate = f.estimate;
                 plan.changes = f.changes;
             }
-            Err(FitError::DoesNotFit { smallest_peak, changes, .. }) => {
+            Err(FitError::DoesNotFit {
+                smallest_peak,
+                changes,
+                ..
+            }) => {
                 plan.notes.push(format!(
                     "auto_fit: nothing on the ladder fits; the smallest peak reached is {smallest_peak} after {} changes",
                     changes.len()
@@ -578,24 +635,54 @@ pub fn split_tail(text: &str, fraction: f64) -> (&str, &str) {
     while at < text.len() && !text.is_char_boundary(at) {
         at += 1;
     }
-    let at = text[at..].find('\n').map(|i| at + i + 1).unwrap_or(at).min(text.len());
+    let at = text[at..]
+        .find('\n')
+        .map(|i| at + i + 1)
+        .unwrap_or(at)
+        .min(text.len());
     (&text[..at], &text[at..])
 }
 
-fn evaluate(model: &lora_models::llama::Llama, ids: &[i64], seq_len: usize) -> Result<Option<EvalResult>> {
+fn evaluate(
+    model: &lora_models::llama::Llama,
+    ids: &[i64],
+    seq_len: usize,
+) -> Result<Option<EvalResult>> {
     if ids.len() < 2 {
         return Ok(None);
     }
-    let opts = lora_models::llama::PerplexityOptions { max_length: seq_len, stride: seq_len };
-    let r = model.perplexity_ids(ids, &opts).map_err(rt("held-out perplexity"))?;
-    Ok(Some(EvalResult { mean_nll: r.mean_nll, perplexity: r.perplexity, tokens: r.tokens_scored }))
+    let opts = lora_models::llama::PerplexityOptions {
+        max_length: seq_len,
+        stride: seq_len,
+    };
+    let r = model
+        .perplexity_ids(ids, &opts)
+        .map_err(rt("held-out perplexity"))?;
+    Ok(Some(EvalResult {
+        mean_nll: r.mean_nll,
+        perplexity: r.perplexity,
+        tokens: r.tokens_scored,
+    }))
 }
 
-fn sample(model: &lora_models::llama::Llama, tok: &lora_models::tokenizer::Tokenizer, prompt: &str, max_new: u32) -> Result<String> {
-    let ids = tok.encode(prompt, false).map_err(rt("tokenizing the sample prompt"))?;
-    let opts = lora_models::llama::GenerateOptions { max_new_tokens: max_new as usize, ..Default::default() };
-    let g = model.generate(&ids, &opts).map_err(rt("sample generation"))?;
-    tok.decode(&g.tokens, true).map_err(rt("decoding the sample"))
+fn sample(
+    model: &lora_models::llama::Llama,
+    tok: &lora_models::tokenizer::Tokenizer,
+    prompt: &str,
+    max_new: u32,
+) -> Result<String> {
+    let ids = tok
+        .encode(prompt, false)
+        .map_err(rt("tokenizing the sample prompt"))?;
+    let opts = lora_models::llama::GenerateOptions {
+        max_new_tokens: max_new as usize,
+        ..Default::default()
+    };
+    let g = model
+        .generate(&ids, &opts)
+        .map_err(rt("sample generation"))?;
+    tok.decode(&g.tokens, true)
+        .map_err(rt("decoding the sample"))
 }
 
 /// The PEFT `LoraConfig` of a run.
@@ -609,7 +696,8 @@ pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::con
         m.insert("base_model_name_or_path".into(), base_model.into());
         m.insert("peft_type".into(), "LORA".into());
     }
-    let c: lora_core::config::LoraConfig = serde_json::from_value(v).map_err(rt("building the LoRA config"))?;
+    let c: lora_core::config::LoraConfig =
+        serde_json::from_value(v).map_err(rt("building the LoRA config"))?;
     c.validate().map_err(rt("validating the LoRA config"))?;
     Ok(c)
 }
@@ -635,17 +723,20 @@ pub fn load_base(
         BaseWeights::Quantized => WeightMode::KeepQuantized,
     };
     let ctx = format!("loading {}", path.display());
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
         let model = Llama::from_gguf(path, mode, device).map_err(rt(&ctx))?;
         let tok = lora_models::tokenizer::load_tokenizer_from_gguf(path).map_err(rt(&ctx))?;
         Ok((model, tok))
     } else {
         let model = Llama::from_safetensors(path, mode, device).map_err(rt(&ctx))?;
-        let tok = lora_models::tokenizer::load_tokenizer(path.join("tokenizer.json")).map_err(rt(&ctx))?;
+        let tok = lora_models::tokenizer::load_tokenizer(path.join("tokenizer.json"))
+            .map_err(rt(&ctx))?;
         Ok((model, tok))
     }
 }
-
 
 /// The causal-LM [`crate::trainer::TrainStep`]: a LLaMA-family model with LoRA adapters and
 /// packed text batches; loss = mean next-token NLL over labels ≠ −100 ([`lora_models::llama::Llama::loss`]).
@@ -674,17 +765,25 @@ impl crate::trainer::TrainStep for LlamaTask<'_> {
         let labels = b.labels.f_to_device(d)?;
         let mask = b.attention_mask.f_to_device(d)?;
         let pos = b.position_ids.f_to_device(d)?;
-        self.model.loss(&ids, &labels, Some(&mask), Some(&pos), train).map_err(model_err)
+        self.model
+            .loss(&ids, &labels, Some(&mask), Some(&pos), train)
+            .map_err(model_err)
     }
 
     fn named_trainable(&self) -> Vec<(String, tch::Tensor)> {
-        self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        self.named
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
     }
 
     fn param_groups(&self) -> Vec<crate::optim::ParamGroup> {
         match self.loraplus_lr_ratio {
             Some(r) => crate::optim::lora_plus_groups(self.named_trainable(), r),
-            None => vec![crate::optim::ParamGroup::new("adapters", self.named.iter().map(|(_, t)| t.shallow_clone()).collect())],
+            None => vec![crate::optim::ParamGroup::new(
+                "adapters",
+                self.named.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            )],
         }
     }
 
@@ -692,7 +791,11 @@ impl crate::trainer::TrainStep for LlamaTask<'_> {
         b.input_ids.size().first().copied().unwrap_or(0).max(0) as usize
     }
 
-    fn split_batch(&self, b: &Self::Batch, parts: usize) -> crate::trainer::Result<Vec<Self::Batch>> {
+    fn split_batch(
+        &self,
+        b: &Self::Batch,
+        parts: usize,
+    ) -> crate::trainer::Result<Vec<Self::Batch>> {
         let n = parts.max(1) as i64;
         let ids = b.input_ids.f_chunk(n, 0)?;
         let labels = b.labels.f_chunk(n, 0)?;
@@ -716,7 +819,11 @@ impl crate::trainer::TrainStep for LlamaTask<'_> {
     }
 
     fn batch_tokens(&self, b: &Self::Batch) -> u64 {
-        b.attention_mask.f_sum(tch::Kind::Int64).and_then(|t| t.f_int64_value(&[])).unwrap_or(0).max(0) as u64
+        b.attention_mask
+            .f_sum(tch::Kind::Int64)
+            .and_then(|t| t.f_int64_value(&[]))
+            .unwrap_or(0)
+            .max(0) as u64
     }
 }
 
@@ -732,9 +839,20 @@ pub struct TextSource {
 
 impl TextSource {
     /// Wraps a loader.
-    pub fn new(loader: lora_data::loader::Loader<lora_data::text::TextDataset, lora_data::text::TextCollate>) -> Self {
+    pub fn new(
+        loader: lora_data::loader::Loader<
+            lora_data::text::TextDataset,
+            lora_data::text::TextCollate,
+        >,
+    ) -> Self {
         let collate = loader.dataset().collate();
-        TextSource { loader, collate, plan: Vec::new(), epoch: 0, next: 0 }
+        TextSource {
+            loader,
+            collate,
+            plan: Vec::new(),
+            epoch: 0,
+            next: 0,
+        }
     }
 }
 
@@ -752,8 +870,14 @@ impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
 
     fn next_batch(&mut self) -> crate::trainer::Result<Option<lora_data::text::TextBatch>> {
         use lora_data::loader::{Collate, Dataset};
-        let Some(idx) = self.plan.get(self.next) else { return Ok(None) };
-        let items = idx.iter().map(|&i| self.loader.dataset().get(i)).collect::<std::result::Result<Vec<_>, _>>().map_err(data_err)?;
+        let Some(idx) = self.plan.get(self.next) else {
+            return Ok(None);
+        };
+        let items = idx
+            .iter()
+            .map(|&i| self.loader.dataset().get(i))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(data_err)?;
         self.next += 1;
         self.collate.collate(items).map(Some).map_err(data_err)
     }
@@ -767,13 +891,21 @@ impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> crate::trainer::Result<()> {
-        let bad = |m: &str| crate::trainer::TrainError::State { what: "loader position".into(), message: m.into() };
+        let bad = |m: &str| crate::trainer::TrainError::State {
+            what: "loader position".into(),
+            message: m.into(),
+        };
         let rows = state["rows"].as_u64().ok_or_else(|| bad("no row count"))?;
         if rows != lora_data::loader::Dataset::len(self.loader.dataset()) as u64 {
-            return Err(bad(&format!("the checkpoint was taken over {rows} rows, this dataset has {}; resume with the same data and seq_len", lora_data::loader::Dataset::len(self.loader.dataset()))));
+            return Err(bad(&format!(
+                "the checkpoint was taken over {rows} rows, this dataset has {}; resume with the same data and seq_len",
+                lora_data::loader::Dataset::len(self.loader.dataset())
+            )));
         }
         let epoch = state["epoch"].as_u64().ok_or_else(|| bad("no epoch"))?;
-        let next = state["next"].as_u64().ok_or_else(|| bad("no batch index"))? as usize;
+        let next = state["next"]
+            .as_u64()
+            .ok_or_else(|| bad("no batch index"))? as usize;
         self.start_epoch(epoch)?;
         self.next = next.min(self.plan.len());
         Ok(())
@@ -796,13 +928,20 @@ impl MetricsJsonl {
         if let Some(d) = path.parent() {
             std::fs::create_dir_all(d).map_err(rt(&format!("creating {}", d.display())))?;
         }
-        let file = std::fs::File::create(path).map_err(rt(&format!("creating {}", path.display())))?;
-        Ok(MetricsJsonl { file, every: every.max(1) })
+        let file =
+            std::fs::File::create(path).map_err(rt(&format!("creating {}", path.display())))?;
+        Ok(MetricsJsonl {
+            file,
+            every: every.max(1),
+        })
     }
 }
 
 impl crate::callbacks::Callback for MetricsJsonl {
-    fn on_step(&mut self, i: &crate::callbacks::StepInfo) -> crate::trainer::Result<crate::callbacks::Control> {
+    fn on_step(
+        &mut self,
+        i: &crate::callbacks::StepInfo,
+    ) -> crate::trainer::Result<crate::callbacks::Control> {
         use std::io::Write;
         if i.step % self.every == 0 || i.step == i.total_steps {
             let v = serde_json::json!({
@@ -810,7 +949,11 @@ impl crate::callbacks::Callback for MetricsJsonl {
                 "skipped": i.skipped, "tokens_per_s": i.tokens_per_s, "it_per_s": i.it_per_s,
                 "elapsed_s": i.elapsed_s, "rss_bytes": proc_rss().0, "cpu_tensor_peak_bytes": i.mem.cpu_peak_bytes,
             });
-            writeln!(self.file, "{v}").map_err(|e| crate::trainer::TrainError::Io { op: "write metrics", path: PathBuf::from("metrics.jsonl"), source: e })?;
+            writeln!(self.file, "{v}").map_err(|e| crate::trainer::TrainError::Io {
+                op: "write metrics",
+                path: PathBuf::from("metrics.jsonl"),
+                source: e,
+            })?;
         }
         Ok(crate::callbacks::Control::Continue)
     }
@@ -820,25 +963,42 @@ impl crate::callbacks::Callback for MetricsJsonl {
 ///
 /// # Errors
 /// [`JobError::Runtime`] for settings the engine rejects.
-pub fn trainer_config(cfg: &TrainConfig, device: tch::Device, out_dir: &Path, total_steps: u64) -> Result<crate::trainer::TrainerConfig> {
+pub fn trainer_config(
+    cfg: &TrainConfig,
+    device: tch::Device,
+    out_dir: &Path,
+    total_steps: u64,
+) -> Result<crate::trainer::TrainerConfig> {
     use crate::config::{NanPolicy, SchedulerKind as S};
     use crate::optim::{AdafactorConfig, AdamWConfig, OptimizerKind as O, SgdConfig};
     use crate::sched::SchedulerKind as E;
     let t = &cfg.train;
-    let adamw = AdamWConfig { weight_decay: t.weight_decay, ..AdamWConfig::default() };
+    let adamw = AdamWConfig {
+        weight_decay: t.weight_decay,
+        ..AdamWConfig::default()
+    };
     let optimizer = match t.optimizer {
         OptimizerKind::AdamW => O::AdamW(adamw),
         OptimizerKind::AdamW8bit => O::AdamW8bit(adamw),
         OptimizerKind::Adafactor => O::Adafactor(AdafactorConfig::default()),
-        OptimizerKind::Sgd => O::Sgd(SgdConfig { momentum: t.momentum, weight_decay: t.weight_decay, ..SgdConfig::default() }),
+        OptimizerKind::Sgd => O::Sgd(SgdConfig {
+            momentum: t.momentum,
+            weight_decay: t.weight_decay,
+            ..SgdConfig::default()
+        }),
     };
     let scheduler = match t.lr_scheduler {
         S::Constant => E::Constant,
         S::ConstantWithWarmup => E::ConstantWithWarmup,
         S::Linear => E::Linear,
         S::Cosine => E::Cosine { num_cycles: 0.5 },
-        S::CosineWithRestarts => E::CosineWithRestarts { num_cycles: f64::from(t.num_cycles.max(1)) },
-        S::Polynomial => E::Polynomial { lr_end: 1e-7, power: t.power },
+        S::CosineWithRestarts => E::CosineWithRestarts {
+            num_cycles: f64::from(t.num_cycles.max(1)),
+        },
+        S::Polynomial => E::Polynomial {
+            lr_end: 1e-7,
+            power: t.power,
+        },
     };
     let precision = match t.mixed_precision {
         Precision::No => crate::precision::Precision::Fp32,
@@ -900,7 +1060,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let device = match cfg.system.device.as_str() {
         "cpu" => tch::Device::Cpu,
         "auto" => tch::Device::cuda_if_available(),
-        d => tch::Device::Cuda(d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)),
+        d => tch::Device::Cuda(
+            d.strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0),
+        ),
     };
 
     // 1–3. plan
@@ -909,23 +1073,41 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         print!("{}", plan.report());
     }
     if plan.fits == Some(false) {
-        let b = plan.budget.clone().map(|b| (b.bytes, budget_source(&b))).unwrap_or_default();
+        let b = plan
+            .budget
+            .clone()
+            .map(|b| (b.bytes, budget_source(&b)))
+            .unwrap_or_default();
         if !(opts.force || cfg.memory.force) {
-            return Err(JobError::DoesNotFit { peak: plan.estimate.peak, budget: b.0, source_desc: b.1 });
+            return Err(JobError::DoesNotFit {
+                peak: plan.estimate.peak,
+                budget: b.0,
+                source_desc: b.1,
+            });
         }
         say("warning: predicted not to fit; starting anyway (forced)");
     }
 
     // 4. load, inject
     let base_written = cfg.base_model()?.to_string();
-    let base_path = resolve_path("model.base_model", &base_written, opts.config_dir.as_deref())?;
-    say(&format!("loading {} ({:?}, {:?}) on {device:?}", base_path.display(), cfg.model.weights, cfg.model.dtype));
+    let base_path = resolve_path(
+        "model.base_model",
+        &base_written,
+        opts.config_dir.as_deref(),
+    )?;
+    say(&format!(
+        "loading {} ({:?}, {:?}) on {device:?}",
+        base_path.display(),
+        cfg.model.weights,
+        cfg.model.dtype
+    ));
     let (mut model, tok) = load_base(&base_path, cfg.model.weights, cfg.model.dtype, device)?;
     model.set_gradient_checkpointing(cfg.train.gradient_checkpointing);
     tch::manual_seed(cfg.system.seed as i64);
     let lcfg = lora_config(&cfg, &base_written)?;
     let vs = tch::nn::VarStore::new(device);
-    let report = lora_core::inject::inject(&mut model, &lcfg, "default", &vs.root()).map_err(rt("injecting LoRA"))?;
+    let report = lora_core::inject::inject(&mut model, &lcfg, "default", &vs.root())
+        .map_err(rt("injecting LoRA"))?;
     say(&format!(
         "LoRA r{} α{} on {} modules: {} trainable of {} parameters ({:.3}%)",
         cfg.lora.rank,
@@ -937,23 +1119,34 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     ));
 
     // data
-    let data_written = cfg.data.train_data_dir.clone().ok_or_else(|| crate::config::ConfigError::Missing {
-        key: "data.train_data_dir".into(),
-        hint: "set it to a text file or a folder of .txt files".into(),
-    })?;
-    let data_path = resolve_path("data.train_data_dir", &data_written, opts.config_dir.as_deref())?;
+    let data_written =
+        cfg.data
+            .train_data_dir
+            .clone()
+            .ok_or_else(|| crate::config::ConfigError::Missing {
+                key: "data.train_data_dir".into(),
+                hint: "set it to a text file or a folder of .txt files".into(),
+            })?;
+    let data_path = resolve_path(
+        "data.train_data_dir",
+        &data_written,
+        opts.config_dir.as_deref(),
+    )?;
     let seq_len = cfg.data.seq_len as usize;
     let text_cfg = TextConfig {
         format: match cfg.data.format {
             crate::config::DataFormat::Text => TextFormat::Plain,
-            crate::config::DataFormat::Jsonl => TextFormat::Jsonl { text_field: "text".into() },
+            crate::config::DataFormat::Jsonl => TextFormat::Jsonl {
+                text_field: "text".into(),
+            },
             crate::config::DataFormat::Alpaca => TextFormat::Alpaca,
             crate::config::DataFormat::Chat => TextFormat::Conversations,
             crate::config::DataFormat::Images => {
                 return Err(crate::config::ConfigError::InvalidValue {
                     key: "data.format".into(),
                     value: "\"images\"".into(),
-                    expected: "a text format (text, jsonl, alpaca, chat) for the causal-LM job".into(),
+                    expected: "a text format (text, jsonl, alpaca, chat) for the causal-LM job"
+                        .into(),
                 }
                 .into());
             }
@@ -967,15 +1160,29 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
     let (train_ds, eval_ids, data_stats) = if matches!(text_cfg.format, TextFormat::Plain) {
         let (text, files) = read_text(&data_path, cfg.data.max_bytes)?;
-        let (train_text, mut held) = split_tail(&text, if cfg.data.eval_file.is_some() { 0.0 } else { cfg.data.eval_fraction });
+        let (train_text, mut held) = split_tail(
+            &text,
+            if cfg.data.eval_file.is_some() {
+                0.0
+            } else {
+                cfg.data.eval_fraction
+            },
+        );
         let eval_text;
         if let Some(e) = &cfg.data.eval_file {
             let p = resolve_path("data.eval_file", e, opts.config_dir.as_deref())?;
-            eval_text = std::fs::read_to_string(&p).map_err(rt(&format!("reading {}", p.display())))?;
+            eval_text =
+                std::fs::read_to_string(&p).map_err(rt(&format!("reading {}", p.display())))?;
             held = &eval_text;
         }
-        let ds = TextDataset::from_texts(&[(&data_written, train_text)], tok.inner(), text_cfg).map_err(rt("building the text dataset"))?;
-        let eval_ids = if held.is_empty() { Vec::new() } else { tok.encode(held, false).map_err(rt("tokenizing held-out text"))? };
+        let ds = TextDataset::from_texts(&[(&data_written, train_text)], tok.inner(), text_cfg)
+            .map_err(rt("building the text dataset"))?;
+        let eval_ids = if held.is_empty() {
+            Vec::new()
+        } else {
+            tok.encode(held, false)
+                .map_err(rt("tokenizing held-out text"))?
+        };
         let st = ds.stats();
         let stats = serde_json::json!({
             "files": files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>(),
@@ -988,9 +1195,16 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         });
         (ds, eval_ids, stats)
     } else {
-        let full = TextDataset::from_files(&[&data_path], tok.inner(), text_cfg).map_err(rt("building the dataset"))?;
-        let (t, v) = full.split(cfg.data.eval_fraction, cfg.system.seed).map_err(rt("splitting the dataset"))?;
-        let eval_ids: Vec<i64> = v.documents().iter().flat_map(|d| d.ids.iter().copied()).collect();
+        let full = TextDataset::from_files(&[&data_path], tok.inner(), text_cfg)
+            .map_err(rt("building the dataset"))?;
+        let (t, v) = full
+            .split(cfg.data.eval_fraction, cfg.system.seed)
+            .map_err(rt("splitting the dataset"))?;
+        let eval_ids: Vec<i64> = v
+            .documents()
+            .iter()
+            .flat_map(|d| d.ids.iter().copied())
+            .collect();
         let st = t.stats();
         let stats = serde_json::json!({
             "files": [data_path.display().to_string()],
@@ -1001,7 +1215,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
     let rows = lora_data::loader::Dataset::len(&train_ds);
     if rows == 0 {
-        return Err(JobError::Runtime(format!("{}: no training rows of {seq_len} tokens; use more text or a smaller data.seq_len", data_path.display())));
+        return Err(JobError::Runtime(format!(
+            "{}: no training rows of {seq_len} tokens; use more text or a smaller data.seq_len",
+            data_path.display()
+        )));
     }
     let collate = train_ds.collate();
     let micro = cfg.train.batch_size as usize;
@@ -1021,7 +1238,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     .map_err(rt("building the data loader"))?;
     let accum = cfg.train.gradient_accumulation_steps.max(1) as usize;
     let per_epoch = loader.batches_per_epoch().div_ceil(accum) as u64;
-    let total_steps = cfg.train.max_steps.unwrap_or(per_epoch * u64::from(cfg.train.epochs)).max(1);
+    let total_steps = cfg
+        .train
+        .max_steps
+        .unwrap_or(per_epoch * u64::from(cfg.train.epochs))
+        .max(1);
     say(&format!(
         "data: {rows} rows of {seq_len} tokens, {} micro-batches of {micro} per epoch; {total_steps} optimizer steps (gradient_accumulation_steps {accum}); {} held-out tokens",
         loader.batches_per_epoch(),
@@ -1031,7 +1252,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     // before
     let eval_before = evaluate(&model, &eval_ids, seq_len)?;
     if let Some(e) = eval_before {
-        say(&format!("held-out perplexity before: {:.3} ({} tokens)", e.perplexity, e.tokens));
+        say(&format!(
+            "held-out perplexity before: {:.3} ({} tokens)",
+            e.perplexity, e.tokens
+        ));
     }
     let sample_before = match &cfg.logging.sample_prompt {
         Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
@@ -1043,19 +1267,33 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let out_dir = PathBuf::from(&cfg.train.output_dir);
     std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
     if cfg.train.gradient_checkpointing {
-        say("note: gradient checkpointing is applied by Llama::loss_backward, which the trainer loop does not call yet; this run keeps all activations");
+        say(
+            "note: gradient checkpointing is applied by Llama::loss_backward, which the trainer loop does not call yet; this run keeps all activations",
+        );
     }
     let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut task = LlamaTask { model: &model, named, loraplus_lr_ratio: cfg.train.loraplus_lr_ratio };
+    let mut task = LlamaTask {
+        model: &model,
+        named,
+        loraplus_lr_ratio: cfg.train.loraplus_lr_ratio,
+    };
     let mut source = TextSource::new(loader);
     let tcfg = trainer_config(&cfg, device, &out_dir, total_steps)?;
     let mut trainer: crate::trainer::Trainer<LlamaTask<'_>> = crate::trainer::Trainer::new(tcfg);
     if cfg.logging.progress && opts.verbose {
         trainer.add_callback(Box::new(crate::callbacks::ProgressBar::new()));
     }
-    let log_dir = cfg.logging.logging_dir.clone().map(PathBuf::from).unwrap_or_else(|| out_dir.join("logs"));
-    trainer.add_callback(Box::new(MetricsJsonl::create(&log_dir.join("metrics.jsonl"), cfg.logging.log_every_n_steps)?));
+    let log_dir = cfg
+        .logging
+        .logging_dir
+        .clone()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| out_dir.join("logs"));
+    trainer.add_callback(Box::new(MetricsJsonl::create(
+        &log_dir.join("metrics.jsonl"),
+        cfg.logging.log_every_n_steps,
+    )?));
     let resume = match &opts.resume {
         None => crate::trainer::Resume::No,
         Some(None) => crate::trainer::Resume::Latest,
@@ -1065,19 +1303,27 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let _ = reset_peak_rss();
     let _ = lora_core::sys::cpu_reset_peak();
     let t_train = std::time::Instant::now();
-    let report = trainer.fit(&mut task, &mut source, resume).map_err(|e| match e {
-        crate::trainer::TrainError::NonFinite { .. } | crate::trainer::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
-        other => JobError::Runtime(format!("training: {other}")),
-    })?;
+    let report = trainer
+        .fit(&mut task, &mut source, resume)
+        .map_err(|e| match e {
+            crate::trainer::TrainError::NonFinite { .. }
+            | crate::trainer::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
+            other => JobError::Runtime(format!("training: {other}")),
+        })?;
     let step = report.steps;
     let tokens = report.tokens;
     let losses = report.losses.clone();
     if report.oom_backoffs > 0 {
-        say(&format!("out-of-memory back-offs: {} (final micro-batch split {})", report.oom_backoffs, report.micro_batch_split));
+        say(&format!(
+            "out-of-memory back-offs: {} (final micro-batch split {})",
+            report.oom_backoffs, report.micro_batch_split
+        ));
     }
     let train_seconds = t_train.elapsed().as_secs_f64();
     let (_, hwm_steps) = proc_rss();
-    let tensor_peak = lora_core::sys::cpu_mem_stats().map(|s| s.peak_bytes).unwrap_or(0);
+    let tensor_peak = lora_core::sys::cpu_mem_stats()
+        .map(|s| s.peak_bytes)
+        .unwrap_or(0);
     let memory = MeasuredMemory {
         rss_before_steps,
         rss_peak_steps: hwm_steps,
@@ -1094,7 +1340,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
 
     // 6. export
-    let sha = if base_path.is_file() { Some(crate::export::sha256_file(&base_path).map_err(rt("hashing the base model"))?) } else { None };
+    let sha = if base_path.is_file() {
+        Some(crate::export::sha256_file(&base_path).map_err(rt("hashing the base model"))?)
+    } else {
+        None
+    };
     let meta = crate::export::metadata_for(
         &cfg,
         &crate::export::RunMetadata {
@@ -1105,7 +1355,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             epochs: 1 + step.saturating_sub(1) / per_epoch.max(1),
         },
     );
-    let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir).map_err(rt("exporting the adapter"))?;
+    let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir)
+        .map_err(rt("exporting the adapter"))?;
     let mut summary = RunSummary {
         plan,
         steps: step,
@@ -1125,7 +1376,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     outputs.push(summary_path.clone());
     summary.outputs = outputs;
     let text = serde_json::to_string_pretty(&summary).map_err(rt("serializing the summary"))?;
-    std::fs::write(&summary_path, text).map_err(rt(&format!("writing {}", summary_path.display())))?;
+    std::fs::write(&summary_path, text)
+        .map_err(rt(&format!("writing {}", summary_path.display())))?;
     if opts.verbose {
         print!("{}", summary.report());
     }
@@ -1143,7 +1395,15 @@ mod tests {
         )
         .unwrap();
         let (s, _) = settings_for(&cfg, Some(BaseDtype::Q4_1), false);
-        assert_eq!((s.lora.rank, s.micro_batch, s.gradient_accumulation_steps, s.seq_len), (16, 4, 2, 512));
+        assert_eq!(
+            (
+                s.lora.rank,
+                s.micro_batch,
+                s.gradient_accumulation_steps,
+                s.seq_len
+            ),
+            (16, 4, 2, 512)
+        );
         assert_eq!(s.optimizer, Optimizer::AdamW8bit);
         assert_eq!(s.mixed_precision, MixedPrecision::Bf16);
         assert_eq!(s.base_dtype, BaseDtype::F32, "dense weights default to f32");
@@ -1161,7 +1421,11 @@ mod tests {
         let p = plan(&mut cfg, None, None, true).unwrap();
         assert_eq!(p.fits, Some(false), "{}", p.report());
         assert!(p.report().contains("DOES NOT FIT"));
-        let mut cfg = TrainConfig::from_yaml_str(&format!("{y}memory: {{gpu: RTX 3060, auto_fit: true}}\n").replace("memory: {gpu: RTX 3060}\n", "")).unwrap();
+        let mut cfg = TrainConfig::from_yaml_str(
+            &format!("{y}memory: {{gpu: RTX 3060, auto_fit: true}}\n")
+                .replace("memory: {gpu: RTX 3060}\n", ""),
+        )
+        .unwrap();
         let p = plan(&mut cfg, None, None, true).unwrap();
         assert_eq!(p.fits, Some(true), "{}", p.report());
         assert!(!p.changes.is_empty());

@@ -12,12 +12,20 @@ fn repo() -> PathBuf {
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn gguf() -> PathBuf {
     let p = repo().join("assets/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.is_file(), "{} is missing: run `cargo xtask setup` to provision the assets", p.display());
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo xtask setup` to provision the assets",
+        p.display()
+    );
     p
 }
 
@@ -32,41 +40,97 @@ fn help_documents_every_command_and_the_exit_codes() {
     let o = bin().arg("--help").output().unwrap();
     assert_eq!(o.status.code(), Some(0));
     let t = text(&o);
-    for w in ["train", "plan", "doctor", "convert", "merge", "eval", "generate", "Exit codes", "3  predicted not to fit"] {
+    for w in [
+        "train",
+        "plan",
+        "doctor",
+        "convert",
+        "merge",
+        "eval",
+        "generate",
+        "Exit codes",
+        "3  predicted not to fit",
+    ] {
         assert!(t.contains(w), "--help lacks {w:?}:\n{t}");
     }
     let o = bin().args(["plan", "--help"]).output().unwrap();
-    assert!(text(&o).contains("--budget") && text(&o).contains("--gpu") && text(&o).contains("--json"));
+    assert!(
+        text(&o).contains("--budget") && text(&o).contains("--gpu") && text(&o).contains("--json")
+    );
 }
 
 #[test]
 fn bad_usage_and_bad_configs_exit_2_with_the_key_and_a_hint() {
     let o = bin().args(["plan"]).output().unwrap();
-    assert_eq!(o.status.code(), Some(2), "missing --config is a usage error");
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "missing --config is a usage error"
+    );
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write(dir.path(), "typo.yaml", "model:\n  base_model: smollm2-135m\ntrain:\n  learnig_rate: 1e-4\n");
+    let cfg = write(
+        dir.path(),
+        "typo.yaml",
+        "model:\n  base_model: smollm2-135m\ntrain:\n  learnig_rate: 1e-4\n",
+    );
     let o = bin().args(["plan", "--config"]).arg(&cfg).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("did you mean `train.learning_rate`"), "{}", text(&o));
-    let cfg = write(dir.path(), "conflict.yaml", "model:\n  base_model: smollm2-135m\ntrain:\n  batch_size: 4\ndata:\n  batch_size: 2\n");
-    let o = bin().args(["train", "--config"]).arg(&cfg).output().unwrap();
+    assert!(
+        text(&o).contains("did you mean `train.learning_rate`"),
+        "{}",
+        text(&o)
+    );
+    let cfg = write(
+        dir.path(),
+        "conflict.yaml",
+        "model:\n  base_model: smollm2-135m\ntrain:\n  batch_size: 4\ndata:\n  batch_size: 2\n",
+    );
+    let o = bin()
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("conflicting values"), "{}", text(&o));
-    let cfg = write(dir.path(), "nofile.yaml", "model:\n  base_model: /nonexistent/model.gguf\n");
+    let cfg = write(
+        dir.path(),
+        "nofile.yaml",
+        "model:\n  base_model: /nonexistent/model.gguf\n",
+    );
     let o = bin().args(["plan", "--config"]).arg(&cfg).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("model.base_model") && text(&o).contains("not found"), "{}", text(&o));
+    assert!(
+        text(&o).contains("model.base_model") && text(&o).contains("not found"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
 fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
     let dir = tempfile::tempdir().unwrap();
     // a preset: no file needed; Llama-2-7B bf16 at batch 8 × 2048 cannot fit 12 GiB
-    let big = write(dir.path(), "big.yaml", "model: {base_model: llama-2-7b, dtype: bf16}\ntrain: {batch_size: 8}\ndata: {seq_len: 2048}\n");
-    let o = bin().args(["plan", "--gpu", "RTX 3060", "--config"]).arg(&big).output().unwrap();
+    let big = write(
+        dir.path(),
+        "big.yaml",
+        "model: {base_model: llama-2-7b, dtype: bf16}\ntrain: {batch_size: 8}\ndata: {seq_len: 2048}\n",
+    );
+    let o = bin()
+        .args(["plan", "--gpu", "RTX 3060", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
-    assert!(text(&o).contains("DOES NOT FIT") && text(&o).contains("device cuda"), "{}", text(&o));
-    let o = bin().args(["plan", "--gpu", "H200", "--config"]).arg(&big).output().unwrap();
+    assert!(
+        text(&o).contains("DOES NOT FIT") && text(&o).contains("device cuda"),
+        "{}",
+        text(&o)
+    );
+    let o = bin()
+        .args(["plan", "--gpu", "H200", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     // auto_fit turns the same run into one that fits, and says what changed
     let fit = write(
@@ -74,7 +138,11 @@ fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
         "fit.yaml",
         "model: {base_model: llama-2-7b, dtype: bf16}\ntrain: {batch_size: 8}\ndata: {seq_len: 2048}\nmemory: {gpu: RTX 3060, auto_fit: true}\n",
     );
-    let o = bin().args(["plan", "--json", "--config"]).arg(&fit).output().unwrap();
+    let o = bin()
+        .args(["plan", "--json", "--config"])
+        .arg(&fit)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["fits"], true);
@@ -83,7 +151,11 @@ fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
     assert!(peak <= 12 << 30, "{peak}");
     assert_eq!(v["budget"]["bytes"].as_u64().unwrap(), 12 << 30);
     // an unknown GPU is a usage error listing the known ones
-    let o = bin().args(["plan", "--gpu", "Voodoo 5", "--config"]).arg(&big).output().unwrap();
+    let o = bin()
+        .args(["plan", "--gpu", "Voodoo 5", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("RTX 3060"), "{}", text(&o));
 }
@@ -92,12 +164,25 @@ fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
 fn plan_of_the_demo_config_reads_the_gguf_header_and_fits() {
     gguf();
     let cfg = repo().join("examples/configs/smollm2-shakespeare.yaml");
-    let o = bin().current_dir(repo()).args(["plan", "--config"]).arg(&cfg).output().unwrap();
+    let o = bin()
+        .current_dir(repo())
+        .args(["plan", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let t = text(&o);
-    assert!(t.contains("verdict: fits") && t.contains("trainable params: 921600"), "{t}");
+    assert!(
+        t.contains("verdict: fits") && t.contains("trainable params: 921600"),
+        "{t}"
+    );
     // 30 layers × 4 sites × r8 × (in + out): q,o 576+576, k,v 576+192 → 30·8·(2·1152 + 2·768) = 921,600
-    let o = bin().current_dir(repo()).args(["plan", "--budget", "100MB", "--config"]).arg(&cfg).output().unwrap();
+    let o = bin()
+        .current_dir(repo())
+        .args(["plan", "--budget", "100MB", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     // train refuses a run predicted not to fit before loading anything (the data file does not
     // even exist: the refusal comes first)
@@ -105,11 +190,22 @@ fn plan_of_the_demo_config_reads_the_gguf_header_and_fits() {
     let small = write(
         dir.path(),
         "small.yaml",
-        &format!("model: {{base_model: {}}}\ndata: {{train_data_dir: /nonexistent.txt}}\nmemory: {{budget: 100MB}}\n", gguf().display()),
+        &format!(
+            "model: {{base_model: {}}}\ndata: {{train_data_dir: /nonexistent.txt}}\nmemory: {{budget: 100MB}}\n",
+            gguf().display()
+        ),
     );
-    let o = bin().args(["train", "--config"]).arg(&small).output().unwrap();
+    let o = bin()
+        .args(["train", "--config"])
+        .arg(&small)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
-    assert!(text(&o).contains("does not fit") && text(&o).contains("--force"), "{}", text(&o));
+    assert!(
+        text(&o).contains("does not fit") && text(&o).contains("--force"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
@@ -117,15 +213,33 @@ fn doctor_reports_libtorch_cpu_and_memory() {
     let o = bin().arg("doctor").output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let t = text(&o);
-    for w in ["libtorch", "version: 2.13.0", "CUDA available:", "logical cores:", "MemTotal:", "free of"] {
+    for w in [
+        "libtorch",
+        "version: 2.13.0",
+        "CUDA available:",
+        "logical cores:",
+        "MemTotal:",
+        "free of",
+    ] {
         assert!(t.contains(w), "doctor lacks {w:?}:\n{t}");
     }
     let cuda = tch::Cuda::is_available();
     assert!(t.contains(&format!("CUDA available: {cuda}")), "{t}");
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let kb: u64 = meminfo.lines().next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let kb: u64 = meminfo
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     let gb = format!("{:.2} GB", (kb * 1024) as f64 / 1e9);
-    assert!(t.contains(&format!("MemTotal: {gb}")), "expected MemTotal {gb}:\n{t}");
+    assert!(
+        t.contains(&format!("MemTotal: {gb}")),
+        "expected MemTotal {gb}:\n{t}"
+    );
 }
 
 #[test]
@@ -135,7 +249,10 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
     use tch::{Kind, Tensor};
     tch::manual_seed(3);
     let mut w = AdapterWeights::default();
-    for (site, out) in [("model.layers.0.self_attn.q_proj", 576), ("model.layers.1.mlp.down_proj", 576)] {
+    for (site, out) in [
+        ("model.layers.0.self_attn.q_proj", 576),
+        ("model.layers.1.mlp.down_proj", 576),
+    ] {
         let inp = if site.contains("down") { 1536 } else { 576 };
         w.modules.insert(
             site.to_string(),
@@ -152,10 +269,22 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
     let peft_dir = dir.path().join("peft");
     peft::save(&w, None, &peft_dir).unwrap();
     let kohya = dir.path().join("k.safetensors");
-    let o = bin().args(["convert", "--to", "kohya", "--input"]).arg(&peft_dir).arg("--output").arg(&kohya).output().unwrap();
+    let o = bin()
+        .args(["convert", "--to", "kohya", "--input"])
+        .arg(&peft_dir)
+        .arg("--output")
+        .arg(&kohya)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let back = dir.path().join("back");
-    let o = bin().args(["export", "--to", "peft", "--input"]).arg(&kohya).arg("--output").arg(&back).output().unwrap();
+    let o = bin()
+        .args(["export", "--to", "peft", "--input"])
+        .arg(&kohya)
+        .arg("--output")
+        .arg(&back)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let (cfg, w2) = peft::load(&back).unwrap();
     assert_eq!(cfg.task_type.as_deref(), Some("CAUSAL_LM"));
@@ -168,6 +297,17 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
         assert!(err < 1e-5, "{site}: strength changed by {err}");
     }
     // not an adapter → usage error
-    let o = bin().args(["convert", "--to", "kohya", "--input", "/nonexistent", "--output"]).arg(dir.path().join("x")).output().unwrap();
+    let o = bin()
+        .args([
+            "convert",
+            "--to",
+            "kohya",
+            "--input",
+            "/nonexistent",
+            "--output",
+        ])
+        .arg(dir.path().join("x"))
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }

@@ -23,9 +23,16 @@ fn report() -> String {
     out += "  tch crate: 0.26.0 (built for PyTorch 2.13.0)\n";
     match loaded_libtorch_dir() {
         Some(lib) => {
-            let root = lib.parent().map(Path::to_path_buf).unwrap_or_else(|| lib.clone());
+            let root = lib
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| lib.clone());
             out += &format!("  path: {}\n", root.display());
-            out += &format!("  version: {}\n", libtorch_version(&root).unwrap_or_else(|| "unknown (no version.py / build-version)".into()));
+            out += &format!(
+                "  version: {}\n",
+                libtorch_version(&root)
+                    .unwrap_or_else(|| "unknown (no version.py / build-version)".into())
+            );
         }
         None => out += "  path: not found in /proc/self/maps\n",
     }
@@ -41,17 +48,36 @@ fn report() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
-        .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_string()))
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|r| r.trim_start_matches([' ', '\t', ':']).to_string())
+        })
         .unwrap_or_else(|| "unknown".into());
-    let logical = cpuinfo.lines().filter(|l| l.starts_with("processor")).count();
-    let usable = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let logical = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count();
+    let usable = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     out += &format!("  model: {model}\n");
     out += &format!("  logical cores: {logical} (usable by this process: {usable})\n");
-    let flags = cpuinfo.lines().find(|l| l.starts_with("flags")).unwrap_or_default();
-    let bf16 = ["avx512_bf16", "amx_bf16"].iter().filter(|f| flags.split_whitespace().any(|x| x == **f)).copied().collect::<Vec<_>>();
+    let flags = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .unwrap_or_default();
+    let bf16 = ["avx512_bf16", "amx_bf16"]
+        .iter()
+        .filter(|f| flags.split_whitespace().any(|x| x == **f))
+        .copied()
+        .collect::<Vec<_>>();
     out += &format!(
         "  bf16 matmul support: {}\n",
-        if bf16.is_empty() { "no AVX-512 BF16 / AMX (bf16 may be slower than fp32)".to_string() } else { bf16.join(", ") }
+        if bf16.is_empty() {
+            "no AVX-512 BF16 / AMX (bf16 may be slower than fp32)".to_string()
+        } else {
+            bf16.join(", ")
+        }
     );
     // RAM
     out += "memory\n";
@@ -65,7 +91,9 @@ fn report() -> String {
         let max = max.trim();
         out += &format!(
             "  cgroup memory.max: {}\n",
-            max.parse::<u64>().map(|b| lora_memory::Bytes(b).to_string()).unwrap_or_else(|_| max.to_string())
+            max.parse::<u64>()
+                .map(|b| lora_memory::Bytes(b).to_string())
+                .unwrap_or_else(|_| max.to_string())
         );
     }
     // disk
@@ -73,7 +101,12 @@ fn report() -> String {
     let here = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
     match free_disk(&here) {
         Some((avail, total)) => {
-            out += &format!("  {}: {} free of {}\n", here.display(), lora_memory::Bytes(avail), lora_memory::Bytes(total))
+            out += &format!(
+                "  {}: {} free of {}\n",
+                here.display(),
+                lora_memory::Bytes(avail),
+                lora_memory::Bytes(total)
+            )
         }
         None => out += &format!("  {}: unknown (df failed)\n", here.display()),
     }
@@ -93,11 +126,19 @@ fn libtorch_version(root: &Path) -> Option<String> {
     if let Ok(v) = std::fs::read_to_string(root.join("version.py")) {
         for l in v.lines() {
             if let Some(rest) = l.strip_prefix("__version__") {
-                return Some(rest.trim_start_matches([' ', '=', ':']).trim().trim_matches(['\'', '"']).to_string() + " (version.py)");
+                return Some(
+                    rest.trim_start_matches([' ', '=', ':'])
+                        .trim()
+                        .trim_matches(['\'', '"'])
+                        .to_string()
+                        + " (version.py)",
+                );
             }
         }
     }
-    std::fs::read_to_string(root.join("build-version")).ok().map(|s| s.trim().to_string() + " (build-version)")
+    std::fs::read_to_string(root.join("build-version"))
+        .ok()
+        .map(|s| s.trim().to_string() + " (build-version)")
 }
 
 fn meminfo_kb(meminfo: &str, key: &str) -> Option<u64> {
@@ -109,7 +150,11 @@ fn meminfo_kb(meminfo: &str, key: &str) -> Option<u64> {
 }
 
 fn free_disk(dir: &Path) -> Option<(u64, u64)> {
-    let out = std::process::Command::new("df").arg("-Pk").arg(dir).output().ok()?;
+    let out = std::process::Command::new("df")
+        .arg("-Pk")
+        .arg(dir)
+        .output()
+        .ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().nth(1)?;
     let cols: Vec<&str> = line.split_whitespace().collect();

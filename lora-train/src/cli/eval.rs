@@ -5,12 +5,29 @@ use lora_models::llama::PerplexityOptions;
 use std::path::Path;
 
 /// Runs `eval`.
-pub fn run(model: &Path, adapter: Option<&Path>, text: &Path, max_length: usize, stride: Option<usize>, json: bool) -> Result<i32, CliError> {
-    let body = std::fs::read_to_string(text).map_err(|e| CliError::usage(format!("--text {}: {e}", text.display())))?;
+pub fn run(
+    model: &Path,
+    adapter: Option<&Path>,
+    text: &Path,
+    max_length: usize,
+    stride: Option<usize>,
+    json: bool,
+) -> Result<i32, CliError> {
+    let body = std::fs::read_to_string(text)
+        .map_err(|e| CliError::usage(format!("--text {}: {e}", text.display())))?;
     let m = super::model::load(model, adapter)?;
-    let ids = m.tokenizer.encode(&body, false).map_err(CliError::runtime)?;
-    let opts = PerplexityOptions { max_length, stride: stride.unwrap_or(max_length) };
-    let r = m.model.perplexity_ids(&ids, &opts).map_err(CliError::runtime)?;
+    let ids = m
+        .tokenizer
+        .encode(&body, false)
+        .map_err(CliError::runtime)?;
+    let opts = PerplexityOptions {
+        max_length,
+        stride: stride.unwrap_or(max_length),
+    };
+    let r = m
+        .model
+        .perplexity_ids(&ids, &opts)
+        .map_err(CliError::runtime)?;
     if json {
         let v = serde_json::json!({
             "model": model.display().to_string(),
@@ -34,7 +51,9 @@ pub fn run(model: &Path, adapter: Option<&Path>, text: &Path, max_length: usize,
             r.windows,
             opts.max_length,
             opts.stride,
-            adapter.map(|a| format!(", adapter {} ({} modules)", a.display(), m.adapter_modules)).unwrap_or_default()
+            adapter
+                .map(|a| format!(", adapter {} ({} modules)", a.display(), m.adapter_modules))
+                .unwrap_or_default()
         );
     }
     Ok(EXIT_OK)

@@ -40,14 +40,28 @@ pub fn run(a: &GenerateArgs<'_>) -> Result<i32, CliError> {
     } else {
         a.prompt.to_string()
     };
-    let ids = m.tokenizer.encode(&text, false).map_err(CliError::runtime)?;
-    let mut opts = GenerateOptions { max_new_tokens: a.max_new_tokens, temperature: a.temperature, top_p: a.top_p, seed: a.seed, ..Default::default() };
+    let ids = m
+        .tokenizer
+        .encode(&text, false)
+        .map_err(CliError::runtime)?;
+    let mut opts = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+        ..Default::default()
+    };
     if a.chat
         && let Some(id) = m.tokenizer.token_to_id("<|im_end|>")
     {
         opts.stop_tokens.push(i64::from(id));
     }
     let g = m.model.generate(&ids, &opts).map_err(CliError::runtime)?;
-    println!("{}", m.tokenizer.decode(&g.tokens, true).map_err(CliError::runtime)?);
+    println!(
+        "{}",
+        m.tokenizer
+            .decode(&g.tokens, true)
+            .map_err(CliError::runtime)?
+    );
     Ok(EXIT_OK)
 }

@@ -13,8 +13,13 @@ use tch::{Kind, Tensor};
 
 /// Runs `merge`.
 pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError> {
-    if !model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        return Err(CliError::usage("merge: --model must be a GGUF file (HF folders already hold safetensors: merge with PEFT's merge_and_unload)"));
+    if !model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return Err(CliError::usage(
+            "merge: --model must be a GGUF file (HF folders already hold safetensors: merge with PEFT's merge_and_unload)",
+        ));
     }
     let mut m = super::model::load(model, Some(adapter))?;
     let n = merge_adapters(&mut m.model, None, true).map_err(CliError::runtime)?;
@@ -40,7 +45,9 @@ pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError>
             let (i, tail) = rest.split_once('.').unwrap_or(("", ""));
             match tail {
                 "attn_norm.weight" => Some(format!("model.layers.{i}.input_layernorm.weight")),
-                "ffn_norm.weight" => Some(format!("model.layers.{i}.post_attention_layernorm.weight")),
+                "ffn_norm.weight" => {
+                    Some(format!("model.layers.{i}.post_attention_layernorm.weight"))
+                }
                 _ => None,
             }
         } else {
@@ -48,12 +55,20 @@ pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError>
         };
         if let Some(hf) = hf {
             let (ti, raw) = g.tensor_bytes(&info.name).map_err(CliError::runtime)?;
-            let v = dequantize(ti.ggml_type, raw, ti.numel() as usize).map_err(CliError::runtime)?;
-            let t = Tensor::f_from_slice(&v).and_then(|t| t.f_reshape(ti.torch_shape())).map_err(CliError::runtime)?;
+            let v =
+                dequantize(ti.ggml_type, raw, ti.numel() as usize).map_err(CliError::runtime)?;
+            let t = Tensor::f_from_slice(&v)
+                .and_then(|t| t.f_reshape(ti.torch_shape()))
+                .map_err(CliError::runtime)?;
             tensors.push((hf, t));
         }
     }
-    Tensor::write_safetensors(&tensors, output).map_err(|e| CliError::runtime(format!("writing {}: {e}", output.display())))?;
-    println!("merged {n} adapted modules; wrote {} tensors to {}", tensors.len(), output.display());
+    Tensor::write_safetensors(&tensors, output)
+        .map_err(|e| CliError::runtime(format!("writing {}: {e}", output.display())))?;
+    println!(
+        "merged {n} adapted modules; wrote {} tensors to {}",
+        tensors.len(),
+        output.display()
+    );
     Ok(EXIT_OK)
 }

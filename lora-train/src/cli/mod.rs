@@ -174,12 +174,18 @@ pub struct CliError {
 impl CliError {
     /// Runtime failure (exit 1).
     pub fn runtime(msg: impl std::fmt::Display) -> Self {
-        CliError { code: EXIT_RUNTIME, message: msg.to_string() }
+        CliError {
+            code: EXIT_RUNTIME,
+            message: msg.to_string(),
+        }
     }
 
     /// Bad usage / config (exit 2).
     pub fn usage(msg: impl std::fmt::Display) -> Self {
-        CliError { code: EXIT_USAGE, message: msg.to_string() }
+        CliError {
+            code: EXIT_USAGE,
+            message: msg.to_string(),
+        }
     }
 }
 
@@ -198,7 +204,10 @@ impl From<lora_train::llm::JobError> for CliError {
             J::DoesNotFit { .. } => EXIT_DOES_NOT_FIT,
             _ => EXIT_RUNTIME,
         };
-        CliError { code, message: e.to_string() }
+        CliError {
+            code,
+            message: e.to_string(),
+        }
     }
 }
 
@@ -206,8 +215,17 @@ impl From<lora_train::llm::JobError> for CliError {
 pub fn main() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train { config, resume, force } => train::run(&config, resume, force),
-        Command::Plan { config, gpu, budget, json } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json),
+        Command::Train {
+            config,
+            resume,
+            force,
+        } => train::run(&config, resume, force),
+        Command::Plan {
+            config,
+            gpu,
+            budget,
+            json,
+        } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json),
         Command::Doctor => doctor::run(),
         Command::Convert { input, to, output } => convert::run(
             &input,
@@ -217,23 +235,40 @@ pub fn main() -> i32 {
             },
             &output,
         ),
-        Command::Merge { model, adapter, output } => merge::run(&model, &adapter, &output),
-        Command::Eval { model, adapter, text, max_length, stride, json } => {
-            eval::run(&model, adapter.as_deref(), &text, max_length, stride, json)
-        }
-        Command::Generate { model, adapter, prompt, chat, system, max_new_tokens, temperature, top_p, seed } => {
-            generate::run(&generate::GenerateArgs {
-                model: &model,
-                adapter: adapter.as_deref(),
-                prompt: &prompt,
-                chat,
-                system: system.as_deref(),
-                max_new_tokens,
-                temperature,
-                top_p,
-                seed,
-            })
-        }
+        Command::Merge {
+            model,
+            adapter,
+            output,
+        } => merge::run(&model, &adapter, &output),
+        Command::Eval {
+            model,
+            adapter,
+            text,
+            max_length,
+            stride,
+            json,
+        } => eval::run(&model, adapter.as_deref(), &text, max_length, stride, json),
+        Command::Generate {
+            model,
+            adapter,
+            prompt,
+            chat,
+            system,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+        } => generate::run(&generate::GenerateArgs {
+            model: &model,
+            adapter: adapter.as_deref(),
+            prompt: &prompt,
+            chat,
+            system: system.as_deref(),
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+        }),
     };
     match result {
         Ok(code) => code,

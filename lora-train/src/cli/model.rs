@@ -22,16 +22,26 @@ pub struct Loaded {
 /// (PEFT folder or kohya file) as adapter `default`.
 pub fn load(base: &Path, adapter: Option<&Path>) -> Result<Loaded, CliError> {
     if !base.exists() {
-        return Err(CliError::usage(format!("--model {}: no such file or folder", base.display())));
+        return Err(CliError::usage(format!(
+            "--model {}: no such file or folder",
+            base.display()
+        )));
     }
     let (mut model, tokenizer) =
-        lora_train::llm::load_base(base, BaseWeights::Dense, Dtype::F32, tch::Device::Cpu).map_err(CliError::runtime)?;
+        lora_train::llm::load_base(base, BaseWeights::Dense, Dtype::F32, tch::Device::Cpu)
+            .map_err(CliError::runtime)?;
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let mut adapter_modules = 0;
     if let Some(a) = adapter {
         let (_, w) = lora_train::export::read_adapter(a).map_err(CliError::usage)?;
         adapter_modules = w.modules.len();
-        w.load_into(&mut model, "default", &vs.root(), 0.0).map_err(|e| CliError::usage(format!("{}: {e}", a.display())))?;
+        w.load_into(&mut model, "default", &vs.root(), 0.0)
+            .map_err(|e| CliError::usage(format!("{}: {e}", a.display())))?;
     }
-    Ok(Loaded { model, tokenizer, _vs: vs, adapter_modules })
+    Ok(Loaded {
+        model,
+        tokenizer,
+        _vs: vs,
+        adapter_modules,
+    })
 }

@@ -7,7 +7,12 @@ use lora_train::llm;
 use std::path::Path;
 
 /// Runs `plan`; exit 3 when a budget is known and the plan does not fit it.
-pub fn run(config: &Path, gpu: Option<&str>, budget: Option<&str>, json: bool) -> Result<i32, CliError> {
+pub fn run(
+    config: &Path,
+    gpu: Option<&str>,
+    budget: Option<&str>,
+    json: bool,
+) -> Result<i32, CliError> {
     let mut cfg = TrainConfig::from_file(config)?;
     let override_budget = match (gpu, budget) {
         (Some(g), _) => Some(Budget::gpu(g).map_err(CliError::usage)?),
@@ -21,9 +26,16 @@ pub fn run(config: &Path, gpu: Option<&str>, budget: Option<&str>, json: bool) -
         || (cfg.system.device == "auto" && cfg.memory.gpu.is_some());
     let p = llm::plan(&mut cfg, config.parent(), override_budget, cuda)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&p).map_err(CliError::runtime)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&p).map_err(CliError::runtime)?
+        );
     } else {
         print!("{}", p.report());
     }
-    Ok(if p.fits == Some(false) { EXIT_DOES_NOT_FIT } else { EXIT_OK })
+    Ok(if p.fits == Some(false) {
+        EXIT_DOES_NOT_FIT
+    } else {
+        EXIT_OK
+    })
 }

@@ -8,7 +8,12 @@ use std::path::{Path, PathBuf};
 /// Runs `train`.
 pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Result<i32, CliError> {
     let cfg = TrainConfig::from_file(config)?;
-    let opts = RunOptions { config_dir: config.parent().map(Path::to_path_buf), force, verbose: true, resume };
+    let opts = RunOptions {
+        config_dir: config.parent().map(Path::to_path_buf),
+        force,
+        verbose: true,
+        resume,
+    };
     llm::run(cfg, &opts)?;
     Ok(EXIT_OK)
 }
