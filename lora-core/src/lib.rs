@@ -6,7 +6,50 @@
 //!   Q4_1 kept quantized) plus named adapters, `y = base(x) + B(A(dropout(x))) · scaling · weight`.
 //! - [`config::LoraConfig`]: PEFT's field names and defaults; [`inject::inject`] with PEFT's
 //!   `target_modules` semantics over any model implementing [`inject::Adaptable`].
-//! - [`layer::LoraLayer`]: merge / unmerge (safe merge), enable / disable, adapter weights.
+//! - [`layer::LoraLayer`]: merge / unmerge (safe merge), enable / disable, adapter weights;
+//!   [`inject::param_groups`] for LoRA+.
+//! - [`formats`]: PEFT / kohya / diffusers files through a format-neutral
+//!   [`formats::AdapterWeights`].
+//!
+//! Base weights and adapters live in separate VarStores: only adapter tensors reach the optimizer.
+//!
+//! ```
+//! use lora_core::base::BaseWeight;
+//! use lora_core::config::LoraConfig;
+//! use lora_core::inject::{Adaptable, SiteMut, inject};
+//! use lora_core::linear::LoraLinear;
+//! use tch::{Device, Kind, Tensor, nn};
+//!
+//! struct Mlp {
+//!     up: LoraLinear,
+//!     down: LoraLinear,
+//! }
+//!
+//! impl Adaptable for Mlp {
+//!     fn visit_sites(
+//!         &mut self,
+//!         f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
+//!     ) -> lora_core::Result<()> {
+//!         f("mlp.up_proj", SiteMut::Linear(&mut self.up))?;
+//!         f("mlp.down_proj", SiteMut::Linear(&mut self.down))
+//!     }
+//! }
+//!
+//! # fn main() -> lora_core::Result<()> {
+//! let w = |o: i64, i: i64| Tensor::randn([o, i], (Kind::Float, Device::Cpu));
+//! let mut mlp = Mlp {
+//!     up: LoraLinear::new(BaseWeight::Dense(w(64, 32)), None)?,
+//!     down: LoraLinear::new(BaseWeight::Dense(w(32, 64)), None)?,
+//! };
+//! let adapters = nn::VarStore::new(Device::Cpu); // the optimizer sees only this store
+//! let report = inject(&mut mlp, &LoraConfig::new(8, 16.0, &["up_proj"]), "default", &adapters.root())?;
+//! assert_eq!(report.modules, ["mlp.up_proj"]);
+//! assert_eq!(report.params_added, 8 * (32 + 64));
+//! let y = mlp.up.forward_t(&Tensor::ones([2, 32], (Kind::Float, Device::Cpu)), true)?;
+//! assert_eq!(y.size(), [2, 64]);
+//! # Ok(())
+//! # }
+//! ```
 #![deny(missing_docs)]
 
 pub mod base;
