@@ -10,6 +10,7 @@ pub use tch;
 pub mod config;
 pub mod export;
 pub mod llm;
+pub mod metrics;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod optim;

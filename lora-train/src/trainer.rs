@@ -571,7 +571,7 @@ impl<S: TrainStep> Trainer<S> {
             if stop {
                 break;
             }
-            if !epoch_ended {
+            if !epoch_ended && data.batches_per_epoch() != Some(run.counters.batches_in_epoch) {
                 // Reached the planned steps mid-epoch.
                 break;
             }

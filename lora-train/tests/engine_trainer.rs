@@ -58,6 +58,7 @@ fn train(cfg: TrainerConfig, stop_after: Option<u64>, resume: Resume, rec: &Reco
 
 #[test]
 fn loss_goes_down() {
+    let _serial = engine_common::serial();
     tch::set_num_threads(1);
     let rec = Record::default();
     let mut cfg = config(None, OptimizerKind::AdamW(AdamWConfig::default()));
@@ -79,6 +80,7 @@ fn loss_goes_down() {
 }
 
 fn resume_is_bit_identical(optimizer: OptimizerKind, stop: u64) {
+    let _serial = engine_common::serial();
     tch::set_num_threads(1);
     let rec_full = Record::default();
     let (full, full_report) = train(config(None, optimizer.clone()), None, Resume::No, &rec_full);
@@ -135,6 +137,7 @@ fn resume_is_bit_identical_adafactor_and_sgd() {
 }
 
 fn nan_run(policy: NonFinitePolicy, dir: &std::path::Path) -> (Result<TrainReport, TrainError>, Record, ToyLora) {
+    let _serial = engine_common::serial();
     tch::set_num_threads(1);
     let rec = Record::default();
     let mut cfg = config(Some(dir), OptimizerKind::AdamW(AdamWConfig::default()));

@@ -4,6 +4,15 @@
 #![allow(dead_code)]
 
 use std::cell::Cell;
+use std::sync::{Mutex, MutexGuard};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// libtorch's CPU generator is process-global: tests that draw random numbers (dropout) and
+/// compare bits hold this lock so that parallel tests do not interleave their draws.
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 use lora_train::trainer::{BatchSource, Result, TrainStep};
 use tch::{Device, Kind, Tensor};
@@ -143,8 +152,12 @@ fn permutation(n: usize, seed: u64) -> Vec<i64> {
 
 impl ToyData {
     pub fn new(n: i64, batch_size: i64, seed: u64) -> Self {
+        // Targets from a teacher: the frozen MLP with fixed weight deltas, so the adapters can
+        // learn (part of) them.
         let x = det(&[n, IN], 5.0, 1.0);
-        let y = det(&[n, OUT], 9.0, 1.0);
+        let w1 = det(&[HIDDEN, IN], 0.1, 0.5) + det(&[HIDDEN, IN], 4.4, 0.3);
+        let w2 = det(&[OUT, HIDDEN], 0.7, 0.3) + det(&[OUT, HIDDEN], 6.6, 0.3);
+        let y = x.matmul(&w1.tr()).relu().matmul(&w2.tr());
         Self { x, y, batch_size, seed, epoch: 0, order: permutation(n as usize, seed), cursor: 0 }
     }
 }
