@@ -58,6 +58,7 @@ pub enum FitError {
 
 type Step = (
     &'static str,
+    Applies,
     fn(&Settings) -> Option<(Settings, String, String, String)>,
 );
 
@@ -186,60 +187,87 @@ fn quantize(s: &Settings) -> Option<(Settings, String, String, String)> {
     ))
 }
 
-fn shorter(s: &Settings) -> Option<(Settings, String, String, String)> {
-    let mut n = s.clone();
-    if let Some([w, h]) = s.largest_bucket {
-        if w.max(h) <= 256 {
-            return None;
-        }
-        n.largest_bucket = Some([(w * 3 / 4) / 64 * 64, (h * 3 / 4) / 64 * 64]);
-        n.resolution = (s.resolution * 3 / 4) / 64 * 64;
-        return Some((
-            n.clone(),
-            format!("bucket {w}×{h}"),
-            format!(
-                "bucket {}×{}",
-                n.largest_bucket.map_or(0, |b| b[0]),
-                n.largest_bucket.map_or(0, |b| b[1])
-            ),
-            "activations scale with pixels".into(),
-        ));
-    }
-    if s.seq_len > 128 {
-        n.seq_len = (s.seq_len / 2).max(128);
-    }
-    if s.resolution > 256 {
-        n.resolution = ((s.resolution * 3 / 4) / 64 * 64).max(256);
-    }
-    if n == *s {
+fn shorter_seq(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.seq_len <= 128 {
         return None;
     }
+    let mut n = s.clone();
+    n.seq_len = (s.seq_len / 2).max(128);
     Some((
         n.clone(),
-        format!("seq_len {} / resolution {}", s.seq_len, s.resolution),
-        format!("seq_len {} / resolution {}", n.seq_len, n.resolution),
-        "activations scale with tokens and pixels; longer samples must be truncated or bucketed smaller".into(),
+        s.seq_len.to_string(),
+        n.seq_len.to_string(),
+        "activations and logits scale with tokens; longer samples must be truncated or split"
+            .into(),
     ))
+}
+
+fn smaller_resolution(s: &Settings) -> Option<(Settings, String, String, String)> {
+    let mut n = s.clone();
+    let shrink = |x: u32| ((x * 3 / 4) / 64 * 64).max(256);
+    let (from, to) = match s.largest_bucket {
+        Some([w, h]) => {
+            if w.max(h) <= 256 {
+                return None;
+            }
+            n.largest_bucket = Some([shrink(w), shrink(h)]);
+            n.resolution = shrink(s.resolution);
+            (
+                format!("bucket {w}×{h}"),
+                format!("bucket {}×{}", shrink(w), shrink(h)),
+            )
+        }
+        None => {
+            if s.resolution <= 256 {
+                return None;
+            }
+            n.resolution = shrink(s.resolution);
+            (s.resolution.to_string(), n.resolution.to_string())
+        }
+    };
+    Some((
+        n,
+        from,
+        to,
+        "activations scale with pixels (attention maps with their square)".into(),
+    ))
+}
+
+/// Which models a rung applies to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Applies {
+    Both,
+    Decoder,
+    Diffusion,
 }
 
 /// The ladder, in order.
 const LADDER: &[Step] = &[
-    ("micro_batch × gradient_accumulation_steps", halve_batch),
-    ("mixed_precision", mixed_precision),
-    ("gradient_checkpointing", checkpointing),
-    ("optimizer", optimizer),
-    ("cache_latents / cache_text_encoder_outputs", cache_inputs),
-    ("lora.rank", lower_rank),
-    ("base_dtype", quantize),
-    ("seq_len / resolution", shorter),
+    (
+        "micro_batch × gradient_accumulation_steps",
+        Applies::Both,
+        halve_batch,
+    ),
+    ("mixed_precision", Applies::Both, mixed_precision),
+    ("gradient_checkpointing", Applies::Both, checkpointing),
+    ("optimizer", Applies::Both, optimizer),
+    (
+        "cache_latents / cache_text_encoder_outputs",
+        Applies::Diffusion,
+        cache_inputs,
+    ),
+    ("lora.rank", Applies::Both, lower_rank),
+    ("base_dtype", Applies::Decoder, quantize),
+    ("seq_len", Applies::Decoder, shorter_seq),
+    ("resolution", Applies::Diffusion, smaller_resolution),
 ];
 
 /// Finds a config that fits `budget` (compared with [`Estimate::peak`], the whole-process peak
 /// on the device), walking the ladder: micro-batch down keeping the effective batch via gradient
 /// accumulation → mixed precision → gradient checkpointing → 8-bit then factored optimizer →
-/// cached latents / text-encoder outputs (diffusion) → lower rank (down to 4) → NF4 base →
-/// shorter sequences / smaller resolution. Each rung is applied repeatedly while it helps; a change
-/// that does not lower the peak is not kept.
+/// cached latents / text-encoder outputs (diffusion) → lower rank (down to 4) → NF4 base
+/// (decoders) → shorter sequences (decoders) / smaller resolution (diffusion). Each rung is
+/// applied repeatedly while it helps; a change that does not lower the peak is not kept.
 ///
 /// # Errors
 /// [`FitError::Estimate`] for invalid settings; [`FitError::DoesNotFit`] with the smallest peak
@@ -257,7 +285,16 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
     if est.peak <= budget {
         return Ok(done(cur, est, changes));
     }
-    for (setting, step) in LADDER {
+    let is_decoder = matches!(model, ModelDescriptor::Decoder(_));
+    for (setting, applies, step) in LADDER {
+        let applicable = match applies {
+            Applies::Both => true,
+            Applies::Decoder => is_decoder,
+            Applies::Diffusion => !is_decoder,
+        };
+        if !applicable {
+            continue;
+        }
         while let Some((next, from, to, reason)) = step(&cur) {
             let e = estimate(model, &next)?;
             if e.peak >= est.peak {
