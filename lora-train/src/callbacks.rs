@@ -190,7 +190,11 @@ pub struct StopAfter(pub u64);
 
 impl Callback for StopAfter {
     fn on_step(&mut self, info: &StepInfo) -> Result<Control> {
-        Ok(if info.step >= self.0 { Control::Stop } else { Control::Continue })
+        Ok(if info.step >= self.0 {
+            Control::Stop
+        } else {
+            Control::Continue
+        })
     }
 }
 
@@ -229,8 +233,15 @@ impl ProgressBar {
 
     /// The text after the bar for a step.
     pub fn message(info: &StepInfo) -> String {
-        let gn = info.grad_norm.map(|g| format!(" | gnorm {g:.3}")).unwrap_or_default();
-        let tok = if info.tokens_per_s > 0.0 { format!(" | {:.0} tok/s", info.tokens_per_s) } else { String::new() };
+        let gn = info
+            .grad_norm
+            .map(|g| format!(" | gnorm {g:.3}"))
+            .unwrap_or_default();
+        let tok = if info.tokens_per_s > 0.0 {
+            format!(" | {:.0} tok/s", info.tokens_per_s)
+        } else {
+            String::new()
+        };
         format!(
             "loss {:.4} | lr {:.2e}{gn} | {:.2} it/s{tok} | mem {}{}",
             info.loss,
@@ -268,11 +279,20 @@ impl Callback for ProgressBar {
     fn on_event(&mut self, event: &TrainEvent) -> Result<()> {
         if let Some(bar) = &self.bar {
             let line = match event {
-                TrainEvent::OomBackoff { step, micro_batch_split, message } => format!(
+                TrainEvent::OomBackoff {
+                    step,
+                    micro_batch_split,
+                    message,
+                } => format!(
                     "step {step}: out of memory, retrying with each batch split in {micro_batch_split} ({})",
                     message.lines().next().unwrap_or("")
                 ),
-                TrainEvent::NonFinite { step, what, value, action } => {
+                TrainEvent::NonFinite {
+                    step,
+                    what,
+                    value,
+                    action,
+                } => {
                     format!("step {step}: non-finite {what} ({value}); {action}")
                 }
                 TrainEvent::ScalerOverflow { step, scale } => {
@@ -302,9 +322,15 @@ mod tests {
 
     #[test]
     fn control_merge_prefers_stop() {
-        assert_eq!(Control::Continue.merge(Control::Checkpoint), Control::Checkpoint);
+        assert_eq!(
+            Control::Continue.merge(Control::Checkpoint),
+            Control::Checkpoint
+        );
         assert_eq!(Control::Checkpoint.merge(Control::Stop), Control::Stop);
-        assert_eq!(Control::Continue.merge(Control::Continue), Control::Continue);
+        assert_eq!(
+            Control::Continue.merge(Control::Continue),
+            Control::Continue
+        );
     }
 
     #[test]
@@ -315,11 +341,17 @@ mod tests {
             grad_norm: Some(0.5),
             it_per_s: 3.0,
             tokens_per_s: 900.0,
-            mem: MemSnapshot { cpu_peak_bytes: 3 << 30, ..Default::default() },
+            mem: MemSnapshot {
+                cpu_peak_bytes: 3 << 30,
+                ..Default::default()
+            },
             ..Default::default()
         };
         let m = ProgressBar::message(&info);
-        assert!(m.contains("loss 1.2346") && m.contains("lr 2.00e-4") && m.contains("3.00 it/s"), "{m}");
+        assert!(
+            m.contains("loss 1.2346") && m.contains("lr 2.00e-4") && m.contains("3.00 it/s"),
+            "{m}"
+        );
         assert!(m.contains("900 tok/s") && m.contains("3.00 GiB"), "{m}");
     }
 }

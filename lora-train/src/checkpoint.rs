@@ -92,7 +92,11 @@ struct StateFile {
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
-    move |source| TrainError::Io { op, path: path.to_path_buf(), source }
+    move |source| TrainError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn hex_encode(bytes: &[u8]) -> String {
@@ -182,7 +186,9 @@ fn write_file_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 fn sync_dir(path: &Path) -> Result<()> {
-    fs::File::open(path).and_then(|d| d.sync_all()).map_err(io_err("fsync folder", path))
+    fs::File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("fsync folder", path))
 }
 
 fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
@@ -193,10 +199,12 @@ fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let views: Vec<(String, TensorView<'_>)> = raw
         .iter()
         .map(|(k, d, s, b)| {
-            TensorView::new(*d, s.clone(), b).map(|v| (k.clone(), v)).map_err(|e| TrainError::State {
-                what: "checkpoint".into(),
-                message: format!("tensor `{k}`: {e}"),
-            })
+            TensorView::new(*d, s.clone(), b)
+                .map(|v| (k.clone(), v))
+                .map_err(|e| TrainError::State {
+                    what: "checkpoint".into(),
+                    message: format!("tensor `{k}`: {e}"),
+                })
         })
         .collect::<Result<_>>()?;
     let mut meta = HashMap::new();
@@ -238,8 +246,12 @@ impl Checkpoint {
         }
         fs::create_dir_all(dir).map_err(io_err("create folder", dir))?;
         write_safetensors(&dir.join(ADAPTER_FILE), &self.adapter)?;
-        let opt: Vec<(String, Tensor)> =
-            self.optimizer.tensors.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        let opt: Vec<(String, Tensor)> = self
+            .optimizer
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.shallow_clone()))
+            .collect();
         write_safetensors(&dir.join(OPTIMIZER_FILE), &opt)?;
         let state = StateFile {
             format_version: FORMAT_VERSION,
@@ -283,19 +295,28 @@ impl Checkpoint {
                 ),
             });
         }
-        let mut by_name: BTreeMap<String, Tensor> = read_safetensors(&dir.join(ADAPTER_FILE))?.into_iter().collect();
+        let mut by_name: BTreeMap<String, Tensor> = read_safetensors(&dir.join(ADAPTER_FILE))?
+            .into_iter()
+            .collect();
         let mut adapter = Vec::with_capacity(st.adapter_names.len());
         for name in &st.adapter_names {
             let t = by_name.remove(name).ok_or_else(|| TrainError::State {
                 what: "checkpoint".into(),
-                message: format!("adapter tensor `{name}` listed in state.json is missing from {ADAPTER_FILE}"),
+                message: format!(
+                    "adapter tensor `{name}` listed in state.json is missing from {ADAPTER_FILE}"
+                ),
             })?;
             adapter.push((name.clone(), t));
         }
-        let tensors: BTreeMap<String, Tensor> = read_safetensors(&dir.join(OPTIMIZER_FILE))?.into_iter().collect();
+        let tensors: BTreeMap<String, Tensor> = read_safetensors(&dir.join(OPTIMIZER_FILE))?
+            .into_iter()
+            .collect();
         Ok(Self {
             adapter,
-            optimizer: OptimizerState { tensors, meta: st.optimizer_meta },
+            optimizer: OptimizerState {
+                tensors,
+                meta: st.optimizer_meta,
+            },
             scheduler: st.scheduler,
             counters: st.counters,
             rng_cpu: hex_decode(&st.rng_cpu)?,
@@ -318,7 +339,10 @@ impl CheckpointManager {
     /// Manages checkpoints in `dir` (created on first save), keeping the last `keep_last`
     /// (at least 1).
     pub fn new(dir: impl Into<PathBuf>, keep_last: usize) -> Self {
-        Self { dir: dir.into(), keep_last: keep_last.max(1) }
+        Self {
+            dir: dir.into(),
+            keep_last: keep_last.max(1),
+        }
     }
 
     /// The managed folder.
@@ -343,8 +367,12 @@ impl CheckpointManager {
         for entry in fs::read_dir(&self.dir).map_err(io_err("list", &self.dir))? {
             let entry = entry.map_err(io_err("list", &self.dir))?;
             let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(num) = name.strip_prefix("step-") else { continue };
-            let Ok(step) = num.parse::<u64>() else { continue };
+            let Some(num) = name.strip_prefix("step-") else {
+                continue;
+            };
+            let Ok(step) = num.parse::<u64>() else {
+                continue;
+            };
             if entry.path().join(STATE_FILE).is_file() {
                 out.push((step, entry.path()));
             }
@@ -426,17 +454,32 @@ mod tests {
 
     fn sample(step: u64, v: f32) -> Checkpoint {
         let mut optimizer = OptimizerState::default();
-        optimizer.tensors.insert("g0.p0.exp_avg".into(), Tensor::from_slice(&[v, 2.0 * v]));
-        optimizer.tensors.insert("g0.p0.codes".into(), Tensor::from_slice(&[1u8, 2, 255]));
+        optimizer
+            .tensors
+            .insert("g0.p0.exp_avg".into(), Tensor::from_slice(&[v, 2.0 * v]));
+        optimizer
+            .tensors
+            .insert("g0.p0.codes".into(), Tensor::from_slice(&[1u8, 2, 255]));
         optimizer.meta = serde_json::json!({"optimizer": "AdamW", "steps": step});
         Checkpoint {
             adapter: vec![
-                ("b.lora_B".into(), Tensor::from_slice(&[v, -v, 1e-30]).reshape([3, 1])),
-                ("a.lora_A".into(), Tensor::from_slice(&[0.1f32, 0.2]).to_kind(Kind::BFloat16)),
+                (
+                    "b.lora_B".into(),
+                    Tensor::from_slice(&[v, -v, 1e-30]).reshape([3, 1]),
+                ),
+                (
+                    "a.lora_A".into(),
+                    Tensor::from_slice(&[0.1f32, 0.2]).to_kind(Kind::BFloat16),
+                ),
             ],
             optimizer,
             scheduler: None,
-            counters: TrainerCounters { step, micro_batch_split: 1, lr_factor: 1.0, ..Default::default() },
+            counters: TrainerCounters {
+                step,
+                micro_batch_split: 1,
+                lr_factor: 1.0,
+                ..Default::default()
+            },
             rng_cpu: vec![0, 1, 254, 255],
             rng_cuda: None,
             loader: serde_json::json!({"cursor": step}),
@@ -473,7 +516,10 @@ mod tests {
         assert_eq!(steps, vec![2, 3]);
         m.save(&sample(4, 4.0)).unwrap();
         assert!(!dir.path().join(".tmp-step-00000004-1").exists());
-        assert_eq!(m.latest().unwrap().unwrap(), dir.path().join("step-00000004"));
+        assert_eq!(
+            m.latest().unwrap().unwrap(),
+            dir.path().join("step-00000004")
+        );
     }
 
     #[test]
@@ -486,7 +532,10 @@ mod tests {
         let steps: Vec<u64> = m.list().unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(steps, vec![1]);
         let mut bad = sample(2, 1.0);
-        bad.optimizer.tensors.insert("g0.p0.exp_avg_sq".into(), Tensor::from_slice(&[f32::INFINITY]));
+        bad.optimizer.tensors.insert(
+            "g0.p0.exp_avg_sq".into(),
+            Tensor::from_slice(&[f32::INFINITY]),
+        );
         assert!(m.save(&bad).is_err());
         assert_eq!(m.list().unwrap().len(), 1);
     }

@@ -16,7 +16,11 @@ use crate::callbacks::{Callback, Control, StepInfo, TrainEvent};
 use crate::trainer::{Result, TrainError, TrainReport};
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
-    move |source| TrainError::Io { op, path: path.to_path_buf(), source }
+    move |source| TrainError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), as TFRecord uses.
@@ -53,7 +57,12 @@ fn put_len_field(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
 
 /// Encodes an `Event` protobuf: `wall_time` (1, double), `step` (2, int64), and either
 /// `file_version` (3, string) or `summary` (5) with scalar values.
-fn encode_event(wall_time: f64, step: i64, file_version: Option<&str>, scalars: &[(&str, f32)]) -> Vec<u8> {
+fn encode_event(
+    wall_time: f64,
+    step: i64,
+    file_version: Option<&str>,
+    scalars: &[(&str, f32)],
+) -> Vec<u8> {
     let mut out = Vec::new();
     out.push(0x09); // field 1, fixed64
     out.extend_from_slice(&wall_time.to_le_bytes());
@@ -93,7 +102,10 @@ pub fn tfrecord(payload: &[u8]) -> Vec<u8> {
 /// I/O errors, truncated records or CRC mismatches.
 pub fn read_tfrecords(path: &Path) -> Result<Vec<Vec<u8>>> {
     let bytes = fs::read(path).map_err(io_err("read", path))?;
-    let bad = |m: &str| TrainError::State { what: "event file".into(), message: format!("`{}`: {m}", path.display()) };
+    let bad = |m: &str| TrainError::State {
+        what: "event file".into(),
+        message: format!("`{}`: {m}", path.display()),
+    };
     let mut out = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
@@ -125,7 +137,10 @@ pub fn read_tfrecords(path: &Path) -> Result<Vec<Vec<u8>>> {
 }
 
 fn now_s() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Writes scalars to a TensorBoard event file `events.out.tfevents.<time>.lora-train` in a folder.
@@ -136,7 +151,9 @@ pub struct TensorBoardWriter {
 
 impl std::fmt::Debug for TensorBoardWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TensorBoardWriter").field("path", &self.path).finish()
+        f.debug_struct("TensorBoardWriter")
+            .field("path", &self.path)
+            .finish()
     }
 }
 
@@ -148,9 +165,16 @@ impl TensorBoardWriter {
     pub fn create(dir: &Path) -> Result<Self> {
         fs::create_dir_all(dir).map_err(io_err("create folder", dir))?;
         let t = now_s();
-        let path = dir.join(format!("events.out.tfevents.{}.lora-train.{}", t as u64, std::process::id()));
+        let path = dir.join(format!(
+            "events.out.tfevents.{}.lora-train.{}",
+            t as u64,
+            std::process::id()
+        ));
         let f = File::create(&path).map_err(io_err("create", &path))?;
-        let mut w = Self { path, out: BufWriter::new(f) };
+        let mut w = Self {
+            path,
+            out: BufWriter::new(f),
+        };
         let first = encode_event(t, 0, Some("brain.Event:2"), &[]);
         w.write_record(&first)?;
         Ok(w)
@@ -163,7 +187,9 @@ impl TensorBoardWriter {
 
     fn write_record(&mut self, payload: &[u8]) -> Result<()> {
         let path = self.path.clone();
-        self.out.write_all(&tfrecord(payload)).map_err(io_err("write", &path))
+        self.out
+            .write_all(&tfrecord(payload))
+            .map_err(io_err("write", &path))
     }
 
     /// Adds scalars `(tag, value)` at `step`.
@@ -192,7 +218,11 @@ impl TensorBoardWriter {
 /// # Errors
 /// Fewer than two finite points, or I/O / encoding errors.
 pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u32) -> Result<()> {
-    let pts: Vec<(f64, f64)> = points.iter().filter(|p| p.1.is_finite()).map(|&(s, l)| (s as f64, l)).collect();
+    let pts: Vec<(f64, f64)> = points
+        .iter()
+        .filter(|p| p.1.is_finite())
+        .map(|&(s, l)| (s as f64, l))
+        .collect();
     if pts.len() < 2 {
         return Err(TrainError::Invalid {
             what: "loss curve".into(),
@@ -206,7 +236,11 @@ pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u3
     let (x0, x1) = (pts[0].0, pts[pts.len() - 1].0.max(pts[0].0 + 1.0));
     let lo = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
     let hi = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
-    let (lo, hi) = if hi - lo < 1e-12 { (lo - 1.0, hi + 1.0) } else { (lo, hi) };
+    let (lo, hi) = if hi - lo < 1e-12 {
+        (lo - 1.0, hi + 1.0)
+    } else {
+        (lo, hi)
+    };
     let px = |x: f64| margin + (x - x0) / (x1 - x0) * (w as f64 - 2.0 * margin);
     let py = |y: f64| h as f64 - margin - (y - lo) / (hi - lo) * (h as f64 - 2.0 * margin);
     let mut plot = |x: f64, y: f64, c: [u8; 3]| {
@@ -240,7 +274,11 @@ pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u3
         }
     };
     for win in pts.windows(2) {
-        line((px(win[0].0), py(win[0].1)), (px(win[1].0), py(win[1].1)), [160, 190, 240]);
+        line(
+            (px(win[0].0), py(win[0].1)),
+            (px(win[1].0), py(win[1].1)),
+            [160, 190, 240],
+        );
     }
     let mut ema = pts[0].1;
     let mut prev = (px(pts[0].0), py(ema));
@@ -256,10 +294,11 @@ pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u3
     {
         fs::create_dir_all(parent).map_err(io_err("create folder", parent))?;
     }
-    img.save_with_format(path, image::ImageFormat::Png).map_err(|e| TrainError::State {
-        what: "loss curve".into(),
-        message: format!("writing `{}`: {e}", path.display()),
-    })
+    img.save_with_format(path, image::ImageFormat::Png)
+        .map_err(|e| TrainError::State {
+            what: "loss curve".into(),
+            message: format!("writing `{}`: {e}", path.display()),
+        })
 }
 
 /// A [`Callback`] that writes `metrics.jsonl` (one JSON object per step and per event),
@@ -274,7 +313,9 @@ pub struct MetricsLogger {
 
 impl std::fmt::Debug for MetricsLogger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetricsLogger").field("dir", &self.dir).finish()
+        f.debug_struct("MetricsLogger")
+            .field("dir", &self.dir)
+            .finish()
     }
 }
 
@@ -287,9 +328,22 @@ impl MetricsLogger {
     pub fn new(dir: &Path, tensorboard: bool) -> Result<Self> {
         fs::create_dir_all(dir).map_err(io_err("create folder", dir))?;
         let p = dir.join("metrics.jsonl");
-        let f = fs::OpenOptions::new().create(true).append(true).open(&p).map_err(io_err("open", &p))?;
-        let tb = if tensorboard { Some(TensorBoardWriter::create(&dir.join("tensorboard"))?) } else { None };
-        Ok(Self { dir: dir.to_path_buf(), jsonl: BufWriter::new(f), tb, losses: Vec::new() })
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)
+            .map_err(io_err("open", &p))?;
+        let tb = if tensorboard {
+            Some(TensorBoardWriter::create(&dir.join("tensorboard"))?)
+        } else {
+            None
+        };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            jsonl: BufWriter::new(f),
+            tb,
+            losses: Vec::new(),
+        })
     }
 
     fn line(&mut self, v: &serde_json::Value) -> Result<()> {
@@ -301,7 +355,8 @@ impl MetricsLogger {
 
 impl Callback for MetricsLogger {
     fn on_step(&mut self, info: &StepInfo) -> Result<Control> {
-        let mut v = serde_json::to_value(info).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
+        let mut v =
+            serde_json::to_value(info).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
         if let Some(o) = v.as_object_mut() {
             o.insert("type".into(), "step".into());
         }
@@ -313,7 +368,10 @@ impl Callback for MetricsLogger {
                 ("train/lr", info.lr as f32),
                 ("perf/it_per_s", info.it_per_s as f32),
                 ("perf/tokens_per_s", info.tokens_per_s as f32),
-                ("memory/peak_mib", (info.mem.peak_bytes() as f64 / (1024.0 * 1024.0)) as f32),
+                (
+                    "memory/peak_mib",
+                    (info.mem.peak_bytes() as f64 / (1024.0 * 1024.0)) as f32,
+                ),
             ];
             if let Some(g) = info.grad_norm {
                 s.push(("train/grad_norm", g as f32));
@@ -325,7 +383,8 @@ impl Callback for MetricsLogger {
     }
 
     fn on_event(&mut self, event: &TrainEvent) -> Result<()> {
-        let mut v = serde_json::to_value(event).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
+        let mut v =
+            serde_json::to_value(event).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
         if let Some(o) = v.as_object_mut() {
             o.insert("type".into(), "event".into());
         }
@@ -333,7 +392,8 @@ impl Callback for MetricsLogger {
     }
 
     fn on_end(&mut self, report: &TrainReport) -> Result<()> {
-        let mut v = serde_json::to_value(report).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
+        let mut v =
+            serde_json::to_value(report).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
         if let Some(o) = v.as_object_mut() {
             o.remove("losses");
             o.insert("type".into(), "end".into());

@@ -151,7 +151,9 @@ impl GradScaler {
     /// # Errors
     /// A libtorch error.
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
-        Ok(loss.f_to_kind(Kind::Float)?.f_mul(&self.scale.f_to_device(loss.device())?.f_squeeze()?)?)
+        Ok(loss
+            .f_to_kind(Kind::Float)?
+            .f_mul(&self.scale.f_to_device(loss.device())?.f_squeeze()?)?)
     }
 
     /// Divides every defined gradient of `params` by the scale in place and reports whether any
@@ -188,7 +190,11 @@ impl GradScaler {
     /// # Errors
     /// A libtorch error.
     pub fn update(&mut self, found_inf: bool) -> Result<()> {
-        let found = Tensor::f_full([1], if found_inf { 1.0 } else { 0.0 }, (Kind::Float, self.scale.device()))?;
+        let found = Tensor::f_full(
+            [1],
+            if found_inf { 1.0 } else { 0.0 },
+            (Kind::Float, self.scale.device()),
+        )?;
         if self.scale.device().is_cuda() {
             let _ = self.scale.f_internal_amp_update_scale_(
                 &self.growth_tracker,
@@ -219,7 +225,10 @@ impl GradScaler {
     /// # Errors
     /// A libtorch error.
     pub fn state(&self) -> Result<ScalerState> {
-        Ok(ScalerState { scale: self.scale.f_double_value(&[0])?, growth_tracker: self.growth_tracker.f_int64_value(&[0])? })
+        Ok(ScalerState {
+            scale: self.scale.f_double_value(&[0])?,
+            growth_tracker: self.growth_tracker.f_int64_value(&[0])?,
+        })
     }
 
     /// Restores a checkpointed state.
@@ -241,7 +250,12 @@ mod tests {
     fn names_parse() {
         assert_eq!(Precision::from_name("no").unwrap(), Precision::Fp32);
         assert_eq!(Precision::from_name("BF16").unwrap(), Precision::Bf16);
-        assert!(Precision::from_name("fp8").unwrap_err().to_string().contains("full_bf16"));
+        assert!(
+            Precision::from_name("fp8")
+                .unwrap_err()
+                .to_string()
+                .contains("full_bf16")
+        );
         assert!(Precision::Fp16.check_device(Device::Cpu).is_err());
         assert_eq!(Precision::FullBf16.adapter_kind(), Kind::BFloat16);
     }
@@ -270,10 +284,22 @@ mod tests {
         assert_eq!(p.grad().double_value(&[0]), 1.0);
         s.update(false).unwrap();
         s.update(false).unwrap();
-        assert_eq!(s.state().unwrap(), ScalerState { scale: 16.0, growth_tracker: 0 });
+        assert_eq!(
+            s.state().unwrap(),
+            ScalerState {
+                scale: 16.0,
+                growth_tracker: 0
+            }
+        );
         let _ = p.grad().fill_(f64::INFINITY);
         assert!(s.unscale(std::slice::from_ref(&p)).unwrap());
         s.update(true).unwrap();
-        assert_eq!(s.state().unwrap(), ScalerState { scale: 8.0, growth_tracker: 0 });
+        assert_eq!(
+            s.state().unwrap(),
+            ScalerState {
+                scale: 8.0,
+                growth_tracker: 0
+            }
+        );
     }
 }

@@ -71,7 +71,10 @@ impl SchedulerKind {
             "linear" => Self::Linear,
             "cosine" => Self::Cosine { num_cycles: 0.5 },
             "cosine_with_restarts" => Self::CosineWithRestarts { num_cycles: 1.0 },
-            "polynomial" => Self::Polynomial { lr_end: 1e-7, power: 1.0 },
+            "polynomial" => Self::Polynomial {
+                lr_end: 1e-7,
+                power: 1.0,
+            },
             _ => {
                 return Err(TrainError::Invalid {
                     what: "lr_scheduler".into(),
@@ -101,7 +104,12 @@ impl Scheduler {
     ///
     /// # Errors
     /// A negative or non-finite `base_lr`, or a polynomial `lr_end` above `base_lr`.
-    pub fn new(kind: SchedulerKind, base_lr: f64, warmup_steps: u64, total_steps: u64) -> Result<Self> {
+    pub fn new(
+        kind: SchedulerKind,
+        base_lr: f64,
+        warmup_steps: u64,
+        total_steps: u64,
+    ) -> Result<Self> {
         if !(base_lr.is_finite() && base_lr >= 0.0) {
             return Err(TrainError::Invalid {
                 what: "learning rate".into(),
@@ -118,7 +126,12 @@ impl Scheduler {
                 hint: format!("lr_end must not exceed the learning rate {base_lr}"),
             });
         }
-        Ok(Self { kind, base_lr, warmup_steps, total_steps })
+        Ok(Self {
+            kind,
+            base_lr,
+            warmup_steps,
+            total_steps,
+        })
     }
 
     /// The multiplier of `base_lr` for the update applied after `step` earlier updates
@@ -199,9 +212,25 @@ mod tests {
 
     #[test]
     fn names_parse_and_unknown_is_an_error() {
-        assert_eq!(SchedulerKind::from_name("cosine").unwrap(), SchedulerKind::Cosine { num_cycles: 0.5 });
-        let e = SchedulerKind::from_name("onecycle").unwrap_err().to_string();
+        assert_eq!(
+            SchedulerKind::from_name("cosine").unwrap(),
+            SchedulerKind::Cosine { num_cycles: 0.5 }
+        );
+        let e = SchedulerKind::from_name("onecycle")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("onecycle") && e.contains("polynomial"), "{e}");
-        assert!(Scheduler::new(SchedulerKind::Polynomial { lr_end: 1.0, power: 1.0 }, 1e-3, 0, 10).is_err());
+        assert!(
+            Scheduler::new(
+                SchedulerKind::Polynomial {
+                    lr_end: 1.0,
+                    power: 1.0
+                },
+                1e-3,
+                0,
+                10
+            )
+            .is_err()
+        );
     }
 }

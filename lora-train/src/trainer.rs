@@ -55,7 +55,9 @@ pub enum TrainError {
         message: String,
     },
     /// Loss or gradient norm became NaN/Inf and the policy is to stop.
-    #[error("non-finite {what} at step {step}: {value} (policy: stop; lower the learning rate or use bf16/fp32)")]
+    #[error(
+        "non-finite {what} at step {step}: {value} (policy: stop; lower the learning rate or use bf16/fp32)"
+    )]
     NonFinite {
         /// "loss" or "grad norm".
         what: &'static str,
@@ -65,7 +67,9 @@ pub enum TrainError {
         value: f64,
     },
     /// Out of memory even with a micro-batch of one sample.
-    #[error("out of memory at step {step} with micro-batch {micro_batch}: {message} (lower seq length / rank, enable gradient checkpointing or a quantized base)")]
+    #[error(
+        "out of memory at step {step} with micro-batch {micro_batch}: {message} (lower seq length / rank, enable gradient checkpointing or a quantized base)"
+    )]
     OutOfMemory {
         /// The optimizer step.
         step: u64,
@@ -156,7 +160,10 @@ pub trait TrainStep {
     /// Parameter groups for the optimizer (default: one group of all trainable tensors). Use
     /// [`crate::optim::lora_plus_groups`] for LoRA+.
     fn param_groups(&self) -> Vec<ParamGroup> {
-        vec![ParamGroup::new("adapters", self.named_trainable().into_iter().map(|(_, t)| t).collect())]
+        vec![ParamGroup::new(
+            "adapters",
+            self.named_trainable().into_iter().map(|(_, t)| t).collect(),
+        )]
     }
 
     /// Number of samples in `batch` (the micro-batch size).
@@ -170,7 +177,9 @@ pub trait TrainStep {
     /// The default returns an error: OOM back-off then stops the run.
     fn split_batch(&self, batch: &Self::Batch, parts: usize) -> Result<Vec<Self::Batch>> {
         let _ = (batch, parts);
-        Err(TrainError::App("this TrainStep cannot split batches (implement split_batch for OOM back-off)".into()))
+        Err(TrainError::App(
+            "this TrainStep cannot split batches (implement split_batch for OOM back-off)".into(),
+        ))
     }
 
     /// Tokens in `batch`, for tokens/s (default 0).
@@ -317,7 +326,11 @@ impl Default for TrainerConfig {
 impl TrainerConfig {
     fn validate(&self) -> Result<()> {
         let bad = |what: &str, value: String, hint: &str| {
-            Err(TrainError::Invalid { what: what.into(), value, hint: hint.into() })
+            Err(TrainError::Invalid {
+                what: what.into(),
+                value,
+                hint: hint.into(),
+            })
         };
         if self.gradient_accumulation_steps == 0 {
             return bad("gradient_accumulation_steps", "0".into(), "use 1 or more");
@@ -325,12 +338,20 @@ impl TrainerConfig {
         if let Some(m) = self.max_grad_norm
             && !(m > 0.0 && m.is_finite())
         {
-            return bad("max_grad_norm", m.to_string(), "use a positive value or leave it unset");
+            return bad(
+                "max_grad_norm",
+                m.to_string(),
+                "use a positive value or leave it unset",
+            );
         }
         if let NonFinitePolicy::LowerLr { factor } = self.non_finite
             && !(factor > 0.0 && factor < 1.0)
         {
-            return bad("non_finite lower_lr factor", factor.to_string(), "use a value in (0, 1), e.g. 0.5");
+            return bad(
+                "non_finite lower_lr factor",
+                factor.to_string(),
+                "use a value in (0, 1), e.g. 0.5",
+            );
         }
         if self.epochs == 0 && self.max_steps.is_none() {
             return bad("epochs", "0".into(), "set epochs >= 1 or max_steps");
@@ -340,8 +361,16 @@ impl TrainerConfig {
 }
 
 enum StepOutcome {
-    Done { loss: f64, samples: u64, tokens: u64 },
-    NonFiniteLoss { value: f64, samples: u64, tokens: u64 },
+    Done {
+        loss: f64,
+        samples: u64,
+        tokens: u64,
+    },
+    NonFiniteLoss {
+        value: f64,
+        samples: u64,
+        tokens: u64,
+    },
 }
 
 /// The training loop over a [`TrainStep`].
@@ -364,7 +393,10 @@ pub struct Trainer<S: TrainStep> {
 
 impl<S: TrainStep> std::fmt::Debug for Trainer<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Trainer").field("cfg", &self.cfg).field("callbacks", &self.callbacks.len()).finish()
+        f.debug_struct("Trainer")
+            .field("cfg", &self.cfg)
+            .field("callbacks", &self.callbacks.len())
+            .finish()
     }
 }
 
@@ -444,7 +476,11 @@ pub fn clip_grads(params: &[Tensor], norm: f64, max_norm: f64) -> Result<()> {
 impl<S: TrainStep> Trainer<S> {
     /// A trainer with `cfg` and no callbacks.
     pub fn new(cfg: TrainerConfig) -> Self {
-        Self { cfg, callbacks: Vec::new(), _task: std::marker::PhantomData }
+        Self {
+            cfg,
+            callbacks: Vec::new(),
+            _task: std::marker::PhantomData,
+        }
     }
 
     /// Adds a callback (called in the order added).
@@ -463,7 +499,9 @@ impl<S: TrainStep> Trainer<S> {
     /// # Errors
     /// Neither `max_steps` nor a known epoch length.
     pub fn total_steps<B>(&self, data: &dyn BatchSource<B>) -> Result<u64> {
-        let per_epoch = data.batches_per_epoch().map(|b| b.div_ceil(self.cfg.gradient_accumulation_steps as u64));
+        let per_epoch = data
+            .batches_per_epoch()
+            .map(|b| b.div_ceil(self.cfg.gradient_accumulation_steps as u64));
         match (self.cfg.max_steps, per_epoch) {
             (Some(m), Some(p)) => Ok(m.min(p * self.cfg.epochs.max(1))),
             (Some(m), None) => Ok(m),
@@ -481,7 +519,12 @@ impl<S: TrainStep> Trainer<S> {
     /// # Errors
     /// Invalid settings, a non-finite loss under the `Stop` policy, OOM even at one sample per
     /// micro-batch, checkpoint I/O errors, or errors from the task, loader or callbacks.
-    pub fn fit(&mut self, task: &mut S, data: &mut dyn BatchSource<S::Batch>, resume: Resume) -> Result<TrainReport> {
+    pub fn fit(
+        &mut self,
+        task: &mut S,
+        data: &mut dyn BatchSource<S::Batch>,
+        resume: Resume,
+    ) -> Result<TrainReport> {
         self.cfg.validate()?;
         let cfg = self.cfg.clone();
         let started = Instant::now();
@@ -499,9 +542,20 @@ impl<S: TrainStep> Trainer<S> {
             params,
             opt,
             sched: Scheduler::new(cfg.scheduler.clone(), cfg.lr, cfg.warmup_steps, total)?,
-            scaler: if cfg.precision.uses_loss_scaling() { Some(GradScaler::new(cfg.device)?) } else { None },
-            counters: TrainerCounters { micro_batch_split: 1, lr_factor: 1.0, ..Default::default() },
-            ckpt: cfg.checkpoint_dir.as_ref().map(|d| CheckpointManager::new(d, cfg.keep_last)),
+            scaler: if cfg.precision.uses_loss_scaling() {
+                Some(GradScaler::new(cfg.device)?)
+            } else {
+                None
+            },
+            counters: TrainerCounters {
+                micro_batch_split: 1,
+                lr_factor: 1.0,
+                ..Default::default()
+            },
+            ckpt: cfg
+                .checkpoint_dir
+                .as_ref()
+                .map(|d| CheckpointManager::new(d, cfg.keep_last)),
             last_saved: None,
             report: TrainReport::default(),
             cfg: &cfg,
@@ -533,7 +587,10 @@ impl<S: TrainStep> Trainer<S> {
         }
         let mut last_info: Option<StepInfo> = None;
         let mut stop = false;
-        while !stop && run.counters.step < total && (run.counters.epoch < cfg.epochs || cfg.max_steps.is_some()) {
+        while !stop
+            && run.counters.step < total
+            && (run.counters.epoch < cfg.epochs || cfg.max_steps.is_some())
+        {
             if run.counters.batches_in_epoch == 0 {
                 data.start_epoch(run.counters.epoch)?;
             }
@@ -558,7 +615,9 @@ impl<S: TrainStep> Trainer<S> {
                     control = control.merge(c.on_step(&info)?);
                 }
                 last_info = Some(info);
-                let every = cfg.save_every_n_steps.is_some_and(|n| n > 0 && run.counters.step % n == 0);
+                let every = cfg
+                    .save_every_n_steps
+                    .is_some_and(|n| n > 0 && run.counters.step % n == 0);
                 if every || control != Control::Continue {
                     self.checkpoint(task, data, &mut run)?;
                 }
@@ -583,7 +642,9 @@ impl<S: TrainStep> Trainer<S> {
             for c in self.callbacks.iter_mut() {
                 control = control.merge(c.on_epoch(finished_epoch, last_info.as_ref())?);
             }
-            let every = cfg.save_every_n_epochs.is_some_and(|n| n > 0 && run.counters.epoch % n == 0);
+            let every = cfg
+                .save_every_n_epochs
+                .is_some_and(|n| n > 0 && run.counters.epoch % n == 0);
             if every || control != Control::Continue {
                 self.checkpoint(task, data, &mut run)?;
             }
@@ -595,7 +656,8 @@ impl<S: TrainStep> Trainer<S> {
                 break;
             }
         }
-        if run.ckpt.is_some() && run.last_saved != Some(run.counters.step) && run.counters.step > 0 {
+        if run.ckpt.is_some() && run.last_saved != Some(run.counters.step) && run.counters.step > 0
+        {
             self.checkpoint(task, data, &mut run)?;
         }
         let mut report = std::mem::take(&mut run.report);
@@ -614,7 +676,13 @@ impl<S: TrainStep> Trainer<S> {
         Ok(report)
     }
 
-    fn restore(&mut self, path: &Path, task: &mut S, data: &mut dyn BatchSource<S::Batch>, run: &mut Run<'_>) -> Result<()> {
+    fn restore(
+        &mut self,
+        path: &Path,
+        task: &mut S,
+        data: &mut dyn BatchSource<S::Batch>,
+        run: &mut Run<'_>,
+    ) -> Result<()> {
         let ck = Checkpoint::read_from(path)?;
         {
             let _ng = tch::no_grad_guard();
@@ -628,7 +696,12 @@ impl<S: TrainStep> Trainer<S> {
                 if src.size() != t.size() {
                     return Err(TrainError::State {
                         what: "checkpoint".into(),
-                        message: format!("`{name}` is {:?} in `{}` but {:?} here", src.size(), path.display(), t.size()),
+                        message: format!(
+                            "`{name}` is {:?} in `{}` but {:?} here",
+                            src.size(),
+                            path.display(),
+                            t.size()
+                        ),
                     });
                 }
                 let mut dst = t.shallow_clone();
@@ -651,11 +724,24 @@ impl<S: TrainStep> Trainer<S> {
         run.last_saved = Some(run.counters.step);
         run.report.resumed_from = Some(run.counters.step);
         run.report.last_checkpoint = Some(path.to_path_buf());
-        emit(&mut self.callbacks, &TrainEvent::Resumed { step: run.counters.step, path: path.display().to_string() })
+        emit(
+            &mut self.callbacks,
+            &TrainEvent::Resumed {
+                step: run.counters.step,
+                path: path.display().to_string(),
+            },
+        )
     }
 
-    fn checkpoint(&mut self, task: &S, data: &dyn BatchSource<S::Batch>, run: &mut Run<'_>) -> Result<()> {
-        let Some(mgr) = run.ckpt.clone() else { return Ok(()) };
+    fn checkpoint(
+        &mut self,
+        task: &S,
+        data: &dyn BatchSource<S::Batch>,
+        run: &mut Run<'_>,
+    ) -> Result<()> {
+        let Some(mgr) = run.ckpt.clone() else {
+            return Ok(());
+        };
         let ck = Checkpoint {
             adapter: task.named_trainable(),
             optimizer: run.opt.state_dict()?,
@@ -682,13 +768,25 @@ impl<S: TrainStep> Trainer<S> {
             }
             Err(TrainError::State { message, .. }) if message.contains("NaN/Inf") => {
                 run.last_saved = Some(run.counters.step);
-                emit(&mut self.callbacks, &TrainEvent::CheckpointRefused { step: run.counters.step, reason: message })
+                emit(
+                    &mut self.callbacks,
+                    &TrainEvent::CheckpointRefused {
+                        step: run.counters.step,
+                        reason: message,
+                    },
+                )
             }
             Err(e) => Err(e),
         }
     }
 
-    fn forward_backward(&self, task: &mut S, batches: &[S::Batch], split: usize, scaler: Option<&GradScaler>) -> Result<StepOutcome> {
+    fn forward_backward(
+        &self,
+        task: &mut S,
+        batches: &[S::Batch],
+        split: usize,
+        scaler: Option<&GradScaler>,
+    ) -> Result<StepOutcome> {
         let lens: Vec<usize> = batches.iter().map(|b| task.micro_batch_len(b)).collect();
         let total_len: usize = lens.iter().sum();
         let samples = total_len as u64;
@@ -696,7 +794,11 @@ impl<S: TrainStep> Trainer<S> {
         let n_pieces = batches.len() * split;
         let mut loss_sum = 0.0;
         for b in batches {
-            let pieces = if split > 1 { Some(task.split_batch(b, split)?) } else { None };
+            let pieces = if split > 1 {
+                Some(task.split_batch(b, split)?)
+            } else {
+                None
+            };
             let list: Vec<&S::Batch> = match &pieces {
                 Some(p) => p.iter().collect(),
                 None => vec![b],
@@ -713,7 +815,11 @@ impl<S: TrainStep> Trainer<S> {
                 };
                 let lv = loss.f_double_value(&[])?;
                 if !lv.is_finite() {
-                    return Ok(StepOutcome::NonFiniteLoss { value: lv, samples, tokens });
+                    return Ok(StepOutcome::NonFiniteLoss {
+                        value: lv,
+                        samples,
+                        tokens,
+                    });
                 }
                 let mut scaled = loss.f_to_kind(Kind::Float)?.f_mul_scalar(w)?;
                 if let Some(s) = scaler {
@@ -723,20 +829,40 @@ impl<S: TrainStep> Trainer<S> {
                 loss_sum += lv * w;
             }
         }
-        Ok(StepOutcome::Done { loss: loss_sum, samples, tokens })
+        Ok(StepOutcome::Done {
+            loss: loss_sum,
+            samples,
+            tokens,
+        })
     }
 
-    fn one_step(&mut self, task: &mut S, batches: &[S::Batch], run: &mut Run<'_>, total: u64, started: Instant) -> Result<StepInfo> {
+    fn one_step(
+        &mut self,
+        task: &mut S,
+        batches: &[S::Batch],
+        run: &mut Run<'_>,
+        total: u64,
+        started: Instant,
+    ) -> Result<StepInfo> {
         let t0 = Instant::now();
         let step_no = run.counters.step + 1;
         let outcome = loop {
             run.opt.zero_grad()?;
-            match self.forward_backward(task, batches, run.counters.micro_batch_split, run.scaler.as_ref()) {
+            match self.forward_backward(
+                task,
+                batches,
+                run.counters.micro_batch_split,
+                run.scaler.as_ref(),
+            ) {
                 Ok(o) => break o,
                 Err(e) if e.is_oom() && run.cfg.oom_backoff => {
                     run.opt.zero_grad()?;
                     let _ = sys::cuda_empty_cache();
-                    let min_len = batches.iter().map(|b| task.micro_batch_len(b)).min().unwrap_or(1);
+                    let min_len = batches
+                        .iter()
+                        .map(|b| task.micro_batch_len(b))
+                        .min()
+                        .unwrap_or(1);
                     let next = run.counters.micro_batch_split * 2;
                     if next > min_len || next > run.cfg.max_micro_batch_split {
                         return Err(TrainError::OutOfMemory {
@@ -747,25 +873,46 @@ impl<S: TrainStep> Trainer<S> {
                     }
                     run.counters.micro_batch_split = next;
                     run.counters.oom_backoffs += 1;
-                    emit(&mut self.callbacks, &TrainEvent::OomBackoff { step: step_no, micro_batch_split: next, message: e.to_string() })?;
+                    emit(
+                        &mut self.callbacks,
+                        &TrainEvent::OomBackoff {
+                            step: step_no,
+                            micro_batch_split: next,
+                            message: e.to_string(),
+                        },
+                    )?;
                 }
                 Err(e) => return Err(e),
             }
         };
         let lr = run.sched.lr_at(run.counters.step) * run.counters.lr_factor;
         let (loss, samples, tokens, grad_norm, skipped) = match outcome {
-            StepOutcome::NonFiniteLoss { value, samples, tokens } => {
+            StepOutcome::NonFiniteLoss {
+                value,
+                samples,
+                tokens,
+            } => {
                 self.non_finite(run, step_no, "loss", value)?;
                 (value, samples, tokens, None, true)
             }
-            StepOutcome::Done { loss, samples, tokens } => {
+            StepOutcome::Done {
+                loss,
+                samples,
+                tokens,
+            } => {
                 let mut overflow = false;
                 if let Some(s) = run.scaler.as_mut() {
                     overflow = s.unscale(&run.params)?;
                     if overflow {
                         s.update(true)?;
                         let scale = s.scale_value()?;
-                        emit(&mut self.callbacks, &TrainEvent::ScalerOverflow { step: step_no, scale })?;
+                        emit(
+                            &mut self.callbacks,
+                            &TrainEvent::ScalerOverflow {
+                                step: step_no,
+                                scale,
+                            },
+                        )?;
                     }
                 }
                 if overflow {
@@ -817,13 +964,27 @@ impl<S: TrainStep> Trainer<S> {
         })
     }
 
-    fn non_finite(&mut self, run: &mut Run<'_>, step: u64, what: &'static str, value: f64) -> Result<()> {
+    fn non_finite(
+        &mut self,
+        run: &mut Run<'_>,
+        step: u64,
+        what: &'static str,
+        value: f64,
+    ) -> Result<()> {
         let action = match run.cfg.non_finite {
             NonFinitePolicy::Skip => "skip",
             NonFinitePolicy::LowerLr { .. } => "lower_lr",
             NonFinitePolicy::Stop => "stop",
         };
-        emit(&mut self.callbacks, &TrainEvent::NonFinite { step, what: what.into(), value, action: action.into() })?;
+        emit(
+            &mut self.callbacks,
+            &TrainEvent::NonFinite {
+                step,
+                what: what.into(),
+                value,
+                action: action.into(),
+            },
+        )?;
         run.opt.zero_grad()?;
         match run.cfg.non_finite {
             NonFinitePolicy::Stop => Err(TrainError::NonFinite { what, step, value }),

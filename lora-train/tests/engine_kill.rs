@@ -32,7 +32,9 @@ impl Callback for Announce {
 #[test]
 #[ignore = "run by kill_and_resume_is_bit_identical as a child process"]
 fn child_train() {
-    let Ok(dir) = std::env::var("LORA_TRAIN_KILL_DIR") else { return };
+    let Ok(dir) = std::env::var("LORA_TRAIN_KILL_DIR") else {
+        return;
+    };
     tch::set_num_threads(1);
     let mut task = ToyLora::new();
     let mut data = ToyData::new(24, 4, 9);
@@ -58,7 +60,13 @@ fn child_train() {
 
 fn child(dir: &Path) -> std::process::Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["child_train", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_train",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("LORA_TRAIN_KILL_DIR", dir)
         .env("OMP_NUM_THREADS", "1")
         .stdout(Stdio::piped())
@@ -112,7 +120,10 @@ fn kill_and_resume_is_bit_identical() {
     let straight = tempfile::tempdir().unwrap();
     assert!(run_to_end(straight.path()));
     let want = final_adapter(straight.path());
-    assert!(want.iter().any(|(_, b)| b.iter().any(|&x| x != 0)), "the adapter trained");
+    assert!(
+        want.iter().any(|(_, b)| b.iter().any(|&x| x != 0)),
+        "the adapter trained"
+    );
 
     // Kill points: before the first checkpoint, mid-run (at and between checkpoint steps, with
     // delays landing inside checkpoint writes), and near the end.

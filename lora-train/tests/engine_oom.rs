@@ -61,7 +61,11 @@ fn cpu_oom_halves_the_micro_batch_and_retries_the_same_step() {
     assert_eq!(report.oom_backoffs, 1);
     assert_eq!(report.micro_batch_split, 2);
     match &events[0] {
-        TrainEvent::OomBackoff { step, micro_batch_split, message } => {
+        TrainEvent::OomBackoff {
+            step,
+            micro_batch_split,
+            message,
+        } => {
             assert_eq!((*step, *micro_batch_split), (1, 2));
             assert!(message.contains("can't allocate memory"), "{message}");
         }

@@ -3,8 +3,8 @@
 //! against fp32 AdamW.
 
 use lora_train::optim::{
-    AdamW, AdamW8bit, AdamWConfig, DynamicMap, Optimizer, OptimizerKind, OptimizerState, ParamGroup,
-    QuantizedState,
+    AdamW, AdamW8bit, AdamWConfig, DynamicMap, Optimizer, OptimizerKind, OptimizerState,
+    ParamGroup, QuantizedState,
 };
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -15,11 +15,19 @@ fn fixture() -> Value {
 }
 
 fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
 }
 
 fn shape(v: &Value) -> Vec<i64> {
-    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
 }
 
 struct Case {
@@ -28,20 +36,43 @@ struct Case {
 }
 
 fn build(case: &Value) -> Case {
-    let shapes: Vec<Vec<i64>> = case["shapes"].as_array().unwrap().iter().map(shape).collect();
-    let group_of: Vec<usize> = case["group_of"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-    let lr_scale: Vec<f64> = case["lr_scale"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let shapes: Vec<Vec<i64>> = case["shapes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(shape)
+        .collect();
+    let group_of: Vec<usize> = case["group_of"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    let lr_scale: Vec<f64> = case["lr_scale"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
     let params: Vec<Tensor> = case["init"]
         .as_array()
         .unwrap()
         .iter()
         .zip(&shapes)
-        .map(|(v, s)| Tensor::from_slice(&floats(v)).reshape(s.as_slice()).set_requires_grad(true))
+        .map(|(v, s)| {
+            Tensor::from_slice(&floats(v))
+                .reshape(s.as_slice())
+                .set_requires_grad(true)
+        })
         .collect();
     let mut groups = Vec::new();
     for g in 0..lr_scale.len() {
-        let ps: Vec<Tensor> =
-            params.iter().zip(&group_of).filter(|(_, gi)| **gi == g).map(|(p, _)| p.shallow_clone()).collect();
+        let ps: Vec<Tensor> = params
+            .iter()
+            .zip(&group_of)
+            .filter(|(_, gi)| **gi == g)
+            .map(|(p, _)| p.shallow_clone())
+            .collect();
         let mut group = ParamGroup::new(format!("g{g}"), ps).with_lr_scale(lr_scale[g]);
         if let Some(wd) = case["group_weight_decay"][g].as_f64() {
             group = group.with_weight_decay(wd);
@@ -69,8 +100,18 @@ fn set_grads(params: &[Tensor], grads: &Value, shapes: &[Vec<i64>]) {
 
 /// Max |ours − reference| / (1 + |reference|) over all elements after all steps.
 fn run_case(case: &Value, steps: Option<(usize, bool)>) -> (f64, Vec<Tensor>) {
-    let shapes: Vec<Vec<i64>> = case["shapes"].as_array().unwrap().iter().map(shape).collect();
-    let lrs: Vec<f64> = case["lrs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let shapes: Vec<Vec<i64>> = case["shapes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(shape)
+        .collect();
+    let lrs: Vec<f64> = case["lrs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
     let grads = case["grads"].as_array().unwrap();
     let mut c = build(case);
     let n = lrs.len();
@@ -108,7 +149,11 @@ fn run_case(case: &Value, steps: Option<(usize, bool)>) -> (f64, Vec<Tensor>) {
 /// Serializes state through JSON + raw bytes the way checkpoints do, to catch lossy paths.
 fn roundtrip(st: &OptimizerState) -> OptimizerState {
     let meta: Value = serde_json::from_str(&serde_json::to_string(&st.meta).unwrap()).unwrap();
-    let tensors = st.tensors.iter().map(|(k, t)| (k.clone(), t.copy())).collect();
+    let tensors = st
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), t.copy()))
+        .collect();
     OptimizerState { tensors, meta }
 }
 
@@ -120,7 +165,10 @@ fn optimizers_match_reference_implementations() {
         let name = case["name"].as_str().unwrap();
         let (err, _) = run_case(case, None);
         report.push(format!("{name}: max rel err {err:.2e}"));
-        assert!(err < 2e-6, "{name}: max relative error {err:e} vs reference");
+        assert!(
+            err < 2e-6,
+            "{name}: max relative error {err:e} vs reference"
+        );
     }
     println!("{}", report.join("\n"));
 }
@@ -133,7 +181,10 @@ fn optimizer_state_roundtrip_resumes_bit_identically() {
         let (_, straight) = run_case(case, None);
         let (_, resumed) = run_case(case, Some((5, true)));
         for (a, b) in straight.iter().zip(&resumed) {
-            assert!(a.equal(b), "{name}: resumed optimizer diverged from the uninterrupted run");
+            assert!(
+                a.equal(b),
+                "{name}: resumed optimizer diverged from the uninterrupted run"
+            );
         }
     }
 }
@@ -141,9 +192,17 @@ fn optimizer_state_roundtrip_resumes_bit_identically() {
 #[test]
 fn state_from_another_optimizer_is_rejected() {
     let p = Tensor::zeros([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-    let adam = AdamW::new(vec![ParamGroup::new("a", vec![p.shallow_clone()])], 1e-3, AdamWConfig::default()).unwrap();
+    let adam = AdamW::new(
+        vec![ParamGroup::new("a", vec![p.shallow_clone()])],
+        1e-3,
+        AdamWConfig::default(),
+    )
+    .unwrap();
     let st = adam.state_dict().unwrap();
-    let mut sgd = OptimizerKind::from_name("sgd").unwrap().build(vec![ParamGroup::new("a", vec![p])], 1e-3).unwrap();
+    let mut sgd = OptimizerKind::from_name("sgd")
+        .unwrap()
+        .build(vec![ParamGroup::new("a", vec![p])], 1e-3)
+        .unwrap();
     let err = sgd.load_state_dict(&st).unwrap_err().to_string();
     assert!(err.contains("AdamW"), "{err}");
 }
@@ -162,7 +221,11 @@ fn dynamic_maps_have_256_sorted_codes() {
             assert!(v[0] >= 0.0);
         }
         // The smallest non-zero magnitude lies in the lowest decade, 10^-6 · (0.1, 1).
-        let min_pos = v.iter().copied().filter(|x| *x > 0.0).fold(f32::MAX, f32::min);
+        let min_pos = v
+            .iter()
+            .copied()
+            .filter(|x| *x > 0.0)
+            .fold(f32::MAX, f32::min);
         assert!(min_pos > 1e-7 && min_pos < 1e-6, "{min_pos}");
     }
 }
@@ -191,18 +254,38 @@ fn adamw8bit_tracks_fp32_adamw_and_uses_quarter_memory() {
     let w0 = Tensor::randn([64, 128], (Kind::Float, Device::Cpu)) * 0.1;
     let small0 = Tensor::randn([100], (Kind::Float, Device::Cpu)) * 0.1;
     let mk = || {
-        (w0.copy().set_requires_grad(true), small0.copy().set_requires_grad(true))
+        (
+            w0.copy().set_requires_grad(true),
+            small0.copy().set_requires_grad(true),
+        )
     };
     let (wa, sa) = mk();
     let (wb, sb) = mk();
     let cfg = AdamWConfig::default();
-    let mut fp32 =
-        AdamW::new(vec![ParamGroup::new("a", vec![wa.shallow_clone(), sa.shallow_clone()])], 1e-3, cfg.clone()).unwrap();
-    let mut q8 =
-        AdamW8bit::new(vec![ParamGroup::new("a", vec![wb.shallow_clone(), sb.shallow_clone()])], 1e-3, cfg).unwrap();
+    let mut fp32 = AdamW::new(
+        vec![ParamGroup::new(
+            "a",
+            vec![wa.shallow_clone(), sa.shallow_clone()],
+        )],
+        1e-3,
+        cfg.clone(),
+    )
+    .unwrap();
+    let mut q8 = AdamW8bit::new(
+        vec![ParamGroup::new(
+            "a",
+            vec![wb.shallow_clone(), sb.shallow_clone()],
+        )],
+        1e-3,
+        cfg,
+    )
+    .unwrap();
     let target = Tensor::randn([64, 128], (Kind::Float, Device::Cpu));
     for _ in 0..20 {
-        for (w, s, opt) in [(&wa, &sa, &mut fp32 as &mut dyn Optimizer), (&wb, &sb, &mut q8 as &mut dyn Optimizer)] {
+        for (w, s, opt) in [
+            (&wa, &sa, &mut fp32 as &mut dyn Optimizer),
+            (&wb, &sb, &mut q8 as &mut dyn Optimizer),
+        ] {
             opt.zero_grad().unwrap();
             let loss = (w - &target).square().mean(Kind::Float) + s.square().sum(Kind::Float);
             loss.backward();
@@ -211,9 +294,14 @@ fn adamw8bit_tracks_fp32_adamw_and_uses_quarter_memory() {
     }
     let moved = (&wa - &w0).abs().mean(Kind::Float).double_value(&[]);
     let diff = (&wa - &wb).abs().mean(Kind::Float).double_value(&[]);
-    println!("AdamW8bit vs AdamW after 20 steps: mean |Δθ| {moved:.3e}, mean |θ8 − θ32| {diff:.3e}");
+    println!(
+        "AdamW8bit vs AdamW after 20 steps: mean |Δθ| {moved:.3e}, mean |θ8 − θ32| {diff:.3e}"
+    );
     assert!(moved > 1e-2, "the weights moved {moved}");
-    assert!(diff < 0.05 * moved, "8-bit diverges: {diff} vs movement {moved}");
+    assert!(
+        diff < 0.05 * moved,
+        "8-bit diverges: {diff} vs movement {moved}"
+    );
     // The small tensor keeps fp32 state, so it matches exactly.
     assert!(sa.equal(&sb));
     // State: fp32 = 8 B/param; 8-bit = 2 B/param + 4 B per 2048-block for the big tensor.
@@ -222,7 +310,18 @@ fn adamw8bit_tracks_fp32_adamw_and_uses_quarter_memory() {
     assert_eq!(q8.state_bytes(), 2 * big + 2 * 4 * 4 + 8 * 100);
     // Save/load round trip continues identically.
     let st = q8.state_dict().unwrap();
-    let mut q8b = AdamW8bit::new(vec![ParamGroup::new("a", vec![wb.copy().set_requires_grad(true), sb.copy().set_requires_grad(true)])], 1e-3, AdamWConfig::default()).unwrap();
+    let mut q8b = AdamW8bit::new(
+        vec![ParamGroup::new(
+            "a",
+            vec![
+                wb.copy().set_requires_grad(true),
+                sb.copy().set_requires_grad(true),
+            ],
+        )],
+        1e-3,
+        AdamWConfig::default(),
+    )
+    .unwrap();
     q8b.load_state_dict(&st).unwrap();
     assert_eq!(q8b.steps(), 20);
     assert_eq!(q8b.state_bytes(), q8.state_bytes());
@@ -230,9 +329,24 @@ fn adamw8bit_tracks_fp32_adamw_and_uses_quarter_memory() {
 
 #[test]
 fn invalid_hyper_parameters_are_errors() {
-    let p = || vec![ParamGroup::new("a", vec![Tensor::zeros([2], (Kind::Float, Device::Cpu))])];
+    let p = || {
+        vec![ParamGroup::new(
+            "a",
+            vec![Tensor::zeros([2], (Kind::Float, Device::Cpu))],
+        )]
+    };
     assert!(AdamW::new(p(), -1.0, AdamWConfig::default()).is_err());
-    assert!(AdamW::new(p(), 1e-3, AdamWConfig { betas: (1.0, 0.9), ..Default::default() }).is_err());
+    assert!(
+        AdamW::new(
+            p(),
+            1e-3,
+            AdamWConfig {
+                betas: (1.0, 0.9),
+                ..Default::default()
+            }
+        )
+        .is_err()
+    );
     let e = OptimizerKind::from_name("lion").unwrap_err().to_string();
     assert!(e.contains("AdamW8bit"), "{e}");
     let sgd: OptimizerKind = serde_json::from_str(r#"{"type":"SGD","nesterov":true}"#).unwrap();

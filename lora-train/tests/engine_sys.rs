@@ -14,7 +14,10 @@ fn shim_global_state() {
     assert_eq!(s1.current_bytes - s0.current_bytes, 4_000_000);
     assert!(s1.peak_bytes >= s0.current_bytes + 4_000_000);
     drop(t);
-    assert_eq!(sys::cpu_mem_stats().unwrap().current_bytes, s0.current_bytes);
+    assert_eq!(
+        sys::cpu_mem_stats().unwrap().current_bytes,
+        s0.current_bytes
+    );
     sys::cpu_reset_peak().unwrap();
     assert_eq!(sys::cpu_mem_stats().unwrap().peak_bytes, s0.current_bytes);
 
@@ -22,7 +25,11 @@ fn shim_global_state() {
     {
         let _limit = sys::CpuAllocLimitGuard::new(s0.current_bytes + (8 << 20)).unwrap();
         let err = Tensor::f_zeros([4 << 20], (Kind::Float, Device::Cpu)).unwrap_err();
-        assert!(err.to_string().contains("DefaultCPUAllocator: can't allocate memory"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("DefaultCPUAllocator: can't allocate memory"),
+            "{err}"
+        );
         assert!(Tensor::f_zeros([1 << 20], (Kind::Float, Device::Cpu)).is_ok());
     }
     assert_eq!(sys::cpu_mem_stats().unwrap().limit_bytes, None);

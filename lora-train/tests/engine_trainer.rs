@@ -10,7 +10,9 @@ use lora_train::callbacks::{Callback, Control, StepInfo, StopAfter, TrainEvent};
 use lora_train::checkpoint::{Checkpoint, CheckpointManager};
 use lora_train::optim::{AdamWConfig, OptimizerKind};
 use lora_train::sched::{Scheduler, SchedulerKind};
-use lora_train::trainer::{NonFinitePolicy, Resume, TrainError, Trainer, TrainerConfig, TrainReport};
+use lora_train::trainer::{
+    NonFinitePolicy, Resume, TrainError, TrainReport, Trainer, TrainerConfig,
+};
 
 #[derive(Clone, Default)]
 struct Record(Arc<Mutex<Vec<StepInfo>>>, Arc<Mutex<Vec<TrainEvent>>>);
@@ -44,7 +46,12 @@ fn config(dir: Option<&std::path::Path>, optimizer: OptimizerKind) -> TrainerCon
     }
 }
 
-fn train(cfg: TrainerConfig, stop_after: Option<u64>, resume: Resume, rec: &Record) -> (ToyLora, TrainReport) {
+fn train(
+    cfg: TrainerConfig,
+    stop_after: Option<u64>,
+    resume: Resume,
+    rec: &Record,
+) -> (ToyLora, TrainReport) {
     let mut task = ToyLora::new();
     let mut data = ToyData::new(40, 4, 3);
     let mut trainer: Trainer<ToyLora> = Trainer::new(cfg);
@@ -87,13 +94,23 @@ fn resume_is_bit_identical(optimizer: OptimizerKind, stop: u64) {
 
     let dir = tempfile::tempdir().unwrap();
     let rec_a = Record::default();
-    let (_, ra) = train(config(Some(dir.path()), optimizer.clone()), Some(stop), Resume::No, &rec_a);
+    let (_, ra) = train(
+        config(Some(dir.path()), optimizer.clone()),
+        Some(stop),
+        Resume::No,
+        &rec_a,
+    );
     assert_eq!(ra.steps, stop);
     assert!(ra.stopped_early);
     // Scramble the global RNG between the runs: resume must restore it.
     let _ = tch::Tensor::randn([1000], (tch::Kind::Float, tch::Device::Cpu));
     let rec_b = Record::default();
-    let (resumed, rb) = train(config(Some(dir.path()), optimizer), None, Resume::Latest, &rec_b);
+    let (resumed, rb) = train(
+        config(Some(dir.path()), optimizer),
+        None,
+        Resume::Latest,
+        &rec_b,
+    );
     assert_eq!(rb.resumed_from, Some(stop));
     assert_eq!(rb.steps, full_report.steps);
     for (a, b) in full.trainable_bits().iter().zip(resumed.trainable_bits()) {
@@ -107,7 +124,12 @@ fn resume_is_bit_identical(optimizer: OptimizerKind, stop: u64) {
     for b in b_infos.iter() {
         let f = &full_infos[(b.step - 1) as usize];
         assert_eq!(f.lr.to_bits(), b.lr.to_bits(), "lr at step {}", b.step);
-        assert_eq!(f.loss.to_bits(), b.loss.to_bits(), "loss at step {}", b.step);
+        assert_eq!(
+            f.loss.to_bits(),
+            b.loss.to_bits(),
+            "loss at step {}",
+            b.step
+        );
     }
     // keep_last = 2 checkpoints remain, the newest is the final step.
     let m = CheckpointManager::new(dir.path(), 2);
@@ -136,7 +158,10 @@ fn resume_is_bit_identical_adafactor_and_sgd() {
     resume_is_bit_identical(OptimizerKind::from_name("SGDNesterov").unwrap(), 12);
 }
 
-fn nan_run(policy: NonFinitePolicy, dir: &std::path::Path) -> (Result<TrainReport, TrainError>, Record, ToyLora) {
+fn nan_run(
+    policy: NonFinitePolicy,
+    dir: &std::path::Path,
+) -> (Result<TrainReport, TrainError>, Record, ToyLora) {
     let _serial = engine_common::serial();
     tch::set_num_threads(1);
     let rec = Record::default();
@@ -164,9 +189,16 @@ fn nan_loss_skip_policy_skips_the_update_and_keeps_checkpoints_finite() {
     let infos = rec.0.lock().unwrap();
     assert!(infos[2].skipped && infos[2].loss.is_nan());
     assert!(!infos[3].skipped);
-    assert!(task.trainable_bits().iter().flatten().all(|v| v.is_finite()));
+    assert!(
+        task.trainable_bits()
+            .iter()
+            .flatten()
+            .all(|v| v.is_finite())
+    );
     let events = rec.1.lock().unwrap();
-    assert!(matches!(&events[0], TrainEvent::NonFinite { step: 3, action, .. } if action == "skip"));
+    assert!(
+        matches!(&events[0], TrainEvent::NonFinite { step: 3, action, .. } if action == "skip")
+    );
     for (_, p) in CheckpointManager::new(dir.path(), 2).list().unwrap() {
         let ck = Checkpoint::read_from(&p).unwrap();
         for (_, t) in &ck.adapter {
@@ -192,20 +224,38 @@ fn nan_loss_stop_policy_stops_with_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let (r, _, _) = nan_run(NonFinitePolicy::Stop, dir.path());
     let err = r.unwrap_err();
-    assert!(matches!(err, TrainError::NonFinite { what: "loss", step: 3, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            TrainError::NonFinite {
+                what: "loss",
+                step: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // The checkpoints written before the NaN are intact.
-    let steps: Vec<u64> = CheckpointManager::new(dir.path(), 2).list().unwrap().into_iter().map(|s| s.0).collect();
+    let steps: Vec<u64> = CheckpointManager::new(dir.path(), 2)
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|s| s.0)
+        .collect();
     assert_eq!(steps, vec![1, 2]);
 }
 
 #[test]
 fn schedulers_match_transformers() {
-    let f: serde_json::Value = serde_json::from_str(include_str!("fixtures/sched_ref.json")).unwrap();
+    let f: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/sched_ref.json")).unwrap();
     for case in f["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let mut kind = SchedulerKind::from_name(name).unwrap();
         match &mut kind {
-            SchedulerKind::CosineWithRestarts { num_cycles } => *num_cycles = case["kwargs"]["num_cycles"].as_f64().unwrap(),
+            SchedulerKind::CosineWithRestarts { num_cycles } => {
+                *num_cycles = case["kwargs"]["num_cycles"].as_f64().unwrap()
+            }
             SchedulerKind::Polynomial { lr_end, power } => {
                 *lr_end = case["kwargs"]["lr_end"].as_f64().unwrap();
                 *power = case["kwargs"]["power"].as_f64().unwrap();
@@ -216,7 +266,10 @@ fn schedulers_match_transformers() {
         for (step, want) in case["lrs"].as_array().unwrap().iter().enumerate() {
             let want = want.as_f64().unwrap();
             let got = s.lr_at(step as u64);
-            assert!((got - want).abs() <= 1e-12 + 1e-9 * want.abs(), "{name} step {step}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= 1e-12 + 1e-9 * want.abs(),
+                "{name} step {step}: {got} vs {want}"
+            );
         }
     }
 }

@@ -85,7 +85,11 @@ pub struct Adafactor {
 
 impl std::fmt::Debug for Adafactor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Adafactor").field("lr", &self.lr).field("cfg", &self.cfg).field("steps", &self.steps).finish()
+        f.debug_struct("Adafactor")
+            .field("lr", &self.lr)
+            .field("cfg", &self.cfg)
+            .field("steps", &self.steps)
+            .finish()
     }
 }
 
@@ -127,7 +131,10 @@ impl Adafactor {
                     let row_shape = &shape[..shape.len() - 1];
                     let mut col_shape = shape[..shape.len() - 2].to_vec();
                     col_shape.push(shape[shape.len() - 1]);
-                    Second::Factored { row: Tensor::f_zeros(row_shape, opts)?, col: Tensor::f_zeros(col_shape.as_slice(), opts)? }
+                    Second::Factored {
+                        row: Tensor::f_zeros(row_shape, opts)?,
+                        col: Tensor::f_zeros(col_shape.as_slice(), opts)?,
+                    }
                 } else {
                     Second::Full(Tensor::f_zeros(shape.as_slice(), opts)?)
                 };
@@ -135,20 +142,38 @@ impl Adafactor {
                     Some(_) => Some(Tensor::f_zeros(shape.as_slice(), opts)?),
                     None => None,
                 };
-                s.push(Slot { second, exp_avg, step: 0 });
+                s.push(Slot {
+                    second,
+                    exp_avg,
+                    step: 0,
+                });
             }
             slots.push(s);
         }
-        Ok(Self { groups, slots, lr, cfg, steps: 0 })
+        Ok(Self {
+            groups,
+            slots,
+            lr,
+            cfg,
+            steps: 0,
+        })
     }
 
     fn step_size(&self, lr: f64, step: u64, param_rms: f64) -> f64 {
         let mut rel = lr;
         if self.cfg.relative_step {
-            let min_step = if self.cfg.warmup_init { 1e-6 * step as f64 } else { 1e-2 };
+            let min_step = if self.cfg.warmup_init {
+                1e-6 * step as f64
+            } else {
+                1e-2
+            };
             rel = min_step.min(1.0 / (step as f64).sqrt());
         }
-        let scale = if self.cfg.scale_parameter { self.cfg.eps.1.max(param_rms) } else { 1.0 };
+        let scale = if self.cfg.scale_parameter {
+            self.cfg.eps.1.max(param_rms)
+        } else {
+            1.0
+        };
         scale * rel
     }
 }
@@ -163,7 +188,11 @@ impl Optimizer for Adafactor {
             for pi in 0..self.groups[gi].params.len() {
                 let p = self.groups[gi].params[pi].shallow_clone();
                 let Some(g) = grad_f32(&p)? else { continue };
-                let mut w = if p.kind() == Kind::Float { p.shallow_clone() } else { param_f32(&p)? };
+                let mut w = if p.kind() == Kind::Float {
+                    p.shallow_clone()
+                } else {
+                    param_f32(&p)?
+                };
                 let step = {
                     let slot = &mut self.slots[gi][pi];
                     slot.step += 1;
@@ -177,11 +206,22 @@ impl Optimizer for Adafactor {
                 let mut update = match &mut slot.second {
                     Second::Factored { row, col } => {
                         let _ = row.f_mul_scalar_(beta2t)?;
-                        let _ = row.f_add_(&upd_sq.f_mean_dim(-1, false, Kind::Float)?.f_mul_scalar(1.0 - beta2t)?)?;
+                        let _ = row.f_add_(
+                            &upd_sq
+                                .f_mean_dim(-1, false, Kind::Float)?
+                                .f_mul_scalar(1.0 - beta2t)?,
+                        )?;
                         let _ = col.f_mul_scalar_(beta2t)?;
-                        let _ = col.f_add_(&upd_sq.f_mean_dim(-2, false, Kind::Float)?.f_mul_scalar(1.0 - beta2t)?)?;
+                        let _ = col.f_add_(
+                            &upd_sq
+                                .f_mean_dim(-2, false, Kind::Float)?
+                                .f_mul_scalar(1.0 - beta2t)?,
+                        )?;
                         // _approx_sq_grad: rsqrt(R / mean(R)) ⊗ rsqrt(C)
-                        let r_factor = row.f_div(&row.f_mean_dim(-1, true, Kind::Float)?)?.f_rsqrt()?.f_unsqueeze(-1)?;
+                        let r_factor = row
+                            .f_div(&row.f_mean_dim(-1, true, Kind::Float)?)?
+                            .f_rsqrt()?
+                            .f_unsqueeze(-1)?;
                         let c_factor = col.f_unsqueeze(-2)?.f_rsqrt()?;
                         r_factor.f_mul(&c_factor)?.f_mul(&g)?
                     }
@@ -235,15 +275,19 @@ impl Optimizer for Adafactor {
             for (pi, s) in slots.iter().enumerate() {
                 match &s.second {
                     Second::Factored { row, col } => {
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg_sq_row"), row.f_detach_copy()?);
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg_sq_col"), col.f_detach_copy()?);
+                        st.tensors
+                            .insert(slot_key(gi, pi, "exp_avg_sq_row"), row.f_detach_copy()?);
+                        st.tensors
+                            .insert(slot_key(gi, pi, "exp_avg_sq_col"), col.f_detach_copy()?);
                     }
                     Second::Full(v) => {
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg_sq"), v.f_detach_copy()?);
+                        st.tensors
+                            .insert(slot_key(gi, pi, "exp_avg_sq"), v.f_detach_copy()?);
                     }
                 }
                 if let Some(m) = &s.exp_avg {
-                    st.tensors.insert(slot_key(gi, pi, "exp_avg"), m.f_detach_copy()?);
+                    st.tensors
+                        .insert(slot_key(gi, pi, "exp_avg"), m.f_detach_copy()?);
                 }
                 per_param_steps.push(s.step);
             }
@@ -309,7 +353,10 @@ impl Optimizer for Adafactor {
     }
 
     fn params(&self) -> Vec<Tensor> {
-        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.shallow_clone())).collect()
+        self.groups
+            .iter()
+            .flat_map(|g| g.params.iter().map(|p| p.shallow_clone()))
+            .collect()
     }
 
     fn name(&self) -> &'static str {

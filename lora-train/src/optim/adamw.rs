@@ -31,7 +31,11 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        Self { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+        Self {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
     }
 }
 
@@ -73,7 +77,11 @@ pub struct AdamW {
 
 impl std::fmt::Debug for AdamW {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdamW").field("lr", &self.lr).field("cfg", &self.cfg).field("steps", &self.steps).finish()
+        f.debug_struct("AdamW")
+            .field("lr", &self.lr)
+            .field("cfg", &self.cfg)
+            .field("steps", &self.steps)
+            .finish()
     }
 }
 
@@ -90,11 +98,21 @@ impl AdamW {
             let mut s = Vec::with_capacity(g.params.len());
             for p in &g.params {
                 let z = Tensor::f_zeros(p.size(), (Kind::Float, p.device()))?;
-                s.push(Slot { exp_avg: z.f_detach_copy()?, exp_avg_sq: z, step: 0 });
+                s.push(Slot {
+                    exp_avg: z.f_detach_copy()?,
+                    exp_avg_sq: z,
+                    step: 0,
+                });
             }
             slots.push(s);
         }
-        Ok(Self { groups, slots, lr, cfg, steps: 0 })
+        Ok(Self {
+            groups,
+            slots,
+            lr,
+            cfg,
+            steps: 0,
+        })
     }
 
     /// The hyper-parameters.
@@ -116,7 +134,11 @@ pub(crate) fn adamw_update(
     cfg: &AdamWConfig,
 ) -> Result<()> {
     let (b1, b2) = cfg.betas;
-    let mut w = if p.kind() == Kind::Float { p.shallow_clone() } else { param_f32(p)? };
+    let mut w = if p.kind() == Kind::Float {
+        p.shallow_clone()
+    } else {
+        param_f32(p)?
+    };
     if weight_decay != 0.0 {
         let _ = w.f_mul_scalar_(1.0 - lr * weight_decay)?;
     }
@@ -145,7 +167,16 @@ impl Optimizer for AdamW {
                 let Some(g) = grad_f32(p)? else { continue };
                 let slot = &mut self.slots[gi][pi];
                 slot.step += 1;
-                adamw_update(p, &g, &mut slot.exp_avg, &mut slot.exp_avg_sq, slot.step, lr, wd, &self.cfg)?;
+                adamw_update(
+                    p,
+                    &g,
+                    &mut slot.exp_avg,
+                    &mut slot.exp_avg_sq,
+                    slot.step,
+                    lr,
+                    wd,
+                    &self.cfg,
+                )?;
             }
         }
         self.steps += 1;
@@ -173,8 +204,12 @@ impl Optimizer for AdamW {
         let mut per_param_steps = Vec::new();
         for (gi, slots) in self.slots.iter().enumerate() {
             for (pi, s) in slots.iter().enumerate() {
-                st.tensors.insert(slot_key(gi, pi, "exp_avg"), s.exp_avg.f_detach_copy()?);
-                st.tensors.insert(slot_key(gi, pi, "exp_avg_sq"), s.exp_avg_sq.f_detach_copy()?);
+                st.tensors
+                    .insert(slot_key(gi, pi, "exp_avg"), s.exp_avg.f_detach_copy()?);
+                st.tensors.insert(
+                    slot_key(gi, pi, "exp_avg_sq"),
+                    s.exp_avg_sq.f_detach_copy()?,
+                );
                 per_param_steps.push(s.step);
             }
         }
@@ -213,11 +248,18 @@ impl Optimizer for AdamW {
     }
 
     fn state_bytes(&self) -> u64 {
-        self.slots.iter().flatten().map(|s| tensor_bytes(&s.exp_avg) + tensor_bytes(&s.exp_avg_sq)).sum()
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| tensor_bytes(&s.exp_avg) + tensor_bytes(&s.exp_avg_sq))
+            .sum()
     }
 
     fn params(&self) -> Vec<Tensor> {
-        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.shallow_clone())).collect()
+        self.groups
+            .iter()
+            .flat_map(|g| g.params.iter().map(|p| p.shallow_clone()))
+            .collect()
     }
 
     fn name(&self) -> &'static str {

@@ -38,7 +38,11 @@ impl DynamicMap {
         let max_exponent_bits = 7i32;
         let mut data: Vec<f64> = Vec::with_capacity(256);
         for i in 0..max_exponent_bits {
-            let k = if signed { 1usize << i } else { 1usize << (i + 1) };
+            let k = if signed {
+                1usize << i
+            } else {
+                1usize << (i + 1)
+            };
             let scale = 10f64.powi(i - (max_exponent_bits - 1));
             // linspace(0.1, 1, k + 1) midpoints.
             let b = |j: usize| 0.1 + 0.9 * j as f64 / k as f64;
@@ -104,7 +108,13 @@ impl QuantizedState {
         let padded = if n_blocks * b == n {
             flat
         } else {
-            Tensor::f_cat(&[flat, Tensor::f_zeros([n_blocks * b - n], (Kind::Float, x.device()))?], 0)?
+            Tensor::f_cat(
+                &[
+                    flat,
+                    Tensor::f_zeros([n_blocks * b - n], (Kind::Float, x.device()))?,
+                ],
+                0,
+            )?
         };
         let blocks = padded.f_view([n_blocks, b])?;
         let absmax = blocks.f_abs()?.f_amax([1i64].as_slice(), false)?;
@@ -112,7 +122,11 @@ impl QuantizedState {
         let normed = blocks.f_div(&safe.f_unsqueeze(1)?)?;
         let idx = normed.f_bucketize(&map.mids, false, false)?;
         let codes = idx.f_to_kind(Kind::Uint8)?.f_reshape([-1])?;
-        Ok(Self { codes, absmax, shape: x.size() })
+        Ok(Self {
+            codes,
+            absmax,
+            shape: x.size(),
+        })
     }
 
     /// fp32 values `[shape]`.
@@ -121,10 +135,17 @@ impl QuantizedState {
     /// A libtorch error.
     pub fn dequantize(&self, map: &DynamicMap) -> Result<Tensor> {
         let n_blocks = self.absmax.size()[0];
-        let vals = map.code.f_index_select(0, &self.codes.f_to_kind(Kind::Int64)?)?;
-        let vals = vals.f_view([n_blocks, AdamW8bit::BLOCK])?.f_mul(&self.absmax.f_unsqueeze(1)?)?;
+        let vals = map
+            .code
+            .f_index_select(0, &self.codes.f_to_kind(Kind::Int64)?)?;
+        let vals = vals
+            .f_view([n_blocks, AdamW8bit::BLOCK])?
+            .f_mul(&self.absmax.f_unsqueeze(1)?)?;
         let n: i64 = self.shape.iter().product();
-        Ok(vals.f_reshape([-1])?.f_narrow(0, 0, n)?.f_reshape(self.shape.as_slice())?)
+        Ok(vals
+            .f_reshape([-1])?
+            .f_narrow(0, 0, n)?
+            .f_reshape(self.shape.as_slice())?)
     }
 
     /// Bytes held (codes + scales).
@@ -134,8 +155,14 @@ impl QuantizedState {
 }
 
 enum Moments {
-    Full { exp_avg: Tensor, exp_avg_sq: Tensor },
-    Quant { exp_avg: QuantizedState, exp_avg_sq: QuantizedState },
+    Full {
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+    },
+    Quant {
+        exp_avg: QuantizedState,
+        exp_avg_sq: QuantizedState,
+    },
 }
 
 struct Slot {
@@ -156,7 +183,11 @@ pub struct AdamW8bit {
 
 impl std::fmt::Debug for AdamW8bit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdamW8bit").field("lr", &self.lr).field("cfg", &self.cfg).field("steps", &self.steps).finish()
+        f.debug_struct("AdamW8bit")
+            .field("lr", &self.lr)
+            .field("cfg", &self.cfg)
+            .field("steps", &self.steps)
+            .finish()
     }
 }
 
@@ -173,7 +204,12 @@ impl AdamW8bit {
     pub fn new(groups: Vec<ParamGroup>, lr: f64, cfg: AdamWConfig) -> Result<Self> {
         check_lr(lr)?;
         cfg.validate()?;
-        let device = groups.iter().flat_map(|g| g.params.first()).map(|p| p.device()).next().unwrap_or(Device::Cpu);
+        let device = groups
+            .iter()
+            .flat_map(|g| g.params.first())
+            .map(|p| p.device())
+            .next()
+            .unwrap_or(Device::Cpu);
         let signed = DynamicMap::new(true, device)?;
         let unsigned = DynamicMap::new(false, device)?;
         let mut slots = Vec::with_capacity(groups.len());
@@ -187,13 +223,24 @@ impl AdamW8bit {
                     }
                 } else {
                     let z = Tensor::f_zeros(p.size(), (Kind::Float, p.device()))?;
-                    Moments::Full { exp_avg: z.f_detach_copy()?, exp_avg_sq: z }
+                    Moments::Full {
+                        exp_avg: z.f_detach_copy()?,
+                        exp_avg_sq: z,
+                    }
                 };
                 s.push(Slot { moments, step: 0 });
             }
             slots.push(s);
         }
-        Ok(Self { groups, slots, lr, cfg, steps: 0, signed, unsigned })
+        Ok(Self {
+            groups,
+            slots,
+            lr,
+            cfg,
+            steps: 0,
+            signed,
+            unsigned,
+        })
     }
 }
 
@@ -208,10 +255,16 @@ impl Optimizer for AdamW8bit {
                 let slot = &mut self.slots[gi][pi];
                 slot.step += 1;
                 match &mut slot.moments {
-                    Moments::Full { exp_avg, exp_avg_sq } => {
+                    Moments::Full {
+                        exp_avg,
+                        exp_avg_sq,
+                    } => {
                         adamw_update(p, &g, exp_avg, exp_avg_sq, slot.step, lr, wd, &self.cfg)?;
                     }
-                    Moments::Quant { exp_avg, exp_avg_sq } => {
+                    Moments::Quant {
+                        exp_avg,
+                        exp_avg_sq,
+                    } => {
                         let mut m = exp_avg.dequantize(&self.signed)?;
                         let mut v = exp_avg_sq.dequantize(&self.unsigned)?;
                         adamw_update(p, &g, &mut m, &mut v, slot.step, lr, wd, &self.cfg)?;
@@ -247,16 +300,35 @@ impl Optimizer for AdamW8bit {
         for (gi, slots) in self.slots.iter().enumerate() {
             for (pi, s) in slots.iter().enumerate() {
                 match &s.moments {
-                    Moments::Full { exp_avg, exp_avg_sq } => {
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg"), exp_avg.f_detach_copy()?);
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg_sq"), exp_avg_sq.f_detach_copy()?);
-                    }
-                    Moments::Quant { exp_avg, exp_avg_sq } => {
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg.codes"), exp_avg.codes.f_detach_copy()?);
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg.absmax"), exp_avg.absmax.f_detach_copy()?);
-                        st.tensors.insert(slot_key(gi, pi, "exp_avg_sq.codes"), exp_avg_sq.codes.f_detach_copy()?);
+                    Moments::Full {
+                        exp_avg,
+                        exp_avg_sq,
+                    } => {
                         st.tensors
-                            .insert(slot_key(gi, pi, "exp_avg_sq.absmax"), exp_avg_sq.absmax.f_detach_copy()?);
+                            .insert(slot_key(gi, pi, "exp_avg"), exp_avg.f_detach_copy()?);
+                        st.tensors
+                            .insert(slot_key(gi, pi, "exp_avg_sq"), exp_avg_sq.f_detach_copy()?);
+                    }
+                    Moments::Quant {
+                        exp_avg,
+                        exp_avg_sq,
+                    } => {
+                        st.tensors.insert(
+                            slot_key(gi, pi, "exp_avg.codes"),
+                            exp_avg.codes.f_detach_copy()?,
+                        );
+                        st.tensors.insert(
+                            slot_key(gi, pi, "exp_avg.absmax"),
+                            exp_avg.absmax.f_detach_copy()?,
+                        );
+                        st.tensors.insert(
+                            slot_key(gi, pi, "exp_avg_sq.codes"),
+                            exp_avg_sq.codes.f_detach_copy()?,
+                        );
+                        st.tensors.insert(
+                            slot_key(gi, pi, "exp_avg_sq.absmax"),
+                            exp_avg_sq.absmax.f_detach_copy()?,
+                        );
                     }
                 }
                 per_param_steps.push(s.step);
@@ -275,7 +347,11 @@ impl Optimizer for AdamW8bit {
 
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
         check_meta_name(&state.meta, self.name())?;
-        let block = state.meta.get("block").and_then(|v| v.as_i64()).unwrap_or(0);
+        let block = state
+            .meta
+            .get("block")
+            .and_then(|v| v.as_i64())
+            .unwrap_or(0);
         if block != Self::BLOCK {
             return Err(TrainError::State {
                 what: "AdamW8bit state".into(),
@@ -293,13 +369,19 @@ impl Optimizer for AdamW8bit {
         for (gi, slots) in self.slots.iter_mut().enumerate() {
             for (pi, s) in slots.iter_mut().enumerate() {
                 match &mut s.moments {
-                    Moments::Full { exp_avg, exp_avg_sq } => {
+                    Moments::Full {
+                        exp_avg,
+                        exp_avg_sq,
+                    } => {
                         for (slot, t) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
                             let key = slot_key(gi, pi, slot);
                             load_slot(t, state.tensor(&key, "AdamW8bit")?, &key)?;
                         }
                     }
-                    Moments::Quant { exp_avg, exp_avg_sq } => {
+                    Moments::Quant {
+                        exp_avg,
+                        exp_avg_sq,
+                    } => {
                         for (slot, q) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
                             let key = slot_key(gi, pi, &format!("{slot}.codes"));
                             load_slot(&mut q.codes, state.tensor(&key, "AdamW8bit")?, &key)?;
@@ -321,14 +403,23 @@ impl Optimizer for AdamW8bit {
             .iter()
             .flatten()
             .map(|s| match &s.moments {
-                Moments::Full { exp_avg, exp_avg_sq } => tensor_bytes(exp_avg) + tensor_bytes(exp_avg_sq),
-                Moments::Quant { exp_avg, exp_avg_sq } => exp_avg.bytes() + exp_avg_sq.bytes(),
+                Moments::Full {
+                    exp_avg,
+                    exp_avg_sq,
+                } => tensor_bytes(exp_avg) + tensor_bytes(exp_avg_sq),
+                Moments::Quant {
+                    exp_avg,
+                    exp_avg_sq,
+                } => exp_avg.bytes() + exp_avg_sq.bytes(),
             })
             .sum()
     }
 
     fn params(&self) -> Vec<Tensor> {
-        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.shallow_clone())).collect()
+        self.groups
+            .iter()
+            .flat_map(|g| g.params.iter().map(|p| p.shallow_clone()))
+            .collect()
     }
 
     fn name(&self) -> &'static str {

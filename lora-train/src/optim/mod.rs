@@ -43,7 +43,12 @@ pub struct ParamGroup {
 impl ParamGroup {
     /// A group with `lr_scale` 1 and the optimizer's weight decay.
     pub fn new(name: impl Into<String>, params: Vec<Tensor>) -> Self {
-        Self { name: name.into(), params, lr_scale: 1.0, weight_decay: None }
+        Self {
+            name: name.into(),
+            params,
+            lr_scale: 1.0,
+            weight_decay: None,
+        }
     }
 
     /// Sets the learning-rate multiplier (LoRA+ ratio).
@@ -190,7 +195,11 @@ impl OptimizerKind {
             "adamw8bit" | "adam8bit" | "pagedadamw8bit" => Self::AdamW8bit(AdamWConfig::default()),
             "adafactor" => Self::Adafactor(AdafactorConfig::default()),
             "sgd" => Self::Sgd(SgdConfig::default()),
-            "sgdnesterov" => Self::Sgd(SgdConfig { momentum: 0.9, nesterov: true, ..SgdConfig::default() }),
+            "sgdnesterov" => Self::Sgd(SgdConfig {
+                momentum: 0.9,
+                nesterov: true,
+                ..SgdConfig::default()
+            }),
             _ => {
                 return Err(TrainError::Invalid {
                     what: "optimizer_type".into(),
@@ -232,7 +241,11 @@ pub(crate) fn grad_f32(p: &Tensor) -> Result<Option<Tensor>> {
     if !g.defined() {
         return Ok(None);
     }
-    Ok(Some(if g.kind() == Kind::Float { g } else { g.f_to_kind(Kind::Float)? }))
+    Ok(Some(if g.kind() == Kind::Float {
+        g
+    } else {
+        g.f_to_kind(Kind::Float)?
+    }))
 }
 
 /// Zeroes every defined gradient of `params`.
@@ -287,10 +300,12 @@ pub(crate) fn load_slot(dst: &mut Tensor, src: &Tensor, key: &str) -> Result<()>
 
 /// Reads a `u64` counter from optimizer meta.
 pub(crate) fn meta_u64(meta: &serde_json::Value, key: &str, optimizer: &str) -> Result<u64> {
-    meta.get(key).and_then(|v| v.as_u64()).ok_or_else(|| TrainError::State {
-        what: format!("{optimizer} state"),
-        message: format!("missing counter `{key}` in the optimizer meta"),
-    })
+    meta.get(key)
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| TrainError::State {
+            what: format!("{optimizer} state"),
+            message: format!("missing counter `{key}` in the optimizer meta"),
+        })
 }
 
 /// Checks that the state was written by optimizer `name`.

@@ -42,7 +42,11 @@ pub struct Sgd {
 
 impl std::fmt::Debug for Sgd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sgd").field("lr", &self.lr).field("cfg", &self.cfg).field("steps", &self.steps).finish()
+        f.debug_struct("Sgd")
+            .field("lr", &self.lr)
+            .field("cfg", &self.cfg)
+            .field("steps", &self.steps)
+            .finish()
     }
 }
 
@@ -67,8 +71,17 @@ impl Sgd {
                 hint: "both must be >= 0".into(),
             });
         }
-        let buffers = groups.iter().map(|g| g.params.iter().map(|_| None).collect()).collect();
-        Ok(Self { groups, buffers, lr, cfg, steps: 0 })
+        let buffers = groups
+            .iter()
+            .map(|g| g.params.iter().map(|_| None).collect())
+            .collect();
+        Ok(Self {
+            groups,
+            buffers,
+            lr,
+            cfg,
+            steps: 0,
+        })
     }
 }
 
@@ -80,8 +93,16 @@ impl Optimizer for Sgd {
             let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);
             for (pi, p) in group.params.iter().enumerate() {
                 let Some(g) = grad_f32(p)? else { continue };
-                let mut w = if p.kind() == Kind::Float { p.shallow_clone() } else { param_f32(p)? };
-                let mut d = if wd != 0.0 { g.f_add(&w.f_mul_scalar(wd)?)? } else { g };
+                let mut w = if p.kind() == Kind::Float {
+                    p.shallow_clone()
+                } else {
+                    param_f32(p)?
+                };
+                let mut d = if wd != 0.0 {
+                    g.f_add(&w.f_mul_scalar(wd)?)?
+                } else {
+                    g
+                };
                 if self.cfg.momentum != 0.0 {
                     let mu = self.cfg.momentum;
                     let buf = match self.buffers[gi][pi].take() {
@@ -92,7 +113,11 @@ impl Optimizer for Sgd {
                             b
                         }
                     };
-                    d = if self.cfg.nesterov { d.f_add(&buf.f_mul_scalar(mu)?)? } else { buf.shallow_clone() };
+                    d = if self.cfg.nesterov {
+                        d.f_add(&buf.f_mul_scalar(mu)?)?
+                    } else {
+                        buf.shallow_clone()
+                    };
                     self.buffers[gi][pi] = Some(buf);
                 }
                 let _ = w.f_add_(&d.f_mul_scalar(-lr)?)?;
@@ -126,7 +151,8 @@ impl Optimizer for Sgd {
         for (gi, bufs) in self.buffers.iter().enumerate() {
             for (pi, b) in bufs.iter().enumerate() {
                 if let Some(b) = b {
-                    st.tensors.insert(slot_key(gi, pi, "momentum_buffer"), b.f_detach_copy()?);
+                    st.tensors
+                        .insert(slot_key(gi, pi, "momentum_buffer"), b.f_detach_copy()?);
                 }
             }
         }
@@ -161,11 +187,19 @@ impl Optimizer for Sgd {
     }
 
     fn state_bytes(&self) -> u64 {
-        self.buffers.iter().flatten().flatten().map(tensor_bytes).sum()
+        self.buffers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(tensor_bytes)
+            .sum()
     }
 
     fn params(&self) -> Vec<Tensor> {
-        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.shallow_clone())).collect()
+        self.groups
+            .iter()
+            .flat_map(|g| g.params.iter().map(|p| p.shallow_clone()))
+            .collect()
     }
 
     fn name(&self) -> &'static str {

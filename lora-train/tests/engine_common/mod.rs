@@ -40,7 +40,9 @@ pub struct ToyLora {
 fn det(shape: &[i64], salt: f64, scale: f64) -> Tensor {
     // Deterministic values without touching the global RNG.
     let n: i64 = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.618 + salt).sin() * scale) as f32).collect();
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i as f64 * 0.618 + salt).sin() * scale) as f32)
+        .collect();
     Tensor::from_slice(&v).reshape(shape)
 }
 
@@ -61,7 +63,10 @@ impl ToyLora {
     }
 
     pub fn trainable_bits(&self) -> Vec<Vec<f32>> {
-        self.named_trainable().into_iter().map(|(_, t)| Vec::<f32>::try_from(t.detach().flatten(0, -1)).unwrap()).collect()
+        self.named_trainable()
+            .into_iter()
+            .map(|(_, t)| Vec::<f32>::try_from(t.detach().flatten(0, -1)).unwrap())
+            .collect()
     }
 }
 
@@ -77,14 +82,25 @@ impl TrainStep for ToyLora {
         self.calls.set(self.calls.get() + 1);
         let n = batch.x.size()[0];
         let _scratch = if self.scratch_bytes_per_sample > 0 {
-            Some(Tensor::f_zeros([n * self.scratch_bytes_per_sample], (Kind::Uint8, Device::Cpu))?)
+            Some(Tensor::f_zeros(
+                [n * self.scratch_bytes_per_sample],
+                (Kind::Uint8, Device::Cpu),
+            )?)
         } else {
             None
         };
         let x = batch.x.f_dropout(self.dropout, train)?;
-        let h = x.f_matmul(&self.w1.f_tr()?)?.f_add(&x.f_matmul(&self.a1.f_tr()?)?.f_matmul(&self.b1.f_tr()?)?.f_mul_scalar(2.0)?)?;
+        let h = x.f_matmul(&self.w1.f_tr()?)?.f_add(
+            &x.f_matmul(&self.a1.f_tr()?)?
+                .f_matmul(&self.b1.f_tr()?)?
+                .f_mul_scalar(2.0)?,
+        )?;
         let h = h.f_relu()?;
-        let y = h.f_matmul(&self.w2.f_tr()?)?.f_add(&h.f_matmul(&self.a2.f_tr()?)?.f_matmul(&self.b2.f_tr()?)?.f_mul_scalar(2.0)?)?;
+        let y = h.f_matmul(&self.w2.f_tr()?)?.f_add(
+            &h.f_matmul(&self.a2.f_tr()?)?
+                .f_matmul(&self.b2.f_tr()?)?
+                .f_mul_scalar(2.0)?,
+        )?;
         let mut loss = y.f_sub(&batch.y)?.f_square()?.f_mean(Kind::Float)?;
         if self.nan_on_call == Some(self.calls.get()) {
             loss = loss.f_mul_scalar(f64::NAN)?;
@@ -112,7 +128,10 @@ impl TrainStep for ToyLora {
         let mut start = 0;
         for i in 0..parts {
             let len = (n - start) / (parts - i);
-            out.push(Batch { x: batch.x.f_narrow(0, start, len)?, y: batch.y.f_narrow(0, start, len)? });
+            out.push(Batch {
+                x: batch.x.f_narrow(0, start, len)?,
+                y: batch.y.f_narrow(0, start, len)?,
+            });
             start += len;
         }
         Ok(out)
@@ -158,7 +177,15 @@ impl ToyData {
         let w1 = det(&[HIDDEN, IN], 0.1, 0.5) + det(&[HIDDEN, IN], 4.4, 0.3);
         let w2 = det(&[OUT, HIDDEN], 0.7, 0.3) + det(&[OUT, HIDDEN], 6.6, 0.3);
         let y = x.matmul(&w1.tr()).relu().matmul(&w2.tr());
-        Self { x, y, batch_size, seed, epoch: 0, order: permutation(n as usize, seed), cursor: 0 }
+        Self {
+            x,
+            y,
+            batch_size,
+            seed,
+            epoch: 0,
+            order: permutation(n as usize, seed),
+            cursor: 0,
+        }
     }
 }
 
@@ -177,7 +204,10 @@ impl BatchSource<Batch> for ToyData {
         let end = (self.cursor + self.batch_size as usize).min(self.order.len());
         let idx = Tensor::from_slice(&self.order[self.cursor..end]);
         self.cursor = end;
-        Ok(Some(Batch { x: self.x.f_index_select(0, &idx)?, y: self.y.f_index_select(0, &idx)? }))
+        Ok(Some(Batch {
+            x: self.x.f_index_select(0, &idx)?,
+            y: self.y.f_index_select(0, &idx)?,
+        }))
     }
 
     fn batches_per_epoch(&self) -> Option<u64> {
