@@ -39,7 +39,8 @@ fn linear_fwd_bwd(c: &mut Criterion) {
 
     let vs = nn::VarStore::new(Device::Cpu);
     let mut lora = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
-    lora.add_adapter("bench", "default", &AdapterSpec::new(16, 32.0), &vs.root()).unwrap();
+    lora.add_adapter("bench", "default", &AdapterSpec::new(16, 32.0), &vs.root())
+        .unwrap();
     g.bench_function("lora_linear_r16", |b| {
         b.iter(|| {
             let xi = x.detach().set_requires_grad(true);
@@ -61,16 +62,22 @@ fn dequant(c: &mut Criterion) {
     g.sample_size(20);
     let wb = w.to_kind(Kind::BFloat16);
     let xb = Tensor::randn([TOKENS, N], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
-    g.bench_function("dense_bf16_matmul", |b| b.iter(|| black_box(xb.linear::<Tensor>(&wb, None))));
+    g.bench_function("dense_bf16_matmul", |b| {
+        b.iter(|| black_box(xb.linear::<Tensor>(&wb, None)))
+    });
     for kind in [
         QuantKind::Q8_0,
         QuantKind::Q4_0,
         QuantKind::Q4_1,
-        QuantKind::Nf4 { double_quant: false },
+        QuantKind::Nf4 {
+            double_quant: false,
+        },
         QuantKind::Nf4 { double_quant: true },
     ] {
         let q = QuantWeight::quantize(&w, kind).unwrap();
-        g.bench_function(format!("{kind:?}_to_bf16"), |b| b.iter(|| black_box(q.dequantize(Kind::BFloat16).unwrap())));
+        g.bench_function(format!("{kind:?}_to_bf16"), |b| {
+            b.iter(|| black_box(q.dequantize(Kind::BFloat16).unwrap()))
+        });
     }
     g.finish();
 }

@@ -29,7 +29,8 @@ impl BaseWeight {
                 if t.kind() == kind {
                     Ok(t.shallow_clone())
                 } else {
-                    t.f_to_kind(kind).ctx(|| format!("casting base weight to {kind:?}"))
+                    t.f_to_kind(kind)
+                        .ctx(|| format!("casting base weight to {kind:?}"))
                 }
             }
             BaseWeight::Quant(q) => q.dequantize(kind),

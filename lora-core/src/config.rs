@@ -94,10 +94,17 @@ fn default_peft_type() -> String {
 
 /// Serializes whole-valued floats as integers (PEFT writes `"lora_alpha": 16`).
 fn ser_num<S: serde::Serializer>(v: &f64, s: S) -> std::result::Result<S::Ok, S::Error> {
-    if v.fract() == 0.0 && v.abs() < 9.0e15 { s.serialize_i64(*v as i64) } else { s.serialize_f64(*v) }
+    if v.fract() == 0.0 && v.abs() < 9.0e15 {
+        s.serialize_i64(*v as i64)
+    } else {
+        s.serialize_f64(*v)
+    }
 }
 
-fn ser_num_map<S: serde::Serializer>(m: &BTreeMap<String, f64>, s: S) -> std::result::Result<S::Ok, S::Error> {
+fn ser_num_map<S: serde::Serializer>(
+    m: &BTreeMap<String, f64>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
     use serde::ser::SerializeMap;
     let mut map = s.serialize_map(Some(m.len()))?;
     for (k, v) in m {
@@ -206,7 +213,11 @@ fn pattern_regex(field: &str, key: &str) -> Result<Regex> {
     })
 }
 
-fn pattern_lookup<'a, V>(field: &str, map: &'a BTreeMap<String, V>, module: &str) -> Result<Option<&'a V>> {
+fn pattern_lookup<'a, V>(
+    field: &str,
+    map: &'a BTreeMap<String, V>,
+    module: &str,
+) -> Result<Option<&'a V>> {
     for (k, v) in map {
         if k == module || pattern_regex(field, k)?.is_match(module) {
             return Ok(Some(v));
@@ -218,7 +229,12 @@ fn pattern_lookup<'a, V>(field: &str, map: &'a BTreeMap<String, V>, module: &str
 impl LoraConfig {
     /// A config with rank `r`, `lora_alpha` and a list of target names; everything else default.
     pub fn new<S: AsRef<str>>(r: i64, lora_alpha: f64, target_modules: &[S]) -> Self {
-        Self { r, lora_alpha, target_modules: Some(TargetModules::list(target_modules)), ..Self::default() }
+        Self {
+            r,
+            lora_alpha,
+            target_modules: Some(TargetModules::list(target_modules)),
+            ..Self::default()
+        }
     }
 
     /// Checks values: `r > 0`, finite `lora_alpha`, `0 <= lora_dropout < 1`, `bias == "none"`,
@@ -231,21 +247,34 @@ impl LoraConfig {
             return Err(Error::Config(format!("r must be positive, got {}", self.r)));
         }
         if !self.lora_alpha.is_finite() {
-            return Err(Error::Config(format!("lora_alpha must be finite, got {}", self.lora_alpha)));
+            return Err(Error::Config(format!(
+                "lora_alpha must be finite, got {}",
+                self.lora_alpha
+            )));
         }
         if !(0.0..1.0).contains(&self.lora_dropout) {
-            return Err(Error::Config(format!("lora_dropout must be in [0, 1), got {}", self.lora_dropout)));
+            return Err(Error::Config(format!(
+                "lora_dropout must be in [0, 1), got {}",
+                self.lora_dropout
+            )));
         }
         if self.bias != "none" {
-            return Err(Error::Config(format!("bias {:?} is not supported; use \"none\"", self.bias)));
+            return Err(Error::Config(format!(
+                "bias {:?} is not supported; use \"none\"",
+                self.bias
+            )));
         }
         if self.fan_in_fan_out {
-            return Err(Error::Config("fan_in_fan_out = true is not supported (weights are [out, in])".into()));
+            return Err(Error::Config(
+                "fan_in_fan_out = true is not supported (weights are [out, in])".into(),
+            ));
         }
         for (k, &r) in &self.rank_pattern {
             pattern_regex("rank_pattern", k)?;
             if r <= 0 {
-                return Err(Error::Config(format!("rank_pattern[{k:?}] must be positive, got {r}")));
+                return Err(Error::Config(format!(
+                    "rank_pattern[{k:?}] must be positive, got {r}"
+                )));
             }
         }
         for k in self.alpha_pattern.keys() {
@@ -257,7 +286,11 @@ impl LoraConfig {
 
     /// The rank for `module` (after `rank_pattern`).
     pub fn rank_for(&self, module: &str) -> i64 {
-        pattern_lookup("rank_pattern", &self.rank_pattern, module).ok().flatten().copied().unwrap_or(self.r)
+        pattern_lookup("rank_pattern", &self.rank_pattern, module)
+            .ok()
+            .flatten()
+            .copied()
+            .unwrap_or(self.r)
     }
 
     /// `lora_alpha` for `module` (after `alpha_pattern`).
@@ -272,7 +305,11 @@ impl LoraConfig {
     /// The scaling of `module`'s adapter: `alpha / r`, or `alpha / sqrt(r)` with `use_rslora`
     /// (PEFT `LoraLayer.update_layer`).
     pub fn scaling_for(&self, module: &str) -> f64 {
-        scaling(self.alpha_for(module), self.rank_for(module), self.use_rslora)
+        scaling(
+            self.alpha_for(module),
+            self.rank_for(module),
+            self.use_rslora,
+        )
     }
 
     /// The resolved per-module adapter settings.
@@ -290,7 +327,11 @@ impl LoraConfig {
 
 /// `alpha / r`, or `alpha / sqrt(r)` when `use_rslora`.
 pub fn scaling(alpha: f64, rank: i64, use_rslora: bool) -> f64 {
-    if use_rslora { alpha / (rank as f64).sqrt() } else { alpha / rank as f64 }
+    if use_rslora {
+        alpha / (rank as f64).sqrt()
+    } else {
+        alpha / rank as f64
+    }
 }
 
 /// One site's adapter settings, resolved from a [`LoraConfig`].
@@ -313,7 +354,14 @@ pub struct AdapterSpec {
 impl AdapterSpec {
     /// Plain LoRA with `rank` and `alpha`, Kaiming init, no dropout.
     pub fn new(rank: i64, alpha: f64) -> Self {
-        Self { rank, alpha, use_rslora: false, use_dora: false, dropout: 0.0, init: InitLoraWeights::Kaiming }
+        Self {
+            rank,
+            alpha,
+            use_rslora: false,
+            use_dora: false,
+            dropout: 0.0,
+            init: InitLoraWeights::Kaiming,
+        }
     }
 
     /// The scaling factor.
@@ -341,15 +389,23 @@ impl Compiled {
     fn new(field: &str, t: &TargetModules) -> Result<Self> {
         Ok(match t {
             TargetModules::List(v) => Compiled::List(v.clone()),
-            TargetModules::Regex(s) => Compiled::Regex(Regex::new(&format!("^(?:{s})$")).map_err(|source| {
-                Error::Regex { field: field.into(), pattern: s.clone(), source }
-            })?),
+            TargetModules::Regex(s) => {
+                Compiled::Regex(Regex::new(&format!("^(?:{s})$")).map_err(|source| {
+                    Error::Regex {
+                        field: field.into(),
+                        pattern: s.clone(),
+                        source,
+                    }
+                })?)
+            }
         })
     }
 
     fn is_match(&self, module: &str) -> bool {
         match self {
-            Compiled::List(v) => v.iter().any(|t| module == t || module.ends_with(&format!(".{t}"))),
+            Compiled::List(v) => v
+                .iter()
+                .any(|t| module == t || module.ends_with(&format!(".{t}"))),
             Compiled::Regex(r) => r.is_match(module),
         }
     }
@@ -361,14 +417,17 @@ impl TargetMatcher {
     /// # Errors
     /// [`Error::Config`] when `target_modules` is missing; [`Error::Regex`] for a bad regex.
     pub fn new(cfg: &LoraConfig) -> Result<Self> {
-        let t = cfg
-            .target_modules
-            .as_ref()
-            .ok_or_else(|| Error::Config("target_modules must be set (a list of names or a regex)".into()))?;
+        let t = cfg.target_modules.as_ref().ok_or_else(|| {
+            Error::Config("target_modules must be set (a list of names or a regex)".into())
+        })?;
         let all_linear = matches!(t, TargetModules::Regex(s) if s == "all-linear");
         Ok(Self {
             target: Compiled::new("target_modules", t)?,
-            exclude: cfg.exclude_modules.as_ref().map(|e| Compiled::new("exclude_modules", e)).transpose()?,
+            exclude: cfg
+                .exclude_modules
+                .as_ref()
+                .map(|e| Compiled::new("exclude_modules", e))
+                .transpose()?,
             all_linear,
         })
     }
@@ -419,7 +478,10 @@ mod tests {
 
     #[test]
     fn all_linear_skips_lm_head_and_non_linear() {
-        let cfg = LoraConfig { target_modules: Some(TargetModules::Regex("all-linear".into())), ..Default::default() };
+        let cfg = LoraConfig {
+            target_modules: Some(TargetModules::Regex("all-linear".into())),
+            ..Default::default()
+        };
         let m = TargetMatcher::new(&cfg).unwrap();
         assert!(m.matches("model.layers.0.mlp.down_proj", true));
         assert!(!m.matches("lm_head", true));
@@ -430,7 +492,8 @@ mod tests {
     fn patterns_scaling_and_rslora() {
         let mut cfg = LoraConfig::new(8, 16.0, &["q_proj", "v_proj"]);
         cfg.rank_pattern.insert("v_proj".into(), 4);
-        cfg.alpha_pattern.insert(r"layers\.1\.self_attn\.q_proj".into(), 2.0);
+        cfg.alpha_pattern
+            .insert(r"layers\.1\.self_attn\.q_proj".into(), 2.0);
         assert_eq!(cfg.rank_for("model.layers.0.self_attn.v_proj"), 4);
         assert_eq!(cfg.rank_for("model.layers.0.self_attn.q_proj"), 8);
         assert_eq!(cfg.scaling_for("model.layers.0.self_attn.v_proj"), 4.0);
@@ -439,7 +502,9 @@ mod tests {
         // a pattern key must match at a dot boundary
         assert_eq!(cfg.rank_for("model.layers.0.self_attn.xv_proj"), 8);
         cfg.use_rslora = true;
-        assert!((cfg.scaling_for("model.layers.0.self_attn.q_proj") - 16.0 / 8f64.sqrt()).abs() < 1e-12);
+        assert!(
+            (cfg.scaling_for("model.layers.0.self_attn.q_proj") - 16.0 / 8f64.sqrt()).abs() < 1e-12
+        );
     }
 
     #[test]
@@ -457,18 +522,29 @@ mod tests {
         assert_eq!(out["megatron_core"], "megatron.core");
         let cfg2: LoraConfig = serde_json::from_value(out).unwrap();
         assert_eq!(cfg, cfg2);
-        let bad: std::result::Result<LoraConfig, _> = serde_json::from_str(r#"{"init_lora_weights": "pissa"}"#);
+        let bad: std::result::Result<LoraConfig, _> =
+            serde_json::from_str(r#"{"init_lora_weights": "pissa"}"#);
         assert!(bad.unwrap_err().to_string().contains("pissa"));
     }
 
     #[test]
     fn validate_rejects_bad_values() {
         let mut cfg = LoraConfig::new(0, 8.0, &["a"]);
-        assert!(cfg.validate().unwrap_err().to_string().contains("r must be positive"));
+        assert!(
+            cfg.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("r must be positive")
+        );
         cfg.r = 4;
         cfg.target_modules = Some(TargetModules::Regex("(".into()));
         assert!(matches!(cfg.validate(), Err(Error::Regex { .. })));
         cfg.target_modules = None;
-        assert!(cfg.validate().unwrap_err().to_string().contains("target_modules"));
+        assert!(
+            cfg.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("target_modules")
+        );
     }
 }

@@ -20,7 +20,12 @@ pub struct Conv2dParams {
 
 impl Default for Conv2dParams {
     fn default() -> Self {
-        Self { stride: [1, 1], padding: [0, 0], dilation: [1, 1], groups: 1 }
+        Self {
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+        }
     }
 }
 
@@ -55,17 +60,34 @@ impl LoraConv2d {
             return Err(Error::Unsupported("quantized Conv2d base weights".into()));
         }
         if s.len() != 4 {
-            return Err(Error::Shape { key: "conv2d weight".into(), expected: vec![-1, -1, -1, -1], found: s });
+            return Err(Error::Shape {
+                key: "conv2d weight".into(),
+                expected: vec![-1, -1, -1, -1],
+                found: s,
+            });
         }
         if params.groups != 1 {
-            return Err(Error::Unsupported(format!("LoRA on a grouped Conv2d (groups = {})", params.groups)));
+            return Err(Error::Unsupported(format!(
+                "LoRA on a grouped Conv2d (groups = {})",
+                params.groups
+            )));
         }
         if let Some(b) = &bias
             && b.size() != [s[0]]
         {
-            return Err(Error::Shape { key: "conv2d bias".into(), expected: vec![s[0]], found: b.size() });
+            return Err(Error::Shape {
+                key: "conv2d bias".into(),
+                expected: vec![s[0]],
+                found: b.size(),
+            });
         }
-        Ok(Self { base, bias, params, adapters: Vec::new(), disabled: false })
+        Ok(Self {
+            base,
+            bias,
+            params,
+            adapters: Vec::new(),
+            disabled: false,
+        })
     }
 
     /// The convolution hyper-parameters.
@@ -99,7 +121,13 @@ impl LoraConv2d {
     /// # Errors
     /// [`Error::Torch`] when a shape does not fit or an op fails.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let ctx = || format!("conv2d forward {:?} on input {:?}", self.base.shape(), x.size());
+        let ctx = || {
+            format!(
+                "conv2d forward {:?} on input {:?}",
+                self.base.shape(),
+                x.size()
+            )
+        };
         let w = self.base.weight(x.kind())?;
         let base_out = self.conv(x, &w).ctx(ctx)?;
         let p = self.params;

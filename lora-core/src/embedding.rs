@@ -32,10 +32,19 @@ impl LoraEmbedding {
     pub fn new(base: BaseWeight) -> Result<Self> {
         let s = base.shape();
         if s.len() != 2 {
-            return Err(Error::Shape { key: "embedding weight".into(), expected: vec![-1, -1], found: s });
+            return Err(Error::Shape {
+                key: "embedding weight".into(),
+                expected: vec![-1, -1],
+                found: s,
+            });
         }
         let kind = base.kind();
-        Ok(Self { base, adapters: Vec::new(), disabled: false, kind })
+        Ok(Self {
+            base,
+            adapters: Vec::new(),
+            disabled: false,
+            kind,
+        })
     }
 
     /// Sets the dtype lookups are returned in (e.g. bf16 for a quantized table in a bf16 model).
@@ -59,15 +68,28 @@ impl LoraEmbedding {
     /// # Errors
     /// [`Error::Torch`] for out-of-range ids or op failures.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let ctx = || format!("embedding lookup into {:?} with ids {:?}", self.base.shape(), ids.size());
+        let ctx = || {
+            format!(
+                "embedding lookup into {:?} with ids {:?}",
+                self.base.shape(),
+                ids.size()
+            )
+        };
         let mut out_shape = ids.size();
         out_shape.push(self.embedding_dim());
         let base_out = match &self.base {
             BaseWeight::Dense(w) => {
-                let w = if w.kind() == self.kind { w.shallow_clone() } else { w.f_to_kind(self.kind).ctx(ctx)? };
+                let w = if w.kind() == self.kind {
+                    w.shallow_clone()
+                } else {
+                    w.f_to_kind(self.kind).ctx(ctx)?
+                };
                 Tensor::f_embedding(&w, ids, -1, false, false).ctx(ctx)?
             }
-            BaseWeight::Quant(q) => q.dequantize_rows(ids, self.kind)?.f_reshape(out_shape.as_slice()).ctx(ctx)?,
+            BaseWeight::Quant(q) => q
+                .dequantize_rows(ids, self.kind)?
+                .f_reshape(out_shape.as_slice())
+                .ctx(ctx)?,
         };
         add_branches(
             self,
@@ -78,7 +100,11 @@ impl LoraEmbedding {
                 let at = ad.lora_a.f_tr()?;
                 Tensor::f_embedding(&at, ids, -1, false, false)?.f_matmul(&ad.lora_b.f_tr()?)
             },
-            &|_, _| Err(tch::TchError::Torch("DoRA is not supported on embeddings".into())),
+            &|_, _| {
+                Err(tch::TchError::Torch(
+                    "DoRA is not supported on embeddings".into(),
+                ))
+            },
         )
     }
 }
@@ -97,11 +123,19 @@ impl LoraLayer for LoraEmbedding {
         &mut self.adapters
     }
     fn adapter_shapes(&self, r: i64) -> (Vec<i64>, Vec<i64>) {
-        (vec![r, self.num_embeddings()], vec![self.embedding_dim(), r])
+        (
+            vec![r, self.num_embeddings()],
+            vec![self.embedding_dim(), r],
+        )
     }
     fn lora_product(&self, ad: &Adapter) -> Result<Tensor> {
-        (|| ad.lora_b.f_to_kind(Kind::Float)?.f_mm(&ad.lora_a.f_to_kind(Kind::Float)?)?.f_tr())()
-            .ctx(|| format!("computing (B·A)ᵀ of embedding adapter {:?}", ad.name))
+        (|| {
+            ad.lora_b
+                .f_to_kind(Kind::Float)?
+                .f_mm(&ad.lora_a.f_to_kind(Kind::Float)?)?
+                .f_tr()
+        })()
+        .ctx(|| format!("computing (B·A)ᵀ of embedding adapter {:?}", ad.name))
     }
     fn adapters_disabled(&self) -> bool {
         self.disabled

@@ -78,7 +78,9 @@ pub enum Error {
         reason: String,
     },
     /// Merging would have produced NaN or Inf in the base weight (safe merge).
-    #[error("safe merge refused for {module}: merged weight of adapter {adapter:?} contains NaN/Inf")]
+    #[error(
+        "safe merge refused for {module}: merged weight of adapter {adapter:?} contains NaN/Inf"
+    )]
     NonFinite {
         /// The module path.
         module: String,
@@ -144,6 +146,9 @@ pub(crate) trait TchContext<T> {
 
 impl<T> TchContext<T> for std::result::Result<T, tch::TchError> {
     fn ctx<S: Into<String>>(self, context: impl FnOnce() -> S) -> Result<T> {
-        self.map_err(|source| Error::Torch { context: context().into(), source })
+        self.map_err(|source| Error::Torch {
+            context: context().into(),
+            source,
+        })
     }
 }

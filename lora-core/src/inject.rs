@@ -90,7 +90,11 @@ pub struct InjectionReport {
 impl InjectionReport {
     /// `100 · trainable / all`.
     pub fn trainable_percent(&self) -> f64 {
-        if self.all_params == 0 { 0.0 } else { 100.0 * self.trainable_params as f64 / self.all_params as f64 }
+        if self.all_params == 0 {
+            0.0
+        } else {
+            100.0 * self.trainable_params as f64 / self.all_params as f64
+        }
     }
 }
 
@@ -159,7 +163,12 @@ pub fn site_names(model: &mut dyn Adaptable) -> Result<Vec<(String, SiteKind)>> 
 /// [`Error::Config`] / [`Error::Regex`] for an invalid config; [`Error::NoTargetMatched`] (listing the
 /// existing module names) when nothing matched; errors of [`LoraLayer::add_adapter`] (the sites
 /// visited before the failing one keep their adapter).
-pub fn inject(model: &mut dyn Adaptable, cfg: &LoraConfig, adapter_name: &str, vs: &nn::Path) -> Result<InjectionReport> {
+pub fn inject(
+    model: &mut dyn Adaptable,
+    cfg: &LoraConfig,
+    adapter_name: &str,
+    vs: &nn::Path,
+) -> Result<InjectionReport> {
     cfg.validate()?;
     let matcher = TargetMatcher::new(cfg)?;
     let mut modules = Vec::new();
@@ -176,8 +185,15 @@ pub fn inject(model: &mut dyn Adaptable, cfg: &LoraConfig, adapter_name: &str, v
         Ok(())
     })?;
     if modules.is_empty() {
-        let targets = cfg.target_modules.as_ref().map(ToString::to_string).unwrap_or_default();
-        return Err(Error::NoTargetMatched { targets, available: available.join(", ") });
+        let targets = cfg
+            .target_modules
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        return Err(Error::NoTargetMatched {
+            targets,
+            available: available.join(", "),
+        });
     }
     let (trainable, all) = count_params(model)?;
     Ok(InjectionReport {
@@ -194,7 +210,11 @@ pub fn inject(model: &mut dyn Adaptable, cfg: &LoraConfig, adapter_name: &str, v
 ///
 /// # Errors
 /// Errors of [`LoraLayer::merge`], with the module path.
-pub fn merge_adapters(model: &mut dyn Adaptable, names: Option<&[&str]>, safe: bool) -> Result<usize> {
+pub fn merge_adapters(
+    model: &mut dyn Adaptable,
+    names: Option<&[&str]>,
+    safe: bool,
+) -> Result<usize> {
     let mut n = 0;
     model.visit_sites(&mut |path, mut site| {
         let layer = site.layer();
@@ -205,10 +225,17 @@ pub fn merge_adapters(model: &mut dyn Adaptable, names: Option<&[&str]>, safe: b
         if !has {
             return Ok(());
         }
-        let present: Option<Vec<&str>> =
-            names.map(|ns| ns.iter().copied().filter(|name| layer.adapter(name).is_some()).collect());
+        let present: Option<Vec<&str>> = names.map(|ns| {
+            ns.iter()
+                .copied()
+                .filter(|name| layer.adapter(name).is_some())
+                .collect()
+        });
         layer.merge(present.as_deref(), safe).map_err(|e| match e {
-            Error::NonFinite { adapter, .. } => Error::NonFinite { module: path.to_string(), adapter },
+            Error::NonFinite { adapter, .. } => Error::NonFinite {
+                module: path.to_string(),
+                adapter,
+            },
             other => other,
         })?;
         n += 1;
@@ -248,7 +275,10 @@ pub fn set_adapter_weight(model: &mut dyn Adaptable, name: &str, weight: f64) ->
         Ok(())
     })?;
     if n == 0 {
-        return Err(Error::Adapter { name: name.into(), reason: "no site of the model has it".into() });
+        return Err(Error::Adapter {
+            name: name.into(),
+            reason: "no site of the model has it".into(),
+        });
     }
     Ok(n)
 }
@@ -268,7 +298,10 @@ pub fn set_adapter_enabled(model: &mut dyn Adaptable, name: &str, enabled: bool)
         Ok(())
     })?;
     if n == 0 {
-        return Err(Error::Adapter { name: name.into(), reason: "no site of the model has it".into() });
+        return Err(Error::Adapter {
+            name: name.into(),
+            reason: "no site of the model has it".into(),
+        });
     }
     Ok(n)
 }
@@ -291,7 +324,12 @@ pub struct ParamGroups {
 impl ParamGroups {
     /// All tensors of all groups.
     pub fn all(&self) -> Vec<Tensor> {
-        self.a.iter().chain(&self.b).chain(&self.embedding).map(Tensor::shallow_clone).collect()
+        self.a
+            .iter()
+            .chain(&self.b)
+            .chain(&self.embedding)
+            .map(Tensor::shallow_clone)
+            .collect()
     }
 
     /// The learning rate of the B group for a base rate `lr`.
@@ -306,16 +344,32 @@ impl ParamGroups {
 /// # Errors
 /// [`Error::Config`] when `lr_ratio_b` is not positive and finite; [`Error::Adapter`] when no site
 /// has the named adapter.
-pub fn param_groups(model: &mut dyn Adaptable, adapter_name: Option<&str>, lr_ratio_b: f64) -> Result<ParamGroups> {
+pub fn param_groups(
+    model: &mut dyn Adaptable,
+    adapter_name: Option<&str>,
+    lr_ratio_b: f64,
+) -> Result<ParamGroups> {
     if !(lr_ratio_b.is_finite() && lr_ratio_b > 0.0) {
-        return Err(Error::Config(format!("loraplus_lr_ratio must be positive, got {lr_ratio_b}")));
+        return Err(Error::Config(format!(
+            "loraplus_lr_ratio must be positive, got {lr_ratio_b}"
+        )));
     }
-    let mut g = ParamGroups { a: Vec::new(), b: Vec::new(), embedding: Vec::new(), lr_ratio_b };
+    let mut g = ParamGroups {
+        a: Vec::new(),
+        b: Vec::new(),
+        embedding: Vec::new(),
+        lr_ratio_b,
+    };
     model.visit_sites(&mut |_, site| {
         let layer = site.layer_ref();
-        for ad in layer.adapters().iter().filter(|a| adapter_name.is_none_or(|n| a.name() == n)) {
+        for ad in layer
+            .adapters()
+            .iter()
+            .filter(|a| adapter_name.is_none_or(|n| a.name() == n))
+        {
             if layer.site_kind() == SiteKind::Embedding {
-                g.embedding.extend([ad.lora_a().shallow_clone(), ad.lora_b().shallow_clone()]);
+                g.embedding
+                    .extend([ad.lora_a().shallow_clone(), ad.lora_b().shallow_clone()]);
             } else {
                 g.a.push(ad.lora_a().shallow_clone());
                 g.b.push(ad.lora_b().shallow_clone());
@@ -330,7 +384,10 @@ pub fn param_groups(model: &mut dyn Adaptable, adapter_name: Option<&str>, lr_ra
         && g.a.is_empty()
         && g.embedding.is_empty()
     {
-        return Err(Error::Adapter { name: n.into(), reason: "no site of the model has it".into() });
+        return Err(Error::Adapter {
+            name: n.into(),
+            reason: "no site of the model has it".into(),
+        });
     }
     Ok(g)
 }

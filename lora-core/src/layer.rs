@@ -132,7 +132,13 @@ pub trait LoraLayer {
     /// # Errors
     /// [`Error::Adapter`] when the name exists or contains a `.`; [`Error::Config`] for a bad rank;
     /// [`Error::Unsupported`] for DoRA on Embedding; [`Error::Torch`] on allocation failure.
-    fn add_adapter(&mut self, path: &str, name: &str, spec: &AdapterSpec, vs: &nn::Path) -> Result<i64> {
+    fn add_adapter(
+        &mut self,
+        path: &str,
+        name: &str,
+        spec: &AdapterSpec,
+        vs: &nn::Path,
+    ) -> Result<i64> {
         let ad = create_adapter(self, path, name, spec, vs)?;
         let n = ad.num_params();
         self.adapters_mut().push(ad);
@@ -151,7 +157,10 @@ pub trait LoraLayer {
     fn set_adapter_weight(&mut self, name: &str, weight: f64) -> Result<()> {
         let ad = find_mut(self.adapters_mut(), name)?;
         if ad.merged {
-            return Err(Error::Adapter { name: name.into(), reason: "is merged; unmerge before changing its weight".into() });
+            return Err(Error::Adapter {
+                name: name.into(),
+                reason: "is merged; unmerge before changing its weight".into(),
+            });
         }
         ad.weight = weight;
         Ok(())
@@ -164,7 +173,10 @@ pub trait LoraLayer {
     fn set_adapter_enabled(&mut self, name: &str, enabled: bool) -> Result<()> {
         let ad = find_mut(self.adapters_mut(), name)?;
         if ad.merged && !enabled {
-            return Err(Error::Adapter { name: name.into(), reason: "is merged; unmerge before disabling it".into() });
+            return Err(Error::Adapter {
+                name: name.into(),
+                reason: "is merged; unmerge before disabling it".into(),
+            });
         }
         ad.enabled = enabled;
         Ok(())
@@ -190,7 +202,9 @@ pub trait LoraLayer {
     /// [`Error::Adapter`] when missing; [`Error::Torch`] on op failure.
     fn delta_weight(&self, name: &str) -> Result<Tensor> {
         let ad = self.adapter(name).ok_or_else(|| missing(name))?;
-        self.lora_product(ad)?.f_mul_scalar(ad.effective_scale()).ctx(|| "scaling delta weight")
+        self.lora_product(ad)?
+            .f_mul_scalar(ad.effective_scale())
+            .ctx(|| "scaling delta weight")
     }
 
     /// Merges the enabled, unmerged adapters (or only `names`) into the dense base weight in place
@@ -213,7 +227,9 @@ pub trait LoraLayer {
         };
         let norm_dims = norm_dims(self.site_kind(), &w);
         for name in selected {
-            let Some(ad) = self.adapter(&name) else { continue };
+            let Some(ad) = self.adapter(&name) else {
+                continue;
+            };
             if ad.merged || !ad.enabled {
                 continue;
             }
@@ -224,17 +240,23 @@ pub trait LoraLayer {
             let summed = wf.f_add(&delta).ctx(ctx)?;
             let (merged, norm) = match (&ad.magnitude, &norm_dims) {
                 (Some(m), Some(dims)) => {
-                    let norm = summed.f_norm_scalaropt_dim(2, dims.as_slice(), false).ctx(ctx)?;
+                    let norm = summed
+                        .f_norm_scalaropt_dim(2, dims.as_slice(), false)
+                        .ctx(ctx)?;
                     let factor = dora_factor(m, &norm, w.dim()).ctx(ctx)?;
                     (summed.f_mul(&factor).ctx(ctx)?, Some(norm))
                 }
                 _ => (summed, None),
             };
             if safe && !bool_all_finite(&merged)? {
-                return Err(Error::NonFinite { module: format!("{:?}", self.site_kind()), adapter: name });
+                return Err(Error::NonFinite {
+                    module: format!("{:?}", self.site_kind()),
+                    adapter: name,
+                });
             }
             let mut dst = w.shallow_clone();
-            dst.f_copy_(&merged.f_to_kind(w.kind()).ctx(ctx)?).ctx(ctx)?;
+            dst.f_copy_(&merged.f_to_kind(w.kind()).ctx(ctx)?)
+                .ctx(ctx)?;
             let ad = find_mut(self.adapters_mut(), &name)?;
             ad.merged = true;
             ad.merged_norm = norm;
@@ -251,7 +273,13 @@ pub trait LoraLayer {
             return Ok(());
         }
         let w = dense_base(self.base(), "unmerge")?;
-        let names: Vec<String> = self.adapters().iter().rev().filter(|a| a.merged).map(|a| a.name.clone()).collect();
+        let names: Vec<String> = self
+            .adapters()
+            .iter()
+            .rev()
+            .filter(|a| a.merged)
+            .map(|a| a.name.clone())
+            .collect();
         for name in names {
             let _g = tch::no_grad_guard();
             let delta = self.delta_weight(&name)?;
@@ -264,7 +292,8 @@ pub trait LoraLayer {
             }
             let restored = wf.f_sub(&delta).ctx(ctx)?;
             let mut dst = w.shallow_clone();
-            dst.f_copy_(&restored.f_to_kind(w.kind()).ctx(ctx)?).ctx(ctx)?;
+            dst.f_copy_(&restored.f_to_kind(w.kind()).ctx(ctx)?)
+                .ctx(ctx)?;
             let ad = find_mut(self.adapters_mut(), &name)?;
             ad.merged = false;
             ad.merged_norm = None;
@@ -279,11 +308,16 @@ pub trait LoraLayer {
 }
 
 pub(crate) fn missing(name: &str) -> Error {
-    Error::Adapter { name: name.into(), reason: "no such adapter on this layer".into() }
+    Error::Adapter {
+        name: name.into(),
+        reason: "no such adapter on this layer".into(),
+    }
 }
 
 pub(crate) fn find_mut<'a>(ads: &'a mut [Adapter], name: &str) -> Result<&'a mut Adapter> {
-    ads.iter_mut().find(|a| a.name == name).ok_or_else(|| missing(name))
+    ads.iter_mut()
+        .find(|a| a.name == name)
+        .ok_or_else(|| missing(name))
 }
 
 fn dense_base(base: &BaseWeight, what: &str) -> Result<Tensor> {
@@ -305,10 +339,16 @@ pub(crate) fn norm_dims(kind: SiteKind, w: &Tensor) -> Option<Vec<i64>> {
 }
 
 /// `magnitude / norm` reshaped to broadcast over a weight of `dim` dimensions (`[out, 1, ...]`).
-pub(crate) fn dora_factor(m: &Tensor, norm: &Tensor, dim: usize) -> std::result::Result<Tensor, tch::TchError> {
+pub(crate) fn dora_factor(
+    m: &Tensor,
+    norm: &Tensor,
+    dim: usize,
+) -> std::result::Result<Tensor, tch::TchError> {
     let mut shape = vec![-1i64];
     shape.extend(std::iter::repeat_n(1, dim.saturating_sub(1)));
-    m.f_to_kind(Kind::Float)?.f_div(norm)?.f_reshape(shape.as_slice())
+    m.f_to_kind(Kind::Float)?
+        .f_div(norm)?
+        .f_reshape(shape.as_slice())
 }
 
 fn bool_all_finite(t: &Tensor) -> Result<bool> {
@@ -325,7 +365,9 @@ pub(crate) fn sub_path<'a>(vs: &nn::Path<'a>, module: &str) -> Result<nn::Path<'
     }
     for c in module.split('.') {
         if c.is_empty() {
-            return Err(Error::Config(format!("module path {module:?} has an empty component")));
+            return Err(Error::Config(format!(
+                "module path {module:?} has an empty component"
+            )));
         }
         p = p.sub(c);
     }
@@ -348,17 +390,28 @@ fn create_adapter<L: LoraLayer + ?Sized>(
     vs: &nn::Path,
 ) -> Result<Adapter> {
     if name.is_empty() || name.contains('.') {
-        return Err(Error::Adapter { name: name.into(), reason: "adapter names must be non-empty and contain no '.'".into() });
+        return Err(Error::Adapter {
+            name: name.into(),
+            reason: "adapter names must be non-empty and contain no '.'".into(),
+        });
     }
     if layer.adapter(name).is_some() {
-        return Err(Error::Adapter { name: name.into(), reason: format!("already exists on {path}") });
+        return Err(Error::Adapter {
+            name: name.into(),
+            reason: format!("already exists on {path}"),
+        });
     }
     if spec.rank <= 0 {
-        return Err(Error::Config(format!("rank for {path} must be positive, got {}", spec.rank)));
+        return Err(Error::Config(format!(
+            "rank for {path} must be positive, got {}",
+            spec.rank
+        )));
     }
     let kind = layer.site_kind();
     if spec.use_dora && kind == SiteKind::Embedding {
-        return Err(Error::Unsupported(format!("DoRA on the Embedding site {path}")));
+        return Err(Error::Unsupported(format!(
+            "DoRA on the Embedding site {path}"
+        )));
     }
     if vs.device() != layer.base().device() {
         return Err(Error::Config(format!(
@@ -370,12 +423,25 @@ fn create_adapter<L: LoraLayer + ?Sized>(
     let (a_shape, b_shape) = layer.adapter_shapes(spec.rank);
     let site = sub_path(vs, path)?;
     let (a_path, b_path, a_var, b_var) = match kind {
-        SiteKind::Embedding => (site.sub("lora_embedding_A"), site.sub("lora_embedding_B"), name, name),
-        _ => (site.sub("lora_A").sub(name), site.sub("lora_B").sub(name), "weight", "weight"),
+        SiteKind::Embedding => (
+            site.sub("lora_embedding_A"),
+            site.sub("lora_embedding_B"),
+            name,
+            name,
+        ),
+        _ => (
+            site.sub("lora_A").sub(name),
+            site.sub("lora_B").sub(name),
+            "weight",
+            "weight",
+        ),
     };
     for (p, v) in [(&a_path, a_var), (&b_path, b_var)] {
         if p.get(v).is_some() {
-            return Err(Error::Adapter { name: name.into(), reason: format!("variable {} already exists in the VarStore", p.path(v)) });
+            return Err(Error::Adapter {
+                name: name.into(),
+                reason: format!("variable {} already exists in the VarStore", p.path(v)),
+            });
         }
     }
     let ctx = || format!("creating adapter {name:?} on {path}");
@@ -383,19 +449,40 @@ fn create_adapter<L: LoraLayer + ?Sized>(
     let (a_init, b_init) = match (kind, spec.init) {
         // PEFT `reset_lora_parameters` for embeddings: A zeros, B normal(0, 1).
         (SiteKind::Embedding, InitLoraWeights::Random) => (
-            nn::Init::Randn { mean: 0.0, stdev: 1.0 },
-            nn::Init::Randn { mean: 0.0, stdev: 1.0 },
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
         ),
-        (SiteKind::Embedding, _) => (nn::Init::Const(0.0), nn::Init::Randn { mean: 0.0, stdev: 1.0 }),
+        (SiteKind::Embedding, _) => (
+            nn::Init::Const(0.0),
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
+        ),
         (_, InitLoraWeights::Kaiming) => {
             let b = kaiming_a_sqrt5_bound(&a_shape);
             (nn::Init::Uniform { lo: -b, up: b }, nn::Init::Const(0.0))
         }
-        (_, InitLoraWeights::Gaussian) => (nn::Init::Randn { mean: 0.0, stdev: 1.0 / r }, nn::Init::Const(0.0)),
+        (_, InitLoraWeights::Gaussian) => (
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0 / r,
+            },
+            nn::Init::Const(0.0),
+        ),
         (_, InitLoraWeights::Random) => {
             let ba = kaiming_a_sqrt5_bound(&a_shape);
             let bb = kaiming_a_sqrt5_bound(&b_shape);
-            (nn::Init::Uniform { lo: -ba, up: ba }, nn::Init::Uniform { lo: -bb, up: bb })
+            (
+                nn::Init::Uniform { lo: -ba, up: ba },
+                nn::Init::Uniform { lo: -bb, up: bb },
+            )
         }
     };
     let lora_a = a_path.f_var(a_var, &a_shape, a_init).ctx(ctx)?;
@@ -417,8 +504,13 @@ fn create_adapter<L: LoraLayer + ?Sized>(
         let dims = norm_dims(kind, &w).unwrap_or_default();
         let norm = {
             let _g = tch::no_grad_guard();
-            let delta = layer.lora_product(&ad)?.f_mul_scalar(spec.scaling()).ctx(ctx)?;
-            w.f_add(&delta).and_then(|s| s.f_norm_scalaropt_dim(2, dims.as_slice(), false)).ctx(ctx)?
+            let delta = layer
+                .lora_product(&ad)?
+                .f_mul_scalar(spec.scaling())
+                .ctx(ctx)?;
+            w.f_add(&delta)
+                .and_then(|s| s.f_norm_scalaropt_dim(2, dims.as_slice(), false))
+                .ctx(ctx)?
         };
         let mp = site.sub("lora_magnitude_vector").sub(name);
         let m = mp.f_zeros("weight", &[norm.size()[0]]).ctx(ctx)?;
@@ -449,14 +541,26 @@ pub(crate) fn add_branches<L: LoraLayer + ?Sized>(
     }
     let out_kind = base_out.kind();
     // output-channel axis: last for Linear/Embedding, 1 for Conv2d ([N, C, H, W])
-    let channel_axis = if layer.site_kind() == SiteKind::Conv2d { 1 } else { -1 };
+    let channel_axis = if layer.site_kind() == SiteKind::Conv2d {
+        1
+    } else {
+        -1
+    };
     for ad in layer.adapters().iter().filter(|a| a.in_branch()) {
         let ctx = || format!("adapter {:?} forward", ad.name);
         let ak = ad.lora_a.kind();
-        let xa = if x.kind() == ak || layer.site_kind() == SiteKind::Embedding { x.shallow_clone() } else { x.f_to_kind(ak).ctx(ctx)? };
+        let xa = if x.kind() == ak || layer.site_kind() == SiteKind::Embedding {
+            x.shallow_clone()
+        } else {
+            x.f_to_kind(ak).ctx(ctx)?
+        };
         let p = ad.spec.dropout;
         let dropped = train && p > 0.0 && layer.site_kind() != SiteKind::Embedding;
-        let xd = if dropped { xa.f_dropout(p, true).ctx(ctx)? } else { xa };
+        let xd = if dropped {
+            xa.f_dropout(p, true).ctx(ctx)?
+        } else {
+            xa
+        };
         let s = ad.effective_scale();
         let lora = branch(ad, &xd).ctx(ctx)?;
         let delta = match &ad.magnitude {
@@ -469,29 +573,52 @@ pub(crate) fn add_branches<L: LoraLayer + ?Sized>(
                 let dims = norm_dims(layer.site_kind(), &w).unwrap_or_default();
                 let (norm, base_x) = (|| {
                     let lw = layer_product_detached(layer, ad)?;
-                    let norm = w.f_add(&lw.f_mul_scalar(s)?)?.f_norm_scalaropt_dim(2, dims.as_slice(), false)?.f_detach()?;
-                    let base_x = if dropped { base_on(&xd, &w)? } else { base_out.f_to_kind(ak)? };
+                    let norm = w
+                        .f_add(&lw.f_mul_scalar(s)?)?
+                        .f_norm_scalaropt_dim(2, dims.as_slice(), false)?
+                        .f_detach()?;
+                    let base_x = if dropped {
+                        base_on(&xd, &w)?
+                    } else {
+                        base_out.f_to_kind(ak)?
+                    };
                     Ok::<_, tch::TchError>((norm, base_x))
                 })()
                 .ctx(ctx)?;
                 let scale = m.f_div(&norm).ctx(ctx)?;
                 let mut shape = vec![1i64; base_x.dim()];
-                let axis = if channel_axis < 0 { base_x.dim() - 1 } else { channel_axis as usize };
+                let axis = if channel_axis < 0 {
+                    base_x.dim() - 1
+                } else {
+                    channel_axis as usize
+                };
                 shape[axis] = -1;
                 let scale = scale.f_reshape(shape.as_slice()).ctx(ctx)?;
                 (|| {
-                    scale.f_sub_scalar(1.0)?.f_mul(&base_x)?.f_add(&scale.f_mul(&lora)?.f_mul_scalar(s)?)
+                    scale
+                        .f_sub_scalar(1.0)?
+                        .f_mul(&base_x)?
+                        .f_add(&scale.f_mul(&lora)?.f_mul_scalar(s)?)
                 })()
                 .ctx(ctx)?
             }
         };
-        let delta = if delta.kind() == out_kind { delta } else { delta.f_to_kind(out_kind).ctx(ctx)? };
+        let delta = if delta.kind() == out_kind {
+            delta
+        } else {
+            delta.f_to_kind(out_kind).ctx(ctx)?
+        };
         y = y.f_add(&delta).ctx(ctx)?;
     }
     Ok(y)
 }
 
-fn layer_product_detached<L: LoraLayer + ?Sized>(layer: &L, ad: &Adapter) -> std::result::Result<Tensor, tch::TchError> {
+fn layer_product_detached<L: LoraLayer + ?Sized>(
+    layer: &L,
+    ad: &Adapter,
+) -> std::result::Result<Tensor, tch::TchError> {
     let _g = tch::no_grad_guard();
-    layer.lora_product(ad).map_err(|e| tch::TchError::Torch(e.to_string()))
+    layer
+        .lora_product(ad)
+        .map_err(|e| tch::TchError::Torch(e.to_string()))
 }

@@ -31,14 +31,27 @@ impl LoraLinear {
     pub fn new(base: BaseWeight, bias: Option<Tensor>) -> Result<Self> {
         let s = base.shape();
         if s.len() != 2 {
-            return Err(Error::Shape { key: "linear weight".into(), expected: vec![-1, -1], found: s });
+            return Err(Error::Shape {
+                key: "linear weight".into(),
+                expected: vec![-1, -1],
+                found: s,
+            });
         }
         if let Some(b) = &bias
             && b.size() != [s[0]]
         {
-            return Err(Error::Shape { key: "linear bias".into(), expected: vec![s[0]], found: b.size() });
+            return Err(Error::Shape {
+                key: "linear bias".into(),
+                expected: vec![s[0]],
+                found: b.size(),
+            });
         }
-        Ok(Self { base, bias, adapters: Vec::new(), disabled: false })
+        Ok(Self {
+            base,
+            bias,
+            adapters: Vec::new(),
+            disabled: false,
+        })
     }
 
     /// Input features.
@@ -65,7 +78,13 @@ impl LoraLinear {
     /// # Errors
     /// [`Error::Torch`] when a shape does not fit or an op fails.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let ctx = || format!("linear forward {:?} on input {:?}", self.base.shape(), x.size());
+        let ctx = || {
+            format!(
+                "linear forward {:?} on input {:?}",
+                self.base.shape(),
+                x.size()
+            )
+        };
         let w = self.base.weight(x.kind())?;
         let base_out = x.f_linear::<Tensor>(&w, None).ctx(ctx)?;
         let y = add_branches(
@@ -73,13 +92,20 @@ impl LoraLinear {
             x,
             &base_out,
             train,
-            &|ad, xd| xd.f_linear::<Tensor>(&ad.lora_a, None)?.f_linear::<Tensor>(&ad.lora_b, None),
+            &|ad, xd| {
+                xd.f_linear::<Tensor>(&ad.lora_a, None)?
+                    .f_linear::<Tensor>(&ad.lora_b, None)
+            },
             &|xd, w| xd.f_linear::<Tensor>(w, None),
         )?;
         match &self.bias {
             None => Ok(y),
             Some(b) => {
-                let b = if b.kind() == y.kind() { b.shallow_clone() } else { b.f_to_kind(y.kind()).ctx(ctx)? };
+                let b = if b.kind() == y.kind() {
+                    b.shallow_clone()
+                } else {
+                    b.f_to_kind(y.kind()).ctx(ctx)?
+                };
                 y.f_add(&b).ctx(ctx)
             }
         }
@@ -103,8 +129,12 @@ impl LoraLayer for LoraLinear {
         (vec![r, self.in_features()], vec![self.out_features(), r])
     }
     fn lora_product(&self, ad: &Adapter) -> Result<Tensor> {
-        (|| ad.lora_b.f_to_kind(Kind::Float)?.f_mm(&ad.lora_a.f_to_kind(Kind::Float)?))()
-            .ctx(|| format!("computing B·A of adapter {:?}", ad.name))
+        (|| {
+            ad.lora_b
+                .f_to_kind(Kind::Float)?
+                .f_mm(&ad.lora_a.f_to_kind(Kind::Float)?)
+        })()
+        .ctx(|| format!("computing B·A of adapter {:?}", ad.name))
     }
     fn adapters_disabled(&self) -> bool {
         self.disabled

@@ -102,7 +102,10 @@ impl QuantKind {
 }
 
 fn qerr(kind: QuantKind, reason: impl Into<String>) -> Error {
-    Error::Quant { kind: kind.name(), reason: reason.into() }
+    Error::Quant {
+        kind: kind.name(),
+        reason: reason.into(),
+    }
 }
 
 fn f16_at(raw: &[u8], at: usize) -> f32 {
@@ -119,11 +122,20 @@ fn f16_at(raw: &[u8], at: usize) -> f32 {
 /// [`Error::Quant`] when `raw` is not a whole number of blocks or `kind` is NF4 (not a GGUF type;
 /// use [`nf4_reference_dequantize`]).
 pub fn dequantize_gguf_reference(kind: QuantKind, raw: &[u8]) -> Result<Vec<f32>> {
-    let bb = kind
-        .gguf_block_bytes()
-        .ok_or_else(|| qerr(kind, "NF4 is not a GGUF block type; use nf4_reference_dequantize"))?;
+    let bb = kind.gguf_block_bytes().ok_or_else(|| {
+        qerr(
+            kind,
+            "NF4 is not a GGUF block type; use nf4_reference_dequantize",
+        )
+    })?;
     if raw.len() % bb != 0 {
-        return Err(qerr(kind, format!("{} bytes is not a whole number of {bb}-byte blocks", raw.len())));
+        return Err(qerr(
+            kind,
+            format!(
+                "{} bytes is not a whole number of {bb}-byte blocks",
+                raw.len()
+            ),
+        ));
     }
     let mut out = Vec::with_capacity(raw.len() / bb * GGUF_BLOCK);
     for block in raw.chunks_exact(bb) {
@@ -150,7 +162,12 @@ pub fn dequantize_gguf_reference(kind: QuantKind, raw: &[u8]) -> Result<Vec<f32>
 }
 
 fn unreachable_nf4<T>() -> Result<T> {
-    Err(qerr(QuantKind::Nf4 { double_quant: false }, "not a GGUF block type"))
+    Err(qerr(
+        QuantKind::Nf4 {
+            double_quant: false,
+        },
+        "not a GGUF block type",
+    ))
 }
 
 /// Plain-Rust reference NF4 dequantization: `w[i] = NF4_TABLE[code_i] · absmax[i / 64]`, codes packed
@@ -162,8 +179,14 @@ fn unreachable_nf4<T>() -> Result<T> {
 pub fn nf4_reference_dequantize(codes: &[u8], absmax: &[f32]) -> Result<Vec<f32>> {
     if codes.len() * 2 != absmax.len() * NF4_BLOCK {
         return Err(qerr(
-            QuantKind::Nf4 { double_quant: false },
-            format!("{} code bytes do not match {} blocks of 64", codes.len(), absmax.len()),
+            QuantKind::Nf4 {
+                double_quant: false,
+            },
+            format!(
+                "{} code bytes do not match {} blocks of 64",
+                codes.len(),
+                absmax.len()
+            ),
         ));
     }
     let mut out = Vec::with_capacity(codes.len() * 2);
@@ -181,9 +204,14 @@ pub fn nf4_reference_dequantize(codes: &[u8], absmax: &[f32]) -> Result<Vec<f32>
 /// # Errors
 /// [`Error::Quant`] for NF4 or a length that is not a multiple of 32.
 pub fn quantize_gguf_reference(kind: QuantKind, x: &[f32]) -> Result<Vec<u8>> {
-    let bb = kind.gguf_block_bytes().ok_or_else(|| qerr(kind, "NF4 is not a GGUF block type"))?;
+    let bb = kind
+        .gguf_block_bytes()
+        .ok_or_else(|| qerr(kind, "NF4 is not a GGUF block type"))?;
     if x.len() % GGUF_BLOCK != 0 {
-        return Err(qerr(kind, format!("{} values is not a multiple of 32", x.len())));
+        return Err(qerr(
+            kind,
+            format!("{} values is not a multiple of 32", x.len()),
+        ));
     }
     let mut out = Vec::with_capacity(x.len() / GGUF_BLOCK * bb);
     for b in x.chunks_exact(GGUF_BLOCK) {
@@ -251,7 +279,9 @@ fn nf4_code(v: f32) -> u8 {
 pub fn nf4_quantize_reference(x: &[f32]) -> Result<(Vec<u8>, Vec<f32>)> {
     if x.len() % NF4_BLOCK != 0 {
         return Err(qerr(
-            QuantKind::Nf4 { double_quant: false },
+            QuantKind::Nf4 {
+                double_quant: false,
+            },
             format!("{} values is not a multiple of 64", x.len()),
         ));
     }
@@ -289,8 +319,15 @@ fn double_quantize(absmax: &[f32]) -> (Vec<i8>, Vec<f32>, f32) {
 }
 
 /// Inverse of [`double_quantize`] in plain Rust (reference for tests).
-pub fn nf4_double_dequantize_reference(q: &[i8], scales: &[f32], offset: f32, n: usize) -> Vec<f32> {
-    (0..n).map(|i| f32::from(q[i]) * scales[i / NF4_DQ_BLOCK] + offset).collect()
+pub fn nf4_double_dequantize_reference(
+    q: &[i8],
+    scales: &[f32],
+    offset: f32,
+    n: usize,
+) -> Vec<f32> {
+    (0..n)
+        .map(|i| f32::from(q[i]) * scales[i / NF4_DQ_BLOCK] + offset)
+        .collect()
 }
 
 /// A frozen 2-D weight `[out, in]` kept quantized in memory.
@@ -323,14 +360,20 @@ fn check_shape(kind: QuantKind, shape: [i64; 2]) -> Result<()> {
     match kind {
         QuantKind::Nf4 { .. } => {
             if (shape[0] * shape[1]) % NF4_BLOCK as i64 != 0 {
-                return Err(qerr(kind, format!("shape {shape:?}: out·in must be a multiple of 64")));
+                return Err(qerr(
+                    kind,
+                    format!("shape {shape:?}: out·in must be a multiple of 64"),
+                ));
             }
         }
         _ => {
             if shape[1] % GGUF_BLOCK as i64 != 0 {
                 return Err(qerr(
                     kind,
-                    format!("shape {shape:?}: in ({}) must be a multiple of 32", shape[1]),
+                    format!(
+                        "shape {shape:?}: in ({}) must be a multiple of 32",
+                        shape[1]
+                    ),
                 ));
             }
         }
@@ -347,8 +390,15 @@ impl QuantWeight {
     /// # Errors
     /// [`Error::Quant`] for NF4, an `in` not divisible by 32, or a byte count that does not match the
     /// shape; [`Error::Torch`] when the tensors cannot be created on `device`.
-    pub fn from_gguf_blocks(kind: QuantKind, raw: &[u8], shape: [i64; 2], device: Device) -> Result<Self> {
-        let bb = kind.gguf_block_bytes().ok_or_else(|| qerr(kind, "NF4 has no GGUF block layout"))?;
+    pub fn from_gguf_blocks(
+        kind: QuantKind,
+        raw: &[u8],
+        shape: [i64; 2],
+        device: Device,
+    ) -> Result<Self> {
+        let bb = kind
+            .gguf_block_bytes()
+            .ok_or_else(|| qerr(kind, "NF4 has no GGUF block layout"))?;
         check_shape(kind, shape)?;
         let (out, inn) = (shape[0], shape[1]);
         let nb = inn / GGUF_BLOCK as i64;
@@ -356,7 +406,11 @@ impl QuantWeight {
         if raw.len() != blocks * bb {
             return Err(qerr(
                 kind,
-                format!("shape {shape:?} needs {} bytes ({blocks} blocks of {bb}), got {}", blocks * bb, raw.len()),
+                format!(
+                    "shape {shape:?} needs {} bytes ({blocks} blocks of {bb}), got {}",
+                    blocks * bb,
+                    raw.len()
+                ),
             ));
         }
         let ncode = match kind {
@@ -365,7 +419,11 @@ impl QuantWeight {
         };
         let head = bb - ncode;
         let mut d = Vec::with_capacity(blocks * 2);
-        let mut m = Vec::with_capacity(if kind == QuantKind::Q4_1 { blocks * 2 } else { 0 });
+        let mut m = Vec::with_capacity(if kind == QuantKind::Q4_1 {
+            blocks * 2
+        } else {
+            0
+        });
         let mut q = Vec::with_capacity(blocks * ncode);
         for block in raw.chunks_exact(bb) {
             d.extend_from_slice(&block[0..2]);
@@ -379,12 +437,22 @@ impl QuantWeight {
                 // GGUF keeps weight j in the low nibble of byte j and weight j+16 in its high nibble;
                 // repack to consecutive pairs (weight 2k high, 2k+1 low) so one byte-indexed lookup
                 // yields the weights in order.
-                let nib = |j: usize| if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 };
+                let nib = |j: usize| {
+                    if j < 16 {
+                        qs[j] & 0x0F
+                    } else {
+                        qs[j - 16] >> 4
+                    }
+                };
                 q.extend((0..16).map(|k| (nib(2 * k) << 4) | nib(2 * k + 1)));
             }
         }
         let ctx = || format!("building {kind:?} tensors of shape {shape:?}");
-        let code_kind = if kind == QuantKind::Q8_0 { Kind::Int8 } else { Kind::Uint8 };
+        let code_kind = if kind == QuantKind::Q8_0 {
+            Kind::Int8
+        } else {
+            Kind::Uint8
+        };
         let codes = Tensor::f_from_data_size(&q, &[out, nb, ncode as i64], code_kind)
             .and_then(|t| t.f_to_device(device))
             .ctx(ctx)?;
@@ -405,7 +473,16 @@ impl QuantWeight {
             QuantKind::Q4_0 => Some(pair_lut(|c| f32::from(c) - 8.0, device).ctx(ctx)?),
             _ => Some(pair_lut(f32::from, device).ctx(ctx)?),
         };
-        Ok(Self { kind, shape, codes, scales, mins, dq_scales: None, dq_offset: 0.0, table })
+        Ok(Self {
+            kind,
+            shape,
+            codes,
+            scales,
+            mins,
+            dq_scales: None,
+            dq_offset: 0.0,
+            table,
+        })
     }
 
     /// Quantizes a dense 2-D weight `[out, in]` (any float dtype, any device; the result lives on the
@@ -418,7 +495,11 @@ impl QuantWeight {
     pub fn quantize(w: &Tensor, kind: QuantKind) -> Result<Self> {
         let size = w.size();
         if size.len() != 2 {
-            return Err(Error::Shape { key: "quantize input".into(), expected: vec![-1, -1], found: size });
+            return Err(Error::Shape {
+                key: "quantize input".into(),
+                expected: vec![-1, -1],
+                found: size,
+            });
         }
         let shape = [size[0], size[1]];
         check_shape(kind, shape)?;
@@ -454,8 +535,13 @@ impl QuantWeight {
         if codes.len() * 2 != numel || absmax.len() * NF4_BLOCK != numel {
             return Err(qerr(
                 kind,
-                format!("shape {shape:?} needs {} code bytes and {} absmax values, got {} and {}",
-                    numel / 2, numel / NF4_BLOCK, codes.len(), absmax.len()),
+                format!(
+                    "shape {shape:?} needs {} code bytes and {} absmax values, got {} and {}",
+                    numel / 2,
+                    numel / NF4_BLOCK,
+                    codes.len(),
+                    absmax.len()
+                ),
             ));
         }
         let ctx = || format!("building NF4 tensors of shape {shape:?}");
@@ -471,12 +557,29 @@ impl QuantWeight {
             let qt = Tensor::f_from_data_size(&qb, &[qb.len() as i64], Kind::Int8)
                 .and_then(|t| t.f_to_device(device))
                 .ctx(ctx)?;
-            let st = Tensor::f_from_slice(&s).and_then(|t| t.f_to_device(device)).ctx(ctx)?;
+            let st = Tensor::f_from_slice(&s)
+                .and_then(|t| t.f_to_device(device))
+                .ctx(ctx)?;
             (qt, Some(st), off)
         } else {
-            (Tensor::f_from_slice(absmax).and_then(|t| t.f_to_device(device)).ctx(ctx)?, None, 0.0)
+            (
+                Tensor::f_from_slice(absmax)
+                    .and_then(|t| t.f_to_device(device))
+                    .ctx(ctx)?,
+                None,
+                0.0,
+            )
         };
-        Ok(Self { kind, shape, codes: codes_t, scales, mins: None, dq_scales, dq_offset, table: Some(table) })
+        Ok(Self {
+            kind,
+            shape,
+            codes: codes_t,
+            scales,
+            mins: None,
+            dq_scales,
+            dq_offset,
+            table: Some(table),
+        })
     }
 
     /// The quantization kind.
@@ -517,7 +620,10 @@ impl QuantWeight {
     /// # Errors
     /// [`Error::Torch`] when the copy fails (e.g. out of memory).
     pub fn to_device(&self, device: Device) -> Result<Self> {
-        let mv = |t: &Tensor| t.f_to_device(device).ctx(|| format!("moving {:?} weight to {device:?}", self.kind));
+        let mv = |t: &Tensor| {
+            t.f_to_device(device)
+                .ctx(|| format!("moving {:?} weight to {device:?}", self.kind))
+        };
         Ok(Self {
             kind: self.kind,
             shape: self.shape,
@@ -554,9 +660,18 @@ impl QuantWeight {
     fn decode_pairs(&self, codes: &Tensor, ck: Kind) -> std::result::Result<Tensor, tch::TchError> {
         let lut = match &self.table {
             Some(t) => t.shallow_clone(),
-            None => return Err(tch::TchError::Torch(format!("{:?} weight has no code table", self.kind))),
+            None => {
+                return Err(tch::TchError::Torch(format!(
+                    "{:?} weight has no code table",
+                    self.kind
+                )));
+            }
         };
-        let lut = if ck == Kind::Float { lut } else { lut.f_to_kind(ck)? };
+        let lut = if ck == Kind::Float {
+            lut
+        } else {
+            lut.f_to_kind(ck)?
+        };
         let mut shape = codes.size();
         if let Some(last) = shape.last_mut() {
             *last *= 2;
@@ -578,7 +693,10 @@ impl QuantWeight {
         let w = match (self.kind, mins) {
             (QuantKind::Q8_0, _) => codes.f_to_kind(ck)?.f_mul(&d)?,
             // Q4_1: m + q·d in one fused op
-            (_, Some(m)) => m.f_to_kind(ck)?.f_unsqueeze(2)?.f_addcmul(&self.decode_pairs(codes, ck)?, &d)?,
+            (_, Some(m)) => m
+                .f_to_kind(ck)?
+                .f_unsqueeze(2)?
+                .f_addcmul(&self.decode_pairs(codes, ck)?, &d)?,
             // Q4_0: the table already holds q − 8
             (_, None) => self.decode_pairs(codes, ck)?.f_mul(&d)?,
         };
@@ -586,9 +704,20 @@ impl QuantWeight {
     }
 
     /// Decodes NF4 `codes` `[blocks, 32]` with f32 `absmax` `[blocks]` into `[blocks·64]` of `ck`.
-    fn decode_nf4(&self, codes: &Tensor, absmax: &Tensor, ck: Kind) -> std::result::Result<Tensor, tch::TchError> {
-        let a = if ck == Kind::Float { absmax.shallow_clone() } else { absmax.f_to_kind(ck)? };
-        self.decode_pairs(codes, ck)?.f_mul(&a.f_unsqueeze(1)?)?.f_reshape([-1])
+    fn decode_nf4(
+        &self,
+        codes: &Tensor,
+        absmax: &Tensor,
+        ck: Kind,
+    ) -> std::result::Result<Tensor, tch::TchError> {
+        let a = if ck == Kind::Float {
+            absmax.shallow_clone()
+        } else {
+            absmax.f_to_kind(ck)?
+        };
+        self.decode_pairs(codes, ck)?
+            .f_mul(&a.f_unsqueeze(1)?)?
+            .f_reshape([-1])
     }
 
     /// Dequantizes to a dense `[out, in]` tensor of dtype `kind` on the weight's device.
@@ -611,7 +740,11 @@ impl QuantWeight {
             _ => self.decode_gguf(&self.codes, &self.scales, self.mins.as_ref(), ck),
         }
         .ctx(ctx)?;
-        if kind == ck { Ok(w) } else { w.f_to_kind(kind).ctx(ctx) }
+        if kind == ck {
+            Ok(w)
+        } else {
+            w.f_to_kind(kind).ctx(ctx)
+        }
     }
 
     /// Dequantizes only the rows `rows` (an integer tensor of any shape, values in `[0, out)`), giving
@@ -621,8 +754,16 @@ impl QuantWeight {
     /// # Errors
     /// [`Error::Torch`] when an op fails (e.g. an index out of range).
     pub fn dequantize_rows(&self, rows: &Tensor, kind: Kind) -> Result<Tensor> {
-        let ctx = || format!("dequantizing rows of {:?} weight {:?}", self.kind, self.shape);
-        let idx = rows.f_reshape([-1]).and_then(|t| t.f_to_kind(Kind::Int64)).ctx(ctx)?;
+        let ctx = || {
+            format!(
+                "dequantizing rows of {:?} weight {:?}",
+                self.kind, self.shape
+            )
+        };
+        let idx = rows
+            .f_reshape([-1])
+            .and_then(|t| t.f_to_kind(Kind::Int64))
+            .ctx(ctx)?;
         let ck = compute_kind(self.kind, kind);
         let w = match self.kind {
             QuantKind::Nf4 { .. } => {
@@ -631,24 +772,36 @@ impl QuantWeight {
                 }
                 let per_row = self.shape[1] / NF4_BLOCK as i64;
                 (|| {
-                    let absmax = self.nf4_absmax()?.f_reshape([self.shape[0], per_row])?.f_index_select(0, &idx)?;
+                    let absmax = self
+                        .nf4_absmax()?
+                        .f_reshape([self.shape[0], per_row])?
+                        .f_index_select(0, &idx)?;
                     let codes = self
                         .codes
                         .f_reshape([self.shape[0], per_row, 32])?
                         .f_index_select(0, &idx)?
                         .f_reshape([-1, 32])?;
-                    self.decode_nf4(&codes, &absmax.f_reshape([-1])?, ck)?.f_reshape([-1, self.shape[1]])
+                    self.decode_nf4(&codes, &absmax.f_reshape([-1])?, ck)?
+                        .f_reshape([-1, self.shape[1]])
                 })()
             }
             _ => (|| {
                 let codes = self.codes.f_index_select(0, &idx)?;
                 let scales = self.scales.f_index_select(0, &idx)?;
-                let mins = self.mins.as_ref().map(|m| m.f_index_select(0, &idx)).transpose()?;
+                let mins = self
+                    .mins
+                    .as_ref()
+                    .map(|m| m.f_index_select(0, &idx))
+                    .transpose()?;
                 self.decode_gguf(&codes, &scales, mins.as_ref(), ck)
             })(),
         }
         .ctx(ctx)?;
-        if kind == ck { Ok(w) } else { w.f_to_kind(kind).ctx(ctx) }
+        if kind == ck {
+            Ok(w)
+        } else {
+            w.f_to_kind(kind).ctx(ctx)
+        }
     }
 }
 
@@ -663,9 +816,16 @@ fn compute_kind(quant: QuantKind, kind: Kind) -> Kind {
 }
 
 /// A `[256, 2]` f32 table mapping a packed byte to its two values (high nibble first).
-fn pair_lut(value: impl Fn(u8) -> f32, device: Device) -> std::result::Result<Tensor, tch::TchError> {
-    let v: Vec<f32> = (0..=255u8).flat_map(|b| [value(b >> 4), value(b & 0x0F)]).collect();
-    Tensor::f_from_slice(&v)?.f_reshape([256, 2])?.f_to_device(device)
+fn pair_lut(
+    value: impl Fn(u8) -> f32,
+    device: Device,
+) -> std::result::Result<Tensor, tch::TchError> {
+    let v: Vec<f32> = (0..=255u8)
+        .flat_map(|b| [value(b >> 4), value(b & 0x0F)])
+        .collect();
+    Tensor::f_from_slice(&v)?
+        .f_reshape([256, 2])?
+        .f_to_device(device)
 }
 
 /// Copies any tensor to a host `Vec<f32>` (row-major).
@@ -686,15 +846,38 @@ pub(crate) fn to_vec_f32(t: &Tensor) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
 
+    #[allow(clippy::excessive_precision)]
     /// Acklam's rational approximation of the standard normal quantile (relative error < 1.2e-9).
     fn norm_ppf(p: f64) -> f64 {
-        let a = [-3.969683028665376e1, 2.209460984245205e2, -2.759285104469687e2, 1.383577518672690e2,
-            -3.066479806614716e1, 2.506628277459239];
-        let b = [-5.447609879822406e1, 1.615858368580409e2, -1.556989798598866e2, 6.680131188771972e1,
-            -1.328068155288572e1];
-        let c = [-7.784894002430293e-3, -3.223964580411365e-1, -2.400758277161838, -2.549732539343734,
-            4.374664141464968, 2.938163982698783];
-        let d = [7.784695709041462e-3, 3.224671290700398e-1, 2.445134137142996, 3.754408661907416];
+        let a = [
+            -3.969683028665376e1,
+            2.209460984245205e2,
+            -2.759285104469687e2,
+            1.383577518672690e2,
+            -3.066479806614716e1,
+            2.506628277459239,
+        ];
+        let b = [
+            -5.447609879822406e1,
+            1.615858368580409e2,
+            -1.556989798598866e2,
+            6.680131188771972e1,
+            -1.328068155288572e1,
+        ];
+        let c = [
+            -7.784894002430293e-3,
+            -3.223964580411365e-1,
+            -2.400758277161838,
+            -2.549732539343734,
+            4.374664141464968,
+            2.938163982698783,
+        ];
+        let d = [
+            7.784695709041462e-3,
+            3.224671290700398e-1,
+            2.445134137142996,
+            3.754408661907416,
+        ];
         let pl = 0.02425;
         if p < pl {
             let q = (-2.0 * p.ln()).sqrt();
@@ -716,7 +899,8 @@ mod tests {
     #[test]
     fn nf4_table_matches_qlora_construction() {
         let offset = 0.9677083f64;
-        let lin = |n: usize| (0..n).map(move |i| offset + (0.5 - offset) * i as f64 / (n - 1) as f64);
+        let lin =
+            |n: usize| (0..n).map(move |i| offset + (0.5 - offset) * i as f64 / (n - 1) as f64);
         let mut v: Vec<f64> = lin(9).take(8).map(norm_ppf).collect();
         v.extend(lin(8).take(7).map(|p| -norm_ppf(p)));
         v.push(0.0);
@@ -724,15 +908,22 @@ mod tests {
         let mut v: Vec<f64> = v.iter().map(|x| x / max).collect();
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         for (i, (&ours, theirs)) in NF4_TABLE.iter().zip(v).enumerate() {
-            assert!((f64::from(ours) - theirs).abs() < 2e-6, "code {i}: {ours} vs {theirs}");
+            assert!(
+                (f64::from(ours) - theirs).abs() < 2e-6,
+                "code {i}: {ours} vs {theirs}"
+            );
         }
     }
 
     fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 33) as f64 / (1u64 << 31) as f64 * 2.0 - 1.0) as f32
             })
             .collect()
@@ -752,8 +943,15 @@ mod tests {
                 assert_eq!(a.to_bits(), b.to_bits(), "{kind:?}");
             }
             // quantization error is bounded by the block step
-            let max_err = x.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            let bound = match kind { QuantKind::Q8_0 => 1.0 / 127.0, _ => 2.0 / 15.0 };
+            let max_err = x
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let bound = match kind {
+                QuantKind::Q8_0 => 1.0 / 127.0,
+                _ => 2.0 / 15.0,
+            };
             assert!(max_err <= bound, "{kind:?} max error {max_err}");
             assert!(max_err > 0.0);
         }
@@ -791,16 +989,22 @@ mod tests {
         let x = pseudo_random((out * inn) as usize, 11);
         let (codes, absmax) = nf4_quantize_reference(&x).unwrap();
         let reference = nf4_reference_dequantize(&codes, &absmax).unwrap();
-        let q = QuantWeight::from_nf4_parts(&codes, &absmax, [out, inn], false, Device::Cpu).unwrap();
+        let q =
+            QuantWeight::from_nf4_parts(&codes, &absmax, [out, inn], false, Device::Cpu).unwrap();
         let ours = to_vec_f32(&q.dequantize(Kind::Float).unwrap()).unwrap();
         assert_eq!(ours, reference);
         // every value is a table entry times its block absmax
         for (i, v) in reference.iter().enumerate() {
             let s = absmax[i / 64];
-            assert!(NF4_TABLE.iter().any(|t| (t * s - v).abs() <= 1e-7 * s.max(1.0)));
+            assert!(
+                NF4_TABLE
+                    .iter()
+                    .any(|t| (t * s - v).abs() <= 1e-7 * s.max(1.0))
+            );
         }
         // double quant: absmax error bounded by the 8-bit step, and the tensor path matches Rust
-        let qd = QuantWeight::from_nf4_parts(&codes, &absmax, [out, inn], true, Device::Cpu).unwrap();
+        let qd =
+            QuantWeight::from_nf4_parts(&codes, &absmax, [out, inn], true, Device::Cpu).unwrap();
         let (dq, ds, off) = double_quantize(&absmax);
         let absmax2 = nf4_double_dequantize_reference(&dq, &ds, off, absmax.len());
         let reference2 = nf4_reference_dequantize(&codes, &absmax2).unwrap();
@@ -816,18 +1020,36 @@ mod tests {
 
     #[test]
     fn bytes_per_param_per_kind() {
-        let w = Tensor::f_from_slice(&pseudo_random(256 * 512, 3)).unwrap().reshape([256, 512]);
+        let w = Tensor::f_from_slice(&pseudo_random(256 * 512, 3))
+            .unwrap()
+            .reshape([256, 512]);
         let expect = [
             (QuantKind::Q8_0, 34.0 / 32.0),
             (QuantKind::Q4_0, 18.0 / 32.0),
             (QuantKind::Q4_1, 20.0 / 32.0),
-            (QuantKind::Nf4 { double_quant: false }, 0.5 + 4.0 / 64.0),
-            (QuantKind::Nf4 { double_quant: true }, 0.5 + 1.0 / 64.0 + 4.0 / (64.0 * 256.0)),
+            (
+                QuantKind::Nf4 {
+                    double_quant: false,
+                },
+                0.5 + 4.0 / 64.0,
+            ),
+            (
+                QuantKind::Nf4 { double_quant: true },
+                0.5 + 1.0 / 64.0 + 4.0 / (64.0 * 256.0),
+            ),
         ];
         for (kind, bpp) in expect {
             let q = QuantWeight::quantize(&w, kind).unwrap();
-            let extra = if kind != QuantKind::Q8_0 { 2048.0 / (256.0 * 512.0) } else { 0.0 };
-            assert!((q.bytes_per_param() - bpp - extra).abs() < 1e-3, "{kind:?}: {}", q.bytes_per_param());
+            let extra = if kind != QuantKind::Q8_0 {
+                2048.0 / (256.0 * 512.0)
+            } else {
+                0.0
+            };
+            assert!(
+                (q.bytes_per_param() - bpp - extra).abs() < 1e-3,
+                "{kind:?}: {}",
+                q.bytes_per_param()
+            );
             let dq = q.dequantize(Kind::Float).unwrap();
             let err = f64::try_from((dq - &w).abs().max()).unwrap();
             assert!(err < 0.2, "{kind:?}: {err}");
@@ -836,8 +1058,15 @@ mod tests {
 
     #[test]
     fn half_precision_dequant_is_within_a_few_ulps_of_f32() {
-        let w = Tensor::f_from_slice(&pseudo_random(64 * 128, 9)).unwrap().reshape([64, 128]);
-        for kind in [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Nf4 { double_quant: true }] {
+        let w = Tensor::f_from_slice(&pseudo_random(64 * 128, 9))
+            .unwrap()
+            .reshape([64, 128]);
+        for kind in [
+            QuantKind::Q8_0,
+            QuantKind::Q4_0,
+            QuantKind::Q4_1,
+            QuantKind::Nf4 { double_quant: true },
+        ] {
             let q = QuantWeight::quantize(&w, kind).unwrap();
             let f = q.dequantize(Kind::Float).unwrap();
             for (k, ulp) in [(Kind::BFloat16, 2f64.powi(-6)), (Kind::Half, 2f64.powi(-9))] {
@@ -853,9 +1082,16 @@ mod tests {
 
     #[test]
     fn dequantize_rows_matches_full() {
-        let w = Tensor::f_from_slice(&pseudo_random(10 * 128, 5)).unwrap().reshape([10, 128]);
+        let w = Tensor::f_from_slice(&pseudo_random(10 * 128, 5))
+            .unwrap()
+            .reshape([10, 128]);
         let ids = Tensor::f_from_slice(&[3i64, 0, 9, 3]).unwrap();
-        for kind in [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Nf4 { double_quant: true }] {
+        for kind in [
+            QuantKind::Q8_0,
+            QuantKind::Q4_0,
+            QuantKind::Q4_1,
+            QuantKind::Nf4 { double_quant: true },
+        ] {
             let q = QuantWeight::quantize(&w, kind).unwrap();
             let full = q.dequantize(Kind::Float).unwrap().index_select(0, &ids);
             let rows = q.dequantize_rows(&ids, Kind::Float).unwrap();
@@ -865,10 +1101,20 @@ mod tests {
 
     #[test]
     fn wrong_sizes_are_refused() {
-        let e = QuantWeight::from_gguf_blocks(QuantKind::Q8_0, &[0u8; 33], [1, 32], Device::Cpu).unwrap_err();
+        let e = QuantWeight::from_gguf_blocks(QuantKind::Q8_0, &[0u8; 33], [1, 32], Device::Cpu)
+            .unwrap_err();
         assert!(e.to_string().contains("34"), "{e}");
-        let e = QuantWeight::from_gguf_blocks(QuantKind::Q4_0, &[0u8; 18], [1, 30], Device::Cpu).unwrap_err();
+        let e = QuantWeight::from_gguf_blocks(QuantKind::Q4_0, &[0u8; 18], [1, 30], Device::Cpu)
+            .unwrap_err();
         assert!(e.to_string().contains("multiple of 32"), "{e}");
-        assert!(dequantize_gguf_reference(QuantKind::Nf4 { double_quant: false }, &[]).is_err());
+        assert!(
+            dequantize_gguf_reference(
+                QuantKind::Nf4 {
+                    double_quant: false
+                },
+                &[]
+            )
+            .is_err()
+        );
     }
 }

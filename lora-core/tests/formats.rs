@@ -7,7 +7,9 @@ mod common;
 use common::{SITES, Tiny, ids, image, max_abs_diff};
 use lora_core::Error;
 use lora_core::config::{InitLoraWeights, LoraConfig, TargetModules};
-use lora_core::formats::{AdapterWeights, diffusers, kohya, peft, read_header, read_safetensors, write_safetensors};
+use lora_core::formats::{
+    AdapterWeights, diffusers, kohya, peft, read_header, read_safetensors, write_safetensors,
+};
 use lora_core::inject::{Adaptable, inject, site_names};
 use safetensors::Dtype;
 use std::collections::BTreeMap;
@@ -21,7 +23,11 @@ fn adapted(cfg: &LoraConfig) -> (Tiny, nn::VarStore) {
 }
 
 fn linear_conv_cfg(r: i64, alpha: f64, rslora: bool) -> LoraConfig {
-    let mut cfg = LoraConfig::new(r, alpha, &["q_proj", "v_proj", "up_proj", "down_proj", "conv_in"]);
+    let mut cfg = LoraConfig::new(
+        r,
+        alpha,
+        &["q_proj", "v_proj", "up_proj", "down_proj", "conv_in"],
+    );
     cfg.init_lora_weights = InitLoraWeights::Random;
     cfg.use_rslora = rslora;
     cfg.rank_pattern.insert("down_proj".into(), 2);
@@ -43,7 +49,8 @@ fn kohya_round_trip_keeps_strength_and_writes_f32_alpha_and_metadata() {
         let (mut t, _vs) = adapted(&linear_conv_cfg(4, 3.0, rslora));
         let want = outputs(&t);
         let mut w = AdapterWeights::from_model(&mut t, "default").unwrap();
-        w.metadata.insert("ss_base_model_version".into(), "sd_v1".into());
+        w.metadata
+            .insert("ss_base_model_version".into(), "sd_v1".into());
         w.metadata.insert("ss_v2".into(), "False".into());
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("lora.safetensors");
@@ -54,8 +61,14 @@ fn kohya_round_trip_keeps_strength_and_writes_f32_alpha_and_metadata() {
         let name = kohya::kohya_name("lora_unet", "model.layers.0.self_attn.q_proj");
         assert_eq!(name, "lora_unet_model_layers_0_self_attn_q_proj");
         assert_eq!(h.tensors[&format!("{name}.alpha")], (Dtype::F32, vec![]));
-        assert_eq!(h.tensors[&format!("{name}.lora_down.weight")].1, vec![4, common::DIM as usize]);
-        assert_eq!(h.tensors["lora_unet_conv_in.lora_up.weight"].1, vec![4, 4, 1, 1]);
+        assert_eq!(
+            h.tensors[&format!("{name}.lora_down.weight")].1,
+            vec![4, common::DIM as usize]
+        );
+        assert_eq!(
+            h.tensors["lora_unet_conv_in.lora_up.weight"].1,
+            vec![4, 4, 1, 1]
+        );
         assert_eq!(h.metadata["ss_network_module"], "networks.lora");
         assert_eq!(h.metadata["ss_network_dim"], "4");
         assert_eq!(h.metadata["ss_base_model_version"], "sd_v1");
@@ -94,11 +107,17 @@ fn peft_to_kohya_to_diffusers_to_peft_preserves_strength() {
     // kohya → diffusers
     let mut t2 = Tiny::new(None);
     let sites = names(&mut t2);
-    let wk = kohya::read(&kpath).unwrap().take_prefix("lora_unet", &sites).unwrap();
+    let wk = kohya::read(&kpath)
+        .unwrap()
+        .take_prefix("lora_unet", &sites)
+        .unwrap();
     let dpath = dir.path().join(diffusers::WEIGHTS_FILE);
     diffusers::write(&dpath, &[("unet", &wk)]).unwrap();
     let h = read_header(&dpath).unwrap();
-    assert!(h.tensors.contains_key("unet.model.layers.0.self_attn.q_proj.lora_A.weight"));
+    assert!(
+        h.tensors
+            .contains_key("unet.model.layers.0.self_attn.q_proj.lora_A.weight")
+    );
     // diffusers → PEFT
     let mut parts = diffusers::read(&dpath).unwrap();
     let wd = parts.remove("unet").unwrap();
@@ -107,16 +126,23 @@ fn peft_to_kohya_to_diffusers_to_peft_preserves_strength() {
     }
     peft::save(&wd, None, &dir.path().join("peft2")).unwrap();
     let vs2 = nn::VarStore::new(Device::Cpu);
-    let (cfg2, _) = peft::load_adapter(&mut t2, &dir.path().join("peft2"), "default", &vs2.root()).unwrap();
+    let (cfg2, _) =
+        peft::load_adapter(&mut t2, &dir.path().join("peft2"), "default", &vs2.root()).unwrap();
     assert_eq!(cfg2.r, 8);
-    assert_eq!(cfg2.rank_pattern.values().copied().collect::<Vec<_>>(), vec![2]);
+    assert_eq!(
+        cfg2.rank_pattern.values().copied().collect::<Vec<_>>(),
+        vec![2]
+    );
     let got = outputs(&t2);
     assert!(max_abs_diff(&got.0, &want.0) < 1e-5);
     assert!(max_abs_diff(&got.1, &want.1) < 1e-5);
 }
 
 fn write(path: &std::path::Path, tensors: Vec<(&str, Tensor)>) {
-    let m: BTreeMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    let m: BTreeMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
     write_safetensors(path, &m, &BTreeMap::new()).unwrap();
 }
 
@@ -126,18 +152,48 @@ fn kohya_alpha_any_dtype_and_missing_alpha_means_rank() {
     let down = common::dense(&[4, common::DIM], 1);
     let up = common::dense(&[common::DIM, 4], 2);
     let cases: Vec<(&str, Option<Tensor>, f64)> = vec![
-        ("bf16", Some(Tensor::from_slice(&[3.0f32]).to_kind(Kind::BFloat16).reshape([0i64; 0])), 3.0),
-        ("f16", Some(Tensor::from_slice(&[2.5f32]).to_kind(Kind::Half).reshape([0i64; 0])), 2.5),
-        ("i64", Some(Tensor::from_slice(&[8i64]).reshape([0i64; 0])), 8.0),
+        (
+            "bf16",
+            Some(
+                Tensor::from_slice(&[3.0f32])
+                    .to_kind(Kind::BFloat16)
+                    .reshape([0i64; 0]),
+            ),
+            3.0,
+        ),
+        (
+            "f16",
+            Some(
+                Tensor::from_slice(&[2.5f32])
+                    .to_kind(Kind::Half)
+                    .reshape([0i64; 0]),
+            ),
+            2.5,
+        ),
+        (
+            "i64",
+            Some(Tensor::from_slice(&[8i64]).reshape([0i64; 0])),
+            8.0,
+        ),
         ("one-element", Some(Tensor::from_slice(&[6.0f32])), 6.0),
         ("missing", None, 4.0),
-        ("zero", Some(Tensor::from_slice(&[0.0f32]).reshape([0i64; 0])), 4.0),
+        (
+            "zero",
+            Some(Tensor::from_slice(&[0.0f32]).reshape([0i64; 0])),
+            4.0,
+        ),
     ];
     for (what, alpha, expect) in cases {
         let p = dir.path().join(format!("{what}.safetensors"));
         let mut v = vec![
-            ("lora_unet_model_layers_0_self_attn_q_proj.lora_down.weight", down.copy()),
-            ("lora_unet_model_layers_0_self_attn_q_proj.lora_up.weight", up.copy()),
+            (
+                "lora_unet_model_layers_0_self_attn_q_proj.lora_down.weight",
+                down.copy(),
+            ),
+            (
+                "lora_unet_model_layers_0_self_attn_q_proj.lora_up.weight",
+                up.copy(),
+            ),
         ];
         if let Some(a) = alpha {
             v.push(("lora_unet_model_layers_0_self_attn_q_proj.alpha", a));
@@ -159,13 +215,28 @@ fn refusals_name_the_key() {
     let u = common::dense(&[common::DIM, 4], 2);
 
     // wrong rank in lora_up
-    write(&p, vec![(&format!("{k}.lora_down.weight"), d.copy()), (&format!("{k}.lora_up.weight"), common::dense(&[common::DIM, 3], 2))]);
+    write(
+        &p,
+        vec![
+            (&format!("{k}.lora_down.weight"), d.copy()),
+            (
+                &format!("{k}.lora_up.weight"),
+                common::dense(&[common::DIM, 3], 2),
+            ),
+        ],
+    );
     match kohya::read(&p).unwrap_err() {
         Error::Shape { key, .. } => assert_eq!(key, format!("{k}.lora_up.weight")),
         e => panic!("{e}"),
     }
     // integer weights
-    write(&p, vec![(&format!("{k}.lora_down.weight"), d.to_kind(Kind::Int64)), (&format!("{k}.lora_up.weight"), u.copy())]);
+    write(
+        &p,
+        vec![
+            (&format!("{k}.lora_down.weight"), d.to_kind(Kind::Int64)),
+            (&format!("{k}.lora_up.weight"), u.copy()),
+        ],
+    );
     match kohya::read(&p).unwrap_err() {
         Error::Dtype { key, .. } => assert_eq!(key, format!("{k}.lora_down.weight")),
         e => panic!("{e}"),
@@ -177,20 +248,49 @@ fn refusals_name_the_key() {
         e => panic!("{e}"),
     }
     // a key that is not LoRA (LyCORIS DoRA scale)
-    write(&p, vec![(&format!("{k}.lora_down.weight"), d.copy()), (&format!("{k}.lora_up.weight"), u.copy()), (&format!("{k}.dora_scale"), u.copy())]);
+    write(
+        &p,
+        vec![
+            (&format!("{k}.lora_down.weight"), d.copy()),
+            (&format!("{k}.lora_up.weight"), u.copy()),
+            (&format!("{k}.dora_scale"), u.copy()),
+        ],
+    );
     let e = kohya::read(&p).unwrap_err();
     assert!(e.to_string().contains("dora_scale"), "{e}");
     // a module the model does not have
-    write(&p, vec![("lora_unet_nope.lora_down.weight", d.copy()), ("lora_unet_nope.lora_up.weight", u.copy())]);
-    let e = kohya::read(&p).unwrap().take_prefix("lora_unet", &SITES).unwrap_err();
+    write(
+        &p,
+        vec![
+            ("lora_unet_nope.lora_down.weight", d.copy()),
+            ("lora_unet_nope.lora_up.weight", u.copy()),
+        ],
+    );
+    let e = kohya::read(&p)
+        .unwrap()
+        .take_prefix("lora_unet", &SITES)
+        .unwrap_err();
     assert!(e.to_string().contains("lora_unet_nope"), "{e}");
     // shapes that do not fit the model's site
-    write(&p, vec![(&format!("{k}.lora_down.weight"), common::dense(&[4, 7], 1)), (&format!("{k}.lora_up.weight"), u.copy())]);
-    let w = kohya::read(&p).unwrap().take_prefix("lora_unet", &SITES).unwrap();
+    write(
+        &p,
+        vec![
+            (&format!("{k}.lora_down.weight"), common::dense(&[4, 7], 1)),
+            (&format!("{k}.lora_up.weight"), u.copy()),
+        ],
+    );
+    let w = kohya::read(&p)
+        .unwrap()
+        .take_prefix("lora_unet", &SITES)
+        .unwrap();
     let mut t = Tiny::new(None);
     let vs = nn::VarStore::new(Device::Cpu);
     match w.load_into(&mut t, "default", &vs.root(), 0.0).unwrap_err() {
-        Error::Shape { key, expected, found } => {
+        Error::Shape {
+            key,
+            expected,
+            found,
+        } => {
             assert_eq!(key, "model.layers.0.self_attn.q_proj.lora_A");
             assert_eq!(expected, vec![4, common::DIM]);
             assert_eq!(found, vec![4, 7]);
@@ -212,7 +312,10 @@ fn refusals_name_the_key() {
         e => panic!("{e}"),
     }
     tensors.insert(kb.into(), b);
-    tensors.insert("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight".into(), common::dense(&[4, 4], 3));
+    tensors.insert(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight".into(),
+        common::dense(&[4, 4], 3),
+    );
     write_safetensors(&wf, &tensors, &BTreeMap::new()).unwrap();
     let e = peft::load(&pd).unwrap_err();
     assert!(e.to_string().contains("lora_A.default.weight"), "{e}");
@@ -220,7 +323,11 @@ fn refusals_name_the_key() {
     write_safetensors(&wf, &tensors, &BTreeMap::new()).unwrap();
     let mut cfg: LoraConfig = peft::read_config(&pd).unwrap();
     cfg.r = 5;
-    std::fs::write(pd.join(peft::CONFIG_FILE), serde_json::to_string(&cfg).unwrap()).unwrap();
+    std::fs::write(
+        pd.join(peft::CONFIG_FILE),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
     match peft::load(&pd).unwrap_err() {
         Error::Shape { key, .. } => assert!(key.ends_with("q_proj.lora_A.weight"), "{key}"),
         e => panic!("{e}"),
@@ -231,7 +338,13 @@ fn refusals_name_the_key() {
 fn nothing_matched_lists_existing_modules_and_report_reads_like_peft() {
     let mut t = Tiny::new(None);
     let vs = nn::VarStore::new(Device::Cpu);
-    let e = inject(&mut t, &LoraConfig::new(4, 8.0, &["qkv"]), "default", &vs.root()).unwrap_err();
+    let e = inject(
+        &mut t,
+        &LoraConfig::new(4, 8.0, &["qkv"]),
+        "default",
+        &vs.root(),
+    )
+    .unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::NoTargetMatched { .. }));
     for s in SITES {
@@ -240,7 +353,10 @@ fn nothing_matched_lists_existing_modules_and_report_reads_like_peft() {
     assert!(vs.variables().is_empty());
 
     // regex + exclusion
-    let mut cfg = LoraConfig { target_modules: Some(TargetModules::Regex(r"model\.layers\.\d+\..*_proj".into())), ..Default::default() };
+    let mut cfg = LoraConfig {
+        target_modules: Some(TargetModules::Regex(r"model\.layers\.\d+\..*_proj".into())),
+        ..Default::default()
+    };
     cfg.exclude_modules = Some(TargetModules::list(&["v_proj"]));
     cfg.r = 2;
     let r = inject(&mut t, &cfg, "default", &vs.root()).unwrap();
@@ -251,16 +367,35 @@ fn nothing_matched_lists_existing_modules_and_report_reads_like_peft() {
     let frozen = 16 * d + (d * d + d) + d * d + (h * d + h) + d * h + (4 * 3 * 9 + 4);
     assert_eq!(r.all_params, frozen + r.params_added);
     let pct = 100.0 * r.params_added as f64 / (frozen + r.params_added) as f64;
-    assert_eq!(r.to_string(), format!("trainable params: {} || all params: {} || trainable%: {pct:.4}", r.params_added, thousands(frozen + r.params_added)));
+    assert_eq!(
+        r.to_string(),
+        format!(
+            "trainable params: {} || all params: {} || trainable%: {pct:.4}",
+            r.params_added,
+            thousands(frozen + r.params_added)
+        )
+    );
     // only adapter tensors are in the adapter VarStore
-    assert_eq!(vs.trainable_variables().iter().map(|t| t.numel() as i64).sum::<i64>(), r.params_added);
+    assert_eq!(
+        vs.trainable_variables()
+            .iter()
+            .map(|t| t.numel() as i64)
+            .sum::<i64>(),
+        r.params_added
+    );
     let mut names: Vec<String> = vs.variables().into_keys().collect();
     names.sort();
-    assert_eq!(names[0], "model.layers.0.mlp.down_proj.lora_A.default.weight");
+    assert_eq!(
+        names[0],
+        "model.layers.0.mlp.down_proj.lora_A.default.weight"
+    );
     // all-linear
     let mut t = Tiny::new(None);
     let vs = nn::VarStore::new(Device::Cpu);
-    let cfg = LoraConfig { target_modules: Some(TargetModules::Regex("all-linear".into())), ..Default::default() };
+    let cfg = LoraConfig {
+        target_modules: Some(TargetModules::Regex("all-linear".into())),
+        ..Default::default()
+    };
     let r = inject(&mut t, &cfg, "x", &vs.root()).unwrap();
     assert_eq!(r.modules.len(), 4);
     let _ = t.visit_sites(&mut |_, _| Ok(()));

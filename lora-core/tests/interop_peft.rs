@@ -50,7 +50,10 @@ fn base_tensors() -> BTreeMap<String, Tensor> {
     t.insert("fc2.bias".to_string(), dense(&[16], 5));
     t.insert("conv.weight".to_string(), dense(&[5, 3, 3, 3], 6));
     t.insert("conv.bias".to_string(), dense(&[5], 7));
-    t.insert("ids".to_string(), Tensor::from_slice(&[0i64, 4, 19, 7, 7, 11, 2, 13]).reshape([2, 4]));
+    t.insert(
+        "ids".to_string(),
+        Tensor::from_slice(&[0i64, 4, 19, 7, 7, 11, 2, 13]).reshape([2, 4]),
+    );
     t.insert("img".to_string(), dense(&[2, 3, 6, 5], 8));
     t
 }
@@ -62,34 +65,65 @@ impl Net {
             emb: LoraEmbedding::new(BaseWeight::Dense(g("emb.weight"))).unwrap(),
             fc1: LoraLinear::new(BaseWeight::Dense(g("fc1.weight")), Some(g("fc1.bias"))).unwrap(),
             fc2: LoraLinear::new(BaseWeight::Dense(g("fc2.weight")), Some(g("fc2.bias"))).unwrap(),
-            conv: LoraConv2d::new(BaseWeight::Dense(g("conv.weight")), Some(g("conv.bias")), Conv2dParams { padding: [1, 1], ..Default::default() })
-                .unwrap(),
+            conv: LoraConv2d::new(
+                BaseWeight::Dense(g("conv.weight")),
+                Some(g("conv.bias")),
+                Conv2dParams {
+                    padding: [1, 1],
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
         }
     }
 
     fn forward(&self, t: &BTreeMap<String, Tensor>) -> (Tensor, Tensor) {
         let h = self.emb.forward(&t["ids"]).unwrap();
-        let h = self.fc2.forward_t(&self.fc1.forward_t(&h, false).unwrap().relu(), false).unwrap();
+        let h = self
+            .fc2
+            .forward_t(&self.fc1.forward_t(&h, false).unwrap().relu(), false)
+            .unwrap();
         (h, self.conv.forward_t(&t["img"], false).unwrap())
     }
 }
 
 fn python() -> PathBuf {
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(py.exists(), "{} not found: run `cargo xtask setup` to create the project venv with peft", py.display());
-    let ok = Command::new(&py).args(["-c", "import peft, safetensors, torch"]).status().map(|s| s.success()).unwrap_or(false);
-    assert!(ok, "`import peft` fails in {}: run `cargo xtask setup` (installs the pinned peft/transformers/safetensors)", py.display());
+    assert!(
+        py.exists(),
+        "{} not found: run `cargo xtask setup` to create the project venv with peft",
+        py.display()
+    );
+    let ok = Command::new(&py)
+        .args(["-c", "import peft, safetensors, torch"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "`import peft` fails in {}: run `cargo xtask setup` (installs the pinned peft/transformers/safetensors)",
+        py.display()
+    );
     py
 }
 
 fn compare(name: &str, ours: (Tensor, Tensor), file: &Path) -> f64 {
     let (theirs, _) = read_safetensors(file).unwrap();
     let mut worst = 0f64;
-    for (what, a, b) in [("linear/embedding path", &ours.0, &theirs["h"]), ("conv", &ours.1, &theirs["c"])] {
+    for (what, a, b) in [
+        ("linear/embedding path", &ours.0, &theirs["h"]),
+        ("conv", &ours.1, &theirs["c"]),
+    ] {
         let scale = f64::try_from(b.abs().max()).unwrap().max(1.0);
         let d = max_abs_diff(a, b);
-        println!("{name} [{what}]: max |ours - peft| = {d:.3e}, max |peft| = {scale:.2}, relative {:.3e}", d / scale);
-        assert!(d <= TOL * scale, "{name} [{what}]: outputs differ from PEFT by {d:.3e} (> {TOL:e} * {scale:.2})");
+        println!(
+            "{name} [{what}]: max |ours - peft| = {d:.3e}, max |peft| = {scale:.2}, relative {:.3e}",
+            d / scale
+        );
+        assert!(
+            d <= TOL * scale,
+            "{name} [{what}]: outputs differ from PEFT by {d:.3e} (> {TOL:e} * {scale:.2})"
+        );
         worst = worst.max(d / scale);
     }
     worst
@@ -120,7 +154,11 @@ fn peft_loads_ours_and_we_load_peft() {
         if cfg.use_dora {
             let _g = tch::no_grad_guard();
             net.visit_sites(&mut |_, site| {
-                if let Some(m) = site.layer_ref().adapter("default").and_then(|a| a.magnitude()) {
+                if let Some(m) = site
+                    .layer_ref()
+                    .adapter("default")
+                    .and_then(|a| a.magnitude())
+                {
                     let mut m = m.shallow_clone();
                     let f = dense(&m.size(), 99).abs() + 1.0;
                     let v = &m * f;
@@ -134,7 +172,14 @@ fn peft_loads_ours_and_we_load_peft() {
         ours.push((name, net.forward(&t)));
     }
 
-    let out = Command::new(&py).arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/interop/peft_roundtrip.py")).arg(w).output().unwrap();
+    let out = Command::new(&py)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/interop/peft_roundtrip.py"
+        ))
+        .arg(w)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "peft_roundtrip.py failed:\n{}\n{}",
@@ -144,7 +189,11 @@ fn peft_loads_ours_and_we_load_peft() {
 
     // (a) PEFT's outputs with our adapters
     for (name, y) in ours {
-        compare(&format!("{name} loaded by PeftModel.from_pretrained"), y, &w.join(format!("out_{name}.safetensors")));
+        compare(
+            &format!("{name} loaded by PeftModel.from_pretrained"),
+            y,
+            &w.join(format!("out_{name}.safetensors")),
+        );
     }
 
     // (b) PEFT's adapters loaded here
@@ -152,13 +201,21 @@ fn peft_loads_ours_and_we_load_peft() {
         let mut net = Net::new(&t);
         let base = net.forward(&t);
         let vs = nn::VarStore::new(Device::Cpu);
-        let (cfg, report) = peft::load_adapter(&mut net, &w.join(name), "default", &vs.root()).unwrap();
+        let (cfg, report) =
+            peft::load_adapter(&mut net, &w.join(name), "default", &vs.root()).unwrap();
         assert_eq!(cfg.use_dora, name == "theirs_dora");
         let expected_modules = if name == "theirs" { 4 } else { 3 };
         assert_eq!(report.modules.len(), expected_modules);
         let y = net.forward(&t);
-        assert!(max_abs_diff(&y.0, &base.0) > 1e-3, "{name}: adapter has no effect");
-        compare(&format!("{name} (saved by PEFT) loaded here"), y, &w.join(format!("out_{name}.safetensors")));
+        assert!(
+            max_abs_diff(&y.0, &base.0) > 1e-3,
+            "{name}: adapter has no effect"
+        );
+        compare(
+            &format!("{name} (saved by PEFT) loaded here"),
+            y,
+            &w.join(format!("out_{name}.safetensors")),
+        );
         if name == "theirs" {
             // the rank / alpha patterns and rsLoRA survived
             assert_eq!(net.fc2.adapter("default").unwrap().rank(), 2);

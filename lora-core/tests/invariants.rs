@@ -11,7 +11,9 @@ use lora_core::config::{InitLoraWeights, LoraConfig};
 use lora_core::conv::{Conv2dParams, LoraConv2d};
 use lora_core::embedding::LoraEmbedding;
 use lora_core::formats::peft;
-use lora_core::inject::{Adaptable, SiteMut, inject, merge_adapters, set_adapters_enabled, unmerge_adapters};
+use lora_core::inject::{
+    Adaptable, SiteMut, inject, merge_adapters, set_adapters_enabled, unmerge_adapters,
+};
 use lora_core::layer::LoraLayer;
 use lora_core::linear::LoraLinear;
 use lora_core::quant::{QuantKind, QuantWeight};
@@ -68,21 +70,39 @@ impl Adaptable for One {
 impl One {
     fn new(site: Site) -> Self {
         let (name, layer) = match site {
-            Site::Linear => ("model.layers.0.self_attn.q_proj", Layer::Lin(LoraLinear::new(BaseWeight::Dense(dense(&[OUT, IN], 1)), None).unwrap())),
+            Site::Linear => (
+                "model.layers.0.self_attn.q_proj",
+                Layer::Lin(LoraLinear::new(BaseWeight::Dense(dense(&[OUT, IN], 1)), None).unwrap()),
+            ),
             Site::LinearBias => (
                 "model.layers.0.mlp.up_proj",
-                Layer::Lin(LoraLinear::new(BaseWeight::Dense(dense(&[OUT, IN], 1)), Some(dense(&[OUT], 2))).unwrap()),
+                Layer::Lin(
+                    LoraLinear::new(
+                        BaseWeight::Dense(dense(&[OUT, IN], 1)),
+                        Some(dense(&[OUT], 2)),
+                    )
+                    .unwrap(),
+                ),
             ),
             Site::LinearBf16 => (
                 "model.layers.0.self_attn.v_proj",
                 Layer::Lin(
-                    LoraLinear::new(BaseWeight::Dense(dense(&[OUT, IN], 1).to_kind(Kind::BFloat16)), Some(dense(&[OUT], 2).to_kind(Kind::BFloat16)))
-                        .unwrap(),
+                    LoraLinear::new(
+                        BaseWeight::Dense(dense(&[OUT, IN], 1).to_kind(Kind::BFloat16)),
+                        Some(dense(&[OUT], 2).to_kind(Kind::BFloat16)),
+                    )
+                    .unwrap(),
                 ),
             ),
             Site::LinearQuant(k) => (
                 "model.layers.1.self_attn.k_proj",
-                Layer::Lin(LoraLinear::new(BaseWeight::Quant(QuantWeight::quantize(&dense(&[OUT, IN], 1), k).unwrap()), None).unwrap()),
+                Layer::Lin(
+                    LoraLinear::new(
+                        BaseWeight::Quant(QuantWeight::quantize(&dense(&[OUT, IN], 1), k).unwrap()),
+                        None,
+                    )
+                    .unwrap(),
+                ),
             ),
             Site::Conv => (
                 "down_blocks.0.resnets.0.conv1",
@@ -90,15 +110,27 @@ impl One {
                     LoraConv2d::new(
                         BaseWeight::Dense(dense(&[6, 4, 3, 3], 1)),
                         Some(dense(&[6], 2)),
-                        Conv2dParams { stride: [2, 1], padding: [1, 1], ..Default::default() },
+                        Conv2dParams {
+                            stride: [2, 1],
+                            padding: [1, 1],
+                            ..Default::default()
+                        },
                     )
                     .unwrap(),
                 ),
             ),
-            Site::Embedding => ("model.embed_tokens", Layer::Emb(LoraEmbedding::new(BaseWeight::Dense(dense(&[OUT, IN], 1))).unwrap())),
+            Site::Embedding => (
+                "model.embed_tokens",
+                Layer::Emb(LoraEmbedding::new(BaseWeight::Dense(dense(&[OUT, IN], 1))).unwrap()),
+            ),
             Site::EmbeddingQ8 => (
                 "model.embed_tokens",
-                Layer::Emb(LoraEmbedding::new(BaseWeight::Quant(QuantWeight::quantize(&dense(&[OUT, IN], 1), QuantKind::Q8_0).unwrap())).unwrap()),
+                Layer::Emb(
+                    LoraEmbedding::new(BaseWeight::Quant(
+                        QuantWeight::quantize(&dense(&[OUT, IN], 1), QuantKind::Q8_0).unwrap(),
+                    ))
+                    .unwrap(),
+                ),
             ),
         };
         One { name, site, layer }
@@ -107,7 +139,9 @@ impl One {
     fn input(&self) -> Tensor {
         match self.site {
             Site::Conv => dense(&[2, 4, 7, 5], 11),
-            Site::Embedding | Site::EmbeddingQ8 => Tensor::from_slice(&[0i64, 3, 47, 3, 9, 21]).reshape([2, 3]),
+            Site::Embedding | Site::EmbeddingQ8 => {
+                Tensor::from_slice(&[0i64, 3, 47, 3, 9, 21]).reshape([2, 3])
+            }
             Site::LinearBf16 => dense(&[2, 3, IN], 11).to_kind(Kind::BFloat16),
             _ => dense(&[2, 3, IN], 11),
         }
@@ -152,7 +186,8 @@ impl One {
         match &self.layer {
             Layer::Lin(lin) => {
                 let xf = x.to_kind(Kind::Float);
-                let mut y = xf.matmul(&w.tr()) + xf.matmul(&ad.lora_a().tr()).matmul(&ad.lora_b().tr()) * s;
+                let mut y =
+                    xf.matmul(&w.tr()) + xf.matmul(&ad.lora_a().tr()).matmul(&ad.lora_b().tr()) * s;
                 if let Some(b) = lin.bias() {
                     y += b.to_kind(Kind::Float);
                 }
@@ -161,10 +196,16 @@ impl One {
             Layer::Conv(c) => {
                 let p = c.params();
                 let y = x.conv2d(&w, c.bias(), p.stride, p.padding, p.dilation, 1);
-                y + x.conv2d::<Tensor>(ad.lora_a(), None, p.stride, p.padding, p.dilation, 1).conv2d::<Tensor>(ad.lora_b(), None, [1, 1], [0, 0], [1, 1], 1) * s
+                y + x
+                    .conv2d::<Tensor>(ad.lora_a(), None, p.stride, p.padding, p.dilation, 1)
+                    .conv2d::<Tensor>(ad.lora_b(), None, [1, 1], [0, 0], [1, 1], 1)
+                    * s
             }
             Layer::Emb(_) => {
-                Tensor::embedding(&w, x, -1, false, false) + Tensor::embedding(&ad.lora_a().tr(), x, -1, false, false).matmul(&ad.lora_b().tr()) * s
+                Tensor::embedding(&w, x, -1, false, false)
+                    + Tensor::embedding(&ad.lora_a().tr(), x, -1, false, false)
+                        .matmul(&ad.lora_b().tr())
+                        * s
             }
         }
     }
@@ -179,16 +220,25 @@ impl One {
             // peft/tuners/lora/dora.py::_DoraConvNdLayer
             let p = c.params();
             let r = ad.rank();
-            let dw = ad.lora_b().reshape([-1, r]).matmul(&ad.lora_a().reshape([r, -1])).reshape(w.size());
+            let dw = ad
+                .lora_b()
+                .reshape([-1, r])
+                .matmul(&ad.lora_a().reshape([r, -1]))
+                .reshape(w.size());
             let norm = (&w + dw * s).norm_scalaropt_dim(2, [1, 2, 3], false);
             let g = (ad.magnitude().unwrap() / norm).reshape([1, -1, 1, 1]);
             let base = x.conv2d::<Tensor>(&w, None, p.stride, p.padding, p.dilation, 1);
             let lora = x
                 .conv2d::<Tensor>(ad.lora_a(), None, p.stride, p.padding, p.dilation, 1)
                 .conv2d::<Tensor>(ad.lora_b(), None, [1, 1], [0, 0], [1, 1], 1);
-            return &base + (&g - 1.0) * &base + &g * lora * s + c.bias().unwrap().reshape([1, -1, 1, 1]);
+            return &base
+                + (&g - 1.0) * &base
+                + &g * lora * s
+                + c.bias().unwrap().reshape([1, -1, 1, 1]);
         }
-        let Layer::Lin(lin) = &self.layer else { panic!("linear or conv only") };
+        let Layer::Lin(lin) = &self.layer else {
+            panic!("linear or conv only")
+        };
         let xf = x.to_kind(Kind::Float);
         let norm = (&w + ad.lora_b().matmul(ad.lora_a()) * s).norm_scalaropt_dim(2, [1], false);
         let g = ad.magnitude().unwrap() / norm;
@@ -246,7 +296,9 @@ fn sites() -> Vec<Site> {
         Site::LinearQuant(QuantKind::Q8_0),
         Site::LinearQuant(QuantKind::Q4_0),
         Site::LinearQuant(QuantKind::Q4_1),
-        Site::LinearQuant(QuantKind::Nf4 { double_quant: false }),
+        Site::LinearQuant(QuantKind::Nf4 {
+            double_quant: false,
+        }),
         Site::LinearQuant(QuantKind::Nf4 { double_quant: true }),
         Site::Conv,
         Site::Embedding,
@@ -255,15 +307,41 @@ fn sites() -> Vec<Site> {
 }
 
 fn opts() -> Vec<Opt> {
-    let base = Opt { rank: 4, alpha: 8.0, rslora: false, dora: false, dropout: 0.0, init: InitLoraWeights::Kaiming };
+    let base = Opt {
+        rank: 4,
+        alpha: 8.0,
+        rslora: false,
+        dora: false,
+        dropout: 0.0,
+        init: InitLoraWeights::Kaiming,
+    };
     vec![
         base,
-        Opt { alpha: 3.0, rank: 8, ..base },
-        Opt { rslora: true, alpha: 6.0, ..base },
-        Opt { init: InitLoraWeights::Gaussian, ..base },
-        Opt { dropout: 0.5, ..base },
+        Opt {
+            alpha: 3.0,
+            rank: 8,
+            ..base
+        },
+        Opt {
+            rslora: true,
+            alpha: 6.0,
+            ..base
+        },
+        Opt {
+            init: InitLoraWeights::Gaussian,
+            ..base
+        },
+        Opt {
+            dropout: 0.5,
+            ..base
+        },
         Opt { dora: true, ..base },
-        Opt { dora: true, dropout: 0.3, alpha: 2.0, ..base },
+        Opt {
+            dora: true,
+            dropout: 0.3,
+            alpha: 2.0,
+            ..base
+        },
     ]
 }
 
@@ -276,7 +354,7 @@ fn tol(site: Site) -> f64 {
 
 #[test]
 fn invariant_table() {
-    let _ = tch::set_num_threads(1);
+    tch::set_num_threads(1);
     let mut checked = 0;
     for site in sites() {
         for o in opts() {
@@ -309,10 +387,22 @@ fn check_case(site: Site, o: Opt) {
 
     // parameter count = formula
     assert_eq!(report.modules, vec![m.name.to_string()], "{ctx}");
-    assert_eq!(report.params_added, m.param_formula(o.rank, o.dora), "{ctx}");
+    assert_eq!(
+        report.params_added,
+        m.param_formula(o.rank, o.dora),
+        "{ctx}"
+    );
     assert_eq!(report.trainable_params, report.params_added, "{ctx}");
-    assert_eq!(report.all_params, m.layer().base().numel() + report.params_added + bias_numel(&m), "{ctx}");
-    let vs_count: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+    assert_eq!(
+        report.all_params,
+        m.layer().base().numel() + report.params_added + bias_numel(&m),
+        "{ctx}"
+    );
+    let vs_count: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
     assert_eq!(vs_count, report.params_added, "{ctx}");
 
     // B = 0 (A = 0 for embeddings) is the identity
@@ -325,43 +415,76 @@ fn check_case(site: Site, o: Opt) {
     }
     // scaling from config
     let ad = m.layer().adapter("default").unwrap();
-    let want_s = if o.rslora { o.alpha / (o.rank as f64).sqrt() } else { o.alpha / o.rank as f64 };
+    let want_s = if o.rslora {
+        o.alpha / (o.rank as f64).sqrt()
+    } else {
+        o.alpha / o.rank as f64
+    };
     assert!((ad.scaling() - want_s).abs() < 1e-12, "{ctx}");
 
     // after an optimizer step only adapter tensors changed
     {
         let before: Vec<Tensor> = vs.trainable_variables().iter().map(|t| t.copy()).collect();
         let mut opt = nn::Adam::default().build(&vs, 1e-2).unwrap();
-        let loss = m.forward(&x, true).to_kind(Kind::Float).pow_tensor_scalar(2).mean(None);
+        let loss = m
+            .forward(&x, true)
+            .to_kind(Kind::Float)
+            .pow_tensor_scalar(2)
+            .mean(None);
         opt.backward_step(&loss);
         let after = vs.trainable_variables();
-        assert!(before.iter().zip(&after).any(|(b, a)| !b.equal(a)), "{ctx}: no adapter tensor changed");
-        assert!(m.base_snapshot().equal(&w_before), "{ctx}: base weight changed");
+        assert!(
+            before.iter().zip(&after).any(|(b, a)| !b.equal(a)),
+            "{ctx}: no adapter tensor changed"
+        );
+        assert!(
+            m.base_snapshot().equal(&w_before),
+            "{ctx}: base weight changed"
+        );
     }
 
     // a non-trivial adapter; the forward equals the formula (eval)
     randomize(&mut m, "default", 5);
     let y1 = m.forward(&x, false);
-    let expect = if o.dora { m.dora_formula(&x, "default") } else { m.formula(&x, "default") };
+    let expect = if o.dora {
+        m.dora_formula(&x, "default")
+    } else {
+        m.formula(&x, "default")
+    };
     let d = max_abs_diff(&y1.to_kind(Kind::Float), &expect);
     assert!(d <= tol(site), "{ctx}: formula off by {d}");
-    assert!(max_abs_diff(&y1.to_kind(Kind::Float), &y_base.to_kind(Kind::Float)) > 1e-3, "{ctx}: adapter has no effect");
+    assert!(
+        max_abs_diff(&y1.to_kind(Kind::Float), &y_base.to_kind(Kind::Float)) > 1e-3,
+        "{ctx}: adapter has no effect"
+    );
 
     // dropout only in training
     let y_eval2 = m.forward(&x, false);
     assert!(y_eval2.equal(&y1), "{ctx}: eval is not deterministic");
     let y_train = m.forward(&x, true);
     if o.dropout > 0.0 && !matches!(site, Site::Embedding | Site::EmbeddingQ8) {
-        assert!(!y_train.equal(&y1), "{ctx}: dropout had no effect in training");
+        assert!(
+            !y_train.equal(&y1),
+            "{ctx}: dropout had no effect in training"
+        );
     } else {
-        assert!(y_train.equal(&y1), "{ctx}: training forward differs without dropout");
+        assert!(
+            y_train.equal(&y1),
+            "{ctx}: training forward differs without dropout"
+        );
     }
 
     // disable → base output; enable → adapter output again
     set_adapters_enabled(&mut m, false).unwrap();
-    assert!(m.forward(&x, false).equal(&y_base), "{ctx}: disabled != base");
+    assert!(
+        m.forward(&x, false).equal(&y_base),
+        "{ctx}: disabled != base"
+    );
     set_adapters_enabled(&mut m, true).unwrap();
-    assert!(m.forward(&x, false).equal(&y1), "{ctx}: re-enabled != adapted");
+    assert!(
+        m.forward(&x, false).equal(&y1),
+        "{ctx}: re-enabled != adapted"
+    );
 
     // merge: merged == unmerged forward; unmerge restores the base
     if m.is_quant() {
@@ -375,12 +498,18 @@ fn check_case(site: Site, o: Opt) {
         assert!(d <= tol(site), "{ctx}: merged differs by {d}");
         // merging twice is a no-op
         merge_adapters(&mut m, None, true).unwrap();
-        assert!(m.forward(&x, false).equal(&ym), "{ctx}: second merge changed the output");
+        assert!(
+            m.forward(&x, false).equal(&ym),
+            "{ctx}: second merge changed the output"
+        );
         unmerge_adapters(&mut m).unwrap();
         let dw = max_abs_diff(&m.base_snapshot(), &w_before);
         let wtol = if site == Site::LinearBf16 { 0.02 } else { 1e-6 };
         assert!(dw <= wtol, "{ctx}: unmerge left {dw}");
-        let d = max_abs_diff(&m.forward(&x, false).to_kind(Kind::Float), &y1.to_kind(Kind::Float));
+        let d = max_abs_diff(
+            &m.forward(&x, false).to_kind(Kind::Float),
+            &y1.to_kind(Kind::Float),
+        );
         assert!(d <= tol(site), "{ctx}: unmerged forward off by {d}");
     }
 
@@ -392,15 +521,27 @@ fn check_case(site: Site, o: Opt) {
     let (cfg2, rep2) = peft::load_adapter(&mut m2, dir.path(), "default", &vs2.root()).unwrap();
     assert_eq!(cfg2.use_dora, o.dora, "{ctx}");
     assert_eq!(rep2.params_added, report.params_added, "{ctx}");
-    let (a1, a2) = (m.layer().adapter("default").unwrap(), m2.layer().adapter("default").unwrap());
-    assert!(a1.lora_a().equal(a2.lora_a()) && a1.lora_b().equal(a2.lora_b()), "{ctx}: A/B not bit-identical");
+    let (a1, a2) = (
+        m.layer().adapter("default").unwrap(),
+        m2.layer().adapter("default").unwrap(),
+    );
+    assert!(
+        a1.lora_a().equal(a2.lora_a()) && a1.lora_b().equal(a2.lora_b()),
+        "{ctx}: A/B not bit-identical"
+    );
     assert_eq!(a1.magnitude().is_some(), a2.magnitude().is_some());
     if let (Some(p), Some(q)) = (a1.magnitude(), a2.magnitude()) {
         assert!(p.equal(q), "{ctx}: magnitude");
     }
-    assert!((a1.scaling() - a2.scaling()).abs() < 1e-12, "{ctx}: scaling");
+    assert!(
+        (a1.scaling() - a2.scaling()).abs() < 1e-12,
+        "{ctx}: scaling"
+    );
     // (m's base went through merge → unmerge, so compare with the merge tolerance)
-    let d = max_abs_diff(&m2.forward(&x, false).to_kind(Kind::Float), &y1.to_kind(Kind::Float));
+    let d = max_abs_diff(
+        &m2.forward(&x, false).to_kind(Kind::Float),
+        &y1.to_kind(Kind::Float),
+    );
     assert!(d <= tol(site), "{ctx}: loaded forward differs by {d}");
 }
 
@@ -416,13 +557,29 @@ fn bias_numel(m: &One) -> i64 {
 fn safe_merge_refuses_non_finite_and_leaves_base_untouched() {
     let mut m = One::new(Site::Linear);
     let vs = nn::VarStore::new(Device::Cpu);
-    inject(&mut m, &LoraConfig::new(4, 8.0, &["q_proj"]), "default", &vs.root()).unwrap();
+    inject(
+        &mut m,
+        &LoraConfig::new(4, 8.0, &["q_proj"]),
+        "default",
+        &vs.root(),
+    )
+    .unwrap();
     let w = m.base_snapshot();
     {
         let _g = tch::no_grad_guard();
-        let mut b = m.layer().adapter("default").unwrap().lora_b().shallow_clone();
+        let mut b = m
+            .layer()
+            .adapter("default")
+            .unwrap()
+            .lora_b()
+            .shallow_clone();
         let _ = b.fill_(f64::INFINITY);
-        let mut a = m.layer().adapter("default").unwrap().lora_a().shallow_clone();
+        let mut a = m
+            .layer()
+            .adapter("default")
+            .unwrap()
+            .lora_a()
+            .shallow_clone();
         let _ = a.fill_(1.0);
     }
     let e = merge_adapters(&mut m, None, true).unwrap_err();
@@ -454,7 +611,9 @@ fn several_named_adapters_with_weights() {
     lora_core::inject::set_adapter_weight(&mut m, "subject", -2.0).unwrap();
     let x = m.input();
     let y = m.forward(&x, false);
-    let Layer::Lin(l) = &m.layer else { unreachable!() };
+    let Layer::Lin(l) = &m.layer else {
+        unreachable!()
+    };
     let w = l.base().weight(Kind::Float).unwrap();
     let branch = |name: &str| {
         let ad = l.adapter(name).unwrap();
@@ -487,7 +646,9 @@ fn several_named_adapters_with_weights() {
 }
 
 fn l_bias(m: &One) -> Tensor {
-    let Layer::Lin(l) = &m.layer else { unreachable!() };
+    let Layer::Lin(l) = &m.layer else {
+        unreachable!()
+    };
     l.bias().unwrap().shallow_clone()
 }
 

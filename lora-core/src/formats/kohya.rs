@@ -11,7 +11,9 @@
 //! Header metadata: `ss_network_module`, `ss_network_dim`, `ss_network_alpha`, `ss_network_args`
 //! (plus whatever the adapter's metadata holds, e.g. `ss_base_model_version`, `ss_v2`, training stats).
 
-use super::{AdapterWeights, ModuleLora, check_pair, kind_from_a, load_safetensors, write_safetensors};
+use super::{
+    AdapterWeights, ModuleLora, check_pair, kind_from_a, load_safetensors, write_safetensors,
+};
 use crate::error::{Error, Result, TchContext};
 use crate::layer::SiteKind;
 use std::collections::BTreeMap;
@@ -41,8 +43,15 @@ impl KohyaFile {
     ///
     /// # Errors
     /// [`Error::Format`] listing kohya names under `prefix` that match no site.
-    pub fn take_prefix<S: AsRef<str>>(&mut self, prefix: &str, site_names: &[S]) -> Result<AdapterWeights> {
-        let mut w = AdapterWeights { metadata: self.metadata.clone(), ..Default::default() };
+    pub fn take_prefix<S: AsRef<str>>(
+        &mut self,
+        prefix: &str,
+        site_names: &[S],
+    ) -> Result<AdapterWeights> {
+        let mut w = AdapterWeights {
+            metadata: self.metadata.clone(),
+            ..Default::default()
+        };
         for site in site_names {
             let k = kohya_name(prefix, site.as_ref());
             if let Some(m) = self.modules.remove(&k) {
@@ -50,11 +59,19 @@ impl KohyaFile {
             }
         }
         let head = format!("{prefix}_");
-        let left: Vec<&str> = self.modules.keys().filter(|k| k.starts_with(&head)).map(String::as_str).collect();
+        let left: Vec<&str> = self
+            .modules
+            .keys()
+            .filter(|k| k.starts_with(&head))
+            .map(String::as_str)
+            .collect();
         if !left.is_empty() {
             return Err(Error::Format {
                 file: self.path.clone(),
-                reason: format!("modules [{}] match no site of the model under prefix {prefix:?}", left.join(", ")),
+                reason: format!(
+                    "modules [{}] match no site of the model under prefix {prefix:?}",
+                    left.join(", ")
+                ),
             });
         }
         Ok(w)
@@ -83,7 +100,10 @@ pub fn read(path: &Path) -> Result<KohyaFile> {
     }
     let mut modules = BTreeMap::new();
     for name in names {
-        let (kd, ku) = (format!("{name}.lora_down.weight"), format!("{name}.lora_up.weight"));
+        let (kd, ku) = (
+            format!("{name}.lora_down.weight"),
+            format!("{name}.lora_up.weight"),
+        );
         let a = file.take_float(&kd)?;
         let b = file.take_float(&ku)?;
         let kind = kind_from_a(&kd, &a)?;
@@ -93,9 +113,22 @@ pub fn read(path: &Path) -> Result<KohyaFile> {
             Some(v) if v != 0.0 => v,
             _ => r as f64,
         };
-        modules.insert(name, ModuleLora { kind, lora_a: a, lora_b: b, alpha, magnitude: None });
+        modules.insert(
+            name,
+            ModuleLora {
+                kind,
+                lora_a: a,
+                lora_b: b,
+                alpha,
+                magnitude: None,
+            },
+        );
     }
-    Ok(KohyaFile { modules, metadata: file.metadata, path: path.to_path_buf() })
+    Ok(KohyaFile {
+        modules,
+        metadata: file.metadata,
+        path: path.to_path_buf(),
+    })
 }
 
 /// Writes `parts` (kohya prefix, adapter) into one kohya file at `path`.
@@ -117,13 +150,21 @@ pub fn write(path: &Path, parts: &[(&str, &AdapterWeights)]) -> Result<()> {
         }
         for (mpath, m) in &w.modules {
             if m.magnitude.is_some() {
-                return Err(Error::Unsupported(format!("DoRA module {mpath} in the kohya format; save as PEFT")));
+                return Err(Error::Unsupported(format!(
+                    "DoRA module {mpath} in the kohya format; save as PEFT"
+                )));
             }
             if m.kind == SiteKind::Embedding {
-                return Err(Error::Unsupported(format!("Embedding module {mpath} in the kohya format; save as PEFT")));
+                return Err(Error::Unsupported(format!(
+                    "Embedding module {mpath} in the kohya format; save as PEFT"
+                )));
             }
             let r = m.rank();
-            let alpha = if w.use_rslora { m.alpha * (r as f64).sqrt() } else { m.alpha };
+            let alpha = if w.use_rslora {
+                m.alpha * (r as f64).sqrt()
+            } else {
+                m.alpha
+            };
             if m.kind == SiteKind::Conv2d && conv.is_none() {
                 conv = Some((r, alpha));
             }
@@ -138,18 +179,31 @@ pub fn write(path: &Path, parts: &[(&str, &AdapterWeights)]) -> Result<()> {
     }
     if let Some((_, first)) = parts.first() {
         let (r, a) = first.dominant_rank_alpha();
-        let a = if first.use_rslora { a * (r as f64).sqrt() } else { a };
-        meta.entry("ss_network_module".into()).or_insert_with(|| "networks.lora".into());
-        meta.entry("ss_network_dim".into()).or_insert_with(|| r.to_string());
-        meta.entry("ss_network_alpha".into()).or_insert_with(|| fmt_num(a));
+        let a = if first.use_rslora {
+            a * (r as f64).sqrt()
+        } else {
+            a
+        };
+        meta.entry("ss_network_module".into())
+            .or_insert_with(|| "networks.lora".into());
+        meta.entry("ss_network_dim".into())
+            .or_insert_with(|| r.to_string());
+        meta.entry("ss_network_alpha".into())
+            .or_insert_with(|| fmt_num(a));
         if let Some((cr, ca)) = conv {
-            meta.entry("ss_network_args".into())
-                .or_insert_with(|| serde_json::json!({"conv_dim": cr.to_string(), "conv_alpha": fmt_num(ca)}).to_string());
+            meta.entry("ss_network_args".into()).or_insert_with(|| {
+                serde_json::json!({"conv_dim": cr.to_string(), "conv_alpha": fmt_num(ca)})
+                    .to_string()
+            });
         }
     }
     write_safetensors(path, &tensors, &meta)
 }
 
 fn fmt_num(v: f64) -> String {
-    if v.fract() == 0.0 { format!("{v:.1}") } else { v.to_string() }
+    if v.fract() == 0.0 {
+        format!("{v:.1}")
+    } else {
+        v.to_string()
+    }
 }

@@ -57,7 +57,9 @@ pub struct AdapterWeights {
 impl AdapterWeights {
     /// The scaling of `module`'s adapter, if present.
     pub fn scaling(&self, module: &str) -> Option<f64> {
-        self.modules.get(module).map(|m| scaling(m.alpha, m.rank(), self.use_rslora))
+        self.modules
+            .get(module)
+            .map(|m| scaling(m.alpha, m.rank(), self.use_rslora))
     }
 
     /// Whether any module carries a DoRA magnitude.
@@ -101,15 +103,24 @@ impl AdapterWeights {
             Ok(())
         })?;
         if modules.is_empty() {
-            return Err(Error::Adapter { name: adapter_name.into(), reason: "no site of the model has it".into() });
+            return Err(Error::Adapter {
+                name: adapter_name.into(),
+                reason: "no site of the model has it".into(),
+            });
         }
         if mixed {
             return Err(Error::Adapter {
                 name: adapter_name.into(),
-                reason: "mixes rsLoRA and plain scaling across modules; no file format can express that".into(),
+                reason:
+                    "mixes rsLoRA and plain scaling across modules; no file format can express that"
+                        .into(),
             });
         }
-        Ok(Self { modules, use_rslora: rslora.unwrap_or(false), metadata: BTreeMap::new() })
+        Ok(Self {
+            modules,
+            use_rslora: rslora.unwrap_or(false),
+            metadata: BTreeMap::new(),
+        })
     }
 
     /// Adds these weights to `model` as adapter `adapter_name` (tensors created in `vs`, then
@@ -129,19 +140,32 @@ impl AdapterWeights {
         let mut seen = Vec::new();
         let mut added = 0i64;
         model.visit_sites(&mut |path, mut site| {
-            let Some(m) = self.modules.get(path) else { return Ok(()) };
+            let Some(m) = self.modules.get(path) else {
+                return Ok(());
+            };
             let layer = site.layer();
             if layer.site_kind() != m.kind {
                 return Err(Error::Adapter {
                     name: adapter_name.into(),
-                    reason: format!("module {path} is a {:?} in the file but a {:?} in the model", m.kind, layer.site_kind()),
+                    reason: format!(
+                        "module {path} is a {:?} in the file but a {:?} in the model",
+                        m.kind,
+                        layer.site_kind()
+                    ),
                 });
             }
             let r = m.rank();
             let (a_shape, b_shape) = layer.adapter_shapes(r);
-            for (what, t, want) in [("lora_A", &m.lora_a, &a_shape), ("lora_B", &m.lora_b, &b_shape)] {
+            for (what, t, want) in [
+                ("lora_A", &m.lora_a, &a_shape),
+                ("lora_B", &m.lora_b, &b_shape),
+            ] {
                 if &t.size() != want {
-                    return Err(Error::Shape { key: format!("{path}.{what}"), expected: want.clone(), found: t.size() });
+                    return Err(Error::Shape {
+                        key: format!("{path}.{what}"),
+                        expected: want.clone(),
+                        found: t.size(),
+                    });
                 }
             }
             let spec = AdapterSpec {
@@ -153,12 +177,18 @@ impl AdapterWeights {
                 init: crate::config::InitLoraWeights::Kaiming,
             };
             added += layer.add_adapter(path, adapter_name, &spec, vs)?;
-            let ad = layer.adapter(adapter_name).ok_or_else(|| crate::layer::missing(adapter_name))?;
+            let ad = layer
+                .adapter(adapter_name)
+                .ok_or_else(|| crate::layer::missing(adapter_name))?;
             let _g = tch::no_grad_guard();
             let fill = |dst: &Tensor, src: &Tensor, what: &str| -> Result<()> {
                 let ctx = || format!("loading {path}.{what}");
                 if dst.size() != src.size() {
-                    return Err(Error::Shape { key: format!("{path}.{what}"), expected: dst.size(), found: src.size() });
+                    return Err(Error::Shape {
+                        key: format!("{path}.{what}"),
+                        expected: dst.size(),
+                        found: src.size(),
+                    });
                 }
                 let mut d = dst.shallow_clone();
                 d.f_copy_(src).ctx(ctx)
@@ -166,14 +196,20 @@ impl AdapterWeights {
             fill(ad.lora_a(), &m.lora_a, "lora_A")?;
             fill(ad.lora_b(), &m.lora_b, "lora_B")?;
             if let (Some(dst), Some(src)) = (ad.magnitude(), &m.magnitude) {
-                let src = src.f_reshape([-1]).ctx(|| format!("reshaping {path}.lora_magnitude_vector"))?;
+                let src = src
+                    .f_reshape([-1])
+                    .ctx(|| format!("reshaping {path}.lora_magnitude_vector"))?;
                 fill(dst, &src, "lora_magnitude_vector")?;
             }
             seen.push(path.to_string());
             Ok(())
         })?;
-        let missing: Vec<&str> =
-            self.modules.keys().filter(|k| !seen.iter().any(|s| s == *k)).map(String::as_str).collect();
+        let missing: Vec<&str> = self
+            .modules
+            .keys()
+            .filter(|k| !seen.iter().any(|s| s == *k))
+            .map(String::as_str)
+            .collect();
         if !missing.is_empty() {
             return Err(Error::Adapter {
                 name: adapter_name.into(),
@@ -214,11 +250,17 @@ pub struct SafetensorsHeader {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| Error::Io { path: path.to_path_buf(), source }
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn st_err(path: &Path) -> impl FnOnce(safetensors::SafeTensorError) -> Error + '_ {
-    move |source| Error::SafeTensors { path: path.to_path_buf(), source }
+    move |source| Error::SafeTensors {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn map_file(path: &Path) -> Result<memmap2::Mmap> {
@@ -285,7 +327,9 @@ fn dtype_of(kind: Kind) -> Option<Dtype> {
 ///
 /// # Errors
 /// [`Error::Io`] / [`Error::SafeTensors`] with the path; [`Error::Dtype`] for unsupported dtypes.
-pub fn read_safetensors(path: &Path) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, String>)> {
+pub fn read_safetensors(
+    path: &Path,
+) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, String>)> {
     let l = load_safetensors(path)?;
     Ok((l.tensors, l.metadata))
 }
@@ -294,7 +338,11 @@ pub(crate) fn load_safetensors(path: &Path) -> Result<Loaded> {
     let map = map_file(path)?;
     let st = SafeTensors::deserialize(&map).map_err(st_err(path))?;
     let (_, meta) = SafeTensors::read_metadata(&map).map_err(st_err(path))?;
-    let metadata = meta.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
+    let metadata = meta
+        .metadata()
+        .as_ref()
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
     let mut tensors = BTreeMap::new();
     for (name, view) in st.iter() {
         let kind = kind_of(view.dtype()).ok_or_else(|| Error::Dtype {
@@ -304,17 +352,28 @@ pub(crate) fn load_safetensors(path: &Path) -> Result<Loaded> {
         })?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         // from_data_size copies (memcpy), so safetensors' unaligned offsets are fine.
-        let t = Tensor::f_from_data_size(view.data(), &shape, kind).ctx(|| format!("reading {name} from {}", path.display()))?;
+        let t = Tensor::f_from_data_size(view.data(), &shape, kind)
+            .ctx(|| format!("reading {name} from {}", path.display()))?;
         tensors.insert(name.to_string(), t);
     }
-    Ok(Loaded { tensors, metadata, path: path.to_path_buf() })
+    Ok(Loaded {
+        tensors,
+        metadata,
+        path: path.to_path_buf(),
+    })
 }
 
 impl Loaded {
     /// Takes tensor `key`, requiring a float dtype (f32/f16/bf16/f64) and returning it as `kind`.
     pub(crate) fn take_float(&mut self, key: &str) -> Result<Tensor> {
-        let t = self.tensors.remove(key).ok_or_else(|| Error::MissingKey { key: key.into(), file: self.path.clone() })?;
-        if !matches!(t.kind(), Kind::Float | Kind::Half | Kind::BFloat16 | Kind::Double) {
+        let t = self.tensors.remove(key).ok_or_else(|| Error::MissingKey {
+            key: key.into(),
+            file: self.path.clone(),
+        })?;
+        if !matches!(
+            t.kind(),
+            Kind::Float | Kind::Half | Kind::BFloat16 | Kind::Double
+        ) {
             return Err(Error::Dtype {
                 key: key.into(),
                 found: format!("{:?}", t.kind()),
@@ -326,11 +385,20 @@ impl Loaded {
 
     /// Takes a scalar alpha (0-d or `[1]`, any float or integer dtype).
     pub(crate) fn take_alpha(&mut self, key: &str) -> Result<Option<f64>> {
-        let Some(t) = self.tensors.remove(key) else { return Ok(None) };
+        let Some(t) = self.tensors.remove(key) else {
+            return Ok(None);
+        };
         if t.numel() != 1 {
-            return Err(Error::Shape { key: key.into(), expected: vec![], found: t.size() });
+            return Err(Error::Shape {
+                key: key.into(),
+                expected: vec![],
+                found: t.size(),
+            });
         }
-        let v = t.f_to_kind(Kind::Double).and_then(|t| t.f_reshape([-1])).and_then(|t| t.f_double_value(&[0]));
+        let v = t
+            .f_to_kind(Kind::Double)
+            .and_then(|t| t.f_reshape([-1]))
+            .and_then(|t| t.f_double_value(&[0]));
         Ok(Some(v.ctx(|| format!("reading alpha {key}"))?))
     }
 }
@@ -364,11 +432,19 @@ pub(crate) fn owned_view(key: &str, t: &Tensor) -> Result<OwnedView> {
         what: "writable dtypes are f32, f16, bf16, f64, i64, i32".into(),
     })?;
     let ctx = || format!("serializing {key}");
-    let c = t.f_detach().and_then(|t| t.f_to_device(Device::Cpu)).and_then(|t| t.f_contiguous()).ctx(ctx)?;
+    let c = t
+        .f_detach()
+        .and_then(|t| t.f_to_device(Device::Cpu))
+        .and_then(|t| t.f_contiguous())
+        .ctx(ctx)?;
     let numel = c.numel();
     let mut data = vec![0u8; numel * c.kind().elt_size_in_bytes()];
     c.f_copy_data_u8(&mut data, numel).ctx(ctx)?;
-    Ok(OwnedView { dtype, shape: c.size().iter().map(|&d| d as usize).collect(), data })
+    Ok(OwnedView {
+        dtype,
+        shape: c.size().iter().map(|&d| d as usize).collect(),
+        data,
+    })
 }
 
 /// Writes `tensors` (any device; f32/f16/bf16/f64/i64/i32) and `metadata` to a safetensors file,
@@ -381,9 +457,14 @@ pub fn write_safetensors(
     tensors: &BTreeMap<String, Tensor>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let views: Vec<(String, OwnedView)> =
-        tensors.iter().map(|(k, t)| Ok((k.clone(), owned_view(k, t)?))).collect::<Result<_>>()?;
-    let meta: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let views: Vec<(String, OwnedView)> = tensors
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), owned_view(k, t)?)))
+        .collect::<Result<_>>()?;
+    let meta: HashMap<String, String> = metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     if let Some(dir) = path.parent()
         && !dir.as_os_str().is_empty()
     {
@@ -402,7 +483,11 @@ pub(crate) fn kind_from_a(key: &str, a: &Tensor) -> Result<SiteKind> {
     match a.dim() {
         2 => Ok(SiteKind::Linear),
         4 => Ok(SiteKind::Conv2d),
-        _ => Err(Error::Shape { key: key.into(), expected: vec![-1, -1], found: a.size() }),
+        _ => Err(Error::Shape {
+            key: key.into(),
+            expected: vec![-1, -1],
+            found: a.size(),
+        }),
     }
 }
 
@@ -421,6 +506,10 @@ pub(crate) fn check_pair(key: &str, kind: SiteKind, a: &Tensor, b: &Tensor) -> R
         if kind == SiteKind::Conv2d {
             expected.extend([1, 1]);
         }
-        Err(Error::Shape { key: key.into(), expected, found: sb })
+        Err(Error::Shape {
+            key: key.into(),
+            expected,
+            found: sb,
+        })
     }
 }

@@ -9,7 +9,9 @@
 //! Per-module ranks / alphas that differ from the most common one are written as `rank_pattern` /
 //! `alpha_pattern` entries keyed by the escaped full module path.
 
-use super::{AdapterWeights, ModuleLora, check_pair, kind_from_a, load_safetensors, write_safetensors};
+use super::{
+    AdapterWeights, ModuleLora, check_pair, kind_from_a, load_safetensors, write_safetensors,
+};
 use crate::config::{LoraConfig, TargetModules};
 use crate::error::{Error, Result, TchContext};
 use crate::inject::{Adaptable, InjectionReport};
@@ -47,13 +49,18 @@ pub fn config_for(weights: &AdapterWeights, template: Option<&LoraConfig>) -> Lo
     cfg.use_dora = weights.use_dora();
     cfg.peft_type = "LORA".into();
     if cfg.target_modules.is_none() {
-        cfg.target_modules = Some(TargetModules::List(weights.modules.keys().cloned().collect()));
+        cfg.target_modules = Some(TargetModules::List(
+            weights.modules.keys().cloned().collect(),
+        ));
     }
     cfg
 }
 
 fn json_err(path: &Path) -> impl FnOnce(serde_json::Error) -> Error + '_ {
-    move |source| Error::Json { path: path.to_path_buf(), source }
+    move |source| Error::Json {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes `weights` as a PEFT adapter folder `dir` (created if needed); see [`config_for`].
@@ -61,7 +68,11 @@ fn json_err(path: &Path) -> impl FnOnce(serde_json::Error) -> Error + '_ {
 ///
 /// # Errors
 /// [`Error::Io`] / [`Error::SafeTensors`] / [`Error::Json`] with the path.
-pub fn save(weights: &AdapterWeights, template: Option<&LoraConfig>, dir: &Path) -> Result<LoraConfig> {
+pub fn save(
+    weights: &AdapterWeights,
+    template: Option<&LoraConfig>,
+    dir: &Path,
+) -> Result<LoraConfig> {
     let cfg = config_for(weights, template);
     let mut tensors = BTreeMap::new();
     for (path, m) in &weights.modules {
@@ -78,17 +89,24 @@ pub fn save(weights: &AdapterWeights, template: Option<&LoraConfig>, dir: &Path)
         }
         if let Some(mag) = &m.magnitude {
             let mag = if m.kind == SiteKind::Conv2d {
-                mag.f_reshape([1, -1, 1, 1]).ctx(|| format!("reshaping magnitude of {path}"))?
+                mag.f_reshape([1, -1, 1, 1])
+                    .ctx(|| format!("reshaping magnitude of {path}"))?
             } else {
                 mag.shallow_clone()
             };
             tensors.insert(format!("{key}.lora_magnitude_vector"), mag);
         }
     }
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let cfg_path = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&cfg).map_err(json_err(&cfg_path))?;
-    std::fs::write(&cfg_path, text).map_err(|source| Error::Io { path: cfg_path.clone(), source })?;
+    std::fs::write(&cfg_path, text).map_err(|source| Error::Io {
+        path: cfg_path.clone(),
+        source,
+    })?;
     let mut meta = weights.metadata.clone();
     meta.insert("format".into(), "pt".into());
     write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &meta)?;
@@ -101,10 +119,17 @@ pub fn save(weights: &AdapterWeights, template: Option<&LoraConfig>, dir: &Path)
 /// [`Error::Io`] / [`Error::Json`] with the path; [`Error::Config`] when `peft_type` is not `LORA`.
 pub fn read_config(dir: &Path) -> Result<LoraConfig> {
     let cfg_path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io { path: cfg_path.clone(), source })?;
+    let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io {
+        path: cfg_path.clone(),
+        source,
+    })?;
     let cfg: LoraConfig = serde_json::from_str(&text).map_err(json_err(&cfg_path))?;
     if cfg.peft_type != "LORA" {
-        return Err(Error::Config(format!("{}: peft_type {:?} is not LORA", cfg_path.display(), cfg.peft_type)));
+        return Err(Error::Config(format!(
+            "{}: peft_type {:?} is not LORA",
+            cfg_path.display(),
+            cfg.peft_type
+        )));
     }
     Ok(cfg)
 }
@@ -148,38 +173,75 @@ pub fn load(dir: &Path) -> Result<(LoraConfig, AdapterWeights)> {
             *e = k;
         }
     }
-    let mut weights = AdapterWeights { use_rslora: cfg.use_rslora, metadata: file.metadata.clone(), ..Default::default() };
+    let mut weights = AdapterWeights {
+        use_rslora: cfg.use_rslora,
+        metadata: file.metadata.clone(),
+        ..Default::default()
+    };
     weights.metadata.remove("format");
     for (path, kind) in paths {
         let key = format!("{PREFIX}{path}");
         let (ka, kb) = if kind == SiteKind::Embedding {
-            (format!("{key}.lora_embedding_A"), format!("{key}.lora_embedding_B"))
+            (
+                format!("{key}.lora_embedding_A"),
+                format!("{key}.lora_embedding_B"),
+            )
         } else {
-            (format!("{key}.lora_A.weight"), format!("{key}.lora_B.weight"))
+            (
+                format!("{key}.lora_A.weight"),
+                format!("{key}.lora_B.weight"),
+            )
         };
         let a = file.take_float(&ka)?;
         let b = file.take_float(&kb)?;
-        let kind = if kind == SiteKind::Embedding { kind } else { kind_from_a(&ka, &a)? };
+        let kind = if kind == SiteKind::Embedding {
+            kind
+        } else {
+            kind_from_a(&ka, &a)?
+        };
         check_pair(&kb, kind, &a, &b)?;
         let r = a.size()[0];
         let want = cfg.rank_for(&path);
         if r != want {
-            return Err(Error::Shape { key: ka, expected: vec![want, -1], found: a.size() });
+            return Err(Error::Shape {
+                key: ka,
+                expected: vec![want, -1],
+                found: a.size(),
+            });
         }
         let magnitude = match file.tensors.remove(&format!("{key}.lora_magnitude_vector")) {
-            Some(m) => Some(m.f_reshape([-1]).ctx(|| format!("reading {key}.lora_magnitude_vector"))?),
+            Some(m) => Some(
+                m.f_reshape([-1])
+                    .ctx(|| format!("reading {key}.lora_magnitude_vector"))?,
+            ),
             None if cfg.use_dora => {
-                return Err(Error::MissingKey { key: format!("{key}.lora_magnitude_vector"), file: file.path.clone() });
+                return Err(Error::MissingKey {
+                    key: format!("{key}.lora_magnitude_vector"),
+                    file: file.path.clone(),
+                });
             }
             None => None,
         };
         if let Some(m) = &magnitude {
             let out = b.size()[0];
             if m.size() != [out] {
-                return Err(Error::Shape { key: format!("{key}.lora_magnitude_vector"), expected: vec![out], found: m.size() });
+                return Err(Error::Shape {
+                    key: format!("{key}.lora_magnitude_vector"),
+                    expected: vec![out],
+                    found: m.size(),
+                });
             }
         }
-        weights.modules.insert(path.clone(), ModuleLora { kind, lora_a: a, lora_b: b, alpha: cfg.alpha_for(&path), magnitude });
+        weights.modules.insert(
+            path.clone(),
+            ModuleLora {
+                kind,
+                lora_a: a,
+                lora_b: b,
+                alpha: cfg.alpha_for(&path),
+                magnitude,
+            },
+        );
     }
     Ok((cfg, weights))
 }
@@ -189,7 +251,12 @@ pub fn load(dir: &Path) -> Result<(LoraConfig, AdapterWeights)> {
 ///
 /// # Errors
 /// See [`AdapterWeights::from_model`] and [`save`].
-pub fn save_adapter(model: &mut dyn Adaptable, adapter_name: &str, template: Option<&LoraConfig>, dir: &Path) -> Result<LoraConfig> {
+pub fn save_adapter(
+    model: &mut dyn Adaptable,
+    adapter_name: &str,
+    template: Option<&LoraConfig>,
+    dir: &Path,
+) -> Result<LoraConfig> {
     let w = AdapterWeights::from_model(model, adapter_name)?;
     save(&w, template, dir)
 }

@@ -37,7 +37,9 @@ pub struct Tiny {
 /// parallel threads and would race on it).
 pub fn dense(shape: &[i64], seed: i64) -> Tensor {
     let n: i64 = shape.iter().product();
-    let mut s = (seed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0xD1B5_4A32_D192_ED03);
+    let mut s = (seed as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(0xD1B5_4A32_D192_ED03);
     let v: Vec<f32> = (0..n)
         .map(|_| {
             s ^= s << 13;
@@ -64,12 +66,19 @@ impl Tiny {
             embed: LoraEmbedding::new(BaseWeight::Dense(dense(&[VOCAB, DIM], 1))).unwrap(),
             q: LoraLinear::new(linear_base(DIM, DIM, 2, quant), Some(dense(&[DIM], 3))).unwrap(),
             v: LoraLinear::new(linear_base(DIM, DIM, 4, quant), None).unwrap(),
-            up: LoraLinear::new(linear_base(HIDDEN, DIM, 5, quant), Some(dense(&[HIDDEN], 6))).unwrap(),
+            up: LoraLinear::new(
+                linear_base(HIDDEN, DIM, 5, quant),
+                Some(dense(&[HIDDEN], 6)),
+            )
+            .unwrap(),
             down: LoraLinear::new(linear_base(DIM, HIDDEN, 7, quant), None).unwrap(),
             conv: LoraConv2d::new(
                 BaseWeight::Dense(dense(&[4, 3, 3, 3], 8)),
                 Some(dense(&[4], 9)),
-                Conv2dParams { padding: [1, 1], ..Default::default() },
+                Conv2dParams {
+                    padding: [1, 1],
+                    ..Default::default()
+                },
             )
             .unwrap(),
         }
