@@ -273,3 +273,28 @@ fn schedulers_match_transformers() {
         }
     }
 }
+
+#[test]
+fn bf16_autocast_trains_with_fp32_adapters_and_fp16_needs_cuda() {
+    let _serial = engine_common::serial();
+    tch::set_num_threads(1);
+    let rec = Record::default();
+    let mut cfg = config(None, OptimizerKind::AdamW(AdamWConfig::default()));
+    cfg.epochs = 6;
+    cfg.precision = lora_train::precision::Precision::Bf16;
+    let (task, report) = train(cfg, None, Resume::No, &rec);
+    let first: f64 = report.losses[..5].iter().map(|l| l.1).sum::<f64>() / 5.0;
+    let last: f64 = report.losses[25..].iter().map(|l| l.1).sum::<f64>() / 5.0;
+    println!("toy loss with bf16 autocast: first epoch {first:.4}, last epoch {last:.4}");
+    assert!(last < 0.8 * first, "loss did not drop: {first} -> {last}");
+    for (_, t) in lora_train::trainer::TrainStep::named_trainable(&task) {
+        assert_eq!(t.kind(), tch::Kind::Float);
+    }
+    let mut fp16 = config(None, OptimizerKind::AdamW(AdamWConfig::default()));
+    fp16.precision = lora_train::precision::Precision::Fp16;
+    let mut trainer: Trainer<ToyLora> = Trainer::new(fp16);
+    let err = trainer
+        .fit(&mut ToyLora::new(), &mut ToyData::new(8, 4, 1), Resume::No)
+        .unwrap_err();
+    assert!(err.to_string().contains("CUDA"), "{err}");
+}
