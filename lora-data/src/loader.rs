@@ -712,7 +712,12 @@ mod tests {
         let (mut l, loads) = loader(100, 1, cfg);
         let mut it = l.epoch();
         it.next().unwrap().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        // wait (up to 10 s on a loaded machine) until the workers have filled their queues
+        let t = std::time::Instant::now();
+        while loads.load(Ordering::SeqCst) < 1 + 2 * 2 && t.elapsed().as_secs() < 10 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
         // each worker: ≤ prefetch_factor queued + 1 blocked in send; consumer took 1
         let loaded = loads.load(Ordering::SeqCst);
         assert!(loaded <= 1 + 2 * (2 + 1), "loaded {loaded}");
