@@ -9,7 +9,7 @@ use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
-/// `/work/main/assets` equivalent: `<workspace>/assets`.
+/// The assets folder that `cargo xtask setup` fills: `<workspace>/assets`.
 pub fn assets() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets")
 }
