@@ -7,12 +7,12 @@ pub use lora_memory as memory;
 pub use lora_models as models;
 pub use tch;
 
+pub mod callbacks;
+pub mod checkpoint;
 pub mod config;
 pub mod export;
 pub mod llm;
 pub mod metrics;
-pub mod callbacks;
-pub mod checkpoint;
 pub mod optim;
 pub mod precision;
 pub mod sched;

@@ -912,53 +912,6 @@ impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
     }
 }
 
-/// Writes one JSON line per logged step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`,
-/// memory) to a file.
-pub struct MetricsJsonl {
-    file: std::fs::File,
-    every: u64,
-}
-
-impl MetricsJsonl {
-    /// Creates (truncates) `path`, logging every `every` steps.
-    ///
-    /// # Errors
-    /// [`JobError::Runtime`] when the file cannot be created.
-    pub fn create(path: &Path, every: u64) -> Result<Self> {
-        if let Some(d) = path.parent() {
-            std::fs::create_dir_all(d).map_err(rt(&format!("creating {}", d.display())))?;
-        }
-        let file =
-            std::fs::File::create(path).map_err(rt(&format!("creating {}", path.display())))?;
-        Ok(MetricsJsonl {
-            file,
-            every: every.max(1),
-        })
-    }
-}
-
-impl crate::callbacks::Callback for MetricsJsonl {
-    fn on_step(
-        &mut self,
-        i: &crate::callbacks::StepInfo,
-    ) -> crate::trainer::Result<crate::callbacks::Control> {
-        use std::io::Write;
-        if i.step % self.every == 0 || i.step == i.total_steps {
-            let v = serde_json::json!({
-                "step": i.step, "epoch": i.epoch, "loss": i.loss, "lr": i.lr, "grad_norm": i.grad_norm,
-                "skipped": i.skipped, "tokens_per_s": i.tokens_per_s, "it_per_s": i.it_per_s,
-                "elapsed_s": i.elapsed_s, "rss_bytes": proc_rss().0, "cpu_tensor_peak_bytes": i.mem.cpu_peak_bytes,
-            });
-            writeln!(self.file, "{v}").map_err(|e| crate::trainer::TrainError::Io {
-                op: "write metrics",
-                path: PathBuf::from("metrics.jsonl"),
-                source: e,
-            })?;
-        }
-        Ok(crate::callbacks::Control::Continue)
-    }
-}
-
 /// The engine's settings for a config.
 ///
 /// # Errors
@@ -1290,10 +1243,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         .clone()
         .map(PathBuf::from)
         .unwrap_or_else(|| out_dir.join("logs"));
-    trainer.add_callback(Box::new(MetricsJsonl::create(
-        &log_dir.join("metrics.jsonl"),
-        cfg.logging.log_every_n_steps,
-    )?));
+    // metrics.jsonl (appended on resume), TensorBoard event files when `logging.tensorboard`, and
+    // loss.png at the end.
+    trainer.add_callback(Box::new(
+        crate::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
+            .map_err(|e| JobError::Runtime(e.to_string()))?
+            .with_every(cfg.logging.log_every_n_steps),
+    ));
     let resume = match &opts.resume {
         None => crate::trainer::Resume::No,
         Some(None) => crate::trainer::Resume::Latest,

@@ -309,6 +309,7 @@ pub struct MetricsLogger {
     jsonl: BufWriter<File>,
     tb: Option<TensorBoardWriter>,
     losses: Vec<(u64, f64)>,
+    every: u64,
 }
 
 impl std::fmt::Debug for MetricsLogger {
@@ -343,7 +344,15 @@ impl MetricsLogger {
             jsonl: BufWriter::new(f),
             tb,
             losses: Vec::new(),
+            every: 1,
         })
+    }
+
+    /// Writes the JSONL line and TensorBoard scalars every `n` steps (and at the last step);
+    /// `loss.png` still plots every step. `n = 0` is treated as 1.
+    pub fn with_every(mut self, n: u64) -> Self {
+        self.every = n.max(1);
+        self
     }
 
     fn line(&mut self, v: &serde_json::Value) -> Result<()> {
@@ -355,13 +364,16 @@ impl MetricsLogger {
 
 impl Callback for MetricsLogger {
     fn on_step(&mut self, info: &StepInfo) -> Result<Control> {
+        self.losses.push((info.step, info.loss));
+        if info.step % self.every != 0 && info.step != info.total_steps {
+            return Ok(Control::Continue);
+        }
         let mut v =
             serde_json::to_value(info).map_err(|e| TrainError::App(format!("metrics: {e}")))?;
         if let Some(o) = v.as_object_mut() {
             o.insert("type".into(), "step".into());
         }
         self.line(&v)?;
-        self.losses.push((info.step, info.loss));
         if let Some(tb) = self.tb.as_mut() {
             let mut s: Vec<(&str, f32)> = vec![
                 ("train/loss", info.loss as f32),
