@@ -1167,6 +1167,23 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         (t, eval_ids, stats)
     };
     let rows = lora_data::loader::Dataset::len(&train_ds);
+    let train_tokens = data_stats["train_tokens"].as_u64().unwrap_or(0);
+    if train_tokens < 2 {
+        return Err(JobError::Runtime(format!(
+            "{}: the training text is empty ({train_tokens} tokens after the held-out split); \
+             point data.train_data_dir at a file with text",
+            data_path.display()
+        )));
+    }
+    if cfg.data.eval_fraction > 0.0 && eval_ids.len() < 2 {
+        return Err(JobError::Runtime(format!(
+            "{}: the held-out split (data.eval_fraction {}) has {} tokens; use more text or set \
+             data.eval_fraction: 0",
+            data_path.display(),
+            cfg.data.eval_fraction,
+            eval_ids.len()
+        )));
+    }
     if rows == 0 {
         return Err(JobError::Runtime(format!(
             "{}: no training rows of {seq_len} tokens; use more text or a smaller data.seq_len",
@@ -1311,6 +1328,29 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             epochs: 1 + step.saturating_sub(1) / per_epoch.max(1),
         },
     );
+    // Never overwrite what an earlier run (or the user) left under the same names: move it aside.
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    for name in [
+        cfg.train.output_name.clone(),
+        format!("{}.safetensors", cfg.train.output_name),
+        "summary.json".to_string(),
+    ] {
+        let p = out_dir.join(&name);
+        if p.exists() {
+            let kept = out_dir.join(format!("{name}.prev-{stamp}"));
+            std::fs::rename(&p, &kept).map_err(rt(&format!(
+                "moving the existing {} aside to {}",
+                p.display(),
+                kept.display()
+            )))?;
+            if opts.verbose {
+                println!("kept the existing {} as {}", p.display(), kept.display());
+            }
+        }
+    }
     let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir)
         .map_err(rt("exporting the adapter"))?;
     let mut summary = RunSummary {

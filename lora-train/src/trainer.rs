@@ -562,7 +562,19 @@ impl<S: TrainStep> Trainer<S> {
         };
         let resume_from = match resume {
             Resume::No => None,
-            Resume::From(p) => Some(p),
+            Resume::From(p) => {
+                if !p.is_dir() {
+                    return Err(TrainError::Invalid {
+                        what: "resume".into(),
+                        value: p.display().to_string(),
+                        hint:
+                            "no checkpoint folder there; pass one of the step-* folders under the \
+                               run's checkpoints/ folder, or --resume alone for the newest"
+                                .into(),
+                    });
+                }
+                Some(p)
+            }
             Resume::Latest => match &run.ckpt {
                 Some(m) => m.latest()?,
                 None => {

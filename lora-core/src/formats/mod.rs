@@ -475,7 +475,16 @@ pub fn write_safetensors(
         if meta.is_empty() { None } else { Some(meta) },
         path,
     )
-    .map_err(st_err(path))
+    .map_err(st_err(path))?;
+    // The safetensors writer creates the file owner-only (0600); adapters are meant to be read by
+    // other tools and services (ComfyUI, A1111, a model server), so give them ordinary file modes.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644))
+            .map_err(io_err(path))?;
+    }
+    Ok(())
 }
 
 /// Infers the site kind from A's rank-dimension count (2 → Linear, 4 → Conv2d).
