@@ -16,11 +16,19 @@ fn benches(c: &mut Criterion) {
         .with_target_modules(&["to_q", "to_k", "to_v", "to_out.0"])
         .with_resolution(1024)
         .with_micro_batch(4);
-    c.bench_function("estimate/llama-3.1-8b", |b| b.iter(|| estimate(black_box(&llama), black_box(&s))));
-    c.bench_function("estimate/sdxl", |b| b.iter(|| estimate(black_box(&sdxl), black_box(&sd))));
+    c.bench_function("estimate/llama-3.1-8b", |b| {
+        b.iter(|| estimate(black_box(&llama), black_box(&s)))
+    });
+    c.bench_function("estimate/sdxl", |b| {
+        b.iter(|| estimate(black_box(&sdxl), black_box(&sd)))
+    });
     // 6 GiB forces most of the ladder (down to NF4 and shorter sequences).
-    c.bench_function("fit/llama-3.1-8b-into-6GiB", |b| b.iter(|| fit(black_box(&llama), black_box(&s), Bytes(6 << 30))));
-    c.bench_function("fit/sdxl-into-8GiB", |b| b.iter(|| fit(black_box(&sdxl), black_box(&sd), Bytes(8 << 30))));
+    c.bench_function("fit/llama-3.1-8b-into-6GiB", |b| {
+        b.iter(|| fit(black_box(&llama), black_box(&s), Bytes(6 << 30)))
+    });
+    c.bench_function("fit/sdxl-into-8GiB", |b| {
+        b.iter(|| fit(black_box(&sdxl), black_box(&sd), Bytes(8 << 30)))
+    });
     c.bench_function("max_micro_batch/llama-3.1-8b-80GiB", |b| {
         b.iter(|| max_micro_batch(black_box(&llama), black_box(&s), Bytes(80 << 30)))
     });

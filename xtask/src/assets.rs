@@ -375,7 +375,11 @@ pub fn print_inventory(root: &Path) -> Result<()> {
             human(bytes),
             files.saturating_sub(complete as u64),
             asset.what,
-            if complete { "" } else { "  [MISSING: run `cargo xtask setup`]" }
+            if complete {
+                ""
+            } else {
+                "  [MISSING: run `cargo xtask setup`]"
+            }
         );
     }
     let (dl, _) = tree_size(&dir.join(".downloads"));

@@ -124,7 +124,8 @@ fn configure(cmd: &mut Command, env: &Env) {
 fn test(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
     let t = Instant::now();
     let mut cmd = cargo();
-    cmd.current_dir(root).args(["test", "--workspace", "--no-fail-fast"]);
+    cmd.current_dir(root)
+        .args(["test", "--workspace", "--no-fail-fast"]);
     cmd.args(extra);
     configure(&mut cmd, env);
     eprintln!("== test: cargo test --workspace");
@@ -136,7 +137,10 @@ fn test(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
 fn demo(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
     let config = root.join("examples/configs/smollm2-shakespeare.yaml");
     if !config.is_file() {
-        bail!("the demo config {} is missing from this checkout", config.display());
+        bail!(
+            "the demo config {} is missing from this checkout",
+            config.display()
+        );
     }
     let mut cmd = cargo();
     cmd.current_dir(root).args([

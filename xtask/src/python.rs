@@ -73,8 +73,9 @@ pub fn ensure_libtorch(root: &Path) -> Result<Env> {
     let current = std::fs::read_link(&link).ok();
     if current.as_deref() != Some(rel.as_path()) {
         let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&rel, &link)
-            .with_context(|| format!("setup/libtorch: cannot create the link {}", link.display()))?;
+        std::os::unix::fs::symlink(&rel, &link).with_context(|| {
+            format!("setup/libtorch: cannot create the link {}", link.display())
+        })?;
     }
 
     // An LIBTORCH the user set (not the project default injected by .cargo/config.toml) wins.
@@ -183,7 +184,8 @@ fn ensure_venv_torch(root: &Path) -> Result<()> {
 /// Installs `python/requirements.txt` into the venv unless the same file was installed before.
 pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
     let req = root.join("python/requirements.txt");
-    let want = sha256_file(&req).context("setup/python peers: python/requirements.txt is missing")?;
+    let want =
+        sha256_file(&req).context("setup/python peers: python/requirements.txt is missing")?;
     let stamp = venv(root).join(".requirements.sha256");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
         eprintln!("   up to date");
@@ -210,7 +212,8 @@ pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
              Check that PyPI is reachable and the disk has room, then run `cargo xtask setup` again."
         );
     }
-    std::fs::write(&stamp, want).context("setup/python peers: cannot write the install stamp in .venv")?;
+    std::fs::write(&stamp, want)
+        .context("setup/python peers: cannot write the install stamp in .venv")?;
     Ok(())
 }
 
