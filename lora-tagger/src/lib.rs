@@ -1,2 +1,64 @@
-//! Auto-labeling of LoRA training data: LLM and WD14-style image taggers, tag post-processing, caption sidecars
+//! Auto-labeling of LoRA training data: LLM and WD14-style image taggers, tag post-processing,
+//! caption sidecars.
+//!
+//! Every tagger implements [`Tagger`]: it turns images and/or free-text descriptions into
+//! [`ScoredTag`]s. Batches are per item: one unreadable image or one garbage reply fails that item
+//! ([`ItemResult`]), not the batch.
 #![deny(missing_docs)]
+
+pub mod error;
+
+pub use error::{Error, Result};
+
+use std::path::PathBuf;
+
+/// The category of a tag, as the WD14 label file (`selected_tags.csv`, column `category`) gives it:
+/// `0` general, `4` character, `9` rating. LLM taggers produce [`TagCategory::General`] only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TagCategory {
+    /// Content tags (`1girl`, `outdoors`, `tabby cat`, …); category 0.
+    General,
+    /// Named characters; category 4.
+    Character,
+    /// Content ratings (`general`, `sensitive`, `questionable`, `explicit`); category 9.
+    Rating,
+}
+
+/// One tag with its confidence.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ScoredTag {
+    /// The tag as the model names it (post-processing normalizes it later).
+    pub tag: String,
+    /// Confidence in `[0, 1]`: a sigmoid/softmax probability for image models; LLM taggers give
+    /// `1.0` to every parsed tag, decreasing slightly with position to keep the model's order.
+    pub score: f32,
+    /// The tag's category.
+    pub category: TagCategory,
+}
+
+/// The outcome for one item of a batch: its tags, or why that item failed.
+pub type ItemResult = Result<Vec<ScoredTag>>;
+
+/// A model that labels training data.
+///
+/// Implementations decide their own micro-batch (adapting it to free memory and halving it on
+/// out-of-memory); callers pass whole lists.
+pub trait Tagger {
+    /// A stable identifier of the model and its settings, used in cache keys and reports
+    /// (e.g. `mobilenet_v2@<sha256 prefix>` or `http:Qwen3-32B`). Never contains secrets.
+    fn model_id(&self) -> String;
+
+    /// Tags images read from `paths`; the result has one entry per path, in order.
+    ///
+    /// # Errors
+    /// The outer error is for failures that stop the whole batch (the model cannot run);
+    /// per-image failures (unreadable file, undecodable image) are inner errors.
+    fn tag_images(&mut self, paths: &[PathBuf]) -> Result<Vec<ItemResult>>;
+
+    /// Turns free-text descriptions into tags; one entry per description, in order.
+    ///
+    /// # Errors
+    /// As for [`Tagger::tag_images`]; image-only taggers return [`Error::Unsupported`].
+    fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>>;
+}
