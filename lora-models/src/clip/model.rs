@@ -1,0 +1,667 @@
+//! The CLIP text transformer (Radford et al. 2021, "Learning Transferable Visual Models From
+//! Natural Language Supervision", arXiv:2103.00020) as transformers implements it in
+//! `models/clip/modeling_clip.py` (`CLIPTextModel`, `CLIPTextModelWithProjection`):
+//! token + learned position embeddings, pre-LayerNorm encoder layers with causal multi-head
+//! attention and a 2-layer MLP, a final LayerNorm, and pooling at the end-of-text token.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use lora_core::base::BaseWeight;
+use lora_core::inject::{Adaptable, SiteMut};
+use lora_core::layer::LoraLayer;
+use lora_core::linear::LoraLinear;
+use tch::{Device, Kind, Tensor};
+
+use super::config::{ClipActivation, ClipTextConfig};
+use super::weights::Tensors;
+use crate::error::{Error, Result};
+
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// `nn.LayerNorm(D, eps)` with weight and bias.
+#[derive(Debug)]
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    fn load(src: &Tensors<'_>, p: &str, d: i64, eps: f64, kind: Kind, dev: Device) -> Result<Self> {
+        Ok(Self {
+            weight: src.require(&format!("{p}.weight"), &[d], kind, dev)?,
+            bias: src.require(&format!("{p}.bias"), &[d], kind, dev)?,
+            eps,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let d = self.weight.size()[0];
+        Ok(x.f_layer_norm([d], Some(&self.weight), Some(&self.bias), self.eps, true)?)
+    }
+
+    fn bytes(&self) -> u64 {
+        tensor_bytes(&self.weight) + tensor_bytes(&self.bias)
+    }
+
+    fn numel(&self) -> i64 {
+        (self.weight.numel() + self.bias.numel()) as i64
+    }
+}
+
+fn linear(
+    src: &Tensors<'_>,
+    p: &str,
+    out: i64,
+    inp: i64,
+    bias: bool,
+    kind: Kind,
+    dev: Device,
+) -> Result<LoraLinear> {
+    let w = src.require(&format!("{p}.weight"), &[out, inp], kind, dev)?;
+    let b = if bias {
+        Some(src.require(&format!("{p}.bias"), &[out], kind, dev)?)
+    } else {
+        None
+    };
+    Ok(LoraLinear::new(BaseWeight::Dense(w), b)?)
+}
+
+fn linear_bytes(l: &LoraLinear) -> u64 {
+    l.base().storage_bytes() + l.bias().map_or(0, tensor_bytes)
+}
+
+fn linear_numel(l: &LoraLinear) -> i64 {
+    l.base().numel() + l.bias().map_or(0, |b| b.numel() as i64)
+}
+
+/// `CLIPAttention`: q/k/v/out projections with bias, scale `head_dim^-0.5`, causal mask.
+#[derive(Debug)]
+struct Attention {
+    q_proj: LoraLinear,
+    k_proj: LoraLinear,
+    v_proj: LoraLinear,
+    out_proj: LoraLinear,
+    n_head: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    /// `x` `[b, s, d]` → `[b, s, d]`.
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let heads = |t: Tensor| -> Result<Tensor> {
+            Ok(t.f_view([b, s, self.n_head, self.head_dim])?
+                .f_transpose(1, 2)?)
+        };
+        let q = heads(self.q_proj.forward_t(x, train)?)?;
+        let k = heads(self.k_proj.forward_t(x, train)?)?;
+        let v = heads(self.v_proj.forward_t(x, train)?)?;
+        // [b, h, s, hd]; softmax(q·kᵀ/√hd + causal) · v
+        let y = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<&Tensor>,
+            0.0,
+            true,
+            None,
+            false,
+        )?;
+        let y = y
+            .f_transpose(1, 2)?
+            .f_reshape([b, s, self.n_head * self.head_dim])?;
+        Ok(self.out_proj.forward_t(&y, train)?)
+    }
+}
+
+/// `CLIPMLP`: `fc2(act(fc1(x)))`.
+#[derive(Debug)]
+struct Mlp {
+    fc1: LoraLinear,
+    fc2: LoraLinear,
+    act: ClipActivation,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let h = self.fc1.forward_t(x, train)?;
+        let h = match self.act {
+            // transformers `QuickGELUActivation`: x · sigmoid(1.702 x)
+            ClipActivation::QuickGelu => h.f_mul(&h.f_mul_scalar(1.702)?.f_sigmoid()?)?,
+            ClipActivation::Gelu => h.f_gelu("none")?,
+            ClipActivation::GeluTanh => h.f_gelu("tanh")?,
+        };
+        Ok(self.fc2.forward_t(&h, train)?)
+    }
+}
+
+/// `CLIPEncoderLayer`: `x + attn(ln1(x))`, then `h + mlp(ln2(h))`.
+#[derive(Debug)]
+struct EncoderLayer {
+    self_attn: Attention,
+    layer_norm1: LayerNorm,
+    mlp: Mlp,
+    layer_norm2: LayerNorm,
+}
+
+impl EncoderLayer {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let h = x.f_add(
+            &self
+                .self_attn
+                .forward(&self.layer_norm1.forward(x)?, train)?,
+        )?;
+        let m = self.mlp.forward(&self.layer_norm2.forward(&h)?, train)?;
+        Ok(h.f_add(&m)?)
+    }
+}
+
+/// What one forward pass of the text encoder returns.
+#[derive(Debug)]
+pub struct ClipTextOutput {
+    /// `[batch, seq, D]` in the model dtype: the last layer's output after `final_layer_norm`
+    /// (transformers `last_hidden_state`; SD1.x's `encoder_hidden_states` at clip skip 1).
+    pub last_hidden_state: Tensor,
+    /// `num_hidden_layers + 1` tensors `[batch, seq, D]`: the embeddings, then the output of
+    /// every layer, *without* the final LayerNorm (transformers `hidden_states` with
+    /// `output_hidden_states=True`; `hidden_states[len - 2]` is SDXL's "penultimate" state).
+    pub hidden_states: Vec<Tensor>,
+    /// `[batch, D]`: `last_hidden_state` at the end-of-text position (transformers
+    /// `pooler_output`; see [`ClipTextModel::forward_t`] for the position rule).
+    pub pooled: Tensor,
+    /// `[batch, projection_dim]`: `text_projection(pooled)`, only from
+    /// [`ClipTextModelWithProjection`] (transformers `text_embeds`; SDXL's pooled conditioning).
+    pub text_embeds: Option<Tensor>,
+}
+
+/// A CLIP text encoder (transformers `CLIPTextModel`) whose every linear layer is a LoRA site.
+///
+/// Weight names (a `text_encoder/model.safetensors` as transformers writes it):
+/// `text_model.embeddings.{token_embedding,position_embedding}.weight`,
+/// `text_model.encoder.layers.N.self_attn.{q,k,v,out}_proj.{weight,bias}`,
+/// `text_model.encoder.layers.N.{layer_norm1,layer_norm2}.{weight,bias}`,
+/// `text_model.encoder.layers.N.mlp.{fc1,fc2}.{weight,bias}`,
+/// `text_model.final_layer_norm.{weight,bias}`.
+///
+/// LoRA sites (module paths as transformers names them, so PEFT keys
+/// `base_model.model.<path>.lora_A.weight` and kohya names `lora_te_<path with _>` —
+/// `lora_te1_`/`lora_te2_` for SDXL's two encoders — map 1:1):
+/// `text_model.encoder.layers.N.self_attn.{q_proj,k_proj,v_proj,out_proj}` and
+/// `text_model.encoder.layers.N.mlp.{fc1,fc2}` (kohya sd-scripts `networks/lora.py` targets
+/// exactly these, `TEXT_ENCODER_TARGET_REPLACE_MODULE = ["CLIPAttention", "CLIPMLP"]`).
+/// Embeddings and LayerNorms are frozen plain tensors without grad.
+///
+/// # Shapes
+/// ids `[batch, seq ≤ max_position_embeddings]` int64 → hidden `[batch, seq, D]`; activations
+/// held per layer: `[batch, seq, D]` (residual) + `[batch, heads, seq, head_dim]` ×3 (q, k, v) +
+/// `[batch, seq, intermediate]` (MLP), all in the model dtype.
+#[derive(Debug)]
+pub struct ClipTextModel {
+    config: ClipTextConfig,
+    token_embedding: Tensor,
+    position_embedding: Tensor,
+    layers: Vec<EncoderLayer>,
+    final_layer_norm: LayerNorm,
+    kind: Kind,
+    device: Device,
+}
+
+impl ClipTextModel {
+    /// Loads a transformers text-encoder folder (SD's `text_encoder/`): `config.json` plus
+    /// `model.safetensors` (or the shards of `model.safetensors.index.json`), memory-mapped and
+    /// copied once into tensors of dtype `kind` (f32, f16 or bf16) on `device`.
+    ///
+    /// # Errors
+    /// [`Error::Io`]/[`Error::Config`] for the folder's files, [`Error::Safetensors`] for a bad
+    /// header, [`Error::MissingTensor`]/[`Error::Shape`] when the weights do not fit the config.
+    pub fn from_pretrained(dir: impl AsRef<Path>, kind: Kind, device: Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = ClipTextConfig::from_file(dir.join("config.json"))?;
+        let src = Tensors::open_dir(dir, "model")?;
+        Self::build(config, &src, "", kind, device)
+    }
+
+    /// Builds the model from tensors named `<prefix>text_model.…` (e.g. prefix
+    /// `"cond_stage_model.transformer."` for the text encoder inside an SD1.x single-file
+    /// checkpoint, `""` for a transformers state dict), converted to `kind` on `device`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`]/[`Error::Shape`] when the map does not fit `config`.
+    pub fn from_tensors(
+        config: ClipTextConfig,
+        tensors: &HashMap<String, Tensor>,
+        prefix: &str,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        Self::build(config, &Tensors::Map(tensors), prefix, kind, device)
+    }
+
+    pub(crate) fn build(
+        config: ClipTextConfig,
+        src: &Tensors<'_>,
+        prefix: &str,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        let (d, ff, eps) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.layer_norm_eps,
+        );
+        let p = format!("{prefix}text_model");
+        let token_embedding = src.require(
+            &format!("{p}.embeddings.token_embedding.weight"),
+            &[config.vocab_size, d],
+            kind,
+            device,
+        )?;
+        let position_embedding = src.require(
+            &format!("{p}.embeddings.position_embedding.weight"),
+            &[config.max_position_embeddings, d],
+            kind,
+            device,
+        )?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
+        for i in 0..config.num_hidden_layers {
+            let l = format!("{p}.encoder.layers.{i}");
+            let lin = |name: &str, out: i64, inp: i64| {
+                linear(src, &format!("{l}.{name}"), out, inp, true, kind, device)
+            };
+            layers.push(EncoderLayer {
+                self_attn: Attention {
+                    q_proj: lin("self_attn.q_proj", d, d)?,
+                    k_proj: lin("self_attn.k_proj", d, d)?,
+                    v_proj: lin("self_attn.v_proj", d, d)?,
+                    out_proj: lin("self_attn.out_proj", d, d)?,
+                    n_head: config.num_attention_heads,
+                    head_dim: config.head_dim(),
+                },
+                layer_norm1: LayerNorm::load(
+                    src,
+                    &format!("{l}.layer_norm1"),
+                    d,
+                    eps,
+                    kind,
+                    device,
+                )?,
+                mlp: Mlp {
+                    fc1: lin("mlp.fc1", ff, d)?,
+                    fc2: lin("mlp.fc2", d, ff)?,
+                    act: config.hidden_act,
+                },
+                layer_norm2: LayerNorm::load(
+                    src,
+                    &format!("{l}.layer_norm2"),
+                    d,
+                    eps,
+                    kind,
+                    device,
+                )?,
+            });
+        }
+        let final_layer_norm =
+            LayerNorm::load(src, &format!("{p}.final_layer_norm"), d, eps, kind, device)?;
+        Ok(Self {
+            config,
+            token_embedding,
+            position_embedding,
+            layers,
+            final_layer_norm,
+            kind,
+            device,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ClipTextConfig {
+        &self.config
+    }
+
+    /// The dtype weights and activations are in.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Number of encoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes held by the frozen weights (adapters not counted).
+    pub fn weights_resident_bytes(&self) -> u64 {
+        let mut n = tensor_bytes(&self.token_embedding)
+            + tensor_bytes(&self.position_embedding)
+            + self.final_layer_norm.bytes();
+        for l in &self.layers {
+            let a = &l.self_attn;
+            n += [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.out_proj,
+                &l.mlp.fc1,
+                &l.mlp.fc2,
+            ]
+            .into_iter()
+            .map(linear_bytes)
+            .sum::<u64>();
+            n += l.layer_norm1.bytes() + l.layer_norm2.bytes();
+        }
+        n
+    }
+
+    /// Number of frozen parameters.
+    pub fn num_params(&self) -> i64 {
+        let mut n = (self.token_embedding.numel() + self.position_embedding.numel()) as i64
+            + self.final_layer_norm.numel();
+        for l in &self.layers {
+            let a = &l.self_attn;
+            n += [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.out_proj,
+                &l.mlp.fc1,
+                &l.mlp.fc2,
+            ]
+            .into_iter()
+            .map(linear_numel)
+            .sum::<i64>();
+            n += l.layer_norm1.numel() + l.layer_norm2.numel();
+        }
+        n
+    }
+
+    /// The end-of-text position of each row of `ids` `[batch, seq]` → `[batch]` int64, by
+    /// transformers 5.24's rule (`CLIPTextTransformer.forward`): when the config's
+    /// `eos_token_id == 2` (the stale value in SD1.x/SD2/SDXL configs, written before
+    /// transformers PR #24773) the position of the **largest token id** (the first one on ties;
+    /// `<|endoftext|>` = 49407 is the largest id of the CLIP vocabulary); otherwise the **first
+    /// position equal to `eos_token_id`** (position 0 if a row has none).
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when an op fails.
+    pub fn eos_positions(&self, ids: &Tensor) -> Result<Tensor> {
+        let ids = ids.f_to_kind(Kind::Int)?;
+        if self.config.eos_token_id == 2 {
+            Ok(ids.f_argmax(-1, false)?)
+        } else {
+            Ok(ids
+                .f_eq(self.config.eos_token_id)?
+                .f_to_kind(Kind::Int)?
+                .f_argmax(-1, false)?)
+        }
+    }
+
+    fn check_ids(&self, ids: &Tensor) -> Result<(i64, i64)> {
+        let sz = ids.size();
+        if sz.len() != 2 || sz[1] == 0 || sz[1] > self.config.max_position_embeddings {
+            return Err(Error::InvalidArgument(format!(
+                "CLIP input ids must be [batch, seq] with 1 ≤ seq ≤ {}, got {sz:?}",
+                self.config.max_position_embeddings
+            )));
+        }
+        if !matches!(ids.kind(), Kind::Int64 | Kind::Int) {
+            return Err(Error::InvalidArgument(format!(
+                "CLIP input ids must be int64, got {:?}",
+                ids.kind()
+            )));
+        }
+        Ok((sz[0], sz[1]))
+    }
+
+    /// Encodes token ids `[batch, seq]` (int64, `seq ≤ 77`, normally the 77 ids of
+    /// [`super::ClipTokenizer::encode_batch`]); `train` turns LoRA dropout on.
+    ///
+    /// No padding mask is applied (only the causal one), as in every SD pipeline: diffusers
+    /// passes no `attention_mask` to the text encoder, and kohya sd-scripts neither.
+    /// The pooled output is `last_hidden_state` at [`ClipTextModel::eos_positions`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for mis-shaped ids; [`Error::Torch`] (ids out of the
+    /// vocabulary, out of memory, …).
+    pub fn forward_t(&self, ids: &Tensor, train: bool) -> Result<ClipTextOutput> {
+        let (b, s) = self.check_ids(ids)?;
+        let ids = ids.f_to_device(self.device)?.f_to_kind(Kind::Int64)?;
+        let tok = Tensor::f_embedding(&self.token_embedding, &ids, -1, false, false)?;
+        let pos = self.position_embedding.f_narrow(0, 0, s)?.f_unsqueeze(0)?;
+        let mut h = tok.f_add(&pos)?;
+        let mut hidden_states = Vec::with_capacity(self.layers.len() + 1);
+        for l in &self.layers {
+            let next = l.forward(&h, train)?;
+            hidden_states.push(h);
+            h = next;
+        }
+        hidden_states.push(h.shallow_clone());
+        let last = self.final_layer_norm.forward(&h)?;
+        let rows = Tensor::f_arange(b, (Kind::Int64, self.device))?;
+        let eos = self.eos_positions(&ids)?.f_to_kind(Kind::Int64)?;
+        let pooled = last.f_index(&[Some(rows), Some(eos)])?;
+        Ok(ClipTextOutput {
+            last_hidden_state: last,
+            hidden_states,
+            pooled,
+            text_embeds: None,
+        })
+    }
+
+    /// The conditioning `[batch, seq, D]` for a kohya / A1111 `clip_skip` value.
+    ///
+    /// Convention (kohya sd-scripts `library/train_util.py::get_hidden_states`, A1111
+    /// "Clip skip"): `clip_skip` 0 or 1 = the last layer (`last_hidden_state`); `n ≥ 2` = the
+    /// output of the `n`-th layer from the end, `hidden_states[len − n]` (2 = penultimate), passed
+    /// through `final_layer_norm` when `final_norm` (SD1.x; kohya does so for v1 models).
+    /// diffusers' `clip_skip` argument counts differently: its 1 is this 2.
+    /// SDXL uses the penultimate state of both encoders *without* the final norm:
+    /// `skip_hidden(out, 2, false)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `clip_skip` exceeds the number of layers.
+    pub fn skip_hidden(
+        &self,
+        out: &ClipTextOutput,
+        clip_skip: usize,
+        final_norm: bool,
+    ) -> Result<Tensor> {
+        if clip_skip <= 1 {
+            return Ok(if final_norm {
+                out.last_hidden_state.shallow_clone()
+            } else {
+                out.hidden_states
+                    .last()
+                    .map(Tensor::shallow_clone)
+                    .ok_or_else(|| Error::InvalidArgument("no hidden states".into()))?
+            });
+        }
+        let n = out.hidden_states.len();
+        if clip_skip > self.layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "clip_skip {clip_skip} exceeds the text encoder's {} layers",
+                self.layers.len()
+            )));
+        }
+        let h = &out.hidden_states[n - clip_skip];
+        if final_norm {
+            self.final_layer_norm.forward(h)
+        } else {
+            Ok(h.shallow_clone())
+        }
+    }
+
+    fn visit(
+        &mut self,
+        f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
+    ) -> lora_core::Result<()> {
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("text_model.encoder.layers.{i}");
+            let a = &mut l.self_attn;
+            f(
+                &format!("{p}.self_attn.q_proj"),
+                SiteMut::Linear(&mut a.q_proj),
+            )?;
+            f(
+                &format!("{p}.self_attn.k_proj"),
+                SiteMut::Linear(&mut a.k_proj),
+            )?;
+            f(
+                &format!("{p}.self_attn.v_proj"),
+                SiteMut::Linear(&mut a.v_proj),
+            )?;
+            f(
+                &format!("{p}.self_attn.out_proj"),
+                SiteMut::Linear(&mut a.out_proj),
+            )?;
+            f(&format!("{p}.mlp.fc1"), SiteMut::Linear(&mut l.mlp.fc1))?;
+            f(&format!("{p}.mlp.fc2"), SiteMut::Linear(&mut l.mlp.fc2))?;
+        }
+        Ok(())
+    }
+}
+
+impl Adaptable for ClipTextModel {
+    fn visit_sites(
+        &mut self,
+        f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
+    ) -> lora_core::Result<()> {
+        self.visit(f)
+    }
+
+    fn frozen_param_count(&self) -> Option<i64> {
+        Some(self.num_params())
+    }
+}
+
+/// transformers `CLIPTextModelWithProjection` (SDXL's `text_encoder_2`): [`ClipTextModel`] plus
+/// `text_projection` (`[projection_dim, D]`, no bias) applied to the pooled output.
+///
+/// Weight names: those of [`ClipTextModel`] and `text_projection.weight`. LoRA sites: those of
+/// [`ClipTextModel`] plus `text_projection` (not targeted by kohya; available to PEFT).
+#[derive(Debug)]
+pub struct ClipTextModelWithProjection {
+    text_model: ClipTextModel,
+    text_projection: LoraLinear,
+}
+
+impl ClipTextModelWithProjection {
+    /// Loads a transformers folder (SDXL's `text_encoder_2/`): `config.json` +
+    /// `model.safetensors` (or shards), in dtype `kind` on `device`.
+    ///
+    /// # Errors
+    /// As [`ClipTextModel::from_pretrained`].
+    pub fn from_pretrained(dir: impl AsRef<Path>, kind: Kind, device: Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = ClipTextConfig::from_file(dir.join("config.json"))?;
+        let src = Tensors::open_dir(dir, "model")?;
+        Self::build(config, &src, "", kind, device)
+    }
+
+    /// Builds the model from tensors named `<prefix>text_model.…` and
+    /// `<prefix>text_projection.weight`.
+    ///
+    /// # Errors
+    /// As [`ClipTextModel::from_tensors`].
+    pub fn from_tensors(
+        config: ClipTextConfig,
+        tensors: &HashMap<String, Tensor>,
+        prefix: &str,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        Self::build(config, &Tensors::Map(tensors), prefix, kind, device)
+    }
+
+    fn build(
+        config: ClipTextConfig,
+        src: &Tensors<'_>,
+        prefix: &str,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        let d = config.hidden_size;
+        let pd = config.projection_dim.unwrap_or(d);
+        let text_projection = linear(
+            src,
+            &format!("{prefix}text_projection"),
+            pd,
+            d,
+            false,
+            kind,
+            device,
+        )?;
+        let text_model = ClipTextModel::build(config, src, prefix, kind, device)?;
+        Ok(Self {
+            text_model,
+            text_projection,
+        })
+    }
+
+    /// The text transformer.
+    pub fn text_model(&self) -> &ClipTextModel {
+        &self.text_model
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ClipTextConfig {
+        self.text_model.config()
+    }
+
+    /// Number of frozen parameters (transformer + projection).
+    pub fn num_params(&self) -> i64 {
+        self.text_model.num_params() + linear_numel(&self.text_projection)
+    }
+
+    /// Bytes held by the frozen weights.
+    pub fn weights_resident_bytes(&self) -> u64 {
+        self.text_model.weights_resident_bytes() + linear_bytes(&self.text_projection)
+    }
+
+    /// As [`ClipTextModel::forward_t`], with `text_embeds` `[batch, projection_dim]` set.
+    ///
+    /// # Errors
+    /// As [`ClipTextModel::forward_t`].
+    pub fn forward_t(&self, ids: &Tensor, train: bool) -> Result<ClipTextOutput> {
+        let mut out = self.text_model.forward_t(ids, train)?;
+        out.text_embeds = Some(self.text_projection.forward_t(&out.pooled, train)?);
+        Ok(out)
+    }
+
+    /// See [`ClipTextModel::skip_hidden`].
+    ///
+    /// # Errors
+    /// As [`ClipTextModel::skip_hidden`].
+    pub fn skip_hidden(
+        &self,
+        out: &ClipTextOutput,
+        clip_skip: usize,
+        final_norm: bool,
+    ) -> Result<Tensor> {
+        self.text_model.skip_hidden(out, clip_skip, final_norm)
+    }
+}
+
+impl Adaptable for ClipTextModelWithProjection {
+    fn visit_sites(
+        &mut self,
+        f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
+    ) -> lora_core::Result<()> {
+        self.text_model.visit(f)?;
+        f(
+            "text_projection",
+            SiteMut::Linear(&mut self.text_projection),
+        )
+    }
+
+    fn frozen_param_count(&self) -> Option<i64> {
+        Some(self.num_params())
+    }
+}
