@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod llm;
 
 pub use error::{Error, Result};
 

@@ -1,0 +1,514 @@
+//! In-process LLM tagger over [`lora_models::llama`]: any LLaMA-family instruct model (GGUF file
+//! or HF safetensors folder) with a ChatML template; SmolLM2-135M-Instruct (Q4_1 GGUF from the
+//! project's assets) by default.
+//!
+//! Batching: prompts of the same token length run together as one `[batch, seq]` micro-batch
+//! through the KV-cached decoder ([`Llama::forward_cached`] has no padding mask, so only
+//! equal-length prompts can share a batch); the micro-batch is sized to the memory available and
+//! halved on out-of-memory.
+
+use std::path::{Path, PathBuf};
+
+use lora_models::gguf::GgufFile;
+use lora_models::llama::{KvCache, Llama, WeightMode};
+use lora_models::tokenizer::{ChatTemplate, Tokenizer, load_tokenizer, tokenizer_from_gguf};
+use tch::{Device, Kind, Tensor};
+
+use super::prompt::{TagPrompt, parse_scored};
+use crate::error::{Error, Result};
+use crate::{ItemResult, Tagger};
+
+/// File name of the embedded default model under `<assets>/models/`.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The embedded default model: `$LORA_SDK_ASSETS/models/SmolLM2-135M-Instruct.Q4_1.gguf`
+/// (`LORA_SDK_ASSETS` defaults to `assets`, the folder `cargo xtask setup` fills).
+pub fn default_model_path() -> PathBuf {
+    let assets = std::env::var_os("LORA_SDK_ASSETS").unwrap_or_else(|| "assets".into());
+    PathBuf::from(assets)
+        .join("models")
+        .join(DEFAULT_MODEL_FILE)
+}
+
+/// Generation and batching settings of [`LocalLlmTagger`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalLlmOptions {
+    /// The most tokens generated per description (default 48).
+    pub max_new_tokens: usize,
+    /// Softmax temperature; `0` (default) = greedy (argmax).
+    pub temperature: f64,
+    /// Nucleus sampling threshold in (0, 1]; `1` (default) = off.
+    pub top_p: f64,
+    /// Keep only the `top_k` most likely tokens when sampling; `0` (default) = off.
+    pub top_k: usize,
+    /// Seed of the sampler; description `i` of a call samples from seed `seed + i`, so results do
+    /// not depend on how descriptions are grouped into micro-batches.
+    pub seed: u64,
+    /// Upper bound of the micro-batch (config `generation_settings.max_batch_size`, default 8).
+    pub max_batch_size: usize,
+    /// Where the model runs (default CPU).
+    pub device: Device,
+    /// How weights are held (default [`WeightMode::KeepQuantized`]).
+    pub weight_mode: WeightMode,
+    /// The prompt.
+    pub prompt: TagPrompt,
+}
+
+impl Default for LocalLlmOptions {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 48,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            max_batch_size: 8,
+            device: Device::Cpu,
+            weight_mode: WeightMode::KeepQuantized,
+            prompt: TagPrompt::default(),
+        }
+    }
+}
+
+/// An instruct model run in this process that turns descriptions into tags.
+///
+/// ```no_run
+/// use lora_tagger::Tagger;
+/// use lora_tagger::llm::local::{LocalLlmOptions, LocalLlmTagger};
+/// # fn main() -> lora_tagger::Result<()> {
+/// let mut t = LocalLlmTagger::load(None, LocalLlmOptions::default())?; // SmolLM2-135M-Instruct
+/// let out = t.tag_descriptions(&["A tabby cat asleep on a sofa.".to_string()])?;
+/// for tag in out[0].as_ref().map_err(|e| e.to_string()).unwrap_or(&vec![]) {
+///     println!("{} {:.3}", tag.tag, tag.score);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct LocalLlmTagger {
+    model: Llama,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    opts: LocalLlmOptions,
+    source: PathBuf,
+    source_bytes: u64,
+    stop_ids: Vec<i64>,
+    micro_batch: usize,
+}
+
+/// True when a libtorch error message reports an allocation failure (CPU:
+/// `DefaultCPUAllocator: can't allocate memory`; CUDA: `CUDA out of memory`).
+fn is_oom(msg: &str) -> bool {
+    msg.contains("out of memory") || msg.contains("can't allocate memory")
+}
+
+/// `MemAvailable` of `/proc/meminfo`, bytes; `None` where it cannot be read.
+fn host_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", 2014):
+/// the sampler's own generator, so seeded runs repeat.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Samples a token id from one row of logits with temperature, top-k and top-p (nucleus,
+/// Holtzman et al., arXiv:1904.09751).
+fn sample_row(logits: &[f32], opts: &LocalLlmOptions, rng: &mut SplitMix64) -> i64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut p: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i, ((l as f64 - max) / opts.temperature).exp()))
+        .collect();
+    p.sort_by(|a, b| b.1.total_cmp(&a.1));
+    if opts.top_k > 0 {
+        p.truncate(opts.top_k);
+    }
+    if opts.top_p < 1.0 {
+        let total: f64 = p.iter().map(|x| x.1).sum();
+        let mut acc = 0.0;
+        let keep = p
+            .iter()
+            .position(|x| {
+                acc += x.1 / total;
+                acc >= opts.top_p
+            })
+            .map_or(p.len(), |n| n + 1);
+        p.truncate(keep.max(1));
+    }
+    let total: f64 = p.iter().map(|x| x.1).sum();
+    let mut u = rng.next_f64() * total;
+    for &(i, w) in &p {
+        if u < w {
+            return i as i64;
+        }
+        u -= w;
+    }
+    p.last().map_or(0, |x| x.0 as i64)
+}
+
+impl LocalLlmTagger {
+    /// Loads a model: `None` = the embedded default ([`default_model_path`]); a path ending in
+    /// `.gguf` = a GGUF file (`llama`/`qwen2`/`qwen3` architecture, tokenizer and chat template
+    /// from its metadata); a folder = an HF checkpoint (`config.json`, `model.safetensors`,
+    /// `tokenizer.json`, chat template from `tokenizer_config.json`).
+    ///
+    /// The chat template must be ChatML (`<|im_start|>`), as for SmolLM2, Qwen2/3 and most
+    /// small instruct models; a model without a recognised template gets plain ChatML.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `max_batch_size` 0, `max_new_tokens` 0 or `top_p` outside (0, 1];
+    /// [`Error::Io`] when the path does not exist; [`Error::Model`] when loading fails.
+    pub fn load(path: Option<&Path>, opts: LocalLlmOptions) -> Result<Self> {
+        if opts.max_batch_size == 0 {
+            return Err(Error::Config {
+                key: "generation_settings.max_batch_size".into(),
+                value: "0".into(),
+                hint: "use 1 or more".into(),
+            });
+        }
+        if opts.max_new_tokens == 0 {
+            return Err(Error::Config {
+                key: "llm.max_new_tokens".into(),
+                value: "0".into(),
+                hint: "use 1 or more (32-64 is enough for a tag list)".into(),
+            });
+        }
+        if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
+            return Err(Error::Config {
+                key: "llm.top_p".into(),
+                value: opts.top_p.to_string(),
+                hint: "use a value in (0, 1]".into(),
+            });
+        }
+        let source = path.map_or_else(default_model_path, Path::to_path_buf);
+        let meta = std::fs::metadata(&source).map_err(|e| Error::Io {
+            path: source.clone(),
+            source: std::io::Error::new(
+                e.kind(),
+                format!("{e} (the LLM tagger's model; run `cargo xtask setup` for the default)"),
+            ),
+        })?;
+        let (model, tokenizer, template, source_bytes) = if meta.is_dir() {
+            let model = Llama::from_safetensors(&source, opts.weight_mode, opts.device)?;
+            let tokenizer = load_tokenizer(source.join("tokenizer.json"))?;
+            let template = std::fs::read_to_string(source.join("tokenizer_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| {
+                    v.get("chat_template")
+                        .and_then(|c| c.as_str())
+                        .and_then(ChatTemplate::from_jinja)
+                })
+                .unwrap_or_else(ChatTemplate::chatml);
+            let bytes = std::fs::read_dir(&source)
+                .map(|d| {
+                    d.filter_map(|e| e.ok()?.metadata().ok())
+                        .map(|m| m.len())
+                        .sum()
+                })
+                .unwrap_or(0);
+            (model, tokenizer, template, bytes)
+        } else {
+            let file = GgufFile::open(&source)?;
+            let model = Llama::from_gguf_file(&file, opts.weight_mode, opts.device)?;
+            let tokenizer = tokenizer_from_gguf(&file)?;
+            let template = ChatTemplate::from_gguf(&file).unwrap_or_else(ChatTemplate::chatml);
+            (model, tokenizer, template, meta.len())
+        };
+        let mut stop_ids: Vec<i64> = model.config().eos_token_id.clone();
+        if let Some(eot) = tokenizer.token_to_id(template.end_of_turn()) {
+            stop_ids.push(eot.into());
+        }
+        let micro_batch = opts.max_batch_size;
+        Ok(Self {
+            model,
+            tokenizer,
+            template,
+            opts,
+            source,
+            source_bytes,
+            stop_ids,
+            micro_batch,
+        })
+    }
+
+    /// The model file or folder this tagger was loaded from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    /// The micro-batch the next call starts from (after halvings on out-of-memory).
+    pub fn micro_batch(&self) -> usize {
+        self.micro_batch
+    }
+
+    /// Estimated peak bytes of one row of a micro-batch whose prompts are `prompt_len` tokens:
+    /// prefill logits `[seq, vocab]` f32 (twice: the logits and their float copy), the KV cache
+    /// `2 · layers · kv_heads · head_dim · (seq + max_new_tokens)` in the compute dtype, and the
+    /// prefill activations (`seq · intermediate_size · 4` floats for the MLP's gate/up/act).
+    pub fn row_bytes(&self, prompt_len: usize) -> u64 {
+        let c = self.model.config();
+        let elem = self.model.kind().elt_size_in_bytes() as u64;
+        let seq = prompt_len as u64;
+        let total = seq + self.opts.max_new_tokens as u64;
+        let logits = 2 * seq * c.vocab_size as u64 * 4;
+        let kv = 2
+            * c.num_hidden_layers as u64
+            * c.n_kv_heads() as u64
+            * c.head_dim() as u64
+            * total
+            * elem;
+        let act = seq * c.intermediate_size as u64 * 4 * elem;
+        logits + kv + act
+    }
+
+    /// The micro-batch for prompts of `prompt_len` tokens: at most the current micro-batch (the
+    /// configured `max_batch_size`, lowered by earlier out-of-memory halvings), and on CPU at most
+    /// half of `MemAvailable` divided by [`LocalLlmTagger::row_bytes`]; never below 1.
+    pub fn plan_micro_batch(&self, prompt_len: usize) -> usize {
+        let mut n = self.micro_batch;
+        if self.opts.device == Device::Cpu {
+            if let Some(avail) = host_available_bytes() {
+                let fit = (avail / 2) / self.row_bytes(prompt_len).max(1);
+                n = n.min(fit.max(1) as usize);
+            }
+        }
+        n.max(1)
+    }
+
+    /// Token ids of the full prompt (template applied, assistant turn opened) for `description`.
+    ///
+    /// # Errors
+    /// [`Error::Model`] when tokenizing fails.
+    pub fn prompt_ids(&self, description: &str) -> Result<Vec<i64>> {
+        let text = self
+            .template
+            .apply(&self.opts.prompt.messages(description), true);
+        Ok(self.tokenizer.encode(&text, false)?)
+    }
+
+    /// Generates continuations for equal-length prompts `rows` as one batch; `seeds` per row.
+    fn generate_group(&self, rows: &[&Vec<i64>], seeds: &[u64]) -> Result<Vec<Vec<i64>>> {
+        let _guard = tch::no_grad_guard();
+        let b = rows.len() as i64;
+        let s = rows[0].len() as i64;
+        let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        let mut input = Tensor::f_from_slice(&flat)?.f_view([b, s])?;
+        let mut cache = KvCache::new(self.model.num_layers());
+        let max_ctx = self.model.config().max_position_embeddings;
+        let mut out: Vec<Vec<i64>> = vec![Vec::new(); rows.len()];
+        let mut done = vec![false; rows.len()];
+        let mut rngs: Vec<SplitMix64> = seeds.iter().map(|&s| SplitMix64(s)).collect();
+        let filler = self.stop_ids.first().copied().unwrap_or(0);
+        for _ in 0..self.opts.max_new_tokens {
+            if cache.seq_len() + input.size()[1] > max_ctx {
+                break;
+            }
+            let logits = self.model.forward_cached(&input, &mut cache)?;
+            let last = logits
+                .f_select(1, -1)?
+                .f_to_kind(Kind::Float)?
+                .f_to_device(Device::Cpu)?; // [b, vocab]
+            let next: Vec<i64> = if self.opts.temperature <= 0.0 {
+                Vec::<i64>::try_from(&last.f_argmax(-1, false)?)?
+            } else {
+                let v = last.size()[1] as usize;
+                let all = Vec::<f32>::try_from(&last.f_contiguous()?.f_view([-1])?)?;
+                all.chunks(v)
+                    .zip(rngs.iter_mut())
+                    .map(|(row, rng)| sample_row(row, &self.opts, rng))
+                    .collect()
+            };
+            let mut fed = Vec::with_capacity(rows.len());
+            for (r, &t) in next.iter().enumerate() {
+                if !done[r] {
+                    if self.stop_ids.contains(&t) {
+                        done[r] = true;
+                    } else {
+                        out[r].push(t);
+                    }
+                }
+                fed.push(if done[r] { filler } else { t });
+            }
+            if done.iter().all(|&d| d) {
+                break;
+            }
+            input = Tensor::f_from_slice(&fed)?.f_view([b, 1])?;
+        }
+        Ok(out)
+    }
+
+    /// The model's raw replies for `descriptions` (one per description, in order), generated in
+    /// micro-batches of equal-length prompts.
+    ///
+    /// # Errors
+    /// Outer: [`Error::OutOfMemory`] when a micro-batch of one does not fit; [`Error::Model`] or
+    /// [`Error::Torch`] when the model fails. Inner (per description): tokenizing or decoding
+    /// errors, and a prompt longer than the model's context.
+    pub fn replies(&mut self, descriptions: &[String]) -> Result<Vec<Result<String>>> {
+        let mut out: Vec<Option<Result<String>>> = (0..descriptions.len()).map(|_| None).collect();
+        let max_ctx = self.model.config().max_position_embeddings as usize;
+        let mut prompts: Vec<(usize, Vec<i64>)> = Vec::new();
+        for (i, d) in descriptions.iter().enumerate() {
+            match self.prompt_ids(d) {
+                Ok(ids) if ids.len() >= max_ctx => {
+                    out[i] = Some(Err(Error::Config {
+                        key: format!("descriptions[{i}]"),
+                        value: format!("{} prompt tokens", ids.len()),
+                        hint: format!("shorten it: the model's context is {max_ctx} tokens"),
+                    }))
+                }
+                Ok(ids) => prompts.push((i, ids)),
+                Err(e) => out[i] = Some(Err(e)),
+            }
+        }
+        // group equal lengths; stable, so equal prompts keep their order
+        prompts.sort_by_key(|(_, ids)| ids.len());
+        let mut start = 0;
+        while start < prompts.len() {
+            let len = prompts[start].1.len();
+            let end = prompts[start..]
+                .iter()
+                .position(|(_, ids)| ids.len() != len)
+                .map_or(prompts.len(), |n| start + n);
+            let mut at = start;
+            while at < end {
+                let n = self.plan_micro_batch(len).min(end - at);
+                let group = &prompts[at..at + n];
+                let rows: Vec<&Vec<i64>> = group.iter().map(|(_, ids)| ids).collect();
+                let seeds: Vec<u64> = group
+                    .iter()
+                    .map(|(i, _)| self.opts.seed.wrapping_add(*i as u64))
+                    .collect();
+                match self.generate_group(&rows, &seeds) {
+                    Ok(gens) => {
+                        for ((i, _), toks) in group.iter().zip(gens) {
+                            out[*i] = Some(self.tokenizer.decode(&toks, true).map_err(Error::from));
+                        }
+                        at += n;
+                    }
+                    Err(e) if is_oom(&e.to_string()) => {
+                        if n == 1 {
+                            return Err(Error::OutOfMemory {
+                                model: self.model_id(),
+                                msg: e.to_string(),
+                            });
+                        }
+                        self.micro_batch = (n / 2).max(1);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            start = end;
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    Err(Error::Unparseable {
+                        reply: String::new(),
+                    })
+                })
+            })
+            .collect())
+    }
+}
+
+impl Tagger for LocalLlmTagger {
+    /// `local:<file name>:<bytes>B:<sampling>:n<max_new_tokens>`, e.g.
+    /// `local:SmolLM2-135M-Instruct.Q4_1.gguf:98362432B:greedy:n48`.
+    fn model_id(&self) -> String {
+        let name = self.source.file_name().map_or_else(
+            || self.source.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let sampling = if self.opts.temperature <= 0.0 {
+            "greedy".to_string()
+        } else {
+            format!(
+                "t{}-p{}-k{}-s{}",
+                self.opts.temperature, self.opts.top_p, self.opts.top_k, self.opts.seed
+            )
+        };
+        let prompt = if self.opts.prompt == TagPrompt::default() {
+            String::new()
+        } else {
+            ":custom-prompt".to_string()
+        };
+        format!(
+            "local:{name}:{}B:{sampling}:n{}{prompt}",
+            self.source_bytes, self.opts.max_new_tokens
+        )
+    }
+
+    /// Always [`Error::Unsupported`]: a text model does not see images.
+    fn tag_images(&mut self, _paths: &[PathBuf]) -> Result<Vec<ItemResult>> {
+        Err(Error::Unsupported {
+            tagger: self.model_id(),
+            what: "images (an LLM tagger turns descriptions into tags)",
+        })
+    }
+
+    /// [`LocalLlmTagger::replies`] parsed with [`parse_scored`]; a reply without tags is an inner
+    /// [`Error::Unparseable`].
+    fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>> {
+        Ok(self
+            .replies(descriptions)?
+            .into_iter()
+            .map(|r| r.and_then(|text| parse_scored(&text)))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampler_is_seeded_and_respects_top_k() {
+        let logits = [0.0f32, 3.0, 1.0, 2.9];
+        let opts = LocalLlmOptions {
+            temperature: 1.0,
+            top_k: 2,
+            ..Default::default()
+        };
+        let draw = |seed| {
+            let mut rng = SplitMix64(seed);
+            (0..50)
+                .map(|_| sample_row(&logits, &opts, &mut rng))
+                .collect::<Vec<_>>()
+        };
+        let a = draw(7);
+        assert_eq!(a, draw(7));
+        assert!(a.iter().all(|&t| t == 1 || t == 3), "{a:?}");
+        assert!(a.contains(&1) && a.contains(&3));
+    }
+
+    #[test]
+    fn oom_messages() {
+        assert!(is_oom("CUDA out of memory. Tried to allocate 2.00 GiB"));
+        assert!(is_oom(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1"
+        ));
+        assert!(!is_oom("shape mismatch"));
+    }
+}
