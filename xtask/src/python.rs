@@ -181,6 +181,12 @@ fn ensure_venv_torch(root: &Path) -> Result<()> {
     }
 }
 
+/// cmake options for building llama-cpp-python's bundled llama.cpp: no multimodal (llava/mtmd),
+/// tests, examples, tools, server binary or libcurl; names from llama.cpp's and llama-cpp-python's
+/// `CMakeLists.txt`.
+const LLAMA_CPP_CMAKE_ARGS: &str = "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+     -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF";
+
 /// Installs `python/requirements.txt` into the venv unless the same file was installed before.
 pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
     let req = root.join("python/requirements.txt");
@@ -205,6 +211,13 @@ pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
         "-r",
     ])
     .arg(&req);
+    // llama-cpp-python ships only an sdist: pip builds llama.cpp with cmake (fetched by pip as a
+    // build dependency, with a C/C++ compiler from the system). Only the library its server needs
+    // is built (measured with these options: ~10 min on 2 cores); a CMAKE_ARGS already set
+    // (e.g. -DGGML_CUDA=on) wins.
+    if std::env::var_os("CMAKE_ARGS").is_none() {
+        cmd.env("CMAKE_ARGS", LLAMA_CPP_CMAKE_ARGS);
+    }
     if util::run(&mut cmd, "pip install -r python/requirements.txt").is_err() {
         let _ = std::fs::remove_file(&stamp);
         bail!(
