@@ -6,6 +6,7 @@
 //! - [`tokenizer`]: tokenizers from `tokenizer.json` or GGUF metadata; chat templates.
 //! - [`checkpoint`]: activation checkpointing by segment recomputation.
 //! - [`llama`]: the LLaMA family (Llama 2/3, Mistral, Qwen2/3, SmolLM2).
+//! - [`sd`]: Stable Diffusion 1.x / 2.x / SDXL UNet and VAE (diffusers folders, single files).
 //! - [`clip`]: the CLIP text encoders of Stable Diffusion (SD1.x, SD2, SDXL) and the CLIP BPE
 //!   tokenizer.
 //! - [`diffusion`]: the DDPM noise schedule, the diffusion training loss (ε / v targets, min-SNR-γ,
@@ -18,6 +19,7 @@ pub mod diffusion;
 pub mod error;
 pub mod gguf;
 pub mod llama;
+pub mod sd;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

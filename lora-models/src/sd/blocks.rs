@@ -1,0 +1,938 @@
+//! The building blocks shared by the UNet and the VAE, named and computed as diffusers names and
+//! computes them (`diffusers/models/{resnet,attention,attention_processor,embeddings,normalization}.py`,
+//! `transformers/transformer_2d.py`, diffusers 0.42.1).
+//!
+//! Every linear layer is a [`LoraLinear`] and every convolution a [`LoraConv2d`], so LoRA (and
+//! LoCon on 3×3 convolutions) can be injected into any of them by module path.
+//!
+//! Activation shapes use `B` batch, `C` channels, `H×W` spatial size, `L` sequence length
+//! (`L = H·W` for image tokens), `D` the cross-attention context width.
+
+use lora_core::base::BaseWeight;
+use lora_core::conv::{Conv2dParams, LoraConv2d};
+use lora_core::inject::SiteMut;
+use lora_core::linear::LoraLinear;
+use tch::{Kind, Tensor};
+
+use super::load::TensorSource;
+use crate::error::{Error, Result};
+
+/// How attention scores are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionBackend {
+    /// libtorch's fused `scaled_dot_product_attention` (flash / memory-efficient kernels where
+    /// available); what diffusers' default `AttnProcessor2_0` calls.
+    #[default]
+    Sdpa,
+    /// `softmax(q·kᵀ/√d)·v` spelled out, with the scores in float32 (diffusers `AttnProcessor` with
+    /// `upcast_attention`/`upcast_softmax`); materialises the `[B·heads, Lq, Lk]` score matrix.
+    Math,
+}
+
+/// The visitor type of [`lora_core::inject::Adaptable::visit_sites`].
+pub(crate) type Visitor<'a> = dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()> + 'a;
+
+/// Weights and biases of all sites of `model` (adapters excluded).
+pub(crate) fn site_params(model: &mut dyn lora_core::inject::Adaptable) -> i64 {
+    let mut n = 0i64;
+    let _ = model.visit_sites(&mut |_, s| {
+        n += s.layer_ref().base().numel();
+        n += match &s {
+            SiteMut::Linear(x) => x.bias().map_or(0, |b| b.numel() as i64),
+            SiteMut::Conv2d(x) => x.bias().map_or(0, |b| b.numel() as i64),
+            SiteMut::Embedding(_) => 0,
+        };
+        Ok(())
+    });
+    n
+}
+
+/// Joins a module prefix and a child name with a dot.
+pub(crate) fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// Reads weights under a module prefix (diffusers names), checking shapes.
+pub(crate) struct Vb<'a> {
+    pub(crate) src: &'a dyn TensorSource,
+    pub(crate) prefix: String,
+    pub(crate) kind: Kind,
+}
+
+impl<'a> Vb<'a> {
+    pub(crate) fn new(src: &'a dyn TensorSource, prefix: &str, kind: Kind) -> Self {
+        Self {
+            src,
+            prefix: prefix.to_string(),
+            kind,
+        }
+    }
+
+    /// A child prefix.
+    pub(crate) fn pp(&self, name: impl std::fmt::Display) -> Vb<'a> {
+        Vb {
+            src: self.src,
+            prefix: join(&self.prefix, &name.to_string()),
+            kind: self.kind,
+        }
+    }
+
+    /// The full name of a tensor under this prefix.
+    pub(crate) fn name(&self, leaf: &str) -> String {
+        join(&self.prefix, leaf)
+    }
+
+    /// A tensor that may be absent, checked against `shape`. A stored `[o, i, 1, 1]` tensor is
+    /// accepted for an expected `[o, i]` (the original VAE checkpoints keep the mid-block
+    /// attention projections as 1×1 convolutions).
+    pub(crate) fn get_opt(&self, leaf: &str, shape: &[i64]) -> Result<Option<Tensor>> {
+        let name = self.name(leaf);
+        let Some(t) = self.src.tensor(&name, self.kind)? else {
+            return Ok(None);
+        };
+        let found = t.size();
+        if found == shape {
+            return Ok(Some(t));
+        }
+        if found.len() == shape.len() + 2
+            && found[..shape.len()] == *shape
+            && found[shape.len()..] == [1, 1]
+        {
+            return Ok(Some(t.f_reshape(shape)?));
+        }
+        Err(Error::Shape {
+            name,
+            expected: shape.to_vec(),
+            found,
+        })
+    }
+
+    /// A tensor that must be present, checked against `shape`.
+    pub(crate) fn get(&self, leaf: &str, shape: &[i64]) -> Result<Tensor> {
+        self.get_opt(leaf, shape)?
+            .ok_or_else(|| Error::MissingTensor {
+                name: self.name(leaf),
+                path: self.src.origin(),
+            })
+    }
+
+    /// `nn.Linear(i, o, bias)` at this prefix.
+    pub(crate) fn linear(&self, i: i64, o: i64, bias: bool) -> Result<LoraLinear> {
+        let w = self.get("weight", &[o, i])?;
+        let b = if bias {
+            Some(self.get("bias", &[o])?)
+        } else {
+            None
+        };
+        Ok(LoraLinear::new(BaseWeight::Dense(w), b)?)
+    }
+
+    /// `nn.Conv2d(i, o, k, stride, padding)` with bias at this prefix.
+    pub(crate) fn conv(
+        &self,
+        i: i64,
+        o: i64,
+        k: i64,
+        stride: i64,
+        padding: i64,
+    ) -> Result<LoraConv2d> {
+        let w = self.get("weight", &[o, i, k, k])?;
+        let b = self.get("bias", &[o])?;
+        let params = Conv2dParams {
+            stride: [stride, stride],
+            padding: [padding, padding],
+            ..Conv2dParams::default()
+        };
+        Ok(LoraConv2d::new(BaseWeight::Dense(w), Some(b), params)?)
+    }
+
+    /// `nn.GroupNorm(groups, c, eps, affine=True)` at this prefix.
+    pub(crate) fn group_norm(&self, groups: i64, c: i64, eps: f64) -> Result<GroupNorm> {
+        if groups <= 0 || c % groups != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{}: GroupNorm over {c} channels needs a group count that divides it, got {groups} \
+                 (check `norm_num_groups` against `block_out_channels`)",
+                self.prefix
+            )));
+        }
+        Ok(GroupNorm {
+            weight: self.get("weight", &[c])?,
+            bias: self.get("bias", &[c])?,
+            groups,
+            eps,
+        })
+    }
+
+    /// `nn.LayerNorm(c, eps, elementwise_affine=True)` at this prefix.
+    pub(crate) fn layer_norm(&self, c: i64, eps: f64) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: self.get("weight", &[c])?,
+            bias: self.get("bias", &[c])?,
+            eps,
+        })
+    }
+}
+
+/// Group normalisation (`torch.nn.GroupNorm`, Wu & He 2018): statistics over each group of
+/// `C / groups` channels and all spatial positions; affine per channel.
+///
+/// # Shapes
+/// `[B, C, *]` → `[B, C, *]`.
+#[derive(Debug)]
+pub struct GroupNorm {
+    weight: Tensor,
+    bias: Tensor,
+    groups: i64,
+    eps: f64,
+}
+
+impl GroupNorm {
+    /// Normalises `x` `[B, C, ...]`.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when `C` does not match.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_group_norm(
+            self.groups,
+            Some(&self.weight),
+            Some(&self.bias),
+            self.eps,
+            true,
+        )?)
+    }
+
+    /// Parameter count.
+    pub(crate) fn numel(&self) -> i64 {
+        self.weight.numel() as i64 + self.bias.numel() as i64
+    }
+}
+
+/// Layer normalisation over the last dimension (`torch.nn.LayerNorm`).
+#[derive(Debug)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// Normalises `x` `[..., C]`.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when `C` does not match.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.weight.size()[0];
+        Ok(x.f_layer_norm([c], Some(&self.weight), Some(&self.bias), self.eps, true)?)
+    }
+
+    pub(crate) fn numel(&self) -> i64 {
+        self.weight.numel() as i64 + self.bias.numel() as i64
+    }
+}
+
+/// Sinusoidal timestep embedding (diffusers `embeddings.get_timestep_embedding`, after
+/// "Denoising Diffusion Probabilistic Models" / the Transformer's positional encoding):
+/// with `half = dim / 2`, `fᵢ = exp(−ln(10000)·i / (half − freq_shift))`, the embedding is
+/// `[sin(t·f), cos(t·f)]`, or `[cos(t·f), sin(t·f)]` when `flip_sin_to_cos`; an odd `dim` is
+/// zero-padded by one column.
+///
+/// # Shapes
+/// `timesteps` `[B]` (any numeric dtype; fractional values allowed) → `[B, dim]` float32.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `timesteps` is not 1-D.
+pub fn timestep_embedding(
+    timesteps: &Tensor,
+    dim: i64,
+    flip_sin_to_cos: bool,
+    freq_shift: f64,
+) -> Result<Tensor> {
+    if timesteps.dim() != 1 {
+        return Err(Error::InvalidArgument(format!(
+            "timesteps must be 1-D [batch], got shape {:?}",
+            timesteps.size()
+        )));
+    }
+    let half = dim / 2;
+    let dev = timesteps.device();
+    let exponent = Tensor::f_arange(half, (Kind::Float, dev))?
+        .f_mul_scalar(-(10000f64.ln()))?
+        .f_div_scalar(half as f64 - freq_shift)?;
+    let freqs = exponent.f_exp()?;
+    let args = timesteps
+        .f_to_kind(Kind::Float)?
+        .f_unsqueeze(1)?
+        .f_mul(&freqs.f_unsqueeze(0)?)?;
+    let (s, c) = (args.f_sin()?, args.f_cos()?);
+    let emb = if flip_sin_to_cos {
+        Tensor::f_cat(&[c, s], -1)?
+    } else {
+        Tensor::f_cat(&[s, c], -1)?
+    };
+    if dim % 2 == 1 {
+        Ok(emb.f_constant_pad_nd([0, 1])?)
+    } else {
+        Ok(emb)
+    }
+}
+
+/// diffusers `TimestepEmbedding`: `linear_2(silu(linear_1(x)))`.
+///
+/// # Shapes
+/// `[B, in]` → `[B, time_embed_dim]`.
+#[derive(Debug)]
+pub struct TimestepEmbedding {
+    pub(crate) linear_1: LoraLinear,
+    pub(crate) linear_2: LoraLinear,
+}
+
+impl TimestepEmbedding {
+    pub(crate) fn load(vb: &Vb, i: i64, o: i64) -> Result<Self> {
+        Ok(Self {
+            linear_1: vb.pp("linear_1").linear(i, o, true)?,
+            linear_2: vb.pp("linear_2").linear(o, o, true)?,
+        })
+    }
+
+    /// Forward pass; `train` enables LoRA dropout.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] / [`Error::Core`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let h = self.linear_1.forward_t(x, train)?.f_silu()?;
+        Ok(self.linear_2.forward_t(&h, train)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f(&join(p, "linear_1"), SiteMut::Linear(&mut self.linear_1))?;
+        f(&join(p, "linear_2"), SiteMut::Linear(&mut self.linear_2))
+    }
+}
+
+/// diffusers `ResnetBlock2D` with `time_embedding_norm="default"`, SiLU, no up/down sampling:
+///
+/// ```text
+/// h = conv1(silu(norm1(x)));  h += time_emb_proj(silu(temb))[:, :, None, None]
+/// h = conv2(silu(norm2(h)));  out = (shortcut(x) + h) / output_scale_factor
+/// ```
+/// `shortcut` is the 1×1 `conv_shortcut` when the channel count changes, else the identity.
+/// Dropout is inactive (inference semantics; diffusers' default dropout is 0).
+///
+/// # Shapes
+/// `x` `[B, C_in, H, W]`, `temb` `[B, T]` → `[B, C_out, H, W]`.
+#[derive(Debug)]
+pub struct ResnetBlock2D {
+    norm1: GroupNorm,
+    conv1: LoraConv2d,
+    time_emb_proj: Option<LoraLinear>,
+    norm2: GroupNorm,
+    conv2: LoraConv2d,
+    conv_shortcut: Option<LoraConv2d>,
+    output_scale_factor: f64,
+}
+
+impl ResnetBlock2D {
+    /// `temb_channels` is `None` for the VAE (no time embedding).
+    pub(crate) fn load(
+        vb: &Vb,
+        c_in: i64,
+        c_out: i64,
+        temb_channels: Option<i64>,
+        groups: i64,
+        eps: f64,
+        output_scale_factor: f64,
+    ) -> Result<Self> {
+        Ok(Self {
+            norm1: vb.pp("norm1").group_norm(groups, c_in, eps)?,
+            conv1: vb.pp("conv1").conv(c_in, c_out, 3, 1, 1)?,
+            time_emb_proj: match temb_channels {
+                Some(t) => Some(vb.pp("time_emb_proj").linear(t, c_out, true)?),
+                None => None,
+            },
+            norm2: vb.pp("norm2").group_norm(groups, c_out, eps)?,
+            conv2: vb.pp("conv2").conv(c_out, c_out, 3, 1, 1)?,
+            conv_shortcut: if c_in != c_out {
+                Some(vb.pp("conv_shortcut").conv(c_in, c_out, 1, 1, 0)?)
+            } else {
+                None
+            },
+            output_scale_factor,
+        })
+    }
+
+    /// Forward pass; `temb` must be given iff the block has `time_emb_proj`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `temb` is missing; [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let h = self.norm1.forward(x)?.f_silu()?;
+        let mut h = self.conv1.forward_t(&h, train)?;
+        if let Some(proj) = &self.time_emb_proj {
+            let t = temb.ok_or_else(|| {
+                Error::InvalidArgument(
+                    "a ResnetBlock2D with time_emb_proj needs a time embedding".into(),
+                )
+            })?;
+            let t = proj
+                .forward_t(&t.f_silu()?, train)?
+                .f_unsqueeze(-1)?
+                .f_unsqueeze(-1)?;
+            h = h.f_add(&t)?;
+        }
+        let h = self.norm2.forward(&h)?.f_silu()?;
+        let h = self.conv2.forward_t(&h, train)?;
+        let skip = match &self.conv_shortcut {
+            Some(c) => c.forward_t(x, train)?,
+            None => x.shallow_clone(),
+        };
+        let out = skip.f_add(&h)?;
+        if self.output_scale_factor == 1.0 {
+            Ok(out)
+        } else {
+            Ok(out.f_div_scalar(self.output_scale_factor)?)
+        }
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f(&join(p, "conv1"), SiteMut::Conv2d(&mut self.conv1))?;
+        if let Some(t) = &mut self.time_emb_proj {
+            f(&join(p, "time_emb_proj"), SiteMut::Linear(t))?;
+        }
+        f(&join(p, "conv2"), SiteMut::Conv2d(&mut self.conv2))?;
+        if let Some(c) = &mut self.conv_shortcut {
+            f(&join(p, "conv_shortcut"), SiteMut::Conv2d(c))?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn norm_params(&self) -> i64 {
+        self.norm1.numel() + self.norm2.numel()
+    }
+}
+
+/// diffusers `Downsample2D`: a 3×3 convolution with stride 2 (`conv`), or a 2×2 average pool
+/// when the block has no convolution. The VAE encoder uses `padding=0` with an explicit
+/// asymmetric zero pad `(0, 1, 0, 1)` (right and bottom) before the convolution; the UNet uses
+/// `padding=1` (`downsample_padding`).
+///
+/// # Shapes
+/// `[B, C, H, W]` → `[B, C_out, ⌈H/2⌉, ⌈W/2⌉]` (conv, padding 1) / `[B, C, ⌊H/2⌋, ⌊W/2⌋]`.
+#[derive(Debug)]
+pub enum Downsample2D {
+    /// Stride-2 convolution; `pad_right_bottom` is the VAE's `padding=0` variant.
+    Conv {
+        /// The convolution (`downsamplers.0.conv`).
+        conv: LoraConv2d,
+        /// Pads one zero column/row on the right/bottom first.
+        pad_right_bottom: bool,
+    },
+    /// `avg_pool2d(kernel 2, stride 2)`.
+    AvgPool,
+}
+
+impl Downsample2D {
+    pub(crate) fn load_conv(vb: &Vb, c_in: i64, c_out: i64, padding: i64) -> Result<Self> {
+        Ok(Downsample2D::Conv {
+            conv: vb.pp("conv").conv(c_in, c_out, 3, 2, padding)?,
+            pad_right_bottom: padding == 0,
+        })
+    }
+
+    /// Forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            Downsample2D::Conv {
+                conv,
+                pad_right_bottom,
+            } => {
+                if *pad_right_bottom {
+                    let x = x.f_constant_pad_nd([0, 1, 0, 1])?;
+                    Ok(conv.forward_t(&x, train)?)
+                } else {
+                    Ok(conv.forward_t(x, train)?)
+                }
+            }
+            Downsample2D::AvgPool => {
+                Ok(x.f_avg_pool2d([2, 2], [2, 2], [0, 0], false, true, None)?)
+            }
+        }
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        match self {
+            Downsample2D::Conv { conv, .. } => f(&join(p, "conv"), SiteMut::Conv2d(conv)),
+            Downsample2D::AvgPool => Ok(()),
+        }
+    }
+}
+
+/// diffusers `Upsample2D` with `use_conv=True`: nearest-neighbour ×2 (or to an explicit size, as
+/// diffusers does when the latent size is not a multiple of the UNet's total down-sampling), then
+/// a 3×3 convolution (`conv`).
+///
+/// # Shapes
+/// `[B, C, H, W]` → `[B, C, 2H, 2W]` (or `[B, C, size…]`).
+#[derive(Debug)]
+pub struct Upsample2D {
+    conv: LoraConv2d,
+}
+
+impl Upsample2D {
+    pub(crate) fn load(vb: &Vb, c: i64) -> Result<Self> {
+        Ok(Self {
+            conv: vb.pp("conv").conv(c, c, 3, 1, 1)?,
+        })
+    }
+
+    /// Forward pass; `size` overrides the ×2 output size.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, size: Option<[i64; 2]>, train: bool) -> Result<Tensor> {
+        let s = x.size();
+        let size = size.unwrap_or([s[2] * 2, s[3] * 2]);
+        let up = x.f_upsample_nearest2d(size, None, None)?;
+        Ok(self.conv.forward_t(&up, train)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f(&join(p, "conv"), SiteMut::Conv2d(&mut self.conv))
+    }
+}
+
+/// `softmax(q·kᵀ/√d)·v` over heads.
+///
+/// # Shapes
+/// `q` `[B, Lq, heads·d]`, `k`/`v` `[B, Lk, heads·d]` → `[B, Lq, heads·d]`.
+pub(crate) fn multi_head_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: i64,
+    backend: AttentionBackend,
+) -> Result<Tensor> {
+    let (b, lq, inner) = q.size3()?;
+    let d = inner / heads;
+    let split = |t: &Tensor| -> Result<Tensor> {
+        let l = t.size()[1];
+        Ok(t.f_view([b, l, heads, d])?.f_transpose(1, 2)?)
+    };
+    let (qh, kh, vh) = (split(q)?, split(k)?, split(v)?);
+    let out = match backend {
+        AttentionBackend::Sdpa => Tensor::f_scaled_dot_product_attention::<Tensor>(
+            &qh, &kh, &vh, None, 0.0, false, None, false,
+        )?,
+        AttentionBackend::Math => {
+            let scale = 1.0 / (d as f64).sqrt();
+            let scores = qh
+                .f_to_kind(Kind::Float)?
+                .f_matmul(&kh.f_to_kind(Kind::Float)?.f_transpose(-1, -2)?)?
+                .f_mul_scalar(scale)?;
+            let p = scores.f_softmax(-1, Kind::Float)?.f_to_kind(vh.kind())?;
+            p.f_matmul(&vh)?
+        }
+    };
+    Ok(out.f_transpose(1, 2)?.f_reshape([b, lq, inner])?)
+}
+
+/// diffusers `Attention` as used by the UNet's transformer blocks: `to_q`, `to_k`, `to_v`
+/// (no bias) and `to_out.0` (bias); self-attention when no context is given, cross-attention on
+/// `encoder_hidden_states` otherwise. The VAE's mid-block variant ([`SpatialAttention`]) adds a
+/// group norm, biases and a residual.
+///
+/// # Shapes
+/// `x` `[B, L, C]`, context `[B, Lk, D]` → `[B, L, C]`; inner width `heads · head_dim`.
+#[derive(Debug)]
+pub struct Attention {
+    to_q: LoraLinear,
+    to_k: LoraLinear,
+    to_v: LoraLinear,
+    to_out: LoraLinear,
+    heads: i64,
+    backend: AttentionBackend,
+}
+
+impl Attention {
+    pub(crate) fn load(
+        vb: &Vb,
+        query_dim: i64,
+        context_dim: i64,
+        heads: i64,
+        head_dim: i64,
+        bias: bool,
+        backend: AttentionBackend,
+    ) -> Result<Self> {
+        let inner = heads * head_dim;
+        Ok(Self {
+            to_q: vb.pp("to_q").linear(query_dim, inner, bias)?,
+            to_k: vb.pp("to_k").linear(context_dim, inner, bias)?,
+            to_v: vb.pp("to_v").linear(context_dim, inner, bias)?,
+            to_out: vb.pp("to_out.0").linear(inner, query_dim, true)?,
+            heads,
+            backend,
+        })
+    }
+
+    /// Attention of `x` on itself (`context = None`) or on `context`.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] / [`Error::Core`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, context: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let ctx = context.unwrap_or(x);
+        let q = self.to_q.forward_t(x, train)?;
+        let k = self.to_k.forward_t(ctx, train)?;
+        let v = self.to_v.forward_t(ctx, train)?;
+        let o = multi_head_attention(&q, &k, &v, self.heads, self.backend)?;
+        Ok(self.to_out.forward_t(&o, train)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f(&join(p, "to_q"), SiteMut::Linear(&mut self.to_q))?;
+        f(&join(p, "to_k"), SiteMut::Linear(&mut self.to_k))?;
+        f(&join(p, "to_v"), SiteMut::Linear(&mut self.to_v))?;
+        f(&join(p, "to_out.0"), SiteMut::Linear(&mut self.to_out))
+    }
+}
+
+/// The VAE mid-block attention (diffusers `Attention` built by `UNetMidBlock2D` with
+/// `residual_connection=True`, `bias=True`, one head of width `C`, `group_norm`):
+/// `x + to_out(attn(group_norm(x)))` over the `H·W` positions.
+///
+/// # Shapes
+/// `[B, C, H, W]` → `[B, C, H, W]`.
+#[derive(Debug)]
+pub struct SpatialAttention {
+    group_norm: GroupNorm,
+    attn: Attention,
+}
+
+impl SpatialAttention {
+    pub(crate) fn load(
+        vb: &Vb,
+        c: i64,
+        groups: i64,
+        eps: f64,
+        backend: AttentionBackend,
+    ) -> Result<Self> {
+        Ok(Self {
+            group_norm: vb.pp("group_norm").group_norm(groups, c, eps)?,
+            attn: Attention::load(vb, c, c, 1, c, true, backend)?,
+        })
+    }
+
+    /// Forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (b, c, h, w) = x.size4()?;
+        let n = self.group_norm.forward(x)?;
+        let seq = n.f_view([b, c, h * w])?.f_transpose(1, 2)?;
+        let o = self.attn.forward(&seq, None, train)?;
+        let o = o.f_transpose(1, 2)?.f_reshape([b, c, h, w])?;
+        Ok(o.f_add(x)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.attn.visit(p, f)
+    }
+
+    pub(crate) fn norm_params(&self) -> i64 {
+        self.group_norm.numel()
+    }
+}
+
+/// diffusers `FeedForward` with `activation_fn="geglu"` (Shazeer, "GLU Variants Improve
+/// Transformer", 2020): `net.0.proj` maps `C → 2·4C`, split into `h, gate`;
+/// `net.2(h · gelu(gate))` maps back to `C` (exact erf GELU).
+///
+/// # Shapes
+/// `[B, L, C]` → `[B, L, C]`.
+#[derive(Debug)]
+pub struct FeedForward {
+    proj: LoraLinear,
+    out: LoraLinear,
+}
+
+impl FeedForward {
+    pub(crate) fn load(vb: &Vb, dim: i64) -> Result<Self> {
+        let inner = 4 * dim;
+        Ok(Self {
+            proj: vb.pp("net.0.proj").linear(dim, 2 * inner, true)?,
+            out: vb.pp("net.2").linear(inner, dim, true)?,
+        })
+    }
+
+    /// Forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let hg = self.proj.forward_t(x, train)?;
+        let parts = hg.f_chunk(2, -1)?;
+        let h = parts[0].f_mul(&parts[1].f_gelu("none")?)?;
+        Ok(self.out.forward_t(&h, train)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f(&join(p, "net.0.proj"), SiteMut::Linear(&mut self.proj))?;
+        f(&join(p, "net.2"), SiteMut::Linear(&mut self.out))
+    }
+}
+
+/// diffusers `BasicTransformerBlock` (layer norms, `norm_type="layer_norm"`):
+/// `x += attn1(norm1(x))`; `x += attn2(norm2(x), context)`; `x += ff(norm3(x))`.
+///
+/// # Shapes
+/// `x` `[B, L, C]`, context `[B, Lk, D]` → `[B, L, C]`.
+#[derive(Debug)]
+pub struct BasicTransformerBlock {
+    norm1: LayerNorm,
+    attn1: Attention,
+    norm2: LayerNorm,
+    attn2: Attention,
+    norm3: LayerNorm,
+    ff: FeedForward,
+}
+
+impl BasicTransformerBlock {
+    pub(crate) fn load(
+        vb: &Vb,
+        dim: i64,
+        heads: i64,
+        head_dim: i64,
+        context_dim: i64,
+        backend: AttentionBackend,
+    ) -> Result<Self> {
+        Ok(Self {
+            norm1: vb.pp("norm1").layer_norm(dim, 1e-5)?,
+            attn1: Attention::load(&vb.pp("attn1"), dim, dim, heads, head_dim, false, backend)?,
+            norm2: vb.pp("norm2").layer_norm(dim, 1e-5)?,
+            attn2: Attention::load(
+                &vb.pp("attn2"),
+                dim,
+                context_dim,
+                heads,
+                head_dim,
+                false,
+                backend,
+            )?,
+            norm3: vb.pp("norm3").layer_norm(dim, 1e-5)?,
+            ff: FeedForward::load(&vb.pp("ff"), dim)?,
+        })
+    }
+
+    /// Forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, context: &Tensor, train: bool) -> Result<Tensor> {
+        let x = x.f_add(&self.attn1.forward(&self.norm1.forward(x)?, None, train)?)?;
+        let x = x.f_add(
+            &self
+                .attn2
+                .forward(&self.norm2.forward(&x)?, Some(context), train)?,
+        )?;
+        Ok(x.f_add(&self.ff.forward(&self.norm3.forward(&x)?, train)?)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.attn1.visit(&join(p, "attn1"), f)?;
+        self.attn2.visit(&join(p, "attn2"), f)?;
+        self.ff.visit(&join(p, "ff"), f)
+    }
+
+    pub(crate) fn norm_params(&self) -> i64 {
+        self.norm1.numel() + self.norm2.numel() + self.norm3.numel()
+    }
+}
+
+/// `proj_in` / `proj_out` of a [`Transformer2DModel`]: a 1×1 convolution (SD 1.x) or a linear
+/// layer (`use_linear_projection`, SD 2.x / SDXL).
+#[derive(Debug)]
+enum Proj {
+    Conv(LoraConv2d),
+    Linear(LoraLinear),
+}
+
+impl Proj {
+    fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        match self {
+            Proj::Conv(c) => f(p, SiteMut::Conv2d(c)),
+            Proj::Linear(l) => f(p, SiteMut::Linear(l)),
+        }
+    }
+}
+
+/// diffusers `Transformer2DModel` (continuous input; the "SpatialTransformer" of the original
+/// latent-diffusion code):
+///
+/// ```text
+/// h = norm(x)                                   GroupNorm(groups, C, eps = 1e-6)
+/// h = proj_in(h) → [B, H·W, inner]              (conv 1×1 before, or linear after, the reshape)
+/// h = transformer_blocks[0..n](h, context)
+/// out = proj_out(h) → [B, C, H, W] + x
+/// ```
+///
+/// # Shapes
+/// `x` `[B, C, H, W]`, context `[B, Lk, D]` → `[B, C, H, W]`; `inner = heads · head_dim`.
+#[derive(Debug)]
+pub struct Transformer2DModel {
+    norm: GroupNorm,
+    proj_in: Proj,
+    blocks: Vec<BasicTransformerBlock>,
+    proj_out: Proj,
+}
+
+impl Transformer2DModel {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn load(
+        vb: &Vb,
+        c: i64,
+        heads: i64,
+        head_dim: i64,
+        layers: i64,
+        context_dim: i64,
+        groups: i64,
+        linear_projection: bool,
+        backend: AttentionBackend,
+    ) -> Result<Self> {
+        let inner = heads * head_dim;
+        let (proj_in, proj_out) = if linear_projection {
+            (
+                Proj::Linear(vb.pp("proj_in").linear(c, inner, true)?),
+                Proj::Linear(vb.pp("proj_out").linear(inner, c, true)?),
+            )
+        } else {
+            (
+                Proj::Conv(vb.pp("proj_in").conv(c, inner, 1, 1, 0)?),
+                Proj::Conv(vb.pp("proj_out").conv(inner, c, 1, 1, 0)?),
+            )
+        };
+        let blocks = (0..layers)
+            .map(|i| {
+                BasicTransformerBlock::load(
+                    &vb.pp(format!("transformer_blocks.{i}")),
+                    inner,
+                    heads,
+                    head_dim,
+                    context_dim,
+                    backend,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            norm: vb.pp("norm").group_norm(groups, c, 1e-6)?,
+            proj_in,
+            blocks,
+            proj_out,
+        })
+    }
+
+    /// Forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a shape mismatch.
+    pub fn forward(&self, x: &Tensor, context: &Tensor, train: bool) -> Result<Tensor> {
+        let (b, c, h, w) = x.size4()?;
+        let n = self.norm.forward(x)?;
+        let mut t = match &self.proj_in {
+            Proj::Conv(conv) => {
+                let p = conv.forward_t(&n, train)?;
+                let inner = p.size()[1];
+                p.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, inner])?
+            }
+            Proj::Linear(lin) => {
+                let s = n.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, c])?;
+                lin.forward_t(&s, train)?
+            }
+        };
+        for blk in &self.blocks {
+            t = blk.forward(&t, context, train)?;
+        }
+        let inner = t.size()[2];
+        let out = match &self.proj_out {
+            Proj::Conv(conv) => {
+                let s = t
+                    .f_reshape([b, h, w, inner])?
+                    .f_permute([0, 3, 1, 2])?
+                    .f_contiguous()?;
+                conv.forward_t(&s, train)?
+            }
+            Proj::Linear(lin) => {
+                let p = lin.forward_t(&t, train)?;
+                p.f_reshape([b, h, w, c])?
+                    .f_permute([0, 3, 1, 2])?
+                    .f_contiguous()?
+            }
+        };
+        Ok(out.f_add(x)?)
+    }
+
+    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.proj_in.visit(&join(p, "proj_in"), f)?;
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            b.visit(&join(p, &format!("transformer_blocks.{i}")), f)?;
+        }
+        self.proj_out.visit(&join(p, "proj_out"), f)
+    }
+
+    pub(crate) fn norm_params(&self) -> i64 {
+        self.norm.numel()
+            + self
+                .blocks
+                .iter()
+                .map(BasicTransformerBlock::norm_params)
+                .sum::<i64>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestep_embedding_matches_the_formula() {
+        // dim 4, half 2, shift 0: freqs [1, exp(-ln(1e4)/2) = 0.01]
+        let t = Tensor::from_slice(&[0.0f32, 10.0]);
+        let e = timestep_embedding(&t, 4, false, 0.0).unwrap();
+        let v = Vec::<f32>::try_from(e.view([-1])).unwrap();
+        let want = [
+            0.0,
+            0.0,
+            1.0,
+            1.0,
+            10f32.sin(),
+            0.1f32.sin(),
+            10f32.cos(),
+            0.1f32.cos(),
+        ];
+        for (a, b) in v.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{v:?}");
+        }
+        let f = timestep_embedding(&t, 4, true, 0.0).unwrap();
+        let v = Vec::<f32>::try_from(f.view([-1])).unwrap();
+        assert!((v[4] - 10f32.cos()).abs() < 1e-6 && (v[6] - 10f32.sin()).abs() < 1e-6);
+        assert_eq!(timestep_embedding(&t, 5, true, 1.0).unwrap().size(), [2, 5]);
+    }
+
+    #[test]
+    fn sdpa_and_math_attention_agree() {
+        tch::manual_seed(0);
+        let q = Tensor::randn([2, 5, 8], (Kind::Float, tch::Device::Cpu));
+        let k = Tensor::randn([2, 3, 8], (Kind::Float, tch::Device::Cpu));
+        let v = Tensor::randn([2, 3, 8], (Kind::Float, tch::Device::Cpu));
+        let a = multi_head_attention(&q, &k, &v, 2, AttentionBackend::Sdpa).unwrap();
+        let b = multi_head_attention(&q, &k, &v, 2, AttentionBackend::Math).unwrap();
+        assert_eq!(a.size(), [2, 5, 8]);
+        let d = f64::try_from((a - b).abs().max()).unwrap();
+        assert!(d < 1e-5, "{d}");
+    }
+}

@@ -1,0 +1,1048 @@
+//! `UNet2DConditionModel`: the denoiser of Stable Diffusion 1.x / 2.x and SDXL, as diffusers
+//! builds it (`diffusers/models/unets/unet_2d_condition.py`, `unet_2d_blocks.py`, 0.42.1), from
+//! Rombach et al., "High-Resolution Image Synthesis with Latent Diffusion Models" (CVPR 2022)
+//! and Podell et al., "SDXL" (2023).
+//!
+//! # Layout
+//! ```text
+//! t ─ sinusoidal(block_out_channels[0]) ─ time_embedding ─┐ (+ add_embedding(text_embeds ‖ sinusoidal(time_ids)) for SDXL)
+//! x ─ conv_in ─ down_blocks[i] ─ mid_block ─ up_blocks[i] (skip concatenations) ─ GroupNorm ─ SiLU ─ conv_out
+//! ```
+//! Down level `i` has `layers_per_block` ResNets (each followed by a `Transformer2DModel` in a
+//! `CrossAttnDownBlock2D`) and a stride-2 down-sampler except on the last level; up level `i`
+//! (channels reversed) has `layers_per_block + 1` ResNets whose inputs are concatenated with the
+//! stored skip activations, and a ×2 up-sampler except on the last level.
+//!
+//! # The `attention_head_dim` naming
+//! In `UNet2DConditionModel`'s config, `attention_head_dim` is, despite its name, the number of
+//! attention **heads** per level (diffusers keeps the name for backward compatibility and sets
+//! `num_attention_heads = num_attention_heads or attention_head_dim`); each head's width is
+//! `block_out_channels[i] / heads`. SD 1.5: `attention_head_dim: 8` → 8 heads of width 40, 80,
+//! 160, 160. SD 2.x: `[5, 10, 20, 20]` → heads of width 64. SDXL: `[5, 10, 20]` → width 64. A
+//! config with a non-null `num_attention_heads` is refused, as diffusers refuses it.
+//!
+//! # Activation shapes (SD 1.5 at 512×512: latents 64×64)
+//! `sample` `[B, 4, 64, 64]` → level outputs `[B, 320, 64, 64]`, `[B, 640, 32, 32]`,
+//! `[B, 1280, 16, 16]`, `[B, 1280, 8, 8]`; transformer tokens `[B, H·W, C]` (4096 × 320 at the
+//! first level); self-attention scores `[B, heads, H·W, H·W]` when the math path is used;
+//! `encoder_hidden_states` `[B, 77, 768]` (SDXL `[B, 77, 2048]`).
+
+use std::path::Path;
+
+use lora_core::conv::LoraConv2d;
+use lora_core::inject::{Adaptable, SiteMut};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use super::blocks::{
+    Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding,
+    Transformer2DModel, Upsample2D, Vb, Visitor, join, timestep_embedding,
+};
+use super::load::{
+    LoadOptions, SafetensorsFiles, TensorSource, UnetLayout, component_dir, diffusers_weight_files,
+    ldm_unet_key, read_config_json,
+};
+use crate::error::{Error, Result};
+
+/// An integer or one integer per level (`attention_head_dim`, `layers_per_block`, …).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum PerLevel {
+    /// The same value for every level.
+    One(i64),
+    /// One value per level (down-block order).
+    List(Vec<i64>),
+}
+
+impl PerLevel {
+    /// The value of each of `n` levels.
+    fn expand(&self, n: usize, key: &str) -> std::result::Result<Vec<i64>, String> {
+        match self {
+            PerLevel::One(v) => Ok(vec![*v; n]),
+            PerLevel::List(v) if v.len() == n => Ok(v.clone()),
+            PerLevel::List(v) => Err(format!(
+                "`{key}` has {} entries, expected one per block ({n})",
+                v.len()
+            )),
+        }
+    }
+}
+
+/// A flag or one flag per level (`only_cross_attention`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum FlagPerLevel {
+    /// One flag for all levels.
+    One(bool),
+    /// One flag per level.
+    List(Vec<bool>),
+}
+
+/// A diffusers `UNet2DConditionModel` `config.json` (every key of diffusers 0.42.1; defaults are
+/// diffusers' constructor defaults). Keys starting with `_` (`_class_name`, `_diffusers_version`)
+/// are ignored; any other unknown key is an error. Values this crate does not implement (class
+/// embeddings, `encoder_hid_dim`, other block types, …) are refused by [`UNetConfig::validate`]
+/// with the key named.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct UNetConfig {
+    pub sample_size: Option<serde_json::Value>,
+    pub in_channels: i64,
+    pub out_channels: i64,
+    pub center_input_sample: bool,
+    pub flip_sin_to_cos: bool,
+    pub freq_shift: f64,
+    pub down_block_types: Vec<String>,
+    pub mid_block_type: Option<String>,
+    pub up_block_types: Vec<String>,
+    pub only_cross_attention: FlagPerLevel,
+    pub block_out_channels: Vec<i64>,
+    pub layers_per_block: PerLevel,
+    pub downsample_padding: i64,
+    pub mid_block_scale_factor: f64,
+    pub dropout: f64,
+    pub act_fn: String,
+    pub norm_num_groups: Option<i64>,
+    pub norm_eps: f64,
+    pub cross_attention_dim: PerLevel,
+    pub transformer_layers_per_block: serde_json::Value,
+    pub reverse_transformer_layers_per_block: Option<serde_json::Value>,
+    pub encoder_hid_dim: Option<i64>,
+    pub encoder_hid_dim_type: Option<String>,
+    pub attention_head_dim: PerLevel,
+    pub num_attention_heads: Option<serde_json::Value>,
+    pub dual_cross_attention: bool,
+    pub use_linear_projection: bool,
+    pub class_embed_type: Option<String>,
+    pub addition_embed_type: Option<String>,
+    pub addition_time_embed_dim: Option<i64>,
+    pub num_class_embeds: Option<i64>,
+    pub upcast_attention: bool,
+    pub resnet_time_scale_shift: String,
+    pub resnet_skip_time_act: bool,
+    pub resnet_out_scale_factor: f64,
+    pub time_embedding_type: String,
+    pub time_embedding_dim: Option<i64>,
+    pub time_embedding_act_fn: Option<String>,
+    pub timestep_post_act: Option<String>,
+    pub time_cond_proj_dim: Option<i64>,
+    pub conv_in_kernel: i64,
+    pub conv_out_kernel: i64,
+    pub projection_class_embeddings_input_dim: Option<i64>,
+    pub attention_type: String,
+    pub class_embeddings_concat: bool,
+    pub mid_block_only_cross_attention: Option<bool>,
+    pub cross_attention_norm: Option<String>,
+    pub addition_embed_type_num_heads: i64,
+}
+
+impl Default for UNetConfig {
+    fn default() -> Self {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        Self {
+            sample_size: None,
+            in_channels: 4,
+            out_channels: 4,
+            center_input_sample: false,
+            flip_sin_to_cos: true,
+            freq_shift: 0.0,
+            down_block_types: s(&[
+                "CrossAttnDownBlock2D",
+                "CrossAttnDownBlock2D",
+                "CrossAttnDownBlock2D",
+                "DownBlock2D",
+            ]),
+            mid_block_type: Some("UNetMidBlock2DCrossAttn".into()),
+            up_block_types: s(&[
+                "UpBlock2D",
+                "CrossAttnUpBlock2D",
+                "CrossAttnUpBlock2D",
+                "CrossAttnUpBlock2D",
+            ]),
+            only_cross_attention: FlagPerLevel::One(false),
+            block_out_channels: vec![320, 640, 1280, 1280],
+            layers_per_block: PerLevel::One(2),
+            downsample_padding: 1,
+            mid_block_scale_factor: 1.0,
+            dropout: 0.0,
+            act_fn: "silu".into(),
+            norm_num_groups: Some(32),
+            norm_eps: 1e-5,
+            cross_attention_dim: PerLevel::One(1280),
+            transformer_layers_per_block: serde_json::Value::from(1),
+            reverse_transformer_layers_per_block: None,
+            encoder_hid_dim: None,
+            encoder_hid_dim_type: None,
+            attention_head_dim: PerLevel::One(8),
+            num_attention_heads: None,
+            dual_cross_attention: false,
+            use_linear_projection: false,
+            class_embed_type: None,
+            addition_embed_type: None,
+            addition_time_embed_dim: None,
+            num_class_embeds: None,
+            upcast_attention: false,
+            resnet_time_scale_shift: "default".into(),
+            resnet_skip_time_act: false,
+            resnet_out_scale_factor: 1.0,
+            time_embedding_type: "positional".into(),
+            time_embedding_dim: None,
+            time_embedding_act_fn: None,
+            timestep_post_act: None,
+            time_cond_proj_dim: None,
+            conv_in_kernel: 3,
+            conv_out_kernel: 3,
+            projection_class_embeddings_input_dim: None,
+            attention_type: "default".into(),
+            class_embeddings_concat: false,
+            mid_block_only_cross_attention: None,
+            cross_attention_norm: None,
+            addition_embed_type_num_heads: 64,
+        }
+    }
+}
+
+/// The derived per-level numbers the model is built from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UNetPlan {
+    /// Channels per level.
+    pub channels: Vec<i64>,
+    /// ResNets per down level.
+    pub layers: Vec<i64>,
+    /// Whether each down level has cross-attention transformers.
+    pub down_attn: Vec<bool>,
+    /// Whether each up level (lowest resolution first) has transformers.
+    pub up_attn: Vec<bool>,
+    /// Heads per level (down order), see the module docs on `attention_head_dim`.
+    pub heads: Vec<i64>,
+    /// Transformer blocks per `Transformer2DModel`, per level (down order).
+    pub transformer_layers: Vec<i64>,
+    /// Cross-attention context width per level.
+    pub cross_attention_dim: Vec<i64>,
+    /// GroupNorm groups.
+    pub groups: i64,
+    /// Time-embedding width (`4 · block_out_channels[0]`).
+    pub time_embed_dim: i64,
+    /// SDXL `text_time` additional embedding: `(addition_time_embed_dim, projection_class_embeddings_input_dim)`.
+    pub text_time: Option<(i64, i64)>,
+}
+
+fn unsupported(key: &str, value: impl std::fmt::Debug, hint: &str) -> Error {
+    Error::Unsupported {
+        what: "UNet2DConditionModel config value",
+        value: format!("{key} = {value:?}"),
+        hint: hint.to_string(),
+    }
+}
+
+impl UNetConfig {
+    /// Parses a `config.json` object: `_`-prefixed keys are dropped, unknown keys are an error
+    /// naming the key.
+    ///
+    /// # Errors
+    /// [`Error::Config`] with the file and the offending key.
+    pub fn from_json(
+        path: &Path,
+        mut obj: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Self> {
+        obj.retain(|k, _| !k.starts_with('_'));
+        serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            msg: format!("{e} (UNet2DConditionModel keys of diffusers 0.42.1 are accepted)"),
+        })
+    }
+
+    /// Reads `<dir>/config.json`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] / [`Error::Config`].
+    pub fn from_file(path: &Path) -> Result<Self> {
+        Self::from_json(path, read_config_json(path)?)
+    }
+
+    /// SD 1.5's UNet config (`runwayml/stable-diffusion-v1-5/unet/config.json`): 4 levels of
+    /// `[320, 640, 1280, 1280]`, `layers_per_block` 2, `attention_head_dim` 8 (8 heads),
+    /// `cross_attention_dim` 768, conv `proj_in`/`proj_out`, `sample_size` 64.
+    pub fn sd15() -> Self {
+        Self {
+            sample_size: Some(64.into()),
+            cross_attention_dim: PerLevel::One(768),
+            ..Self::default()
+        }
+    }
+
+    /// SDXL base's UNet config (`stabilityai/stable-diffusion-xl-base-1.0/unet/config.json`):
+    /// levels `[320, 640, 1280]` (`DownBlock2D`, then two `CrossAttnDownBlock2D`),
+    /// `attention_head_dim` `[5, 10, 20]`, `transformer_layers_per_block` `[1, 2, 10]`,
+    /// `cross_attention_dim` 2048, `use_linear_projection`, `addition_embed_type` `"text_time"`,
+    /// `addition_time_embed_dim` 256, `projection_class_embeddings_input_dim` 2816
+    /// (= 1280 pooled text + 6 · 256), `sample_size` 128.
+    pub fn sdxl_base() -> Self {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        Self {
+            sample_size: Some(128.into()),
+            down_block_types: s(&[
+                "DownBlock2D",
+                "CrossAttnDownBlock2D",
+                "CrossAttnDownBlock2D",
+            ]),
+            up_block_types: s(&["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]),
+            block_out_channels: vec![320, 640, 1280],
+            cross_attention_dim: PerLevel::One(2048),
+            attention_head_dim: PerLevel::List(vec![5, 10, 20]),
+            transformer_layers_per_block: serde_json::json!([1, 2, 10]),
+            use_linear_projection: true,
+            addition_embed_type: Some("text_time".into()),
+            addition_time_embed_dim: Some(256),
+            projection_class_embeddings_input_dim: Some(2816),
+            ..Self::default()
+        }
+    }
+
+    /// Checks every value against what this crate implements and derives the per-level plan.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the key and value; [`Error::InvalidArgument`] for
+    /// inconsistent lengths.
+    pub fn plan(&self) -> Result<UNetPlan> {
+        let n = self.block_out_channels.len();
+        let bad = |m: String| Error::InvalidArgument(format!("UNet config: {m}"));
+        if n == 0 || self.down_block_types.len() != n || self.up_block_types.len() != n {
+            return Err(bad(format!(
+                "`down_block_types` ({}), `up_block_types` ({}) and `block_out_channels` ({n}) must have the same non-zero length",
+                self.down_block_types.len(),
+                self.up_block_types.len()
+            )));
+        }
+        let down_attn = self
+            .down_block_types
+            .iter()
+            .map(|t| match t.as_str() {
+                "CrossAttnDownBlock2D" => Ok(true),
+                "DownBlock2D" => Ok(false),
+                other => Err(unsupported(
+                    "down_block_types",
+                    other,
+                    "supported: CrossAttnDownBlock2D, DownBlock2D",
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let up_attn = self
+            .up_block_types
+            .iter()
+            .map(|t| match t.as_str() {
+                "CrossAttnUpBlock2D" => Ok(true),
+                "UpBlock2D" => Ok(false),
+                other => Err(unsupported(
+                    "up_block_types",
+                    other,
+                    "supported: CrossAttnUpBlock2D, UpBlock2D",
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        match self.mid_block_type.as_deref() {
+            Some("UNetMidBlock2DCrossAttn") => {}
+            other => {
+                return Err(unsupported(
+                    "mid_block_type",
+                    other,
+                    "supported: UNetMidBlock2DCrossAttn",
+                ));
+            }
+        }
+        if self
+            .num_attention_heads
+            .as_ref()
+            .is_some_and(|v| !v.is_null())
+        {
+            return Err(unsupported(
+                "num_attention_heads",
+                &self.num_attention_heads,
+                "diffusers' UNet2DConditionModel refuses it too; give the head count as `attention_head_dim`",
+            ));
+        }
+        let checks: [(&str, bool, String); 22] = [
+            (
+                "center_input_sample",
+                !self.center_input_sample,
+                format!("{}", self.center_input_sample),
+            ),
+            (
+                "only_cross_attention",
+                matches!(&self.only_cross_attention, FlagPerLevel::One(false))
+                    || matches!(&self.only_cross_attention, FlagPerLevel::List(v) if v.iter().all(|b| !b)),
+                format!("{:?}", self.only_cross_attention),
+            ),
+            ("act_fn", self.act_fn == "silu", self.act_fn.clone()),
+            (
+                "reverse_transformer_layers_per_block",
+                self.reverse_transformer_layers_per_block
+                    .as_ref()
+                    .is_none_or(|v| v.is_null()),
+                format!("{:?}", self.reverse_transformer_layers_per_block),
+            ),
+            (
+                "encoder_hid_dim",
+                self.encoder_hid_dim.is_none(),
+                format!("{:?}", self.encoder_hid_dim),
+            ),
+            (
+                "encoder_hid_dim_type",
+                self.encoder_hid_dim_type.is_none(),
+                format!("{:?}", self.encoder_hid_dim_type),
+            ),
+            (
+                "dual_cross_attention",
+                !self.dual_cross_attention,
+                format!("{}", self.dual_cross_attention),
+            ),
+            (
+                "class_embed_type",
+                self.class_embed_type.is_none(),
+                format!("{:?}", self.class_embed_type),
+            ),
+            (
+                "num_class_embeds",
+                self.num_class_embeds.is_none(),
+                format!("{:?}", self.num_class_embeds),
+            ),
+            (
+                "resnet_time_scale_shift",
+                self.resnet_time_scale_shift == "default",
+                self.resnet_time_scale_shift.clone(),
+            ),
+            (
+                "resnet_skip_time_act",
+                !self.resnet_skip_time_act,
+                format!("{}", self.resnet_skip_time_act),
+            ),
+            (
+                "resnet_out_scale_factor",
+                self.resnet_out_scale_factor == 1.0,
+                format!("{}", self.resnet_out_scale_factor),
+            ),
+            (
+                "time_embedding_type",
+                self.time_embedding_type == "positional",
+                self.time_embedding_type.clone(),
+            ),
+            (
+                "time_embedding_dim",
+                self.time_embedding_dim.is_none(),
+                format!("{:?}", self.time_embedding_dim),
+            ),
+            (
+                "time_embedding_act_fn",
+                self.time_embedding_act_fn.is_none(),
+                format!("{:?}", self.time_embedding_act_fn),
+            ),
+            (
+                "timestep_post_act",
+                self.timestep_post_act.is_none(),
+                format!("{:?}", self.timestep_post_act),
+            ),
+            (
+                "time_cond_proj_dim",
+                self.time_cond_proj_dim.is_none(),
+                format!("{:?}", self.time_cond_proj_dim),
+            ),
+            (
+                "conv_in_kernel",
+                self.conv_in_kernel == 3,
+                format!("{}", self.conv_in_kernel),
+            ),
+            (
+                "conv_out_kernel",
+                self.conv_out_kernel == 3,
+                format!("{}", self.conv_out_kernel),
+            ),
+            (
+                "attention_type",
+                self.attention_type == "default",
+                self.attention_type.clone(),
+            ),
+            (
+                "class_embeddings_concat",
+                !self.class_embeddings_concat,
+                format!("{}", self.class_embeddings_concat),
+            ),
+            (
+                "cross_attention_norm",
+                self.cross_attention_norm.is_none(),
+                format!("{:?}", self.cross_attention_norm),
+            ),
+        ];
+        for (key, ok, value) in checks {
+            if !ok {
+                return Err(unsupported(
+                    key,
+                    value,
+                    "only the SD 1.x / 2.x / SDXL value (diffusers' default) is implemented",
+                ));
+            }
+        }
+        if self.mid_block_only_cross_attention == Some(true) {
+            return Err(unsupported(
+                "mid_block_only_cross_attention",
+                true,
+                "only false/null is implemented",
+            ));
+        }
+        let text_time = match self.addition_embed_type.as_deref() {
+            None => None,
+            Some("text_time") => {
+                let t = self.addition_time_embed_dim.ok_or_else(|| {
+                    bad("`addition_embed_type: text_time` needs `addition_time_embed_dim`".into())
+                })?;
+                let p = self.projection_class_embeddings_input_dim.ok_or_else(|| {
+                    bad("`addition_embed_type: text_time` needs `projection_class_embeddings_input_dim`".into())
+                })?;
+                Some((t, p))
+            }
+            Some(other) => {
+                return Err(unsupported(
+                    "addition_embed_type",
+                    other,
+                    "supported: null, \"text_time\" (SDXL)",
+                ));
+            }
+        };
+        let layers = self
+            .layers_per_block
+            .expand(n, "layers_per_block")
+            .map_err(bad)?;
+        if layers.iter().any(|&l| l != layers[0]) {
+            return Err(unsupported(
+                "layers_per_block",
+                &layers,
+                "one value for all levels is implemented",
+            ));
+        }
+        let heads = self
+            .attention_head_dim
+            .expand(n, "attention_head_dim")
+            .map_err(bad)?;
+        let cross_attention_dim = self
+            .cross_attention_dim
+            .expand(n, "cross_attention_dim")
+            .map_err(bad)?;
+        let transformer_layers = match &self.transformer_layers_per_block {
+            serde_json::Value::Number(v) => vec![v.as_i64().unwrap_or(1); n],
+            serde_json::Value::Array(v) if v.len() == n && v.iter().all(|x| x.is_i64()) => {
+                v.iter().map(|x| x.as_i64().unwrap_or(1)).collect()
+            }
+            other => {
+                return Err(unsupported(
+                    "transformer_layers_per_block",
+                    other,
+                    "an integer or one integer per level is implemented (per-layer nested lists are not)",
+                ));
+            }
+        };
+        let groups = self.norm_num_groups.ok_or_else(|| {
+            unsupported("norm_num_groups", "null", "a group count (32) is required")
+        })?;
+        for (i, (&c, &h)) in self.block_out_channels.iter().zip(&heads).enumerate() {
+            if h <= 0 || c % h != 0 {
+                return Err(bad(format!(
+                    "level {i}: block_out_channels {c} is not divisible by attention_head_dim (= heads) {h}"
+                )));
+            }
+        }
+        Ok(UNetPlan {
+            channels: self.block_out_channels.clone(),
+            layers,
+            down_attn,
+            up_attn,
+            heads,
+            transformer_layers,
+            cross_attention_dim,
+            groups,
+            time_embed_dim: 4 * self.block_out_channels[0],
+            text_time,
+        })
+    }
+}
+
+/// A down level: `CrossAttnDownBlock2D` (ResNets + transformers) or `DownBlock2D`.
+#[derive(Debug)]
+struct DownBlock {
+    resnets: Vec<ResnetBlock2D>,
+    attentions: Vec<Transformer2DModel>,
+    downsampler: Option<Downsample2D>,
+}
+
+/// An up level: `CrossAttnUpBlock2D` or `UpBlock2D`.
+#[derive(Debug)]
+struct UpBlock {
+    resnets: Vec<ResnetBlock2D>,
+    attentions: Vec<Transformer2DModel>,
+    upsampler: Option<Upsample2D>,
+}
+
+/// `UNetMidBlock2DCrossAttn`: ResNet, transformer, ResNet.
+#[derive(Debug)]
+struct MidBlock {
+    resnets: Vec<ResnetBlock2D>,
+    attentions: Vec<Transformer2DModel>,
+}
+
+/// SDXL's `text_time` added conditioning: `add_embedding(text_embeds ‖ sinusoidal(time_ids))`.
+#[derive(Debug)]
+struct TextTime {
+    time_dim: i64,
+    add_embedding: TimestepEmbedding,
+}
+
+/// The Stable Diffusion denoiser (see the module docs for the layout and shapes).
+///
+/// Weights are frozen plain tensors (no grad) in the load dtype; every linear and convolution is
+/// a LoRA site named as diffusers names the module ([`Adaptable`]).
+#[derive(Debug)]
+pub struct UNet2DConditionModel {
+    config: UNetConfig,
+    plan: UNetPlan,
+    kind: Kind,
+    conv_in: LoraConv2d,
+    time_embedding: TimestepEmbedding,
+    text_time: Option<TextTime>,
+    down_blocks: Vec<DownBlock>,
+    mid_block: MidBlock,
+    up_blocks: Vec<UpBlock>,
+    conv_norm_out: GroupNorm,
+    conv_out: LoraConv2d,
+    param_count: i64,
+}
+
+impl UNet2DConditionModel {
+    /// Builds the model from `config`, reading every weight (diffusers names) from `src` in
+    /// `opts.kind`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] / [`Error::InvalidArgument`] for the config (see
+    /// [`UNetConfig::plan`]); [`Error::MissingTensor`] / [`Error::Shape`] when the weights do not
+    /// match it.
+    pub fn new(config: UNetConfig, src: &dyn TensorSource, opts: &LoadOptions) -> Result<Self> {
+        let plan = config.plan()?;
+        let vb = Vb::new(src, "", opts.kind);
+        let backend = opts.attention;
+        let n = plan.channels.len();
+        let ch = &plan.channels;
+        let (g, eps, temb) = (plan.groups, config.norm_eps, Some(plan.time_embed_dim));
+        let l = plan.layers[0];
+        let transformer = |vb: &Vb, c: i64, level: usize| {
+            Transformer2DModel::load(
+                vb,
+                c,
+                plan.heads[level],
+                c / plan.heads[level],
+                plan.transformer_layers[level],
+                plan.cross_attention_dim[level],
+                g,
+                config.use_linear_projection,
+                backend,
+            )
+        };
+        let conv_in = vb.pp("conv_in").conv(config.in_channels, ch[0], 3, 1, 1)?;
+        let time_embedding =
+            TimestepEmbedding::load(&vb.pp("time_embedding"), ch[0], plan.time_embed_dim)?;
+        let text_time = match plan.text_time {
+            Some((time_dim, proj_in)) => Some(TextTime {
+                time_dim,
+                add_embedding: TimestepEmbedding::load(
+                    &vb.pp("add_embedding"),
+                    proj_in,
+                    plan.time_embed_dim,
+                )?,
+            }),
+            None => None,
+        };
+        let mut down_blocks = Vec::with_capacity(n);
+        let mut c_prev = ch[0];
+        for i in 0..n {
+            let b = vb.pp(format!("down_blocks.{i}"));
+            let c = ch[i];
+            let mut resnets = Vec::new();
+            let mut attentions = Vec::new();
+            for j in 0..l {
+                let c_in = if j == 0 { c_prev } else { c };
+                resnets.push(ResnetBlock2D::load(
+                    &b.pp(format!("resnets.{j}")),
+                    c_in,
+                    c,
+                    temb,
+                    g,
+                    eps,
+                    1.0,
+                )?);
+                if plan.down_attn[i] {
+                    attentions.push(transformer(&b.pp(format!("attentions.{j}")), c, i)?);
+                }
+            }
+            let downsampler = if i + 1 < n {
+                Some(Downsample2D::load_conv(
+                    &b.pp("downsamplers.0"),
+                    c,
+                    c,
+                    config.downsample_padding,
+                )?)
+            } else {
+                None
+            };
+            down_blocks.push(DownBlock {
+                resnets,
+                attentions,
+                downsampler,
+            });
+            c_prev = c;
+        }
+        let c_mid = ch[n - 1];
+        let mb = vb.pp("mid_block");
+        let msf = config.mid_block_scale_factor;
+        let mid_block = MidBlock {
+            resnets: vec![
+                ResnetBlock2D::load(&mb.pp("resnets.0"), c_mid, c_mid, temb, g, eps, msf)?,
+                ResnetBlock2D::load(&mb.pp("resnets.1"), c_mid, c_mid, temb, g, eps, msf)?,
+            ],
+            attentions: vec![transformer(&mb.pp("attentions.0"), c_mid, n - 1)?],
+        };
+        let mut up_blocks = Vec::with_capacity(n);
+        let rev: Vec<i64> = ch.iter().rev().copied().collect();
+        let mut c_out = rev[0];
+        for i in 0..n {
+            let level = n - 1 - i;
+            let b = vb.pp(format!("up_blocks.{i}"));
+            let prev = c_out;
+            c_out = rev[i];
+            let c_skip_in = rev[(i + 1).min(n - 1)];
+            let mut resnets = Vec::new();
+            let mut attentions = Vec::new();
+            for j in 0..=l {
+                let skip = if j == l { c_skip_in } else { c_out };
+                let c_in = if j == 0 { prev } else { c_out };
+                resnets.push(ResnetBlock2D::load(
+                    &b.pp(format!("resnets.{j}")),
+                    c_in + skip,
+                    c_out,
+                    temb,
+                    g,
+                    eps,
+                    1.0,
+                )?);
+                if plan.up_attn[i] {
+                    attentions.push(transformer(&b.pp(format!("attentions.{j}")), c_out, level)?);
+                }
+            }
+            let upsampler = if i + 1 < n {
+                Some(Upsample2D::load(&b.pp("upsamplers.0"), c_out)?)
+            } else {
+                None
+            };
+            up_blocks.push(UpBlock {
+                resnets,
+                attentions,
+                upsampler,
+            });
+        }
+        let mut m = Self {
+            conv_norm_out: vb.pp("conv_norm_out").group_norm(g, ch[0], eps)?,
+            conv_out: vb
+                .pp("conv_out")
+                .conv(ch[0], config.out_channels, 3, 1, 1)?,
+            config,
+            plan,
+            kind: opts.kind,
+            conv_in,
+            time_embedding,
+            text_time,
+            down_blocks,
+            mid_block,
+            up_blocks,
+            param_count: 0,
+        };
+        m.param_count = m.count_params();
+        Ok(m)
+    }
+
+    /// Loads a diffusers folder: `dir` is a pipeline root (its `unet/` is used) or the `unet`
+    /// folder itself, with `config.json` and `diffusion_pytorch_model[.fp16].safetensors` (or an
+    /// index of shards), memory-mapped.
+    ///
+    /// # Errors
+    /// [`Error::Io`] / [`Error::Config`] for missing or malformed files; see [`Self::new`].
+    pub fn from_diffusers(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        let dir = component_dir(dir, "unet")?;
+        let config = UNetConfig::from_file(&dir.join("config.json"))?;
+        let files = diffusers_weight_files(&dir, opts.variant.as_deref())?;
+        let src = SafetensorsFiles::open(&files, &dir, opts.device)?;
+        Self::new(config, &src, opts)
+    }
+
+    /// Loads the UNet of an original single-file checkpoint (`model.diffusion_model.*` keys,
+    /// e.g. `v1-5-pruned-emaonly.safetensors`), with `config` describing it (single files carry
+    /// no config: use [`UNetConfig::sd15`], [`UNetConfig::sdxl_base`] or the matching diffusers
+    /// `unet/config.json`). Keys are translated with [`ldm_unet_key`].
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::MissingTensor`] names the diffusers key asked for.
+    pub fn from_single_file(path: &Path, config: UNetConfig, opts: &LoadOptions) -> Result<Self> {
+        let plan = config.plan()?;
+        let layout = UnetLayout {
+            layers_per_block: plan.layers[0] as usize,
+            down_attn: plan.down_attn.clone(),
+            up_attn: plan.up_attn.clone(),
+        };
+        let src = SafetensorsFiles::open(&[path.to_path_buf()], path, opts.device)?
+            .with_key_map(move |name| ldm_unet_key(name, &layout));
+        Self::new(config, &src, opts)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &UNetConfig {
+        &self.config
+    }
+
+    /// The derived per-level plan.
+    pub fn plan(&self) -> &UNetPlan {
+        &self.plan
+    }
+
+    /// The dtype weights are held and computed in.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Predicts the noise (or `v`, or whatever the checkpoint was trained for) for `sample` at
+    /// `timesteps` conditioned on `encoder_hidden_states`; inference (no LoRA dropout).
+    ///
+    /// # Shapes
+    /// - `sample` `[B, in_channels, H, W]` latents (cast to the model dtype);
+    /// - `timesteps` `[B]` (or `[1]`/0-d, broadcast to `B`), integer or float;
+    /// - `encoder_hidden_states` `[B, L, cross_attention_dim]` (SD 1.x `[B, 77, 768]`);
+    /// - `added_cond` (SDXL `text_time` only): `text_embeds` `[B, P]` pooled text embedding
+    ///   (SDXL 1280) and `time_ids` `[B, 6]` (original size, crop top-left, target size);
+    /// - returns `[B, out_channels, H, W]` in the model dtype.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for mis-shaped inputs or a missing / superfluous `added_cond`;
+    /// [`Error::Torch`] from libtorch.
+    pub fn forward(
+        &self,
+        sample: &Tensor,
+        timesteps: &Tensor,
+        encoder_hidden_states: &Tensor,
+        added_cond: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        self.forward_t(sample, timesteps, encoder_hidden_states, added_cond, false)
+    }
+
+    /// [`Self::forward`] with `train` switching LoRA dropout on.
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn forward_t(
+        &self,
+        sample: &Tensor,
+        timesteps: &Tensor,
+        encoder_hidden_states: &Tensor,
+        added_cond: Option<(&Tensor, &Tensor)>,
+        train: bool,
+    ) -> Result<Tensor> {
+        if sample.dim() != 4 || sample.size()[1] != self.config.in_channels {
+            return Err(Error::InvalidArgument(format!(
+                "UNet sample must be [batch, {}, height, width], got {:?}",
+                self.config.in_channels,
+                sample.size()
+            )));
+        }
+        let b = sample.size()[0];
+        if encoder_hidden_states.dim() != 3 || encoder_hidden_states.size()[0] != b {
+            return Err(Error::InvalidArgument(format!(
+                "encoder_hidden_states must be [batch = {b}, seq, dim], got {:?}",
+                encoder_hidden_states.size()
+            )));
+        }
+        let x = sample.f_to_kind(self.kind)?;
+        let ctx = encoder_hidden_states.f_to_kind(self.kind)?;
+        let t = timesteps.f_reshape([-1])?;
+        let t = if t.size()[0] == b {
+            t
+        } else if t.size()[0] == 1 {
+            t.f_expand([b], false)?
+        } else {
+            return Err(Error::InvalidArgument(format!(
+                "timesteps must be [batch = {b}] or a single value, got {:?}",
+                timesteps.size()
+            )));
+        };
+        // time embedding
+        let t_emb = timestep_embedding(
+            &t,
+            self.plan.channels[0],
+            self.config.flip_sin_to_cos,
+            self.config.freq_shift,
+        )?
+        .f_to_kind(self.kind)?;
+        let mut emb = self.time_embedding.forward(&t_emb, train)?;
+        match (&self.text_time, added_cond) {
+            (Some(tt), Some((text_embeds, time_ids))) => {
+                if time_ids.dim() != 2
+                    || time_ids.size()[0] != b
+                    || text_embeds.dim() != 2
+                    || text_embeds.size()[0] != b
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "added_cond must be (text_embeds [batch = {b}, P], time_ids [batch, 6]), got {:?} and {:?}",
+                        text_embeds.size(),
+                        time_ids.size()
+                    )));
+                }
+                let te = timestep_embedding(
+                    &time_ids.f_flatten(0, -1)?,
+                    tt.time_dim,
+                    self.config.flip_sin_to_cos,
+                    self.config.freq_shift,
+                )?
+                .f_reshape([b, -1])?;
+                let add = Tensor::f_cat(&[text_embeds.f_to_kind(Kind::Float)?, te], -1)?
+                    .f_to_kind(self.kind)?;
+                emb = emb.f_add(&tt.add_embedding.forward(&add, train)?)?;
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(Error::InvalidArgument(
+                    "this UNet has `addition_embed_type: text_time` (SDXL): pass added_cond = (text_embeds, time_ids)"
+                        .into(),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(Error::InvalidArgument(
+                    "added_cond was given but the UNet config has no `addition_embed_type`".into(),
+                ));
+            }
+        }
+        // down
+        let mut h = self.conv_in.forward_t(&x, train)?;
+        let mut skips: Vec<Tensor> = vec![h.shallow_clone()];
+        for blk in &self.down_blocks {
+            for (j, r) in blk.resnets.iter().enumerate() {
+                h = r.forward(&h, Some(&emb), train)?;
+                if let Some(a) = blk.attentions.get(j) {
+                    h = a.forward(&h, &ctx, train)?;
+                }
+                skips.push(h.shallow_clone());
+            }
+            if let Some(d) = &blk.downsampler {
+                h = d.forward(&h, train)?;
+                skips.push(h.shallow_clone());
+            }
+        }
+        // mid
+        h = self.mid_block.resnets[0].forward(&h, Some(&emb), train)?;
+        h = self.mid_block.attentions[0].forward(&h, &ctx, train)?;
+        h = self.mid_block.resnets[1].forward(&h, Some(&emb), train)?;
+        // up
+        for blk in &self.up_blocks {
+            for (j, r) in blk.resnets.iter().enumerate() {
+                let s = skips
+                    .pop()
+                    .ok_or_else(|| Error::InvalidArgument("UNet skip stack exhausted".into()))?;
+                h = Tensor::f_cat(&[&h, &s], 1)?;
+                h = r.forward(&h, Some(&emb), train)?;
+                if let Some(a) = blk.attentions.get(j) {
+                    h = a.forward(&h, &ctx, train)?;
+                }
+            }
+            if let Some(u) = &blk.upsampler {
+                // up-sample to the next skip's size (= ×2 when H, W are multiples of 2^levels)
+                let size = skips.last().map(|s| {
+                    let z = s.size();
+                    [z[2], z[3]]
+                });
+                h = u.forward(&h, size, train)?;
+            }
+        }
+        let h = self.conv_norm_out.forward(&h)?.f_silu()?;
+        Ok(self.conv_out.forward_t(&h, train)?)
+    }
+
+    /// Parameters of the model (sites and norms), adapters excluded.
+    pub fn num_params(&self) -> i64 {
+        self.param_count
+    }
+
+    fn count_params(&mut self) -> i64 {
+        super::blocks::site_params(self) + self.norm_params()
+    }
+
+    fn norm_params(&self) -> i64 {
+        let t =
+            |v: &[Transformer2DModel]| v.iter().map(Transformer2DModel::norm_params).sum::<i64>();
+        let r = |v: &[ResnetBlock2D]| v.iter().map(ResnetBlock2D::norm_params).sum::<i64>();
+        let mut n = self.conv_norm_out.numel();
+        for b in &self.down_blocks {
+            n += t(&b.attentions) + r(&b.resnets);
+        }
+        for b in &self.up_blocks {
+            n += t(&b.attentions) + r(&b.resnets);
+        }
+        n + t(&self.mid_block.attentions) + r(&self.mid_block.resnets)
+    }
+}
+
+fn visit_level(
+    p: &str,
+    resnets: &mut [ResnetBlock2D],
+    attentions: &mut [Transformer2DModel],
+    f: &mut Visitor<'_>,
+) -> lora_core::Result<()> {
+    for (j, r) in resnets.iter_mut().enumerate() {
+        r.visit(&join(p, &format!("resnets.{j}")), f)?;
+    }
+    for (j, a) in attentions.iter_mut().enumerate() {
+        a.visit(&join(p, &format!("attentions.{j}")), f)?;
+    }
+    Ok(())
+}
+
+impl Adaptable for UNet2DConditionModel {
+    /// Sites in diffusers naming: `conv_in`, `time_embedding.linear_{1,2}`,
+    /// `add_embedding.linear_{1,2}` (SDXL), `down_blocks.{i}.resnets.{j}.{conv1,time_emb_proj,conv2,conv_shortcut}`,
+    /// `down_blocks.{i}.attentions.{j}.{proj_in,proj_out}`,
+    /// `….transformer_blocks.{k}.{attn1,attn2}.{to_q,to_k,to_v,to_out.0}`, `….ff.net.0.proj`,
+    /// `….ff.net.2`, `down_blocks.{i}.downsamplers.0.conv`, `mid_block.…`, `up_blocks.{i}.…`,
+    /// `up_blocks.{i}.upsamplers.0.conv`, `conv_out`.
+    fn visit_sites(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f("conv_in", SiteMut::Conv2d(&mut self.conv_in))?;
+        self.time_embedding.visit("time_embedding", f)?;
+        if let Some(tt) = &mut self.text_time {
+            tt.add_embedding.visit("add_embedding", f)?;
+        }
+        for (i, b) in self.down_blocks.iter_mut().enumerate() {
+            let p = format!("down_blocks.{i}");
+            visit_level(&p, &mut b.resnets, &mut b.attentions, f)?;
+            if let Some(d) = &mut b.downsampler {
+                d.visit(&join(&p, "downsamplers.0"), f)?;
+            }
+        }
+        visit_level(
+            "mid_block",
+            &mut self.mid_block.resnets,
+            &mut self.mid_block.attentions,
+            f,
+        )?;
+        for (i, b) in self.up_blocks.iter_mut().enumerate() {
+            let p = format!("up_blocks.{i}");
+            visit_level(&p, &mut b.resnets, &mut b.attentions, f)?;
+            if let Some(u) = &mut b.upsampler {
+                u.visit(&join(&p, "upsamplers.0"), f)?;
+            }
+        }
+        f("conv_out", SiteMut::Conv2d(&mut self.conv_out))
+    }
+
+    fn frozen_param_count(&self) -> Option<i64> {
+        Some(self.param_count)
+    }
+}
