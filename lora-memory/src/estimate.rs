@@ -183,6 +183,8 @@ pub struct Estimate {
     pub metric: Metric,
     /// Assumptions worth telling the user.
     pub notes: Vec<String>,
+    /// The device the estimate is for (its context/runtime baseline included).
+    pub device: Device,
 }
 
 impl Estimate {
@@ -208,22 +210,47 @@ impl Estimate {
                     t.name.to_string(),
                     format!("{:.3}", t.bytes.gb()),
                     format!("{:.3}", t.bytes.gib()),
-                    t.formula.to_string(),
+                    match (self.device.is_cuda(), t.name) {
+                        (false, "context / workspace") => {
+                            "CPU runtime: libtorch, heap, threads".to_string()
+                        }
+                        (false, "allocator margin") => {
+                            "none on CPU (no caching allocator)".to_string()
+                        }
+                        _ => t.formula.to_string(),
+                    },
                 )
             })
             .collect();
         rows.push(("─".repeat(3), String::new(), String::new(), String::new()));
+        let cuda = self.device.is_cuda();
         for (name, b, what) in [
             (
                 "peak allocated",
                 self.peak_allocated,
-                "max_memory_allocated",
+                if cuda {
+                    "max_memory_allocated"
+                } else {
+                    "peak live tensor bytes"
+                },
             ),
-            ("peak reserved", self.peak_reserved, "max_memory_reserved"),
+            (
+                "peak reserved",
+                self.peak_reserved,
+                if cuda {
+                    "max_memory_reserved"
+                } else {
+                    "= allocated on CPU"
+                },
+            ),
             (
                 "total (process peak)",
                 self.peak_process,
-                "nvidia-smi / RSS",
+                if cuda {
+                    "nvidia-smi"
+                } else {
+                    "process peak RSS"
+                },
             ),
         ] {
             rows.push((
@@ -818,6 +845,7 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         peak: Bytes::from_f64(process),
         metric: Metric::Process,
         notes,
+        device: s.device,
     })
 }
 

@@ -1041,6 +1041,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         say("warning: predicted not to fit; starting anyway (forced)");
     }
 
+    // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).
+    if !cuda && cfg.memory.cpu_return_freed && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+    {
+        if lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD) {
+            say("CPU allocator: blocks ≥ 1 MiB are returned to the OS when freed");
+        }
+    }
+
     // 4. load, inject
     let base_written = cfg.base_model()?.to_string();
     let base_path = resolve_path(

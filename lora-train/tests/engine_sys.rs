@@ -51,4 +51,36 @@ fn shim_global_state() {
     assert!(sys::deterministic().unwrap());
     sys::set_deterministic(false, false).unwrap();
     assert!(!sys::deterministic().unwrap());
+
+    // glibc's mmap threshold, fixed at 1 MiB: freed large blocks leave the process even when
+    // small live blocks sit between them (glibc's default dynamic threshold, raised to 16 MiB
+    // by the frees above, would serve the 8 MiB blocks from the heap and keep the holes).
+    if cfg!(all(target_os = "linux", target_env = "gnu")) {
+        assert!(sys::set_malloc_mmap_threshold(
+            sys::RETURN_FREED_MMAP_THRESHOLD
+        ));
+        let mut big = Vec::new();
+        let mut small = Vec::new();
+        for _ in 0..24 {
+            big.push(Tensor::ones([2 << 20], (Kind::Float, Device::Cpu))); // 8 MiB
+            small.push(Tensor::ones([16 << 10], (Kind::Float, Device::Cpu))); // 64 KiB
+        }
+        let with_big = vm_rss();
+        drop(big);
+        let after = vm_rss();
+        let released = with_big.saturating_sub(after);
+        assert!(
+            released >= 160 << 20,
+            "only {released} of 192 MiB freed went back to the OS (RSS {with_big} → {after})"
+        );
+        drop(small);
+    }
+}
+
+/// `VmRSS` of this process, bytes.
+fn vm_rss() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kb: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kb * 1024
 }
