@@ -1,0 +1,179 @@
+//! AutoencoderKL against diffusers 0.42.1 on a tiny random-weight VAE that
+//! `tests/interop/sd_vae.py` builds and writes: encode (mean, logvar, seeded sample), decode,
+//! the original single-file layout, latent scaling, LoRA sites.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use lora_core::inject::{Adaptable, site_names};
+use lora_core::layer::SiteKind;
+use lora_models::sd::{AttentionBackend, AutoencoderKL, LoadOptions, VaeConfig};
+use safetensors::SafeTensors;
+use tch::{Kind, Tensor};
+
+fn fixtures() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+        assert!(
+            py.exists(),
+            "{} is missing: run `cargo xtask setup`",
+            py.display()
+        );
+        let out = tempfile::tempdir().unwrap();
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/sd_vae.py");
+        let res = Command::new(py)
+            .arg(&script)
+            .arg("--out")
+            .arg(out.path())
+            .env("OMP_NUM_THREADS", "1")
+            .output()
+            .unwrap();
+        assert!(
+            res.status.success(),
+            "sd_vae.py failed:\n{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        out
+    })
+    .path()
+}
+
+fn r(name: &str) -> Tensor {
+    static R: OnceLock<Vec<u8>> = OnceLock::new();
+    let bytes = R.get_or_init(|| std::fs::read(fixtures().join("reference.safetensors")).unwrap());
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let v = st.tensor(name).unwrap();
+    let kind = match v.dtype() {
+        safetensors::Dtype::F32 => Kind::Float,
+        safetensors::Dtype::I64 => Kind::Int64,
+        d => panic!("unexpected dtype {d:?}"),
+    };
+    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+    Tensor::from_data_size(v.data(), &shape, kind)
+}
+
+/// (max |a − b|, max |a − b| / max |b|)
+fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    assert_eq!(a.size(), b.size());
+    let d = f64::try_from((&a.to_kind(Kind::Float) - b).abs().max()).unwrap();
+    (d, d / f64::try_from(b.abs().max()).unwrap())
+}
+
+const TOL_F32: f64 = 1e-4;
+
+fn check(vae: &AutoencoderKL, label: &str) {
+    let _g = tch::no_grad_guard();
+    let dist = vae.encode(&r("image")).unwrap();
+    for (name, ours) in [
+        ("mean", dist.mean.shallow_clone()),
+        ("logvar", dist.logvar.shallow_clone()),
+        ("sample", dist.sample(Some(7)).unwrap()),
+        ("decoded", vae.decode(&r("latents")).unwrap()),
+    ] {
+        let (abs, rel) = diff(&ours, &r(name));
+        println!("{label} {name}: max abs diff {abs:.3e}, relative {rel:.3e}");
+        assert!(
+            rel < TOL_F32,
+            "{label} {name}: relative diff {rel:.3e} (abs {abs:.3e})"
+        );
+    }
+    assert!(dist.mode().equal(&dist.mean));
+}
+
+#[test]
+fn vae_encode_decode_match_diffusers() {
+    tch::set_num_threads(1);
+    for attention in [AttentionBackend::Sdpa, AttentionBackend::Math] {
+        let opts = LoadOptions {
+            attention,
+            ..LoadOptions::default()
+        };
+        let vae = AutoencoderKL::from_diffusers(fixtures(), &opts).unwrap();
+        assert_eq!(
+            vae.num_params(),
+            i64::try_from(r("num_params").get(0)).unwrap()
+        );
+        check(&vae, &format!("{attention:?}"));
+    }
+}
+
+#[test]
+fn single_file_vae_loads_like_the_folder() {
+    tch::set_num_threads(1);
+    let cfg = VaeConfig::from_file(&fixtures().join("vae/config.json")).unwrap();
+    assert_eq!((cfg.scaling_factor, cfg.shift_factor), (0.13025, Some(0.1)));
+    let vae = AutoencoderKL::from_single_file(
+        &fixtures().join("single.safetensors"),
+        cfg,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    check(&vae, "single file");
+    let folder = AutoencoderKL::from_diffusers(fixtures(), &LoadOptions::default()).unwrap();
+    let _g = tch::no_grad_guard();
+    let a = vae.decode(&r("latents")).unwrap();
+    let b = folder.decode(&r("latents")).unwrap();
+    assert_eq!(diff(&a, &b).0, 0.0);
+}
+
+#[test]
+fn latent_scaling_uses_the_config() {
+    let vae = AutoencoderKL::from_diffusers(fixtures(), &LoadOptions::default()).unwrap();
+    let z = Tensor::from_slice(&[1.1f32, -0.9]);
+    let s = vae.scale_latents(&z).unwrap();
+    let v = Vec::<f32>::try_from(&s).unwrap();
+    assert!(
+        (v[0] - 0.13025).abs() < 1e-6 && (v[1] + 0.13025).abs() < 1e-6,
+        "{v:?}"
+    );
+    let back = Vec::<f32>::try_from(vae.unscale_latents(&s).unwrap()).unwrap();
+    assert!((back[0] - 1.1).abs() < 1e-6 && (back[1] + 0.9).abs() < 1e-6);
+    assert_eq!(VaeConfig::sd15().scaling_factor, 0.18215);
+    assert_eq!(VaeConfig::sdxl().scaling_factor, 0.13025);
+}
+
+#[test]
+fn vae_sites_cover_every_conv_and_attention_projection() {
+    let mut vae = AutoencoderKL::from_diffusers(fixtures(), &LoadOptions::default()).unwrap();
+    let names = site_names(&mut vae).unwrap();
+    let bytes = std::fs::read(fixtures().join("vae/diffusion_pytorch_model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for (n, _) in &names {
+        assert!(
+            st.tensor(&format!("{n}.weight")).is_ok(),
+            "{n}.weight not in the checkpoint"
+        );
+    }
+    let n_weights = st
+        .names()
+        .iter()
+        .filter(|k| k.ends_with(".weight") && st.tensor(k).unwrap().shape().len() >= 2)
+        .count();
+    assert_eq!(names.len(), n_weights);
+    for (n, k) in [
+        (
+            "encoder.down_blocks.0.downsamplers.0.conv",
+            SiteKind::Conv2d,
+        ),
+        ("encoder.mid_block.attentions.0.to_q", SiteKind::Linear),
+        ("decoder.up_blocks.0.upsamplers.0.conv", SiteKind::Conv2d),
+        ("quant_conv", SiteKind::Conv2d),
+    ] {
+        assert!(
+            names.iter().any(|(m, kind)| m == n && *kind == k),
+            "{n} missing"
+        );
+    }
+    assert_eq!(vae.frozen_param_count(), Some(vae.num_params()));
+    // wrong input channels are refused with the expected shape
+    let e = vae
+        .encode(&Tensor::zeros(
+            [1, 4, 8, 8],
+            (Kind::Float, tch::Device::Cpu),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[batch, 3, height, width]"), "{e}");
+}
