@@ -13,5 +13,8 @@ mod tokenizer;
 mod weights;
 
 pub use config::{ClipActivation, ClipTextConfig};
-pub use model::{ClipTextModel, ClipTextModelWithProjection, ClipTextOutput};
+pub use model::{
+    ClipTextModel, ClipTextModelWithProjection, ClipTextOutput, canonical_module_path,
+    canonicalize_adapter,
+};
 pub use tokenizer::{BOS_TOKEN, CLIP_MAX_LENGTH, CLIP_SPLIT_REGEX, ClipTokenizer, EOS_TOKEN};

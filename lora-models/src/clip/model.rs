@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use lora_core::base::BaseWeight;
+use lora_core::formats::AdapterWeights;
 use lora_core::inject::{Adaptable, SiteMut};
 use lora_core::layer::LoraLayer;
 use lora_core::linear::LoraLinear;
@@ -160,6 +161,29 @@ impl EncoderLayer {
     }
 }
 
+/// The site path of a CLIP text-encoder module path: paths of a transformers 5.x bare
+/// `CLIPTextModel` (`encoder.layers.0.self_attn.q_proj`, `embeddings.…`,
+/// `final_layer_norm`) get the `text_model.` level that transformers 4.x, diffusers, kohya and
+/// this crate use; other paths are returned unchanged.
+pub fn canonical_module_path(path: &str) -> String {
+    if path.starts_with("encoder.") || path.starts_with("embeddings.") || path == "final_layer_norm"
+    {
+        format!("text_model.{path}")
+    } else {
+        path.to_string()
+    }
+}
+
+/// Renames the modules of an adapter with [`canonical_module_path`] (for PEFT adapters saved
+/// from a transformers 5.x `CLIPTextModel`).
+pub fn canonicalize_adapter(weights: &mut AdapterWeights) {
+    let modules = std::mem::take(&mut weights.modules);
+    weights.modules = modules
+        .into_iter()
+        .map(|(k, v)| (canonical_module_path(&k), v))
+        .collect();
+}
+
 /// What one forward pass of the text encoder returns.
 #[derive(Debug)]
 pub struct ClipTextOutput {
@@ -180,7 +204,9 @@ pub struct ClipTextOutput {
 
 /// A CLIP text encoder (transformers `CLIPTextModel`) whose every linear layer is a LoRA site.
 ///
-/// Weight names (a `text_encoder/model.safetensors` as transformers writes it):
+/// Weight names (a `text_encoder/model.safetensors` as transformers 4.x — every published SD
+/// checkpoint — writes it; transformers 5.x writes the same names without the leading
+/// `text_model.`, and both are accepted):
 /// `text_model.embeddings.{token_embedding,position_embedding}.weight`,
 /// `text_model.encoder.layers.N.self_attn.{q,k,v,out}_proj.{weight,bias}`,
 /// `text_model.encoder.layers.N.{layer_norm1,layer_norm2}.{weight,bias}`,
@@ -193,7 +219,10 @@ pub struct ClipTextOutput {
 /// `text_model.encoder.layers.N.self_attn.{q_proj,k_proj,v_proj,out_proj}` and
 /// `text_model.encoder.layers.N.mlp.{fc1,fc2}` (kohya sd-scripts `networks/lora.py` targets
 /// exactly these, `TEXT_ENCODER_TARGET_REPLACE_MODULE = ["CLIPAttention", "CLIPMLP"]`).
-/// Embeddings and LayerNorms are frozen plain tensors without grad.
+/// Embeddings and LayerNorms are frozen plain tensors without grad. A PEFT adapter saved from a
+/// transformers 5.x `CLIPTextModel` names its modules without `text_model.`
+/// (`base_model.model.encoder.layers.0.self_attn.q_proj`); [`canonicalize_adapter`] renames
+/// them before loading.
 ///
 /// # Shapes
 /// ids `[batch, seq ≤ max_position_embeddings]` int64 → hidden `[batch, seq, D]`; activations
@@ -253,22 +282,39 @@ impl ClipTextModel {
             config.intermediate_size,
             config.layer_norm_eps,
         );
-        let p = format!("{prefix}text_model");
+        // transformers < 5 (and every SD checkpoint) writes `text_model.…`; transformers 5
+        // writes a bare `CLIPTextModel` without that level (both load in transformers 5).
+        let p = if src.has(&format!(
+            "{prefix}text_model.embeddings.token_embedding.weight"
+        )) || !src.has(&format!("{prefix}embeddings.token_embedding.weight"))
+        {
+            format!("{prefix}text_model")
+        } else {
+            prefix.trim_end_matches('.').to_string()
+        };
+        let p = p.as_str();
+        let key = |rest: &str| {
+            if p.is_empty() {
+                rest.to_string()
+            } else {
+                format!("{p}.{rest}")
+            }
+        };
         let token_embedding = src.require(
-            &format!("{p}.embeddings.token_embedding.weight"),
+            &key("embeddings.token_embedding.weight"),
             &[config.vocab_size, d],
             kind,
             device,
         )?;
         let position_embedding = src.require(
-            &format!("{p}.embeddings.position_embedding.weight"),
+            &key("embeddings.position_embedding.weight"),
             &[config.max_position_embeddings, d],
             kind,
             device,
         )?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
         for i in 0..config.num_hidden_layers {
-            let l = format!("{p}.encoder.layers.{i}");
+            let l = key(&format!("encoder.layers.{i}"));
             let lin = |name: &str, out: i64, inp: i64| {
                 linear(src, &format!("{l}.{name}"), out, inp, true, kind, device)
             };
@@ -305,7 +351,7 @@ impl ClipTextModel {
             });
         }
         let final_layer_norm =
-            LayerNorm::load(src, &format!("{p}.final_layer_norm"), d, eps, kind, device)?;
+            LayerNorm::load(src, &key("final_layer_norm"), d, eps, kind, device)?;
         Ok(Self {
             config,
             token_embedding,

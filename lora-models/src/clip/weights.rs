@@ -94,6 +94,14 @@ impl Tensors<'_> {
         })
     }
 
+    /// Whether a tensor named `name` exists.
+    pub(crate) fn has(&self, name: &str) -> bool {
+        match self {
+            Tensors::Files { index, .. } => index.contains_key(name),
+            Tensors::Map(m) => m.contains_key(name),
+        }
+    }
+
     /// Where the tensors come from (for messages).
     pub(crate) fn origin(&self) -> PathBuf {
         match self {
