@@ -11,6 +11,7 @@
 //! `test` and `demo` run `setup` first, then the whole test suite or the main job.
 
 mod assets;
+mod bench;
 mod python;
 mod util;
 
@@ -31,6 +32,9 @@ commands:
   test     setup, then the whole suite: unit, integration, doc and interop tests
   demo     setup, then the main job: LoRA fine-tune of SmolLM2-135M-Instruct on Shakespeare
   doctor   print what setup found (libtorch, python, assets) without changing anything
+  bench-compare  the same LoRA training job through lora-train and Python PEFT + transformers,
+           alternating, plus the image loader vs Pillow: ratios to bench.json/.md/.png
+           (`cargo xtask bench-compare --help`)
 
 environment:
   LIBTORCH          use this libtorch (must be 2.13.0) instead of the project venv
@@ -46,6 +50,12 @@ fn main() {
         Some("test") => setup(&root).and_then(|env| test(&root, &env, &args[1..])),
         Some("demo") => setup(&root).and_then(|env| demo(&root, &env, &args[1..])),
         Some("doctor") => doctor(&root),
+        Some("bench-compare") if args.iter().any(|a| a == "-h" || a == "--help") => {
+            print!("{}", bench::USAGE);
+            return;
+        }
+        Some("bench-compare") => python::ensure_libtorch(&root)
+            .and_then(|env| bench::bench_compare(&root, &env, &args[1..])),
         Some("-h") | Some("--help") | Some("help") | None => {
             print!("{USAGE}");
             return;
