@@ -56,11 +56,17 @@ impl ConvBn {
             [1, 1],
             self.groups,
         )?;
-        Ok(if self.relu6 {
-            y.f_clamp(0.0, 6.0)?
+        if self.relu6 {
+            // In place: no second buffer. Also, tch's `f_*` ops that take `Scalar` arguments
+            // panic instead of returning a libtorch error (the scalars are freed before the error
+            // is read), so an allocating `f_clamp` under memory pressure would abort the run
+            // rather than report out-of-memory; the in-place form allocates nothing.
+            let mut y = y;
+            y.f_clamp_(0.0, 6.0)?;
+            Ok(y)
         } else {
-            y
-        })
+            Ok(y)
+        }
     }
 }
 
@@ -336,13 +342,15 @@ impl Backbone for MobileNetV2 {
 
     /// Peak bytes of activations per image at an `size`×`size` input: the largest, over layers,
     /// of what is alive at once in [`Backbone::forward`] — the block input (kept for the residual),
-    /// a convolution's input and output, and the output of ReLU6 beside the convolution output it
-    /// clamps — plus the input image itself, times the element size.
+    /// a convolution's input and its output *twice* (libtorch's oneDNN convolutions compute in a
+    /// blocked layout and reorder the result to NCHW, so two copies of the output coexist; ReLU6
+    /// runs in place), and the residual sum — plus the input image itself, times the element size.
+    /// Checked against the counting allocator in `tests/batch_oom.rs`.
     fn activation_bytes_per_item(&self, size: u32, elem_bytes: u64) -> u64 {
         let conv_out = |s: u64, stride: u64| s.div_ceil(stride);
         let mut s = conv_out(size as u64, 2);
         let input = 3 * (size as u64) * (size as u64);
-        // Stem: input + conv output + ReLU6 output.
+        // Stem: input + conv output (twice).
         let mut peak = input + 2 * 32 * s * s;
         let mut cin = 32u64;
         for (t, c, n, st) in SETTINGS {
@@ -351,9 +359,9 @@ impl Backbone for MobileNetV2 {
                 let hidden = cin * t as u64;
                 let x = cin * s * s;
                 let so = conv_out(s, stride);
-                // Expansion: x + conv out + ReLU6 out.
+                // Expansion: x + conv out (twice).
                 let expand = if t != 1 { x + 2 * hidden * s * s } else { 0 };
-                // Depthwise: x + its input (hidden at s) + conv out + ReLU6 out (hidden at so).
+                // Depthwise: x + its input (hidden at s) + its output (twice, hidden at so).
                 let dw = x + hidden * s * s + 2 * hidden * so * so;
                 // Project and residual add: x + hidden + out + sum.
                 let proj = x + hidden * so * so + 2 * (c as u64) * so * so;
