@@ -186,6 +186,24 @@ pub trait TrainStep {
     fn batch_tokens(&self, _batch: &Self::Batch) -> u64 {
         0
     }
+
+    /// Computes the loss of `batch` **and** backpropagates `loss · scale` itself, returning the
+    /// unscaled loss (0-d, detached); `None` (the default) lets the trainer call
+    /// [`TrainStep::loss`] and backpropagate.
+    ///
+    /// Implement it when the backward pass is not a plain `loss.backward()`, e.g. activation
+    /// (gradient) checkpointing that recomputes segments during backward
+    /// (`lora_models::llama::Llama::loss_backward`). `scale` is the micro-batch's share of the
+    /// effective batch (`len / total` over gradient accumulation) times the fp16 loss scale.
+    /// The trainer still checks the returned loss for NaN/Inf (gradients of a non-finite loss are
+    /// discarded by the next `zero_grad`).
+    ///
+    /// # Errors
+    /// As [`TrainStep::loss`].
+    fn loss_backward(&mut self, batch: &Self::Batch, scale: f64) -> Result<Option<Tensor>> {
+        let _ = (batch, scale);
+        Ok(None)
+    }
 }
 
 /// Where batches come from: a resumable, epoch-based loader (e.g. `lora_data`'s loader).
@@ -821,6 +839,26 @@ impl<S: TrainStep> Trainer<S> {
                 } else {
                     1.0 / n_pieces as f64
                 };
+                let loss_scale = match scaler {
+                    Some(s) => w * s.scale_value()?,
+                    None => w,
+                };
+                let own = {
+                    let _ac = self.cfg.precision.autocast(self.cfg.device)?;
+                    task.loss_backward(piece, loss_scale)?
+                };
+                if let Some(loss) = own {
+                    let lv = loss.f_double_value(&[])?;
+                    if !lv.is_finite() {
+                        return Ok(StepOutcome::NonFiniteLoss {
+                            value: lv,
+                            samples,
+                            tokens,
+                        });
+                    }
+                    loss_sum += lv * w;
+                    continue;
+                }
                 let loss = {
                     let _ac = self.cfg.precision.autocast(self.cfg.device)?;
                     task.loss(piece, true)?
