@@ -12,6 +12,7 @@ use lora_core::formats::{AdapterWeights, kohya, peft};
 use lora_core::inject::{inject, site_names};
 use lora_models::clip::{
     ClipTextModel, ClipTextModelWithProjection, ClipTokenizer, canonicalize_adapter,
+    sdxl_conditioning,
 };
 use safetensors::SafeTensors;
 use tch::{Device, Kind, Tensor};
@@ -309,4 +310,41 @@ fn peft_lora_matches_and_kohya_names_map() {
     let rep = inject(&mut te2, &cfg, "default", &vs2.root()).unwrap();
     assert_eq!(rep.modules.len(), 7);
     assert_eq!(rep.modules.last().unwrap(), "text_projection");
+
+    // training: gradients reach the adapters (B starts at zero, so only B gets a gradient at
+    // the first step, as in PEFT) and nothing else
+    let ids2 = tensor(&st, "ids2");
+    let out2 = te2.forward_t(&ids2, true).unwrap();
+    let loss = out2
+        .text_embeds
+        .as_ref()
+        .unwrap()
+        .square()
+        .mean(Kind::Float)
+        + out2.last_hidden_state.square().mean(Kind::Float);
+    loss.backward();
+    let vars = vs2.variables();
+    assert_eq!(vars.len(), 14, "A and B of 7 modules");
+    for (name, v) in &vars {
+        let g = v.grad();
+        let n = g.abs().sum(Kind::Float).double_value(&[]);
+        assert!(n.is_finite(), "{name}: grad {n}");
+        if name.contains("lora_B") {
+            assert!(n > 0.0, "{name}: no gradient");
+        } else {
+            assert_eq!(n, 0.0, "{name}: gradient through a zero B");
+        }
+    }
+
+    // SDXL conditioning: both penultimate states side by side, encoder 2's projection pooled
+    let (embeds, pooled) = {
+        let o1 = tch::no_grad(|| te1.forward_t(&ids2, false)).unwrap();
+        let o2 = tch::no_grad(|| te2.forward_t(&ids2, false)).unwrap();
+        let (e, p) = sdxl_conditioning(&te1, &o1, &te2, &o2).unwrap();
+        assert_eq!(diff(&e.narrow(2, 0, 32), &o1.hidden_states[2]).0, 0.0);
+        assert_eq!(diff(&e.narrow(2, 32, 32), &o2.hidden_states[2]).0, 0.0);
+        (e, p)
+    };
+    assert_eq!(embeds.size(), [3, 77, 64]);
+    assert_eq!(pooled.size(), [3, 24]);
 }

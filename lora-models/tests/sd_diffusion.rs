@@ -221,7 +221,9 @@ fn samplers_match_diffusers() {
         let sig = e.sigmas().to_vec();
         (Box::new(e), sig)
     };
-    let mut runs: Vec<(&str, Box<dyn Sampler>, Option<Vec<f64>>)> = vec![
+    // (name, sampler, Euler σ list)
+    type Run<'a> = (&'a str, Box<dyn Sampler>, Option<Vec<f64>>);
+    let mut runs: Vec<Run<'_>> = vec![
         ("ddim.eps", ddim(&eps, TimestepSpacing::Leading), None),
         ("ddim.v", ddim(&v, TimestepSpacing::Leading), None),
         ("ddim.trailing", ddim(&eps, TimestepSpacing::Trailing), None),

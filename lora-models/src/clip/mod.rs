@@ -15,6 +15,6 @@ mod weights;
 pub use config::{ClipActivation, ClipTextConfig};
 pub use model::{
     ClipTextModel, ClipTextModelWithProjection, ClipTextOutput, canonical_module_path,
-    canonicalize_adapter,
+    canonicalize_adapter, sdxl_conditioning,
 };
 pub use tokenizer::{BOS_TOKEN, CLIP_MAX_LENGTH, CLIP_SPLIT_REGEX, ClipTokenizer, EOS_TOKEN};

@@ -695,6 +695,44 @@ impl ClipTextModelWithProjection {
     }
 }
 
+/// SDXL's text conditioning from its two encoders' outputs on the same prompt (diffusers
+/// `StableDiffusionXLPipeline.encode_prompt` with `clip_skip=None`; kohya sd-scripts
+/// `library/sdxl_train_util.py`): the penultimate hidden states of both, *without* the final
+/// LayerNorm, concatenated on the feature axis, and encoder 2's projected pooled output.
+///
+/// Returns `(prompt_embeds [batch, seq, D1 + D2], pooled_prompt_embeds [batch, projection_dim])`
+/// — `[b, 77, 2048]` and `[b, 1280]` for SDXL — in the models' dtype.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `out2` has no `text_embeds` (it did not come from
+/// [`ClipTextModelWithProjection::forward_t`]) or the batch/sequence shapes differ.
+pub fn sdxl_conditioning(
+    te1: &ClipTextModel,
+    out1: &ClipTextOutput,
+    te2: &ClipTextModelWithProjection,
+    out2: &ClipTextOutput,
+) -> Result<(Tensor, Tensor)> {
+    let pooled = out2.text_embeds.as_ref().ok_or_else(|| {
+        Error::InvalidArgument(
+            "the second output has no text_embeds (use ClipTextModelWithProjection)".into(),
+        )
+    })?;
+    let h1 = te1.skip_hidden(out1, 2, false)?;
+    let h2 = te2.skip_hidden(out2, 2, false)?;
+    let (s1, s2) = (h1.size(), h2.size());
+    if s1.len() != 3 || s2.len() != 3 || s1[..2] != s2[..2] {
+        return Err(Error::InvalidArgument(format!(
+            "SDXL encoders' states must share [batch, seq]: got {s1:?} and {s2:?}"
+        )));
+    }
+    let h2 = if h2.kind() == h1.kind() {
+        h2
+    } else {
+        h2.f_to_kind(h1.kind())?
+    };
+    Ok((Tensor::f_cat(&[h1, h2], -1)?, pooled.shallow_clone()))
+}
+
 impl Adaptable for ClipTextModelWithProjection {
     fn visit_sites(
         &mut self,
