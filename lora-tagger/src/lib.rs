@@ -75,3 +75,19 @@ pub trait Tagger {
     /// As for [`Tagger::tag_images`]; image-only taggers return [`Error::Unsupported`].
     fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>>;
 }
+
+/// A boxed tagger (e.g. what `llm::from_settings` returns) is a tagger, so wrappers such as
+/// [`CachedTagger`] take it as they take a concrete one.
+impl<T: Tagger + ?Sized> Tagger for Box<T> {
+    fn model_id(&self) -> String {
+        (**self).model_id()
+    }
+
+    fn tag_images(&mut self, paths: &[PathBuf]) -> Result<Vec<ItemResult>> {
+        (**self).tag_images(paths)
+    }
+
+    fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>> {
+        (**self).tag_descriptions(descriptions)
+    }
+}

@@ -62,7 +62,7 @@ impl ConvBn {
             // is read), so an allocating `f_clamp` under memory pressure would abort the run
             // rather than report out-of-memory; the in-place form allocates nothing.
             let mut y = y;
-            y.f_clamp_(0.0, 6.0)?;
+            let _ = y.f_clamp_(0.0, 6.0)?;
             Ok(y)
         } else {
             Ok(y)

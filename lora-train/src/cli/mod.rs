@@ -11,6 +11,8 @@ mod generate;
 mod merge;
 mod model;
 mod plan;
+#[cfg(feature = "tagger")]
+mod tag;
 mod train;
 
 /// Success.
@@ -151,6 +153,9 @@ pub enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Caption a folder of images (image tagger) or tag text descriptions (LLM tagger).
+    #[cfg(feature = "tagger")]
+    Tag(tag::TagArgs),
 }
 
 /// Adapter file formats.
@@ -269,6 +274,8 @@ pub fn main() -> i32 {
             top_p,
             seed,
         }),
+        #[cfg(feature = "tagger")]
+        Command::Tag(args) => tag::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,294 @@
+//! `lora-train tag`: caption a folder of images with the image tagger, or turn free-text
+//! descriptions into tags with the LLM tagger (`lora_tagger::llm`).
+//!
+//! Images: every image directly in `--images DIR` gets `<stem><caption_extension>` beside it
+//! (mode skip / overwrite / append, `--dry-run` to only report). Per-batch memory lines go to
+//! stderr; the report and the images/s go to stdout. Exit 0 when every image succeeded, 1 when
+//! some failed (the others are still written), 2 for bad usage or config.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use lora_tagger::config::{LlmBackend, TaggerConfig};
+use lora_tagger::{
+    CachedTagger, CaptionMode, CaptionWriter, Error as TagError, ImageTagger, TagCache, Tagger,
+};
+
+use super::{CliError, EXIT_OK, EXIT_RUNTIME};
+
+/// Arguments of `lora-train tag`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["images", "descriptions"])))]
+pub struct TagArgs {
+    /// Folder of images to caption (captions are written beside them).
+    #[arg(long, value_name = "DIR")]
+    pub images: Option<PathBuf>,
+    /// Text file of descriptions to turn into tags: one per line, or JSONL with a
+    /// "description" (or "text"/"caption") field.
+    #[arg(long, value_name = "FILE")]
+    pub descriptions: Option<PathBuf>,
+    /// Where to write the tags of --descriptions (JSONL); default stdout.
+    #[arg(long, value_name = "FILE", requires = "descriptions")]
+    pub out: Option<PathBuf>,
+    /// Tagger config (.yaml, .yml or .toml; see examples/configs/tagger.yaml).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Image model folder (model.safetensors + selected_tags.csv); default assets/mobilenet_v2.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// What to do with existing captions: skip (default), overwrite or append.
+    #[arg(long)]
+    pub mode: Option<CaptionMode>,
+    /// Report what would be written; write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Caption file extension (default .txt).
+    #[arg(long, value_name = "EXT")]
+    pub caption_extension: Option<String>,
+    /// Minimum probability of a general tag (image.general_threshold; default 0.35).
+    #[arg(long)]
+    pub threshold: Option<f32>,
+    /// A word written first in every caption (trigger word); repeat for several.
+    #[arg(long, value_name = "WORD")]
+    pub trigger: Vec<String>,
+    /// At most this many model tags per caption (after the trigger words).
+    #[arg(long, value_name = "N")]
+    pub max_tags: Option<usize>,
+}
+
+fn tag_err(e: TagError) -> CliError {
+    match e {
+        TagError::Config { .. } | TagError::Format { .. } | TagError::Unsupported { .. } => {
+            CliError::usage(e)
+        }
+        TagError::Io { ref source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            CliError::usage(e)
+        }
+        other => CliError::runtime(other),
+    }
+}
+
+/// The config file (or defaults) with the command-line overrides applied.
+fn load_config(a: &TagArgs) -> Result<TaggerConfig, CliError> {
+    let mut cfg = match &a.config {
+        Some(p) => TaggerConfig::from_path(p).map_err(|e| match e {
+            TagError::Io { .. } => CliError::usage(format!("--config: {e}")),
+            other => CliError::usage(other),
+        })?,
+        None => TaggerConfig::default(),
+    };
+    if let Some(m) = &a.model {
+        cfg.image.model = Some(m.clone());
+    }
+    if let Some(m) = a.mode {
+        cfg.captions.mode = m;
+    }
+    if a.dry_run {
+        cfg.captions.dry_run = true;
+    }
+    if let Some(e) = &a.caption_extension {
+        cfg.captions.caption_extension = e.clone();
+    }
+    if let Some(t) = a.threshold {
+        if !(0.0..=1.0).contains(&t) {
+            return Err(CliError::usage(format!(
+                "--threshold {t}: must be a probability in [0, 1]"
+            )));
+        }
+        cfg.image.general_threshold = t;
+    }
+    if !a.trigger.is_empty() {
+        cfg.tags.always_first = a.trigger.clone();
+    }
+    if let Some(n) = a.max_tags {
+        cfg.tags.max_tags = Some(n);
+    }
+    Ok(cfg)
+}
+
+/// Runs `tag`.
+pub fn run(a: &TagArgs) -> Result<i32, CliError> {
+    let cfg = load_config(a)?;
+    if let Some(dir) = &a.images {
+        run_images(dir, &cfg)
+    } else if let Some(file) = &a.descriptions {
+        run_descriptions(file, a.out.as_deref(), &cfg)
+    } else {
+        Err(CliError::usage("give --images DIR or --descriptions FILE"))
+    }
+}
+
+fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
+    if !dir.is_dir() {
+        return Err(CliError::usage(format!(
+            "--images {}: not a folder",
+            dir.display()
+        )));
+    }
+    let images = lora_tagger::run::list_images(dir).map_err(tag_err)?;
+    if images.is_empty() {
+        return Err(CliError::usage(format!(
+            "--images {}: no images (looked for {})",
+            dir.display(),
+            lora_tagger::run::IMAGE_EXTENSIONS.join(", ")
+        )));
+    }
+    let t_load = Instant::now();
+    let mut inner = ImageTagger::from_config(cfg).map_err(tag_err)?;
+    inner.set_callback(Some(Box::new(|e| eprintln!("  {e}"))));
+    eprintln!(
+        "model {} on {:?} ({:?}), loaded in {:.2} s; {} images",
+        inner.model_id(),
+        inner.device(),
+        inner.preprocess(),
+        t_load.elapsed().as_secs_f64(),
+        images.len()
+    );
+    let settings = inner.settings().clone();
+    let cap = cfg.memory_management.cache_size;
+    let mut tagger = match &cfg.memory_management.cache_file {
+        Some(p) => CachedTagger::persisted(inner, p.clone(), cap, &settings).map_err(tag_err)?,
+        None => CachedTagger::new(inner, TagCache::new(cap), &settings),
+    };
+    let writer = CaptionWriter::new(cfg.captions.clone());
+    let run = lora_tagger::run::tag_to_captions(&mut tagger, &images, &cfg.tags, &writer)
+        .map_err(tag_err)?;
+    tagger.save().map_err(tag_err)?;
+    println!("{}", run.report);
+    let stats = tagger.cache().stats();
+    let mb = tagger
+        .inner_mut()
+        .last_micro_batch()
+        .map(|(s, l, h)| format!(", micro-batch {s} → {l} ({h} halvings)"))
+        .unwrap_or_default();
+    println!(
+        "tagged {} images in {:.2} s: {:.2} images/s{mb}; cache {} hits / {} misses",
+        run.tagged,
+        run.tagging_s,
+        run.images_per_s(),
+        stats.hits,
+        stats.misses
+    );
+    let (_, _, _, _, failed) = run.report.totals();
+    Ok(if failed > 0 { EXIT_RUNTIME } else { EXIT_OK })
+}
+
+/// One description per line; JSONL lines take "description", "text" or "caption".
+fn read_descriptions(file: &Path) -> Result<Vec<String>, CliError> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| CliError::usage(format!("--descriptions {}: {e}", file.display())))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let l = line.trim();
+        if l.is_empty() {
+            continue;
+        }
+        if l.starts_with('{') {
+            let v: serde_json::Value = serde_json::from_str(l).map_err(|e| {
+                CliError::usage(format!("{}:{}: invalid JSON: {e}", file.display(), i + 1))
+            })?;
+            let d = ["description", "text", "caption"]
+                .iter()
+                .find_map(|k| v.get(*k).and_then(|x| x.as_str()))
+                .ok_or_else(|| {
+                    CliError::usage(format!(
+                        "{}:{}: no \"description\", \"text\" or \"caption\" string field",
+                        file.display(),
+                        i + 1
+                    ))
+                })?;
+            out.push(d.to_string());
+        } else {
+            out.push(l.to_string());
+        }
+    }
+    if out.is_empty() {
+        return Err(CliError::usage(format!(
+            "--descriptions {}: no descriptions",
+            file.display()
+        )));
+    }
+    Ok(out)
+}
+
+/// The `llm` section and generation settings in the form `lora_tagger::llm::from_settings` takes.
+fn llm_settings(cfg: &TaggerConfig) -> lora_tagger::llm::LlmSettings {
+    let l = &cfg.llm;
+    lora_tagger::llm::LlmSettings {
+        backend: l.backend.map(|b| {
+            match b {
+                LlmBackend::Local => "local",
+                LlmBackend::Http => "http",
+            }
+            .to_string()
+        }),
+        model_path: l.model_path.clone(),
+        base_url: l.base_url.clone(),
+        model: l.model.clone(),
+        api_key_env: l.api_key_env.clone(),
+        concurrency: l.concurrency,
+        prompt: l.prompt.clone(),
+        max_batch_size: Some(cfg.generation_settings.max_batch_size),
+        timeout_s: Some(cfg.generation_settings.timeout),
+        retry_attempts: Some(cfg.generation_settings.retry_attempts),
+        device: Some(cfg.model_settings.device.clone()),
+        ..Default::default()
+    }
+}
+
+fn run_descriptions(file: &Path, out: Option<&Path>, cfg: &TaggerConfig) -> Result<i32, CliError> {
+    let descriptions = read_descriptions(file)?;
+    let inner = lora_tagger::llm::from_settings(&llm_settings(cfg)).map_err(|e| {
+        CliError::usage(format!(
+            "{e}\n(an LLM backend must be configured for --descriptions: the `llm` section of \
+             --config, e.g. `llm: {{backend: http, base_url: http://127.0.0.1:8080/v1, model: NAME}}`, \
+             or the default local SmolLM2 from `cargo xtask setup`)"
+        ))
+    })?;
+    let mut tagger = CachedTagger::new(
+        inner,
+        TagCache::new(cfg.memory_management.cache_size),
+        &cfg.llm,
+    );
+    let t = Instant::now();
+    let results = tagger.tag_descriptions(&descriptions).map_err(tag_err)?;
+    let secs = t.elapsed().as_secs_f64();
+    let mut lines = String::new();
+    let mut failed = 0;
+    for (d, r) in descriptions.iter().zip(&results) {
+        let v = match r {
+            Ok(tags) => {
+                let list = cfg.tags.apply(tags);
+                serde_json::json!({
+                    "description": d,
+                    "tags": list,
+                    "caption": lora_tagger::tags::join_tags(&list),
+                })
+            }
+            Err(e) => {
+                failed += 1;
+                serde_json::json!({ "description": d, "error": e.to_string() })
+            }
+        };
+        lines.push_str(&v.to_string());
+        lines.push('\n');
+    }
+    match out {
+        Some(p) => lora_tagger::caption::write_atomic(p, lines.as_bytes()).map_err(tag_err)?,
+        None => {
+            let mut so = std::io::stdout().lock();
+            so.write_all(lines.as_bytes()).map_err(CliError::runtime)?;
+        }
+    }
+    eprintln!(
+        "tagged {} descriptions with {} in {:.2} s: {:.2} descriptions/s; {} failed",
+        descriptions.len(),
+        tagger.model_id(),
+        secs,
+        descriptions.len() as f64 / secs.max(1e-9),
+        failed
+    );
+    Ok(if failed > 0 { EXIT_RUNTIME } else { EXIT_OK })
+}
