@@ -55,7 +55,7 @@ fn lora_linear(c: &mut Criterion) {
             let xi = x.detach().set_requires_grad(true);
             let y = plain.forward_t(&xi, true).unwrap();
             y.sum(Kind::Float).backward();
-            black_box(xi.grad());
+            let _ = black_box(xi.grad());
         })
     });
     let vs = nn::VarStore::new(Device::Cpu);
@@ -72,7 +72,7 @@ fn lora_linear(c: &mut Criterion) {
             let xi = x.detach().set_requires_grad(true);
             let y = lora.forward_t(&xi, true).unwrap();
             y.sum(Kind::Float).backward();
-            black_box(xi.grad());
+            let _ = black_box(xi.grad());
             for t in vs.trainable_variables() {
                 let _ = t.grad().zero_();
             }
