@@ -31,6 +31,7 @@ pub mod fit;
 pub mod gguf;
 pub mod model;
 pub mod safetensors_header;
+pub mod sd_header;
 pub mod settings;
 pub mod units;
 

@@ -141,6 +141,16 @@ fn sdxl_unet_matches_diffusers() {
         unet.num_params(),
         i64::try_from(r("sdxl.num_params").get(0)).unwrap()
     );
+    // the planner's header-only descriptor agrees with the loaded model
+    let d =
+        lora_memory::sd_header::diffusion_from_diffusers_folder(&fixtures().join("sdxl")).unwrap();
+    assert_eq!(d.unet_params as i64, unet.num_params());
+    assert_eq!(d.family, lora_memory::model::DiffusionFamily::Sdxl);
+    let depths: Vec<u64> = d.levels.iter().map(|l| l.transformer_depth).collect();
+    assert_eq!(
+        (depths, d.mid_transformer_depth, d.cross_attention_dim),
+        (vec![0, 2], 2, 32)
+    );
     let out = run(&unet, "sdxl");
     let (abs, rel) = diff(&out, &r("sdxl.out"));
     println!("sdxl: max abs diff {abs:.3e}, relative {rel:.3e}");

@@ -67,13 +67,16 @@ pub trait TensorSource {
     fn origin(&self) -> PathBuf;
 }
 
+/// A mapped file: path, map, header length, parsed header.
+type MappedFile = (PathBuf, Mmap, usize, safetensors::tensor::Metadata);
+
 type KeyMap = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// Memory-mapped safetensors files, optionally with a name translation (diffusers name → stored
 /// name) for single-file checkpoints.
 pub struct SafetensorsFiles {
     origin: PathBuf,
-    files: Vec<(PathBuf, Mmap, usize, safetensors::tensor::Metadata)>,
+    files: Vec<MappedFile>,
     index: HashMap<String, usize>,
     key_map: Option<KeyMap>,
     device: Device,

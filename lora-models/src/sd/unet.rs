@@ -660,9 +660,8 @@ impl UNet2DConditionModel {
         };
         let mut down_blocks = Vec::with_capacity(n);
         let mut c_prev = ch[0];
-        for i in 0..n {
+        for (i, &c) in ch.iter().enumerate() {
             let b = vb.pp(format!("down_blocks.{i}"));
-            let c = ch[i];
             let mut resnets = Vec::new();
             let mut attentions = Vec::new();
             for j in 0..l {

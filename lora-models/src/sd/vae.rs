@@ -343,10 +343,10 @@ impl Coder {
         let (g, n) = (cfg.norm_num_groups, rev.len());
         let mut levels = Vec::new();
         let mut c_out = rev[0];
-        for i in 0..n {
+        for (i, &c) in rev.iter().enumerate() {
             let b = vb.pp(format!("up_blocks.{i}"));
             let prev = c_out;
-            c_out = rev[i];
+            c_out = c;
             let resnets = (0..=cfg.layers_per_block)
                 .map(|j| {
                     ResnetBlock2D::load(
