@@ -226,18 +226,39 @@ fn text_encoders_match_transformers() {
         first_eos(&ids2)
     );
 
-    // bf16 weights and activations: same outputs within bf16 precision
-    let te1_bf16 = ClipTextModel::from_pretrained(
-        reference().join("text_encoder"),
-        Kind::BFloat16,
+    // bf16 / f16 weights and activations: same outputs within half precision
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let te =
+            ClipTextModel::from_pretrained(reference().join("text_encoder"), kind, Device::Cpu)
+                .unwrap();
+        let o = tch::no_grad(|| te.forward_t(&ids1, false)).unwrap();
+        assert_eq!(o.last_hidden_state.kind(), kind);
+        let (d, scale) = diff(&o.last_hidden_state, &tensor(&st, "te1.last"));
+        println!("te1.last {kind:?}: max |Δ| = {d:.2e} (max |ref| {scale:.2})");
+        assert!(d / scale < 0.05, "{kind:?} relative error {}", d / scale);
+    }
+
+    // bad input is refused with the offending key / shape named
+    let e = ClipTextModel::from_tensors(
+        te1.config().clone(),
+        &std::collections::HashMap::new(),
+        "",
+        Kind::Float,
         Device::Cpu,
     )
-    .unwrap();
-    let o = tch::no_grad(|| te1_bf16.forward_t(&ids1, false)).unwrap();
-    assert_eq!(o.last_hidden_state.kind(), Kind::BFloat16);
-    let (d, scale) = diff(&o.last_hidden_state, &tensor(&st, "te1.last"));
-    println!("te1.last bf16: max |Δ| = {d:.2e} (max |ref| {scale:.2})");
-    assert!(d / scale < 0.05, "bf16 relative error {}", d / scale);
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("text_model.embeddings.token_embedding.weight"),
+        "{e}"
+    );
+    let too_long = Tensor::zeros([1, 78], (Kind::Int64, Device::Cpu));
+    let e = te1.forward_t(&too_long, false).unwrap_err().to_string();
+    assert!(e.contains("[1, 78]"), "{e}");
+    let e = ClipTextModel::from_pretrained(reference().join("tokenizer"), Kind::Float, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("config.json"), "{e}");
 }
 
 #[test]

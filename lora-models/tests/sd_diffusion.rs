@@ -133,6 +133,16 @@ fn schedule_snr_and_loss_match_diffusers() {
         println!("alphas_cumprod {name}: max |Δ| = {d:.2e}");
         assert!(d < 1e-6, "{name}: {d}");
     }
+    // diffusers' own scheduler_config.json
+    let parsed =
+        ScheduleConfig::from_file(reference().join("scheduler/scheduler_config.json")).unwrap();
+    assert_eq!(
+        parsed,
+        ScheduleConfig {
+            prediction_type: PredictionType::VPrediction,
+            ..ScheduleConfig::sd()
+        }
+    );
     let zsnr = NoiseSchedule::new(ScheduleConfig {
         rescale_betas_zero_snr: true,
         ..base.clone()

@@ -83,6 +83,10 @@ def main():
         ref[f"ac.{name}"] = DDPMScheduler(**kw).alphas_cumprod
 
     ddpm = DDPMScheduler(**SD)
+    # a real scheduler_config.json as diffusers writes it (SD 2.x-v style: v-prediction)
+    DDIMScheduler(**SD, prediction_type="v_prediction", clip_sample=False, steps_offset=1).save_config(
+        os.path.join(a.out, "scheduler")
+    )
     ref["add_noise"] = ddpm.add_noise(x0, noise, t)
     ref["velocity"] = ddpm.get_velocity(x0, noise, t)
     snr = compute_snr(ddpm, t)
