@@ -193,7 +193,12 @@ impl fmt::Display for ResourceSnapshot {
             )?;
         }
         if let Some((a, r)) = self.cuda_allocator {
-            write!(f, " (allocated {:.0} MiB, reserved {:.0} MiB)", mib(a), mib(r))?;
+            write!(
+                f,
+                " (allocated {:.0} MiB, reserved {:.0} MiB)",
+                mib(a),
+                mib(r)
+            )?;
         }
         Ok(())
     }
@@ -406,7 +411,10 @@ mod tests {
         assert_eq!(s.free_for(Device::Cuda(0), None), None);
         assert!((s.ram_used_pct() - 100.0 / 6.0).abs() < 1e-9);
         let line = s.to_string();
-        assert!(line.contains("16.7%") && line.contains("limit 50.0 MiB"), "{line}");
+        assert!(
+            line.contains("16.7%") && line.contains("limit 50.0 MiB"),
+            "{line}"
+        );
         let g = ResourceSnapshot {
             vram: Some((6 << 30, 8 << 30)),
             cuda_allocator: Some((1 << 30, 3 << 30)),
@@ -432,8 +440,12 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, Error::Unsupported { .. }));
-        assert!(is_oom_message("DefaultCPUAllocator: can't allocate memory: you tried"));
-        assert!(is_oom_message("CUDA out of memory. Tried to allocate 2.00 GiB"));
+        assert!(is_oom_message(
+            "DefaultCPUAllocator: can't allocate memory: you tried"
+        ));
+        assert!(is_oom_message(
+            "CUDA out of memory. Tried to allocate 2.00 GiB"
+        ));
         assert!(!is_oom_message("shape mismatch"));
     }
 }

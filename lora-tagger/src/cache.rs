@@ -246,7 +246,12 @@ impl<T: Tagger> CachedTagger<T> {
     ///
     /// # Errors
     /// As [`TagCache::load`].
-    pub fn persisted(inner: T, path: PathBuf, capacity: usize, settings: &impl Serialize) -> Result<Self> {
+    pub fn persisted(
+        inner: T,
+        path: PathBuf,
+        capacity: usize,
+        settings: &impl Serialize,
+    ) -> Result<Self> {
         let cache = TagCache::load(&path, capacity)?;
         let mut c = CachedTagger::new(inner, cache, settings);
         c.path = Some(path);
@@ -451,9 +456,13 @@ mod tests {
         assert_eq!(t2.cache().len(), 2);
         t2.tag_images(std::slice::from_ref(&a)).unwrap();
         assert!(t2.inner_mut().calls.is_empty());
-        let mut t3 =
-            CachedTagger::persisted(WordTagger { calls: vec![] }, file, 10, &("thresholds", 0.5f32))
-                .unwrap();
+        let mut t3 = CachedTagger::persisted(
+            WordTagger { calls: vec![] },
+            file,
+            10,
+            &("thresholds", 0.5f32),
+        )
+        .unwrap();
         t3.tag_images(&[a]).unwrap();
         assert_eq!(t3.inner_mut().calls, [1]);
         // A corrupt cache file is named.

@@ -373,7 +373,10 @@ mod tests {
     fn paths_modes_and_dry_run() {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("chelsea.png");
-        assert_eq!(caption_path(&img, "caption"), dir.path().join("chelsea.caption"));
+        assert_eq!(
+            caption_path(&img, "caption"),
+            dir.path().join("chelsea.caption")
+        );
         assert_eq!(caption_path(&img, ".txt"), dir.path().join("chelsea.txt"));
 
         let mk = |mode, dry_run| {
@@ -395,20 +398,29 @@ mod tests {
         std::fs::write(&cap, "my cat Chelsea, Tabby\n").unwrap();
         let e = mk(CaptionMode::Skip, false).write(&img, &new_tags).unwrap();
         assert!(matches!(e.action, CaptionAction::Skip { .. }));
-        assert_eq!(std::fs::read_to_string(&cap).unwrap(), "my cat Chelsea, Tabby\n");
+        assert_eq!(
+            std::fs::read_to_string(&cap).unwrap(),
+            "my cat Chelsea, Tabby\n"
+        );
         assert!(!mk(CaptionMode::Skip, false).needs_tags(&img).unwrap());
 
-        let e = mk(CaptionMode::Append, false).write(&img, &new_tags).unwrap();
+        let e = mk(CaptionMode::Append, false)
+            .write(&img, &new_tags)
+            .unwrap();
         assert_eq!(e.action, CaptionAction::Append { kept: 2, added: 2 });
         assert_eq!(
             std::fs::read_to_string(&cap).unwrap(),
             "my cat Chelsea, Tabby, tiger cat, Egyptian cat\n"
         );
         // Appending again adds nothing.
-        let e = mk(CaptionMode::Append, false).write(&img, &new_tags).unwrap();
+        let e = mk(CaptionMode::Append, false)
+            .write(&img, &new_tags)
+            .unwrap();
         assert!(matches!(e.action, CaptionAction::Skip { .. }), "{e:?}");
 
-        let e = mk(CaptionMode::Overwrite, false).write(&img, &new_tags).unwrap();
+        let e = mk(CaptionMode::Overwrite, false)
+            .write(&img, &new_tags)
+            .unwrap();
         assert_eq!(e.action, CaptionAction::Overwrite);
         assert_eq!(
             std::fs::read_to_string(&cap).unwrap(),
@@ -426,7 +438,10 @@ mod tests {
             entries: vec![e],
         };
         let text = report.to_string();
-        assert!(text.contains("would overwrite") && text.contains("1 overwritten"), "{text}");
+        assert!(
+            text.contains("would overwrite") && text.contains("1 overwritten"),
+            "{text}"
+        );
     }
 
     /// A read-only folder gives an error naming the folder and what to do. As root, permission
@@ -451,7 +466,8 @@ mod tests {
                         .status();
                 } else {
                     use std::os::unix::fs::PermissionsExt;
-                    let _ = std::fs::set_permissions(&self.0, std::fs::Permissions::from_mode(0o755));
+                    let _ =
+                        std::fs::set_permissions(&self.0, std::fs::Permissions::from_mode(0o755));
                 }
             }
         }

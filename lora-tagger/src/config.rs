@@ -787,6 +787,21 @@ memory_management:
     }
 
     #[test]
+    fn the_example_config_reads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs/tagger.yaml");
+        let c = TaggerConfig::from_path(&path).unwrap();
+        assert_eq!(c.image.general_threshold, 0.05);
+        assert_eq!(c.tags.always_first, vec!["sks"]);
+        assert_eq!(c.tags.replacements, vec!["tiger cat=tabby cat"]);
+        assert_eq!(
+            c.model_settings.max_memory.cpu.as_ref().unwrap().bytes,
+            8 << 30
+        );
+        assert_eq!(c.llm.backend, Some(LlmBackend::Local));
+        assert_eq!(c.captions.mode, CaptionMode::Skip);
+    }
+
+    #[test]
     fn toml_and_the_tagger_wrapper_work() {
         let t = "[tagger.image]\ngeneral_threshold = 0.1\n[tagger.captions]\nmode = \"append\"\n";
         let c = TaggerConfig::from_toml_str(t).unwrap();
@@ -822,9 +837,15 @@ memory_management:
     fn bad_values_name_the_key() {
         let e = |y: &str| TaggerConfig::from_yaml_str(y).unwrap_err().to_string();
         let m = e("model_settings:\n  max_memory:\n    cuda: lots\n");
-        assert!(m.contains("model_settings.max_memory.cuda") && m.contains("lots"), "{m}");
+        assert!(
+            m.contains("model_settings.max_memory.cuda") && m.contains("lots"),
+            "{m}"
+        );
         let m = e("image:\n  general_threshold: 1.5\n");
-        assert!(m.contains("image.general_threshold") && m.contains("[0, 1]"), "{m}");
+        assert!(
+            m.contains("image.general_threshold") && m.contains("[0, 1]"),
+            "{m}"
+        );
         let m = e("generation_settings:\n  max_batch_size: 0\n");
         assert!(m.contains("≥ 1"), "{m}");
         let m = e("tags:\n  replacements: [\"no equals sign\"]\n");
@@ -833,7 +854,10 @@ memory_management:
         assert!(m.contains("bf16"), "{m}");
         let c = TaggerConfig::from_yaml_str("model_settings:\n  device: tpu\n").unwrap();
         let m = c.model_settings.resolve_device().unwrap_err().to_string();
-        assert!(m.contains("model_settings.device") && m.contains("tpu"), "{m}");
+        assert!(
+            m.contains("model_settings.device") && m.contains("tpu"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -61,7 +61,9 @@ pub enum Error {
         msg: String,
     },
     /// A request did not complete within its timeout (after all retries).
-    #[error("{what} timed out after {seconds} s (after {attempts} attempt(s)); raise `generation_settings.timeout` or check the server")]
+    #[error(
+        "{what} timed out after {seconds} s (after {attempts} attempt(s)); raise `generation_settings.timeout` or check the server"
+    )]
     Timeout {
         /// What timed out (the URL or the model).
         what: String,

@@ -12,9 +12,9 @@ pub mod caption;
 pub mod config;
 pub mod error;
 pub mod image;
+pub mod llm;
 pub mod run;
 pub mod tags;
-pub mod llm;
 
 pub use cache::{CachedTagger, TagCache};
 pub use caption::{CaptionMode, CaptionReport, CaptionSettings, CaptionWriter};

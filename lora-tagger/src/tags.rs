@@ -176,7 +176,8 @@ impl PostProcess {
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty())
             .collect();
-        let mut seen: std::collections::HashSet<String> = first.iter().map(|t| tag_key(t)).collect();
+        let mut seen: std::collections::HashSet<String> =
+            first.iter().map(|t| tag_key(t)).collect();
         let mut out: Vec<String> = Vec::new();
         for t in items {
             let mut tag = normalize_tag(&t.tag, self.replace_underscores, self.lowercase);
@@ -263,10 +264,7 @@ mod tests {
                 "monochrome"
             ]
         );
-        assert_eq!(
-            join_tags(&out[..3]),
-            "hatsune miku, 1girl, solo"
-        );
+        assert_eq!(join_tags(&out[..3]), "hatsune miku, 1girl, solo");
     }
 
     #[test]

@@ -102,7 +102,10 @@ fn out_of_memory_halves_the_batch_and_the_first_batch_fits() {
         estimate as f64 / 1048576.0
     );
     // The estimate never underpredicts one image's peak, and is not wildly above it.
-    assert!(estimate >= peak1 && estimate >= marginal, "{estimate} vs {peak1}/{marginal}");
+    assert!(
+        estimate >= peak1 && estimate >= marginal,
+        "{estimate} vs {peak1}/{marginal}"
+    );
     assert!(estimate <= 3 * peak1, "{estimate} vs {peak1}");
 
     // Room for one image and a half: a batch of 4 fails, the tagger halves and retries, and the
@@ -121,13 +124,26 @@ fn out_of_memory_halves_the_batch_and_the_first_batch_fits() {
             assert_eq!(a.len(), b.len());
             for (x, y) in a.iter().zip(b) {
                 assert_eq!(x.tag, y.tag);
-                assert!((x.score - y.score).abs() < 1e-4, "{} {} vs {}", x.tag, x.score, y.score);
+                assert!(
+                    (x.score - y.score).abs() < 1e-4,
+                    "{} {} vs {}",
+                    x.tag,
+                    x.score,
+                    y.score
+                );
             }
         }
         let log = log.lock().unwrap();
-        assert!(log.iter().any(|l| l.contains("out of memory at micro-batch 4")), "{log:?}");
+        assert!(
+            log.iter()
+                .any(|l| l.contains("out of memory at micro-batch 4")),
+            "{log:?}"
+        );
         // Per-batch lines carry the resource snapshot.
-        assert!(log.iter().any(|l| l.contains("RAM") && l.contains("limit")), "{log:?}");
+        assert!(
+            log.iter().any(|l| l.contains("RAM") && l.contains("limit")),
+            "{log:?}"
+        );
         t.set_callback(None);
 
         // Planning for the free memory (limit − live tensors) starts below 4 and never backs off.

@@ -20,7 +20,11 @@ fn assets() -> PathBuf {
 
 fn photo(name: &str) -> PathBuf {
     let p = assets().join("skimage").join(name);
-    assert!(p.exists(), "{} is missing: run `cargo xtask setup`", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        p.display()
+    );
     p
 }
 
@@ -43,7 +47,11 @@ fn python() -> PathBuf {
     let p = PathBuf::from(
         std::env::var_os("LORA_SDK_PYTHON").unwrap_or_else(|| "../.venv/bin/python".into()),
     );
-    assert!(p.exists(), "{} is missing: run `cargo xtask setup`", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        p.display()
+    );
     p
 }
 
@@ -76,7 +84,11 @@ fn logits_match_pytorch_on_the_same_input() {
         .arg(&output)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let theirs = Tensor::read_safetensors(&output)
         .unwrap()
         .into_iter()
@@ -125,17 +137,26 @@ fn real_photos_get_the_right_classes_and_bad_files_fail_alone() {
     for i in [0, 2, 3, 5] {
         eprintln!("{}: {:?}", paths[i].display(), tags(i));
     }
-    let top = |i: usize, k: usize| -> Vec<String> { tags(i).into_iter().take(k).map(|t| t.0).collect() };
+    let top =
+        |i: usize, k: usize| -> Vec<String> { tags(i).into_iter().take(k).map(|t| t.0).collect() };
     // Chelsea is a tabby cat: the three domestic-cat classes lead.
     let cat = ["tabby", "tiger cat", "Egyptian cat"];
     assert!(cat.contains(&top(0, 1)[0].as_str()), "{:?}", tags(0));
-    assert!(top(0, 3).iter().all(|t| cat.contains(&t.as_str())), "{:?}", tags(0));
+    assert!(
+        top(0, 3).iter().all(|t| cat.contains(&t.as_str())),
+        "{:?}",
+        tags(0)
+    );
     // coffee.png: a cup of coffee — "espresso", with high confidence.
     assert_eq!(top(2, 1), ["espresso"], "{:?}", tags(2));
     assert!(tags(2)[0].1 > 0.5, "{:?}", tags(2));
     // rocket.jpg: a launch pad with its gantry — the model hesitates between "drilling
     // platform" (the tower) and "space shuttle"; "missile" follows further down.
-    assert!(top(3, 2).contains(&"space shuttle".to_string()), "{:?}", tags(3));
+    assert!(
+        top(3, 2).contains(&"space shuttle".to_string()),
+        "{:?}",
+        tags(3)
+    );
     assert!(top(3, 5).contains(&"missile".to_string()), "{:?}", tags(3));
     // motorcycle_left.png: a motorbike.
     let moto = ["moped", "motor scooter"];
@@ -150,5 +171,9 @@ fn real_photos_get_the_right_classes_and_bad_files_fail_alone() {
     assert!(e4.contains("missing.jpg"), "{e4}");
     // Descriptions are not for an image model.
     assert!(t.tag_descriptions(&["a cat".into()]).is_err());
-    assert!(t.model_id().starts_with("mobilenet_v2@"), "{}", t.model_id());
+    assert!(
+        t.model_id().starts_with("mobilenet_v2@"),
+        "{}",
+        t.model_id()
+    );
 }

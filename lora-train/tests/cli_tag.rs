@@ -36,7 +36,11 @@ fn text(o: &Output) -> String {
 #[test]
 fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
     let model = assets().join("mobilenet_v2/model.safetensors");
-    assert!(model.exists(), "{} is missing: run `cargo xtask setup`", model.display());
+    assert!(
+        model.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        model.display()
+    );
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     for n in ["chelsea.png", "coffee.png", "motorcycle_left.png"] {
@@ -45,10 +49,16 @@ fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
     std::fs::write(d.join("coffee.txt"), "my morning coffee, latte art\n").unwrap();
     std::fs::write(d.join("broken.png"), b"\x89PNG\r\n\x1a\nnot a png").unwrap();
 
-    let o = tag(d, &["--threshold", "0.05", "--trigger", "sks", "--max-tags", "2"]);
+    let o = tag(
+        d,
+        &["--threshold", "0.05", "--trigger", "sks", "--max-tags", "2"],
+    );
     let out = text(&o);
     assert_eq!(o.status.code(), Some(1), "one image failed: {out}");
-    assert!(out.contains("FAILED") && out.contains("broken.png"), "{out}");
+    assert!(
+        out.contains("FAILED") && out.contains("broken.png"),
+        "{out}"
+    );
     assert!(out.contains("images/s"), "{out}");
     let read = |n: &str| std::fs::read_to_string(d.join(n)).unwrap();
     // Chelsea is a tabby cat; the trigger word comes first, then at most 2 model tags.
@@ -57,17 +67,30 @@ fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
     assert_eq!(tags[0], "sks", "{chelsea}");
     assert_eq!(tags.len(), 3, "{chelsea}");
     assert!(
-        tags[1..].iter().all(|t| ["Egyptian cat", "tiger cat", "tabby"].contains(t)),
+        tags[1..]
+            .iter()
+            .all(|t| ["Egyptian cat", "tiger cat", "tabby"].contains(t)),
         "{chelsea}"
     );
-    assert!(read("motorcycle_left.txt").starts_with("sks, moped"), "{}", read("motorcycle_left.txt"));
-    assert_eq!(read("coffee.txt"), "my morning coffee, latte art\n", "hand-written caption kept");
+    assert!(
+        read("motorcycle_left.txt").starts_with("sks, moped"),
+        "{}",
+        read("motorcycle_left.txt")
+    );
+    assert_eq!(
+        read("coffee.txt"),
+        "my morning coffee, latte art\n",
+        "hand-written caption kept"
+    );
     assert!(!d.join("broken.txt").exists());
 
     // A dry run of append reports and writes nothing.
     let o = tag(d, &["--threshold", "0.05", "--mode", "append", "--dry-run"]);
     let out = text(&o);
-    assert!(out.contains("would append") && out.contains("coffee.txt"), "{out}");
+    assert!(
+        out.contains("would append") && out.contains("coffee.txt"),
+        "{out}"
+    );
     assert_eq!(read("coffee.txt"), "my morning coffee, latte art\n");
 
     // Append: the hand-written tags stay first, the model's follow, into a .caption extension.
@@ -75,10 +98,20 @@ fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
     std::fs::copy(d.join("coffee.txt"), d.join("coffee.caption")).unwrap();
     let o = tag(
         d,
-        &["--threshold", "0.5", "--mode", "append", "--caption-extension", ".caption"],
+        &[
+            "--threshold",
+            "0.5",
+            "--mode",
+            "append",
+            "--caption-extension",
+            ".caption",
+        ],
     );
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert_eq!(read("coffee.caption"), "my morning coffee, latte art, espresso\n");
+    assert_eq!(
+        read("coffee.caption"),
+        "my morning coffee, latte art, espresso\n"
+    );
     assert_eq!(read("coffee.txt"), "my morning coffee, latte art\n");
 
     // An unknown config key is a usage error (exit 2) with a hint.
@@ -87,5 +120,8 @@ fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
     let o = tag(d, &["--config", cfg.to_str().unwrap()]);
     let out = text(&o);
     assert_eq!(o.status.code(), Some(2), "{out}");
-    assert!(out.contains("did you mean `image.general_threshold`"), "{out}");
+    assert!(
+        out.contains("did you mean `image.general_threshold`"),
+        "{out}"
+    );
 }

@@ -68,10 +68,13 @@ pub fn read_selected_tags(path: &Path) -> Result<Labels> {
         path: path.to_path_buf(),
         msg,
     };
-    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
-    let (_, header) = lines
-        .next()
-        .ok_or_else(|| fmt("empty label file; expected the header tag_id,name,category,count".into()))?;
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty());
+    let (_, header) = lines.next().ok_or_else(|| {
+        fmt("empty label file; expected the header tag_id,name,category,count".into())
+    })?;
     let cols: Vec<String> = split_record(header.trim_start_matches('\u{feff}'))
         .into_iter()
         .map(|c| c.trim().to_string())

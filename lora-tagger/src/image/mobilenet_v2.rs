@@ -119,9 +119,11 @@ impl Weights {
             path: self.path.clone(),
             msg,
         };
-        let view = st
-            .tensor(name)
-            .map_err(|_| fmt(format!("missing tensor `{name}` (expected shape {shape:?})")))?;
+        let view = st.tensor(name).map_err(|_| {
+            fmt(format!(
+                "missing tensor `{name}` (expected shape {shape:?})"
+            ))
+        })?;
         let got: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         if got != shape {
             return Err(fmt(format!(
@@ -198,12 +200,22 @@ impl MobileNetV2 {
     pub fn load(path: &Path, device: Device, kind: Kind) -> Result<Self> {
         let w = Weights::open(path)?;
         let st = w.parse()?;
-        let fc = st.tensor("classifier.1.weight").map_err(|_| Error::Format {
-            path: path.to_path_buf(),
-            msg: "missing tensor `classifier.1.weight`; not a torchvision MobileNetV2".into(),
-        })?;
+        let fc = st
+            .tensor("classifier.1.weight")
+            .map_err(|_| Error::Format {
+                path: path.to_path_buf(),
+                msg: "missing tensor `classifier.1.weight`; not a torchvision MobileNetV2".into(),
+            })?;
         let num_classes = fc.shape().first().copied().unwrap_or(0) as i64;
-        let stem = conv_bn(&w, "features.0.0", "features.0.1", [32, 3, 3, 3], 2, 1, true)?;
+        let stem = conv_bn(
+            &w,
+            "features.0.0",
+            "features.0.1",
+            [32, 3, 3, 3],
+            2,
+            1,
+            true,
+        )?;
         let mut blocks = Vec::new();
         let mut cin = 32i64;
         let mut idx = 1usize;
@@ -335,8 +347,7 @@ impl Backbone for MobileNetV2 {
         }
         h = self.head.forward(&h)?;
         h = h.f_adaptive_avg_pool2d([1, 1])?.f_flatten(1, -1)?;
-        Ok(h
-            .f_linear(&self.fc_weight, Some(&self.fc_bias))?
+        Ok(h.f_linear(&self.fc_weight, Some(&self.fc_bias))?
             .f_to_kind(Kind::Float)?)
     }
 

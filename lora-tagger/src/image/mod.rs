@@ -190,10 +190,11 @@ impl ImageTagger {
             Head::Softmax => false,
         };
         let digest = {
-            let bytes = std::fs::read(dir.join("model.safetensors")).map_err(|source| Error::Io {
-                path: dir.join("model.safetensors"),
-                source,
-            })?;
+            let bytes =
+                std::fs::read(dir.join("model.safetensors")).map_err(|source| Error::Io {
+                    path: dir.join("model.safetensors"),
+                    source,
+                })?;
             hex::encode(Sha256::digest(&bytes))
         };
         let model_id = format!("{}@{}", backbone.name(), &digest[..12]);

@@ -134,9 +134,15 @@ pub fn imagenet(img: &RgbImage, size: u32) -> Vec<f32> {
     let (w, h) = (img.width().max(1), img.height().max(1));
     // torchvision: the short side becomes `short_target`, the long side int(target · long / short).
     let (nw, nh) = if w <= h {
-        (short_target, ((short_target as u64 * h as u64) / w as u64) as u32)
+        (
+            short_target,
+            ((short_target as u64 * h as u64) / w as u64) as u32,
+        )
     } else {
-        (((short_target as u64 * w as u64) / h as u64) as u32, short_target)
+        (
+            ((short_target as u64 * w as u64) / h as u64) as u32,
+            short_target,
+        )
     };
     let resized = image::imageops::resize(img, nw.max(size), nh.max(size), FilterType::Triangle);
     let left = ((resized.width() - size) as f64 / 2.0).round() as u32;
@@ -174,7 +180,11 @@ mod tests {
         // Left half black, right half white, 300×200 → short side 256 → 384×256 → crop 224.
         let mut img = RgbImage::new(300, 200);
         for (x, _, p) in img.enumerate_pixels_mut() {
-            *p = if x < 150 { Rgb([0, 0, 0]) } else { Rgb([255, 255, 255]) };
+            *p = if x < 150 {
+                Rgb([0, 0, 0])
+            } else {
+                Rgb([255, 255, 255])
+            };
         }
         let x = imagenet(&img, 224);
         assert_eq!(x.len(), 224 * 224 * 3);
@@ -196,6 +206,9 @@ mod tests {
         let bad = dir.path().join("broken.jpg");
         std::fs::write(&bad, b"\xff\xd8\xff\xe0 not really a jpeg").unwrap();
         let e = load_rgb(&bad).unwrap_err();
-        assert!(matches!(e, Error::Image { .. }) && e.to_string().contains("broken.jpg"), "{e}");
+        assert!(
+            matches!(e, Error::Image { .. }) && e.to_string().contains("broken.jpg"),
+            "{e}"
+        );
     }
 }
