@@ -6,6 +6,20 @@
 //!   in f32/f16/bf16 and expose every linear layer as a LoRA site under transformers' module
 //!   names.
 //! - [`ClipTokenizer`]: `tokenizer.json` or `vocab.json` + `merges.txt`, rows of 77 ids.
+//!
+//! ```no_run
+//! # fn main() -> lora_models::Result<()> {
+//! use lora_models::clip::{ClipTextModel, ClipTokenizer};
+//! use tch::{Device, Kind};
+//!
+//! let sd = std::path::Path::new("stable-diffusion-v1-5");
+//! let tok = ClipTokenizer::from_dir(sd.join("tokenizer"))?;
+//! let te = ClipTextModel::from_pretrained(sd.join("text_encoder"), Kind::BFloat16, Device::Cpu)?;
+//! let ids = tok.encode_batch(&["a photo of a cat", ""])?; // [2, 77] int64
+//! let out = tch::no_grad(|| te.forward_t(&ids, false))?;
+//! let cond = te.skip_hidden(&out, 2, true)?; // clip_skip 2: [2, 77, 768]
+//! # let _ = cond; Ok(()) }
+//! ```
 
 mod config;
 mod model;

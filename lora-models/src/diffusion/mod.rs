@@ -5,6 +5,26 @@
 //!
 //! The denoiser is a closure `(noisy_latents, timesteps) -> prediction`, so the same code serves
 //! any UNet.
+//!
+//! ```no_run
+//! # fn main() -> lora_models::Result<()> {
+//! use lora_models::diffusion::{
+//!     DdimOptions, DdimSampler, DiffusionLoss, LossConfig, NoiseSchedule, ScheduleConfig, sample,
+//! };
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let denoiser = |x: &Tensor, _t: &Tensor| Ok(x * 0.9); // stands for the UNet
+//! let cfg = LossConfig { min_snr_gamma: Some(5.0), ..Default::default() };
+//! let objective = DiffusionLoss::new(NoiseSchedule::new(ScheduleConfig::sd())?, cfg)?;
+//! let latents = Tensor::randn([2, 4, 64, 64], (Kind::Float, Device::Cpu));
+//! let loss = objective.loss(&latents, denoiser)?; // 0-d f32, backward() from here
+//!
+//! let ddim = DdimSampler::new(objective.schedule(), 30, &DdimOptions::default())?;
+//! let noise = Tensor::randn([1, 4, 64, 64], (Kind::Float, Device::Cpu));
+//! // with guidance 7.5 the closure gets [uncond; cond] stacked on the batch axis
+//! let z = sample(&ddim, &noise, 7.5, |x, _t| Ok(x * 0.9))?;
+//! # let _ = (loss, z); Ok(()) }
+//! ```
 
 mod grid;
 mod objective;
