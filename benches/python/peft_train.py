@@ -103,11 +103,12 @@ def main():
         torch.cuda.reset_peak_memory_stats(dev)
     baseline, _ = rss()
     reset_peak_rss()
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     phases = {"forward": [], "backward": [], "optimizer": []}
     for i in range(a.steps):
         batch = ids[i]
         sync()
+        c0 = time.process_time()
         t = time.perf_counter()
         with autocast:
             out = model(input_ids=batch, labels=batch)
@@ -125,6 +126,7 @@ def main():
         sync()
         te = time.perf_counter()
         times.append(te - t)
+        cpu.append(time.process_time() - c0)
         losses.append(lv)
         if a.phases:
             phases["forward"].append(tf - t)
@@ -141,6 +143,7 @@ def main():
         "seq_len": int(s),
         "load_s": load_s,
         "step_times_s": times,
+        "step_cpu_s": cpu,
         "losses": losses,
         "tokens_per_step": int(b * s),
         "rss_baseline_bytes": baseline,

@@ -110,6 +110,10 @@ pub struct TrainResult {
     pub load_s: f64,
     /// Wall time of every optimizer step (forward, loss, backward, optimizer step, zero-grad), s.
     pub step_times_s: Vec<f64>,
+    /// CPU time of the process (all threads, user + system) during every step, s — steadier than
+    /// the wall time on a machine shared with other work.
+    #[serde(default)]
+    pub step_cpu_s: Vec<f64>,
     /// Training loss of every step (mean next-token NLL, nats).
     pub losses: Vec<f64>,
     /// Tokens per step (`batch × seq_len`).
@@ -309,14 +313,42 @@ impl BatchSource<lora_data::text::TextBatch> for FixedBatches {
     }
 }
 
-/// Records the time and loss of every step.
-struct Recorder(Rc<RefCell<Vec<(f64, f64)>>>);
+/// Records the time, CPU time and loss of every step.
+struct Recorder {
+    steps: Rc<RefCell<Vec<(f64, f64, f64)>>>,
+    cpu_mark: f64,
+}
 
 impl Callback for Recorder {
+    fn on_start(&mut self, _total: u64, _start: u64) -> lora_train::trainer::Result<()> {
+        self.cpu_mark = cpu_seconds();
+        Ok(())
+    }
+
     fn on_step(&mut self, info: &StepInfo) -> lora_train::trainer::Result<Control> {
-        self.0.borrow_mut().push((info.step_time_s, info.loss));
+        let now = cpu_seconds();
+        self.steps
+            .borrow_mut()
+            .push((info.step_time_s, now - self.cpu_mark, info.loss));
+        self.cpu_mark = now;
         Ok(Control::Continue)
     }
+}
+
+/// CPU seconds used by this process so far, all threads, user + system (`/proc/self/stat`
+/// fields 14 and 15, in clock ticks of 1/100 s — the Linux `USER_HZ`); 0 where unavailable.
+pub fn cpu_seconds() -> f64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // The command name (field 2) is in parentheses and may hold spaces: split after it.
+    let Some(rest) = s.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14 → index 11, stime field 15 → index 12.
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (tick(11) + tick(12)) / 100.0
 }
 
 /// Reads `input_ids` `[steps, batch, seq_len]` from a job folder.
@@ -462,7 +494,10 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
     };
     let mut trainer: Trainer<lora_train::llm::LlamaTask<'_>> = Trainer::new(tcfg);
     let rec = Rc::new(RefCell::new(Vec::new()));
-    trainer.add_callback(Box::new(Recorder(rec.clone())));
+    trainer.add_callback(Box::new(Recorder {
+        steps: rec.clone(),
+        cpu_mark: 0.0,
+    }));
 
     let (rss_baseline, _) = rss();
     let _ = lora_train::llm::reset_peak_rss();
@@ -486,7 +521,8 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
         seq_len: s as usize,
         load_s,
         step_times_s: rec.iter().map(|r| r.0).collect(),
-        losses: rec.iter().map(|r| r.1).collect(),
+        step_cpu_s: rec.iter().map(|r| r.1).collect(),
+        losses: rec.iter().map(|r| r.2).collect(),
         tokens_per_step: (b * s) as u64,
         rss_baseline_bytes: rss_baseline,
         rss_peak_bytes: hwm,
@@ -529,11 +565,13 @@ fn phase_loop(
         let _ = lora_core::sys::cuda_reset_peak(i);
     }
     let mut times = Vec::new();
+    let mut cpu = Vec::new();
     let mut losses = Vec::new();
     let mut phases: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     for i in 0..opts.steps as i64 {
         let batch = source.batch(i).map_err(torch("batch"))?;
         sync();
+        let c0 = cpu_seconds();
         let t = Instant::now();
         let loss = {
             let _ac = if bf16 {
@@ -565,6 +603,7 @@ fn phase_loop(
         sync();
         let te = t.elapsed().as_secs_f64();
         times.push(te);
+        cpu.push(cpu_seconds() - c0);
         losses.push(lv);
         phases.entry("forward".into()).or_default().push(tf);
         phases.entry("backward".into()).or_default().push(tb - tf);
@@ -581,6 +620,7 @@ fn phase_loop(
         seq_len: s as usize,
         load_s,
         step_times_s: times,
+        step_cpu_s: cpu,
         losses,
         tokens_per_step: (b * s) as u64,
         rss_baseline_bytes: rss_baseline,

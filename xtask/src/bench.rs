@@ -167,6 +167,10 @@ fn side_stats(runs: &[Value]) -> Value {
         .iter()
         .flat_map(|r| f64s(&r["step_times_s"]).into_iter().skip(1))
         .collect();
+    let cpu: Vec<f64> = runs
+        .iter()
+        .flat_map(|r| f64s(&r["step_cpu_s"]).into_iter().skip(1))
+        .collect();
     let tokens = runs
         .first()
         .and_then(|r| r["tokens_per_step"].as_f64())
@@ -178,6 +182,7 @@ fn side_stats(runs: &[Value]) -> Value {
         "step_s_min": times.iter().copied().fold(f64::INFINITY, f64::min),
         "step_s_max": times.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         "steps_timed": times.len(),
+        "step_cpu_s_median": median(&cpu),
         "tokens_per_s": tokens / med,
         "rss_delta_bytes_median": median(&col("rss_delta_bytes")),
         "rss_peak_bytes_median": median(&col("rss_peak_bytes")),
@@ -393,6 +398,7 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
     let mut ratios = vec![
         json!({"label": "step time", "ratio": ratio("step_s_median"), "lower_is_better": true}),
         json!({"label": "tokens/s", "ratio": ratio("tokens_per_s"), "lower_is_better": false}),
+        json!({"label": "CPU time per step", "ratio": ratio("step_cpu_s_median"), "lower_is_better": true}),
         json!({"label": "peak RSS above baseline", "ratio": ratio("rss_delta_bytes_median"), "lower_is_better": true}),
         json!({"label": "peak RSS (process)", "ratio": ratio("rss_peak_bytes_median"), "lower_is_better": true}),
         json!({"label": "load time", "ratio": ratio("load_s_median"), "lower_is_better": true}),
@@ -534,6 +540,13 @@ fn markdown(r: &Value) -> String {
     );
     let (a, b) = (num(o, "tokens_per_s"), num(p, "tokens_per_s"));
     s += &row("tokens/s", format!("{a:.0}"), format!("{b:.0}"), a / b);
+    let (a, b) = (num(o, "step_cpu_s_median"), num(p, "step_cpu_s_median"));
+    s += &row(
+        "CPU time per step (all threads), median",
+        format!("{a:.3} s"),
+        format!("{b:.3} s"),
+        a / b,
+    );
     for (name, k) in [
         ("peak RSS above baseline", "rss_delta_bytes_median"),
         ("peak RSS of the process", "rss_peak_bytes_median"),
@@ -627,13 +640,14 @@ mod tests {
     #[test]
     fn side_stats_leave_out_the_warm_up_step() {
         let runs = vec![
-            json!({"step_times_s": [9.0, 1.0, 3.0], "tokens_per_step": 100, "losses": [2.0]}),
-            json!({"step_times_s": [9.0, 2.0], "tokens_per_step": 100, "losses": [2.0]}),
+            json!({"step_times_s": [9.0, 1.0, 3.0], "step_cpu_s": [9.0, 2.0, 6.0], "tokens_per_step": 100, "losses": [2.0]}),
+            json!({"step_times_s": [9.0, 2.0], "step_cpu_s": [9.0, 4.0], "tokens_per_step": 100, "losses": [2.0]}),
         ];
         let s = side_stats(&runs);
         assert_eq!(s["step_s_median"], 2.0);
         assert_eq!(s["step_s_max"], 3.0);
         assert_eq!(s["tokens_per_s"], 50.0);
         assert_eq!(s["steps_timed"], 3);
+        assert_eq!(s["step_cpu_s_median"], 4.0);
     }
 }
