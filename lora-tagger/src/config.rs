@@ -546,10 +546,10 @@ impl TaggerConfig {
             let Some((_, ty)) = KEYS.iter().find(|(k, _)| k == key) else {
                 let hint = match suggest(key) {
                     Some(s) => format!("unknown key; did you mean `{s}`?"),
-                    None => format!(
-                        "unknown key; known sections: model_settings, generation_settings, \
-                         memory_management, image, tags, captions, llm (see examples/configs/tagger.yaml)"
-                    ),
+                    None => "unknown key; known sections: model_settings, generation_settings, \
+                             memory_management, image, tags, captions, llm (see \
+                             examples/configs/tagger.yaml)"
+                        .to_string(),
                 };
                 return Err(Error::Config {
                     key: key.clone(),

@@ -308,10 +308,8 @@ impl ImageTagger {
         let mut best_rating: Option<(usize, f32)> = None;
         for (i, (&p, &cat)) in probs.iter().zip(&self.labels.categories).enumerate() {
             match cat {
-                TagCategory::Rating => {
-                    if best_rating.is_none_or(|(_, b)| p > b) {
-                        best_rating = Some((i, p));
-                    }
+                TagCategory::Rating if best_rating.is_none_or(|(_, b)| p > b) => {
+                    best_rating = Some((i, p));
                 }
                 TagCategory::General if p >= self.settings.general_threshold => {
                     out.push((i, p, cat))
