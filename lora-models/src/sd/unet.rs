@@ -35,8 +35,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use super::blocks::{
-    Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding,
-    Transformer2DModel, Upsample2D, Vb, Visitor, join, timestep_embedding,
+    Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding, Transformer2DModel, Upsample2D, Vb,
+    Visitor, join, timestep_embedding,
 };
 use super::load::{
     LoadOptions, SafetensorsFiles, TensorSource, UnetLayout, component_dir, diffusers_weight_files,
@@ -613,6 +613,27 @@ pub struct UNet2DConditionModel {
     conv_norm_out: GroupNorm,
     conv_out: LoraConv2d,
     param_count: i64,
+    gradient_checkpointing: bool,
+}
+
+/// One recomputable step of the checkpointed forward pass.
+#[derive(Debug, Clone, Copy)]
+enum Unit {
+    ConvIn,
+    /// Down level `b`, ResNet (+ transformer) `j`.
+    Down(usize, usize),
+    Downsample(usize),
+    Mid,
+    /// Up level `b`, ResNet (+ transformer) `j`; consumes a skip.
+    Up(usize, usize),
+    Upsample(usize),
+    Out,
+}
+
+impl Unit {
+    fn uses_emb(self) -> bool {
+        matches!(self, Unit::Down(..) | Unit::Mid | Unit::Up(..))
+    }
 }
 
 impl UNet2DConditionModel {
@@ -759,6 +780,7 @@ impl UNet2DConditionModel {
             mid_block,
             up_blocks,
             param_count: 0,
+            gradient_checkpointing: false,
         };
         m.param_count = m.count_params();
         Ok(m)
@@ -848,6 +870,21 @@ impl UNet2DConditionModel {
         added_cond: Option<(&Tensor, &Tensor)>,
         train: bool,
     ) -> Result<Tensor> {
+        let (x, ctx, emb) =
+            self.prepare(sample, timesteps, encoder_hidden_states, added_cond, train)?;
+        self.walk(&x, &emb, &ctx, train, |_, _, _, _| Ok(()))
+    }
+
+    /// Checks the inputs, casts them to the model dtype and computes the time (+ added)
+    /// embedding `[B, time_embed_dim]`.
+    fn prepare(
+        &self,
+        sample: &Tensor,
+        timesteps: &Tensor,
+        encoder_hidden_states: &Tensor,
+        added_cond: Option<(&Tensor, &Tensor)>,
+        train: bool,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         if sample.dim() != 4 || sample.size()[1] != self.config.in_channels {
             return Err(Error::InvalidArgument(format!(
                 "UNet sample must be [batch, {}, height, width], got {:?}",
@@ -921,49 +958,293 @@ impl UNet2DConditionModel {
                 ));
             }
         }
-        // down
-        let mut h = self.conv_in.forward_t(&x, train)?;
-        let mut skips: Vec<Tensor> = vec![h.shallow_clone()];
-        for blk in &self.down_blocks {
-            for (j, r) in blk.resnets.iter().enumerate() {
-                h = r.forward(&h, Some(&emb), train)?;
-                if let Some(a) = blk.attentions.get(j) {
-                    h = a.forward(&h, &ctx, train)?;
-                }
-                skips.push(h.shallow_clone());
-            }
-            if let Some(d) = &blk.downsampler {
-                h = d.forward(&h, train)?;
-                skips.push(h.shallow_clone());
-            }
-        }
-        // mid
-        h = self.mid_block.resnets[0].forward(&h, Some(&emb), train)?;
-        h = self.mid_block.attentions[0].forward(&h, &ctx, train)?;
-        h = self.mid_block.resnets[1].forward(&h, Some(&emb), train)?;
-        // up
-        for blk in &self.up_blocks {
-            for (j, r) in blk.resnets.iter().enumerate() {
-                let s = skips
-                    .pop()
-                    .ok_or_else(|| Error::InvalidArgument("UNet skip stack exhausted".into()))?;
-                h = Tensor::f_cat(&[&h, &s], 1)?;
-                h = r.forward(&h, Some(&emb), train)?;
-                if let Some(a) = blk.attentions.get(j) {
-                    h = a.forward(&h, &ctx, train)?;
-                }
-            }
-            if let Some(u) = &blk.upsampler {
-                // up-sample to the next skip's size (= ×2 when H, W are multiples of 2^levels)
-                let size = skips.last().map(|s| {
-                    let z = s.size();
-                    [z[2], z[3]]
-                });
-                h = u.forward(&h, size, train)?;
+        Ok((x, ctx, emb))
+    }
+
+    /// Turns per-block activation checkpointing on or off for [`Self::loss_backward`].
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether [`Self::loss_backward`] checkpoints activations.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
+    }
+
+    /// The recomputable steps of a forward pass, in order.
+    fn units(&self) -> Vec<Unit> {
+        let mut u = vec![Unit::ConvIn];
+        for (b, blk) in self.down_blocks.iter().enumerate() {
+            u.extend((0..blk.resnets.len()).map(|j| Unit::Down(b, j)));
+            if blk.downsampler.is_some() {
+                u.push(Unit::Downsample(b));
             }
         }
-        let h = self.conv_norm_out.forward(&h)?.f_silu()?;
-        Ok(self.conv_out.forward_t(&h, train)?)
+        u.push(Unit::Mid);
+        for (b, blk) in self.up_blocks.iter().enumerate() {
+            u.extend((0..blk.resnets.len()).map(|j| Unit::Up(b, j)));
+            if blk.upsampler.is_some() {
+                u.push(Unit::Upsample(b));
+            }
+        }
+        u.push(Unit::Out);
+        u
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_unit(
+        &self,
+        u: Unit,
+        h: &Tensor,
+        skip: Option<&Tensor>,
+        size: Option<[i64; 2]>,
+        emb: &Tensor,
+        ctx: &Tensor,
+        train: bool,
+    ) -> Result<Tensor> {
+        let pair =
+            |r: &ResnetBlock2D, a: Option<&Transformer2DModel>, h: &Tensor| -> Result<Tensor> {
+                let h = r.forward(h, Some(emb), train)?;
+                match a {
+                    Some(a) => a.forward(&h, ctx, train),
+                    None => Ok(h),
+                }
+            };
+        match u {
+            Unit::ConvIn => Ok(self.conv_in.forward_t(h, train)?),
+            Unit::Down(b, j) => {
+                let blk = &self.down_blocks[b];
+                pair(&blk.resnets[j], blk.attentions.get(j), h)
+            }
+            Unit::Downsample(b) => match &self.down_blocks[b].downsampler {
+                Some(d) => d.forward(h, train),
+                None => Ok(h.shallow_clone()),
+            },
+            Unit::Mid => {
+                let m = &self.mid_block;
+                let h = pair(&m.resnets[0], m.attentions.first(), h)?;
+                m.resnets[1].forward(&h, Some(emb), train)
+            }
+            Unit::Up(b, j) => {
+                let s =
+                    skip.ok_or_else(|| Error::InvalidArgument("UNet skip stack exhausted".into()))?;
+                let blk = &self.up_blocks[b];
+                pair(
+                    &blk.resnets[j],
+                    blk.attentions.get(j),
+                    &Tensor::f_cat(&[h, s], 1)?,
+                )
+            }
+            Unit::Upsample(b) => match &self.up_blocks[b].upsampler {
+                Some(up) => up.forward(h, size, train),
+                None => Ok(h.shallow_clone()),
+            },
+            Unit::Out => {
+                let h = self.conv_norm_out.forward(h)?.f_silu()?;
+                Ok(self.conv_out.forward_t(&h, train)?)
+            }
+        }
+    }
+
+    /// Runs every unit from the `conv_in` input `x`; `record(k, input, skip_unit, size)` is
+    /// called before unit `k` with its input, the index of the unit whose output it takes as
+    /// skip (up units), and the up-sampling size (up-samplers: the size of the next skip, which
+    /// is ×2 unless the latent size is not a multiple of the total down-sampling).
+    fn walk(
+        &self,
+        x: &Tensor,
+        emb: &Tensor,
+        ctx: &Tensor,
+        train: bool,
+        mut record: impl FnMut(usize, &Tensor, Option<usize>, Option<[i64; 2]>) -> Result<()>,
+    ) -> Result<Tensor> {
+        let mut h = x.shallow_clone();
+        let mut skips: Vec<(usize, Tensor)> = Vec::new();
+        for (k, u) in self.units().into_iter().enumerate() {
+            let (skip, size) = match u {
+                Unit::Up(..) => {
+                    let s = skips.pop().ok_or_else(|| {
+                        Error::InvalidArgument("UNet skip stack exhausted".into())
+                    })?;
+                    (Some(s), None)
+                }
+                Unit::Upsample(_) => (
+                    None,
+                    skips.last().map(|(_, s)| {
+                        let z = s.size();
+                        [z[2], z[3]]
+                    }),
+                ),
+                _ => (None, None),
+            };
+            record(k, &h, skip.as_ref().map(|(i, _)| *i), size)?;
+            h = self.run_unit(u, &h, skip.as_ref().map(|(_, s)| s), size, emb, ctx, train)?;
+            if matches!(u, Unit::ConvIn | Unit::Down(..) | Unit::Downsample(_)) {
+                skips.push((k, h.shallow_clone()));
+            }
+        }
+        Ok(h)
+    }
+
+    /// Runs the model, computes `loss = loss_fn(prediction)` and backpropagates
+    /// `loss · loss_scale` into every tensor that requires grad (LoRA adapters, and
+    /// `encoder_hidden_states` when it requires grad, e.g. a trained text encoder); returns the
+    /// unscaled loss, detached. `loss_scale` is `1 / gradient_accumulation_steps` (times an fp16
+    /// loss scale).
+    ///
+    /// With [`Self::set_gradient_checkpointing`] on, the forward pass keeps only each unit's
+    /// input (a unit is `conv_in`, one ResNet + transformer pair, a down/up-sampler, the mid
+    /// block, or the output head) and no graph; the backward pass recomputes the units from the
+    /// last to the first with autograd on (the technique of `torch.utils.checkpoint` and of
+    /// diffusers' `enable_gradient_checkpointing`, driven by hand as in
+    /// [`crate::checkpoint::SegmentTape`]): each recomputed unit backpropagates `Σ(y ⊙ g)`,
+    /// the gradient of its input goes to the previous unit, the gradient of a skip input to the
+    /// down unit that produced it, and the gradients of the time embedding and of the context
+    /// are summed and backpropagated once at the end. The generator state before each unit is
+    /// restored for its recomputation, so LoRA dropout draws the same masks. Gradients equal
+    /// those of the plain path (tested); the sample's own gradient is not computed.
+    ///
+    /// Peak activation memory drops from every unit's internals (attention scores, GEGLU
+    /// hidden states, `[B, H·W, 8C]` per transformer block) to the unit inputs
+    /// (`[B, C, H, W]` each) plus one unit's internals.
+    ///
+    /// # Errors
+    /// As [`Self::forward_t`]; whatever `loss_fn` returns; [`Error::InvalidArgument`] when the
+    /// loss does not depend on the prediction; [`Error::Shim`] when the generator state cannot
+    /// be saved or restored.
+    #[allow(clippy::too_many_arguments)]
+    pub fn loss_backward(
+        &self,
+        sample: &Tensor,
+        timesteps: &Tensor,
+        encoder_hidden_states: &Tensor,
+        added_cond: Option<(&Tensor, &Tensor)>,
+        train: bool,
+        loss_scale: f64,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if !self.gradient_checkpointing {
+            let pred =
+                self.forward_t(sample, timesteps, encoder_hidden_states, added_cond, train)?;
+            let loss = loss_fn(&pred)?;
+            loss.f_mul_scalar(loss_scale)?.f_backward()?;
+            return Ok(loss.f_detach()?);
+        }
+        let (x, ctx, emb) =
+            self.prepare(sample, timesteps, encoder_hidden_states, added_cond, train)?;
+        let (emb_d, ctx_d) = (emb.f_detach()?, ctx.f_detach()?);
+        let devices = match x.device() {
+            tch::Device::Cpu => vec![tch::Device::Cpu],
+            d => vec![tch::Device::Cpu, d],
+        };
+        let save_rng = || -> Result<Vec<(tch::Device, Vec<u8>)>> {
+            devices
+                .iter()
+                .map(|&d| Ok((d, lora_core::sys::rng_state(d)?)))
+                .collect()
+        };
+        let restore_rng = |states: &[(tch::Device, Vec<u8>)]| -> Result<()> {
+            for (d, s) in states {
+                lora_core::sys::set_rng_state(*d, s)?;
+            }
+            Ok(())
+        };
+        let mut inputs: Vec<Tensor> = Vec::new();
+        let mut meta: Vec<(Option<usize>, Option<[i64; 2]>)> = Vec::new();
+        let mut rng = Vec::new();
+        let out = {
+            let _g = tch::no_grad_guard();
+            self.walk(&x.f_detach()?, &emb_d, &ctx_d, train, |_, h, s, size| {
+                inputs.push(h.shallow_clone());
+                meta.push((s, size));
+                rng.push(save_rng()?);
+                Ok(())
+            })?
+        };
+        let pred = out.f_detach()?.f_set_requires_grad(true)?;
+        let loss = loss_fn(&pred)?;
+        loss.f_mul_scalar(loss_scale)?.f_backward()?;
+        let g_out = pred.f_grad()?;
+        if !g_out.defined() {
+            return Err(Error::InvalidArgument(
+                "checkpointed UNet backward: the loss does not depend on the prediction".into(),
+            ));
+        }
+        let units = self.units();
+        let now = save_rng()?;
+        let (emb_grad, ctx_grad) = (emb.requires_grad(), ctx.requires_grad());
+        let add = |acc: &mut Option<Tensor>, g: Tensor| -> Result<()> {
+            *acc = Some(match acc.take() {
+                Some(a) => a.f_add(&g)?,
+                None => g,
+            });
+            Ok(())
+        };
+        let res = tch::with_grad(|| -> Result<()> {
+            let mut g = g_out.f_detach()?;
+            let mut g_skip: Vec<Option<Tensor>> = (0..units.len()).map(|_| None).collect();
+            let (mut g_emb, mut g_ctx): (Option<Tensor>, Option<Tensor>) = (None, None);
+            for k in (0..units.len()).rev() {
+                let u = units[k];
+                if let Some(gs) = g_skip[k].take() {
+                    g = g.f_add(&gs)?;
+                }
+                let xk = inputs[k].f_detach()?.f_set_requires_grad(true)?;
+                let (s_idx, size) = meta[k];
+                let sk = match s_idx {
+                    Some(i) => Some(inputs[i + 1].f_detach()?.f_set_requires_grad(true)?),
+                    None => None,
+                };
+                let leaf = |t: &Tensor, on: bool| -> Result<Tensor> {
+                    if on && u.uses_emb() {
+                        Ok(t.f_detach()?.f_set_requires_grad(true)?)
+                    } else {
+                        Ok(t.shallow_clone())
+                    }
+                };
+                let (e, c) = (leaf(&emb_d, emb_grad)?, leaf(&ctx_d, ctx_grad)?);
+                restore_rng(&rng[k])?;
+                let y = self.run_unit(u, &xk, sk.as_ref(), size, &e, &c, train)?;
+                if y.requires_grad() {
+                    y.f_mul(&g.f_to_kind(y.kind())?)?
+                        .f_sum(Kind::Float)?
+                        .f_backward()?;
+                }
+                let gx = xk.f_grad()?;
+                g = if gx.defined() {
+                    gx.f_detach()?
+                } else {
+                    xk.f_zeros_like()?
+                };
+                if let (Some(i), Some(sk)) = (s_idx, &sk) {
+                    let gs = sk.f_grad()?;
+                    if gs.defined() {
+                        add(&mut g_skip[i], gs.f_detach()?)?;
+                    }
+                }
+                for (leaf, acc) in [(&e, &mut g_emb), (&c, &mut g_ctx)] {
+                    if leaf.requires_grad() {
+                        let gl = leaf.f_grad()?;
+                        if gl.defined() {
+                            add(acc, gl.f_detach()?)?;
+                        }
+                    }
+                }
+            }
+            for (t, acc) in [(&emb, g_emb), (&ctx, g_ctx)] {
+                if let Some(gt) = acc
+                    && t.requires_grad()
+                {
+                    t.f_mul(&gt.f_to_kind(t.kind())?)?
+                        .f_sum(Kind::Float)?
+                        .f_backward()?;
+                }
+            }
+            Ok(())
+        });
+        restore_rng(&now)?;
+        res?;
+        Ok(loss.f_detach()?)
     }
 
     /// Parameters of the model (sites and norms), adapters excluded.
