@@ -504,7 +504,8 @@ impl ClipTextModel {
     /// The conditioning `[batch, seq, D]` for a kohya / A1111 `clip_skip` value.
     ///
     /// Convention (kohya sd-scripts `library/train_util.py::get_hidden_states`, A1111
-    /// "Clip skip"): `clip_skip` 0 or 1 = the last layer (`last_hidden_state`); `n ≥ 2` = the
+    /// "Clip skip"): `clip_skip` 0 or 1 = the last layer (`last_hidden_state`, or that layer's
+    /// output before the final LayerNorm when `final_norm` is false); `n ≥ 2` = the
     /// output of the `n`-th layer from the end, `hidden_states[len − n]` (2 = penultimate), passed
     /// through `final_layer_norm` when `final_norm` (SD1.x; kohya does so for v1 models).
     /// diffusers' `clip_skip` argument counts differently: its 1 is this 2.

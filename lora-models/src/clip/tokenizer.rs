@@ -186,7 +186,8 @@ impl ClipTokenizer {
         .map_err(|e| tok_err(vocab, e))?;
         let pre = PreSequence::new(vec![
             PreTokenizerWrapper::Split(split),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
+            // as transformers' `CLIPTokenizer`: `ByteLevel(add_prefix_space=False)`, GPT-2 regex on
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
         ]);
         inner.with_pre_tokenizer(Some(pre));
         inner.with_decoder(Some(ByteLevelDecoder::default()));

@@ -233,7 +233,10 @@ impl DiffusionLoss {
     where
         F: FnMut(&Tensor, &Tensor) -> Result<Tensor>,
     {
-        let t = self.sample_timesteps(latents.size()[0], latents.device())?;
+        let batch = *latents.size().first().ok_or_else(|| {
+            Error::InvalidArgument("latents must be [batch, C, H, W], got a 0-d tensor".into())
+        })?;
+        let t = self.sample_timesteps(batch, latents.device())?;
         let noise = self.sample_noise(latents)?;
         self.loss_with(latents, noise, t, model)
     }

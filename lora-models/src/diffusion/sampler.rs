@@ -439,6 +439,11 @@ where
     S: Sampler + ?Sized,
     F: FnMut(&Tensor, f64) -> Result<Tensor>,
 {
+    if noise.dim() == 0 {
+        return Err(Error::InvalidArgument(
+            "noise must be [batch, C, H, W], got a 0-d tensor".into(),
+        ));
+    }
     let cfg = guidance_scale > 1.0;
     let mut x = noise.f_mul_scalar(sampler.init_noise_sigma())?;
     for (i, &t) in sampler.timesteps().iter().enumerate() {

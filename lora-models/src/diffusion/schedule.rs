@@ -360,8 +360,14 @@ impl NoiseSchedule {
 /// and scale √ᾱ so that √ᾱ_{T−1} = 0 while √ᾱ_0 stays, then recover β.
 ///
 /// # Errors
-/// [`Error::Torch`].
+/// [`Error::InvalidArgument`] when `betas` is not 1-D with ≥ 2 entries; [`Error::Torch`].
 pub fn rescale_zero_terminal_snr(betas: &Tensor) -> Result<Tensor> {
+    if betas.dim() != 1 || betas.size()[0] < 2 {
+        return Err(Error::InvalidArgument(format!(
+            "betas must be [T] with T ≥ 2, got {:?}",
+            betas.size()
+        )));
+    }
     let ac = betas
         .f_neg()?
         .f_add_scalar(1.0)?
