@@ -208,9 +208,26 @@ fn human_bytes(b: u64) -> String {
 }
 
 /// A terminal progress bar (`indicatif`) showing step, loss, lr, it/s, ETA and peak memory.
-/// Hidden when stderr is not a terminal.
+///
+/// When stderr is not a terminal (a log file, CI, a pipe), it prints plain lines instead:
+/// `step 40/200 [00:01:02 < 00:04:08] loss … | lr … | … it/s | mem …`, every
+/// `max(1, total/20)` steps (or [`ProgressBar::every`]) and at the last step.
 pub struct ProgressBar {
     bar: Option<indicatif::ProgressBar>,
+    plain: Option<PlainProgress>,
+    every: Option<u64>,
+}
+
+struct PlainProgress {
+    total: u64,
+    start_step: u64,
+    every: u64,
+    started: std::time::Instant,
+}
+
+fn hms(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    format!("{:02}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60)
 }
 
 impl std::fmt::Debug for ProgressBar {
@@ -228,7 +245,24 @@ impl Default for ProgressBar {
 impl ProgressBar {
     /// A progress bar (created in `on_start`).
     pub fn new() -> Self {
-        Self { bar: None }
+        Self {
+            bar: None,
+            plain: None,
+            every: None,
+        }
+    }
+
+    /// Without a terminal, print a line every `n` steps (default `max(1, total/20)`).
+    pub fn every(mut self, n: u64) -> Self {
+        self.every = Some(n.max(1));
+        self
+    }
+
+    fn say(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
     }
 
     /// The text after the bar for a step.
@@ -255,6 +289,16 @@ impl ProgressBar {
 
 impl Callback for ProgressBar {
     fn on_start(&mut self, total_steps: u64, start_step: u64) -> Result<()> {
+        use std::io::IsTerminal;
+        if !std::io::stderr().is_terminal() {
+            self.plain = Some(PlainProgress {
+                total: total_steps,
+                start_step,
+                every: self.every.unwrap_or((total_steps / 20).max(1)),
+                started: std::time::Instant::now(),
+            });
+            return Ok(());
+        }
         let bar = indicatif::ProgressBar::new(total_steps);
         let style = indicatif::ProgressStyle::with_template(
             "{spinner} [{elapsed_precise}<{eta_precise}] {bar:30} {pos}/{len} {msg}",
@@ -273,11 +317,26 @@ impl Callback for ProgressBar {
             bar.set_position(info.step);
             bar.set_message(Self::message(info));
         }
+        if let Some(p) = &self.plain
+            && (info.step % p.every == 0 || info.step >= p.total)
+        {
+            let elapsed = p.started.elapsed().as_secs_f64();
+            let done = info.step.saturating_sub(p.start_step).max(1) as f64;
+            let left = p.total.saturating_sub(info.step) as f64;
+            eprintln!(
+                "step {}/{} [{} < {}] {}",
+                info.step,
+                p.total,
+                hms(elapsed),
+                hms(elapsed / done * left),
+                Self::message(info)
+            );
+        }
         Ok(Control::Continue)
     }
 
     fn on_event(&mut self, event: &TrainEvent) -> Result<()> {
-        if let Some(bar) = &self.bar {
+        if self.bar.is_some() || self.plain.is_some() {
             let line = match event {
                 TrainEvent::OomBackoff {
                     step,
@@ -303,7 +362,7 @@ impl Callback for ProgressBar {
                     format!("step {step}: checkpoint not written: {reason}")
                 }
             };
-            bar.println(line);
+            self.say(&line);
         }
         Ok(())
     }

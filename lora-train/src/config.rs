@@ -570,7 +570,7 @@ pub struct MemorySection {
     pub auto_fit: bool,
     /// Start even when predicted not to fit.
     pub force: bool,
-    /// CPU runs: fix glibc's mmap threshold at 1 MiB so freed tensors leave the process and the
+    /// CPU runs: fix glibc's mmap threshold at 128 KiB so freed tensors leave the process and the
     /// resident memory follows the plan (`lora_core::sys::set_malloc_mmap_threshold`; default
     /// true). `false` keeps glibc's dynamic threshold, under which RSS measured ~40% above the
     /// live tensors on the README demo. Ignored when `MALLOC_MMAP_THRESHOLD_` is set.

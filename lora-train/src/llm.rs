@@ -1067,7 +1067,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     if !cuda && cfg.memory.cpu_return_freed && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
     {
         if lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD) {
-            say("CPU allocator: blocks ≥ 1 MiB are returned to the OS when freed");
+            say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
         }
     }
 
@@ -1280,7 +1280,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let tcfg = trainer_config(&cfg, device, &out_dir, total_steps)?;
     let mut trainer: crate::trainer::Trainer<LlamaTask<'_>> = crate::trainer::Trainer::new(tcfg);
     if cfg.logging.progress && opts.verbose {
-        trainer.add_callback(Box::new(crate::callbacks::ProgressBar::new()));
+        trainer.add_callback(Box::new(
+            crate::callbacks::ProgressBar::new().every(cfg.logging.log_every_n_steps),
+        ));
     }
     let log_dir = cfg
         .logging
@@ -1314,6 +1316,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let step = report.steps;
     let tokens = report.tokens;
     let losses = report.losses.clone();
+    if let Some(from) = report.resumed_from {
+        say(&format!(
+            "resumed at step {from}; trained steps {}–{}",
+            from + 1,
+            report.steps
+        ));
+    }
     if report.oom_backoffs > 0 {
         say(&format!(
             "out-of-memory back-offs: {} (final micro-batch split {})",

@@ -52,7 +52,7 @@ fn shim_global_state() {
     sys::set_deterministic(false, false).unwrap();
     assert!(!sys::deterministic().unwrap());
 
-    // glibc's mmap threshold, fixed at 1 MiB: freed large blocks leave the process even when
+    // glibc's mmap threshold, fixed at 128 KiB: freed large blocks leave the process even when
     // small live blocks sit between them (glibc's default dynamic threshold, raised to 16 MiB
     // by the frees above, would serve the 8 MiB blocks from the heap and keep the holes).
     if cfg!(all(target_os = "linux", target_env = "gnu")) {
