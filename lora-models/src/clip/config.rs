@@ -113,6 +113,9 @@ fn d_act() -> String {
 /// | `layer_norm_eps` | 1e-5 | 1e-5 | 1e-5 |
 /// | `bos` / `eos` / `pad` token id | 0 / 2 / 1 | 0 / 2 / 1 | 0 / 2 / 1 |
 ///
+/// SD2's `text_encoder` is OpenCLIP ViT-H/14 with its last layer left out (23 of 24), so its
+/// `last_hidden_state` is OpenCLIP's penultimate layer, final norm applied.
+///
 /// The token ids in those files are stale values (the real tokenizer has
 /// `<|startoftext|>` = 49406, `<|endoftext|>` = 49407); `eos_token_id == 2` is exactly the case
 /// in which transformers pools at the position of the *largest* token id instead (see

@@ -507,7 +507,7 @@ impl ClipTextModel {
     /// "Clip skip"): `clip_skip` 0 or 1 = the last layer (`last_hidden_state`, or that layer's
     /// output before the final LayerNorm when `final_norm` is false); `n ≥ 2` = the
     /// output of the `n`-th layer from the end, `hidden_states[len − n]` (2 = penultimate), passed
-    /// through `final_layer_norm` when `final_norm` (SD1.x; kohya does so for v1 models).
+    /// through `final_layer_norm` when `final_norm` (as kohya does for SD1.x and SD2).
     /// diffusers' `clip_skip` argument counts differently: its 1 is this 2.
     /// SDXL uses the penultimate state of both encoders *without* the final norm:
     /// `skip_hidden(out, 2, false)`.
