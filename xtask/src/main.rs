@@ -152,6 +152,15 @@ fn demo(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
             config.display()
         );
     }
+    // Build first, with cargo's own progress: a cold build of libtorch's bindings and the
+    // workspace takes several minutes and should not look like a hang.
+    eprintln!("== demo: building lora-train (a first build takes several minutes)");
+    let mut build = cargo();
+    build
+        .current_dir(root)
+        .args(["build", "--package", "lora-train", "--bin", "lora-train"]);
+    configure(&mut build, env);
+    util::run(&mut build, "building lora-train")?;
     let mut cmd = cargo();
     cmd.current_dir(root).args([
         "run",
