@@ -35,7 +35,8 @@ pub struct LlmSettings {
     pub api_key_env: Option<String>,
     /// `llm.concurrency`: requests in flight for the http backend (default 4).
     pub concurrency: Option<usize>,
-    /// `llm.prompt`: replaces the system prompt ([`prompt::DEFAULT_SYSTEM_PROMPT`]).
+    /// `llm.prompt`: with `{description}` in it, the user turn's template; otherwise it replaces
+    /// the system prompt ([`prompt::DEFAULT_SYSTEM_PROMPT`]). See [`prompt::TagPrompt::from_setting`].
     pub prompt: Option<String>,
     /// `generation_settings.max_batch_size`: the local backend's largest micro-batch (default 8).
     pub max_batch_size: Option<usize>,
@@ -92,7 +93,9 @@ pub fn from_settings(s: &LlmSettings) -> Result<Box<dyn Tagger>> {
     let prompt = s
         .prompt
         .as_ref()
-        .map_or_else(prompt::TagPrompt::default, prompt::TagPrompt::with_system);
+        .map_or_else(prompt::TagPrompt::default, |p| {
+            prompt::TagPrompt::from_setting(p)
+        });
     match s.backend.as_deref().map(str::trim).unwrap_or("local") {
         "local" => {
             let d = local::LocalLlmOptions::default();

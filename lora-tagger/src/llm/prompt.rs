@@ -37,6 +37,9 @@ pub struct TagPrompt {
     pub system: String,
     /// Whether to include the [`FEW_SHOT`] example turn (default true).
     pub few_shot: bool,
+    /// The user turn with `{description}` standing for the item's text; `None` (default) sends
+    /// the description as is.
+    pub user_template: Option<String>,
 }
 
 impl Default for TagPrompt {
@@ -44,6 +47,7 @@ impl Default for TagPrompt {
         Self {
             system: DEFAULT_SYSTEM_PROMPT.to_string(),
             few_shot: true,
+            user_template: None,
         }
     }
 }
@@ -53,7 +57,21 @@ impl TagPrompt {
     pub fn with_system(system: impl Into<String>) -> Self {
         Self {
             system: system.into(),
-            few_shot: true,
+            ..Self::default()
+        }
+    }
+
+    /// The prompt for the config's `llm.prompt`: a text containing `{description}` is the user
+    /// turn's template (the default system prompt and example stay); any other text replaces the
+    /// system prompt.
+    pub fn from_setting(prompt: &str) -> Self {
+        if prompt.contains("{description}") {
+            Self {
+                user_template: Some(prompt.to_string()),
+                ..Self::default()
+            }
+        } else {
+            Self::with_system(prompt)
         }
     }
 
@@ -66,7 +84,11 @@ impl TagPrompt {
             m.push(ChatMessage::user(FEW_SHOT.0));
             m.push(ChatMessage::new("assistant", FEW_SHOT.1));
         }
-        m.push(ChatMessage::user(description.trim()));
+        let d = description.trim();
+        m.push(ChatMessage::user(match &self.user_template {
+            Some(t) => t.replace("{description}", d),
+            None => d.to_string(),
+        }));
         m
     }
 }
@@ -368,5 +390,13 @@ mod tests {
         .messages("x");
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].content, "sys");
+        let p = TagPrompt::from_setting("Tags for: {description}");
+        let m = p.messages("a dog ");
+        assert_eq!(m[0].content, DEFAULT_SYSTEM_PROMPT);
+        assert_eq!(m[3].content, "Tags for: a dog");
+        assert_eq!(
+            TagPrompt::from_setting("Be brief.").messages("x")[0].content,
+            "Be brief."
+        );
     }
 }

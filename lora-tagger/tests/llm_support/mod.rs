@@ -252,8 +252,24 @@ pub fn smollm2_gguf() -> std::path::PathBuf {
     p
 }
 
-/// llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`) on a free loopback
-/// port, killed on drop.
+/// `python -m llama_cpp.server` with llama.cpp's extra weight buffer types off
+/// (`llama_model_params.use_extra_bufts = false`): a llama.cpp built with `-march=native` on a CPU
+/// with AMX puts Q4_1 weights in its AMX buffer type, and the first decode then segfaults on this
+/// machine kind (seen with llama-cpp-python 0.3.36); plain CPU buffers work everywhere.
+const SERVER_MAIN: &str = "import runpy, sys
+import llama_cpp.llama as L
+_default = L.llama_cpp.llama_model_default_params
+def _params():
+    p = _default()
+    p.use_extra_bufts = False
+    return p
+L.llama_cpp.llama_model_default_params = _params
+sys.argv[0] = 'llama_cpp.server'
+runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)
+";
+
+/// llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`, see
+/// [`SERVER_MAIN`]) on a free loopback port, killed on drop.
 pub struct LlamaServer {
     child: Child,
     pub port: u16,
@@ -287,7 +303,7 @@ impl LlamaServer {
         let log = std::env::temp_dir().join(format!("llama_server_{port}.log"));
         let log_file = std::fs::File::create(&log).unwrap();
         let child = Command::new(&py)
-            .args(["-m", "llama_cpp.server", "--model"])
+            .args(["-c", SERVER_MAIN, "--model"])
             .arg(&model)
             .args([
                 "--model_alias",
