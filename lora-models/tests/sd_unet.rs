@@ -105,6 +105,14 @@ fn run(unet: &UNet2DConditionModel, case: &str) -> Tensor {
 
 const TOL_F32: f64 = 1e-4;
 
+/// libtorch's generator is process-wide: tests that seed it or draw from it (adapter
+/// initialisation, dropout) must not interleave.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn sd1_unet_matches_diffusers() {
     for backend in [AttentionBackend::Sdpa, AttentionBackend::Math] {
@@ -191,6 +199,7 @@ fn single_file_checkpoints_load_like_the_diffusers_folder() {
 
 #[test]
 fn peft_lora_on_attention_and_conv_matches_diffusers() {
+    let _lock = rng_lock();
     let mut unet = sd1(AttentionBackend::Sdpa);
     let base = run(&unet, "sd1");
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
@@ -362,6 +371,7 @@ fn bad_configs_name_the_key() {
 
 #[test]
 fn checkpointed_gradients_equal_plain_ones() {
+    let _lock = rng_lock();
     use lora_core::config::{LoraConfig, TargetModules};
     let mut unet = sd1(AttentionBackend::Sdpa);
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);

@@ -63,7 +63,11 @@ fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
 
 const TOL_F32: f64 = 1e-4;
 
+/// libtorch's generator is process-wide: the seeded draws of parallel tests must not interleave.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn check(vae: &AutoencoderKL, label: &str) {
+    let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
     let _g = tch::no_grad_guard();
     let dist = vae.encode(&r("image")).unwrap();
     for (name, ours) in [
@@ -80,6 +84,15 @@ fn check(vae: &AutoencoderKL, label: &str) {
         );
     }
     assert!(dist.mode().equal(&dist.mean));
+    // a seeded draw leaves the caller's random stream where it was
+    tch::manual_seed(3);
+    let a = Tensor::randn([4], (Kind::Float, tch::Device::Cpu));
+    tch::manual_seed(3);
+    let _ = dist.sample(Some(7)).unwrap();
+    let b = Tensor::randn([4], (Kind::Float, tch::Device::Cpu));
+    assert!(a.equal(&b));
+    let noise = dist.mean.zeros_like();
+    assert!(dist.sample_with_noise(&noise).unwrap().equal(&dist.mean));
 }
 
 #[test]

@@ -198,19 +198,54 @@ pub struct DiagonalGaussian {
 }
 
 impl DiagonalGaussian {
-    /// `mean + exp(logvar / 2) · ε` with `ε ~ N(0, 1)` drawn from libtorch's default generator
-    /// after `tch::manual_seed(seed)` when `seed` is given (same draws as
-    /// `torch.manual_seed(seed); torch.randn(shape)` on the CPU).
+    /// `mean + exp(logvar / 2) · ε` with `ε ~ N(0, 1)` from libtorch's default generator. With
+    /// `seed`, `ε` is what `torch.manual_seed(seed); torch.randn(shape)` draws on the CPU (the
+    /// draws of diffusers' `latent_dist.sample(generator=torch.Generator().manual_seed(seed))`),
+    /// and the generator state is saved before and restored after, so the caller's random stream
+    /// does not move; the generator is process-wide, so other threads drawing at the same time
+    /// interleave with it — use [`Self::sample_with_noise`] for thread-independent results.
     ///
     /// # Errors
-    /// [`Error::Torch`] from libtorch.
+    /// [`Error::Torch`] from libtorch; [`Error::Shim`] when the generator state cannot be saved.
     pub fn sample(&self, seed: Option<i64>) -> Result<Tensor> {
-        if let Some(s) = seed {
-            tch::manual_seed(s);
-        }
-        let eps = Tensor::f_randn(self.mean.size(), (self.mean.kind(), self.mean.device()))?;
+        let shape = self.mean.size();
+        let opts = (self.mean.kind(), self.mean.device());
+        let eps = match seed {
+            None => Tensor::f_randn(shape, opts)?,
+            Some(s) => {
+                let dev = self.mean.device();
+                // `manual_seed` reseeds every device's generator: keep them all
+                let devices = if dev == tch::Device::Cpu {
+                    vec![dev]
+                } else {
+                    vec![tch::Device::Cpu, dev]
+                };
+                let saved = devices
+                    .iter()
+                    .map(|&d| lora_core::sys::rng_state(d).map(|st| (d, st)))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                tch::manual_seed(s);
+                let eps = Tensor::f_randn(shape, (Kind::Float, tch::Device::Cpu))
+                    .and_then(|e| e.f_to_kind(opts.0))
+                    .and_then(|e| e.f_to_device(dev));
+                for (d, st) in &saved {
+                    lora_core::sys::set_rng_state(*d, st)?;
+                }
+                eps?
+            }
+        };
+        self.sample_with_noise(&eps)
+    }
+
+    /// `mean + exp(logvar / 2) · noise` for a given standard-normal `noise` of the mean's shape.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when the shapes differ.
+    pub fn sample_with_noise(&self, noise: &Tensor) -> Result<Tensor> {
         let std = self.logvar.f_mul_scalar(0.5)?.f_exp()?;
-        Ok(self.mean.f_add(&std.f_mul(&eps)?)?)
+        Ok(self
+            .mean
+            .f_add(&std.f_mul(&noise.f_to_kind(self.mean.kind())?)?)?)
     }
 
     /// The mode (the mean).
