@@ -181,3 +181,38 @@ fn real_photos_get_the_right_classes_and_bad_files_fail_alone() {
         t.model_id()
     );
 }
+
+#[test]
+fn bf16_precision_gives_the_same_classes() {
+    tch::set_num_threads(1);
+    let mut cfg = TaggerConfig::default();
+    cfg.image.model = Some(assets().join("mobilenet_v2"));
+    cfg.image.general_threshold = 0.05;
+    cfg.model_settings.device = "cpu".into();
+    cfg.model_settings.precision = lora_tagger::config::Precision::Bf16;
+    let mut bf16 = ImageTagger::from_config(&cfg).unwrap();
+    let mut f32 = tagger(0.05);
+    let paths = [photo("chelsea.png"), photo("coffee.png")];
+    let a = f32.tag_images(&paths).unwrap();
+    let b = bf16.tag_images(&paths).unwrap();
+    for (x, y) in a.iter().zip(&b) {
+        let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+        eprintln!("f32 {:?}\nbf16 {:?}", x, y);
+        // bf16 keeps 8 bits of mantissa: the same top class, probabilities within 0.02
+        // (measured: 0.0017 on chelsea, 0.0012 on coffee).
+        assert_eq!(x[0].tag, y[0].tag);
+        assert!(
+            (x[0].score - y[0].score).abs() < 0.02,
+            "{} vs {}",
+            x[0].score,
+            y[0].score
+        );
+    }
+    // fp16 on the CPU is refused with a hint.
+    cfg.model_settings.precision = lora_tagger::config::Precision::Fp16;
+    let e = ImageTagger::from_config(&cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("model_settings.precision") && e.contains("bf16"),
+        "{e}"
+    );
+}
