@@ -5,7 +5,8 @@
 //! - [`http::HttpLlmTagger`]: an OpenAI-compatible server (vLLM, llama.cpp's server, Ollama);
 //! - [`prompt`]: the prompt both send and the parser of their replies.
 //!
-//! [`from_settings`] picks one from the config's `llm` section ([`LlmSettings`]).
+//! [`from_config`] picks one from a [`crate::TaggerConfig`]; [`from_settings`] from the plain
+//! [`LlmSettings`].
 
 pub mod http;
 pub mod local;
@@ -159,6 +160,48 @@ pub fn from_settings(s: &LlmSettings) -> Result<Box<dyn Tagger>> {
     }
 }
 
+/// Builds the LLM tagger a whole tagger config asks for: [`from_settings`] of its `llm` section
+/// with `generation_settings.{max_batch_size,timeout,retry_attempts}`; the local backend runs on
+/// the device of `model_settings.device` ([`crate::config::ModelSettings::resolve_device`]).
+///
+/// ```no_run
+/// # fn main() -> lora_tagger::Result<()> {
+/// let cfg = lora_tagger::TaggerConfig::default(); // llm.backend unset: local SmolLM2
+/// let mut tagger = lora_tagger::llm::from_config(&cfg)?;
+/// let tags = tagger.tag_descriptions(&["Greek coins from Pompeii.".to_string()])?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// As [`from_settings`], plus [`Error::Config`] for an unknown or absent device.
+pub fn from_config(cfg: &crate::config::TaggerConfig) -> Result<Box<dyn Tagger>> {
+    use crate::config::LlmBackend;
+    let l = &cfg.llm;
+    let mut settings = LlmSettings {
+        backend: l.backend.map(|b| match b {
+            LlmBackend::Local => "local".to_string(),
+            LlmBackend::Http => "http".to_string(),
+        }),
+        model_path: l.model_path.clone(),
+        base_url: l.base_url.clone(),
+        model: l.model.clone(),
+        api_key_env: l.api_key_env.clone(),
+        concurrency: l.concurrency,
+        prompt: l.prompt.clone(),
+        max_batch_size: Some(cfg.generation_settings.max_batch_size),
+        timeout_s: Some(cfg.generation_settings.timeout),
+        retry_attempts: Some(cfg.generation_settings.retry_attempts),
+        ..Default::default()
+    };
+    if !matches!(l.backend, Some(LlmBackend::Http)) {
+        settings.device = Some(match cfg.model_settings.resolve_device()? {
+            tch::Device::Cuda(i) => format!("cuda:{i}"),
+            _ => "cpu".to_string(),
+        });
+    }
+    from_settings(&settings)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,6 +248,19 @@ mod tests {
         assert_eq!(
             t.model_id(),
             "http:m@http://127.0.0.1:1/v1/chat/completions"
+        );
+        let mut cfg = crate::TaggerConfig::default();
+        cfg.llm.backend = Some(crate::config::LlmBackend::Http);
+        cfg.llm.base_url = Some("http://127.0.0.1:2/v1".into());
+        match from_config(&cfg) {
+            Err(Error::Config { key, .. }) => assert_eq!(key, "llm.model"),
+            Err(e) => panic!("{e}"),
+            Ok(t) => panic!("built {}", t.model_id()),
+        }
+        cfg.llm.model = Some("q".into());
+        assert_eq!(
+            from_config(&cfg).unwrap().model_id(),
+            "http:q@http://127.0.0.1:2/v1/chat/completions"
         );
     }
 }

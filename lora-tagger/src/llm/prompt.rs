@@ -188,6 +188,11 @@ fn clean_candidate(raw: &str) -> Option<String> {
             break;
         }
     }
+    // double quotes, backticks and emphasis marks never belong inside a tag (`gray-level "image`)
+    let t: String = t
+        .chars()
+        .filter(|c| !matches!(c, '"' | '`' | '“' | '”' | '*'))
+        .collect();
     let words: Vec<&str> = t.split_whitespace().collect();
     if words.is_empty() || words.len() > MAX_TAG_WORDS {
         return None;
@@ -335,6 +340,10 @@ mod tests {
 
     #[test]
     fn special_tokens_duplicates_and_long_sentences() {
+        assert_eq!(
+            tags("camera, gray-level \"image."),
+            ["camera", "gray-level image"]
+        );
         let r = "Moon, moon, MOON, craters, This is a picture of the moon taken from the earth at night, night sky<|im_end|>";
         assert_eq!(tags(r), ["moon", "craters", "night sky"]);
     }
