@@ -16,4 +16,5 @@ pub mod metrics;
 pub mod optim;
 pub mod precision;
 pub mod sched;
+pub mod sd;
 pub mod trainer;
