@@ -233,6 +233,10 @@ fn smaller_resolution(s: &Settings) -> Option<(Settings, String, String, String)
     ))
 }
 
+/// A rung is kept only when it lowers the peak by at least `1 / MIN_SAVING_DIVISOR` (1%) or
+/// brings it within the budget.
+const MIN_SAVING_DIVISOR: u64 = 100;
+
 /// Which models a rung applies to.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Applies {
@@ -267,7 +271,8 @@ const LADDER: &[Step] = &[
 /// accumulation → mixed precision → gradient checkpointing → 8-bit then factored optimizer →
 /// cached latents / text-encoder outputs (diffusion) → lower rank (down to 4) → NF4 base
 /// (decoders) → shorter sequences (decoders) / smaller resolution (diffusion). Each rung is
-/// applied repeatedly while it helps; a change that does not lower the peak is not kept.
+/// applied repeatedly while it helps; a change that lowers the peak by less than 1% is not kept
+/// unless it is the one that makes the config fit.
 ///
 /// # Errors
 /// [`FitError::Estimate`] for invalid settings; [`FitError::DoesNotFit`] with the smallest peak
@@ -297,7 +302,10 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
         }
         while let Some((next, from, to, reason)) = step(&cur) {
             let e = estimate(model, &next)?;
-            if e.peak >= est.peak {
+            // A change that saves under 1% of the peak costs speed or quality for nothing,
+            // unless it is exactly what makes the config fit.
+            let saving = est.peak.0.saturating_sub(e.peak.0);
+            if e.peak >= est.peak || (saving < est.peak.0 / MIN_SAVING_DIVISOR && e.peak > budget) {
                 break;
             }
             changes.push(Change {

@@ -111,6 +111,9 @@ pub struct Plan {
     pub changes: Vec<Change>,
     /// Notes (assumed units, approximations).
     pub notes: Vec<String>,
+    /// When the plan does not fit and `auto_fit` is off: the changes `fit()` would make and the
+    /// peak they reach (`memory.auto_fit: true` applies them). Empty when nothing fits.
+    pub suggestion: Vec<Change>,
 }
 
 impl Plan {
@@ -149,6 +152,15 @@ impl Plan {
         }
         for n in &self.notes {
             out += &format!("note: {n}\n");
+        }
+        if !self.suggestion.is_empty() {
+            out += "would fit with (set memory.auto_fit: true to apply, or change the config):\n";
+            for c in &self.suggestion {
+                out += &format!(
+                    "  {} {} → {} ({}); peak after {}\n",
+                    c.setting, c.from, c.to, c.reason, c.peak_after
+                );
+            }
         }
         match (&self.budget, self.fits) {
             (Some(b), Some(true)) => {
@@ -406,7 +418,20 @@ pub fn plan(
         budget,
         changes: Vec::new(),
         notes,
+        suggestion: Vec::new(),
     };
+    if !cfg.memory.auto_fit
+        && let Some(b) = plan.budget.clone()
+        && plan.fits == Some(false)
+    {
+        match lora_memory::fit(&desc, &plan.settings, b.bytes) {
+            Ok(f) => plan.suggestion = f.changes,
+            Err(FitError::DoesNotFit { smallest_peak, .. }) => plan.notes.push(format!(
+                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, quantized base, sequence length) fits this budget; the smallest peak reachable is {smallest_peak}"
+            )),
+            Err(_) => {}
+        }
+    }
     if cfg.memory.auto_fit
         && let Some(b) = plan.budget.clone()
         && plan.fits == Some(false)

@@ -126,6 +126,22 @@ fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
         "{}",
         text(&o)
     );
+    // without auto_fit, the plan still says what would fit
+    assert!(
+        text(&o).contains("would fit with") && text(&o).contains("gradient_checkpointing"),
+        "{}",
+        text(&o)
+    );
+    let o = bin()
+        .args(["plan", "--gpu", "RTX 3060", "--json", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let suggested = v["suggestion"].as_array().unwrap();
+    assert!(!suggested.is_empty(), "{v}");
+    let last_peak = suggested.last().unwrap()["peak_after"].as_u64().unwrap();
+    assert!(last_peak <= 12 << 30, "{last_peak}");
     let o = bin()
         .args(["plan", "--gpu", "H200", "--config"])
         .arg(&big)
