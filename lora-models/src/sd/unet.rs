@@ -81,7 +81,7 @@ pub enum FlagPerLevel {
 /// A diffusers `UNet2DConditionModel` `config.json` (every key of diffusers 0.42.1; defaults are
 /// diffusers' constructor defaults). Keys starting with `_` (`_class_name`, `_diffusers_version`)
 /// are ignored; any other unknown key is an error. Values this crate does not implement (class
-/// embeddings, `encoder_hid_dim`, other block types, …) are refused by [`UNetConfig::validate`]
+/// embeddings, `encoder_hid_dim`, other block types, …) are refused by [`UNetConfig::plan`]
 /// with the key named.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
