@@ -128,8 +128,7 @@ const PREAMBLE_CUES: &[&str] = &[
 /// ChatML special tokens (`<|im_end|>` etc.).
 fn strip_reasoning(reply: &str) -> String {
     let mut s = reply.to_string();
-    loop {
-        let Some(open) = s.find("<think>") else { break };
+    while let Some(open) = s.find("<think>") {
         match s[open..].find("</think>") {
             Some(rel) => s.replace_range(open..open + rel + "</think>".len(), " "),
             None => s.truncate(open),
