@@ -632,7 +632,19 @@ fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf
     };
     let mut text = String::new();
     for f in &files {
-        let t = std::fs::read_to_string(f).map_err(rt(&format!("reading {}", f.display())))?;
+        let bytes = std::fs::read(f).map_err(rt(&format!("reading {}", f.display())))?;
+        let t = String::from_utf8(bytes).map_err(|e| {
+            JobError::Config(crate::config::ConfigError::InvalidValue {
+                key: "data.train_data_dir".into(),
+                value: format!("{:?}", f.display().to_string()),
+                expected: format!(
+                    "UTF-8 text, but byte {} of {} is not valid UTF-8; convert the file \
+                     (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) or remove it from the folder",
+                    e.utf8_error().valid_up_to(),
+                    f.display()
+                ),
+            })
+        })?;
         text.push_str(&t);
         if !text.ends_with('\n') {
             text.push('\n');
@@ -1096,6 +1108,26 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         }
     }
 
+    // Data first: a missing or unreadable (non-UTF-8) data file fails before the model loads.
+    let data_written =
+        cfg.data
+            .train_data_dir
+            .clone()
+            .ok_or_else(|| crate::config::ConfigError::Missing {
+                key: "data.train_data_dir".into(),
+                hint: "set it to a text file or a folder of .txt files".into(),
+            })?;
+    let data_path = resolve_path(
+        "data.train_data_dir",
+        &data_written,
+        opts.config_dir.as_deref(),
+    )?;
+    let mut plain_text = if matches!(cfg.data.format, crate::config::DataFormat::Text) {
+        Some(read_text(&data_path, cfg.data.max_bytes)?)
+    } else {
+        None
+    };
+
     // 4. load, inject
     let base_written = cfg.base_model()?.to_string();
     let base_path = resolve_path(
@@ -1126,20 +1158,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         report.trainable_percent()
     ));
 
-    // data
-    let data_written =
-        cfg.data
-            .train_data_dir
-            .clone()
-            .ok_or_else(|| crate::config::ConfigError::Missing {
-                key: "data.train_data_dir".into(),
-                hint: "set it to a text file or a folder of .txt files".into(),
-            })?;
-    let data_path = resolve_path(
-        "data.train_data_dir",
-        &data_written,
-        opts.config_dir.as_deref(),
-    )?;
+    // data (read above, before the model)
     let seq_len = cfg.data.seq_len as usize;
     let text_cfg = TextConfig {
         format: match cfg.data.format {
@@ -1167,7 +1186,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         ..TextConfig::default()
     };
     let (train_ds, eval_ids, data_stats) = if matches!(text_cfg.format, TextFormat::Plain) {
-        let (text, files) = read_text(&data_path, cfg.data.max_bytes)?;
+        let (text, files) = match plain_text.take() {
+            Some(t) => t,
+            None => read_text(&data_path, cfg.data.max_bytes)?,
+        };
         let (train_text, mut held) = split_tail(
             &text,
             if cfg.data.eval_file.is_some() {
