@@ -104,6 +104,32 @@ fn bad_usage_and_bad_configs_exit_2_with_the_key_and_a_hint() {
         "{}",
         text(&o)
     );
+    // Latin-1 training text: refused before the model loads, naming the file and the byte.
+    let latin1 = dir.path().join("latin1.txt");
+    std::fs::write(&latin1, b"MACBETH. Caf\xe9 au lait\n").unwrap();
+    let cfg = write(
+        dir.path(),
+        "latin1.yaml",
+        &format!(
+            "model: {{base_model: {}}}\ndata: {{train_data_dir: {}}}\ntrain: {{output_dir: {}}}\n",
+            gguf().display(),
+            latin1.display(),
+            dir.path().join("out").display()
+        ),
+    );
+    let o = bin()
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("latin1.txt")
+            && text(&o).contains("byte 12")
+            && !text(&o).contains("loading"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
