@@ -132,6 +132,22 @@ fn single_file_vae_loads_like_the_folder() {
 }
 
 #[test]
+fn legacy_attention_names_load() {
+    tch::set_num_threads(1);
+    let vae =
+        AutoencoderKL::from_diffusers(&fixtures().join("vae_legacy"), &LoadOptions::default())
+            .unwrap();
+    check(&vae, "legacy names");
+    let mut vae = vae;
+    let names = site_names(&mut vae).unwrap();
+    assert!(
+        names
+            .iter()
+            .any(|(n, _)| n == "decoder.mid_block.attentions.0.to_out.0")
+    );
+}
+
+#[test]
 fn latent_scaling_uses_the_config() {
     let vae = AutoencoderKL::from_diffusers(fixtures(), &LoadOptions::default()).unwrap();
     let z = Tensor::from_slice(&[1.1f32, -0.9]);

@@ -569,12 +569,36 @@ impl Attention {
         bias: bool,
         backend: AttentionBackend,
     ) -> Result<Self> {
+        Self::load_named(
+            vb,
+            ["to_q", "to_k", "to_v", "to_out.0"],
+            query_dim,
+            context_dim,
+            heads,
+            head_dim,
+            bias,
+            backend,
+        )
+    }
+
+    /// [`Self::load`] reading the four projections from the given module names.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn load_named(
+        vb: &Vb,
+        names: [&str; 4],
+        query_dim: i64,
+        context_dim: i64,
+        heads: i64,
+        head_dim: i64,
+        bias: bool,
+        backend: AttentionBackend,
+    ) -> Result<Self> {
         let inner = heads * head_dim;
         Ok(Self {
-            to_q: vb.pp("to_q").linear(query_dim, inner, bias)?,
-            to_k: vb.pp("to_k").linear(context_dim, inner, bias)?,
-            to_v: vb.pp("to_v").linear(context_dim, inner, bias)?,
-            to_out: vb.pp("to_out.0").linear(inner, query_dim, true)?,
+            to_q: vb.pp(names[0]).linear(query_dim, inner, bias)?,
+            to_k: vb.pp(names[1]).linear(context_dim, inner, bias)?,
+            to_v: vb.pp(names[2]).linear(context_dim, inner, bias)?,
+            to_out: vb.pp(names[3]).linear(inner, query_dim, true)?,
             heads,
             backend,
         })
@@ -621,9 +645,20 @@ impl SpatialAttention {
         eps: f64,
         backend: AttentionBackend,
     ) -> Result<Self> {
+        // VAE folders saved by diffusers before 0.14 name the projections `query`, `key`,
+        // `value`, `proj_attn` (diffusers converts them on load:
+        // `modeling_utils._convert_deprecated_attention_blocks`); the module paths stay the
+        // current ones.
+        let names = if vb.pp("to_q").get_opt("weight", &[c, c])?.is_none()
+            && vb.pp("query").get_opt("weight", &[c, c])?.is_some()
+        {
+            ["query", "key", "value", "proj_attn"]
+        } else {
+            ["to_q", "to_k", "to_v", "to_out.0"]
+        };
         Ok(Self {
             group_norm: vb.pp("group_norm").group_norm(groups, c, eps)?,
-            attn: Attention::load(vb, c, c, 1, c, true, backend)?,
+            attn: Attention::load_named(vb, names, c, c, 1, c, true, backend)?,
         })
     }
 

@@ -7,6 +7,8 @@ Builds a tiny VAE with random weights (fixed seed) and writes, under --out:
 - `single.safetensors`: the same weights in the original layout (`first_stage_model.encoder.down.0.block.0...`,
   mid-block attention projections as 1x1 convolutions), written with a diffusers -> original map
   made here and checked by converting back with diffusers' `convert_ldm_vae_checkpoint`;
+- `vae_legacy/`: the same weights with the mid-block attention named `query`/`key`/`value`/`proj_attn`
+  (folders saved by diffusers before 0.14);
 - `reference.safetensors`: `image` [2, 3, 32, 32] in [-1, 1], `mean`, `logvar` (encode), `sample`
   (DiagonalGaussianDistribution.sample with a torch.Generator seeded 7), `latents` and `decoded`
   (decode of random latents), `num_params`.
@@ -94,6 +96,20 @@ def main():
     assert set(back) == set(sd), set(back) ^ set(sd)
     for k in sd:
         assert torch.equal(back[k].reshape(sd[k].shape), sd[k]), k
+    # the attention names of VAE folders saved before diffusers 0.14
+    legacy_dir = os.path.join(a.out, "vae_legacy")
+    os.makedirs(legacy_dir, exist_ok=True)
+    old = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    legacy = {}
+    for k, v in sd.items():
+        for new_name, old_name in old.items():
+            k = k.replace(f"attentions.0.{new_name}.", f"attentions.0.{old_name}.")
+        legacy[k] = v.contiguous()
+    save_file(legacy, os.path.join(legacy_dir, "diffusion_pytorch_model.safetensors"))
+    with open(os.path.join(a.out, "vae", "config.json")) as f:
+        cfg_text = f.read()
+    with open(os.path.join(legacy_dir, "config.json"), "w") as f:
+        f.write(cfg_text)
     ldm["model.diffusion_model.out.2.bias"] = torch.zeros(4)  # another component, as in real files
     save_file(ldm, os.path.join(a.out, "single.safetensors"))
     with torch.no_grad():
