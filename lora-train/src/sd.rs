@@ -67,7 +67,8 @@ fn model_err(e: lora_models::Error) -> TrainError {
 /// Whether `path` looks like a diffusers Stable Diffusion folder (`model_index.json` or a
 /// `unet/config.json`): what the CLI uses to send a run to this job.
 pub fn is_sd_model(path: &Path) -> bool {
-    path.is_dir() && (path.join("model_index.json").is_file() || path.join("unet/config.json").is_file())
+    path.is_dir()
+        && (path.join("model_index.json").is_file() || path.join("unet/config.json").is_file())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -111,7 +112,8 @@ impl SdPipeline {
             ..LoadOptions::default()
         };
         let ctx = |c: &str| format!("loading {} of {}", c, dir.display());
-        let unet = UNet2DConditionModel::from_diffusers(dir, &opts).map_err(rt(&ctx("the UNet")))?;
+        let unet =
+            UNet2DConditionModel::from_diffusers(dir, &opts).map_err(rt(&ctx("the UNet")))?;
         if unet.config().addition_embed_type.is_some() {
             return Err(JobError::Runtime(format!(
                 "{}: an SDXL UNet (addition_embed_type set); the SD job trains SD 1.x/2.x pipelines",
@@ -296,9 +298,15 @@ impl TrainStep for SdTask {
         let obj = &self.objective;
         self.pipe
             .unet
-            .loss_backward(&nb.noisy_latents, &nb.timesteps, &cond, None, true, scale, |p| {
-                obj.loss_from_prediction(p, &nb)
-            })
+            .loss_backward(
+                &nb.noisy_latents,
+                &nb.timesteps,
+                &cond,
+                None,
+                true,
+                scale,
+                |p| obj.loss_from_prediction(p, &nb),
+            )
             .map(Some)
             .map_err(model_err)
     }
@@ -498,7 +506,9 @@ impl BatchSource<SdBatch> for ImageSource {
             what: "image loader position".into(),
             message: m.into(),
         };
-        let items = state["items"].as_u64().ok_or_else(|| bad("no item count"))?;
+        let items = state["items"]
+            .as_u64()
+            .ok_or_else(|| bad("no item count"))?;
         if items != self.loader.dataset().len() as u64 {
             return Err(bad(&format!(
                 "the checkpoint was taken over {items} items, this dataset has {}; resume with the same images and repeats",
@@ -562,7 +572,13 @@ impl SampleCallback {
         std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
         let imgs = self
             .pipe
-            .sample_images(&self.prompts, self.size, self.steps, self.guidance_scale, self.seed)
+            .sample_images(
+                &self.prompts,
+                self.size,
+                self.steps,
+                self.guidance_scale,
+                self.seed,
+            )
             .map_err(|e| format!("sampling: {e}"))?;
         let path = self.dir.join(format!("step-{step}.png"));
         lora_models::diffusion::save_grid(&imgs, self.prompts.len().max(1), &path)
@@ -614,9 +630,8 @@ pub fn fixed_eval_loss(
             .f_to_device(d)?
             .f_to_kind(lat.kind())?;
         let ts = Tensor::f_full([n], t, (Kind::Int64, d))?;
-        let l = objective.loss_with(&lat, noise, ts, |x, t| {
-            pipe.unet.forward(x, t, &cond, None)
-        })?;
+        let l =
+            objective.loss_with(&lat, noise, ts, |x, t| pipe.unet.forward(x, t, &cond, None))?;
         total += l.f_double_value(&[])?;
     }
     if let Some(s) = saved {
@@ -698,10 +713,12 @@ pub fn load_unet_adapter(
         f.take_prefix(KOHYA_UNET_PREFIX, &sites)?
     } else {
         let mut parts = lora_core::formats::diffusers::read(path)?;
-        parts.remove("unet").ok_or_else(|| lora_core::Error::Format {
-            file: path.to_path_buf(),
-            reason: "no `unet.` modules in the file".into(),
-        })?
+        parts
+            .remove("unet")
+            .ok_or_else(|| lora_core::Error::Format {
+                file: path.to_path_buf(),
+                reason: "no `unet.` modules in the file".into(),
+            })?
     };
     w.load_into(unet, adapter_name, vs, 0.0)
 }
@@ -863,7 +880,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
                 print!("{}", p.report());
             }
             if p.fits == Some(false) && !(opts.force || cfg.memory.force) {
-                let b = p.budget.clone().map(|b| (b.bytes, crate::llm::budget_source(&b)));
+                let b = p
+                    .budget
+                    .clone()
+                    .map(|b| (b.bytes, crate::llm::budget_source(&b)));
                 if let Some((bytes, src)) = b {
                     return Err(JobError::DoesNotFit {
                         peak: p.estimate.peak,
@@ -886,7 +906,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         Dtype::Bf16 => Kind::BFloat16,
         Dtype::F16 => Kind::Half,
     };
-    say(&format!("loading {} ({kind:?}) on {device:?}", base_path.display()));
+    say(&format!(
+        "loading {} ({kind:?}) on {device:?}",
+        base_path.display()
+    ));
     let mut pipe = SdPipeline::from_diffusers(&base_path, kind, device)?;
     pipe.unet
         .set_gradient_checkpointing(cfg.train.gradient_checkpointing);
@@ -902,7 +925,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     }
     if let serde_json::Value::Object(m) = &mut lcfg_json {
         m.insert("peft_type".into(), "LORA".into());
-        m.insert("base_model_name_or_path".into(), base_written.clone().into());
+        m.insert(
+            "base_model_name_or_path".into(),
+            base_written.clone().into(),
+        );
     }
     let lcfg: lora_core::config::LoraConfig =
         serde_json::from_value(lcfg_json).map_err(rt("building the LoRA config"))?;
@@ -937,7 +963,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         .map_err(rt(&format!("scanning {}", data_path.display())))?;
     let images = ds.num_images();
     let items = ds.len();
-    say(&format!("data: {images} images, {items} items per epoch\n{}", ds.bucket_report()));
+    say(&format!(
+        "data: {images} images, {items} items per epoch\n{}",
+        ds.bucket_report()
+    ));
     let micro = cfg.train.batch_size.max(1) as usize;
     let loader = ds
         .into_loader(LoaderConfig {
@@ -957,6 +986,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         .max_steps
         .unwrap_or(per_epoch * u64::from(cfg.train.epochs))
         .max(1);
+    if cfg.train.max_steps.is_some() {
+        // kohya: max_train_steps wins over the epoch count
+        let need = total_steps.div_ceil(per_epoch.max(1));
+        cfg.train.epochs = u32::try_from(need)
+            .unwrap_or(u32::MAX)
+            .max(cfg.train.epochs);
+    }
     let out_dir = PathBuf::from(&cfg.train.output_dir);
     std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
     let disk = if cfg.data.cache_latents == Some(true) {
@@ -986,8 +1022,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         .fixed_batch(8)
         .map_err(|e| JobError::Runtime(format!("the evaluation batch: {e}")))?;
     let eval_seed = cfg.system.seed ^ 0x5eed;
-    let eval_loss_before = fixed_eval_loss(&pipe, &objective, &eval_batch, &EVAL_TIMESTEPS, eval_seed)
-        .map_err(rt("evaluating before training"))?;
+    let eval_loss_before =
+        fixed_eval_loss(&pipe, &objective, &eval_batch, &EVAL_TIMESTEPS, eval_seed)
+            .map_err(rt("evaluating before training"))?;
     say(&format!("fixed-noise loss before: {eval_loss_before:.5}"));
 
     // train
@@ -1077,7 +1114,12 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     say(&format!(
         "fixed-noise loss: {eval_loss_before:.5} → {eval_loss_after:.5}"
     ));
-    if !prompts.is_empty() && !written.borrow().iter().any(|p| p.ends_with(format!("step-{}.png", rep.steps))) {
+    if !prompts.is_empty()
+        && !written
+            .borrow()
+            .iter()
+            .any(|p| p.ends_with(format!("step-{}.png", rep.steps)))
+    {
         let p = final_sampler.write(rep.steps).map_err(JobError::Runtime)?;
         written.borrow_mut().push(p);
     }

@@ -1,0 +1,252 @@
+//! The Stable Diffusion LoRA job end to end on CPU, and its adapters against diffusers 0.42.1.
+//!
+//! `tests/sd_interop/make_pipeline.py` writes a tiny SD 1.x-style pipeline with random weights
+//! (diffusers `StableDiffusionPipeline.save_pretrained`) and a kohya folder of 16 real emoji with
+//! openmoji captions; `examples/configs/sd15-emoji-tiny.yaml` is trained on it (30 steps);
+//! `tests/sd_interop/check_adapters.py` loads the kohya file we wrote into diffusers and makes a
+//! PEFT adapter with diffusers for us to load.
+
+use lora_train::config::TrainConfig;
+use lora_train::llm::RunOptions;
+use lora_train::sd::{self, SdRunSummary};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use tch::{Kind, Tensor};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> PathBuf {
+    let py = root().join(".venv/bin/python");
+    assert!(
+        py.exists(),
+        "{} is missing: run `cargo xtask setup` (it creates the interop venv)",
+        py.display()
+    );
+    py
+}
+
+fn script(name: &str, args: &[&std::ffi::OsStr]) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/sd_interop")
+        .join(name);
+    let res = Command::new(python())
+        .arg(&path)
+        .args(args)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{name} failed:\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+/// UNet modules adapted by the example config: 4 transformers (down 0, mid, up 1 twice) ×
+/// (2 attentions × 4 projections + `proj_in` + `proj_out`).
+const MODULES: usize = 4 * (2 * 4 + 2);
+
+struct Run {
+    dir: tempfile::TempDir,
+    summary: SdRunSummary,
+}
+
+/// Builds the fixture and runs the job once per test binary.
+fn run() -> &'static Run {
+    static RUN: OnceLock<Run> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let assets = root().join("assets");
+        assert!(
+            assets.join("emoji/openmoji.csv").is_file(),
+            "assets/emoji is missing: run `cargo xtask setup`"
+        );
+        script(
+            "make_pipeline.py",
+            &[
+                "--assets".as_ref(),
+                assets.as_os_str(),
+                "--out".as_ref(),
+                dir.path().as_os_str(),
+            ],
+        );
+        let mut cfg =
+            TrainConfig::from_file(root().join("examples/configs/sd15-emoji-tiny.yaml")).unwrap();
+        cfg.model.base_model = Some(dir.path().join("pipeline").display().to_string());
+        cfg.data.train_data_dir = Some(dir.path().join("data").display().to_string());
+        cfg.train.output_dir = dir.path().join("out").display().to_string();
+        let summary = sd::run(
+            cfg,
+            &RunOptions {
+                verbose: true,
+                ..RunOptions::default()
+            },
+        )
+        .unwrap();
+        Run { dir, summary }
+    })
+}
+
+fn read(path: &Path) -> Vec<(String, Tensor)> {
+    Tensor::read_safetensors(path).unwrap()
+}
+
+fn get(ts: &[(String, Tensor)], name: &str) -> Tensor {
+    ts.iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("{name} missing"))
+        .1
+        .shallow_clone()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn sd_job_lowers_the_fixed_noise_loss_and_writes_samples_and_a_kohya_file() {
+    let r = run();
+    let s = &r.summary;
+    let out = r.dir.path().join("out");
+    assert_eq!(s.steps, 60);
+    assert_eq!(s.images, 16);
+    assert_eq!(s.items, 32, "2 repeats of 16 images");
+    // no flip / random crop: each image is encoded once and then served from the cache
+    assert_eq!(s.vae_encodings, 16);
+    let cached = walk(&out.join("latent_cache"))
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "latent"))
+        .count();
+    assert_eq!(cached, 16);
+    // the same images, noise and timesteps before and after: the adapter lowered the loss
+    eprintln!(
+        "fixed-noise loss {:.5} → {:.5}",
+        s.eval_loss_before, s.eval_loss_after
+    );
+    assert!(s.eval_loss_before.is_finite() && s.eval_loss_after.is_finite());
+    assert!(
+        s.eval_loss_after < 0.9 * s.eval_loss_before,
+        "loss {} → {}",
+        s.eval_loss_before,
+        s.eval_loss_after
+    );
+    // samples at step 30 and 60: 2 prompts side by side at 32 × 32
+    for step in [30, 60] {
+        let p = out.join(format!("samples/step-{step}.png"));
+        let img = image::open(&p).unwrap().to_rgb8();
+        assert_eq!(img.dimensions(), (2 * 32, 32), "{}", p.display());
+        let (lo, hi) = img
+            .pixels()
+            .fold((255u8, 0u8), |(lo, hi), px| (lo.min(px[0]), hi.max(px[0])));
+        assert!(hi > lo, "a flat sample image");
+    }
+    // kohya file: lora_unet_ names, f32 0-d alpha = 4, ss_* metadata
+    let kohya = out.join("emoji-tiny.safetensors");
+    let t = read(&kohya);
+    let name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let down = get(&t, &format!("{name}.lora_down.weight"));
+    let up = get(&t, &format!("{name}.lora_up.weight"));
+    assert_eq!(down.size(), [8, 32]);
+    assert_eq!(up.size(), [32, 8]);
+    assert!(up.abs().max().double_value(&[]) > 0.0, "B was trained");
+    let alpha = get(&t, &format!("{name}.alpha"));
+    assert_eq!(alpha.kind(), Kind::Float);
+    assert_eq!(alpha.dim(), 0);
+    assert_eq!(alpha.double_value(&[]), 4.0);
+    // 4 transformers (down 0, mid, up 1 ×2) × (2 attentions × 4 projections + proj_in, proj_out)
+    assert_eq!(t.len(), 3 * MODULES);
+    let h = lora_train::core::formats::read_header(&kohya).unwrap();
+    assert_eq!(h.metadata["ss_base_model_version"], "sd_v1");
+    assert_eq!(h.metadata["ss_v2"], "False");
+    assert_eq!(h.metadata["ss_network_dim"], "8");
+    assert_eq!(h.metadata["ss_network_module"], "networks.lora");
+    // diffusers layout too
+    let d = read(&out.join("emoji-tiny/pytorch_lora_weights.safetensors"));
+    assert_eq!(d.len(), 2 * MODULES);
+    let b = get(
+        &d,
+        "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight",
+    );
+    assert!(
+        max_abs(&b, &(&up * 0.5)) < 1e-7,
+        "diffusers B = kohya up · alpha/r"
+    );
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours() {
+    let r = run();
+    let dir = r.dir.path();
+    let pipe = dir.join("pipeline");
+    let kohya = dir.join("out/emoji-tiny.safetensors");
+    let check = dir.join("check");
+    script(
+        "check_adapters.py",
+        &[
+            "--pipeline".as_ref(),
+            pipe.as_os_str(),
+            "--kohya".as_ref(),
+            kohya.as_os_str(),
+            "--out".as_ref(),
+            check.as_os_str(),
+        ],
+    );
+    let inputs = read(&check.join("inputs.safetensors"));
+    let outputs = read(&check.join("outputs.safetensors"));
+    let (x, t, ctx) = (
+        get(&inputs, "sample"),
+        get(&inputs, "timesteps"),
+        get(&inputs, "encoder_hidden_states"),
+    );
+    // diffusers put our adapter on every module we trained
+    assert_eq!(
+        get(&outputs, "kohya_modules").int64_value(&[0]),
+        MODULES as i64
+    );
+    let opts = lora_train::models::sd::LoadOptions::default();
+    let forward = |adapter: Option<&Path>| {
+        let mut unet =
+            lora_train::models::sd::UNet2DConditionModel::from_diffusers(&pipe, &opts).unwrap();
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        if let Some(a) = adapter {
+            sd::load_unet_adapter(&mut unet, a, "default", &vs.root()).unwrap();
+        }
+        tch::no_grad(|| unet.forward(&x, &t, &ctx, None).unwrap())
+    };
+    let base = get(&outputs, "base");
+    let ours_base = forward(None);
+    let tol = 1e-4;
+    assert!(max_abs(&ours_base, &base) < tol, "base UNet");
+    // our kohya adapter in diffusers = our adapter in ours
+    let theirs = get(&outputs, "kohya");
+    let ours = forward(Some(&kohya));
+    let effect = max_abs(&theirs, &base);
+    let diff = max_abs(&ours, &theirs);
+    eprintln!("kohya adapter: effect {effect:.3e}, ours vs diffusers {diff:.3e}");
+    assert!(effect > 1e-3, "the adapter changes the output ({effect})");
+    assert!(diff < tol * effect.max(1.0), "{diff}");
+    // diffusers' own PEFT adapter in ours = in diffusers
+    let theirs = get(&outputs, "peft");
+    let ours = forward(Some(&check.join("peft/pytorch_lora_weights.safetensors")));
+    let effect = max_abs(&theirs, &base);
+    let diff = max_abs(&ours, &theirs);
+    eprintln!("diffusers PEFT adapter: effect {effect:.3e}, ours vs diffusers {diff:.3e}");
+    assert!(effect > 1e-3, "the adapter changes the output ({effect})");
+    assert!(diff < tol * effect.max(1.0), "{diff}");
+}
