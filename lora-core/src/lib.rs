@@ -61,6 +61,7 @@ pub mod formats;
 pub mod inject;
 pub mod layer;
 pub mod linear;
+pub mod oom;
 pub mod quant;
 pub mod sys;
 

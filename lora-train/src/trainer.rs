@@ -100,7 +100,7 @@ impl TrainError {
 
 /// True when a libtorch error message reports an allocation failure.
 pub fn is_oom_message(msg: &str) -> bool {
-    msg.contains("out of memory") || msg.contains("can't allocate memory")
+    lora_core::oom::is_oom_message(msg)
 }
 
 /// Summary of a finished (or stopped) run.
@@ -898,12 +898,12 @@ impl<S: TrainStep> Trainer<S> {
         let step_no = run.counters.step + 1;
         let outcome = loop {
             run.opt.zero_grad()?;
-            match self.forward_backward(
-                task,
-                batches,
-                run.counters.micro_batch_split,
-                run.scaler.as_ref(),
-            ) {
+            // catch_oom: an allocation failure inside a tch op that takes a Scalar surfaces as
+            // a panic (see lora_core::oom); it takes the same back-off path as any OOM error.
+            let split = run.counters.micro_batch_split;
+            let scaler = run.scaler.as_ref();
+            match lora_core::oom::catch_oom(|| self.forward_backward(task, batches, split, scaler))
+            {
                 Ok(o) => break o,
                 Err(e) if e.is_oom() && run.cfg.oom_backoff => {
                     run.opt.zero_grad()?;

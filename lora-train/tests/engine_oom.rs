@@ -24,8 +24,16 @@ impl Callback for Events {
 }
 
 fn run(limit: Option<u64>) -> (ToyLora, lora_train::trainer::TrainReport, Vec<TrainEvent>) {
+    run_with(limit, false)
+}
+
+fn run_with(
+    limit: Option<u64>,
+    scalar_op: bool,
+) -> (ToyLora, lora_train::trainer::TrainReport, Vec<TrainEvent>) {
     tch::set_num_threads(1);
     let mut task = ToyLora::new();
+    task.scratch_with_scalar_op = scalar_op;
     task.dropout = 0.0;
     // 1 MiB of simulated activations per sample: a batch of 16 needs 16 MiB.
     task.scratch_bytes_per_sample = 1 << 20;
@@ -50,8 +58,12 @@ fn run(limit: Option<u64>) -> (ToyLora, lora_train::trainer::TrainReport, Vec<Tr
     (task, report, events)
 }
 
+/// The allocation limit is process-wide: the tests of this file take turns.
+static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn cpu_oom_halves_the_micro_batch_and_retries_the_same_step() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     sys::install_counting_cpu_allocator().unwrap();
     let (free, free_report, _) = run(None);
     assert_eq!(free_report.oom_backoffs, 0);
@@ -88,4 +100,18 @@ fn cpu_oom_halves_the_micro_batch_and_retries_the_same_step() {
     let err = trainer.fit(&mut task, &mut data, Resume::No).unwrap_err();
     assert!(err.is_oom(), "{err}");
     assert!(err.to_string().contains("micro-batch 1"), "{err}");
+}
+
+#[test]
+fn oom_inside_an_op_taking_a_scalar_backs_off_too() {
+    // tch reports a failure inside such an op (here `f_full`) as a panic, not an Err; the trainer
+    // turns it back into an out-of-memory error and takes the same back-off path.
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    sys::install_counting_cpu_allocator().unwrap();
+    let (_, report, events) = run_with(Some(12 << 20), true);
+    assert_eq!(report.oom_backoffs, 1, "{events:?}");
+    assert_eq!(report.micro_batch_split, 2);
+    assert!(
+        matches!(&events[0], TrainEvent::OomBackoff { message, .. } if message.contains("can't allocate memory"))
+    );
 }

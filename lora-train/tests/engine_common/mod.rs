@@ -32,6 +32,9 @@ pub struct ToyLora {
     pub dropout: f64,
     /// Bytes of scratch memory to allocate per sample in `loss` (simulated activations).
     pub scratch_bytes_per_sample: i64,
+    /// Allocate the scratch with `f_full` (an op taking a `Scalar`, whose failures tch reports
+    /// as panics) instead of `f_zeros`.
+    pub scratch_with_scalar_op: bool,
     /// Make the loss NaN on this call of `loss` (1-based).
     pub nan_on_call: Option<u64>,
     pub calls: Cell<u64>,
@@ -57,6 +60,7 @@ impl ToyLora {
             b2: Tensor::zeros([OUT, RANK], (Kind::Float, Device::Cpu)).set_requires_grad(true),
             dropout: 0.1,
             scratch_bytes_per_sample: 0,
+            scratch_with_scalar_op: false,
             nan_on_call: None,
             calls: Cell::new(0),
         }
@@ -82,10 +86,12 @@ impl TrainStep for ToyLora {
         self.calls.set(self.calls.get() + 1);
         let n = batch.x.size()[0];
         let _scratch = if self.scratch_bytes_per_sample > 0 {
-            Some(Tensor::f_zeros(
-                [n * self.scratch_bytes_per_sample],
-                (Kind::Uint8, Device::Cpu),
-            )?)
+            let shape = [n * self.scratch_bytes_per_sample];
+            Some(if self.scratch_with_scalar_op {
+                Tensor::f_full(shape, 1, (Kind::Uint8, Device::Cpu))?
+            } else {
+                Tensor::f_zeros(shape, (Kind::Uint8, Device::Cpu))?
+            })
         } else {
             None
         };
