@@ -187,6 +187,12 @@ fn ensure_venv_torch(root: &Path) -> Result<()> {
 const LLAMA_CPP_CMAKE_ARGS: &str = "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
      -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF";
 
+/// Added on x86-64: llama.cpp's `-march=native` build turns on its AMX int8 path (gated by
+/// `__AMX_INT8__`) on CPUs with AMX, and with llama-cpp-python 0.3.36 the first decode of a Q4_1
+/// model then segfaults on this project's CPU machines; without it the model runs.
+const LLAMA_CPP_CMAKE_ARGS_X86_64: &str =
+    " -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8";
+
 /// Installs `python/requirements.txt` into the venv unless the same file was installed before.
 pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
     let req = root.join("python/requirements.txt");
@@ -216,7 +222,11 @@ pub fn ensure_requirements(root: &Path, python: &Path) -> Result<()> {
     // is built (measured with these options: ~10 min on 2 cores); a CMAKE_ARGS already set
     // (e.g. -DGGML_CUDA=on) wins.
     if std::env::var_os("CMAKE_ARGS").is_none() {
-        cmd.env("CMAKE_ARGS", LLAMA_CPP_CMAKE_ARGS);
+        let mut args = LLAMA_CPP_CMAKE_ARGS.to_string();
+        if cfg!(target_arch = "x86_64") {
+            args.push_str(LLAMA_CPP_CMAKE_ARGS_X86_64);
+        }
+        cmd.env("CMAKE_ARGS", args);
     }
     if util::run(&mut cmd, "pip install -r python/requirements.txt").is_err() {
         let _ = std::fs::remove_file(&stamp);
