@@ -255,7 +255,8 @@ pub fn smollm2_gguf() -> std::path::PathBuf {
 /// `python -m llama_cpp.server` with llama.cpp's extra weight buffer types off
 /// (`llama_model_params.use_extra_bufts = false`): a llama.cpp built with `-march=native` on a CPU
 /// with AMX puts Q4_1 weights in its AMX buffer type, and the first decode then segfaults on this
-/// machine kind (seen with llama-cpp-python 0.3.36); plain CPU buffers work everywhere.
+/// machine kind (seen with llama-cpp-python 0.3.36). `cargo xtask setup` builds it without AMX;
+/// this keeps the test working with a llama-cpp-python built some other way.
 const SERVER_MAIN: &str = "import runpy, sys
 import llama_cpp.llama as L
 _default = L.llama_cpp.llama_model_default_params
