@@ -236,6 +236,22 @@ pub enum Dtype {
     F16,
 }
 
+/// Which job a model is trained by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    /// A diffusers Stable Diffusion folder (`model_index.json` or `unet/config.json`) goes to
+    /// the SD job, anything else to the causal-LM job.
+    #[default]
+    Auto,
+    /// A causal LM (LLaMA family).
+    Llm,
+    /// Stable Diffusion 1.x / 2.x.
+    Sd15,
+    /// Stable Diffusion XL (recognised; the SD job refuses it for now).
+    Sdxl,
+}
+
 /// `[model]`: the base model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -247,6 +263,8 @@ pub struct ModelSection {
     pub weights: BaseWeights,
     /// Dtype of dense base weights (alias `model.dtype`; kohya `full_bf16: true` → bf16).
     pub dtype: Dtype,
+    /// `auto` (default), `llm`, `sd15`, `sdxl`: which job trains the model.
+    pub kind: ModelKind,
 }
 
 /// `[lora]`: the adapter.
@@ -525,6 +543,14 @@ pub struct TrainSection {
     pub output_name: String,
     /// Export formats (default `[peft]`).
     pub export_formats: Vec<ExportFormat>,
+    /// Diffusion: kohya `noise_offset` (0 = off; Guttenberg 2023, typical 0.0357–0.1).
+    pub noise_offset: f64,
+    /// Diffusion: min-SNR-γ loss weighting (kohya `min_snr_gamma`; Hang et al. 2023 recommend 5).
+    pub min_snr_gamma: Option<f64>,
+    /// Diffusion: `epsilon` or `v_prediction`; default: the model's scheduler config.
+    pub prediction_type: Option<String>,
+    /// Diffusion: text-encoder layer used for conditioning (kohya / A1111 `clip_skip`; 1 = last).
+    pub clip_skip: Option<u32>,
 }
 
 impl Default for TrainSection {
@@ -554,6 +580,10 @@ impl Default for TrainSection {
             output_dir: "output".into(),
             output_name: "adapter".into(),
             export_formats: vec![ExportFormat::Peft],
+            noise_offset: 0.0,
+            min_snr_gamma: None,
+            prediction_type: None,
+            clip_skip: None,
         }
     }
 }
@@ -605,6 +635,17 @@ pub struct LoggingSection {
     pub sample_prompt: Option<String>,
     /// Tokens generated for the sample.
     pub sample_max_new_tokens: u32,
+    /// Diffusion: write a sample grid every N optimizer steps (kohya `sample_every_n_steps`;
+    /// 0 = only at the end).
+    pub sample_every_n_steps: u64,
+    /// Diffusion: prompts of the sample grid (one image each).
+    pub sample_prompts: Vec<String>,
+    /// Diffusion: `ddim` (default) or `euler` (kohya `sample_sampler`).
+    pub sample_sampler: String,
+    /// Diffusion: sampler steps (default 20).
+    pub sample_steps: u32,
+    /// Diffusion: classifier-free guidance scale (default 7.5).
+    pub sample_guidance_scale: f64,
 }
 
 impl Default for LoggingSection {
@@ -616,6 +657,11 @@ impl Default for LoggingSection {
             tensorboard: false,
             sample_prompt: None,
             sample_max_new_tokens: 32,
+            sample_every_n_steps: 0,
+            sample_prompts: Vec::new(),
+            sample_sampler: "ddim".into(),
+            sample_steps: 20,
+            sample_guidance_scale: 7.5,
         }
     }
 }
@@ -770,6 +816,7 @@ const KEYS: &[&[&str]] = &[
     ],
     &["model.weights", "model.weight_mode"],
     &["model.dtype"],
+    &["model.kind"],
     // lora
     &["lora.rank", "lora.r", "model.lora_rank", "network_dim"],
     &[
@@ -851,6 +898,10 @@ const KEYS: &[&[&str]] = &[
     &["train.output_dir", "output_dir"],
     &["train.output_name", "output_name"],
     &["train.export_formats"],
+    &["train.noise_offset", "noise_offset"],
+    &["train.min_snr_gamma", "min_snr_gamma"],
+    &["train.prediction_type"],
+    &["train.clip_skip", "clip_skip"],
     // memory
     &["memory.budget", "memory.max_memory"],
     &["memory.gpu"],
@@ -864,6 +915,11 @@ const KEYS: &[&[&str]] = &[
     &["logging.tensorboard"],
     &["logging.sample_prompt"],
     &["logging.sample_max_new_tokens"],
+    &["logging.sample_every_n_steps", "sample_every_n_steps"],
+    &["logging.sample_prompts"],
+    &["logging.sample_sampler", "sample_sampler"],
+    &["logging.sample_steps"],
+    &["logging.sample_guidance_scale"],
     // system
     &["system.seed", "seed"],
     &["system.device"],
@@ -1185,6 +1241,13 @@ const FORMATS: &[(&str, DataFormat)] = &[
     ("images", DataFormat::Images),
 ];
 
+const MODEL_KINDS: &[(&str, ModelKind)] = &[
+    ("auto", ModelKind::Auto),
+    ("llm", ModelKind::Llm),
+    ("sd15", ModelKind::Sd15),
+    ("sdxl", ModelKind::Sdxl),
+];
+
 const NAN_POLICIES: &[(&str, NanPolicy)] = &[
     ("skip", NanPolicy::Skip),
     ("lower_lr", NanPolicy::LowerLr),
@@ -1420,6 +1483,7 @@ impl TrainConfig {
         )?;
         doc.set_choice("model.weights", WEIGHT_MODES, &mut c.model.weights)?;
         doc.set_choice("model.dtype", DTYPES, &mut c.model.dtype)?;
+        doc.set_choice("model.kind", MODEL_KINDS, &mut c.model.kind)?;
 
         // lora
         doc.set(
@@ -1689,6 +1753,32 @@ impl TrainConfig {
         })? {
             t.export_formats = f;
         }
+        doc.set("train.noise_offset", "a number >= 0", &mut t.noise_offset)?;
+        check_range(
+            "train.noise_offset",
+            t.noise_offset,
+            t.noise_offset >= 0.0 && t.noise_offset.is_finite(),
+            "a number >= 0",
+        )?;
+        doc.set("train.min_snr_gamma", "a number > 0", &mut t.min_snr_gamma)?;
+        if let Some(g) = t.min_snr_gamma {
+            check_range(
+                "train.min_snr_gamma",
+                g,
+                g > 0.0 && g.is_finite(),
+                "a number > 0 (5 is the paper's choice)",
+            )?;
+        }
+        if let Some((p, _)) = doc.get_with("train.prediction_type", |k, v| match v.as_str() {
+            Some(s @ ("epsilon" | "v_prediction")) => Ok(s.to_string()),
+            _ => Err(invalid(k, v, "\"epsilon\" or \"v_prediction\"")),
+        })? {
+            t.prediction_type = Some(p);
+        }
+        doc.set("train.clip_skip", "a positive integer", &mut t.clip_skip)?;
+        if let Some(n) = t.clip_skip {
+            check_range("train.clip_skip", n, n >= 1, "an integer >= 1 (1 = last layer)")?;
+        }
 
         // special spellings: use_fp16, use_8bit_adam, full_bf16
         let mp_written = spellings("train.mixed_precision")
@@ -1823,6 +1913,41 @@ impl TrainConfig {
             "logging.sample_max_new_tokens",
             "a positive integer",
             &mut c.logging.sample_max_new_tokens,
+        )?;
+        doc.set(
+            "logging.sample_every_n_steps",
+            "a non-negative integer",
+            &mut c.logging.sample_every_n_steps,
+        )?;
+        doc.set(
+            "logging.sample_prompts",
+            "a list of prompts",
+            &mut c.logging.sample_prompts,
+        )?;
+        if let Some((s, _)) = doc.get_with("logging.sample_sampler", |k, v| {
+            match v.as_str().map(str::to_ascii_lowercase).as_deref() {
+                Some("ddim") => Ok("ddim".to_string()),
+                Some("euler") => Ok("euler".to_string()),
+                _ => Err(invalid(k, v, "\"ddim\" or \"euler\"")),
+            }
+        })? {
+            c.logging.sample_sampler = s;
+        }
+        doc.set(
+            "logging.sample_steps",
+            "a positive integer",
+            &mut c.logging.sample_steps,
+        )?;
+        check_range(
+            "logging.sample_steps",
+            c.logging.sample_steps,
+            c.logging.sample_steps >= 1,
+            "an integer >= 1",
+        )?;
+        doc.set(
+            "logging.sample_guidance_scale",
+            "a number >= 1 (1 = no guidance)",
+            &mut c.logging.sample_guidance_scale,
         )?;
 
         // system

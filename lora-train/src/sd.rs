@@ -12,19 +12,26 @@
 //!   (`caption_extension`, `shuffle_caption`, `keep_tokens`), aspect buckets; latents are
 //!   encoded once per (image, bucket, crop, flip) and kept in memory, and also on disk under
 //!   `<output_dir>/latent_cache` with `data.cache_latents: true` (lora-data's [`LatentCache`]).
-//! - **Objective**: lora-models' [`DiffusionLoss`] (ε or v target from the scheduler config,
-//!   min-SNR-γ, noise offset), the UNet's checkpointed backward with
-//!   `train.gradient_checkpointing`.
-//! - **Sampling**: DDIM with classifier-free guidance on `logging.sample_prompt` (one prompt per
-//!   line) every `logging.eval_every_n_steps`-th step and at the end, a PNG grid
-//!   `<output_dir>/samples/step-N.png`.
+//! - **Objective**: lora-models' [`DiffusionLoss`] (ε or v target from the scheduler config or
+//!   `train.prediction_type`, `train.min_snr_gamma`, `train.noise_offset`), the UNet's
+//!   checkpointed backward with `train.gradient_checkpointing`; conditioning at
+//!   `train.clip_skip`.
+//! - **Engine**: the [`crate::trainer::Trainer`] as for LLMs: gradient accumulation, mixed
+//!   precision, OOM back-off (batches split), NaN policy, checkpoints and exact resume (the
+//!   loader position is part of the checkpoint).
+//! - **Evaluation**: the loss on fixed noise and fixed timesteps ([`EVAL_TIMESTEPS`]) over the
+//!   first 8 items, before and after training ([`fixed_eval_loss`]).
+//! - **Sampling**: DDIM or Euler (`logging.sample_sampler`, `sample_steps`,
+//!   `sample_guidance_scale`) on `logging.sample_prompts` (or the lines of
+//!   `logging.sample_prompt`) every `logging.sample_every_n_steps` steps and at the end, a PNG
+//!   grid `<output_dir>/samples/step-N.png` (one column per prompt).
 //! - **Export**: kohya `<output_dir>/<output_name>.safetensors` (`lora_unet_…` modules, f32
 //!   `.alpha`, `ss_*` metadata incl. `ss_base_model_version` and `ss_v2`) and, for the `peft`
 //!   export format, diffusers' `<output_dir>/<output_name>/pytorch_lora_weights.safetensors`
 //!   (`unet.<module>.lora_A/B.weight`, scaling folded into B) — the file
 //!   `StableDiffusionPipeline.load_lora_weights` reads.
 
-use crate::config::{Dtype, ExportFormat, TargetModules, TrainConfig};
+use crate::config::{Dtype, ExportFormat, ModelKind, TargetModules, TrainConfig};
 use crate::llm::{JobError, Plan, Result, RunOptions, resolve_path};
 use crate::trainer::{BatchSource, TrainError, TrainStep};
 use lora_core::formats::AdapterWeights;
@@ -33,7 +40,8 @@ use lora_data::image::{ImageCollate, ImageDataset, config::DatasetConfig};
 use lora_data::loader::{Dataset, Loader, LoaderConfig};
 use lora_models::clip::{ClipTextModel, ClipTokenizer};
 use lora_models::diffusion::{
-    DdimOptions, DdimSampler, DiffusionLoss, LossConfig, NoiseSchedule, ScheduleConfig,
+    DdimOptions, DdimSampler, DiffusionLoss, EulerOptions, EulerSampler, LossConfig, NoiseSchedule,
+    PredictionType, Sampler, ScheduleConfig,
 };
 use lora_models::sd::{AutoencoderKL, LoadOptions, UNet2DConditionModel};
 use serde::Serialize;
@@ -69,6 +77,44 @@ fn model_err(e: lora_models::Error) -> TrainError {
 pub fn is_sd_model(path: &Path) -> bool {
     path.is_dir()
         && (path.join("model_index.json").is_file() || path.join("unet/config.json").is_file())
+}
+
+/// Whether `cfg` is for this job: `model.kind` `sd15`/`sdxl`, or `auto` with a base model that
+/// [`is_sd_model`] (resolved as [`resolve_path`] does).
+pub fn wants_sd_job(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
+    match cfg.model.kind {
+        ModelKind::Sd15 | ModelKind::Sdxl => true,
+        ModelKind::Llm => false,
+        ModelKind::Auto => cfg
+            .base_model()
+            .ok()
+            .and_then(|b| resolve_path("model.base_model", b, config_dir).ok())
+            .is_some_and(|p| is_sd_model(&p)),
+    }
+}
+
+/// The sampler of the sample grids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum SamplerKind {
+    /// DDIM (Song et al. 2020), η = 0.
+    Ddim,
+    /// Euler (Karras et al. 2022), diffusers `EulerDiscreteScheduler`.
+    Euler,
+}
+
+/// How sample grids are made.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SampleOptions {
+    /// Image size `(width, height)` in pixels (multiples of the VAE factor).
+    pub size: (u32, u32),
+    /// Sampler steps.
+    pub steps: usize,
+    /// Classifier-free guidance scale (≤ 1 = none).
+    pub guidance_scale: f64,
+    /// Seed of the initial noise.
+    pub seed: u64,
+    /// The sampler.
+    pub sampler: SamplerKind,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -179,21 +225,20 @@ impl SdPipeline {
         self.text_encoder.device()
     }
 
-    /// Generates one image per prompt with DDIM (`steps` steps, classifier-free guidance
-    /// `guidance_scale` against the empty prompt) from seeded noise; `[n, 3, H, W]` f32 in
-    /// ≈ `[-1, 1]` on the CPU. The global generator is restored afterwards, so sampling during
-    /// training does not change the training noise.
+    /// Generates one image per prompt with DDIM or Euler (`opts.steps` steps, classifier-free
+    /// guidance against the empty prompt) from seeded noise; `[n, 3, H, W]` f32 in ≈ `[-1, 1]`
+    /// on the CPU. The global CPU generator is restored afterwards, so sampling during training
+    /// does not change the training noise.
     ///
     /// # Errors
-    /// Model / sampler / shim errors.
+    /// Model / sampler errors.
     pub fn sample_images<S: AsRef<str>>(
         &self,
         prompts: &[S],
-        size: (u32, u32),
-        steps: usize,
-        guidance_scale: f64,
-        seed: u64,
+        opts: &SampleOptions,
     ) -> lora_models::Result<Tensor> {
+        let (size, steps, guidance_scale, seed) =
+            (opts.size, opts.steps, opts.guidance_scale, opts.seed);
         let dev = self.unet_device();
         let saved = lora_core::sys::rng_state(Device::Cpu).ok();
         let _g = tch::no_grad_guard();
@@ -210,16 +255,26 @@ impl SdPipeline {
         )?
         .f_to_device(dev)?;
         let schedule = NoiseSchedule::new(self.schedule.clone())?;
-        let ddim = DdimSampler::new(&schedule, steps, &DdimOptions::default())?;
-        let z = lora_models::diffusion::sample(&ddim, &noise, guidance_scale, |x, t| {
-            let ts = Tensor::f_from_slice(&[t as f32])?.f_to_device(dev)?;
-            let c = if guidance_scale > 1.0 {
-                ctx.shallow_clone()
-            } else {
-                ctx.f_narrow(0, n, n)?
-            };
-            self.unet.forward(x, &ts, &c, None)
-        })?;
+        let sampler: Box<dyn Sampler> = match opts.sampler {
+            SamplerKind::Ddim => {
+                Box::new(DdimSampler::new(&schedule, steps, &DdimOptions::default())?)
+            }
+            SamplerKind::Euler => Box::new(EulerSampler::new(
+                &schedule,
+                steps,
+                &EulerOptions::default(),
+            )?),
+        };
+        let z =
+            lora_models::diffusion::sample(sampler.as_ref(), &noise, guidance_scale, |x, t| {
+                let ts = Tensor::f_from_slice(&[t as f32])?.f_to_device(dev)?;
+                let c = if guidance_scale > 1.0 {
+                    ctx.shallow_clone()
+                } else {
+                    ctx.f_narrow(0, n, n)?
+                };
+                self.unet.forward(x, &ts, &c, None)
+            })?;
         let img = self.vae.decode(&self.vae.unscale_latents(&z)?)?;
         if let Some(s) = saved {
             let _ = lora_core::sys::set_rng_state(Device::Cpu, &s);
@@ -529,37 +584,27 @@ pub struct SampleCallback {
     prompts: Vec<String>,
     every: u64,
     dir: PathBuf,
-    size: (u32, u32),
-    steps: usize,
-    guidance_scale: f64,
-    seed: u64,
+    opts: SampleOptions,
     /// Files written.
     pub written: Rc<RefCell<Vec<PathBuf>>>,
 }
 
 impl SampleCallback {
-    /// Writes `<dir>/step-N.png` for `prompts` at `size` (pixels) every `every` steps (0 = never
-    /// during training; [`Self::write`] can still be called).
-    #[allow(clippy::too_many_arguments)]
+    /// Writes `<dir>/step-N.png` for `prompts` every `every` steps (0 = never during training;
+    /// [`Self::write`] can still be called).
     pub fn new(
         pipe: Rc<SdPipeline>,
         prompts: Vec<String>,
         every: u64,
         dir: PathBuf,
-        size: (u32, u32),
-        steps: usize,
-        guidance_scale: f64,
-        seed: u64,
+        opts: SampleOptions,
     ) -> Self {
         SampleCallback {
             pipe,
             prompts,
             every,
             dir,
-            size,
-            steps,
-            guidance_scale,
-            seed,
+            opts,
             written: Rc::new(RefCell::new(Vec::new())),
         }
     }
@@ -572,13 +617,7 @@ impl SampleCallback {
         std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
         let imgs = self
             .pipe
-            .sample_images(
-                &self.prompts,
-                self.size,
-                self.steps,
-                self.guidance_scale,
-                self.seed,
-            )
+            .sample_images(&self.prompts, &self.opts)
             .map_err(|e| format!("sampling: {e}"))?;
         let path = self.dir.join(format!("step-{step}.png"));
         lora_models::diffusion::save_grid(&imgs, self.prompts.len().max(1), &path)
@@ -841,8 +880,9 @@ fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
 ///
 /// Config keys used beyond the LLM job's: `data.resolution`, the bucket keys,
 /// `data.caption_extension`, `data.keep_tokens`, `data.shuffle_caption`,
-/// `data.cache_latents` (also on disk), `logging.sample_prompt` (prompts, one per line),
-/// `logging.eval_every_n_steps`… see the module docs.
+/// `data.cache_latents` (also on disk), the diffusion `train.*` keys and the sampling
+/// `logging.*` keys — see the module docs. `train.max_steps` wins over `train.epochs` (kohya's
+/// `max_train_steps`). The `peft` export format writes diffusers' layout.
 ///
 /// # Errors
 /// [`JobError::DoesNotFit`], config, file and runtime errors.
@@ -910,7 +950,20 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         "loading {} ({kind:?}) on {device:?}",
         base_path.display()
     ));
+    if cfg.model.kind == ModelKind::Sdxl {
+        return Err(JobError::Runtime(format!(
+            "{}: model.kind sdxl: the SD job trains SD 1.x/2.x pipelines; SDXL training (two text encoders, size/crop conditioning) is not implemented yet",
+            base_path.display()
+        )));
+    }
     let mut pipe = SdPipeline::from_diffusers(&base_path, kind, device)?;
+    if let Some(p) = &cfg.train.prediction_type {
+        pipe.schedule.prediction_type =
+            PredictionType::from_diffusers(p).map_err(rt("train.prediction_type"))?;
+    }
+    if let Some(n) = cfg.train.clip_skip {
+        pipe.clip_skip = n as usize;
+    }
     pipe.unet
         .set_gradient_checkpointing(cfg.train.gradient_checkpointing);
     tch::manual_seed(cfg.system.seed as i64);
@@ -1013,7 +1066,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     let encoded = source.encoded.clone();
 
     // the objective
-    let loss_cfg = LossConfig::default();
+    let loss_cfg = LossConfig {
+        noise_offset: cfg.train.noise_offset,
+        min_snr_gamma: cfg.train.min_snr_gamma,
+        ..LossConfig::default()
+    };
     let schedule = NoiseSchedule::new(pipe.schedule.clone()).map_err(rt("the noise schedule"))?;
     let objective = DiffusionLoss::new(schedule, loss_cfg).map_err(rt("the diffusion loss"))?;
 
@@ -1054,26 +1111,38 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             .map_err(|e| JobError::Runtime(e.to_string()))?
             .with_every(cfg.logging.log_every_n_steps),
     ));
-    let prompts: Vec<String> = cfg
-        .logging
-        .sample_prompt
-        .as_deref()
-        .unwrap_or("")
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .map(String::from)
-        .collect();
+    // sample prompts: logging.sample_prompts, else the lines of logging.sample_prompt
+    let mut prompts: Vec<String> = cfg.logging.sample_prompts.clone();
+    if prompts.is_empty() {
+        prompts = cfg
+            .logging
+            .sample_prompt
+            .as_deref()
+            .unwrap_or("")
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect();
+    }
     let res = cfg.data.resolution.unwrap_or([512, 512]);
+    let sample_opts = SampleOptions {
+        size: (res[0], res[1]),
+        steps: cfg.logging.sample_steps.max(1) as usize,
+        guidance_scale: cfg.logging.sample_guidance_scale,
+        seed: cfg.system.seed,
+        sampler: if cfg.logging.sample_sampler == "euler" {
+            SamplerKind::Euler
+        } else {
+            SamplerKind::Ddim
+        },
+    };
     let sampler = SampleCallback::new(
         pipe.clone(),
         prompts.clone(),
-        cfg.train.eval_every_n_steps,
+        cfg.logging.sample_every_n_steps,
         out_dir.join("samples"),
-        (res[0], res[1]),
-        20,
-        5.0,
-        cfg.system.seed,
+        sample_opts.clone(),
     );
     let written = sampler.written.clone();
     let final_sampler = SampleCallback::new(
@@ -1081,10 +1150,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         prompts.clone(),
         0,
         out_dir.join("samples"),
-        (res[0], res[1]),
-        20,
-        5.0,
-        cfg.system.seed,
+        sample_opts,
     );
     trainer.add_callback(Box::new(sampler));
     let resume = match &opts.resume {

@@ -14,6 +14,10 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
         verbose: true,
         resume,
     };
-    llm::run(cfg, &opts)?;
+    if lora_train::sd::wants_sd_job(&cfg, opts.config_dir.as_deref()) {
+        lora_train::sd::run(cfg, &opts)?;
+    } else {
+        llm::run(cfg, &opts)?;
+    }
     Ok(EXIT_OK)
 }
