@@ -81,8 +81,10 @@ impl Default for LocalLlmOptions {
 /// # fn main() -> lora_tagger::Result<()> {
 /// let mut t = LocalLlmTagger::load(None, LocalLlmOptions::default())?; // SmolLM2-135M-Instruct
 /// let out = t.tag_descriptions(&["A tabby cat asleep on a sofa.".to_string()])?;
-/// for tag in out[0].as_ref().map_err(|e| e.to_string()).unwrap_or(&vec![]) {
-///     println!("{} {:.3}", tag.tag, tag.score);
+/// if let Ok(tags) = &out[0] {
+///     for tag in tags {
+///         println!("{} {:.3}", tag.tag, tag.score);
+///     }
 /// }
 /// # Ok(()) }
 /// ```
