@@ -50,15 +50,27 @@ fn script(name: &str, args: &[&std::ffi::OsStr]) {
 const MODULES: usize = 4 * (2 * 4 + 2);
 
 struct Run {
-    dir: tempfile::TempDir,
+    dir: PathBuf,
     summary: SdRunSummary,
+}
+
+fn config(dir: &Path, out: &str) -> TrainConfig {
+    let mut cfg =
+        TrainConfig::from_file(root().join("examples/configs/sd15-emoji-tiny.yaml")).unwrap();
+    cfg.model.base_model = Some(dir.join("pipeline").display().to_string());
+    cfg.data.train_data_dir = Some(dir.join("data").display().to_string());
+    cfg.train.output_dir = dir.join(out).display().to_string();
+    cfg
 }
 
 /// Builds the fixture and runs the job once per test binary.
 fn run() -> &'static Run {
     static RUN: OnceLock<Run> = OnceLock::new();
     RUN.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
+        // one folder per test binary, emptied at each start (a static is never dropped)
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sd_job");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
         let assets = root().join("assets");
         assert!(
             assets.join("emoji/openmoji.csv").is_file(),
@@ -70,16 +82,11 @@ fn run() -> &'static Run {
                 "--assets".as_ref(),
                 assets.as_os_str(),
                 "--out".as_ref(),
-                dir.path().as_os_str(),
+                dir.as_os_str(),
             ],
         );
-        let mut cfg =
-            TrainConfig::from_file(root().join("examples/configs/sd15-emoji-tiny.yaml")).unwrap();
-        cfg.model.base_model = Some(dir.path().join("pipeline").display().to_string());
-        cfg.data.train_data_dir = Some(dir.path().join("data").display().to_string());
-        cfg.train.output_dir = dir.path().join("out").display().to_string();
         let summary = sd::run(
-            cfg,
+            config(&dir, "out"),
             &RunOptions {
                 verbose: true,
                 ..RunOptions::default()
@@ -110,7 +117,7 @@ fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
 fn sd_job_lowers_the_fixed_noise_loss_and_writes_samples_and_a_kohya_file() {
     let r = run();
     let s = &r.summary;
-    let out = r.dir.path().join("out");
+    let out = r.dir.as_path().join("out");
     assert_eq!(s.steps, 60);
     assert_eq!(s.images, 16);
     assert_eq!(s.items, 32, "2 repeats of 16 images");
@@ -192,7 +199,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours() {
     let r = run();
-    let dir = r.dir.path();
+    let dir = r.dir.as_path();
     let pipe = dir.join("pipeline");
     let kohya = dir.join("out/emoji-tiny.safetensors");
     let check = dir.join("check");
@@ -249,4 +256,39 @@ fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours()
     eprintln!("diffusers PEFT adapter: effect {effect:.3e}, ours vs diffusers {diff:.3e}");
     assert!(effect > 1e-3, "the adapter changes the output ({effect})");
     assert!(diff < tol * effect.max(1.0), "{diff}");
+}
+
+#[test]
+fn a_run_resumed_from_its_step_30_checkpoint_ends_with_the_same_adapter() {
+    let r = run();
+    let ck = r.dir.join("out/checkpoints/step-00000030");
+    assert!(ck.is_dir(), "{} missing", ck.display());
+    let s = sd::run(
+        config(&r.dir, "resumed"),
+        &RunOptions {
+            resume: Some(Some(ck)),
+            ..RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(s.steps, 60);
+    assert_eq!(
+        s.losses.first().map(|l| l.0),
+        Some(31),
+        "trained steps 31-60 only"
+    );
+    let a = read(&r.dir.join("out/emoji-tiny.safetensors"));
+    let b = read(&r.dir.join("resumed/emoji-tiny.safetensors"));
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f64;
+    for (name, t) in &a {
+        worst = worst.max(max_abs(t, &get(&b, name)));
+    }
+    eprintln!("resumed vs uninterrupted adapter: max |diff| {worst:.3e}");
+    assert!(worst < 1e-5, "{worst}");
+    // the same per-step losses after the resume point
+    for (x, y) in r.summary.losses[30..].iter().zip(&s.losses) {
+        assert_eq!(x.0, y.0);
+        assert!((x.1 - y.1).abs() < 1e-5, "step {}: {} vs {}", x.0, x.1, y.1);
+    }
 }
