@@ -292,3 +292,66 @@ fn a_run_resumed_from_its_step_30_checkpoint_ends_with_the_same_adapter() {
         assert!((x.1 - y.1).abs() < 1e-5, "step {}: {} vs {}", x.0, x.1, y.1);
     }
 }
+
+#[test]
+fn the_sd15_character_config_reads_as_written_and_bad_sd_keys_are_named() {
+    use lora_train::config::{ModelKind, OptimizerKind, TargetModules};
+    let c = TrainConfig::from_file(root().join("examples/configs/sd15-character.yaml")).unwrap();
+    assert_eq!(c.model.kind, ModelKind::Sd15);
+    assert_eq!((c.lora.rank, c.lora.alpha), (16, 8.0));
+    assert_eq!(
+        c.lora.target_modules,
+        TargetModules::List(
+            [
+                "to_q",
+                "to_k",
+                "to_v",
+                "to_out.0",
+                "proj_in",
+                "proj_out",
+                "ff.net.0.proj",
+                "ff.net.2"
+            ]
+            .map(String::from)
+            .to_vec()
+        )
+    );
+    assert_eq!(c.data.resolution, Some([512, 512]));
+    assert_eq!(c.train.optimizer, OptimizerKind::AdamW8bit);
+    assert_eq!(c.train.noise_offset, 0.05);
+    assert_eq!(c.train.min_snr_gamma, Some(5.0));
+    assert_eq!(c.train.clip_skip, Some(1));
+    assert_eq!(c.logging.sample_every_n_steps, 250);
+    assert_eq!(c.logging.sample_prompts.len(), 2);
+    assert_eq!(c.logging.sample_sampler, "euler");
+    assert_eq!(c.logging.sample_steps, 25);
+    // a diffusers folder goes to the SD job even with model.kind left at auto
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("model_index.json"), "{}").unwrap();
+    let mut auto = c.clone();
+    auto.model.kind = ModelKind::Auto;
+    auto.model.base_model = Some(dir.path().display().to_string());
+    assert!(sd::wants_sd_job(&auto, None));
+    auto.model.base_model = Some(root().join("Cargo.toml").display().to_string());
+    assert!(!sd::wants_sd_job(&auto, None));
+    // kohya spellings, and errors that name the key
+    let c = TrainConfig::from_toml_str(
+        "noise_offset = 0.1\nmin_snr_gamma = 5.0\nclip_skip = 2\nsample_every_n_steps = 10\nsample_sampler = \"euler\"\n",
+    )
+    .unwrap();
+    assert_eq!(c.train.noise_offset, 0.1);
+    assert_eq!(c.train.min_snr_gamma, Some(5.0));
+    assert_eq!(c.train.clip_skip, Some(2));
+    assert_eq!(c.logging.sample_every_n_steps, 10);
+    assert_eq!(c.logging.sample_sampler, "euler");
+    for (text, key) in [
+        ("train:\n  min_snr_gama: 5\n", "min_snr_gamma"),
+        ("train:\n  prediction_type: x0\n", "v_prediction"),
+        ("train:\n  noise_offset: -0.1\n", "train.noise_offset"),
+        ("logging:\n  sample_sampler: dpm\n", "euler"),
+        ("model:\n  kind: sd3\n", "sd15"),
+    ] {
+        let e = TrainConfig::from_yaml_str(text).unwrap_err().to_string();
+        assert!(e.contains(key), "{text:?}: {e}");
+    }
+}
