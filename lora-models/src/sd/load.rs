@@ -143,6 +143,11 @@ impl SafetensorsFiles {
         self.index.keys().map(String::as_str)
     }
 
+    /// Whether a tensor is stored under `name` (no key translation).
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
     fn load_stored(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
         let Some(&fi) = self.index.get(name) else {
             return Ok(None);
@@ -157,11 +162,12 @@ impl SafetensorsFiles {
             Dtype::F16 => Kind::Half,
             Dtype::BF16 => Kind::BFloat16,
             Dtype::F64 => Kind::Double,
+            Dtype::I64 => Kind::Int64,
             other => {
                 return Err(Error::Unsupported {
                     what: "safetensors dtype",
                     value: format!("{other:?} (tensor `{name}` in {})", path.display()),
-                    hint: "supported: F32, F16, BF16, F64".into(),
+                    hint: "supported: F32, F16, BF16, F64, I64".into(),
                 });
             }
         };
@@ -254,7 +260,18 @@ pub fn diffusers_weight_files(dir: &Path, variant: Option<&str>) -> Result<Vec<P
             "diffusion_pytorch_model.fp16.safetensors".into(),
         ],
     };
-    for stem in &stems {
+    weight_files(dir, &stems)
+}
+
+/// The first of `names` (e.g. `model.safetensors`) that exists in `dir`, or the shards listed by
+/// its `<name>.index.json` (`weight_map`), in file-name order.
+///
+/// # Errors
+/// [`Error::Io`] when none exists (the message lists what was looked for); [`Error::Config`] for
+/// an index without `weight_map`.
+pub(crate) fn weight_files(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
+    let stems = names;
+    for stem in stems {
         let single = dir.join(stem);
         if single.exists() {
             return Ok(vec![single]);
