@@ -551,6 +551,10 @@ pub struct TrainSection {
     pub prediction_type: Option<String>,
     /// Diffusion: text-encoder layer used for conditioning (kohya / A1111 `clip_skip`; 1 = last).
     pub clip_skip: Option<u32>,
+    /// Diffusion: LoRA on the text encoder too (its `q_proj`, `k_proj`, `v_proj`, `out_proj`);
+    /// default false = UNet only (kohya `network_train_unet_only: true`), text-encoder outputs
+    /// cached.
+    pub train_text_encoder: bool,
 }
 
 impl Default for TrainSection {
@@ -584,6 +588,7 @@ impl Default for TrainSection {
             min_snr_gamma: None,
             prediction_type: None,
             clip_skip: None,
+            train_text_encoder: false,
         }
     }
 }
@@ -902,6 +907,7 @@ const KEYS: &[&[&str]] = &[
     &["train.min_snr_gamma", "min_snr_gamma"],
     &["train.prediction_type"],
     &["train.clip_skip", "clip_skip"],
+    &["train.train_text_encoder"],
     // memory
     &["memory.budget", "memory.max_memory"],
     &["memory.gpu"],
@@ -1776,6 +1782,11 @@ impl TrainConfig {
             t.prediction_type = Some(p);
         }
         doc.set("train.clip_skip", "a positive integer", &mut t.clip_skip)?;
+        doc.set(
+            "train.train_text_encoder",
+            "true or false",
+            &mut t.train_text_encoder,
+        )?;
         if let Some(n) = t.clip_skip {
             check_range("train.clip_skip", n, n >= 1, "an integer >= 1 (1 = last layer)")?;
         }

@@ -60,6 +60,10 @@ pub const KOHYA_TE_PREFIX: &str = "lora_te";
 /// projections, as diffusers' `train_text_to_image_lora.py` (`target_modules=["to_k", "to_q",
 /// "to_v", "to_out.0"]`).
 pub const DEFAULT_UNET_TARGETS: [&str; 4] = ["to_q", "to_k", "to_v", "to_out.0"];
+/// The text-encoder modules adapted with `train.train_text_encoder`: CLIP's attention
+/// projections, as diffusers' `train_text_to_image_lora.py` / `train_dreambooth_lora.py`
+/// (`target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]`).
+pub const TEXT_ENCODER_TARGETS: [&str; 4] = ["q_proj", "k_proj", "v_proj", "out_proj"];
 
 fn rt<E: std::fmt::Display>(ctx: &str) -> impl FnOnce(E) -> JobError + '_ {
     move |e| JobError::Runtime(format!("{ctx}: {e}"))
@@ -195,11 +199,19 @@ impl SdPipeline {
     /// Tokenizer / model errors.
     pub fn encode_prompts<S: AsRef<str>>(&self, prompts: &[S]) -> lora_models::Result<Tensor> {
         let _g = tch::no_grad_guard();
-        let ids = self
-            .tokenizer
-            .encode_batch(prompts)?
-            .f_to_device(self.text_encoder.device())?;
-        let out = self.text_encoder.forward_t(&ids, false)?;
+        let ids = self.tokenizer.encode_batch(prompts)?;
+        self.condition(&ids, false)
+    }
+
+    /// The UNet conditioning of token ids `[n, 77]` int64: `[n, 77, D]` in the text encoder's
+    /// dtype, with autograd as the caller's grad mode says (text-encoder LoRA training); `train`
+    /// switches LoRA dropout on.
+    ///
+    /// # Errors
+    /// Model errors.
+    pub fn condition(&self, ids: &Tensor, train: bool) -> lora_models::Result<Tensor> {
+        let ids = ids.f_to_device(self.text_encoder.device())?;
+        let out = self.text_encoder.forward_t(&ids, train)?;
         self.text_encoder.skip_hidden(&out, self.clip_skip, true)
     }
 
@@ -295,13 +307,17 @@ impl SdPipeline {
 /// One training batch of the SD job.
 ///
 /// # Shapes
-/// `latents` `[b, 4, h, w]` f32 (scaled); `cond` `[b, 77, D]` in the text encoder's dtype.
+/// `latents` `[b, 4, h, w]` f32 (scaled); `ids` `[b, 77]` int64; `cond` `[b, 77, D]` in the text
+/// encoder's dtype.
 #[derive(Debug)]
 pub struct SdBatch {
     /// Scaled VAE latents.
     pub latents: Tensor,
-    /// Text-encoder conditioning.
-    pub cond: Tensor,
+    /// Caption token ids.
+    pub ids: Tensor,
+    /// Cached text-encoder conditioning (`None` when the text encoder is trained: it is then
+    /// computed from `ids` in the step, with grad).
+    pub cond: Option<Tensor>,
     /// The processed captions.
     pub captions: Vec<String>,
 }
@@ -319,9 +335,13 @@ pub struct SdTask {
 }
 
 impl SdTask {
-    fn inputs(&self, b: &SdBatch) -> crate::trainer::Result<(Tensor, Tensor)> {
+    fn inputs(&self, b: &SdBatch, train: bool) -> crate::trainer::Result<(Tensor, Tensor)> {
         let d = self.pipe.unet_device();
-        Ok((b.latents.f_to_device(d)?, b.cond.f_to_device(d)?))
+        let cond = match &b.cond {
+            Some(c) => c.f_to_device(d)?,
+            None => self.pipe.condition(&b.ids, train).map_err(model_err)?,
+        };
+        Ok((b.latents.f_to_device(d)?, cond))
     }
 }
 
@@ -329,7 +349,7 @@ impl TrainStep for SdTask {
     type Batch = SdBatch;
 
     fn loss(&mut self, b: &SdBatch, train: bool) -> crate::trainer::Result<Tensor> {
-        let (lat, cond) = self.inputs(b)?;
+        let (lat, cond) = self.inputs(b, train)?;
         let unet = &self.pipe.unet;
         self.objective
             .loss(&lat, |x, t| unet.forward_t(x, t, &cond, None, train))
@@ -342,7 +362,7 @@ impl TrainStep for SdTask {
         if !self.pipe.unet.gradient_checkpointing() {
             return Ok(None);
         }
-        let (lat, cond) = self.inputs(b)?;
+        let (lat, cond) = self.inputs(b, true)?;
         let n = lat.size()[0];
         let t = self
             .objective
@@ -390,14 +410,20 @@ impl TrainStep for SdTask {
     fn split_batch(&self, b: &SdBatch, parts: usize) -> crate::trainer::Result<Vec<SdBatch>> {
         let n = parts.max(1) as i64;
         let l = b.latents.f_chunk(n, 0)?;
-        let c = b.cond.f_chunk(n, 0)?;
+        let ids = b.ids.f_chunk(n, 0)?;
+        let c: Vec<Option<Tensor>> = match &b.cond {
+            Some(c) => c.f_chunk(n, 0)?.into_iter().map(Some).collect(),
+            None => (0..l.len()).map(|_| None).collect(),
+        };
         let per = b.captions.len().div_ceil(l.len().max(1)).max(1);
         let caps: Vec<Vec<String>> = b.captions.chunks(per).map(<[String]>::to_vec).collect();
         Ok(l.into_iter()
+            .zip(ids)
             .zip(c)
             .enumerate()
-            .map(|(i, (latents, cond))| SdBatch {
+            .map(|(i, ((latents, ids), cond))| SdBatch {
                 latents,
+                ids,
                 cond,
                 captions: caps.get(i).cloned().unwrap_or_default(),
             })
@@ -407,8 +433,9 @@ impl TrainStep for SdTask {
 
 /// The trainer's batch source over an [`ImageDataset`]: the loader's seeded per-epoch plan
 /// (batches never mix buckets), each image encoded by the VAE once per (file content, bucket,
-/// crop, flip) and kept in memory (and on disk with a [`LatentCache`]), each caption encoded
-/// once by the frozen text encoder. The position (epoch, batch index) is checkpointed.
+/// crop, flip) and kept in memory (and on disk with a [`LatentCache`]), each caption tokenized
+/// and, when the text encoder is frozen, encoded once. The position (epoch, batch index) is
+/// checkpointed.
 pub struct ImageSource {
     pipe: Rc<SdPipeline>,
     loader: Loader<ImageDataset, ImageCollate>,
@@ -420,18 +447,22 @@ pub struct ImageSource {
     disk: Option<LatentCache>,
     latents: HashMap<String, Tensor>,
     text: HashMap<String, Tensor>,
+    cache_text: bool,
     /// VAE encodings done (cache misses).
     pub encoded: Rc<RefCell<u64>>,
 }
 
 impl ImageSource {
-    /// Wraps a loader; `model_id` names the VAE in cache keys; `disk` adds an on-disk cache.
+    /// Wraps a loader; `model_id` names the VAE in cache keys; `disk` adds an on-disk cache;
+    /// `cache_text` caches text-encoder outputs per caption (only valid while the text encoder
+    /// is frozen).
     pub fn new(
         pipe: Rc<SdPipeline>,
         loader: Loader<ImageDataset, ImageCollate>,
         seed: u64,
         model_id: String,
         disk: Option<LatentCache>,
+        cache_text: bool,
     ) -> Self {
         ImageSource {
             pipe,
@@ -444,6 +475,7 @@ impl ImageSource {
             disk,
             latents: HashMap::new(),
             text: HashMap::new(),
+            cache_text,
             encoded: Rc::new(RefCell::new(0)),
         }
     }
@@ -495,25 +527,33 @@ impl ImageSource {
                     t
                 }
             };
-            let cond = match self.text.get(&sample.caption) {
-                Some(t) => t.shallow_clone(),
-                None => {
-                    let t = self
-                        .pipe
-                        .encode_prompts(&[sample.caption.as_str()])
-                        .map_err(model_err)?
-                        .f_squeeze_dim(0)?;
-                    self.text.insert(sample.caption.clone(), t.shallow_clone());
-                    t
-                }
-            };
+            if self.cache_text {
+                let cond = match self.text.get(&sample.caption) {
+                    Some(t) => t.shallow_clone(),
+                    None => {
+                        let t = self
+                            .pipe
+                            .encode_prompts(&[sample.caption.as_str()])
+                            .map_err(model_err)?
+                            .f_squeeze_dim(0)?;
+                        self.text.insert(sample.caption.clone(), t.shallow_clone());
+                        t
+                    }
+                };
+                conds.push(cond);
+            }
             lats.push(lat);
-            conds.push(cond);
             caps.push(sample.caption);
         }
+        let ids = self.pipe.tokenizer.encode_batch(&caps).map_err(model_err)?;
         Ok(SdBatch {
             latents: Tensor::f_stack(&lats, 0)?,
-            cond: Tensor::f_stack(&conds, 0)?,
+            ids,
+            cond: if self.cache_text {
+                Some(Tensor::f_stack(&conds, 0)?)
+            } else {
+                None
+            },
             captions: caps,
         })
     }
@@ -660,7 +700,10 @@ pub fn fixed_eval_loss(
     let saved = lora_core::sys::rng_state(Device::Cpu).ok();
     let d = pipe.unet_device();
     let lat = batch.latents.f_to_device(d)?;
-    let cond = batch.cond.f_to_device(d)?;
+    let cond = match &batch.cond {
+        Some(c) => c.f_to_device(d)?,
+        None => pipe.condition(&batch.ids, false)?,
+    };
     let n = lat.size()[0];
     tch::manual_seed(seed as i64);
     let mut total = 0.0;
@@ -684,82 +727,178 @@ pub fn fixed_eval_loss(
 pub fn sd_metadata(
     mut base: std::collections::BTreeMap<String, String>,
     v2: bool,
+    unet_only: bool,
 ) -> std::collections::BTreeMap<String, String> {
+    let py_bool = |b: bool| if b { "True" } else { "False" };
     base.insert(
         "ss_base_model_version".into(),
         if v2 { "sd_v2" } else { "sd_v1" }.into(),
     );
-    base.insert("ss_v2".into(), if v2 { "True" } else { "False" }.into());
-    base.insert("ss_network_train_unet_only".into(), "True".into());
+    base.insert("ss_v2".into(), py_bool(v2).into());
+    base.insert(
+        "ss_network_train_unet_only".into(),
+        py_bool(unet_only).into(),
+    );
     base
 }
 
-/// Writes the UNet adapter `adapter_name` as kohya (`lora_unet_…`, f32 alpha) to `path`.
+/// The adapters of a pipeline: UNet, and the text encoder's when it has one.
+///
+/// # Errors
+/// [`lora_core::Error::Adapter`] when the UNet lacks the adapter.
+fn pipeline_weights(
+    pipe: &mut SdPipeline,
+    adapter_name: &str,
+) -> lora_core::Result<(AdapterWeights, Option<AdapterWeights>)> {
+    let unet = AdapterWeights::from_model(&mut pipe.unet, adapter_name)?;
+    let te = match AdapterWeights::from_model(&mut pipe.text_encoder, adapter_name) {
+        Ok(w) => Some(w),
+        Err(lora_core::Error::Adapter { .. }) => None,
+        Err(e) => return Err(e),
+    };
+    Ok((unet, te))
+}
+
+/// Writes adapter `adapter_name` of `pipe` as one kohya file at `path`: UNet modules under
+/// `lora_unet_`, text-encoder modules (when trained) under `lora_te_` (sd-scripts
+/// `networks/lora.py` prefixes for SD 1.x/2.x), f32 `.alpha`, `metadata` in the header.
 ///
 /// # Errors
 /// lora-core format errors with the path.
 pub fn write_kohya(
-    unet: &mut UNet2DConditionModel,
+    pipe: &mut SdPipeline,
     adapter_name: &str,
     metadata: std::collections::BTreeMap<String, String>,
     path: &Path,
 ) -> lora_core::Result<()> {
-    let mut w = AdapterWeights::from_model(unet, adapter_name)?;
-    w.metadata = metadata;
-    lora_core::formats::kohya::write(path, &[(KOHYA_UNET_PREFIX, &w)])
+    let (mut unet, te) = pipeline_weights(pipe, adapter_name)?;
+    unet.metadata = metadata;
+    let mut parts = vec![(KOHYA_UNET_PREFIX, &unet)];
+    if let Some(te) = &te {
+        parts.push((KOHYA_TE_PREFIX, te));
+    }
+    lora_core::formats::kohya::write(path, &parts)
 }
 
-/// Writes the UNet adapter as diffusers' `pytorch_lora_weights.safetensors` into `dir`.
+/// Writes adapter `adapter_name` of `pipe` as diffusers' `pytorch_lora_weights.safetensors`
+/// into `dir` (`unet.…`, and `text_encoder.…` when the text encoder was trained; the file
+/// `StableDiffusionPipeline.load_lora_weights(dir)` reads). Returns the file.
 ///
 /// # Errors
 /// lora-core format errors with the path.
 pub fn write_diffusers(
-    unet: &mut UNet2DConditionModel,
+    pipe: &mut SdPipeline,
     adapter_name: &str,
     dir: &Path,
 ) -> lora_core::Result<PathBuf> {
-    let w = AdapterWeights::from_model(unet, adapter_name)?;
+    let (unet, te) = pipeline_weights(pipe, adapter_name)?;
     std::fs::create_dir_all(dir).map_err(|e| lora_core::Error::Io {
         path: dir.to_path_buf(),
         source: e,
     })?;
     let path = dir.join(lora_core::formats::diffusers::WEIGHTS_FILE);
-    lora_core::formats::diffusers::write(&path, &[("unet", &w)])?;
+    let mut parts = vec![("unet", &unet)];
+    if let Some(te) = &te {
+        parts.push(("text_encoder", te));
+    }
+    lora_core::formats::diffusers::write(&path, &parts)?;
     Ok(path)
 }
 
-/// Loads a UNet adapter file into `unet` as adapter `adapter_name`: kohya (`lora_unet_…`
-/// keys; text-encoder modules are refused with a message) or diffusers / PEFT-for-diffusers
-/// (`unet.<module>.lora_A.weight`), told apart by the keys.
+/// How many modules [`load_adapter`] put on each component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LoadedAdapter {
+    /// UNet modules.
+    pub unet_modules: usize,
+    /// Text-encoder modules.
+    pub text_encoder_modules: usize,
+}
+
+fn site_list(model: &mut dyn lora_core::inject::Adaptable) -> lora_core::Result<Vec<String>> {
+    let mut sites = Vec::new();
+    model.visit_sites(&mut |p, _| {
+        sites.push(p.to_string());
+        Ok(())
+    })?;
+    Ok(sites)
+}
+
+/// Loads an SD 1.x/2.x LoRA file into `pipe` as adapter `adapter_name` (tensors in `vs`):
+/// kohya (`lora_unet_…`, `lora_te_…`; alpha honoured, missing = rank) or diffusers / PEFT for
+/// diffusers (`unet.<module>.lora_A.weight`, `text_encoder.<module>…`; transformers 5 text-encoder
+/// names without `text_model.` are accepted), told apart by the keys.
 ///
 /// # Errors
-/// lora-core format errors naming the file and the modules that match no UNet site.
-pub fn load_unet_adapter(
-    unet: &mut UNet2DConditionModel,
+/// lora-core format errors naming the file and the modules that match no site; an error for
+/// kohya modules under other prefixes (SDXL's `lora_te1_`/`lora_te2_`) or diffusers components
+/// other than `unet` / `text_encoder`.
+pub fn load_adapter(
+    pipe: &mut SdPipeline,
     path: &Path,
     adapter_name: &str,
     vs: &tch::nn::Path,
-) -> lora_core::Result<lora_core::inject::InjectionReport> {
+) -> lora_core::Result<LoadedAdapter> {
     let header = lora_core::formats::read_header(path)?;
-    let kohya = header.tensors.keys().any(|k| k.starts_with("lora_unet_"));
-    let w = if kohya {
-        let mut sites = Vec::new();
-        lora_core::inject::Adaptable::visit_sites(unet, &mut |p, _| {
-            sites.push(p.to_string());
-            Ok(())
-        })?;
+    let kohya = header
+        .tensors
+        .keys()
+        .any(|k| k.starts_with("lora_unet_") || k.starts_with("lora_te_"));
+    let (unet, mut te) = if kohya {
         let mut f = lora_core::formats::kohya::read(path)?;
-        f.take_prefix(KOHYA_UNET_PREFIX, &sites)?
+        let unet = f.take_prefix(KOHYA_UNET_PREFIX, &site_list(&mut pipe.unet)?)?;
+        let te = f.take_prefix(KOHYA_TE_PREFIX, &site_list(&mut pipe.text_encoder)?)?;
+        if let Some(k) = f.modules.keys().next() {
+            return Err(lora_core::Error::Format {
+                file: path.to_path_buf(),
+                reason: format!(
+                    "module {k:?} is neither lora_unet_ nor lora_te_ (an SDXL adapter? this pipeline is SD 1.x/2.x)"
+                ),
+            });
+        }
+        (unet, te)
     } else {
         let mut parts = lora_core::formats::diffusers::read(path)?;
-        parts
-            .remove("unet")
-            .ok_or_else(|| lora_core::Error::Format {
+        let unet = parts.remove("unet").unwrap_or_default();
+        let te = parts.remove("text_encoder").unwrap_or_default();
+        if let Some(k) = parts.keys().next() {
+            return Err(lora_core::Error::Format {
                 file: path.to_path_buf(),
-                reason: "no `unet.` modules in the file".into(),
-            })?
+                reason: format!(
+                    "component {k:?}: an SD 1.x/2.x pipeline has `unet` and `text_encoder`"
+                ),
+            });
+        }
+        (unet, te)
     };
-    w.load_into(unet, adapter_name, vs, 0.0)
+    lora_models::clip::canonicalize_adapter(&mut te);
+    let mut n = LoadedAdapter {
+        unet_modules: unet.modules.len(),
+        text_encoder_modules: te.modules.len(),
+    };
+    if n.unet_modules + n.text_encoder_modules == 0 {
+        return Err(lora_core::Error::Format {
+            file: path.to_path_buf(),
+            reason: "no LoRA module in the file".into(),
+        });
+    }
+    if n.unet_modules > 0 {
+        n.unet_modules = unet
+            .load_into(&mut pipe.unet, adapter_name, &(vs / "unet"), 0.0)?
+            .modules
+            .len();
+    }
+    if n.text_encoder_modules > 0 {
+        n.text_encoder_modules = te
+            .load_into(
+                &mut pipe.text_encoder,
+                adapter_name,
+                &(vs / "text_encoder"),
+                0.0,
+            )?
+            .modules
+            .len();
+    }
+    Ok(n)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -854,11 +993,14 @@ fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
     let res = cfg.data.resolution.unwrap_or([512, 512]);
     settings.resolution = res[0].max(res[1]);
     settings.cache_latents = true;
-    settings.cache_text_encoder_outputs = true;
-    settings.train_text_encoder = false;
-    notes.push(
-        "VAE latents and text-encoder outputs are cached; the text encoder is not trained".into(),
-    );
+    let te = cfg.train.train_text_encoder;
+    settings.cache_text_encoder_outputs = !te;
+    settings.train_text_encoder = te;
+    notes.push(if te {
+        "VAE latents are cached; the text encoder is trained (LoRA) and runs every step".into()
+    } else {
+        "VAE latents and text-encoder outputs are cached; the text encoder is not trained".into()
+    });
     let budget = crate::llm::budget_for(cfg, None)?;
     let estimate = lora_memory::estimate(&desc, &settings)?;
     Ok(Plan {
@@ -983,6 +1125,19 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             base_written.clone().into(),
         );
     }
+    let te_json = {
+        let mut v = lcfg_json.clone();
+        if let serde_json::Value::Object(m) = &mut v {
+            m.insert(
+                "target_modules".into(),
+                serde_json::json!(TEXT_ENCODER_TARGETS),
+            );
+            m.insert("exclude_modules".into(), serde_json::Value::Null);
+            m.insert("rank_pattern".into(), serde_json::json!({}));
+            m.insert("alpha_pattern".into(), serde_json::json!({}));
+        }
+        v
+    };
     let lcfg: lora_core::config::LoraConfig =
         serde_json::from_value(lcfg_json).map_err(rt("building the LoRA config"))?;
     let vs = tch::nn::VarStore::new(device);
@@ -997,6 +1152,23 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         report.all_params,
         report.trainable_percent()
     ));
+    let train_te = cfg.train.train_text_encoder;
+    if train_te {
+        let te_cfg: lora_core::config::LoraConfig =
+            serde_json::from_value(te_json).map_err(rt("building the text-encoder LoRA config"))?;
+        let r = lora_core::inject::inject(
+            &mut pipe.text_encoder,
+            &te_cfg,
+            "default",
+            &(vs.root() / "text_encoder"),
+        )
+        .map_err(rt("injecting LoRA into the text encoder"))?;
+        say(&format!(
+            "LoRA on {} text-encoder modules: {} trainable parameters",
+            r.modules.len(),
+            r.trainable_params
+        ));
+    }
     let pipe = Rc::new(pipe);
 
     // data
@@ -1062,7 +1234,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             .unwrap_or_else(|_| base_path.clone())
             .display()
     );
-    let mut source = ImageSource::new(pipe.clone(), loader, cfg.system.seed, model_id, disk);
+    let mut source = ImageSource::new(
+        pipe.clone(),
+        loader,
+        cfg.system.seed,
+        model_id,
+        disk,
+        !train_te,
+    );
     let encoded = source.encoded.clone();
 
     // the objective
@@ -1208,23 +1387,20 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         },
     );
     let v2 = pipe.unet.plan().cross_attention_dim.first() == Some(&1024);
-    let meta = sd_metadata(meta, v2);
+    let meta = sd_metadata(meta, v2, !train_te);
     let mut outputs = Vec::new();
     for f in &cfg.train.export_formats {
         match f {
             ExportFormat::Kohya => {
                 let p = out_dir.join(format!("{}.safetensors", cfg.train.output_name));
-                write_kohya(&mut pipe.unet, "default", meta.clone(), &p)
+                write_kohya(&mut pipe, "default", meta.clone(), &p)
                     .map_err(rt("writing the kohya adapter"))?;
                 outputs.push(p);
             }
             ExportFormat::Peft => {
-                let p = write_diffusers(
-                    &mut pipe.unet,
-                    "default",
-                    &out_dir.join(&cfg.train.output_name),
-                )
-                .map_err(rt("writing the diffusers adapter"))?;
+                let p =
+                    write_diffusers(&mut pipe, "default", &out_dir.join(&cfg.train.output_name))
+                        .map_err(rt("writing the diffusers adapter"))?;
                 outputs.push(p);
             }
         }

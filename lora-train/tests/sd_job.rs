@@ -48,6 +48,8 @@ fn script(name: &str, args: &[&std::ffi::OsStr]) {
 /// UNet modules adapted by the example config: 4 transformers (down 0, mid, up 1 twice) ×
 /// (2 attentions × 4 projections + `proj_in` + `proj_out`).
 const MODULES: usize = 4 * (2 * 4 + 2);
+/// Text-encoder modules (`train_text_encoder: true`): 2 layers × `q/k/v/out_proj`.
+const TE_MODULES: usize = 2 * 4;
 
 struct Run {
     dir: PathBuf,
@@ -164,15 +166,24 @@ fn sd_job_lowers_the_fixed_noise_loss_and_writes_samples_and_a_kohya_file() {
     assert_eq!(alpha.dim(), 0);
     assert_eq!(alpha.double_value(&[]), 4.0);
     // 4 transformers (down 0, mid, up 1 ×2) × (2 attentions × 4 projections + proj_in, proj_out)
-    assert_eq!(t.len(), 3 * MODULES);
+    assert_eq!(t.len(), 3 * (MODULES + TE_MODULES));
+    let te = get(
+        &t,
+        "lora_te_text_model_encoder_layers_1_self_attn_out_proj.lora_up.weight",
+    );
+    assert!(
+        te.abs().max().double_value(&[]) > 0.0,
+        "text-encoder B was trained"
+    );
     let h = lora_train::core::formats::read_header(&kohya).unwrap();
     assert_eq!(h.metadata["ss_base_model_version"], "sd_v1");
     assert_eq!(h.metadata["ss_v2"], "False");
+    assert_eq!(h.metadata["ss_network_train_unet_only"], "False");
     assert_eq!(h.metadata["ss_network_dim"], "8");
     assert_eq!(h.metadata["ss_network_module"], "networks.lora");
     // diffusers layout too
     let d = read(&out.join("emoji-tiny/pytorch_lora_weights.safetensors"));
-    assert_eq!(d.len(), 2 * MODULES);
+    assert_eq!(d.len(), 2 * (MODULES + TE_MODULES));
     let b = get(
         &d,
         "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight",
@@ -226,23 +237,47 @@ fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours()
         get(&outputs, "kohya_modules").int64_value(&[0]),
         MODULES as i64
     );
-    let opts = lora_train::models::sd::LoadOptions::default();
-    let forward = |adapter: Option<&Path>| {
-        let mut unet =
-            lora_train::models::sd::UNet2DConditionModel::from_diffusers(&pipe, &opts).unwrap();
+    assert_eq!(
+        get(&outputs, "kohya_te_modules").int64_value(&[0]),
+        TE_MODULES as i64
+    );
+    let ids = get(&outputs, "te_ids");
+    // (UNet output, text-encoder output) of our pipeline with the adapter file loaded
+    let forward_both = |adapter: Option<&Path>, expect: Option<(usize, usize)>| {
+        let mut p = sd::SdPipeline::from_diffusers(&pipe, Kind::Float, tch::Device::Cpu).unwrap();
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
         if let Some(a) = adapter {
-            sd::load_unet_adapter(&mut unet, a, "default", &vs.root()).unwrap();
+            let n = sd::load_adapter(&mut p, a, "default", &vs.root()).unwrap();
+            if let Some((u, te)) = expect {
+                assert_eq!((n.unet_modules, n.text_encoder_modules), (u, te));
+            }
         }
-        tch::no_grad(|| unet.forward(&x, &t, &ctx, None).unwrap())
+        tch::no_grad(|| {
+            (
+                p.unet.forward(&x, &t, &ctx, None).unwrap(),
+                p.condition(&ids, false).unwrap(),
+            )
+        })
     };
+    let forward = |adapter: Option<&Path>| forward_both(adapter, None).0;
     let base = get(&outputs, "base");
     let ours_base = forward(None);
     let tol = 1e-4;
     assert!(max_abs(&ours_base, &base) < tol, "base UNet");
-    // our kohya adapter in diffusers = our adapter in ours
+    // our kohya adapter in diffusers = our adapter in ours (UNet and text encoder)
     let theirs = get(&outputs, "kohya");
-    let ours = forward(Some(&kohya));
+    let (ours, ours_te) = forward_both(Some(&kohya), Some((MODULES, TE_MODULES)));
+    let (te_base, te_theirs) = (get(&outputs, "te_base"), get(&outputs, "te_kohya"));
+    let te_effect = max_abs(&te_theirs, &te_base);
+    let te_diff = max_abs(&ours_te, &te_theirs);
+    eprintln!(
+        "kohya adapter, text encoder: effect {te_effect:.3e}, ours vs diffusers {te_diff:.3e}"
+    );
+    assert!(
+        te_effect > 1e-3,
+        "the text-encoder adapter changes the output ({te_effect})"
+    );
+    assert!(te_diff < tol * te_effect.max(1.0), "{te_diff}");
     let effect = max_abs(&theirs, &base);
     let diff = max_abs(&ours, &theirs);
     eprintln!("kohya adapter: effect {effect:.3e}, ours vs diffusers {diff:.3e}");

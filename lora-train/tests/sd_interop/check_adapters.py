@@ -4,7 +4,10 @@
 1. Fixed UNet inputs (seeded): `sample` [2, 4, 16, 16], `timesteps` [2] int64 (10, 500),
    `encoder_hidden_states` [2, 77, 32] → `inputs.safetensors`.
 2. The base UNet's output (`base`), then the output after `pipe.load_lora_weights(<kohya file>)`
-   — the adapter our SD job trained, read by diffusers' kohya converter (`kohya`).
+   — the adapter our SD job trained, read by diffusers' kohya converter (`kohya`); the same for
+   the text encoder's `last_hidden_state` of the prompt "emoji, grinning face" (`te_ids`,
+   `te_base`, `te_kohya`) and the numbers of modules diffusers put the adapter on
+   (`kohya_modules`, `kohya_te_modules`).
 3. A fresh pipeline with a PEFT adapter made by diffusers itself:
    `unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=[to_q, to_k, to_v, to_out.0],
    init_lora_weights=False))` (random A and B), its output (`peft`), and the adapter written by
@@ -54,11 +57,23 @@ def main():
 
     out = {}
     pipe = StableDiffusionPipeline.from_pretrained(a.pipeline, safety_checker=None)
+    ids = pipe.tokenizer(
+        ["emoji, grinning face"], padding="max_length", max_length=77, truncation=True, return_tensors="pt"
+    ).input_ids
+    out["te_ids"] = ids.to(torch.int64).contiguous()
+
+    def run_te():
+        with torch.no_grad():
+            return pipe.text_encoder(ids).last_hidden_state.float().contiguous()
+
     out["base"] = run(pipe.unet)
+    out["te_base"] = run_te()
     pipe.load_lora_weights(a.kohya, adapter_name="ours")
-    loaded = [n for n, _ in pipe.unet.named_modules() if n.endswith("lora_A.ours")]
-    out["kohya_modules"] = torch.tensor([len(loaded)], dtype=torch.int64)
+    count = lambda m: sum(1 for n, _ in m.named_modules() if n.endswith("lora_A.ours"))  # noqa: E731
+    out["kohya_modules"] = torch.tensor([count(pipe.unet)], dtype=torch.int64)
+    out["kohya_te_modules"] = torch.tensor([count(pipe.text_encoder)], dtype=torch.int64)
     out["kohya"] = run(pipe.unet)
+    out["te_kohya"] = run_te()
 
     pipe = StableDiffusionPipeline.from_pretrained(a.pipeline, safety_checker=None)
     torch.manual_seed(11)
