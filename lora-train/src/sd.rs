@@ -926,6 +926,8 @@ pub struct SdRunSummary {
     pub vae_encodings: u64,
     /// Seconds spent training.
     pub train_seconds: f64,
+    /// Measured memory of the training steps (CPU runs; as the causal-LM job measures it).
+    pub memory: crate::llm::MeasuredMemory,
     /// Sample grids written.
     pub samples: Vec<PathBuf>,
     /// Adapter and summary files written.
@@ -1035,6 +1037,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             eprintln!("[{:6.1} s] {s}", t_start.elapsed().as_secs_f64());
         }
     };
+    // count tensor bytes from the start so the weights are in the allocator peak
+    let _ = lora_core::sys::install_counting_cpu_allocator();
     if let Some(n) = cfg.system.num_threads {
         tch::set_num_threads(n as i32);
     }
@@ -1337,11 +1341,24 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         Some(None) => crate::trainer::Resume::Latest,
         Some(Some(dir)) => crate::trainer::Resume::From(dir.clone()),
     };
+    let (rss_before_steps, hwm_process) = crate::llm::proc_rss();
+    let _ = crate::llm::reset_peak_rss();
+    let _ = lora_core::sys::cpu_reset_peak();
     let t_train = std::time::Instant::now();
     let rep = trainer
         .fit(&mut task, &mut source, resume)
         .map_err(|e| JobError::Runtime(format!("training: {e}")))?;
     let train_seconds = t_train.elapsed().as_secs_f64();
+    let (_, hwm_steps) = crate::llm::proc_rss();
+    let memory = crate::llm::MeasuredMemory {
+        rss_before_steps,
+        rss_peak_steps: hwm_steps,
+        rss_step_delta: hwm_steps.saturating_sub(rss_before_steps),
+        tensor_peak: lora_core::sys::cpu_mem_stats()
+            .map(|s| s.peak_bytes)
+            .unwrap_or(0),
+        rss_peak_process: hwm_process.max(hwm_steps),
+    };
     drop(trainer);
     if let Some(from) = rep.resumed_from {
         say(&format!("resumed at step {from}"));
@@ -1417,6 +1434,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         eval_loss_after,
         vae_encodings: *encoded.borrow(),
         train_seconds,
+        memory,
         samples,
         outputs,
     };
@@ -1432,6 +1450,17 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             eval_loss_after,
             100.0 * (eval_loss_after / eval_loss_before - 1.0)
         );
+        if let Some(p) = &summary.plan
+            && !cuda
+        {
+            println!(
+                "memory (CPU): tensor peak (counting allocator) {} vs predicted allocated peak {}; process peak RSS {} vs predicted {}",
+                lora_memory::Bytes(memory.tensor_peak),
+                p.estimate.peak_allocated,
+                lora_memory::Bytes(memory.rss_peak_process),
+                p.estimate.peak_process
+            );
+        }
         for o in summary.outputs.iter().chain(&summary.samples) {
             println!("wrote {}", o.display());
         }
