@@ -14,6 +14,7 @@ pub mod export;
 pub mod llm;
 pub mod metrics;
 pub mod optim;
+pub mod plot;
 pub mod precision;
 pub mod sched;
 pub mod sd;

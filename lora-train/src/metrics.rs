@@ -211,9 +211,10 @@ impl TensorBoardWriter {
     }
 }
 
-/// Draws a loss curve as a PNG (no text, no fonts): light grid, axes, the raw per-step loss in
-/// light blue and its exponential moving average (α = 0.1) in dark blue, y from the minimum to the
-/// maximum loss.
+/// Draws a loss curve as a PNG: light grid, axes, the raw per-step loss in light blue and its
+/// exponential moving average (α = 0.1) in dark blue, y from the minimum to the maximum loss;
+/// labelled with the built-in bitmap font ([`crate::plot`]): a title, the loss at the top, middle
+/// and bottom grid lines, and the first, middle and last step.
 ///
 /// # Errors
 /// Fewer than two finite points, or I/O / encoding errors.
@@ -230,9 +231,13 @@ pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u3
             hint: "need at least two steps with a finite loss".into(),
         });
     }
-    let (w, h) = (width.max(64), height.max(64));
+    let (w, h) = (width.max(160), height.max(100));
     let mut img = image::RgbImage::from_pixel(w, h, image::Rgb([255, 255, 255]));
+    let ink = image::Rgb([40, 40, 40]);
     let margin = 24f64;
+    // Room for the labels: loss values left of the plot, steps below it, a title above.
+    let left = 8.0 + 7.0 * crate::plot::CHAR_W as f64;
+    let bottom = 14.0 + crate::plot::CHAR_H as f64;
     let (x0, x1) = (pts[0].0, pts[pts.len() - 1].0.max(pts[0].0 + 1.0));
     let lo = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
     let hi = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
@@ -241,30 +246,60 @@ pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u3
     } else {
         (lo, hi)
     };
-    let px = |x: f64| margin + (x - x0) / (x1 - x0) * (w as f64 - 2.0 * margin);
-    let py = |y: f64| h as f64 - margin - (y - lo) / (hi - lo) * (h as f64 - 2.0 * margin);
+    let (pw, ph) = (w as f64 - left - margin, h as f64 - bottom - margin);
+    let px = |x: f64| left + (x - x0) / (x1 - x0) * pw;
+    let py = |y: f64| margin + (1.0 - (y - lo) / (hi - lo)) * ph;
+    let label = |v: f64| {
+        if v.abs() >= 100.0 {
+            format!("{v:.0}")
+        } else if v.abs() >= 10.0 {
+            format!("{v:.1}")
+        } else {
+            format!("{v:.3}")
+        }
+    };
+    let cw = crate::plot::CHAR_W;
+    crate::plot::draw_text(&mut img, left as u32, 6, "LOSS PER STEP, EMA DARK", 1, ink);
+    for (v, y) in [
+        (hi, margin),
+        ((hi + lo) / 2.0, margin + ph / 2.0),
+        (lo, margin + ph),
+    ] {
+        let t = label(v);
+        let x = (left as u32).saturating_sub(4 + t.len() as u32 * cw);
+        crate::plot::draw_text(&mut img, x, (y as u32).saturating_sub(3), &t, 1, ink);
+    }
+    for (step, x) in [
+        (x0, left),
+        ((x0 + x1) / 2.0, left + pw / 2.0),
+        (x1, left + pw),
+    ] {
+        let t = format!("{step:.0}");
+        let x = (x as u32).saturating_sub(t.len() as u32 * cw / 2);
+        crate::plot::draw_text(&mut img, x, h - bottom as u32 + 6, &t, 1, ink);
+    }
     let mut plot = |x: f64, y: f64, c: [u8; 3]| {
         if x >= 0.0 && y >= 0.0 && (x as u32) < w && (y as u32) < h {
             img.put_pixel(x as u32, y as u32, image::Rgb(c));
         }
     };
-    // Grid: 5 horizontal and 5 vertical lines.
+    // Grid: 5 horizontal and 5 vertical lines inside the plot area.
     for i in 0..=4 {
-        let gy = margin + i as f64 * (h as f64 - 2.0 * margin) / 4.0;
-        let gx = margin + i as f64 * (w as f64 - 2.0 * margin) / 4.0;
-        for t in 0..w {
+        let gy = margin + i as f64 * ph / 4.0;
+        let gx = left + i as f64 * pw / 4.0;
+        for t in (left as u32)..=((left + pw) as u32) {
             plot(t as f64, gy, [230, 230, 230]);
         }
-        for t in 0..h {
+        for t in (margin as u32)..=((margin + ph) as u32) {
             plot(gx, t as f64, [230, 230, 230]);
         }
     }
     // Axes.
-    for t in (margin as u32)..(w - margin as u32) {
-        plot(t as f64, h as f64 - margin, [0, 0, 0]);
+    for t in (left as u32)..=((left + pw) as u32) {
+        plot(t as f64, margin + ph, [0, 0, 0]);
     }
-    for t in (margin as u32)..(h - margin as u32) {
-        plot(margin, t as f64, [0, 0, 0]);
+    for t in (margin as u32)..=((margin + ph) as u32) {
+        plot(left, t as f64, [0, 0, 0]);
     }
     let mut line = |a: (f64, f64), b: (f64, f64), c: [u8; 3]| {
         let n = ((b.0 - a.0).abs().max((b.1 - a.1).abs()).ceil() as usize).max(1);
@@ -457,6 +492,15 @@ mod tests {
         assert_eq!(img.dimensions(), (200, 100));
         let dark = img.pixels().filter(|px| px.0 == [20, 50, 160]).count();
         assert!(dark > 100, "{dark} curve pixels");
+        // Labels are drawn (text ink) left of the y axis and under the x axis.
+        let ink = |x0: u32, x1: u32, y0: u32, y1: u32| {
+            (x0..x1)
+                .flat_map(|x| (y0..y1).map(move |y| (x, y)))
+                .filter(|&(x, y)| img.get_pixel(x, y).0 == [40, 40, 40])
+                .count()
+        };
+        assert!(ink(0, 40, 20, 85) > 20, "no y labels");
+        assert!(ink(40, 200, 85, 100) > 10, "no x labels");
         assert!(write_loss_png(&p, &pts[..1], 200, 100).is_err());
     }
 }
