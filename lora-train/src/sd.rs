@@ -20,7 +20,7 @@
 //!   precision, OOM back-off (batches split), NaN policy, checkpoints and exact resume (the
 //!   loader position is part of the checkpoint).
 //! - **Evaluation**: the loss on fixed noise and fixed timesteps ([`EVAL_TIMESTEPS`]) over the
-//!   first 8 items, before and after training ([`fixed_eval_loss`]).
+//!   8 items spread over the epoch, before and after training ([`fixed_eval_loss`]).
 //! - **Sampling**: DDIM or Euler (`logging.sample_sampler`, `sample_steps`,
 //!   `sample_guidance_scale`) on `logging.sample_prompts` (or the lines of
 //!   `logging.sample_prompt`) every `logging.sample_every_n_steps` steps and at the end, a PNG
@@ -558,14 +558,17 @@ impl ImageSource {
         })
     }
 
-    /// A fixed batch of the first `n` items (seed 0: centred crops, first caption line, no
-    /// shuffle decisions beyond seed 0) for held-out-style evaluation.
+    /// A fixed batch of `n` items spread evenly over the epoch's item list (so repeats of one
+    /// image are not picked twice when `n` ≤ the number of images), built with seed 0
+    /// (centred crops, no flips, captions as seed 0 shuffles them) for the fixed-noise
+    /// evaluation.
     ///
     /// # Errors
     /// Data / model errors.
     pub fn fixed_batch(&mut self, n: usize) -> crate::trainer::Result<SdBatch> {
         let len = self.loader.dataset().len();
-        let idx: Vec<usize> = (0..n.min(len)).collect();
+        let k = n.min(len).max(1);
+        let idx: Vec<usize> = (0..k).map(|j| j * len / k).collect();
         let seeds = vec![0u64; idx.len()];
         self.build(&idx, &seeds)
     }
@@ -1466,4 +1469,61 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         }
     }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kohya_folders_give_subsets_with_repeats_and_a_plain_folder_is_one_subset() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("3_cat")).unwrap();
+        std::fs::create_dir_all(d.path().join("notes")).unwrap();
+        let mut cfg = TrainConfig::default();
+        cfg.data.resolution = Some([64, 96]);
+        cfg.data.caption_extension = Some("caption".into());
+        cfg.data.keep_tokens = Some(2);
+        cfg.data.shuffle_caption = Some(true);
+        cfg.train.batch_size = 3;
+        let dc = dataset_config(&cfg, d.path()).unwrap();
+        let set = &dc.datasets[0];
+        assert_eq!(set.bucket.resolution, (64, 96));
+        assert_eq!(set.batch_size, 3);
+        assert_eq!(set.subsets.len(), 1);
+        let s = &set.subsets[0];
+        assert_eq!(s.image_dir, d.path().join("3_cat"));
+        assert_eq!(s.num_repeats, 3);
+        assert_eq!(s.class_tokens.as_deref(), Some("cat"));
+        assert_eq!(s.caption_extension, ".caption");
+        assert_eq!((s.keep_tokens, s.shuffle_caption), (2, true));
+        // no `<repeats>_<name>` folder: the folder itself, one repeat
+        let plain = tempfile::tempdir().unwrap();
+        let dc = dataset_config(&cfg, plain.path()).unwrap();
+        let s = &dc.datasets[0].subsets[0];
+        assert_eq!(s.image_dir, plain.path());
+        assert_eq!(s.num_repeats, 1);
+    }
+
+    #[test]
+    fn kohya_metadata_names_the_base_version_as_sd_scripts_does() {
+        let m = sd_metadata(Default::default(), false, true);
+        assert_eq!(m["ss_base_model_version"], "sd_v1");
+        assert_eq!(m["ss_v2"], "False");
+        assert_eq!(m["ss_network_train_unet_only"], "True");
+        let m = sd_metadata(Default::default(), true, false);
+        assert_eq!(m["ss_base_model_version"], "sd_v2");
+        assert_eq!(m["ss_v2"], "True");
+        assert_eq!(m["ss_network_train_unet_only"], "False");
+    }
+
+    #[test]
+    fn sd_folders_are_recognised_by_model_index_or_unet_config() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(!is_sd_model(d.path()));
+        std::fs::create_dir_all(d.path().join("unet")).unwrap();
+        std::fs::write(d.path().join("unet/config.json"), "{}").unwrap();
+        assert!(is_sd_model(d.path()));
+        assert!(!is_sd_model(&d.path().join("unet/config.json")));
+    }
 }
