@@ -390,3 +390,35 @@ fn the_sd15_character_config_reads_as_written_and_bad_sd_keys_are_named() {
         assert!(e.contains(key), "{text:?}: {e}");
     }
 }
+
+#[test]
+fn v_prediction_noise_offset_checkpointing_bf16_and_euler_samples_run_end_to_end() {
+    let r = run();
+    let mut cfg = config(&r.dir, "variants");
+    cfg.train.max_steps = Some(4);
+    cfg.train.prediction_type = Some("v_prediction".into());
+    cfg.train.noise_offset = 0.1;
+    cfg.train.gradient_checkpointing = true;
+    cfg.train.train_text_encoder = false;
+    cfg.train.mixed_precision = lora_train::config::Precision::Bf16;
+    cfg.train.save_every_n_steps = None;
+    cfg.logging.sample_every_n_steps = 2;
+    cfg.logging.sample_sampler = "euler".into();
+    cfg.logging.sample_steps = 4;
+    cfg.data.cache_latents = Some(false);
+    let s = sd::run(cfg, &RunOptions::default()).unwrap();
+    assert_eq!(s.steps, 4);
+    assert!(s.losses.iter().all(|(_, l)| l.is_finite() && *l > 0.0));
+    assert!(s.eval_loss_before.is_finite() && s.eval_loss_after.is_finite());
+    // the text encoder is frozen: the kohya file holds UNet modules only
+    let t = read(&r.dir.join("variants/emoji-tiny.safetensors"));
+    assert_eq!(t.len(), 3 * MODULES);
+    assert!(!r.dir.join("variants/latent_cache").exists());
+    for step in [2, 4] {
+        assert!(
+            r.dir
+                .join(format!("variants/samples/step-{step}.png"))
+                .is_file()
+        );
+    }
+}
