@@ -2,7 +2,7 @@
 //!
 //! `tests/sd_interop/make_pipeline.py` writes a tiny SD 1.x-style pipeline with random weights
 //! (diffusers `StableDiffusionPipeline.save_pretrained`) and a kohya folder of 16 real emoji with
-//! openmoji captions; `examples/configs/sd15-emoji-tiny.yaml` is trained on it (30 steps);
+//! openmoji captions; `examples/configs/sd15-emoji-tiny.yaml` is trained on it (60 steps);
 //! `tests/sd_interop/check_adapters.py` loads the kohya file we wrote into diffusers and makes a
 //! PEFT adapter with diffusers for us to load.
 
@@ -50,6 +50,14 @@ fn script(name: &str, args: &[&std::ffi::OsStr]) {
 const MODULES: usize = 4 * (2 * 4 + 2);
 /// Text-encoder modules (`train_text_encoder: true`): 2 layers × `q/k/v/out_proj`.
 const TE_MODULES: usize = 2 * 4;
+
+/// Training runs and model loads draw from torch's process-wide generator: tests that do
+/// either in this binary take this lock, so the resumed run sees exactly the numbers of the
+/// uninterrupted one.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 struct Run {
     dir: PathBuf,
@@ -225,6 +233,7 @@ fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours()
             check.as_os_str(),
         ],
     );
+    let _serial = serial();
     let inputs = read(&check.join("inputs.safetensors"));
     let outputs = read(&check.join("outputs.safetensors"));
     let (x, t, ctx) = (
@@ -296,6 +305,7 @@ fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours()
 #[test]
 fn a_run_resumed_from_its_step_30_checkpoint_ends_with_the_same_adapter() {
     let r = run();
+    let _serial = serial();
     let ck = r.dir.join("out/checkpoints/step-00000030");
     assert!(ck.is_dir(), "{} missing", ck.display());
     let s = sd::run(
@@ -394,6 +404,7 @@ fn the_sd15_character_config_reads_as_written_and_bad_sd_keys_are_named() {
 #[test]
 fn v_prediction_noise_offset_checkpointing_bf16_and_euler_samples_run_end_to_end() {
     let r = run();
+    let _serial = serial();
     let mut cfg = config(&r.dir, "variants");
     cfg.train.max_steps = Some(4);
     cfg.train.prediction_type = Some("v_prediction".into());
