@@ -1788,7 +1788,12 @@ impl TrainConfig {
             &mut t.train_text_encoder,
         )?;
         if let Some(n) = t.clip_skip {
-            check_range("train.clip_skip", n, n >= 1, "an integer >= 1 (1 = last layer)")?;
+            check_range(
+                "train.clip_skip",
+                n,
+                n >= 1,
+                "an integer >= 1 (1 = last layer)",
+            )?;
         }
 
         // special spellings: use_fp16, use_8bit_adam, full_bf16
@@ -2130,17 +2135,88 @@ impl TrainConfig {
 }
 
 fn parse_yaml(text: &str) -> std::result::Result<Value, String> {
-    serde_yaml_ng::from_str::<Value>(text).map_err(|e| e.to_string())
+    let y: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).map_err(|e| e.to_string())?;
+    Ok(yaml_to_json(&y))
+}
+
+/// YAML → JSON values. JSON has no NaN/Infinity (serde_json turns them into `null`, which would
+/// read as "key absent" and silently keep the default): they become strings that no numeric key
+/// accepts, so `learning_rate: .nan` is an error naming the key.
+fn yaml_to_json(y: &serde_yaml_ng::Value) -> Value {
+    use serde_yaml_ng::Value as Y;
+    match y {
+        Y::Null => Value::Null,
+        Y::Bool(b) => Value::Bool(*b),
+        Y::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                Value::from(i)
+            } else if let Some(u) = n.as_u64() {
+                Value::from(u)
+            } else {
+                let f = n.as_f64().unwrap_or(f64::NAN);
+                serde_json::Number::from_f64(f)
+                    .map(Value::Number)
+                    .unwrap_or_else(|| Value::String(format!("{f} (not a finite number)")))
+            }
+        }
+        Y::String(s) => Value::String(s.clone()),
+        Y::Sequence(v) => Value::Array(v.iter().map(yaml_to_json).collect()),
+        Y::Mapping(m) => Value::Object(
+            m.iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        Y::String(s) => s.clone(),
+                        other => serde_yaml_ng::to_string(other)
+                            .map(|t| t.trim().to_string())
+                            .unwrap_or_default(),
+                    };
+                    (key, yaml_to_json(v))
+                })
+                .collect(),
+        ),
+        Y::Tagged(t) => yaml_to_json(&t.value),
+    }
 }
 
 fn parse_toml(text: &str) -> std::result::Result<Value, String> {
     let t: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
-    serde_json::to_value(t).map_err(|e| e.to_string())
+    Ok(toml_to_json(&toml::Value::Table(t)))
+}
+
+/// TOML → JSON values, with non-finite floats kept visible as for YAML.
+fn toml_to_json(t: &toml::Value) -> Value {
+    match t {
+        toml::Value::Float(f) => serde_json::Number::from_f64(*f)
+            .map(Value::Number)
+            .unwrap_or_else(|| Value::String(format!("{f} (not a finite number)"))),
+        toml::Value::Array(a) => Value::Array(a.iter().map(toml_to_json).collect()),
+        toml::Value::Table(m) => Value::Object(
+            m.iter()
+                .map(|(k, v)| (k.clone(), toml_to_json(v)))
+                .collect(),
+        ),
+        other => serde_json::to_value(other).unwrap_or(Value::Null),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_numbers_are_errors_not_defaults() {
+        for text in [
+            "train:\n  learning_rate: .nan\n",
+            "train:\n  learning_rate: .inf\n",
+        ] {
+            let e = TrainConfig::from_yaml_str(text).unwrap_err().to_string();
+            assert!(e.contains("train.learning_rate"), "{e}");
+        }
+        let e = TrainConfig::from_toml_str("[train]\nlearning_rate = nan\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.learning_rate"), "{e}");
+    }
 
     #[test]
     fn edit_distance_counts_single_edits() {

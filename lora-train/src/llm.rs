@@ -617,6 +617,63 @@ pub fn reset_peak_rss() -> bool {
 
 /// Reads the training text: one file, or every `.txt` file of a folder (sorted), cut to
 /// `max_bytes` at a character boundary.
+/// Prepares `train.output_dir` before anything is loaded: it must be a folder (or not exist
+/// yet). When it holds a previous run's `checkpoints/` (and `logs/`) and this run is not a
+/// `--resume`, those are moved aside as `<name>.prev-<unix time>`: a fresh run never interleaves
+/// its checkpoints and metrics with an old run's (a later `--resume` would continue the wrong
+/// one), and nothing the old run left is deleted.
+///
+/// # Errors
+/// [`JobError::Config`] naming `train.output_dir` when it is a file; [`JobError::Runtime`] when
+/// moving fails.
+pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<()> {
+    let out = PathBuf::from(&cfg.train.output_dir);
+    if out.exists() && !out.is_dir() {
+        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "train.output_dir".into(),
+            value: format!("{:?}", cfg.train.output_dir),
+            expected: "a folder, but a file of that name exists; choose another output_dir".into(),
+        }));
+    }
+    let ckpt = out.join("checkpoints");
+    let has_run = std::fs::read_dir(&ckpt)
+        .map(|rd| {
+            rd.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("step-"))
+        })
+        .unwrap_or(false);
+    if !has_run || opts.resume.is_some() {
+        return Ok(());
+    }
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut names = vec!["checkpoints".to_string()];
+    if cfg.logging.logging_dir.is_none() {
+        names.push("logs".into());
+    }
+    for name in names {
+        let p = out.join(&name);
+        if p.exists() {
+            let kept = out.join(format!("{name}.prev-{stamp}"));
+            std::fs::rename(&p, &kept).map_err(rt(&format!(
+                "moving the previous run's {} aside to {}",
+                p.display(),
+                kept.display()
+            )))?;
+            if opts.verbose {
+                eprintln!(
+                    "{} held a previous run: kept its {name}/ as {} (use --resume to continue a run)",
+                    out.display(),
+                    kept.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf>)> {
     let files: Vec<PathBuf> = if path.is_dir() {
         let mut v: Vec<PathBuf> = std::fs::read_dir(path)
@@ -1107,6 +1164,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
         }
     }
+
+    check_output_dir(&cfg, opts)?;
 
     // Data first: a missing or unreadable (non-UTF-8) data file fails before the model loads.
     let data_written =

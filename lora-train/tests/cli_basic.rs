@@ -319,6 +319,28 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    // The same command again would replace the file: refused (exit 2, file untouched) unless --force.
+    let before = std::fs::read(&kohya).unwrap();
+    let again = |force: bool| {
+        let mut c = bin();
+        c.args(["convert", "--to", "kohya", "--input"])
+            .arg(&peft_dir)
+            .arg("--output")
+            .arg(&kohya);
+        if force {
+            c.arg("--force");
+        }
+        c.output().unwrap()
+    };
+    let o = again(false);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("already exists") && text(&o).contains("--force"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(std::fs::read(&kohya).unwrap(), before);
+    assert_eq!(again(true).status.code(), Some(0));
     let back = dir.path().join("back");
     let o = bin()
         .args(["export", "--to", "peft", "--input"])

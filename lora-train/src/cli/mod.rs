@@ -89,6 +89,9 @@ pub enum Command {
         /// Output folder (PEFT) or .safetensors file (kohya).
         #[arg(long, short)]
         output: PathBuf,
+        /// Replace the output if it exists (by default an existing output is an error).
+        #[arg(long)]
+        force: bool,
     },
     /// Merge an adapter into its base and write the merged weights (safetensors, HF names).
     Merge {
@@ -101,6 +104,9 @@ pub enum Command {
         /// Output .safetensors file.
         #[arg(long, short)]
         output: PathBuf,
+        /// Replace the output if it exists (by default an existing output is an error).
+        #[arg(long)]
+        force: bool,
     },
     /// Perplexity of a text file under the base model, with or without an adapter.
     Eval {
@@ -156,6 +162,18 @@ pub enum Command {
     /// Caption a folder of images (image tagger) or tag text descriptions (LLM tagger).
     #[cfg(feature = "tagger")]
     Tag(tag::TagArgs),
+}
+
+/// An existing output is only replaced with `--force` (exit 2 otherwise), so a typo in `--output`
+/// never destroys a file the user had.
+fn refuse_existing(output: &std::path::Path, force: bool) -> Result<(), CliError> {
+    if output.exists() && !force {
+        return Err(CliError::usage(format!(
+            "--output {} already exists; choose another path, or pass --force to replace it",
+            output.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Adapter file formats.
@@ -232,19 +250,27 @@ pub fn main() -> i32 {
             json,
         } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json),
         Command::Doctor => doctor::run(),
-        Command::Convert { input, to, output } => convert::run(
-            &input,
-            match to {
-                Format::Peft => lora_train::config::ExportFormat::Peft,
-                Format::Kohya => lora_train::config::ExportFormat::Kohya,
-            },
-            &output,
-        ),
+        Command::Convert {
+            input,
+            to,
+            output,
+            force,
+        } => refuse_existing(&output, force).and_then(|()| {
+            convert::run(
+                &input,
+                match to {
+                    Format::Peft => lora_train::config::ExportFormat::Peft,
+                    Format::Kohya => lora_train::config::ExportFormat::Kohya,
+                },
+                &output,
+            )
+        }),
         Command::Merge {
             model,
             adapter,
             output,
-        } => merge::run(&model, &adapter, &output),
+            force,
+        } => refuse_existing(&output, force).and_then(|()| merge::run(&model, &adapter, &output)),
         Command::Eval {
             model,
             adapter,
