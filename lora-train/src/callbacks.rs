@@ -211,7 +211,7 @@ fn human_bytes(b: u64) -> String {
 ///
 /// When stderr is not a terminal (a log file, CI, a pipe), it prints plain lines instead:
 /// `step 40/200 [00:01:02 < 00:04:08] loss … | lr … | … it/s | mem …`, every
-/// `max(1, total/20)` steps (or [`ProgressBar::every`]) and at the last step.
+/// `max(1, total/20)` steps (or [`ProgressBar::every`]), at the first step and at the last.
 pub struct ProgressBar {
     bar: Option<indicatif::ProgressBar>,
     plain: Option<PlainProgress>,
@@ -318,7 +318,7 @@ impl Callback for ProgressBar {
             bar.set_message(Self::message(info));
         }
         if let Some(p) = &self.plain
-            && (info.step % p.every == 0 || info.step >= p.total)
+            && (info.step % p.every == 0 || info.step >= p.total || info.step == p.start_step + 1)
         {
             let elapsed = p.started.elapsed().as_secs_f64();
             let done = info.step.saturating_sub(p.start_step).max(1) as f64;

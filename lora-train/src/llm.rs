@@ -1356,6 +1356,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     ));
 
     // before
+    if !eval_ids.is_empty() {
+        say("evaluating held-out perplexity before training");
+    }
     let eval_before = evaluate(&model, &eval_ids, seq_len)?;
     if let Some(e) = eval_before {
         say(&format!(
@@ -1449,6 +1452,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
 
     // after
+    if !eval_ids.is_empty() {
+        say("evaluating held-out perplexity after training");
+    }
     let eval_after = evaluate(&model, &eval_ids, seq_len)?;
     let sample_after = match &cfg.logging.sample_prompt {
         Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
