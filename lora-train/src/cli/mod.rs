@@ -27,7 +27,7 @@ pub const EXIT_DOES_NOT_FIT: i32 = 3;
 const AFTER_HELP: &str = "\
 Exit codes:
   0  ok
-  1  runtime failure (I/O, libtorch, training)
+  1  runtime failure (I/O, libtorch, training; tag: some images failed, the others were written)
   2  bad usage or invalid config (unknown keys, bad values, conflicts, missing files)
   3  predicted not to fit the memory budget (plan; train without --force)
 
