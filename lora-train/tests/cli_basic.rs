@@ -192,6 +192,21 @@ fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
     let peak = v["estimate"]["peak"].as_u64().unwrap();
     assert!(peak <= 12 << 30, "{peak}");
     assert_eq!(v["budget"]["bytes"].as_u64().unwrap(), 12 << 30);
+    // a budget written for CUDA plans for CUDA; an unknown device prefix is a usage error
+    let o = bin()
+        .args(["plan", "--budget", "cuda: 200GB", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("device cuda"), "{}", text(&o));
+    let o = bin()
+        .args(["plan", "--budget", "tpu: 6GB", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("unknown device \"tpu\""), "{}", text(&o));
     // an unknown GPU is a usage error listing the known ones
     let o = bin()
         .args(["plan", "--gpu", "Voodoo 5", "--config"])

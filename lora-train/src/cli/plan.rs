@@ -21,7 +21,25 @@ pub fn run(
     };
     // A GPU budget plans for CUDA; otherwise the config's device decides ("auto" = CUDA when a
     // GPU budget is set in the config, else CPU — plan never touches libtorch).
+    // A budget written for a device (`"cuda: 6GB"`, `"max_memory: cuda: 6GB"`) plans for it.
+    let budget_device = budget.and_then(|b| {
+        let parts: Vec<&str> = b.split(':').map(str::trim).collect();
+        (parts.len() > 1)
+            .then(|| parts[parts.len() - 2].to_ascii_lowercase())
+            .filter(|d| d != "max_memory")
+    });
+    if let Some(d) = &budget_device
+        && !(d == "cuda" || d.starts_with("cuda") || d == "cpu" || d.parse::<u32>().is_ok())
+    {
+        return Err(CliError::usage(format!(
+            "--budget {:?}: unknown device {d:?} before the size; write \"cuda: 6GB\", \"cpu: 16GB\" or just \"6GB\"",
+            budget.unwrap_or_default()
+        )));
+    }
     let cuda = gpu.is_some()
+        || budget_device
+            .as_deref()
+            .is_some_and(|d| d.starts_with("cuda") || d.parse::<u32>().is_ok())
         || cfg.system.device.starts_with("cuda")
         || (cfg.system.device == "auto" && cfg.memory.gpu.is_some());
     let p = llm::plan(&mut cfg, config.parent(), override_budget, cuda)?;
