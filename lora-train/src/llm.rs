@@ -1158,11 +1158,12 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     }
 
     // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).
-    if !cuda && cfg.memory.cpu_return_freed && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+    if !cuda
+        && cfg.memory.cpu_return_freed
+        && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+        && lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD)
     {
-        if lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD) {
-            say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
-        }
+        say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
     }
 
     check_output_dir(&cfg, opts)?;
