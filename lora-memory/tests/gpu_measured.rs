@@ -42,8 +42,16 @@ fn predictions_bound_the_h200_measurements() {
         let mr = r["max_reserved"].as_f64().unwrap();
         let ea = (e.peak_allocated.0 as f64 - ma) / ma;
         let er = (e.peak_reserved.0 as f64 - mr) / mr;
-        assert!((0.0..=0.15).contains(&ea), "{}: allocated {ea:+.3}", r["id"]);
-        assert!((-0.20..=0.10).contains(&er), "{}: reserved {er:+.3}", r["id"]);
+        assert!(
+            (0.0..=0.15).contains(&ea),
+            "{}: allocated {ea:+.3}",
+            r["id"]
+        );
+        assert!(
+            (-0.20..=0.10).contains(&er),
+            "{}: reserved {er:+.3}",
+            r["id"]
+        );
         abs += ea.abs() + er.abs();
     }
     let mape = abs / 12.0;
