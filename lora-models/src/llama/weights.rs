@@ -5,17 +5,15 @@
 //! `LLM_TENSOR_NAMES`) and undoes the converter's Q/K row permutation.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use lora_core::base::BaseWeight;
 use lora_core::quant::{QuantKind, QuantWeight};
-use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufFile, dequantize, permute_rows, unpermute_qk_src_row};
+use crate::sd::load::{SafetensorsFiles, TensorSource, weight_files};
 
 /// How frozen base weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,116 +192,26 @@ impl WeightSource for GgufSource<'_> {
 }
 
 /// An HF safetensors checkpoint: one `model.safetensors` or shards listed by
-/// `model.safetensors.index.json` (`{"weight_map": {name: file}}`), memory-mapped.
+/// `model.safetensors.index.json` (`{"weight_map": {name: file}}`), memory-mapped through the
+/// crate's one safetensors reader ([`crate::sd::load::SafetensorsFiles`]).
 pub(crate) struct SafetensorsSource {
     dir: PathBuf,
-    files: Vec<(PathBuf, Mmap, usize, safetensors::tensor::Metadata)>,
-    index: HashMap<String, usize>,
+    files: SafetensorsFiles,
     pub(crate) mode: WeightMode,
-    pub(crate) device: Device,
 }
 
 impl SafetensorsSource {
     pub(crate) fn open(dir: &Path, mode: WeightMode, device: Device) -> Result<Self> {
-        let single = dir.join("model.safetensors");
-        let index_path = dir.join("model.safetensors.index.json");
-        let names: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|source| Error::Io {
-                path: index_path.clone(),
-                source,
-            })?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
-                path: index_path.clone(),
-                msg: e.to_string(),
-            })?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::Config {
-                    path: index_path.clone(),
-                    msg: "no `weight_map` object".into(),
-                })?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect();
-            files.sort();
-            files.dedup();
-            files.into_iter().map(|f| dir.join(f)).collect()
-        } else if single.exists() {
-            vec![single]
-        } else {
-            return Err(Error::Io {
-                path: single,
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "neither model.safetensors nor model.safetensors.index.json in the folder",
-                ),
-            });
-        };
-        let mut files = Vec::new();
-        let mut index = HashMap::new();
-        for path in names {
-            let f = File::open(&path).map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            // SAFETY: read-only map; the file must not change while the model loads.
-            let mmap = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
-                path: path.clone(),
-                msg: e.to_string(),
-            })?;
-            for name in meta.tensors().keys() {
-                index.insert(name.clone(), files.len());
-            }
-            files.push((path, mmap, n, meta));
-        }
+        let paths = weight_files(dir, &["model.safetensors".to_string()])?;
         Ok(Self {
             dir: dir.to_path_buf(),
-            files,
-            index,
+            files: SafetensorsFiles::open(&paths, dir, device)?,
             mode,
-            device,
         })
     }
 
     fn load(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
-        let Some(&fi) = self.index.get(name) else {
-            return Ok(None);
-        };
-        let (path, mmap, n, meta) = &self.files[fi];
-        let info = meta.info(name).ok_or_else(|| Error::MissingTensor {
-            name: name.into(),
-            path: path.clone(),
-        })?;
-        let src_kind = match info.dtype {
-            Dtype::F32 => Kind::Float,
-            Dtype::F16 => Kind::Half,
-            Dtype::BF16 => Kind::BFloat16,
-            Dtype::F64 => Kind::Double,
-            other => {
-                return Err(Error::Unsupported {
-                    what: "safetensors dtype",
-                    value: format!("{other:?} (tensor `{name}` in {})", path.display()),
-                    hint: "supported: F32, F16, BF16, F64".into(),
-                });
-            }
-        };
-        let start = 8 + n + info.data_offsets.0;
-        let end = 8 + n + info.data_offsets.1;
-        let bytes = mmap.get(start..end).ok_or_else(|| Error::Safetensors {
-            path: path.clone(),
-            msg: format!("tensor `{name}` data {start}..{end} lies outside the file"),
-        })?;
-        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
-        // `from_data_size` copies the bytes, so the map need not outlive the tensor and
-        // unaligned data is fine; bf16 is built from bytes (tch-rs #995).
-        let t = Tensor::f_from_data_size(bytes, &shape, src_kind)?;
-        Ok(Some(t.f_to_kind(kind)?.f_to_device(self.device)?))
+        self.files.tensor(name, kind)
     }
 }
 
@@ -324,7 +232,7 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn has(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.files.contains(name)
     }
 
     fn origin(&self) -> PathBuf {
