@@ -823,6 +823,11 @@ impl<S: TrainStep> Trainer<S> {
         let tokens: u64 = batches.iter().map(|b| task.batch_tokens(b)).sum();
         let n_pieces = batches.len() * split;
         let mut loss_sum = 0.0;
+        // The fp16 loss scale is fixed within a step: read it (a device sync) once, not per piece.
+        let fp16_scale = match scaler {
+            Some(s) => s.scale_value()?,
+            None => 1.0,
+        };
         for b in batches {
             let pieces = if split > 1 {
                 Some(task.split_batch(b, split)?)
@@ -839,10 +844,7 @@ impl<S: TrainStep> Trainer<S> {
                 } else {
                     1.0 / n_pieces as f64
                 };
-                let loss_scale = match scaler {
-                    Some(s) => w * s.scale_value()?,
-                    None => w,
-                };
+                let loss_scale = w * fp16_scale;
                 let own = {
                     let _ac = self.cfg.precision.autocast(self.cfg.device)?;
                     task.loss_backward(piece, loss_scale)?
