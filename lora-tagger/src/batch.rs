@@ -30,11 +30,8 @@ use crate::error::{Error, Result};
 /// Fraction of the free memory a micro-batch may plan for.
 pub const HEADROOM: f64 = 0.8;
 
-/// True for libtorch's out-of-memory messages: CUDA ("CUDA out of memory", "out of memory") and
-/// the CPU allocator ("DefaultCPUAllocator: can't allocate memory").
-pub fn is_oom_message(msg: &str) -> bool {
-    msg.contains("out of memory") || msg.contains("can't allocate memory")
-}
+/// True for libtorch's out-of-memory messages (the one definition, in lora-core).
+pub use lora_core::oom::is_oom_message;
 
 /// True when `e` is a libtorch out-of-memory error.
 pub fn is_oom(e: &Error) -> bool {
@@ -334,7 +331,9 @@ impl AdaptiveBatcher {
         while pos < items.len() {
             let n = self.micro_batch.min(items.len() - pos);
             let chunk = &items[pos..pos + n];
-            match f(chunk) {
+            // catch_oom: an allocation failure inside a tch op taking a Scalar is a panic in
+            // tch; it takes the same halving path as an OOM error.
+            match lora_core::oom::catch_oom(|| f(chunk)) {
                 Ok(o) => {
                     if o.len() != n {
                         return Err(Error::Format {
