@@ -645,29 +645,38 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<()> {
     if !has_run || opts.resume.is_some() {
         return Ok(());
     }
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
     let mut names = vec!["checkpoints".to_string()];
     if cfg.logging.logging_dir.is_none() {
         names.push("logs".into());
     }
+    if opts.verbose {
+        eprintln!(
+            "{} holds a previous run; starting a new one (use --resume to continue it)",
+            out.display()
+        );
+    }
+    move_aside(&out, &names, opts.verbose)?;
+    Ok(())
+}
+
+/// Renames each existing `dir/<name>` to `dir/<name>.prev-<unix time>` (nothing is deleted), and
+/// says so when `verbose`.
+fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<()> {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     for name in names {
-        let p = out.join(&name);
+        let p = dir.join(name);
         if p.exists() {
-            let kept = out.join(format!("{name}.prev-{stamp}"));
+            let kept = dir.join(format!("{name}.prev-{stamp}"));
             std::fs::rename(&p, &kept).map_err(rt(&format!(
-                "moving the previous run's {} aside to {}",
+                "moving the existing {} aside to {}",
                 p.display(),
                 kept.display()
             )))?;
-            if opts.verbose {
-                eprintln!(
-                    "{} held a previous run: kept its {name}/ as {} (use --resume to continue a run)",
-                    out.display(),
-                    kept.display()
-                );
+            if verbose {
+                eprintln!("kept the existing {} as {}", p.display(), kept.display());
             }
         }
     }
@@ -1479,28 +1488,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         },
     );
     // Never overwrite what an earlier run (or the user) left under the same names: move it aside.
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    for name in [
-        cfg.train.output_name.clone(),
-        format!("{}.safetensors", cfg.train.output_name),
-        "summary.json".to_string(),
-    ] {
-        let p = out_dir.join(&name);
-        if p.exists() {
-            let kept = out_dir.join(format!("{name}.prev-{stamp}"));
-            std::fs::rename(&p, &kept).map_err(rt(&format!(
-                "moving the existing {} aside to {}",
-                p.display(),
-                kept.display()
-            )))?;
-            if opts.verbose {
-                println!("kept the existing {} as {}", p.display(), kept.display());
-            }
-        }
-    }
+    move_aside(
+        &out_dir,
+        &[
+            cfg.train.output_name.clone(),
+            format!("{}.safetensors", cfg.train.output_name),
+            "summary.json".to_string(),
+        ],
+        opts.verbose,
+    )?;
     let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir)
         .map_err(rt("exporting the adapter"))?;
     let mut summary = RunSummary {
