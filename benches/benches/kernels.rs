@@ -7,6 +7,9 @@
 //   then matmul) for Q8_0, Q4_1 and NF4, vs the dense f32 base;
 // - `optimizer_step`: one step of AdamW, AdamW8bit and Adafactor over the SmolLM2 adapter
 //   (rank 8 on q,k,v,o,gate,up,down × 30 layers: 4.88 M parameters);
+// - `quantize_8bit`: AdamW8bit's nearest-code search over 4.88 M block-normalized moment values
+//   (signed map), by binary search (`bucketize`) vs by the bit-pattern table, and the whole
+//   block-wise quantize (absmax, divide, table) of the same 4.88 M values;
 // - `image`: decode → resize → bucket crop → tensor of 64 emoji PNGs (assets/emoji/img, 128 px);
 // - `text`: tokenize (SmolLM2's byte-level BPE) and pack Hamlet into 512-token rows.
 //
@@ -24,7 +27,9 @@ use lora_core::config::AdapterSpec;
 use lora_core::layer::LoraLayer;
 use lora_core::linear::LoraLinear;
 use lora_core::quant::{QuantKind, QuantWeight};
-use lora_train::optim::{AdafactorConfig, AdamWConfig, OptimizerKind, ParamGroup};
+use lora_train::optim::{
+    AdafactorConfig, AdamWConfig, DynamicMap, OptimizerKind, ParamGroup, QuantizedState,
+};
 use tch::{Device, Kind, Tensor, nn};
 
 const HIDDEN: i64 = 576;
@@ -158,6 +163,28 @@ fn optimizer_step(c: &mut Criterion) {
     g.finish();
 }
 
+fn quantize_8bit(c: &mut Criterion) {
+    tch::manual_seed(3);
+    let n = 4_884_480; // the SmolLM2 adapter's parameter count, a whole number of 2048-blocks
+    // Adam-like first moments: normal values whose scale varies over decades between blocks.
+    let m = Tensor::randn([n / 2048, 2048], (Kind::Float, Device::Cpu))
+        * Tensor::randn([n / 2048, 1], (Kind::Float, Device::Cpu)).exp()
+        * 1e-3;
+    let normed = &m / m.abs().amax([1i64].as_slice(), true);
+    let map = DynamicMap::new(true, Device::Cpu).unwrap();
+    let mut g = c.benchmark_group("quantize_8bit");
+    g.bench_function("nearest_code_search_4.9M", |b| {
+        b.iter(|| black_box(map.index_by_search(&normed).unwrap()))
+    });
+    g.bench_function("nearest_code_table_4.9M", |b| {
+        b.iter(|| black_box(map.index(&normed).unwrap()))
+    });
+    g.bench_function("blockwise_quantize_4.9M", |b| {
+        b.iter(|| black_box(QuantizedState::quantize(&m, &map).unwrap()))
+    });
+    g.finish();
+}
+
 fn image(c: &mut Criterion) {
     use lora_data::image::{
         BucketConfig, DatasetConfig, ImageDataset, ImageSetConfig, SubsetConfig,
@@ -254,6 +281,6 @@ fn short() -> Criterion {
 criterion_group! {
     name = kernels;
     config = short();
-    targets = lora_linear, quant_linear, optimizer_step, image, text
+    targets = lora_linear, quant_linear, optimizer_step, quantize_8bit, image, text
 }
 criterion_main!(kernels);

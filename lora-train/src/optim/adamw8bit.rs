@@ -23,14 +23,32 @@ use super::{
 use crate::optim::Optimizer;
 use crate::trainer::{Result, TrainError};
 
-/// A 256-entry quantization code (sorted ascending) and its 255 decision midpoints.
+/// A 256-entry quantization code (sorted ascending), its 255 decision midpoints, and a table that
+/// finds the nearest code of a value without a search.
+///
+/// [`DynamicMap::index`] gives the same codes as a binary search over `mids` (`torch.bucketize`
+/// with `right=False`, which [`DynamicMap::index_by_search`] runs): the number of midpoints strictly
+/// below the value, so a value exactly on a midpoint takes the lower code, and NaN takes code 255.
+/// It reads the value's top 16 bits (sign, exponent and 7 mantissa bits) as an index into a
+/// 65,536-entry table holding the number of midpoints below every float with those bits; no two
+/// midpoints of either dynamic code share those bits (the densest codes are 0.007 apart near 1,
+/// the bits 0.004), so one comparison with the next midpoint finishes the count. A handful of
+/// elementwise ops instead of an 8-step search per element, on any device.
 #[derive(Debug)]
 pub struct DynamicMap {
     /// Code values, `[256]` fp32, sorted ascending, in `[-1, 1]` (signed) or `[0, 1]` (unsigned).
     pub code: Tensor,
     /// Midpoints between consecutive code values, `[255]` fp32 (nearest-value rounding).
     pub mids: Tensor,
+    /// `[65536]` int32: for each value of an f32's top 16 bits, the number of midpoints below the
+    /// smallest float with those bits.
+    below: Tensor,
+    /// `[256]` fp32: `mids` followed by `+inf` (the next midpoint after `below[·]` of them).
+    next_mid: Tensor,
 }
+
+/// Low bits of an f32 dropped to index [`DynamicMap`]'s table (16 kept: 65,536 entries).
+const TABLE_SHIFT: u32 = 16;
 
 impl DynamicMap {
     /// The code values as plain numbers (see the module docs for the construction).
@@ -61,17 +79,100 @@ impl DynamicMap {
         v
     }
 
+    /// The decision midpoints of `values(signed)`: `(v[i] + v[i + 1]) / 2` in f32, `[255]`.
+    pub fn midpoints(signed: bool) -> Vec<f32> {
+        Self::values(signed)
+            .windows(2)
+            .map(|w| (w[0] + w[1]) / 2.0)
+            .collect()
+    }
+
+    /// The index table of [`DynamicMap`]: for each top-16-bit pattern `t`, the number of `mids`
+    /// strictly below the smallest float whose bits start with `t` (255 where that float is NaN;
+    /// [`DynamicMap::index`] never looks those up).
+    pub fn below_table(mids: &[f32]) -> Vec<i32> {
+        (0u32..1 << (32 - TABLE_SHIFT))
+            .map(|t| {
+                let low = (1u32 << TABLE_SHIFT) - 1;
+                // Positive patterns grow with the low bits, negative ones shrink.
+                let bits = if t >> (31 - TABLE_SHIFT) == 0 {
+                    t << TABLE_SHIFT
+                } else {
+                    (t << TABLE_SHIFT) | low
+                };
+                let smallest = f32::from_bits(bits);
+                if smallest.is_nan() {
+                    mids.len() as i32
+                } else {
+                    mids.partition_point(|m| *m < smallest) as i32
+                }
+            })
+            .collect()
+    }
+
     /// The map on `device`.
     ///
     /// # Errors
     /// A libtorch error.
     pub fn new(signed: bool, device: Device) -> Result<Self> {
         let v = Self::values(signed);
-        let mids: Vec<f32> = v.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+        let mids = Self::midpoints(signed);
+        let below = Self::below_table(&mids);
+        let mut next_mid = mids.clone();
+        next_mid.push(f32::INFINITY);
         Ok(Self {
             code: Tensor::from_slice(&v).f_to_device(device)?,
             mids: Tensor::from_slice(&mids).f_to_device(device)?,
+            below: Tensor::from_slice(&below).f_to_device(device)?,
+            next_mid: Tensor::from_slice(&next_mid).f_to_device(device)?,
         })
+    }
+
+    /// The index of the nearest code of each element of `x` (any shape, fp32), as u8 of `x`'s
+    /// shape: the number of midpoints strictly below the value (a value exactly on a midpoint takes
+    /// the lower code; NaN takes 255, `+inf` 255, `-inf` 0) — the same as
+    /// [`DynamicMap::index_by_search`], by table lookup (see the type's docs).
+    ///
+    /// # Errors
+    /// A libtorch error.
+    pub fn index(&self, x: &Tensor) -> Result<Tensor> {
+        let finite = x
+            .f_to_kind(Kind::Float)?
+            .f_nan_to_num(Some(2.0), None, None)?;
+        self.lookup(finite)
+    }
+
+    /// [`DynamicMap::index`] on an fp32 tensor it may overwrite.
+    fn index_owned(&self, mut x: Tensor) -> Result<Tensor> {
+        let _ = x.f_nan_to_num_(Some(2.0), None, None)?;
+        self.lookup(x)
+    }
+
+    /// The table lookup over fp32 `x` without NaN. NaN was replaced by 2 (above every midpoint:
+    /// code 255, where the binary search puts NaN) and ±inf by ±f32::MAX (same codes), so every
+    /// pattern looked up is a finite float's.
+    fn lookup(&self, x: Tensor) -> Result<Tensor> {
+        let shape = x.size();
+        let x = x.f_reshape([-1])?.f_contiguous()?;
+        let top = x
+            .f_view_dtype(Kind::Int)?
+            .f_bitwise_right_shift_tensor_scalar(TABLE_SHIFT as i64)?
+            .f_bitwise_and_((1i64 << (32 - TABLE_SHIFT)) - 1)?;
+        let mut below = self.below.f_index_select(0, &top)?;
+        let next = self.next_mid.f_index_select(0, &below)?;
+        let _ = below.f_add_(&x.f_gt_tensor(&next)?)?;
+        Ok(below.f_to_kind(Kind::Uint8)?.f_reshape(shape.as_slice())?)
+    }
+
+    /// The index of the nearest code by binary search over `mids` (`bucketize`, `right=false`):
+    /// the reference [`DynamicMap::index`] equals, u8 of `x`'s shape.
+    ///
+    /// # Errors
+    /// A libtorch error.
+    pub fn index_by_search(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_to_kind(Kind::Float)?
+            .f_bucketize(&self.mids, false, false)?
+            .f_to_kind(Kind::Uint8)?)
     }
 }
 
@@ -120,8 +221,7 @@ impl QuantizedState {
         let absmax = blocks.f_abs()?.f_amax([1i64].as_slice(), false)?;
         let safe = absmax.f_clamp_min(f32::MIN_POSITIVE as f64)?;
         let normed = blocks.f_div(&safe.f_unsqueeze(1)?)?;
-        let idx = normed.f_bucketize(&map.mids, false, false)?;
-        let codes = idx.f_to_kind(Kind::Uint8)?.f_reshape([-1])?;
+        let codes = map.index_owned(normed)?.f_reshape([-1])?;
         Ok(Self {
             codes,
             absmax,
@@ -137,7 +237,7 @@ impl QuantizedState {
         let n_blocks = self.absmax.size()[0];
         let vals = map
             .code
-            .f_index_select(0, &self.codes.f_to_kind(Kind::Int64)?)?;
+            .f_index_select(0, &self.codes.f_to_kind(Kind::Int)?)?;
         let vals = vals
             .f_view([n_blocks, AdamW8bit::BLOCK])?
             .f_mul(&self.absmax.f_unsqueeze(1)?)?;
@@ -424,5 +524,176 @@ impl Optimizer for AdamW8bit {
 
     fn name(&self) -> &'static str {
         "AdamW8bit"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn both_maps() -> [(bool, DynamicMap); 2] {
+        [true, false].map(|s| (s, DynamicMap::new(s, Device::Cpu).unwrap()))
+    }
+
+    /// `x` through the table and through the binary search, as u8 vectors.
+    fn both_ways(map: &DynamicMap, x: &[f32]) -> (Vec<u8>, Vec<u8>) {
+        let t = Tensor::from_slice(x);
+        let fast = Vec::<u8>::try_from(map.index(&t).unwrap()).unwrap();
+        let reference = Vec::<u8>::try_from(map.index_by_search(&t).unwrap()).unwrap();
+        (fast, reference)
+    }
+
+    fn assert_same_codes(map: &DynamicMap, x: &[f32], what: &str) {
+        let (fast, reference) = both_ways(map, x);
+        for (i, (a, b)) in fast.iter().zip(&reference).enumerate() {
+            assert_eq!(
+                a,
+                b,
+                "{what}: x = {:e} (bits {:#010x}): table {a}, search {b}",
+                x[i],
+                x[i].to_bits()
+            );
+        }
+        assert_eq!(fast.len(), x.len());
+    }
+
+    #[test]
+    fn no_two_midpoints_share_a_table_entry() {
+        for signed in [true, false] {
+            let mids = DynamicMap::midpoints(signed);
+            assert_eq!(mids.len(), 255);
+            let tops: Vec<u32> = mids.iter().map(|m| m.to_bits() >> TABLE_SHIFT).collect();
+            let mut dedup = tops.clone();
+            dedup.sort_unstable();
+            dedup.dedup();
+            assert_eq!(dedup.len(), 255, "signed {signed}");
+            // The table counts midpoints: 0 at the most negative floats, 255 at the largest.
+            let below = DynamicMap::below_table(&mids);
+            assert_eq!(below[0x7f7f], 255);
+            assert_eq!(below[0xff7f], 0);
+            // ±0 and the tiny floats next to them: 127 midpoints below (signed), none (unsigned).
+            assert_eq!(below[0], if signed { 127 } else { 0 });
+            assert_eq!(below[0x8000], if signed { 127 } else { 0 });
+        }
+    }
+
+    #[test]
+    fn table_index_equals_binary_search_on_midpoints_codes_and_edges() {
+        for (signed, map) in both_maps() {
+            let mids = DynamicMap::midpoints(signed);
+            let mut x = Vec::new();
+            for m in mids.iter().chain(&DynamicMap::values(signed)) {
+                // Exactly on a midpoint (ties go to the lower code), and one ulp either side.
+                x.push(*m);
+                x.push(m.next_up());
+                x.push(m.next_down());
+                x.push(-*m);
+            }
+            x.extend([
+                0.0,
+                -0.0,
+                1.0,
+                -1.0,
+                f32::MAX,
+                -f32::MAX,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::MIN_POSITIVE,
+                -f32::MIN_POSITIVE,
+                f32::from_bits(1),
+                f32::from_bits(0x8000_0001),
+                f32::from_bits(0x0000_ffff),
+                f32::from_bits(0x8000_ffff),
+                1e-40,
+                -1e-40,
+                1e-7,
+                -1e-7,
+                f32::NAN,
+                -f32::NAN,
+                // Signalling NaNs with payloads next to the infinities' table entries.
+                f32::from_bits(0x7f80_0001),
+                f32::from_bits(0xff80_0001),
+                f32::from_bits(0xff80_ffff),
+                f32::from_bits(0xffff_ffff),
+            ]);
+            assert_same_codes(&map, &x, &format!("signed {signed}"));
+            let (fast, _) = both_ways(&map, &[f32::NAN, -f32::NAN, f32::NEG_INFINITY, 1.0]);
+            assert_eq!(fast, [255, 255, 0, 255]);
+            // A midpoint itself takes the lower code, one ulp above it the upper one.
+            let (fast, _) = both_ways(&map, &[mids[200], mids[200].next_up()]);
+            assert_eq!(fast, [200, 201]);
+        }
+    }
+
+    #[test]
+    fn table_index_equals_binary_search_over_bit_patterns() {
+        // Every 4099th f32 bit pattern (all signs, exponents, NaNs) plus 1M random ones.
+        let mut x: Vec<f32> = (0..=u32::MAX / 4099)
+            .map(|i| f32::from_bits(i * 4099))
+            .collect();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1_000_000 {
+            // splitmix64
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            x.push(f32::from_bits((z ^ (z >> 31)) as u32));
+        }
+        for (signed, map) in both_maps() {
+            assert_same_codes(&map, &x, &format!("signed {signed}"));
+        }
+    }
+
+    #[test]
+    fn table_index_equals_binary_search_on_normalized_moments() {
+        tch::manual_seed(5);
+        for (signed, map) in both_maps() {
+            // Adam-like moments: values across many decades, normalized by the block absmax.
+            let m = Tensor::randn([64, 2048], (Kind::Float, Device::Cpu))
+                * Tensor::randn([64, 1], (Kind::Float, Device::Cpu)).exp_()
+                * 1e-3;
+            let m = if signed { m } else { m.square() };
+            let normed = &m / m.abs().amax([1i64].as_slice(), true);
+            let x = Vec::<f32>::try_from(normed.reshape([-1])).unwrap();
+            assert_same_codes(&map, &x, &format!("signed {signed}"));
+        }
+    }
+
+    #[test]
+    fn quantize_keeps_the_codes_of_the_search_with_inf_and_nan_blocks() {
+        let map = DynamicMap::new(true, Device::Cpu).unwrap();
+        tch::manual_seed(6);
+        let x = Tensor::randn([3 * 2048 + 5], (Kind::Float, Device::Cpu));
+        let _ = x.narrow(0, 10, 1).fill_(f64::INFINITY);
+        let _ = x.narrow(0, 2048 + 7, 1).fill_(f64::NAN);
+        let q = QuantizedState::quantize(&x, &map).unwrap();
+        let codes = Vec::<u8>::try_from(&q.codes).unwrap();
+        // Block 0: the inf element is NaN after dividing by its absmax (255), the others 0/±0 → 127.
+        assert_eq!(codes[10], 255);
+        assert!(
+            codes[..2048]
+                .iter()
+                .enumerate()
+                .all(|(i, c)| i == 10 || *c == 127)
+        );
+        // Block 1: NaN absmax: every element NaN → 255.
+        assert!(codes[2048..4096].iter().all(|c| *c == 255));
+        // Blocks 2 and 3 (5 values, then zero padding): the search's codes, block by block.
+        let tail = Tensor::cat(
+            &[
+                x.narrow(0, 4096, 2053),
+                Tensor::zeros([2043], (Kind::Float, Device::Cpu)),
+            ],
+            0,
+        )
+        .view([2, 2048]);
+        let normed = &tail / tail.abs().amax([1i64].as_slice(), true);
+        let reference =
+            Vec::<u8>::try_from(map.index_by_search(&normed).unwrap().reshape([-1])).unwrap();
+        assert!(
+            codes[4096..] == reference[..],
+            "blocks 2-3 differ from the search"
+        );
     }
 }
