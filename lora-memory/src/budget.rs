@@ -416,10 +416,17 @@ impl Budget {
     /// `"max_memory: cuda: 6GB"` (a device prefix before `:` is ignored).
     ///
     /// # Errors
-    /// [`Error::InvalidSize`].
+    /// [`Error::InvalidSize`] for what [`parse_size`] rejects and for a zero budget (nothing
+    /// fits 0 bytes; a zero is a typo, not a plan).
     pub fn parse(text: &str) -> Result<Budget> {
         let value = text.rsplit(':').next().unwrap_or(text).trim();
         let p = parse_size(value)?;
+        if p.bytes == Bytes(0) {
+            return Err(Error::InvalidSize {
+                input: text.to_string(),
+                reason: "a budget must be more than 0 bytes".into(),
+            });
+        }
         Ok(Budget {
             bytes: p.bytes,
             source: BudgetSource::Size {
@@ -520,6 +527,21 @@ mod tests {
             Bytes(12 * GIB)
         );
         assert!(Budget::parse("cuda: lots").is_err());
+    }
+
+    #[test]
+    fn zero_and_unrepresentable_budgets_are_errors_naming_the_input() {
+        for bad in ["0GB", "cuda: 0", "0.0 GiB", "99999999TB", "1e30GB"] {
+            let e = Budget::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+        assert!(
+            Budget::parse("0GB")
+                .unwrap_err()
+                .to_string()
+                .contains("more than 0 bytes")
+        );
+        assert_eq!(Budget::parse("8e9").unwrap().bytes, Bytes(8_000_000_000));
     }
 
     #[cfg(feature = "nvml")]

@@ -185,6 +185,9 @@ pub struct Estimate {
     pub notes: Vec<String>,
     /// The device the estimate is for (its context/runtime baseline included).
     pub device: Device,
+    /// Stable Diffusion models: the per-component split and the shapes (absent for decoders).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diffusion: Option<DiffusionDetail>,
 }
 
 impl Estimate {
@@ -731,6 +734,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         logits_loss,
         batch,
         notes,
+        diffusion: None,
     })
 }
 
@@ -750,6 +754,7 @@ struct FinishArgs<'a> {
     logits_loss: f64,
     batch: f64,
     notes: Vec<String>,
+    diffusion: Option<DiffusionDetail>,
 }
 
 fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
@@ -846,7 +851,33 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         metric: Metric::Process,
         notes,
         device: s.device,
+        diffusion: a.diffusion,
     })
+}
+
+/// Diffusion-specific detail of an [`Estimate`]: the per-component split of the weights and
+/// activations and the shapes they were computed for (what `lora-train plan` shows for a Stable
+/// Diffusion config). All byte counts are already included in the [`Breakdown`] terms.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DiffusionDetail {
+    /// Image size `[width, height]` in pixels the activations are computed for (the largest
+    /// bucket when bucketing, else the square resolution).
+    pub image_size: [u32; 2],
+    /// Latent size `[width, height]` (image size / VAE factor).
+    pub latent_size: [u32; 2],
+    /// Images per micro-batch as the UNet sees them (doubled by prior preservation).
+    pub images_per_micro_batch: u32,
+    /// UNet weights on the device.
+    pub unet_weights: Bytes,
+    /// VAE weights on the device (0 when latents are cached and the VAE is moved off).
+    pub vae_weights: Bytes,
+    /// Text-encoder weights on the device (0 when their outputs are cached and they are moved
+    /// off).
+    pub text_encoder_weights: Bytes,
+    /// Saved UNet activations at the backward peak (part of `activations`).
+    pub unet_activations: Bytes,
+    /// Saved text-encoder activations while it is trained (part of `activations`).
+    pub text_encoder_activations: Bytes,
 }
 
 fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate> {
@@ -855,6 +886,12 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         return Err(Error::InvalidSetting {
             key: "cache_text_encoder_outputs",
             reason: "text-encoder outputs cannot be cached while the text encoder is trained; turn one off".into(),
+        });
+    }
+    if d.levels.is_empty() {
+        return Err(Error::InvalidSetting {
+            key: "model",
+            reason: format!("{}: the UNet descriptor has no levels", d.name),
         });
     }
     let all_sites = d.sites();
@@ -868,20 +905,26 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         return Err(no_target_error(&usable, s));
     }
     let notes = Vec::new();
-    // UNet weights in the base dtype (block-quantized types apply to the UNet as a whole).
+    // UNet weights in the base dtype (block-quantized types apply to the UNet as a whole); the
+    // VAE and text encoders in 16 bit (32 bit for an fp32 base) while they are on the device.
     let wb = s.base_dtype.bytes_per_param();
-    let mut base = d.unet_params as f64 * wb;
+    let unet_weights = d.unet_params as f64 * wb;
     let te_bytes = if s.base_dtype == BaseDtype::F32 {
         4.0
     } else {
         2.0
     };
-    if !s.cache_text_encoder_outputs {
-        base += d.text_encoder_params() as f64 * te_bytes;
-    }
-    if !s.cache_latents {
-        base += d.vae_params as f64 * te_bytes;
-    }
+    let te_weights = if !s.cache_text_encoder_outputs || s.keep_models_loaded {
+        d.text_encoder_params() as f64 * te_bytes
+    } else {
+        0.0
+    };
+    let vae_weights = if !s.cache_latents || s.keep_models_loaded {
+        d.vae_params as f64 * te_bytes
+    } else {
+        0.0
+    };
+    let base = unet_weights + te_weights + vae_weights;
     let unet_linear: f64 = all_sites
         .iter()
         .filter(|x| x.component == "unet")
@@ -931,15 +974,17 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     };
 
     // Activations per sample.
-    let (w, hgt) = match s.largest_bucket {
-        Some([w, h]) => (f64::from(w), f64::from(h)),
-        None => (f64::from(s.resolution), f64::from(s.resolution)),
-    };
-    let scale = d.vae_scale as f64;
-    let n0 = (w / scale) * (hgt / scale);
+    let [wpx, hpx] = s.largest_bucket.unwrap_or([s.resolution, s.resolution]);
+    let scale = d.vae_scale.max(1) as f64;
+    let (lw, lh) = (
+        (f64::from(wpx) / scale).floor(),
+        (f64::from(hpx) / scale).floor(),
+    );
+    let n0 = lw * lh;
     let samples = f64::from(s.micro_batch) * if s.prior_preservation { 2.0 } else { 1.0 };
     let ctx_len = 77.0;
     let full = s.method == Method::Full;
+    let rank = f64::from(s.lora.rank);
     let is = |name: &str| {
         full || sites
             .iter()
@@ -957,130 +1002,184 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
             _ => 0.0,
         }
     };
+    // Saved bytes for a group of linears that read one input of `width` elements per position:
+    // the input (or one copy per adapted module when the adapter dtype differs), and per adapted
+    // module the LoRA A output (`r` per position, read by lora_B's weight gradient) and, with
+    // dropout, the mask and the dropped input.
     let lora_in = |names: &[&str], width: f64| -> f64 {
         let k = names.iter().filter(|n| is(n)).count();
         if k == 0 {
-            0.0
-        } else {
-            let pm = per_module(k);
-            if pm > 0.0 { pm * width } else { c.e * width }
+            return 0.0;
         }
+        let pm = per_module(k);
+        let mut b = if pm > 0.0 { pm * width } else { c.e * width };
+        if !full {
+            b += k as f64 * c.ad * rank;
+            if s.lora.dropout > 0.0 {
+                b += k as f64 * (c.ad + 1.0) * width;
+            }
+        }
+        b
     };
     let mut stored = 0.0; // bytes per sample, no checkpointing
-    let mut ckpt_stored = 0.0; // block inputs per sample
-    let mut biggest_block = 0.0f64; // saved bytes of the largest block (recompute)
-    let mut working = 0.0f64; // backward working set of the largest block
+    let mut ckpt_stored = 0.0; // checkpointed unit inputs per sample
+    let mut biggest_block = 0.0f64; // saved bytes of the largest unit (recompute)
+    let mut working = 0.0f64; // backward working set of the largest unit
     let conv_lora = s.lora.conv_rank.is_some() || full;
-    let resnet = |cin: f64,
-                  cout: f64,
-                  n: f64,
-                  stored: &mut f64,
-                  ck: &mut f64,
-                  big: &mut f64,
-                  wk: &mut f64| {
-        // GroupNorm input + SiLU input for each of the two norm/act pairs; conv inputs when the
-        // convs are trained.
+    // One ResNet block with `cin` input and `cout` output channels over `n` positions: the
+    // GroupNorm input and the SiLU input (the norm output) of each of the two norm/act pairs;
+    // the conv inputs (and LoCon A outputs) when the convs are trained. Frozen convs need no
+    // saved input for the input gradient.
+    let resnet = |cin: f64, cout: f64, n: f64| -> (f64, f64) {
         let mut b = c.r * 2.0 * (cin + cout) * n;
         if conv_lora {
             b += c.e * (cin + cout) * n;
+            if !full {
+                b += 2.0 * c.ad * f64::from(s.lora.conv_rank.unwrap_or(0)) * n;
+            }
         }
-        *stored += b;
-        *ck += c.r * cin * n;
-        *big = big.max(b);
-        *wk = wk.max(c.e * 3.0 * cout * n);
+        (b, c.e * 3.0 * cout * n)
     };
-    let transformer = |ch: f64, heads: f64, n: f64| -> (f64, f64) {
-        // LayerNorm ×3 + GroupNorm inputs, q,k,v of self-attention, q of cross-attention,
-        // GEGLU (hidden, gate, gelu(gate): 12c), SDPA adds the two attention outputs.
-        let mut elems = 20.0 * ch * n;
+    // One Transformer2D (`depth` BasicTransformerBlocks) over `n` positions with `ch` channels.
+    // Wrapper: GroupNorm input, the inputs of proj_in (norm output) and proj_out (a contiguous
+    // copy of the token-major output) when adapted. Each block: LayerNorm ×3 inputs, SDPA's
+    // q, k, v, out of self-attention and q, out of cross-attention (+ the logsumexp of each),
+    // GEGLU (hidden, gate, gelu(gate): 12c), and the inputs of the adapted projections.
+    let transformer = |ch: f64, heads: f64, n: f64, depth: f64| -> (f64, f64) {
+        let elems = 3.0 + 6.0 + 12.0;
         let mut maps = 0.0;
-        let mut wk = c.e * 12.0 * ch * n;
+        // backward working set: the GEGLU backward holds the incoming gradient (4c), the
+        // gradients of hidden and gate (8c) and their concatenation (8c), next to the gradient
+        // of the residual stream and of the block output (2c)
+        let mut wk = c.e * 22.0 * ch * n;
         match s.attention {
-            Attention::Sdpa => elems += 2.0 * ch * n,
+            Attention::Sdpa => maps += 2.0 * 4.0 * heads * n,
             Attention::Math => {
+                // the q·kᵀ scores and their softmax; q, k, v kept by the matmuls instead of
+                // the kernel (same count)
                 maps = c.e * heads * n * (n + ctx_len);
                 wk += 2.0 * c.e * heads * n * n;
             }
         }
-        let mut b = c.e * elems + maps + 4.0 * heads * n;
-        b += lora_in(&["attn1.to_q", "attn1.to_k", "attn1.to_v"], ch * n);
-        b += lora_in(&["attn1.to_out.0"], ch * n);
-        b += lora_in(&["attn2.to_q"], ch * n);
-        b += lora_in(&["attn2.to_out.0"], ch * n);
-        b += lora_in(&["ff.net.0.proj"], ch * n);
-        b += lora_in(&["ff.net.2"], 4.0 * ch * n);
-        b += lora_in(&["proj_in"], ch * n);
-        b += lora_in(&["proj_out"], ch * n);
-        (b, wk)
+        let mut blk = c.e * elems * ch * n + maps;
+        blk += lora_in(&["attn1.to_q", "attn1.to_k", "attn1.to_v"], ch * n);
+        blk += lora_in(&["attn1.to_out.0"], ch * n);
+        blk += lora_in(&["attn2.to_q"], ch * n);
+        blk += lora_in(&["attn2.to_out.0"], ch * n);
+        blk += lora_in(&["ff.net.0.proj"], ch * n);
+        blk += lora_in(&["ff.net.2"], 4.0 * ch * n);
+        let wrapper = c.r * ch * n + lora_in(&["proj_in"], ch * n) + lora_in(&["proj_out"], ch * n);
+        (wrapper + depth * blk, wk)
     };
     let nlev = d.levels.len();
+    let chan: Vec<f64> = d.levels.iter().map(|l| l.channels as f64).collect();
+    let npos = |i: usize| n0 / 4f64.powi(i as i32);
+    // Every unit (ResNet, ResNet + transformer, mid block) adds its saved bytes; checkpointing
+    // keeps the unit inputs (and, in this SDK's UNet, the gradients of the skip connections
+    // while the up path is walked back) plus one unit recomputed with its working set.
+    // This SDK's UNet checkpoints a ResNet and its transformer as one unit and concatenates the
+    // skip inside it; diffusers checkpoints each module on its own, after the concatenation.
+    let ours = s.profile.framework == Framework::Ours;
+    let mut unit = |saved: f64, input: f64, wk: f64| {
+        stored += saved;
+        ckpt_stored += input;
+        biggest_block = biggest_block.max(saved);
+        working = working.max(wk);
+    };
+    let mut pair = |r: (f64, f64), t: Option<(f64, f64)>, input: f64, t_input: f64| match t {
+        Some(t) if ours => unit(r.0 + t.0, input, r.1.max(t.1)),
+        Some(t) => {
+            unit(r.0, input, r.1);
+            unit(t.0, t_input, t.1);
+        }
+        None => unit(r.0, input, r.1),
+    };
+    let mut skips = c.r * chan[0] * n0; // conv_in output
+    // down path
     for (i, lv) in d.levels.iter().enumerate() {
-        let n = n0 / 4f64.powi(i as i32);
-        let ch = lv.channels as f64;
-        let heads = lv.heads as f64;
-        let (tb, twk) = transformer(ch, heads, n);
+        let n = npos(i);
+        let ch = chan[i];
         let depth = lv.transformer_depth as f64;
-        for _ in 0..lv.resnets {
-            resnet(
-                ch,
-                ch,
-                n,
-                &mut stored,
-                &mut ckpt_stored,
-                &mut biggest_block,
-                &mut working,
-            );
+        for j in 0..lv.resnets {
+            let cin = if j == 0 && i > 0 { chan[i - 1] } else { ch };
+            let t = (depth > 0.0).then(|| transformer(ch, lv.heads as f64, n, depth));
+            pair(resnet(cin, ch, n), t, c.r * cin * n, c.r * ch * n);
+            skips += c.r * ch * n;
         }
-        for _ in 0..=lv.resnets {
-            resnet(
-                2.0 * ch,
-                ch,
-                n,
-                &mut stored,
-                &mut ckpt_stored,
-                &mut biggest_block,
-                &mut working,
-            );
+        if i + 1 < nlev {
+            // the downsampler output (a skip) at the next level's size
+            skips += c.r * ch * npos(i + 1);
         }
-        let blocks = depth * (2 * lv.resnets + 1) as f64;
-        stored += blocks * tb;
-        ckpt_stored += blocks * c.r * ch * n;
-        if depth > 0.0 {
-            biggest_block = biggest_block.max(tb);
-            working = working.max(twk);
+    }
+    // mid block: ResNet, transformer, ResNet at the deepest level
+    {
+        let i = nlev - 1;
+        let (ch, n) = (chan[i], npos(i));
+        let r = resnet(ch, ch, n);
+        let md = d.mid_transformer_depth as f64;
+        let t = (md > 0.0).then(|| transformer(ch, d.levels[i].heads as f64, n, md));
+        if ours {
+            pair((2.0 * r.0, r.1), t, c.r * ch * n, 0.0);
+        } else {
+            pair(r, t, c.r * ch * n, c.r * ch * n);
+            pair(r, None, c.r * ch * n, 0.0);
         }
-        if i + 1 == nlev {
-            for _ in 0..2 {
-                resnet(
-                    ch,
-                    ch,
-                    n,
-                    &mut stored,
-                    &mut ckpt_stored,
-                    &mut biggest_block,
-                    &mut working,
-                );
-            }
-            let md = d.mid_transformer_depth as f64;
-            stored += md * tb;
-            ckpt_stored += md * c.r * ch * n;
-            if md > 0.0 {
-                biggest_block = biggest_block.max(tb);
-                working = working.max(twk);
-            }
+    }
+    // up path: ResNet j of level i reads the previous output concatenated with a skip
+    for i in (0..nlev).rev() {
+        let lv = &d.levels[i];
+        let (ch, n) = (chan[i], npos(i));
+        let depth = lv.transformer_depth as f64;
+        for j in 0..=lv.resnets {
+            let prev = if j > 0 {
+                ch
+            } else if i + 1 < nlev {
+                chan[i + 1]
+            } else {
+                ch
+            };
+            let skip = if j < lv.resnets {
+                ch
+            } else if i > 0 {
+                chan[i - 1]
+            } else {
+                chan[0]
+            };
+            let t = (depth > 0.0).then(|| transformer(ch, lv.heads as f64, n, depth));
+            let input = if ours { prev } else { prev + skip };
+            pair(resnet(prev + skip, ch, n), t, c.r * input * n, c.r * ch * n);
         }
     }
     // conv_out head: GroupNorm + SiLU inputs at full latent resolution.
-    let c0 = d.levels.first().map(|l| l.channels as f64).unwrap_or(320.0);
+    let c0 = chan[0];
     stored += c.r * 2.0 * c0 * n0;
     ckpt_stored += c.r * c0 * n0;
-    // Text encoder(s) in training: per layer per token ≈ LayerNorm ×2 + q,k,v,out + probs + MLP.
+    if ours {
+        // gradients of the skip connections wait for their down unit
+        ckpt_stored += skips;
+    }
+    // Text encoder(s) in training: per layer per token ≈ LayerNorm ×2 + q, k, v, out + MLP
+    // (+ the probabilities with eager attention; SDPA keeps a logsumexp per head).
     let mut te_act = 0.0;
     if s.train_text_encoder {
         for te in &d.text_encoders {
             let th = te.hidden as f64;
-            let per_token =
-                c.e * (12.0 * th + 2.0 * te.intermediate as f64) + c.e * te.heads as f64 * ctx_len;
+            let heads = te.heads as f64;
+            let attn = match s.attention {
+                Attention::Sdpa => 4.0 * heads,
+                Attention::Math => c.e * heads * ctx_len,
+            };
+            let lora_a = if full {
+                0.0
+            } else {
+                sites
+                    .iter()
+                    .filter(|x| x.component == te.name)
+                    .map(|x| x.count as f64 * c.ad * rank)
+                    .sum::<f64>()
+                    / te.layers.max(1) as f64
+            };
+            let per_token = c.e * (12.0 * th + 2.0 * te.intermediate as f64) + attn + lora_a;
             te_act += te.layers as f64 * ctx_len * per_token;
         }
     }
@@ -1093,6 +1192,16 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     // Latents, noise, noisy latents, prediction (fp32) + text conditioning.
     let ctx_dim = d.cross_attention_dim as f64;
     let batch = samples * (4.0 * 4.0 * d.latent_channels as f64 * n0 + 4.0 * ctx_len * ctx_dim);
+    let detail = DiffusionDetail {
+        image_size: [wpx, hpx],
+        latent_size: [lw as u32, lh as u32],
+        images_per_micro_batch: samples as u32,
+        unet_weights: Bytes::from_f64(unet_weights),
+        vae_weights: Bytes::from_f64(vae_weights),
+        text_encoder_weights: Bytes::from_f64(te_weights),
+        unet_activations: Bytes::from_f64(samples * act_per_sample),
+        text_encoder_activations: Bytes::from_f64(samples * te_act),
+    };
 
     finish(FinishArgs {
         model: d.name.clone(),
@@ -1109,6 +1218,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         logits_loss: 0.0,
         batch,
         notes,
+        diffusion: Some(detail),
     })
 }
 

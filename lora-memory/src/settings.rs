@@ -333,6 +333,11 @@ pub struct Settings {
     pub train_text_encoder: bool,
     /// DreamBooth prior preservation: a class image per instance image (doubles the batch).
     pub prior_preservation: bool,
+    /// Diffusion: the VAE and the text encoder(s) stay on the device even when latents or
+    /// text-encoder outputs are cached. This SDK's SD job keeps them loaded (it encodes the
+    /// images it has not cached yet during the first epoch and draws sample images); kohya's
+    /// scripts move them off the device once the caches are built (the default, `false`).
+    pub keep_models_loaded: bool,
     /// Attention kernel.
     pub attention: Attention,
     /// Device.
@@ -359,6 +364,7 @@ impl Default for Settings {
             cache_text_encoder_outputs: false,
             train_text_encoder: false,
             prior_preservation: false,
+            keep_models_loaded: false,
             attention: Attention::Sdpa,
             device: Device::cuda(),
             profile: Profile::ours(),
@@ -405,6 +411,8 @@ impl Settings {
         with_train_text_encoder, train_text_encoder: bool);
     setter!(/// Sets `prior_preservation`.
         with_prior_preservation, prior_preservation: bool);
+    setter!(/// Sets `keep_models_loaded`.
+        with_keep_models_loaded, keep_models_loaded: bool);
     setter!(/// Sets `attention`.
         with_attention, attention: Attention);
     setter!(/// Sets `device`.

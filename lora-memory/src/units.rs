@@ -141,10 +141,12 @@ pub struct ParsedSize {
 /// - a single-letter suffix `K`/`M`/`G`/`T` is read as **binary** (the Slurm / Docker / `free -h`
 ///   convention) and reported in [`ParsedSize::assumed`];
 /// - a lowercase `b` (`"6gb"`) is read as bytes, not bits, and reported as assumed;
-/// - a bare number is bytes, reported as assumed.
+/// - a bare number is bytes, reported as assumed;
+/// - the number may use scientific notation (`"1.5e3MB"`).
 ///
 /// # Errors
-/// [`Error::InvalidSize`] for an empty string, a negative or non-finite number, or an unknown unit.
+/// [`Error::InvalidSize`] for an empty string, a negative or non-finite number, an unknown unit,
+/// or a size of 2^64 bytes or more (it does not fit the `u64` byte count).
 ///
 /// ```
 /// use lora_memory::{parse_size, Bytes};
@@ -164,9 +166,21 @@ pub fn parse_size(input: &str) -> Result<ParsedSize> {
     if compact.is_empty() {
         return Err(err("empty"));
     }
-    let split = compact
+    let mut split = compact
         .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == ','))
         .unwrap_or(compact.len());
+    // scientific notation: `1e9`, `1.5E3MB` (an `e` followed by an optionally signed digit)
+    let rest = &compact.as_bytes()[split..];
+    if split > 0 && matches!(rest.first(), Some(b'e' | b'E')) {
+        let sign = usize::from(matches!(rest.get(1), Some(b'+' | b'-')));
+        let digits = rest[1 + sign..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .count();
+        if digits > 0 {
+            split += 1 + sign + digits;
+        }
+    }
     let (num_text, unit_text) = compact.split_at(split);
     let num_text = num_text.replace(',', "");
     if num_text.is_empty() {
@@ -211,8 +225,16 @@ pub fn parse_size(input: &str) -> Result<ParsedSize> {
             "lowercase 'b' in {unit_text:?} read as bytes, not bits"
         ));
     }
+    let bytes = value * factor;
+    // u64::MAX as f64 rounds up to 2^64, so `>=` catches every value that does not fit
+    if bytes >= u64::MAX as f64 {
+        return Err(err(&format!(
+            "{bytes:.3e} bytes is more than the largest size that can be represented ({} bytes, about 18.4 EB)",
+            u64::MAX
+        )));
+    }
     Ok(ParsedSize {
-        bytes: Bytes::from_f64(value * factor),
+        bytes: Bytes::from_f64(bytes),
         assumed,
     })
 }
@@ -262,6 +284,29 @@ mod tests {
             let e = parse_size(bad).unwrap_err();
             assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
         }
+    }
+
+    #[test]
+    fn scientific_notation_and_sizes_too_large_for_u64() {
+        assert_eq!(parse_size("1.5e3MB").unwrap().bytes, Bytes(1_500_000_000));
+        assert_eq!(parse_size("2E+1GB").unwrap().bytes, Bytes(20_000_000_000));
+        assert_eq!(parse_size("1e9").unwrap().bytes, Bytes(1_000_000_000));
+        for big in ["1e30GB", "99999999TB", "18446744073709551616"] {
+            let e = parse_size(big).unwrap_err().to_string();
+            assert!(e.contains(big) && e.contains("largest size"), "{e}");
+        }
+        // the largest exact byte count below 2^64 that f64 holds still parses
+        assert_eq!(
+            parse_size("18446744073709549568").unwrap().bytes,
+            Bytes(18_446_744_073_709_549_568)
+        );
+        // `e` without digits is still a unit error
+        assert!(
+            parse_size("6eGB")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown unit")
+        );
     }
 
     #[test]
