@@ -4,7 +4,9 @@
 //!   crop → `[3, h, w]` f32 in `[-1, 1]`, on the emoji PNGs (resolution 128, one bucket) and the
 //!   scikit-image photos (resolution 512, aspect buckets 256–1024 step 64), with `--threads` threads;
 //! - the same work in Python (Pillow + NumPy, `lora-data/benches/pil_pipeline.py`) on the same
-//!   files, sizes and thread count, when `--python` is given, and the ratio;
+//!   files, sizes and thread count, when `--python` is given, and the ratio. The two sides
+//!   alternate, one timed pass over the whole set each, `--passes` times (default 3); the rates and
+//!   the ratio printed are the medians over the passes, so a busy machine hits both sides alike;
 //! - tokens/s for reading, tokenizing (byte-level BPE, 8,192 tokens, trained here on Hamlet) and
 //!   packing every Shakespeare text into 2,048-token rows.
 //!
@@ -30,6 +32,7 @@ struct Args {
     assets: PathBuf,
     python: Option<PathBuf>,
     out: PathBuf,
+    passes: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -39,6 +42,7 @@ fn parse_args() -> Result<Args, String> {
         assets: root.join("assets"),
         python: None,
         out: root.join("target/lora-data-bench"),
+        passes: 3,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -48,9 +52,15 @@ fn parse_args() -> Result<Args, String> {
             "--assets" => a.assets = val()?.into(),
             "--python" => a.python = Some(val()?.into()),
             "--out" => a.out = val()?.into(),
+            "--passes" => {
+                a.passes = val()?.parse().map_err(|e| format!("--passes: {e}"))?;
+                if a.passes == 0 {
+                    return Err("--passes must be at least 1".into());
+                }
+            }
             other => {
                 return Err(format!(
-                    "unknown flag {other}; use --threads --assets --python --out"
+                    "unknown flag {other}; use --threads --assets --python --out --passes"
                 ));
             }
         }
@@ -86,20 +96,67 @@ fn bench_images(
             .into_par_iter()
             .try_for_each(|i| ds.get(i).map(|_| ()))
     })?;
-    let t = Instant::now();
-    let samples: Vec<_> = pool.install(|| {
-        (0..n)
-            .into_par_iter()
-            .map(|i| ds.get(i))
-            .collect::<Result<Vec<_>, _>>()
-    })?;
-    let secs = t.elapsed().as_secs_f64();
-    let rate = n as f64 / secs;
+    // A pass covers the set `reps` times (at least 200 images), so small sets are timed over
+    // more than a few hundred milliseconds.
+    let reps = 200usize.div_ceil(n.max(1));
+    let pass = || -> Result<(Vec<_>, f64), lora_data::Error> {
+        let t = Instant::now();
+        let samples: Vec<_> = pool.install(|| {
+            (0..n * reps)
+                .into_par_iter()
+                .map(|i| ds.get(i % n))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        Ok((samples, t.elapsed().as_secs_f64()))
+    };
+    let (mut samples, secs) = pass()?;
+    samples.truncate(n);
+    // The exact work list for the Python comparison.
+    std::fs::create_dir_all(&args.out)?;
+    let plan: Vec<serde_json::Value> = samples
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "path": s.path, "bucket": [s.bucket.0, s.bucket.1],
+                "resized": [s.resized.0, s.resized.1], "crop": [s.crop.0, s.crop.1],
+            })
+        })
+        .collect();
+    drop(samples);
+    let plan_path = args.out.join(format!("plan_{name}.json"));
+    std::fs::write(&plan_path, serde_json::to_vec(&plan)?)?;
+    // Alternating passes: ours, then Pillow's (its own process: warm pass, then one timed pass).
+    let mut ours = vec![(n * reps) as f64 / secs];
+    let mut theirs = Vec::new();
+    for p in 0..args.passes {
+        if p > 0 {
+            ours.push((n * reps) as f64 / pass()?.1);
+        }
+        if let Some(py) = &args.python {
+            theirs.push(python_pass(py, &plan_path, args.threads, reps)?);
+        }
+    }
+    let rate = median(&ours);
     println!(
         "{name}: {n} images, validate (full decode) {validate_s:.2}s; decode+resize+bucket \
-         {secs:.2}s = {rate:.1} images/s ({} threads)",
+         {rate:.1} images/s, median of {} passes of {} images ({} threads)",
+        ours.len(),
+        n * reps,
         args.threads
     );
+    if !theirs.is_empty() {
+        let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+        println!(
+            "{name}: passes ours {} / Pillow {} images/s",
+            list(&ours),
+            list(&theirs)
+        );
+        println!(
+            "{name}: lora-data {rate:.1} images/s vs Pillow+NumPy {:.1} images/s → ratio {:.2}x",
+            median(&theirs),
+            median(&ratios)
+        );
+    }
     // Through the Loader (batches of one bucket, collated to NCHW).
     let collate = ds.collate();
     let mut loader = Loader::new(
@@ -124,43 +181,54 @@ fn bench_images(
         m as f64 / ls
     );
     println!("{}", loader.dataset().bucket_report());
-    // The exact work list for the Python comparison.
-    std::fs::create_dir_all(&args.out)?;
-    let plan: Vec<serde_json::Value> = samples
-        .iter()
-        .map(|s| {
-            serde_json::json!({
-                "path": s.path, "bucket": [s.bucket.0, s.bucket.1],
-                "resized": [s.resized.0, s.resized.1], "crop": [s.crop.0, s.crop.1],
-            })
-        })
-        .collect();
-    let plan_path = args.out.join(format!("plan_{name}.json"));
-    std::fs::write(&plan_path, serde_json::to_vec(&plan)?)?;
-    if let Some(py) = &args.python {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/pil_pipeline.py");
-        let out = std::process::Command::new(py)
-            .arg(&script)
-            .arg(&plan_path)
-            .arg(args.threads.to_string())
-            .output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        print!("{text}");
-        if !out.status.success() {
-            eprintln!("{}", String::from_utf8_lossy(&out.stderr));
-        }
-        if let Some(py_rate) = text
-            .lines()
-            .find_map(|l| l.strip_prefix("images_per_s="))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-        {
-            println!(
-                "{name}: lora-data {rate:.1} images/s vs Pillow+NumPy {py_rate:.1} images/s → ratio {:.2}x",
-                rate / py_rate
-            );
-        }
-    }
     Ok(rate)
+}
+
+/// One timed pass of `pil_pipeline.py` over the plan `reps` times: images/s.
+fn python_pass(
+    py: &Path,
+    plan: &Path,
+    threads: usize,
+    reps: usize,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/pil_pipeline.py");
+    let out = std::process::Command::new(py)
+        .arg(&script)
+        .arg(plan)
+        .arg(threads.to_string())
+        .arg(reps.to_string())
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    text.lines()
+        .find_map(|l| l.strip_prefix("images_per_s="))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .ok_or_else(|| format!("no images_per_s= line from {}: {text}", script.display()).into())
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let m = s.len() / 2;
+    if s.len() % 2 == 1 {
+        s[m]
+    } else {
+        (s[m - 1] + s[m]) / 2.0
+    }
+}
+
+fn list(v: &[f64]) -> String {
+    v.iter()
+        .map(|x| format!("{x:.1}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn bpe_tokenizer(train_file: &Path) -> Result<Tokenizer, Box<dyn std::error::Error>> {

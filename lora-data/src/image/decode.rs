@@ -100,20 +100,31 @@ pub fn decode_file(path: &Path, background: [u8; 3]) -> Result<Decoded, DecodeFa
 }
 
 fn to_rgb(img: DynamicImage, bg: [u8; 3]) -> RgbImage {
-    if !img.color().has_alpha() {
-        return img.into_rgb8();
-    }
-    let rgba = img.into_rgba8();
-    let (w, h) = rgba.dimensions();
-    let mut out = RgbImage::new(w, h);
-    for (o, p) in out.pixels_mut().zip(rgba.pixels()) {
-        let a = p.0[3] as u32;
-        for ((o, &c), &b) in o.0.iter_mut().zip(&p.0[..3]).zip(&bg) {
-            // round(c·a/255 + bg·(255−a)/255) in integers
-            *o = ((c as u32 * a + b as u32 * (255 - a) + 127) / 255) as u8;
+    let (w, h) = (img.width(), img.height());
+    match img {
+        DynamicImage::ImageRgb8(rgb) => rgb,
+        // Gray to RGB: the value in each channel (what `into_rgb8` does, in one pass).
+        DynamicImage::ImageLuma8(gray) => {
+            let mut out = vec![0u8; gray.as_raw().len() * 3];
+            for (o, &l) in out.chunks_exact_mut(3).zip(gray.as_raw()) {
+                o.fill(l);
+            }
+            RgbImage::from_raw(w, h, out).unwrap_or_else(|| RgbImage::new(w, h))
+        }
+        img if !img.color().has_alpha() => img.into_rgb8(),
+        img => {
+            let rgba = img.into_rgba8();
+            let mut out = vec![0u8; rgba.as_raw().len() / 4 * 3];
+            for (o, p) in out.chunks_exact_mut(3).zip(rgba.as_raw().chunks_exact(4)) {
+                let a = p[3] as u32;
+                for ((o, &c), &b) in o.iter_mut().zip(&p[..3]).zip(&bg) {
+                    // round(c·a/255 + bg·(255−a)/255) in integers
+                    *o = ((c as u32 * a + b as u32 * (255 - a) + 127) / 255) as u8;
+                }
+            }
+            RgbImage::from_raw(w, h, out).unwrap_or_else(|| RgbImage::new(w, h))
         }
     }
-    out
 }
 
 /// `true` when `ext` (any case, without dot) is decodable.

@@ -30,7 +30,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 use ::image::imageops::{self, FilterType};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 pub use bucket::{BucketConfig, Placement};
 pub use config::{DatasetConfig, ImageSetConfig, SmallImages, SubsetConfig};
@@ -435,17 +435,19 @@ impl Dataset for ImageDataset {
         })?;
         let size = decoded.rgb.dimensions();
         let p = bucket::place(size, bucket_wh, sub.random_crop.then_some(&mut rng));
-        let resized = if p.resized == size {
+        let mut img = if p.resized == size && p.resized == bucket_wh {
             decoded.rgb
-        } else if self.filter == FilterType::Triangle {
-            resize::resize_bilinear(&decoded.rgb, p.resized.0, p.resized.1)
+        } else if p.resized == size || self.filter == FilterType::Triangle {
+            // Resize (when needed) and crop in one pass, computing only the kept pixels.
+            resize::resize_bilinear_crop(&decoded.rgb, p.resized, p.crop, bucket_wh)
         } else {
-            imageops::resize(&decoded.rgb, p.resized.0, p.resized.1, self.filter)
-        };
-        let mut img = if p.resized == bucket_wh {
-            resized
-        } else {
-            imageops::crop_imm(&resized, p.crop.0, p.crop.1, bucket_wh.0, bucket_wh.1).to_image()
+            let resized = imageops::resize(&decoded.rgb, p.resized.0, p.resized.1, self.filter);
+            if p.resized == bucket_wh {
+                resized
+            } else {
+                imageops::crop_imm(&resized, p.crop.0, p.crop.1, bucket_wh.0, bucket_wh.1)
+                    .to_image()
+            }
         };
         let flipped = sub.flip_aug && rng.next_f64() < 0.5;
         if flipped {
@@ -473,18 +475,41 @@ impl Dataset for ImageDataset {
     }
 }
 
-/// RGB8 `[h, w, 3]` → `[3, h, w]` f32 in `[-1, 1]`.
+/// `v / 127.5 − 1` in f32 for every 8-bit value `v` (the pixel normalization of
+/// [`rgb_to_tensor`]).
+const PIXEL_VALUES: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut v = 0;
+    while v < 256 {
+        t[v] = v as f32 / 127.5 - 1.0;
+        v += 1;
+    }
+    t
+};
+
+/// RGB8 `[h, w, 3]` → `[3, h, w]` f32 in `[-1, 1]` (`v / 127.5 − 1`), on the CPU.
+///
+/// The pixels are written straight into the tensor's memory: no libtorch op runs (a copy or fill
+/// would start libtorch's intra-op thread team from the calling thread, which on a loader thread
+/// competes with the other loader threads for the same cores).
 pub fn rgb_to_tensor(img: &::image::RgbImage) -> Result<Tensor> {
     let (w, h) = img.dimensions();
-    let plane = (w * h) as usize;
-    let mut v = vec![0f32; 3 * plane];
-    for (i, px) in img.as_raw().chunks_exact(3).enumerate() {
-        for c in 0..3 {
-            v[c * plane + i] = px[c] as f32 / 127.5 - 1.0;
-        }
+    let plane = w as usize * h as usize;
+    let t = Tensor::f_empty([3, h as i64, w as i64], (Kind::Float, Device::Cpu))
+        .map_err(Error::tensor("converting pixels to a tensor"))?;
+    if plane == 0 {
+        return Ok(t);
     }
-    Tensor::f_from_slice(&v)
-        .and_then(|t| t.f_view([3, h as i64, w as i64]))
-        .and_then(|t| t.f_to_kind(Kind::Float))
-        .map_err(Error::tensor("converting pixels to a tensor"))
+    // SAFETY: `t` was just allocated by libtorch as a contiguous CPU f32 tensor of 3·h·w elements
+    // (non-null and aligned, as `plane > 0`); nothing else refers to its storage while `out`
+    // lives, and every element is written below before the tensor is returned.
+    let out = unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, 3 * plane) };
+    let (r, gb) = out.split_at_mut(plane);
+    let (g, b) = gb.split_at_mut(plane);
+    for (((px, r), g), b) in img.as_raw().chunks_exact(3).zip(r).zip(g).zip(b) {
+        *r = PIXEL_VALUES[px[0] as usize];
+        *g = PIXEL_VALUES[px[1] as usize];
+        *b = PIXEL_VALUES[px[2] as usize];
+    }
+    Ok(t)
 }

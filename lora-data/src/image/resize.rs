@@ -16,25 +16,35 @@ const PRECISION_BITS: u32 = 32 - 8 - 2;
 struct Taps {
     start: Vec<usize>,
     len: Vec<usize>,
-    /// `out × kmax` fixed-point weights.
+    /// `count × kmax` fixed-point weights.
     weights: Vec<i32>,
     kmax: usize,
 }
 
-fn taps(in_size: u32, out_size: u32) -> Taps {
+impl Taps {
+    /// Input index of the first tap and the weights of output position `i` (from `first`).
+    #[inline]
+    fn get(&self, i: usize) -> (usize, &[i32]) {
+        let w = &self.weights[i * self.kmax..i * self.kmax + self.len[i]];
+        (self.start[i], w)
+    }
+}
+
+/// Taps of output positions `first..first + count` of an `in_size → out_size` resample.
+fn taps(in_size: u32, out_size: u32, first: u32, count: u32) -> Taps {
     let scale = in_size as f64 / out_size as f64;
     let filterscale = scale.max(1.0);
     let support = filterscale; // triangle support 1
     let kmax = (support.ceil() as usize) * 2 + 1;
     let mut t = Taps {
-        start: Vec::with_capacity(out_size as usize),
-        len: Vec::with_capacity(out_size as usize),
-        weights: vec![0; out_size as usize * kmax],
+        start: Vec::with_capacity(count as usize),
+        len: Vec::with_capacity(count as usize),
+        weights: vec![0; count as usize * kmax],
         kmax,
     };
     let ss = 1.0 / filterscale;
     let mut k = vec![0f64; kmax];
-    for x in 0..out_size as usize {
+    for (j, x) in (first as usize..(first + count) as usize).enumerate() {
         let center = (x as f64 + 0.5) * scale;
         let xmin = ((center - support + 0.5) as i64).max(0) as usize;
         let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
@@ -46,7 +56,7 @@ fn taps(in_size: u32, out_size: u32) -> Taps {
             *kv = w;
             ww += w;
         }
-        let row = &mut t.weights[x * kmax..x * kmax + kmax];
+        let row = &mut t.weights[j * kmax..j * kmax + kmax];
         for i in 0..n {
             let w = if ww != 0.0 { k[i] / ww } else { 0.0 };
             let f = w * (1u32 << PRECISION_BITS) as f64;
@@ -62,76 +72,102 @@ fn taps(in_size: u32, out_size: u32) -> Taps {
     t
 }
 
+/// Rounds a fixed-point sum to 8 bits. Sums fit in i32: weights are ≥ 0 and add up to about
+/// `2^22`, times 255 plus the rounding half stays below `2^31` (Pillow also sums 8-bit
+/// channels in 32-bit integers).
 #[inline]
-fn clip8(v: i64) -> u8 {
-    let v = v >> PRECISION_BITS;
-    v.clamp(0, 255) as u8
+fn clip8(v: i32) -> u8 {
+    (v >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
 /// Resizes `src` to `width × height` with Pillow-compatible bilinear filtering.
 pub fn resize_bilinear(src: &RgbImage, width: u32, height: u32) -> RgbImage {
+    resize_bilinear_crop(src, (width, height), (0, 0), (width, height))
+}
+
+/// The `size` window at `crop` (top-left `(x, y)`) of `src` resized to `resized` with
+/// [`resize_bilinear`]: the same pixels as resizing and then cropping (each output pixel depends
+/// only on its own taps), computing only the pixels that are kept. Like `imageops::crop_imm`,
+/// a window reaching past the resized image is cut to it.
+pub fn resize_bilinear_crop(
+    src: &RgbImage,
+    resized: (u32, u32),
+    crop: (u32, u32),
+    size: (u32, u32),
+) -> RgbImage {
     let (iw, ih) = src.dimensions();
-    if (iw, ih) == (width, height) || width == 0 || height == 0 || iw == 0 || ih == 0 {
-        return if (iw, ih) == (width, height) {
-            src.clone()
-        } else {
-            RgbImage::new(width, height)
-        };
+    let (rw, rh) = resized;
+    let cx = crop.0.min(rw);
+    let cy = crop.1.min(rh);
+    let (bw, bh) = (size.0.min(rw - cx), size.1.min(rh - cy));
+    if bw == 0 || bh == 0 || iw == 0 || ih == 0 {
+        return RgbImage::new(bw, bh);
     }
-    let half = 1i64 << (PRECISION_BITS - 1);
-    // Horizontal pass: iw × ih → width × ih.
-    let horiz: Vec<u8> = if iw == width {
-        src.as_raw().clone()
+    let half = 1i32 << (PRECISION_BITS - 1);
+    let input = src.as_raw();
+    let in_stride = iw as usize * 3;
+    let stride = bw as usize * 3;
+    // Rows of the input the vertical pass reads.
+    let vert = (ih != rh).then(|| taps(ih, rh, cy, bh));
+    let (row0, rows) = match &vert {
+        Some(t) => {
+            let first = t.start.iter().copied().min().unwrap_or(0);
+            let end = (0..bh as usize)
+                .map(|i| t.start[i] + t.len[i])
+                .max()
+                .unwrap_or(first);
+            (first, end.max(first) - first)
+        }
+        None => (cy as usize, bh as usize),
+    };
+    // Horizontal pass over those rows: iw → the bw columns from cx of rw.
+    let mut horiz = vec![0u8; rows * stride];
+    if iw == rw {
+        let from = cx as usize * 3;
+        for (r, out) in horiz.chunks_exact_mut(stride).enumerate() {
+            let y = row0 + r;
+            out.copy_from_slice(&input[y * in_stride + from..y * in_stride + from + stride]);
+        }
     } else {
-        let t = taps(iw, width);
-        let input = src.as_raw();
-        let mut out = vec![0u8; width as usize * ih as usize * 3];
-        for y in 0..ih as usize {
-            let row = &input[y * iw as usize * 3..(y + 1) * iw as usize * 3];
-            let orow = &mut out[y * width as usize * 3..(y + 1) * width as usize * 3];
-            for x in 0..width as usize {
-                let (s, n) = (t.start[x], t.len[x]);
-                let w = &t.weights[x * t.kmax..x * t.kmax + n];
-                let (mut r, mut g, mut b) = (half, half, half);
-                for (i, &wi) in w.iter().enumerate() {
-                    let p = (s + i) * 3;
-                    let wi = wi as i64;
-                    r += row[p] as i64 * wi;
-                    g += row[p + 1] as i64 * wi;
-                    b += row[p + 2] as i64 * wi;
+        let t = taps(iw, rw, cx, bw);
+        for (r, out) in horiz.chunks_exact_mut(stride).enumerate() {
+            let row = &input[(row0 + r) * in_stride..(row0 + r + 1) * in_stride];
+            for (x, o) in out.chunks_exact_mut(3).enumerate() {
+                let (s, w) = t.get(x);
+                let px = &row[s * 3..(s + w.len()) * 3];
+                let (mut cr, mut cg, mut cb) = (half, half, half);
+                for (p, &wi) in px.chunks_exact(3).zip(w) {
+                    cr += p[0] as i32 * wi;
+                    cg += p[1] as i32 * wi;
+                    cb += p[2] as i32 * wi;
                 }
-                orow[x * 3] = clip8(r);
-                orow[x * 3 + 1] = clip8(g);
-                orow[x * 3 + 2] = clip8(b);
+                o[0] = clip8(cr);
+                o[1] = clip8(cg);
+                o[2] = clip8(cb);
             }
         }
-        out
-    };
-    if ih == height {
-        return RgbImage::from_raw(width, height, horiz)
-            .unwrap_or_else(|| RgbImage::new(width, height));
     }
-    // Vertical pass: width × ih → width × height.
-    let t = taps(ih, height);
-    let stride = width as usize * 3;
-    let mut out = vec![0u8; stride * height as usize];
-    let mut acc = vec![0i64; stride];
-    for y in 0..height as usize {
-        let (s, n) = (t.start[y], t.len[y]);
-        let w = &t.weights[y * t.kmax..y * t.kmax + n];
+    let Some(t) = vert else {
+        return RgbImage::from_raw(bw, bh, horiz).unwrap_or_else(|| RgbImage::new(bw, bh));
+    };
+    // Vertical pass: the rows from cy of rh, the bw columns already cut.
+    let mut out = vec![0u8; stride * bh as usize];
+    let mut acc = vec![0i32; stride];
+    for (y, orow) in out.chunks_exact_mut(stride).enumerate() {
+        let (s, w) = t.get(y);
         acc.fill(half);
         for (i, &wi) in w.iter().enumerate() {
-            let row = &horiz[(s + i) * stride..(s + i + 1) * stride];
-            let wi = wi as i64;
+            let r = s + i - row0;
+            let row = &horiz[r * stride..(r + 1) * stride];
             for (a, &p) in acc.iter_mut().zip(row) {
-                *a += p as i64 * wi;
+                *a += p as i32 * wi;
             }
         }
-        for (o, &a) in out[y * stride..(y + 1) * stride].iter_mut().zip(&acc) {
+        for (o, &a) in orow.iter_mut().zip(&acc) {
             *o = clip8(a);
         }
     }
-    RgbImage::from_raw(width, height, out).unwrap_or_else(|| RgbImage::new(width, height))
+    RgbImage::from_raw(bw, bh, out).unwrap_or_else(|| RgbImage::new(bw, bh))
 }
 
 #[cfg(test)]
@@ -163,5 +199,35 @@ mod tests {
         assert_eq!(out.get_pixel(0, 0).0[0], 71);
         // x=1: center 3.0, taps 1..4, weights 0.25, 0.75, 0.75 → (25 + 150 + 187.5)/1.75 = 207.1
         assert_eq!(out.get_pixel(1, 0).0[0], 207);
+    }
+
+    #[test]
+    fn cropped_resize_equals_resize_then_crop() {
+        // A noisy image (xorshift), shrunk, enlarged, and resized along one axis only.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let img = RgbImage::from_fn(53, 41, |_, _| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            Rgb([state as u8, (state >> 8) as u8, (state >> 16) as u8])
+        });
+        for (rw, rh) in [(20, 15), (53, 90), (120, 41), (53, 41), (31, 64), (7, 3)] {
+            let full = resize_bilinear(&img, rw, rh);
+            for (cx, cy, bw, bh) in [
+                (0, 0, rw, rh),
+                (rw / 3, rh / 4, rw / 2, rh / 2),
+                (rw - 1, rh - 1, 1, 1),
+                (2, 1, rw, rh), // past the edge: cut like crop_imm
+            ] {
+                let want = ::image::imageops::crop_imm(&full, cx, cy, bw, bh).to_image();
+                let got = resize_bilinear_crop(&img, (rw, rh), (cx, cy), (bw, bh));
+                assert_eq!(
+                    got.dimensions(),
+                    want.dimensions(),
+                    "{rw}x{rh} at {cx},{cy}"
+                );
+                assert!(got == want, "{rw}x{rh} window {cx},{cy} {bw}x{bh} differs");
+            }
+        }
     }
 }
