@@ -289,8 +289,12 @@ pub struct ImageSettings {
     pub input_size: Option<u32>,
     /// Output activation; default `auto`.
     pub head: Head,
-    /// Minimum probability for a general tag (category 0). Default 0.35 (the WD14 taggers' default).
-    pub general_threshold: f32,
+    /// Minimum probability for a general tag (category 0). Default (`None`): by the head,
+    /// [`DEFAULT_GENERAL_THRESHOLD_SIGMOID`] (0.35, the WD14 taggers' default) for multi-label
+    /// sigmoid heads, [`DEFAULT_GENERAL_THRESHOLD_SOFTMAX`] (0.05) for single-label softmax
+    /// classifiers, whose probabilities share one unit of mass over all labels (0.35 would leave
+    /// most photos without a tag). [`ImageSettings::general_threshold_for`] resolves it.
+    pub general_threshold: Option<f32>,
     /// Minimum probability for a character tag (category 4). Default 0.85 (the WD14 taggers' default).
     pub character_threshold: f32,
 }
@@ -303,13 +307,31 @@ impl Default for ImageSettings {
             preprocess: PreprocessKind::Auto,
             input_size: None,
             head: Head::Auto,
-            general_threshold: 0.35,
+            general_threshold: None,
             character_threshold: 0.85,
         }
     }
 }
 
+/// The default `image.general_threshold` of multi-label (sigmoid) heads: the WD14 taggers' 0.35.
+pub const DEFAULT_GENERAL_THRESHOLD_SIGMOID: f32 = 0.35;
+
+/// The default `image.general_threshold` of single-label (softmax) classifiers such as the
+/// ImageNet MobileNetV2: 0.05 (one probability mass shared by 1000 labels; at 0.35 about half of
+/// scikit-image's photos get no tag).
+pub const DEFAULT_GENERAL_THRESHOLD_SOFTMAX: f32 = 0.05;
+
 impl ImageSettings {
+    /// The general-tag threshold in effect: `general_threshold` when set, else the default for
+    /// the head (`sigmoid`: multi-label) — see [`ImageSettings::general_threshold`].
+    pub fn general_threshold_for(&self, sigmoid: bool) -> f32 {
+        self.general_threshold.unwrap_or(if sigmoid {
+            DEFAULT_GENERAL_THRESHOLD_SIGMOID
+        } else {
+            DEFAULT_GENERAL_THRESHOLD_SOFTMAX
+        })
+    }
+
     /// The model folder: `model`, else `$LORA_SDK_ASSETS/mobilenet_v2`, else `assets/mobilenet_v2`.
     pub fn model_dir(&self) -> PathBuf {
         if let Some(m) = &self.model {
@@ -781,8 +803,10 @@ memory_management:
         assert_eq!(c.generation_settings.retry_attempts, 2);
         assert_eq!(c.memory_management.auto_clear_interval, 10);
         assert_eq!(c.memory_management.cache_size, 500);
-        // Untouched sections keep their defaults.
-        assert_eq!(c.image.general_threshold, 0.35);
+        // Untouched sections keep their defaults (the threshold then follows the head).
+        assert_eq!(c.image.general_threshold, None);
+        assert_eq!(c.image.general_threshold_for(true), 0.35);
+        assert_eq!(c.image.general_threshold_for(false), 0.05);
         assert_eq!(c.captions.caption_extension, ".txt");
     }
 
@@ -790,7 +814,7 @@ memory_management:
     fn the_example_config_reads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs/tagger.yaml");
         let c = TaggerConfig::from_path(&path).unwrap();
-        assert_eq!(c.image.general_threshold, 0.05);
+        assert_eq!(c.image.general_threshold, Some(0.05));
         assert_eq!(c.tags.always_first, vec!["sks"]);
         assert_eq!(c.tags.replacements, vec!["tiger cat=tabby cat"]);
         assert_eq!(
@@ -805,7 +829,7 @@ memory_management:
     fn toml_and_the_tagger_wrapper_work() {
         let t = "[tagger.image]\ngeneral_threshold = 0.1\n[tagger.captions]\nmode = \"append\"\n";
         let c = TaggerConfig::from_toml_str(t).unwrap();
-        assert_eq!(c.image.general_threshold, 0.1);
+        assert_eq!(c.image.general_threshold, Some(0.1));
         assert_eq!(c.captions.mode, CaptionMode::Append);
     }
 

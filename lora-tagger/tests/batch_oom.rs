@@ -74,7 +74,7 @@ fn out_of_memory_halves_the_batch_and_the_first_batch_fits() {
     // 2. The real MobileNetV2 tagger.
     let mut cfg = TaggerConfig::default();
     cfg.image.model = Some(assets().join("mobilenet_v2"));
-    cfg.image.general_threshold = 0.05;
+    cfg.image.general_threshold = Some(0.05);
     cfg.model_settings.device = "cpu".into();
     cfg.generation_settings.max_batch_size = 4;
     let mut t = ImageTagger::from_config(&cfg).unwrap();

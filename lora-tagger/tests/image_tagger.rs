@@ -37,7 +37,7 @@ fn tagger(threshold: f32) -> ImageTagger {
     );
     let mut cfg = TaggerConfig::default();
     cfg.image.model = Some(dir);
-    cfg.image.general_threshold = threshold;
+    cfg.image.general_threshold = Some(threshold);
     cfg.model_settings.device = "cpu".into();
     cfg.generation_settings.max_batch_size = 4;
     ImageTagger::from_config(&cfg).unwrap()
@@ -187,7 +187,7 @@ fn bf16_precision_gives_the_same_classes() {
     tch::set_num_threads(1);
     let mut cfg = TaggerConfig::default();
     cfg.image.model = Some(assets().join("mobilenet_v2"));
-    cfg.image.general_threshold = 0.05;
+    cfg.image.general_threshold = Some(0.05);
     cfg.model_settings.device = "cpu".into();
     cfg.model_settings.precision = lora_tagger::config::Precision::Bf16;
     let mut bf16 = ImageTagger::from_config(&cfg).unwrap();

@@ -274,6 +274,31 @@ impl Checkpoint {
         sync_dir(dir)
     }
 
+    /// Reads only the loop counters of a checkpoint folder (its `state.json`, no tensors): the
+    /// step a resume continues from, known before anything is loaded.
+    ///
+    /// # Errors
+    /// A missing or corrupt `state.json`, or a newer format.
+    pub fn read_counters(dir: &Path) -> Result<TrainerCounters> {
+        let path = dir.join(STATE_FILE);
+        let text = fs::read(&path).map_err(io_err("read", &path))?;
+        let st: StateFile = serde_json::from_slice(&text).map_err(|e| TrainError::State {
+            what: "checkpoint state.json".into(),
+            message: format!("`{}`: {e}", path.display()),
+        })?;
+        if st.format_version != FORMAT_VERSION {
+            return Err(TrainError::State {
+                what: "checkpoint".into(),
+                message: format!(
+                    "`{}` has format version {}, this build reads {FORMAT_VERSION}",
+                    dir.display(),
+                    st.format_version
+                ),
+            });
+        }
+        Ok(st.counters)
+    }
+
     /// Reads a checkpoint folder (tensors on CPU, in the order they were saved).
     ///
     /// # Errors
@@ -348,6 +373,11 @@ impl CheckpointManager {
     /// The managed folder.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// True when `dir` is a complete checkpoint folder (its `state.json`, written last, exists).
+    pub fn is_checkpoint(dir: &Path) -> bool {
+        dir.join(STATE_FILE).is_file()
     }
 
     /// The folder name of the checkpoint of `step`.

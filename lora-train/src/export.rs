@@ -4,6 +4,11 @@
 //! the config summary, the base model's SHA-256 and the dataset statistics, written into the
 //! safetensors `__metadata__` (`lora_train.*` keys, and kohya's `ss_*` keys for kohya files).
 //!
+//! A kohya file carries the PEFT `adapter_config.json` it came from (or was trained with) as JSON
+//! under the metadata key [`PEFT_CONFIG_KEY`], plus kohya's own `ss_sd_model_name` (the base
+//! model) and `ss_network_dropout` (`lora_dropout`), so PEFT → kohya → PEFT keeps
+//! `base_model_name_or_path`, `lora_dropout`, `target_modules` and `task_type` as they were.
+//!
 //! kohya has no convention for decoder-only LLMs; their modules are written under the prefix
 //! [`KOHYA_LLM_PREFIX`] (`lora_te`, kohya's text-encoder prefix: `model.layers.0.self_attn.q_proj`
 //! → `lora_te_model_layers_0_self_attn_q_proj`), and [`llama_site_from_kohya`] maps them back.
@@ -19,6 +24,59 @@ use std::path::{Path, PathBuf};
 
 /// kohya module prefix used for LLaMA-family sites.
 pub const KOHYA_LLM_PREFIX: &str = "lora_te";
+
+/// Metadata key of a kohya file holding the PEFT `adapter_config.json` (as JSON text) that a
+/// conversion back to PEFT restores.
+pub const PEFT_CONFIG_KEY: &str = "lora_train.peft_config";
+
+/// Records `cfg` in a kohya file's metadata: the whole config under [`PEFT_CONFIG_KEY`], and
+/// kohya's `ss_network_dropout` (`lora_dropout`) and `ss_sd_model_name`
+/// (`base_model_name_or_path`) unless already set.
+pub fn record_peft_config(cfg: &LoraConfig, meta: &mut BTreeMap<String, String>) {
+    if let Ok(json) = serde_json::to_string(cfg) {
+        meta.insert(PEFT_CONFIG_KEY.into(), json);
+    }
+    meta.entry("ss_network_dropout".into())
+        .or_insert_with(|| cfg.lora_dropout.to_string());
+    if let Some(b) = &cfg.base_model_name_or_path {
+        meta.entry("ss_sd_model_name".into())
+            .or_insert_with(|| b.clone());
+    }
+}
+
+/// The PEFT config template a kohya file's metadata describes: the config under
+/// [`PEFT_CONFIG_KEY`] when present (written by [`record_peft_config`]); otherwise PEFT's
+/// defaults with `base_model_name_or_path` from `ss_sd_model_name` (or `lora_train.base_model`)
+/// and `lora_dropout` from `ss_network_dropout`, as other kohya writers set them. `r`,
+/// `lora_alpha` and their patterns always come from the tensors ([`peft::config_for`]).
+///
+/// # Errors
+/// [`ExportError::NotAnAdapter`] when [`PEFT_CONFIG_KEY`] holds no valid config.
+pub fn peft_template_from_kohya(
+    path: &Path,
+    meta: &BTreeMap<String, String>,
+) -> Result<LoraConfig> {
+    if let Some(json) = meta.get(PEFT_CONFIG_KEY) {
+        return serde_json::from_str(json).map_err(|e| ExportError::NotAnAdapter {
+            path: path.into(),
+            reason: format!("metadata {PEFT_CONFIG_KEY} is not a PEFT LoraConfig: {e}"),
+        });
+    }
+    let mut cfg = LoraConfig {
+        base_model_name_or_path: meta
+            .get("ss_sd_model_name")
+            .or_else(|| meta.get("lora_train.base_model"))
+            .cloned(),
+        ..LoraConfig::default()
+    };
+    if let Some(d) = meta
+        .get("ss_network_dropout")
+        .and_then(|d| d.parse::<f64>().ok())
+    {
+        cfg.lora_dropout = d;
+    }
+    Ok(cfg)
+}
 
 /// Errors writing or converting adapters.
 #[derive(Debug, thiserror::Error)]
@@ -188,7 +246,13 @@ pub fn export_run(
             }
             ExportFormat::Kohya => {
                 let path = output_dir.join(format!("{}.safetensors", cfg.train.output_name));
-                kohya::write(&path, &[(KOHYA_LLM_PREFIX, &w)])?;
+                // The kohya file also carries the PEFT config, for a later `convert --to peft`.
+                let run_metadata = w.metadata.clone();
+                let peft_cfg = peft::config_for(&w, Some(template));
+                record_peft_config(&peft_cfg, &mut w.metadata);
+                let written = kohya::write(&path, &[(KOHYA_LLM_PREFIX, &w)]);
+                w.metadata = run_metadata;
+                written?;
                 out.push(path);
             }
         }
@@ -272,21 +336,32 @@ pub fn read_adapter(path: &Path) -> Result<(Option<LoraConfig>, AdapterWeights)>
 
 /// Converts an adapter between formats: a PEFT folder or kohya file in, `to` out at `output`
 /// (a folder for PEFT, a `.safetensors` file for kohya). Strength (`scaling · B·A`) is preserved;
-/// metadata is carried over.
+/// metadata is carried over, and the PEFT config travels through a kohya file
+/// ([`record_peft_config`], [`peft_template_from_kohya`]).
 ///
 /// # Errors
 /// As [`read_adapter`] and the writers.
 pub fn convert(input: &Path, to: ExportFormat, output: &Path) -> Result<usize> {
-    let (cfg, w) = read_adapter(input)?;
+    let (cfg, mut w) = read_adapter(input)?;
     match to {
         ExportFormat::Peft => {
-            let mut template = cfg.unwrap_or_default();
+            let mut template = match cfg {
+                Some(c) => c,
+                None => peft_template_from_kohya(input, &w.metadata)?,
+            };
+            // The config now lives in adapter_config.json.
+            w.metadata.remove(PEFT_CONFIG_KEY);
             if template.task_type.is_none() {
                 template.task_type = Some("CAUSAL_LM".into());
             }
             peft::save(&w, Some(&template), output)?;
         }
-        ExportFormat::Kohya => kohya::write(output, &[(KOHYA_LLM_PREFIX, &w)])?,
+        ExportFormat::Kohya => {
+            if let Some(c) = &cfg {
+                record_peft_config(&peft::config_for(&w, Some(c)), &mut w.metadata);
+            }
+            kohya::write(output, &[(KOHYA_LLM_PREFIX, &w)])?
+        }
     }
     Ok(w.modules.len())
 }

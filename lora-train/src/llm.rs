@@ -46,6 +46,22 @@ pub enum JobError {
         /// What to do.
         hint: String,
     },
+    /// An input is unusable: a command-line argument (`--resume` without a checkpoint), an
+    /// empty training file, a model file that is truncated or not a model. The message names the
+    /// file or argument and what to do; the CLI exits 2.
+    #[error("{0}")]
+    Input(String),
+    /// The run was stopped by [`crate::trainer::request_stop`] (Ctrl-C in the CLI).
+    #[error("interrupted at step {step}; {}", match checkpoint {
+        Some(c) => format!("the last checkpoint is {}", c.display()),
+        None => "no checkpoint was saved".to_string(),
+    })]
+    Interrupted {
+        /// Optimizer steps done when it stopped.
+        step: u64,
+        /// The newest checkpoint of the run (the one `--resume` continues from), if any.
+        checkpoint: Option<PathBuf>,
+    },
     /// Anything else at run time (training, I/O), with context.
     #[error("{0}")]
     Runtime(String),
@@ -121,7 +137,13 @@ impl Plan {
     pub fn report(&self) -> String {
         let s = &self.settings;
         let mut out = String::new();
-        out += &format!("plan: {} ({})\n", self.model, self.model_source);
+        // The model's name (GGUF `general.name` as written, else the architecture or preset)
+        // once, in this header; the table's own title line repeats it, so it is dropped.
+        let e = &self.estimate;
+        out += &format!(
+            "plan: {} ({}), trainable params: {}\n",
+            self.model, self.model_source, e.trainable_params
+        );
         out += &format!(
             "  device {}  base {:?}  mixed precision {:?}  LoRA r{} α{} on {:?}\n",
             if s.device.is_cuda() { "cuda" } else { "cpu" },
@@ -143,7 +165,9 @@ impl Plan {
             },
             s.optimizer
         );
-        out += &self.estimate.to_table();
+        let table = e.to_table();
+        let title = format!("{}  (trainable params: {})\n", e.model, e.trainable_params);
+        out += table.strip_prefix(title.as_str()).unwrap_or(&table);
         for c in &self.changes {
             out += &format!(
                 "auto_fit: {} {} → {} ({}); peak after {}\n",
@@ -563,6 +587,13 @@ impl RunSummary {
         if let Some(s) = &self.sample_after {
             out += &format!("sample after:  {s:?}\n");
         }
+        if self.losses.is_empty() {
+            out += "memory: no training step ran in this process; nothing measured\n";
+            for o in &self.outputs {
+                out += &format!("wrote {}\n", o.display());
+            }
+            return out;
+        }
         let e = &self.plan.estimate;
         let m = &self.memory;
         let pct = |pred: u64, meas: u64| 100.0 * (pred as f64 - meas as f64) / (meas.max(1) as f64);
@@ -635,6 +666,8 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<()> {
             expected: "a folder, but a file of that name exists; choose another output_dir".into(),
         }));
     }
+    check_writable(cfg)?;
+    resume_checkpoint(cfg, opts)?;
     let ckpt = out.join("checkpoints");
     let has_run = std::fs::read_dir(&ckpt)
         .map(|rd| {
@@ -659,6 +692,93 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<()> {
     Ok(())
 }
 
+/// Creates `train.output_dir` and writes (then removes) a probe file in it, so a read-only or
+/// otherwise unwritable folder is reported before the model loads rather than at the first
+/// checkpoint.
+///
+/// # Errors
+/// [`JobError::Config`] naming `train.output_dir`, the OS error and what to do.
+pub fn check_writable(cfg: &TrainConfig) -> Result<()> {
+    let out = PathBuf::from(&cfg.train.output_dir);
+    let bad = |what: String| {
+        JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "train.output_dir".into(),
+            value: format!("{:?}", cfg.train.output_dir),
+            expected: format!(
+                "a folder this user can write, but {what}; choose another output_dir or fix its permissions"
+            ),
+        })
+    };
+    std::fs::create_dir_all(&out)
+        .map_err(|e| bad(format!("creating {} failed: {e}", out.display())))?;
+    let probe = out.join(format!(".lora-train-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .map_err(|e| bad(format!("writing a file in {} failed: {e}", out.display())))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The checkpoint a `--resume` run continues from and its loop counters, read before the model
+/// loads: the newest complete `step-*` folder under `<train.output_dir>/checkpoints` for
+/// `--resume`, or the folder given to `--resume DIR`. `None` when the run does not resume.
+///
+/// # Errors
+/// [`JobError::Input`] naming the folder searched when there is no checkpoint, or the folder
+/// given when it is not a checkpoint (with the newest checkpoint inside it as a hint when it is
+/// a run's output folder).
+pub fn resume_checkpoint(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+) -> Result<Option<(PathBuf, crate::checkpoint::TrainerCounters)>> {
+    use crate::checkpoint::{Checkpoint, CheckpointManager};
+    let Some(resume) = &opts.resume else {
+        return Ok(None);
+    };
+    let ckpt_dir = PathBuf::from(&cfg.train.output_dir).join("checkpoints");
+    let latest_in = |d: &Path| CheckpointManager::new(d, 1).latest().ok().flatten();
+    let path = match resume {
+        None => latest_in(&ckpt_dir).ok_or_else(|| {
+            JobError::Input(format!(
+                "--resume: no checkpoint in {} (the checkpoints of train.output_dir {:?}); \
+                 nothing to resume — run without --resume to start fresh, or pass --resume DIR \
+                 with a step-* folder of another run",
+                ckpt_dir.display(),
+                cfg.train.output_dir
+            ))
+        })?,
+        Some(dir) => {
+            if !dir.is_dir() {
+                return Err(JobError::Input(format!(
+                    "--resume {}: no such folder; pass one of the step-* folders under {}, or \
+                     --resume alone for the newest",
+                    dir.display(),
+                    ckpt_dir.display()
+                )));
+            }
+            if !CheckpointManager::is_checkpoint(dir) {
+                let hint = latest_in(dir)
+                    .or_else(|| latest_in(&dir.join("checkpoints")))
+                    .map(|p| format!("did you mean {}?", p.display()))
+                    .unwrap_or_else(|| {
+                        format!(
+                            "pass one of the step-* folders under {}, or --resume alone for the newest",
+                            ckpt_dir.display()
+                        )
+                    });
+                return Err(JobError::Input(format!(
+                    "--resume {}: not a checkpoint (a checkpoint is a step-* folder holding \
+                     state.json); {hint}",
+                    dir.display()
+                )));
+            }
+            dir.clone()
+        }
+    };
+    let counters = Checkpoint::read_counters(&path)
+        .map_err(|e| JobError::Input(format!("--resume {}: {e}", path.display())))?;
+    Ok(Some((path, counters)))
+}
+
 /// Renames each existing `dir/<name>` to `dir/<name>.prev-<unix time>` (nothing is deleted), and
 /// says so when `verbose`.
 fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<()> {
@@ -681,6 +801,128 @@ fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Refuses `system.device: cuda` / `cuda:N` when libtorch sees no such CUDA device, before
+/// anything loads (libtorch's own error comes only at the first tensor moved there).
+///
+/// # Errors
+/// [`JobError::Config`] naming `system.device`, what libtorch sees and what to do.
+pub fn check_device(cfg: &TrainConfig) -> Result<()> {
+    let d = cfg.system.device.as_str();
+    let index = match d {
+        "cuda" => 0,
+        _ => match d.strip_prefix("cuda:").and_then(|n| n.parse::<i64>().ok()) {
+            Some(i) => i,
+            None => return Ok(()),
+        },
+    };
+    let count = if tch::Cuda::is_available() {
+        tch::Cuda::device_count()
+    } else {
+        0
+    };
+    if index < count {
+        return Ok(());
+    }
+    Err(JobError::Config(crate::config::ConfigError::InvalidValue {
+        key: "system.device".into(),
+        value: format!("{d:?}"),
+        expected: if count == 0 {
+            "a device this machine has, but libtorch sees no CUDA device here (no GPU, no driver, \
+             or a CPU-only libtorch); use \"cpu\" or \"auto\", and see `lora-train doctor`"
+                .into()
+        } else {
+            format!(
+                "a device this machine has, but libtorch sees {count} CUDA device(s) (cuda:0…cuda:{}); use one of those or \"auto\"",
+                count - 1
+            )
+        },
+    }))
+}
+
+/// Checks plain training text before the model loads: not empty, and (with
+/// `data.eval_fraction` > 0 and no `data.eval_file`) a held-out tail that is not empty either.
+///
+/// # Errors
+/// [`JobError::Input`] naming the file and what to do.
+fn check_plain_text(cfg: &TrainConfig, path: &Path, text: &str) -> Result<()> {
+    if text.trim().is_empty() {
+        return Err(JobError::Input(format!(
+            "data.train_data_dir {}: {}; point data.train_data_dir at a UTF-8 text file, or a \
+             folder of .txt files, with the text to train on",
+            path.display(),
+            if path.is_dir() {
+                "its .txt files hold no text"
+            } else {
+                "the file holds no text"
+            }
+        )));
+    }
+    if cfg.data.eval_file.is_none() && cfg.data.eval_fraction > 0.0 {
+        let (_, held) = split_tail(text, cfg.data.eval_fraction);
+        if held.trim().is_empty() {
+            return Err(JobError::Input(format!(
+                "data.train_data_dir {}: the held-out split (the last {}% of its {} bytes, from a \
+                 line start) is empty; use more text (several lines), set data.eval_fraction: 0, or \
+                 give data.eval_file",
+                path.display(),
+                100.0 * cfg.data.eval_fraction,
+                text.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// When `out_dir/summary.json` says the run ended and exported at `step`, the summary of that
+/// run (what a `--resume` of a finished run returns: nothing left to do).
+fn finished_run(out_dir: &Path, step: u64, plan: Plan) -> Option<RunSummary> {
+    let text = std::fs::read_to_string(out_dir.join("summary.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    if v["steps"].as_u64() != Some(step) {
+        return None;
+    }
+    let outputs = v["outputs"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p.as_str().map(PathBuf::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(RunSummary {
+        plan,
+        steps: step,
+        tokens: v["tokens"].as_u64().unwrap_or(0),
+        train_seconds: 0.0,
+        total_seconds: 0.0,
+        losses: Vec::new(),
+        eval_before: None,
+        eval_after: None,
+        sample_before: None,
+        sample_after: None,
+        memory: MeasuredMemory::default(),
+        outputs,
+    })
+}
+
+fn already_finished(step: u64, out_dir: &Path) -> String {
+    format!(
+        "run already finished at step {step}; nothing to do (its adapter and summary.json are in \
+         {}). To train further, raise train.max_steps (or train.epochs) and --resume again",
+        out_dir.display()
+    )
+}
+
+/// Writes a report to stdout, turning a failed write (a full disk) into an error instead of
+/// `print!`'s panic.
+fn write_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut so = std::io::stdout().lock();
+    so.write_all(text.as_bytes())
+        .and_then(|()| so.flush())
+        .map_err(|e| JobError::Runtime(format!("writing to stdout failed: {e}")))
 }
 
 fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf>)> {
@@ -826,6 +1068,27 @@ pub fn load_base(
         BaseWeights::Quantized => WeightMode::KeepQuantized,
     };
     let ctx = format!("loading {}", path.display());
+    // A malformed file is bad input (exit 2 in the CLI), named with what to do; a libtorch
+    // failure while loading (out of memory, …) stays a runtime error.
+    let rt = |ctx: &str| {
+        let ctx = ctx.to_string();
+        move |e: lora_models::Error| {
+            use lora_models::Error as M;
+            match e {
+                M::Gguf { .. }
+                | M::Safetensors { .. }
+                | M::Metadata { .. }
+                | M::MissingTensor { .. }
+                | M::Shape { .. }
+                | M::Config { .. }
+                | M::Unsupported { .. } => JobError::Input(format!(
+                    "{e}; the file is damaged (a truncated download?) or not a model this \
+                     tool reads — check its size and checksum, or download it again"
+                )),
+                other => JobError::Runtime(format!("{ctx}: {other}")),
+            }
+        }
+    };
     if path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
@@ -1130,6 +1393,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     if let Some(n) = cfg.system.num_threads {
         tch::set_num_threads(n as i32);
     }
+    check_device(&cfg)?;
     let cuda = match cfg.system.device.as_str() {
         "cpu" => false,
         "auto" => tch::Cuda::is_available(),
@@ -1148,7 +1412,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     // 1–3. plan
     let plan = plan(&mut cfg, opts.config_dir.as_deref(), None, cuda)?;
     if opts.verbose {
-        print!("{}", plan.report());
+        write_stdout(&plan.report())?;
     }
     if plan.fits == Some(false) {
         let b = plan
@@ -1176,6 +1440,26 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     }
 
     check_output_dir(&cfg, opts)?;
+    let out_dir = PathBuf::from(&cfg.train.output_dir);
+    let resume_from = resume_checkpoint(&cfg, opts)?;
+    if let Some((path, counters)) = &resume_from {
+        say(&format!(
+            "resuming from {} (step {}{})",
+            path.display(),
+            counters.step,
+            cfg.train
+                .max_steps
+                .map(|m| format!(" of {m}"))
+                .unwrap_or_default()
+        ));
+        if let Some(m) = cfg.train.max_steps
+            && counters.step >= m
+            && let Some(done) = finished_run(&out_dir, counters.step, plan.clone())
+        {
+            say(&already_finished(counters.step, &out_dir));
+            return Ok(done);
+        }
+    }
 
     // Data first: a missing or unreadable (non-UTF-8) data file fails before the model loads.
     let data_written =
@@ -1192,7 +1476,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         opts.config_dir.as_deref(),
     )?;
     let mut plain_text = if matches!(cfg.data.format, crate::config::DataFormat::Text) {
-        Some(read_text(&data_path, cfg.data.max_bytes)?)
+        let (text, files) = read_text(&data_path, cfg.data.max_bytes)?;
+        check_plain_text(&cfg, &data_path, &text)?;
+        Some((text, files))
     } else {
         None
     };
@@ -1211,6 +1497,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         cfg.model.dtype
     ));
     let (mut model, tok) = load_base(&base_path, cfg.model.weights, cfg.model.dtype, device)?;
+    let interrupted_before_training = || JobError::Interrupted {
+        step: resume_from.as_ref().map(|r| r.1.step).unwrap_or(0),
+        checkpoint: resume_from.as_ref().map(|r| r.0.clone()),
+    };
+    if crate::trainer::stop_requested() {
+        return Err(interrupted_before_training());
+    }
     model.set_gradient_checkpointing(cfg.train.gradient_checkpointing);
     tch::manual_seed(cfg.system.seed as i64);
     let lcfg = lora_config(&cfg, &base_written)?;
@@ -1315,14 +1608,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let rows = lora_data::loader::Dataset::len(&train_ds);
     let train_tokens = data_stats["train_tokens"].as_u64().unwrap_or(0);
     if train_tokens < 2 {
-        return Err(JobError::Runtime(format!(
+        return Err(JobError::Input(format!(
             "{}: the training text is empty ({train_tokens} tokens after the held-out split); \
              point data.train_data_dir at a file with text",
             data_path.display()
         )));
     }
     if cfg.data.eval_fraction > 0.0 && eval_ids.len() < 2 {
-        return Err(JobError::Runtime(format!(
+        return Err(JobError::Input(format!(
             "{}: the held-out split (data.eval_fraction {}) has {} tokens; use more text or set \
              data.eval_fraction: 0",
             data_path.display(),
@@ -1331,7 +1624,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         )));
     }
     if rows == 0 {
-        return Err(JobError::Runtime(format!(
+        return Err(JobError::Input(format!(
             "{}: no training rows of {seq_len} tokens; use more text or a smaller data.seq_len",
             data_path.display()
         )));
@@ -1369,6 +1662,20 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     if !eval_ids.is_empty() {
         say("evaluating held-out perplexity before training");
     }
+    // Trainer::fit runs at most this many steps (max_steps, capped by the epochs).
+    let trainer_total = total_steps.min(per_epoch * u64::from(cfg.train.epochs.max(1)));
+    if let Some((_, counters)) = &resume_from
+        && counters.step >= trainer_total
+    {
+        if let Some(done) = finished_run(&out_dir, counters.step, plan.clone()) {
+            say(&already_finished(counters.step, &out_dir));
+            return Ok(done);
+        }
+        say(&format!(
+            "training already finished at step {} of {trainer_total}, but the run was not exported; evaluating and exporting",
+            counters.step
+        ));
+    }
     let eval_before = evaluate(&model, &eval_ids, seq_len)?;
     if let Some(e) = eval_before {
         say(&format!(
@@ -1380,10 +1687,12 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
         None => None,
     };
+    if crate::trainer::stop_requested() {
+        return Err(interrupted_before_training());
+    }
 
     // 5. train (the engine's Trainer: accumulation, clipping, mixed precision, OOM back-off,
     // NaN policy, checkpoints, exact resume)
-    let out_dir = PathBuf::from(&cfg.train.output_dir);
     std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
     if cfg.train.gradient_checkpointing {
         say("gradient checkpointing: each decoder layer is recomputed during backward");
@@ -1416,10 +1725,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             .map_err(|e| JobError::Runtime(e.to_string()))?
             .with_every(cfg.logging.log_every_n_steps),
     ));
-    let resume = match &opts.resume {
+    let resume = match &resume_from {
         None => crate::trainer::Resume::No,
-        Some(None) => crate::trainer::Resume::Latest,
-        Some(Some(dir)) => crate::trainer::Resume::From(dir.clone()),
+        Some((dir, _)) => crate::trainer::Resume::From(dir.clone()),
     };
     let (rss_before_steps, hwm_process) = proc_rss();
     let _ = reset_peak_rss();
@@ -1435,6 +1743,12 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let step = report.steps;
     let tokens = report.tokens;
     let losses = report.losses.clone();
+    if report.interrupted || crate::trainer::stop_requested() {
+        return Err(JobError::Interrupted {
+            step: report.steps,
+            checkpoint: report.last_checkpoint.clone(),
+        });
+    }
     if let Some(from) = report.resumed_from {
         say(&format!(
             "resumed at step {from}; trained steps {}–{}",
@@ -1521,7 +1835,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     std::fs::write(&summary_path, text)
         .map_err(rt(&format!("writing {}", summary_path.display())))?;
     if opts.verbose {
-        print!("{}", summary.report());
+        write_stdout(&summary.report())?;
     }
     Ok(summary)
 }

@@ -15,6 +15,27 @@ use crate::optim::{Optimizer, OptimizerKind, ParamGroup};
 use crate::precision::{GradScaler, Precision};
 use crate::sched::{Scheduler, SchedulerKind};
 
+/// Set by [`request_stop`]: every running [`Trainer::fit`] stops after its current optimizer
+/// step, saves a checkpoint and returns with [`TrainReport::interrupted`].
+static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks every running [`Trainer::fit`] to stop at the next step boundary (after saving a
+/// checkpoint when a `checkpoint_dir` is set). One atomic store: async-signal-safe, so a SIGINT
+/// handler may call it (the `lora-train` CLI does, for Ctrl-C).
+pub fn request_stop() {
+    STOP_REQUESTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// True once [`request_stop`] was called (until [`clear_stop_request`]).
+pub fn stop_requested() -> bool {
+    STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Forgets an earlier [`request_stop`], so the next [`Trainer::fit`] runs to its end.
+pub fn clear_stop_request() {
+    STOP_REQUESTED.store(false, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// Errors of the training engine.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -122,6 +143,10 @@ pub struct TrainReport {
     pub micro_batch_split: usize,
     /// True when a callback stopped the run before the planned steps.
     pub stopped_early: bool,
+    /// True when the run stopped because of [`request_stop`] (Ctrl-C in the CLI); the last
+    /// checkpoint is [`TrainReport::last_checkpoint`].
+    #[serde(default)]
+    pub interrupted: bool,
     /// The step the run resumed from, if it did.
     pub resumed_from: Option<u64>,
     /// The last checkpoint written.
@@ -617,6 +642,12 @@ impl<S: TrainStep> Trainer<S> {
         }
         let mut last_info: Option<StepInfo> = None;
         let mut stop = false;
+        if stop_requested() {
+            // Interrupted while restoring or before the first step: nothing new to save.
+            stop = true;
+            run.report.interrupted = true;
+            run.report.stopped_early = run.counters.step < total;
+        }
         while !stop
             && run.counters.step < total
             && (run.counters.epoch < cfg.epochs || cfg.max_steps.is_some())
@@ -643,6 +674,10 @@ impl<S: TrainStep> Trainer<S> {
                 let mut control = Control::Continue;
                 for c in self.callbacks.iter_mut() {
                     control = control.merge(c.on_step(&info)?);
+                }
+                if stop_requested() && run.counters.step < total {
+                    run.report.interrupted = true;
+                    control = Control::Stop;
                 }
                 last_info = Some(info);
                 let every = cfg

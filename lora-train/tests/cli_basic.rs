@@ -324,7 +324,17 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
     }
     let dir = tempfile::tempdir().unwrap();
     let peft_dir = dir.path().join("peft");
-    peft::save(&w, None, &peft_dir).unwrap();
+    let template = lora_core::config::LoraConfig {
+        base_model_name_or_path: Some("HuggingFaceTB/SmolLM2-135M-Instruct".into()),
+        lora_dropout: 0.1,
+        target_modules: Some(lora_core::config::TargetModules::List(vec![
+            "q_proj".into(),
+            "down_proj".into(),
+        ])),
+        task_type: Some("CAUSAL_LM".into()),
+        ..Default::default()
+    };
+    peft::save(&w, Some(&template), &peft_dir).unwrap();
     let kohya = dir.path().join("k.safetensors");
     let o = bin()
         .args(["convert", "--to", "kohya", "--input"])
@@ -367,6 +377,19 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let (cfg, w2) = peft::load(&back).unwrap();
     assert_eq!(cfg.task_type.as_deref(), Some("CAUSAL_LM"));
+    // The PEFT settings survive the trip through the kohya file's metadata.
+    assert_eq!(
+        cfg.base_model_name_or_path.as_deref(),
+        Some("HuggingFaceTB/SmolLM2-135M-Instruct")
+    );
+    assert_eq!(cfg.lora_dropout, 0.1);
+    assert_eq!(cfg.target_modules, template.target_modules);
+    let kohya_meta = lora_core::formats::kohya::read(&kohya).unwrap().metadata;
+    assert_eq!(kohya_meta["ss_network_dropout"], "0.1");
+    assert_eq!(
+        kohya_meta["ss_sd_model_name"],
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    );
     assert_eq!(w2.modules.len(), 2);
     for (site, m) in &w.modules {
         let m2 = &w2.modules[site];

@@ -125,3 +125,32 @@ fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
         "{out}"
     );
 }
+
+#[test]
+fn the_default_threshold_follows_the_models_head_and_is_printed() {
+    // Four photos the ImageNet (softmax) MobileNetV2 gives no class at WD14's 0.35.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let photos = ["astronaut.png", "brick.png", "grass.png", "moon.png"];
+    for n in photos {
+        std::fs::copy(assets().join("skimage").join(n), d.join(n)).unwrap();
+    }
+    let o = tag(d, &["--dry-run"]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(
+        out.contains("general-tag threshold 0.05 (the default for single-label softmax"),
+        "{out}"
+    );
+    assert!(
+        out.contains("dry run: 4 new"),
+        "every photo gets a tag: {out}"
+    );
+    let o = tag(d, &["--dry-run", "--threshold", "0.35"]);
+    let out = text(&o);
+    assert!(
+        out.contains("general-tag threshold 0.35 (image.general_threshold / --threshold)"),
+        "{out}"
+    );
+    assert!(out.contains("4 skipped"), "{out}");
+}

@@ -208,7 +208,11 @@ impl ImageTagger {
             labels,
             preprocess,
             sigmoid,
-            settings: config.image.clone(),
+            settings: ImageSettings {
+                // Resolved here, so the cache key and the report carry the value in effect.
+                general_threshold: Some(config.image.general_threshold_for(sigmoid)),
+                ..config.image.clone()
+            },
             device,
             kind,
             max_batch_size: config.generation_settings.max_batch_size,
@@ -224,6 +228,17 @@ impl ImageTagger {
     /// The settings that change the tags besides the model (for cache keys).
     pub fn settings(&self) -> &ImageSettings {
         &self.settings
+    }
+
+    /// The minimum probability of a general tag in effect: `image.general_threshold`, or the
+    /// default for the model's head (0.35 sigmoid / 0.05 softmax).
+    pub fn general_threshold(&self) -> f32 {
+        self.settings.general_threshold_for(self.sigmoid)
+    }
+
+    /// True for a multi-label (sigmoid) head, false for a single-label (softmax) classifier.
+    pub fn multi_label(&self) -> bool {
+        self.sigmoid
     }
 
     /// The preprocessing in use.
@@ -311,9 +326,7 @@ impl ImageTagger {
                 TagCategory::Rating if best_rating.is_none_or(|(_, b)| p > b) => {
                     best_rating = Some((i, p));
                 }
-                TagCategory::General if p >= self.settings.general_threshold => {
-                    out.push((i, p, cat))
-                }
+                TagCategory::General if p >= self.general_threshold() => out.push((i, p, cat)),
                 TagCategory::Character if p >= self.settings.character_threshold => {
                     out.push((i, p, cat))
                 }

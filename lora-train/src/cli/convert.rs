@@ -11,7 +11,7 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
         | lora_train::export::ExportError::UnknownKohyaModule { .. } => CliError::usage(e),
         other => CliError::runtime(other),
     })?;
-    println!(
+    super::outln(format_args!(
         "wrote {} ({n} modules, {})",
         output.display(),
         if to == ExportFormat::Peft {
@@ -19,6 +19,6 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
         } else {
             "kohya"
         }
-    );
+    ))?;
     Ok(EXIT_OK)
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// Runs `doctor`. Always exit 0 unless printing fails: missing pieces are reported, not errors.
 pub fn run() -> Result<i32, CliError> {
-    print!("{}", report());
+    super::out(&report())?;
     Ok(EXIT_OK)
 }
 

@@ -13,6 +13,18 @@ pub fn run(
     stride: Option<usize>,
     json: bool,
 ) -> Result<i32, CliError> {
+    if max_length < 2 {
+        return Err(CliError::usage(format!(
+            "--max-length {max_length}: a window needs at least 2 tokens (one to predict from, one to score)"
+        )));
+    }
+    if let Some(s) = stride
+        && !(1..=max_length).contains(&s)
+    {
+        return Err(CliError::usage(format!(
+            "--stride {s}: must be between 1 and --max-length ({max_length}); leave it out for disjoint windows"
+        )));
+    }
     let body = std::fs::read_to_string(text)
         .map_err(|e| CliError::usage(format!("--text {}: {e}", text.display())))?;
     let m = super::model::load(model, adapter)?;
@@ -24,6 +36,13 @@ pub fn run(
         max_length,
         stride: stride.unwrap_or(max_length),
     };
+    if ids.len() < 2 {
+        return Err(CliError::usage(format!(
+            "--text {}: {} tokens; perplexity needs at least 2",
+            text.display(),
+            ids.len()
+        )));
+    }
     let r = m
         .model
         .perplexity_ids(&ids, &opts)
@@ -41,9 +60,9 @@ pub fn run(
             "max_length": opts.max_length,
             "stride": opts.stride,
         });
-        println!("{v}");
+        super::outln(v)?;
     } else {
-        println!(
+        super::outln(format_args!(
             "perplexity {:.4} (mean NLL {:.4} nats) over {} tokens in {} windows of {} (stride {}){}",
             r.perplexity,
             r.mean_nll,
@@ -54,7 +73,7 @@ pub fn run(
             adapter
                 .map(|a| format!(", adapter {} ({} modules)", a.display(), m.adapter_modules))
                 .unwrap_or_default()
-        );
+        ))?;
     }
     Ok(EXIT_OK)
 }

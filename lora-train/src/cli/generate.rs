@@ -21,14 +21,38 @@ pub struct GenerateArgs<'a> {
     pub max_new_tokens: usize,
     /// Softmax temperature (0 = greedy).
     pub temperature: f64,
-    /// Nucleus sampling.
+    /// Nucleus sampling threshold, in (0, 1].
     pub top_p: f64,
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
     /// Sampler seed.
     pub seed: u64,
 }
 
+/// Checks the sampling options before the model loads.
+///
+/// # Errors
+/// Exit 2 naming the option: a temperature that is negative or not finite, `top_p` outside
+/// (0, 1].
+pub fn check(a: &GenerateArgs<'_>) -> Result<(), CliError> {
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        return Err(CliError::usage(format!(
+            "--temperature {}: must be ≥ 0 (0 = greedy; 0.7–1.0 is usual for sampling)",
+            a.temperature
+        )));
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(CliError::usage(format!(
+            "--top-p {}: must be in (0, 1] (1 = off; 0.9 is usual)",
+            a.top_p
+        )));
+    }
+    Ok(())
+}
+
 /// Runs `generate`; prints only the generated text.
 pub fn run(a: &GenerateArgs<'_>) -> Result<i32, CliError> {
+    check(a)?;
     let m = super::model::load(a.model, a.adapter)?;
     let text = if a.chat {
         let mut msgs = Vec::new();
@@ -48,6 +72,7 @@ pub fn run(a: &GenerateArgs<'_>) -> Result<i32, CliError> {
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,
         top_p: a.top_p,
+        top_k: a.top_k,
         seed: a.seed,
         ..Default::default()
     };
@@ -57,11 +82,10 @@ pub fn run(a: &GenerateArgs<'_>) -> Result<i32, CliError> {
         opts.stop_tokens.push(i64::from(id));
     }
     let g = m.model.generate(&ids, &opts).map_err(CliError::runtime)?;
-    println!(
-        "{}",
+    super::outln(
         m.tokenizer
             .decode(&g.tokens, true)
-            .map_err(CliError::runtime)?
-    );
+            .map_err(CliError::runtime)?,
+    )?;
     Ok(EXIT_OK)
 }

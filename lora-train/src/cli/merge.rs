@@ -65,10 +65,10 @@ pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError>
     }
     Tensor::write_safetensors(&tensors, output)
         .map_err(|e| CliError::runtime(format!("writing {}: {e}", output.display())))?;
-    println!(
+    super::outln(format_args!(
         "merged {n} adapted modules; wrote {} tensors to {}",
         tensors.len(),
         output.display()
-    );
+    ))?;
     Ok(EXIT_OK)
 }

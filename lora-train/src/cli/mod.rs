@@ -23,6 +23,8 @@ pub const EXIT_RUNTIME: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 /// The run is predicted not to fit its memory budget (`plan`, or `train` without `--force`).
 pub const EXIT_DOES_NOT_FIT: i32 = 3;
+/// `train` stopped by Ctrl-C (SIGINT) after saving a checkpoint: 128 + 2, as shells report it.
+pub const EXIT_INTERRUPTED: i32 = 130;
 
 const AFTER_HELP: &str = "\
 Exit codes:
@@ -30,6 +32,7 @@ Exit codes:
   1  runtime failure (I/O, libtorch, training; tag: some images failed, the others were written)
   2  bad usage or invalid config (unknown keys, bad values, conflicts, missing files)
   3  predicted not to fit the memory budget (plan; train without --force)
+  130  train stopped by Ctrl-C (a checkpoint is saved first; the command to resume is printed)
 
 Examples:
   lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"
@@ -122,7 +125,7 @@ pub enum Command {
         /// Window length in tokens.
         #[arg(long, default_value_t = 256)]
         max_length: usize,
-        /// Stride between windows (default: the window length, i.e. disjoint windows).
+        /// Stride between windows, 1..=max-length (default: the window length, i.e. disjoint windows).
         #[arg(long)]
         stride: Option<usize>,
         /// Print JSON.
@@ -149,12 +152,15 @@ pub enum Command {
         /// Tokens to generate.
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
-        /// Temperature (0 = greedy).
-        #[arg(long, default_value_t = 0.0)]
+        /// Temperature, ≥ 0 (0 = greedy).
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
         temperature: f64,
-        /// Nucleus sampling threshold.
-        #[arg(long, default_value_t = 1.0)]
+        /// Nucleus sampling threshold, in (0, 1] (1 = off).
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         top_p: f64,
+        /// Sample only from the K most likely tokens (0 = off).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
         /// Sampler seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -174,6 +180,32 @@ fn refuse_existing(output: &std::path::Path, force: bool) -> Result<(), CliError
         )));
     }
     Ok(())
+}
+
+/// Writes `text` to stdout (locked) and flushes it. `println!` panics when stdout cannot be
+/// written (a full disk: `lora-train doctor > /dev/full`); this returns a runtime error instead.
+///
+/// # Errors
+/// Exit 1 with "writing to stdout failed: …" and the OS error.
+pub fn out(text: &str) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut so = std::io::stdout().lock();
+    so.write_all(text.as_bytes())
+        .and_then(|()| so.flush())
+        .map_err(stdout_failed)
+}
+
+/// [`out`] with a newline.
+///
+/// # Errors
+/// As [`out`].
+pub fn outln(text: impl std::fmt::Display) -> Result<(), CliError> {
+    out(&format!("{text}\n"))
+}
+
+/// The error for a failed write to stdout (exit 1).
+pub fn stdout_failed(e: std::io::Error) -> CliError {
+    CliError::runtime(format!("writing to stdout failed: {e}"))
 }
 
 /// Adapter file formats.
@@ -222,7 +254,8 @@ impl From<lora_train::llm::JobError> for CliError {
     fn from(e: lora_train::llm::JobError) -> Self {
         use lora_train::llm::JobError as J;
         let code = match &e {
-            J::Config(_) | J::MissingFile { .. } => EXIT_USAGE,
+            J::Config(_) | J::MissingFile { .. } | J::Input(_) => EXIT_USAGE,
+            J::Interrupted { .. } => EXIT_INTERRUPTED,
             J::Memory(m) if !matches!(m, lora_memory::Error::Io { .. }) => EXIT_USAGE,
             J::DoesNotFit { .. } => EXIT_DOES_NOT_FIT,
             _ => EXIT_RUNTIME,
@@ -288,6 +321,7 @@ pub fn main() -> i32 {
             max_new_tokens,
             temperature,
             top_p,
+            top_k,
             seed,
         } => generate::run(&generate::GenerateArgs {
             model: &model,
@@ -298,6 +332,7 @@ pub fn main() -> i32 {
             max_new_tokens,
             temperature,
             top_p,
+            top_k,
             seed,
         }),
         #[cfg(feature = "tagger")]
@@ -306,7 +341,9 @@ pub fn main() -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", e.message);
+            if !e.message.is_empty() {
+                eprintln!("error: {}", e.message);
+            }
             e.code
         }
     }

@@ -29,7 +29,13 @@ pub fn load(base: &Path, adapter: Option<&Path>) -> Result<Loaded, CliError> {
     }
     let (mut model, tokenizer) =
         lora_train::llm::load_base(base, BaseWeights::Dense, Dtype::F32, tch::Device::Cpu)
-            .map_err(CliError::runtime)?;
+            .map_err(|e| {
+                let e = CliError::from(e);
+                CliError {
+                    message: format!("--model: {}", e.message),
+                    ..e
+                }
+            })?;
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let mut adapter_modules = 0;
     if let Some(a) = adapter {

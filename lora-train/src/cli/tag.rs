@@ -47,7 +47,9 @@ pub struct TagArgs {
     /// Caption file extension (default .txt).
     #[arg(long, value_name = "EXT")]
     pub caption_extension: Option<String>,
-    /// Minimum probability of a general tag (image.general_threshold; default 0.35).
+    /// Minimum probability of a general tag (image.general_threshold; default by the model's
+    /// head: 0.05 for single-label softmax classifiers such as the built-in MobileNetV2, 0.35
+    /// for multi-label sigmoid taggers such as WD14).
     #[arg(long)]
     pub threshold: Option<f32>,
     /// A word written first in every caption (trigger word); repeat for several.
@@ -97,7 +99,7 @@ fn load_config(a: &TagArgs) -> Result<TaggerConfig, CliError> {
                 "--threshold {t}: must be a probability in [0, 1]"
             )));
         }
-        cfg.image.general_threshold = t;
+        cfg.image.general_threshold = Some(t);
     }
     if !a.trigger.is_empty() {
         cfg.tags.always_first = a.trigger.clone();
@@ -146,6 +148,17 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
         t_load.elapsed().as_secs_f64(),
         images.len()
     );
+    eprintln!(
+        "general-tag threshold {} ({})",
+        inner.general_threshold(),
+        match (cfg.image.general_threshold.is_some(), inner.multi_label()) {
+            (true, _) => "image.general_threshold / --threshold",
+            (false, true) =>
+                "the default for multi-label sigmoid models such as WD14; --threshold to change",
+            (false, false) =>
+                "the default for single-label softmax classifiers such as ImageNet MobileNetV2; --threshold to change",
+        }
+    );
     let settings = inner.settings().clone();
     let cap = cfg.memory_management.cache_size;
     let mut tagger = match &cfg.memory_management.cache_file {
@@ -156,21 +169,21 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
     let run = lora_tagger::run::tag_to_captions(&mut tagger, &images, &cfg.tags, &writer)
         .map_err(tag_err)?;
     tagger.save().map_err(tag_err)?;
-    println!("{}", run.report);
+    super::outln(&run.report)?;
     let stats = tagger.cache().stats();
     let mb = tagger
         .inner_mut()
         .last_micro_batch()
         .map(|(s, l, h)| format!(", micro-batch {s} → {l} ({h} halvings)"))
         .unwrap_or_default();
-    println!(
+    super::outln(format_args!(
         "tagged {} images in {:.2} s: {:.2} images/s{mb}; cache {} hits / {} misses",
         run.tagged,
         run.tagging_s,
         run.images_per_s(),
         stats.hits,
         stats.misses
-    );
+    ))?;
     let (_, _, _, _, failed) = run.report.totals();
     Ok(if failed > 0 { EXIT_RUNTIME } else { EXIT_OK })
 }
@@ -253,7 +266,42 @@ fn run_descriptions(file: &Path, out: Option<&Path>, cfg: &TaggerConfig) -> Resu
         &cfg.llm,
     );
     let t = Instant::now();
-    let results = tagger.tag_descriptions(&descriptions).map_err(tag_err)?;
+    // In chunks, so progress shows while the model works: a bar on a terminal, a plain line per
+    // chunk otherwise (logs, CI), as `train` does.
+    let chunk = cfg
+        .generation_settings
+        .max_batch_size
+        .max(cfg.llm.concurrency.unwrap_or(1))
+        .max(1);
+    let bar = {
+        use std::io::IsTerminal;
+        std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new(descriptions.len() as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:30} {pos}/{len} descriptions  {per_sec}  eta {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        })
+    };
+    let mut results = Vec::with_capacity(descriptions.len());
+    for part in descriptions.chunks(chunk) {
+        results.extend(tagger.tag_descriptions(part).map_err(tag_err)?);
+        let done = results.len();
+        match &bar {
+            Some(b) => b.set_position(done as u64),
+            None => eprintln!(
+                "tagged {done}/{} descriptions ({:.2} descriptions/s)",
+                descriptions.len(),
+                done as f64 / t.elapsed().as_secs_f64().max(1e-9)
+            ),
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
     let secs = t.elapsed().as_secs_f64();
     let mut lines = String::new();
     let mut failed = 0;
@@ -279,7 +327,9 @@ fn run_descriptions(file: &Path, out: Option<&Path>, cfg: &TaggerConfig) -> Resu
         Some(p) => lora_tagger::caption::write_atomic(p, lines.as_bytes()).map_err(tag_err)?,
         None => {
             let mut so = std::io::stdout().lock();
-            so.write_all(lines.as_bytes()).map_err(CliError::runtime)?;
+            so.write_all(lines.as_bytes())
+                .and_then(|()| so.flush())
+                .map_err(super::stdout_failed)?;
         }
     }
     eprintln!(
