@@ -1045,7 +1045,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     // copy of the token-major output) when adapted. Each block: LayerNorm ×3 inputs, SDPA's
     // q, k, v, out of self-attention and q, out of cross-attention (+ the logsumexp of each),
     // GEGLU (hidden, gate, gelu(gate): 12c), and the inputs of the adapted projections.
-    let transformer = |ch: f64, heads: f64, n: f64, depth: f64| -> (f64, f64) {
+    let transformer = |ch: f64, heads: f64, n: f64, depth: f64| -> (f64, f64, f64) {
         let elems = 3.0 + 6.0 + 12.0;
         let mut maps = 0.0;
         // backward working set: the GEGLU backward holds the incoming gradient (4c), the
@@ -1069,7 +1069,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         blk += lora_in(&["ff.net.0.proj"], ch * n);
         blk += lora_in(&["ff.net.2"], 4.0 * ch * n);
         let wrapper = c.r * ch * n + lora_in(&["proj_in"], ch * n) + lora_in(&["proj_out"], ch * n);
-        (wrapper + depth * blk, wk)
+        (wrapper + depth * blk, wk, wrapper + blk)
     };
     let nlev = d.levels.len();
     let chan: Vec<f64> = d.levels.iter().map(|l| l.channels as f64).collect();
@@ -1080,19 +1080,21 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     // This SDK's UNet checkpoints a ResNet and its transformer as one unit and concatenates the
     // skip inside it; diffusers checkpoints each module on its own, after the concatenation.
     let ours = s.profile.framework == Framework::Ours;
-    let mut unit = |saved: f64, input: f64, wk: f64| {
+    let mut unit = |saved: f64, input: f64, wk: f64, recomputed: f64| {
         stored += saved;
         ckpt_stored += input;
-        biggest_block = biggest_block.max(saved);
+        biggest_block = biggest_block.max(recomputed);
         working = working.max(wk);
     };
-    let mut pair = |r: (f64, f64), t: Option<(f64, f64)>, input: f64, t_input: f64| match t {
-        Some(t) if ours => unit(r.0 + t.0, input, r.1.max(t.1)),
+    // `t` = (saved, working set, saved by one BasicTransformerBlock + the wrapper); diffusers
+    // checkpoints each BasicTransformerBlock, so `t_input` is one block input per block.
+    let mut pair = |r: (f64, f64), t: Option<(f64, f64, f64)>, input: f64, t_input: f64| match t {
+        Some(t) if ours => unit(r.0 + t.0, input, r.1.max(t.1), r.0 + t.0),
         Some(t) => {
-            unit(r.0, input, r.1);
-            unit(t.0, t_input, t.1);
+            unit(r.0, input, r.1, r.0);
+            unit(t.0, t_input, t.1, t.2);
         }
-        None => unit(r.0, input, r.1),
+        None => unit(r.0, input, r.1, r.0),
     };
     let mut skips = c.r * chan[0] * n0; // conv_in output
     // down path
@@ -1103,7 +1105,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         for j in 0..lv.resnets {
             let cin = if j == 0 && i > 0 { chan[i - 1] } else { ch };
             let t = (depth > 0.0).then(|| transformer(ch, lv.heads as f64, n, depth));
-            pair(resnet(cin, ch, n), t, c.r * cin * n, c.r * ch * n);
+            pair(resnet(cin, ch, n), t, c.r * cin * n, depth * c.r * ch * n);
             skips += c.r * ch * n;
         }
         if i + 1 < nlev {
@@ -1121,7 +1123,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         if ours {
             pair((2.0 * r.0, r.1), t, c.r * ch * n, 0.0);
         } else {
-            pair(r, t, c.r * ch * n, c.r * ch * n);
+            pair(r, t, c.r * ch * n, md * c.r * ch * n);
             pair(r, None, c.r * ch * n, 0.0);
         }
     }
@@ -1147,7 +1149,12 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
             };
             let t = (depth > 0.0).then(|| transformer(ch, lv.heads as f64, n, depth));
             let input = if ours { prev } else { prev + skip };
-            pair(resnet(prev + skip, ch, n), t, c.r * input * n, c.r * ch * n);
+            pair(
+                resnet(prev + skip, ch, n),
+                t,
+                c.r * input * n,
+                depth * c.r * ch * n,
+            );
         }
     }
     // conv_out head: GroupNorm + SiLU inputs at full latent resolution.

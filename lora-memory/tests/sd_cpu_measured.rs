@@ -157,6 +157,16 @@ const RUNS: &[Run] = &[
         measured: 143_489_648,
     },
     Run {
+        name: "256px b1 te",
+        resolution: 256,
+        batch: 1,
+        train_te: true,
+        checkpointing: false,
+        rank: 8,
+        targets: ATTN_PROJ,
+        measured: 329_108_320,
+    },
+    Run {
         name: "64px b6 te ckpt +ff",
         resolution: 64,
         batch: 6,
