@@ -17,6 +17,7 @@ use tch::{Device, Kind, Tensor};
 use super::config::{ClipActivation, ClipTextConfig};
 use super::weights::Tensors;
 use crate::error::{Error, Result};
+use crate::sd::load::SafetensorsFiles;
 
 fn tensor_bytes(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
@@ -748,5 +749,217 @@ impl Adaptable for ClipTextModelWithProjection {
 
     fn frozen_param_count(&self) -> Option<i64> {
         Some(self.num_params())
+    }
+}
+
+/// The number of encoder layers stored under `head` (`…layers.N.` / `…resblocks.N.` names).
+fn count_layers(src: &SafetensorsFiles, head: &str) -> i64 {
+    src.names()
+        .filter_map(|n| n.strip_prefix(head)?.split('.').next()?.parse::<i64>().ok())
+        .max()
+        .map_or(0, |m| m + 1)
+}
+
+fn stored_shape(src: &SafetensorsFiles, name: &str, path: &Path) -> Result<Vec<i64>> {
+    src.shape(name).ok_or_else(|| Error::MissingTensor {
+        name: name.into(),
+        path: path.to_path_buf(),
+    })
+}
+
+/// A CLIP text config read off the stored shapes of a single-file checkpoint, for encoders
+/// with 64-wide heads (CLIP ViT-L/14, OpenCLIP ViT-H/14 and ViT-bigG/14 — every SD text
+/// encoder): `vocab_size`, `hidden_size` from the token embedding, the positions, the layer
+/// count, the MLP width; `eos_token_id` 2 as the SD/SDXL `config.json` files have it.
+fn inferred_config(
+    vocab_hidden: &[i64],
+    positions: i64,
+    layers: i64,
+    intermediate: i64,
+    projection_dim: Option<i64>,
+    act: ClipActivation,
+    path: &Path,
+) -> Result<ClipTextConfig> {
+    let (vocab, d) = match vocab_hidden {
+        [v, d] => (*v, *d),
+        other => {
+            return Err(Error::Config {
+                path: path.to_path_buf(),
+                msg: format!("token embedding of shape {other:?}, expected [vocab, hidden]"),
+            });
+        }
+    };
+    if d % 64 != 0 || layers == 0 {
+        return Err(Error::Config {
+            path: path.to_path_buf(),
+            msg: format!(
+                "cannot infer the text encoder's config (hidden {d}, {layers} layers): pass its config.json"
+            ),
+        });
+    }
+    Ok(ClipTextConfig {
+        vocab_size: vocab,
+        hidden_size: d,
+        intermediate_size: intermediate,
+        projection_dim,
+        num_hidden_layers: layers,
+        num_attention_heads: d / 64,
+        max_position_embeddings: positions,
+        hidden_act: act,
+        ..ClipTextConfig::sd15()
+    })
+}
+
+impl ClipTextModel {
+    /// Loads the CLIP text encoder of an original single-file checkpoint, stored in
+    /// transformers' layout under `prefix`: [`crate::sd::load::LDM_TEXT_ENCODER_PREFIX`]
+    /// (SD 1.x, `cond_stage_model.transformer.`) or
+    /// [`crate::sd::load::SGM_TEXT_ENCODER_PREFIX`] (SDXL's first encoder,
+    /// `conditioner.embedders.0.transformer.`), with or without the `text_model.` level.
+    /// `config` = `None` reads the sizes off the stored shapes (64-wide heads, `quick_gelu`:
+    /// OpenAI's CLIP ViT-L/14 of SD 1.x and SDXL).
+    ///
+    /// # Errors
+    /// [`Error::Io`] / [`Error::Safetensors`] for the file; [`Error::MissingTensor`] naming the
+    /// stored key; [`Error::Shape`] when the weights do not fit `config`.
+    pub fn from_single_file(
+        path: &Path,
+        prefix: &str,
+        config: Option<ClipTextConfig>,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        let src = SafetensorsFiles::open(&[path.to_path_buf()], path, Device::Cpu)?;
+        let p = if src.contains(&format!(
+            "{prefix}text_model.embeddings.token_embedding.weight"
+        )) {
+            format!("{prefix}text_model.")
+        } else {
+            prefix.to_string()
+        };
+        let config = match config {
+            Some(c) => c,
+            None => inferred_config(
+                &stored_shape(&src, &format!("{p}embeddings.token_embedding.weight"), path)?,
+                stored_shape(
+                    &src,
+                    &format!("{p}embeddings.position_embedding.weight"),
+                    path,
+                )?[0],
+                count_layers(&src, &format!("{p}encoder.layers.")),
+                stored_shape(&src, &format!("{p}encoder.layers.0.mlp.fc1.weight"), path)?[0],
+                None,
+                ClipActivation::QuickGelu,
+                path,
+            )?,
+        };
+        Self::build(config, &Tensors::Files(src), prefix, kind, device)
+    }
+}
+
+impl ClipTextModelWithProjection {
+    /// Loads an OpenCLIP text tower stored under `prefix` in an original single-file checkpoint
+    /// — SDXL's second encoder, [`crate::sd::load::SGM_TEXT_ENCODER_2_PREFIX`]
+    /// (`conditioner.embedders.1.model.`) — converting OpenCLIP's layout to transformers' as
+    /// diffusers' `convert_open_clip_checkpoint` (`loaders/single_file_utils.py`) does:
+    /// `token_embedding.weight`, `positional_embedding` → position embedding,
+    /// `transformer.resblocks.N.{ln_1, ln_2}` → `layer_norm{1,2}`, `attn.in_proj_{weight,bias}`
+    /// (`[3D, D]`, `[3D]`) split in three → `q_proj`, `k_proj`, `v_proj`, `attn.out_proj` →
+    /// `out_proj`, `mlp.{c_fc, c_proj}` → `mlp.{fc1, fc2}`, `ln_final` → `final_layer_norm`,
+    /// and `text_projection` `[D, P]` (used as `x @ P`) transposed into the `[P, D]` linear
+    /// weight. `config` = `None` reads the sizes off the stored shapes (64-wide heads, `gelu`:
+    /// ViT-bigG/14).
+    ///
+    /// # Errors
+    /// As [`ClipTextModel::from_single_file`]; [`Error::Shape`] for an `in_proj` that is not
+    /// `[3D, D]`.
+    pub fn from_open_clip(
+        path: &Path,
+        prefix: &str,
+        config: Option<ClipTextConfig>,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        use crate::sd::load::TensorSource;
+        let src = SafetensorsFiles::open(&[path.to_path_buf()], path, Device::Cpu)?;
+        let key = |rest: &str| format!("{prefix}{rest}");
+        let layers = count_layers(&src, &key("transformer.resblocks."));
+        let config = match config {
+            Some(c) => c,
+            None => {
+                let proj = stored_shape(&src, &key("text_projection"), path)?;
+                inferred_config(
+                    &stored_shape(&src, &key("token_embedding.weight"), path)?,
+                    stored_shape(&src, &key("positional_embedding"), path)?[0],
+                    layers,
+                    stored_shape(&src, &key("transformer.resblocks.0.mlp.c_fc.weight"), path)?[0],
+                    proj.get(1).copied(),
+                    ClipActivation::Gelu,
+                    path,
+                )?
+            }
+        };
+        let get = |rest: &str| -> Result<Tensor> {
+            src.tensor(&key(rest), kind)?
+                .ok_or_else(|| Error::MissingTensor {
+                    name: key(rest),
+                    path: path.to_path_buf(),
+                })
+        };
+        let d = config.hidden_size;
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        map.insert(
+            "text_model.embeddings.token_embedding.weight".into(),
+            get("token_embedding.weight")?,
+        );
+        map.insert(
+            "text_model.embeddings.position_embedding.weight".into(),
+            get("positional_embedding")?,
+        );
+        for leaf in ["weight", "bias"] {
+            map.insert(
+                format!("text_model.final_layer_norm.{leaf}"),
+                get(&format!("ln_final.{leaf}"))?,
+            );
+        }
+        map.insert(
+            "text_projection.weight".into(),
+            get("text_projection")?.f_tr()?.f_contiguous()?,
+        );
+        for i in 0..layers {
+            let o = format!("transformer.resblocks.{i}");
+            let t = format!("text_model.encoder.layers.{i}");
+            for (from, to) in [
+                ("ln_1", "layer_norm1"),
+                ("ln_2", "layer_norm2"),
+                ("attn.out_proj", "self_attn.out_proj"),
+                ("mlp.c_fc", "mlp.fc1"),
+                ("mlp.c_proj", "mlp.fc2"),
+            ] {
+                for leaf in ["weight", "bias"] {
+                    map.insert(
+                        format!("{t}.{to}.{leaf}"),
+                        get(&format!("{o}.{from}.{leaf}"))?,
+                    );
+                }
+            }
+            for (leaf, shape) in [("weight", vec![3 * d, d]), ("bias", vec![3 * d])] {
+                let name = format!("{o}.attn.in_proj_{leaf}");
+                let fused = get(&format!("{o}.attn.in_proj_{leaf}"))?;
+                if fused.size() != shape {
+                    return Err(Error::Shape {
+                        name: key(&name),
+                        expected: shape,
+                        found: fused.size(),
+                    });
+                }
+                for (j, part) in fused.f_chunk(3, 0)?.into_iter().enumerate() {
+                    let qkv = ["q_proj", "k_proj", "v_proj"][j];
+                    map.insert(format!("{t}.self_attn.{qkv}.{leaf}"), part.f_contiguous()?);
+                }
+            }
+        }
+        drop(src);
+        Self::build(config, &Tensors::Map(&map), "", kind, device)
     }
 }

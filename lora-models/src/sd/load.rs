@@ -9,7 +9,8 @@
 //!   latent-diffusion / `sgm` layout): UNet under `model.diffusion_model.`, VAE under
 //!   `first_stage_model.`, SD 1.x text encoder under `cond_stage_model.transformer.`, SDXL text
 //!   encoders under `conditioner.embedders.0.transformer.` (CLIP ViT-L, transformers layout) and
-//!   `conditioner.embedders.1.model.` (OpenCLIP bigG, not mapped here). Models ask for diffusers
+//!   `conditioner.embedders.1.model.` (OpenCLIP bigG: read by
+//!   [`crate::clip::ClipTextModelWithProjection::from_open_clip`]). Models ask for diffusers
 //!   names; [`ldm_unet_key`] and [`ldm_vae_key`] translate them to the original names (the
 //!   inverse of diffusers' `convert_ldm_unet_checkpoint` / `convert_ldm_vae_checkpoint` in
 //!   `diffusers/loaders/single_file_utils.py`), and [`ldm_text_encoder_key`] maps the SD 1.x
@@ -146,6 +147,14 @@ impl SafetensorsFiles {
     /// Whether a tensor is stored under `name` (no key translation).
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// The shape of the stored tensor `name` (no key translation; nothing is read), or `None`
+    /// when absent.
+    pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
+        let &fi = self.index.get(name)?;
+        let info = self.files[fi].3.info(name)?;
+        Some(info.shape.iter().map(|&d| d as i64).collect())
     }
 
     fn load_stored(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
@@ -340,6 +349,11 @@ pub const LDM_VAE_PREFIX: &str = "first_stage_model.";
 pub const LDM_TEXT_ENCODER_PREFIX: &str = "cond_stage_model.transformer.";
 /// Prefix of SDXL's first text encoder (CLIP ViT-L, transformers layout).
 pub const SGM_TEXT_ENCODER_PREFIX: &str = "conditioner.embedders.0.transformer.";
+/// Prefix of SDXL's second text encoder (OpenCLIP ViT-bigG, OpenCLIP layout: fused `in_proj`
+/// attention weights; see [`crate::clip::ClipTextModelWithProjection::from_open_clip`]).
+pub const SGM_TEXT_ENCODER_2_PREFIX: &str = "conditioner.embedders.1.model.";
+/// Prefix of SD 2.x's text encoder (OpenCLIP ViT-H, OpenCLIP layout).
+pub const LDM_OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
 
 /// The UNet layout numbers the key translation needs: `layers_per_block` and, per level, whether
 /// the down / up blocks carry attentions (`CrossAttn…`).
