@@ -248,7 +248,7 @@ pub enum ModelKind {
     Llm,
     /// Stable Diffusion 1.x / 2.x.
     Sd15,
-    /// Stable Diffusion XL (recognised; the SD job refuses it for now).
+    /// Stable Diffusion XL (the SD job, with two text encoders).
     Sdxl,
 }
 
@@ -265,6 +265,12 @@ pub struct ModelSection {
     pub dtype: Dtype,
     /// `auto` (default), `llm`, `sd15`, `sdxl`: which job trains the model.
     pub kind: ModelKind,
+    /// For a single-file Stable Diffusion base (which holds no tokenizer): a CLIP tokenizer
+    /// folder, or a diffusers pipeline folder whose `tokenizer/` (SDXL: and `tokenizer_2/`) and
+    /// component `config.json` files are used. Default: the base file's folder when it has a
+    /// `tokenizer/`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
 }
 
 /// `[lora]`: the adapter.
@@ -822,6 +828,7 @@ const KEYS: &[&[&str]] = &[
     &["model.weights", "model.weight_mode"],
     &["model.dtype"],
     &["model.kind"],
+    &["model.tokenizer"],
     // lora
     &["lora.rank", "lora.r", "model.lora_rank", "network_dim"],
     &[
@@ -1490,6 +1497,11 @@ impl TrainConfig {
         doc.set_choice("model.weights", WEIGHT_MODES, &mut c.model.weights)?;
         doc.set_choice("model.dtype", DTYPES, &mut c.model.dtype)?;
         doc.set_choice("model.kind", MODEL_KINDS, &mut c.model.kind)?;
+        doc.set(
+            "model.tokenizer",
+            "a tokenizer folder or a diffusers pipeline folder",
+            &mut c.model.tokenizer,
+        )?;
 
         // lora
         doc.set(

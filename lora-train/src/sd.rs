@@ -1,17 +1,29 @@
 //! The Stable Diffusion LoRA job: plan → load → inject → data → train → sample → export.
 //!
-//! - **Model**: a diffusers pipeline folder (`StableDiffusionPipeline.save_pretrained` layout:
-//!   `unet/`, `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`), SD 1.x / 2.x.
+//! - **Model**: a diffusers pipeline folder (`StableDiffusionPipeline` /
+//!   `StableDiffusionXLPipeline.save_pretrained` layout: `unet/`, `vae/`, `text_encoder/`,
+//!   `tokenizer/`, SDXL's `text_encoder_2/` + `tokenizer_2/`, `scheduler/`), SD 1.x / 2.x or
+//!   SDXL; or an original single-file checkpoint (`v1-5-pruned.safetensors`,
+//!   `sd_xl_base_1.0.safetensors`; see [`SdPipeline::from_single_file`]).
+//! - **SDXL**: two text encoders (CLIP ViT-L `text_encoder`, OpenCLIP bigG `text_encoder_2` with
+//!   projection); the UNet is conditioned on the penultimate hidden states of both, without the
+//!   final LayerNorm, concatenated on the feature axis (`[n, 77, 2048]`), and — through its
+//!   `text_time` added embedding — on `text_encoder_2`'s projected pooled output and the six
+//!   time ids (original size, crop top-left, target size; height first) of each sample
+//!   ([`sdxl_time_ids`]), as diffusers' `StableDiffusionXLPipeline` and kohya sd-scripts'
+//!   `sdxl_train_network.py` do.
 //! - **Adapter**: LoRA on the UNet's attention projections (`to_q`, `to_k`, `to_v`, `to_out.0`
 //!   by default — the modules of diffusers' `train_text_to_image_lora.py`); any UNet site can
 //!   be targeted through `lora.target_modules` (e.g. `ff.net.0.proj`, `ff.net.2`, `proj_in`,
-//!   or the 3×3 `conv1`/`conv2` of the ResNets for LoCon-style adapters). The text encoder is
-//!   frozen and its outputs are cached per caption.
+//!   or the 3×3 `conv1`/`conv2` of the ResNets for LoCon-style adapters). With
+//!   `train.train_text_encoder` the text encoder(s) get LoRA on `q/k/v/out_proj` too; otherwise
+//!   they are frozen and their outputs are cached per caption.
 //! - **Data**: a kohya-style image folder (`<repeats>_<concept>` subfolders) or a kohya dataset
 //!   TOML (`data.train_data_dir` ending in `.toml`), captions from sidecar files
 //!   (`caption_extension`, `shuffle_caption`, `keep_tokens`), aspect buckets; latents are
-//!   encoded once per (image, bucket, crop, flip) and kept in memory, and also on disk under
-//!   `<output_dir>/latent_cache` with `data.cache_latents: true` (lora-data's [`LatentCache`]).
+//!   encoded once per (image, bucket, crop, flip, VAE, dtype) and kept in memory, and also on
+//!   disk under `<output_dir>/latent_cache` with `data.cache_latents: true` (lora-data's
+//!   [`LatentCache`]).
 //! - **Objective**: lora-models' [`DiffusionLoss`] (ε or v target from the scheduler config or
 //!   `train.prediction_type`, `train.min_snr_gamma`, `train.noise_offset`), the UNet's
 //!   checkpointed backward with `train.gradient_checkpointing`; conditioning at
@@ -25,11 +37,12 @@
 //!   `sample_guidance_scale`) on `logging.sample_prompts` (or the lines of
 //!   `logging.sample_prompt`) every `logging.sample_every_n_steps` steps and at the end, a PNG
 //!   grid `<output_dir>/samples/step-N.png` (one column per prompt).
-//! - **Export**: kohya `<output_dir>/<output_name>.safetensors` (`lora_unet_…` modules, f32
-//!   `.alpha`, `ss_*` metadata incl. `ss_base_model_version` and `ss_v2`) and, for the `peft`
-//!   export format, diffusers' `<output_dir>/<output_name>/pytorch_lora_weights.safetensors`
-//!   (`unet.<module>.lora_A/B.weight`, scaling folded into B) — the file
-//!   `StableDiffusionPipeline.load_lora_weights` reads.
+//! - **Export**: kohya `<output_dir>/<output_name>.safetensors` (`lora_unet_…` modules,
+//!   `lora_te_…` — SDXL: `lora_te1_…` / `lora_te2_…` — f32 `.alpha`, `ss_*` metadata incl.
+//!   `ss_base_model_version` and `ss_v2`) and, for the `peft` export format, diffusers'
+//!   `<output_dir>/<output_name>/pytorch_lora_weights.safetensors`
+//!   (`unet.<module>.lora_A/B.weight`, `text_encoder.…`, `text_encoder_2.…`, scaling folded
+//!   into B) — the file `StableDiffusion[XL]Pipeline.load_lora_weights` reads.
 
 use crate::config::{Dtype, ExportFormat, ModelKind, TargetModules, TrainConfig};
 use crate::llm::{JobError, Plan, Result, RunOptions, resolve_path};
@@ -38,7 +51,7 @@ use lora_core::formats::AdapterWeights;
 use lora_data::cache::{CacheKey, LatentCache};
 use lora_data::image::{ImageCollate, ImageDataset, config::DatasetConfig};
 use lora_data::loader::{Dataset, Loader, LoaderConfig};
-use lora_models::clip::{ClipTextModel, ClipTokenizer};
+use lora_models::clip::{ClipTextModel, ClipTextModelWithProjection, ClipTokenizer};
 use lora_models::diffusion::{
     DdimOptions, DdimSampler, DiffusionLoss, EulerOptions, EulerSampler, LossConfig, NoiseSchedule,
     PredictionType, Sampler, ScheduleConfig,
@@ -56,6 +69,10 @@ use tch::{Device, Kind, Tensor};
 pub const KOHYA_UNET_PREFIX: &str = "lora_unet";
 /// kohya prefix of the SD 1.x/2.x text encoder (`LORA_PREFIX_TEXT_ENCODER`).
 pub const KOHYA_TE_PREFIX: &str = "lora_te";
+/// kohya prefix of SDXL's first text encoder, CLIP ViT-L (`LORA_PREFIX_TEXT_ENCODER1`).
+pub const KOHYA_TE1_PREFIX: &str = "lora_te1";
+/// kohya prefix of SDXL's second text encoder, OpenCLIP bigG (`LORA_PREFIX_TEXT_ENCODER2`).
+pub const KOHYA_TE2_PREFIX: &str = "lora_te2";
 /// The UNet modules adapted when `lora.target_modules` is left at its default: the attention
 /// projections, as diffusers' `train_text_to_image_lora.py` (`target_modules=["to_k", "to_q",
 /// "to_v", "to_out.0"]`).
@@ -76,9 +93,21 @@ fn model_err(e: lora_models::Error) -> TrainError {
     }
 }
 
-/// Whether `path` looks like a diffusers Stable Diffusion folder (`model_index.json` or a
-/// `unet/config.json`): what the CLI uses to send a run to this job.
+/// Whether `path` looks like a Stable Diffusion model: a diffusers folder (`model_index.json` or
+/// a `unet/config.json`) or an original single-file `.safetensors` checkpoint (UNet tensors
+/// under `model.diffusion_model.`; only the header is read). What the CLI uses to send a run to
+/// this job.
 pub fn is_sd_model(path: &Path) -> bool {
+    if path.is_file() {
+        return path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
+            && lora_core::formats::read_header(path).is_ok_and(|h| {
+                h.tensors
+                    .keys()
+                    .any(|k| k.starts_with(lora_models::sd::load::LDM_UNET_PREFIX))
+            });
+    }
     path.is_dir()
         && (path.join("model_index.json").is_file() || path.join("unet/config.json").is_file())
 }
@@ -125,36 +154,143 @@ pub struct SampleOptions {
 // The pipeline
 // ---------------------------------------------------------------------------------------------
 
-/// UNet + VAE + CLIP text encoder + tokenizer + noise schedule of an SD 1.x/2.x pipeline.
+/// Text conditioning of a batch of prompts.
+///
+/// # Shapes
+/// `hidden` `[n, 77, D]` in the text encoder's dtype (SD 1.x `D` = 768, SD 2.x 1024, SDXL 2048);
+/// `pooled` (SDXL only) `[n, P]`: `text_encoder_2`'s projected pooled output (`text_embeds`,
+/// SDXL 1280).
+#[derive(Debug)]
+pub struct TextCond {
+    /// The UNet's `encoder_hidden_states`.
+    pub hidden: Tensor,
+    /// SDXL's pooled text embedding (the `text_embeds` of the added conditioning).
+    pub pooled: Option<Tensor>,
+}
+
+impl TextCond {
+    /// A second handle on the same tensors.
+    pub fn shallow_clone(&self) -> Self {
+        TextCond {
+            hidden: self.hidden.shallow_clone(),
+            pooled: self.pooled.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+
+    fn to_device(&self, d: Device) -> std::result::Result<Self, tch::TchError> {
+        Ok(TextCond {
+            hidden: self.hidden.f_to_device(d)?,
+            pooled: self.pooled.as_ref().map(|p| p.f_to_device(d)).transpose()?,
+        })
+    }
+
+    /// Stacks per-sample conditionings (`hidden` `[77, D]`, `pooled` `[P]`) into a batch.
+    fn stack(items: &[TextCond]) -> std::result::Result<Self, tch::TchError> {
+        let hidden: Vec<&Tensor> = items.iter().map(|c| &c.hidden).collect();
+        let pooled: Option<Vec<&Tensor>> = items.iter().map(|c| c.pooled.as_ref()).collect();
+        Ok(TextCond {
+            hidden: Tensor::f_stack(&hidden, 0)?,
+            pooled: match pooled {
+                Some(p) if !p.is_empty() => Some(Tensor::f_stack(&p, 0)?),
+                _ => None,
+            },
+        })
+    }
+
+    /// Row `i` of a batch (`hidden` `[77, D]`, `pooled` `[P]`).
+    fn row(&self, i: i64) -> std::result::Result<Self, tch::TchError> {
+        Ok(TextCond {
+            hidden: self.hidden.f_select(0, i)?,
+            pooled: self.pooled.as_ref().map(|p| p.f_select(0, i)).transpose()?,
+        })
+    }
+
+    fn chunk(&self, n: i64) -> std::result::Result<Vec<Self>, tch::TchError> {
+        let h = self.hidden.f_chunk(n, 0)?;
+        let p: Vec<Option<Tensor>> = match &self.pooled {
+            Some(p) => p.f_chunk(n, 0)?.into_iter().map(Some).collect(),
+            None => (0..h.len()).map(|_| None).collect(),
+        };
+        Ok(h.into_iter()
+            .zip(p)
+            .map(|(hidden, pooled)| TextCond { hidden, pooled })
+            .collect())
+    }
+}
+
+/// SDXL's micro-conditioning of one image: the six `add_time_ids` (diffusers
+/// `StableDiffusionXLPipeline._get_add_time_ids`, kohya `sdxl_train_util.get_size_embeddings`)
+/// `[original_h, original_w, crop_top, crop_left, target_h, target_w]` in pixels, from sizes
+/// given as `(width, height)` and the crop as `(x, y)` (lora-data's [`ImageSample`]
+/// convention: the original size before resizing, the top-left of the bucket crop in the resized
+/// image, the bucket).
+///
+/// [`ImageSample`]: lora_data::image::ImageSample
+pub fn sdxl_time_ids(original: (u32, u32), crop: (u32, u32), target: (u32, u32)) -> [f32; 6] {
+    [
+        original.1 as f32,
+        original.0 as f32,
+        crop.1 as f32,
+        crop.0 as f32,
+        target.1 as f32,
+        target.0 as f32,
+    ]
+}
+
+/// UNet + VAE + CLIP text encoder(s) + tokenizer(s) + noise schedule of an SD 1.x/2.x or SDXL
+/// pipeline.
 #[derive(Debug)]
 pub struct SdPipeline {
     /// The denoiser (adapters are injected here).
     pub unet: UNet2DConditionModel,
     /// The autoencoder (frozen).
     pub vae: AutoencoderKL,
-    /// The text encoder (frozen).
+    /// The (first) text encoder: SD 1.x/2.x's only one, SDXL's CLIP ViT-L.
     pub text_encoder: ClipTextModel,
     /// The tokenizer (rows of 77 ids).
     pub tokenizer: ClipTokenizer,
+    /// SDXL's second text encoder (OpenCLIP bigG with projection); `None` for SD 1.x/2.x.
+    pub text_encoder_2: Option<ClipTextModelWithProjection>,
+    /// SDXL's second tokenizer (padding `!`); `None` for SD 1.x/2.x.
+    pub tokenizer_2: Option<ClipTokenizer>,
     /// The training noise schedule (`scheduler/scheduler_config.json`, else SD's).
     pub schedule: ScheduleConfig,
     /// kohya / A1111 clip skip (1 = last layer, 2 = penultimate; see
-    /// [`ClipTextModel::skip_hidden`]).
+    /// [`ClipTextModel::skip_hidden`]). SDXL counts from its penultimate default: 1 =
+    /// `hidden_states[-2]` of both encoders, 2 = `hidden_states[-3]` (diffusers' `clip_skip=1`).
     pub clip_skip: usize,
 }
 
+/// Whether the UNet's added conditioning fits the text encoders found (`sdxl`: a second one).
+fn sdxl_unet_check(unet: &UNet2DConditionModel, sdxl: bool, origin: &Path) -> Result<()> {
+    let msg = match (unet.config().addition_embed_type.as_deref(), sdxl) {
+        (None, false) | (Some("text_time"), true) => return Ok(()),
+        (Some("text_time"), false) => {
+            "an SDXL UNet (`addition_embed_type: text_time`) without `text_encoder_2/` and `tokenizer_2/`"
+                .to_string()
+        }
+        (None, true) => {
+            "a second text encoder (SDXL) but the UNet has no `addition_embed_type: text_time`"
+                .to_string()
+        }
+        (Some(other), _) => format!(
+            "UNet `addition_embed_type: {other}` is not trained by the SD job (SD 1.x/2.x: none, SDXL: text_time)"
+        ),
+    };
+    Err(JobError::Runtime(format!("{}: {msg}", origin.display())))
+}
+
 impl SdPipeline {
-    /// Loads a diffusers pipeline folder in dtype `kind` on `device`.
+    /// Loads a diffusers pipeline folder in dtype `kind` on `device`: SDXL when it has
+    /// `text_encoder_2/` (then `tokenizer_2/` is required and the UNet must have
+    /// `addition_embed_type: text_time`). A `.safetensors` file goes to
+    /// [`Self::from_single_file`] (tokenizers and configs from a diffusers folder beside it).
     ///
     /// # Errors
-    /// [`JobError::Runtime`] naming the component and the loader's message; a single-file
-    /// checkpoint is refused with the hint to convert it (its text encoder is not read here).
+    /// [`JobError::Runtime`] naming the component and the loader's message.
     pub fn from_diffusers(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
         if dir.is_file() {
-            return Err(JobError::Runtime(format!(
-                "{}: single-file SD checkpoints are not read by the SD job yet; convert it to a diffusers folder (diffusers `StableDiffusionPipeline.from_single_file(path).save_pretrained(dir)`)",
-                dir.display()
-            )));
+            return Self::from_single_file(dir, None, kind, device);
         }
         let opts = LoadOptions {
             kind,
@@ -164,17 +300,26 @@ impl SdPipeline {
         let ctx = |c: &str| format!("loading {} of {}", c, dir.display());
         let unet =
             UNet2DConditionModel::from_diffusers(dir, &opts).map_err(rt(&ctx("the UNet")))?;
-        if unet.config().addition_embed_type.is_some() {
-            return Err(JobError::Runtime(format!(
-                "{}: an SDXL UNet (addition_embed_type set); the SD job trains SD 1.x/2.x pipelines",
-                dir.display()
-            )));
-        }
+        let sdxl = dir.join("text_encoder_2").is_dir();
+        sdxl_unet_check(&unet, sdxl, dir)?;
         let vae = AutoencoderKL::from_diffusers(dir, &opts).map_err(rt(&ctx("the VAE")))?;
         let text_encoder = ClipTextModel::from_pretrained(dir.join("text_encoder"), kind, device)
             .map_err(rt(&ctx("text_encoder")))?;
         let tokenizer =
             ClipTokenizer::from_dir(dir.join("tokenizer")).map_err(rt(&ctx("tokenizer")))?;
+        let (text_encoder_2, tokenizer_2) = if sdxl {
+            let te2 = ClipTextModelWithProjection::from_pretrained(
+                dir.join("text_encoder_2"),
+                kind,
+                device,
+            )
+            .map_err(rt(&ctx("text_encoder_2")))?;
+            let tok2 = ClipTokenizer::from_dir(dir.join("tokenizer_2"))
+                .map_err(rt(&ctx("tokenizer_2")))?;
+            (Some(te2), Some(tok2))
+        } else {
+            (None, None)
+        };
         let sched_file = dir.join("scheduler/scheduler_config.json");
         let schedule = if sched_file.is_file() {
             ScheduleConfig::from_file(&sched_file).map_err(rt(&ctx("the scheduler config")))?
@@ -186,33 +331,257 @@ impl SdPipeline {
             vae,
             text_encoder,
             tokenizer,
+            text_encoder_2,
+            tokenizer_2,
             schedule,
             clip_skip: 1,
         })
     }
 
-    /// The UNet conditioning of `prompts`: `[n, 77, cross_attention_dim]` in the model dtype,
-    /// computed without grad (clip skip applied, with the final LayerNorm as kohya does for
-    /// SD 1.x/2.x).
+    /// Loads an original single-file checkpoint (`v1-5-pruned.safetensors` — CompVis
+    /// `ldm` keys — or `sd_xl_base_1.0.safetensors` — Stability `sgm` keys): UNet
+    /// (`model.diffusion_model.`), VAE (`first_stage_model.`), the text encoder(s)
+    /// (`cond_stage_model.transformer.`; SDXL `conditioner.embedders.0.transformer.` and the
+    /// OpenCLIP `conditioner.embedders.1.model.`), translated by lora-models' key maps.
+    ///
+    /// A single file holds no tokenizer and no configs: they come from `companion` (config
+    /// `model.tokenizer`) — a CLIP tokenizer folder, or a diffusers pipeline folder whose
+    /// `tokenizer/`, `tokenizer_2/`, `scheduler/` and component `config.json` files are used
+    /// (as diffusers' `from_single_file(config=…)`) — or, when `companion` is `None`, from the
+    /// file's own folder if it has a `tokenizer/`. Missing configs: SD 1.5's or SDXL base's
+    /// UNet/VAE configs, text-encoder sizes read off the stored shapes, SDXL's `tokenizer_2`
+    /// = the tokenizer padded with `!`, SD's noise schedule.
+    ///
+    /// # Errors
+    /// [`JobError::Runtime`]: no UNet in the file, an SD 2.x file (OpenCLIP-H text encoder, not
+    /// read here: convert it with diffusers), no tokenizer (naming `model.tokenizer`), and the
+    /// loaders' errors naming the component.
+    pub fn from_single_file(
+        path: &Path,
+        companion: Option<&Path>,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        use lora_models::sd::load as ld;
+        let ctx = |c: &str| format!("loading {} of {}", c, path.display());
+        let (sdxl, sd2, has_unet, has_te) = {
+            let files = ld::SafetensorsFiles::open(&[path.to_path_buf()], path, Device::Cpu)
+                .map_err(rt(&ctx("the header")))?;
+            let has = |p: &str| files.names().any(|n| n.starts_with(p));
+            (
+                has(ld::SGM_TEXT_ENCODER_2_PREFIX),
+                has(ld::LDM_OPEN_CLIP_PREFIX),
+                has(ld::LDM_UNET_PREFIX),
+                has(ld::LDM_TEXT_ENCODER_PREFIX) || has(ld::SGM_TEXT_ENCODER_PREFIX),
+            )
+        };
+        let convert_hint = "or convert it to a diffusers folder (diffusers `StableDiffusionPipeline.from_single_file(path).save_pretrained(dir)`, `StableDiffusionXLPipeline` for SDXL)";
+        if !has_unet {
+            return Err(JobError::Runtime(format!(
+                "{}: no `model.diffusion_model.*` tensors: not an original SD 1.x / SDXL checkpoint; set model.base_model to a diffusers folder {convert_hint}",
+                path.display()
+            )));
+        }
+        if sd2 && !sdxl {
+            return Err(JobError::Runtime(format!(
+                "{}: an SD 2.x single file (OpenCLIP-H text encoder under `cond_stage_model.model.`) is not read by the SD job; {convert_hint}",
+                path.display()
+            )));
+        }
+        if !has_te {
+            return Err(JobError::Runtime(format!(
+                "{}: no text encoder (`cond_stage_model.transformer.*` / `conditioner.embedders.0.transformer.*`) in the file; {convert_hint}",
+                path.display()
+            )));
+        }
+        let comp = match companion {
+            Some(c) => c.to_path_buf(),
+            None => path
+                .parent()
+                .filter(|d| d.join("tokenizer").is_dir())
+                .map(Path::to_path_buf)
+                .ok_or_else(|| {
+                    JobError::Runtime(format!(
+                        "{}: a single-file checkpoint holds no tokenizer: set model.tokenizer to a CLIP tokenizer folder (vocab.json + merges.txt or tokenizer.json) or to a diffusers {} folder (its tokenizer/{} and configs are used)",
+                        path.display(),
+                        if sdxl { "SDXL" } else { "SD 1.5" },
+                        if sdxl { ", tokenizer_2/" } else { "" }
+                    ))
+                })?,
+        };
+        let tok_dir = if comp.join("tokenizer").is_dir() {
+            comp.join("tokenizer")
+        } else {
+            comp.clone()
+        };
+        let tokenizer = ClipTokenizer::from_dir(&tok_dir).map_err(rt(&format!(
+            "model.tokenizer: reading the tokenizer {}",
+            tok_dir.display()
+        )))?;
+        let tokenizer_2 = if !sdxl {
+            None
+        } else if comp.join("tokenizer_2").is_dir() {
+            Some(
+                ClipTokenizer::from_dir(comp.join("tokenizer_2"))
+                    .map_err(rt(&format!("reading {}/tokenizer_2", comp.display())))?,
+            )
+        } else {
+            // SDXL's tokenizer_2 is CLIP's BPE padded with "!"
+            Some(
+                tokenizer
+                    .clone()
+                    .with_pad_token("!")
+                    .map_err(rt("SDXL tokenizer_2 from the tokenizer"))?,
+            )
+        };
+        let config_file = |c: &str| {
+            let f = comp.join(c).join("config.json");
+            f.is_file().then_some(f)
+        };
+        let cfg_err = |c: &str| {
+            let at = format!("reading {}/{c}/config.json", comp.display());
+            move |e: lora_models::Error| JobError::Runtime(format!("{at}: {e}"))
+        };
+        let unet_cfg = match config_file("unet") {
+            Some(f) => lora_models::sd::UNetConfig::from_file(&f).map_err(cfg_err("unet"))?,
+            None if sdxl => lora_models::sd::UNetConfig::sdxl_base(),
+            None => lora_models::sd::UNetConfig::sd15(),
+        };
+        let vae_cfg = match config_file("vae") {
+            Some(f) => lora_models::sd::VaeConfig::from_file(&f).map_err(cfg_err("vae"))?,
+            None if sdxl => lora_models::sd::VaeConfig::sdxl(),
+            None => lora_models::sd::VaeConfig::sd15(),
+        };
+        let te_cfg = |c: &str| -> Result<Option<lora_models::clip::ClipTextConfig>> {
+            config_file(c)
+                .map(|f| lora_models::clip::ClipTextConfig::from_file(f).map_err(cfg_err(c)))
+                .transpose()
+        };
+        let opts = LoadOptions {
+            kind,
+            device,
+            ..LoadOptions::default()
+        };
+        let unet = UNet2DConditionModel::from_single_file(path, unet_cfg, &opts)
+            .map_err(rt(&ctx("the UNet")))?;
+        sdxl_unet_check(&unet, sdxl, path)?;
+        let vae =
+            AutoencoderKL::from_single_file(path, vae_cfg, &opts).map_err(rt(&ctx("the VAE")))?;
+        let prefix = if sdxl {
+            ld::SGM_TEXT_ENCODER_PREFIX
+        } else {
+            ld::LDM_TEXT_ENCODER_PREFIX
+        };
+        let text_encoder =
+            ClipTextModel::from_single_file(path, prefix, te_cfg("text_encoder")?, kind, device)
+                .map_err(rt(&ctx("the text encoder")))?;
+        let text_encoder_2 = if sdxl {
+            Some(
+                ClipTextModelWithProjection::from_open_clip(
+                    path,
+                    ld::SGM_TEXT_ENCODER_2_PREFIX,
+                    te_cfg("text_encoder_2")?,
+                    kind,
+                    device,
+                )
+                .map_err(rt(&ctx("text_encoder_2 (OpenCLIP)")))?,
+            )
+        } else {
+            None
+        };
+        let sched_file = comp.join("scheduler/scheduler_config.json");
+        let schedule = if sched_file.is_file() {
+            ScheduleConfig::from_file(&sched_file)
+                .map_err(rt(&format!("reading {}", sched_file.display())))?
+        } else {
+            ScheduleConfig::sd()
+        };
+        Ok(SdPipeline {
+            unet,
+            vae,
+            text_encoder,
+            tokenizer,
+            text_encoder_2,
+            tokenizer_2,
+            schedule,
+            clip_skip: 1,
+        })
+    }
+
+    /// Whether this is an SDXL pipeline (two text encoders, `text_time` added conditioning).
+    pub fn is_sdxl(&self) -> bool {
+        self.text_encoder_2.is_some()
+    }
+
+    /// Token ids of `prompts` for the text encoder(s): `[n, 77]` int64, and SDXL's
+    /// `tokenizer_2` rows (padded with its own pad token).
+    ///
+    /// # Errors
+    /// Tokenizer errors.
+    pub fn tokenize<S: AsRef<str>>(
+        &self,
+        prompts: &[S],
+    ) -> lora_models::Result<(Tensor, Option<Tensor>)> {
+        let ids = self.tokenizer.encode_batch(prompts)?;
+        let ids_2 = match &self.tokenizer_2 {
+            Some(t) => Some(t.encode_batch(prompts)?),
+            None => None,
+        };
+        Ok((ids, ids_2))
+    }
+
+    /// The UNet conditioning of `prompts` ([`Self::condition`]) computed without grad.
     ///
     /// # Errors
     /// Tokenizer / model errors.
-    pub fn encode_prompts<S: AsRef<str>>(&self, prompts: &[S]) -> lora_models::Result<Tensor> {
+    pub fn encode_prompts<S: AsRef<str>>(&self, prompts: &[S]) -> lora_models::Result<TextCond> {
         let _g = tch::no_grad_guard();
-        let ids = self.tokenizer.encode_batch(prompts)?;
-        self.condition(&ids, false)
+        let (ids, ids_2) = self.tokenize(prompts)?;
+        self.condition(&ids, ids_2.as_ref(), false)
     }
 
-    /// The UNet conditioning of token ids `[n, 77]` int64: `[n, 77, D]` in the text encoder's
-    /// dtype, with autograd as the caller's grad mode says (text-encoder LoRA training); `train`
-    /// switches LoRA dropout on.
+    /// The UNet conditioning of token ids `[n, 77]` int64 (SDXL: and `ids_2`, the
+    /// `tokenizer_2` rows), in the text encoder's dtype, with autograd as the caller's grad mode
+    /// says (text-encoder LoRA training); `train` switches LoRA dropout on.
+    ///
+    /// SD 1.x/2.x: `hidden` `[n, 77, D]` at `clip_skip` with the final LayerNorm (as kohya
+    /// does). SDXL (diffusers `StableDiffusionXLPipeline.encode_prompt`): `hidden_states[-2]`
+    /// of both encoders (`[-(clip_skip + 1)]`), no final LayerNorm, concatenated on the feature
+    /// axis → `[n, 77, D1 + D2]`, and `pooled` = `text_encoder_2`'s `text_embeds` `[n, P]`.
     ///
     /// # Errors
-    /// Model errors.
-    pub fn condition(&self, ids: &Tensor, train: bool) -> lora_models::Result<Tensor> {
+    /// Model errors; [`lora_models::Error::InvalidArgument`] when an SDXL pipeline gets no
+    /// `ids_2`.
+    pub fn condition(
+        &self,
+        ids: &Tensor,
+        ids_2: Option<&Tensor>,
+        train: bool,
+    ) -> lora_models::Result<TextCond> {
         let ids = ids.f_to_device(self.text_encoder.device())?;
         let out = self.text_encoder.forward_t(&ids, train)?;
-        self.text_encoder.skip_hidden(&out, self.clip_skip, true)
+        let Some(te2) = &self.text_encoder_2 else {
+            return Ok(TextCond {
+                hidden: self.text_encoder.skip_hidden(&out, self.clip_skip, true)?,
+                pooled: None,
+            });
+        };
+        let ids_2 = ids_2.ok_or_else(|| {
+            lora_models::Error::InvalidArgument(
+                "SDXL conditioning needs the token ids of tokenizer_2".into(),
+            )
+        })?;
+        let out2 = te2.forward_t(&ids_2.f_to_device(self.text_encoder.device())?, train)?;
+        let skip = self.clip_skip.max(1) + 1;
+        let h1 = self.text_encoder.skip_hidden(&out, skip, false)?;
+        let h2 = te2.skip_hidden(&out2, skip, false)?.f_to_kind(h1.kind())?;
+        let pooled = out2.text_embeds.ok_or_else(|| {
+            lora_models::Error::InvalidArgument("text_encoder_2 returned no text_embeds".into())
+        })?;
+        Ok(TextCond {
+            hidden: Tensor::f_cat(&[h1, h2], -1)?,
+            pooled: Some(pooled),
+        })
     }
 
     /// Scaled latents of `pixels` `[b, 3, H, W]` in `[-1, 1]` → `[b, 4, H/f, W/f]` f32 on the
@@ -237,10 +606,40 @@ impl SdPipeline {
         self.text_encoder.device()
     }
 
+    /// The UNet prediction for `x` at `t` under `cond` (SDXL: with `time_ids` `[n, 6]` f32 as
+    /// the added conditioning next to `cond.pooled`).
+    ///
+    /// # Errors
+    /// Model errors; [`lora_models::Error::InvalidArgument`] when SDXL inputs are missing.
+    pub fn predict(
+        &self,
+        x: &Tensor,
+        t: &Tensor,
+        cond: &TextCond,
+        time_ids: Option<&Tensor>,
+        train: bool,
+    ) -> lora_models::Result<Tensor> {
+        match (&cond.pooled, time_ids) {
+            (Some(p), Some(ids)) => self.unet.forward_t(
+                x,
+                t,
+                &cond.hidden,
+                Some((p, &ids.f_to_device(x.device())?)),
+                train,
+            ),
+            (None, None) => self.unet.forward_t(x, t, &cond.hidden, None, train),
+            _ => Err(lora_models::Error::InvalidArgument(
+                "SDXL needs both the pooled text embedding and the time ids".into(),
+            )),
+        }
+    }
+
     /// Generates one image per prompt with DDIM or Euler (`opts.steps` steps, classifier-free
     /// guidance against the empty prompt) from seeded noise; `[n, 3, H, W]` f32 in ≈ `[-1, 1]`
-    /// on the CPU. The global CPU generator is restored afterwards, so sampling during training
-    /// does not change the training noise.
+    /// on the CPU. SDXL: time ids `(H, W, 0, 0, H, W)` of the sample size, and zeros as the
+    /// unconditional embeddings (diffusers' `force_zeros_for_empty_prompt`, set in SDXL base's
+    /// `model_index.json`). The global CPU generator is restored afterwards, so sampling during
+    /// training does not change the training noise.
     ///
     /// # Errors
     /// Model / sampler errors.
@@ -256,8 +655,32 @@ impl SdPipeline {
         let _g = tch::no_grad_guard();
         let n = prompts.len() as i64;
         let cond = self.encode_prompts(prompts)?;
-        let uncond = self.encode_prompts(&vec![""; prompts.len()])?;
-        let ctx = Tensor::f_cat(&[uncond, cond], 0)?;
+        let uncond = if self.is_sdxl() {
+            TextCond {
+                hidden: cond.hidden.f_zeros_like()?,
+                pooled: cond.pooled.as_ref().map(Tensor::f_zeros_like).transpose()?,
+            }
+        } else {
+            self.encode_prompts(&vec![""; prompts.len()])?
+        };
+        let both = TextCond {
+            hidden: Tensor::f_cat(&[&uncond.hidden, &cond.hidden], 0)?,
+            pooled: match (&uncond.pooled, &cond.pooled) {
+                (Some(u), Some(c)) => Some(Tensor::f_cat(&[u, c], 0)?),
+                _ => None,
+            },
+        };
+        let time_ids = if self.is_sdxl() {
+            let row = sdxl_time_ids(size, (0, 0), size);
+            let rows: Vec<f32> = (0..2 * n).flat_map(|_| row).collect();
+            Some(
+                Tensor::f_from_slice(&rows)?
+                    .f_view([2 * n, 6])?
+                    .f_to_device(dev)?,
+            )
+        } else {
+            None
+        };
         let f = self.vae_factor();
         let c = self.unet.config().in_channels;
         tch::manual_seed(seed as i64);
@@ -280,12 +703,25 @@ impl SdPipeline {
         let z =
             lora_models::diffusion::sample(sampler.as_ref(), &noise, guidance_scale, |x, t| {
                 let ts = Tensor::f_from_slice(&[t as f32])?.f_to_device(dev)?;
-                let c = if guidance_scale > 1.0 {
-                    ctx.shallow_clone()
+                let (c, ids) = if guidance_scale > 1.0 {
+                    (
+                        both.shallow_clone(),
+                        time_ids.as_ref().map(Tensor::shallow_clone),
+                    )
                 } else {
-                    ctx.f_narrow(0, n, n)?
+                    (
+                        TextCond {
+                            hidden: both.hidden.f_narrow(0, n, n)?,
+                            pooled: both
+                                .pooled
+                                .as_ref()
+                                .map(|p| p.f_narrow(0, n, n))
+                                .transpose()?,
+                        },
+                        time_ids.as_ref().map(|t| t.f_narrow(0, n, n)).transpose()?,
+                    )
                 };
-                self.unet.forward(x, &ts, &c, None)
+                self.predict(x, &ts, &c, ids.as_ref(), false)
             })?;
         let img = self.vae.decode(&self.vae.unscale_latents(&z)?)?;
         if let Some(s) = saved {
@@ -307,17 +743,21 @@ impl SdPipeline {
 /// One training batch of the SD job.
 ///
 /// # Shapes
-/// `latents` `[b, 4, h, w]` f32 (scaled); `ids` `[b, 77]` int64; `cond` `[b, 77, D]` in the text
-/// encoder's dtype.
+/// `latents` `[b, 4, h, w]` f32 (scaled); `ids` (and SDXL's `ids_2`) `[b, 77]` int64; `cond`
+/// see [`TextCond`]; `time_ids` (SDXL) `[b, 6]` f32.
 #[derive(Debug)]
 pub struct SdBatch {
     /// Scaled VAE latents.
     pub latents: Tensor,
     /// Caption token ids.
     pub ids: Tensor,
-    /// Cached text-encoder conditioning (`None` when the text encoder is trained: it is then
-    /// computed from `ids` in the step, with grad).
-    pub cond: Option<Tensor>,
+    /// SDXL: the caption's `tokenizer_2` ids.
+    pub ids_2: Option<Tensor>,
+    /// Cached text-encoder conditioning (`None` when a text encoder is trained: it is then
+    /// computed from the ids in the step, with grad).
+    pub cond: Option<TextCond>,
+    /// SDXL: the time ids of each sample ([`sdxl_time_ids`]).
+    pub time_ids: Option<Tensor>,
     /// The processed captions.
     pub captions: Vec<String>,
 }
@@ -335,11 +775,14 @@ pub struct SdTask {
 }
 
 impl SdTask {
-    fn inputs(&self, b: &SdBatch, train: bool) -> crate::trainer::Result<(Tensor, Tensor)> {
+    fn inputs(&self, b: &SdBatch, train: bool) -> crate::trainer::Result<(Tensor, TextCond)> {
         let d = self.pipe.unet_device();
         let cond = match &b.cond {
-            Some(c) => c.f_to_device(d)?,
-            None => self.pipe.condition(&b.ids, train).map_err(model_err)?,
+            Some(c) => c.to_device(d)?,
+            None => self
+                .pipe
+                .condition(&b.ids, b.ids_2.as_ref(), train)
+                .map_err(model_err)?,
         };
         Ok((b.latents.f_to_device(d)?, cond))
     }
@@ -350,9 +793,10 @@ impl TrainStep for SdTask {
 
     fn loss(&mut self, b: &SdBatch, train: bool) -> crate::trainer::Result<Tensor> {
         let (lat, cond) = self.inputs(b, train)?;
-        let unet = &self.pipe.unet;
+        let pipe = &self.pipe;
+        let ids = b.time_ids.as_ref();
         self.objective
-            .loss(&lat, |x, t| unet.forward_t(x, t, &cond, None, train))
+            .loss(&lat, |x, t| pipe.predict(x, t, &cond, ids, train))
             .map_err(model_err)
     }
 
@@ -371,13 +815,22 @@ impl TrainStep for SdTask {
         let noise = self.objective.sample_noise(&lat).map_err(model_err)?;
         let nb = self.objective.noised(&lat, noise, t).map_err(model_err)?;
         let obj = &self.objective;
+        let time_ids = b
+            .time_ids
+            .as_ref()
+            .map(|t| t.f_to_device(lat.device()))
+            .transpose()?;
+        let added = match (&cond.pooled, &time_ids) {
+            (Some(p), Some(t)) => Some((p, t)),
+            _ => None,
+        };
         self.pipe
             .unet
             .loss_backward(
                 &nb.noisy_latents,
                 &nb.timesteps,
-                &cond,
-                None,
+                &cond.hidden,
+                added,
                 true,
                 scale,
                 |p| obj.loss_from_prediction(p, &nb),
@@ -410,21 +863,34 @@ impl TrainStep for SdTask {
     fn split_batch(&self, b: &SdBatch, parts: usize) -> crate::trainer::Result<Vec<SdBatch>> {
         let n = parts.max(1) as i64;
         let l = b.latents.f_chunk(n, 0)?;
-        let ids = b.ids.f_chunk(n, 0)?;
-        let c: Vec<Option<Tensor>> = match &b.cond {
-            Some(c) => c.f_chunk(n, 0)?.into_iter().map(Some).collect(),
-            None => (0..l.len()).map(|_| None).collect(),
+        let k = l.len();
+        let opt_chunks = |t: Option<&Tensor>| -> crate::trainer::Result<Vec<Option<Tensor>>> {
+            Ok(match t {
+                Some(t) => t.f_chunk(n, 0)?.into_iter().map(Some).collect(),
+                None => (0..k).map(|_| None).collect(),
+            })
         };
-        let per = b.captions.len().div_ceil(l.len().max(1)).max(1);
+        let ids = b.ids.f_chunk(n, 0)?;
+        let ids_2 = opt_chunks(b.ids_2.as_ref())?;
+        let time_ids = opt_chunks(b.time_ids.as_ref())?;
+        let c: Vec<Option<TextCond>> = match &b.cond {
+            Some(c) => c.chunk(n)?.into_iter().map(Some).collect(),
+            None => (0..k).map(|_| None).collect(),
+        };
+        let per = b.captions.len().div_ceil(k.max(1)).max(1);
         let caps: Vec<Vec<String>> = b.captions.chunks(per).map(<[String]>::to_vec).collect();
         Ok(l.into_iter()
             .zip(ids)
+            .zip(ids_2)
+            .zip(time_ids)
             .zip(c)
             .enumerate()
-            .map(|(i, ((latents, ids), cond))| SdBatch {
+            .map(|(i, ((((latents, ids), ids_2), time_ids), cond))| SdBatch {
                 latents,
                 ids,
+                ids_2,
                 cond,
+                time_ids,
                 captions: caps.get(i).cloned().unwrap_or_default(),
             })
             .collect())
@@ -433,9 +899,9 @@ impl TrainStep for SdTask {
 
 /// The trainer's batch source over an [`ImageDataset`]: the loader's seeded per-epoch plan
 /// (batches never mix buckets), each image encoded by the VAE once per (file content, bucket,
-/// crop, flip) and kept in memory (and on disk with a [`LatentCache`]), each caption tokenized
-/// and, when the text encoder is frozen, encoded once. The position (epoch, batch index) is
-/// checkpointed.
+/// crop, flip, VAE) and kept in memory (and on disk with a [`LatentCache`]), each caption
+/// tokenized and, when the text encoders are frozen, encoded once; SDXL time ids from each
+/// sample's original size, crop and bucket. The position (epoch, batch index) is checkpointed.
 pub struct ImageSource {
     pipe: Rc<SdPipeline>,
     loader: Loader<ImageDataset, ImageCollate>,
@@ -446,16 +912,16 @@ pub struct ImageSource {
     model_id: String,
     disk: Option<LatentCache>,
     latents: HashMap<String, Tensor>,
-    text: HashMap<String, Tensor>,
+    text: HashMap<String, TextCond>,
     cache_text: bool,
     /// VAE encodings done (cache misses).
     pub encoded: Rc<RefCell<u64>>,
 }
 
 impl ImageSource {
-    /// Wraps a loader; `model_id` names the VAE in cache keys; `disk` adds an on-disk cache;
-    /// `cache_text` caches text-encoder outputs per caption (only valid while the text encoder
-    /// is frozen).
+    /// Wraps a loader; `model_id` names the VAE (and its dtype) in cache keys; `disk` adds an
+    /// on-disk cache; `cache_text` caches text-encoder outputs per caption (only valid while
+    /// the text encoders are frozen).
     pub fn new(
         pipe: Rc<SdPipeline>,
         loader: Loader<ImageDataset, ImageCollate>,
@@ -497,6 +963,7 @@ impl ImageSource {
         let mut lats = Vec::with_capacity(idx.len());
         let mut conds = Vec::with_capacity(idx.len());
         let mut caps = Vec::with_capacity(idx.len());
+        let mut time_ids = Vec::with_capacity(6 * idx.len());
         for (&i, &s) in idx.iter().zip(seeds) {
             let sample = self.loader.dataset().get_seeded(i, s).map_err(data)?;
             let key: CacheKey = sample.cache_key(&self.model_id).map_err(data)?;
@@ -535,25 +1002,37 @@ impl ImageSource {
                             .pipe
                             .encode_prompts(&[sample.caption.as_str()])
                             .map_err(model_err)?
-                            .f_squeeze_dim(0)?;
+                            .row(0)?;
                         self.text.insert(sample.caption.clone(), t.shallow_clone());
                         t
                     }
                 };
                 conds.push(cond);
             }
+            time_ids.extend(sdxl_time_ids(
+                sample.original_size,
+                sample.crop,
+                sample.bucket,
+            ));
             lats.push(lat);
             caps.push(sample.caption);
         }
-        let ids = self.pipe.tokenizer.encode_batch(&caps).map_err(model_err)?;
+        let (ids, ids_2) = self.pipe.tokenize(&caps).map_err(model_err)?;
+        let time_ids = if self.pipe.is_sdxl() {
+            Some(Tensor::f_from_slice(&time_ids)?.f_view([idx.len() as i64, 6])?)
+        } else {
+            None
+        };
         Ok(SdBatch {
             latents: Tensor::f_stack(&lats, 0)?,
             ids,
+            ids_2,
             cond: if self.cache_text {
-                Some(Tensor::f_stack(&conds, 0)?)
+                Some(TextCond::stack(&conds)?)
             } else {
                 None
             },
+            time_ids,
             captions: caps,
         })
     }
@@ -704,9 +1183,10 @@ pub fn fixed_eval_loss(
     let d = pipe.unet_device();
     let lat = batch.latents.f_to_device(d)?;
     let cond = match &batch.cond {
-        Some(c) => c.f_to_device(d)?,
-        None => pipe.condition(&batch.ids, false)?,
+        Some(c) => c.to_device(d)?,
+        None => pipe.condition(&batch.ids, batch.ids_2.as_ref(), false)?,
     };
+    let time_ids = batch.time_ids.as_ref();
     let n = lat.size()[0];
     tch::manual_seed(seed as i64);
     let mut total = 0.0;
@@ -715,8 +1195,9 @@ pub fn fixed_eval_loss(
             .f_to_device(d)?
             .f_to_kind(lat.kind())?;
         let ts = Tensor::f_full([n], t, (Kind::Int64, d))?;
-        let l =
-            objective.loss_with(&lat, noise, ts, |x, t| pipe.unet.forward(x, t, &cond, None))?;
+        let l = objective.loss_with(&lat, noise, ts, |x, t| {
+            pipe.predict(x, t, &cond, time_ids, false)
+        })?;
         total += l.f_double_value(&[])?;
     }
     if let Some(s) = saved {
@@ -725,19 +1206,50 @@ pub fn fixed_eval_loss(
     Ok(total / timesteps.len().max(1) as f64)
 }
 
-/// kohya metadata of an SD 1.x/2.x adapter on top of `base`: `ss_base_model_version`
-/// (`sd_v1` / `sd_v2` as sd-scripts writes it), `ss_v2`, `ss_network_train_unet_only`.
+/// The Stable Diffusion generation a pipeline belongs to (kohya's `ss_base_model_version`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum SdVersion {
+    /// SD 1.x (cross-attention 768).
+    V1,
+    /// SD 2.x (cross-attention 1024, OpenCLIP-H).
+    V2,
+    /// SDXL (two text encoders, `text_time` added conditioning).
+    Xl,
+}
+
+impl SdVersion {
+    /// The version of `pipe`: SDXL with a second text encoder, else SD 2.x when the UNet's
+    /// cross-attention width is 1024, else SD 1.x.
+    pub fn of(pipe: &SdPipeline) -> Self {
+        if pipe.is_sdxl() {
+            SdVersion::Xl
+        } else if pipe.unet.plan().cross_attention_dim.first() == Some(&1024) {
+            SdVersion::V2
+        } else {
+            SdVersion::V1
+        }
+    }
+
+    /// sd-scripts' `ss_base_model_version` (`sd_v1`, `sd_v2`, `sdxl_base_v1-0`).
+    pub fn kohya_name(self) -> &'static str {
+        match self {
+            SdVersion::V1 => "sd_v1",
+            SdVersion::V2 => "sd_v2",
+            SdVersion::Xl => "sdxl_base_v1-0",
+        }
+    }
+}
+
+/// kohya metadata of an SD adapter on top of `base`: `ss_base_model_version` (as sd-scripts
+/// writes it, see [`SdVersion::kohya_name`]), `ss_v2`, `ss_network_train_unet_only`.
 pub fn sd_metadata(
     mut base: std::collections::BTreeMap<String, String>,
-    v2: bool,
+    version: SdVersion,
     unet_only: bool,
 ) -> std::collections::BTreeMap<String, String> {
     let py_bool = |b: bool| if b { "True" } else { "False" };
-    base.insert(
-        "ss_base_model_version".into(),
-        if v2 { "sd_v2" } else { "sd_v1" }.into(),
-    );
-    base.insert("ss_v2".into(), py_bool(v2).into());
+    base.insert("ss_base_model_version".into(), version.kohya_name().into());
+    base.insert("ss_v2".into(), py_bool(version == SdVersion::V2).into());
     base.insert(
         "ss_network_train_unet_only".into(),
         py_bool(unet_only).into(),
@@ -745,26 +1257,54 @@ pub fn sd_metadata(
     base
 }
 
-/// The adapters of a pipeline: UNet, and the text encoder's when it has one.
+/// The adapters of a pipeline by component (`unet`, and `text_encoder` / `text_encoder_2`
+/// when they carry the adapter).
 ///
 /// # Errors
 /// [`lora_core::Error::Adapter`] when the UNet lacks the adapter.
 fn pipeline_weights(
     pipe: &mut SdPipeline,
     adapter_name: &str,
-) -> lora_core::Result<(AdapterWeights, Option<AdapterWeights>)> {
-    let unet = AdapterWeights::from_model(&mut pipe.unet, adapter_name)?;
-    let te = match AdapterWeights::from_model(&mut pipe.text_encoder, adapter_name) {
-        Ok(w) => Some(w),
-        Err(lora_core::Error::Adapter { .. }) => None,
-        Err(e) => return Err(e),
+) -> lora_core::Result<Vec<(&'static str, AdapterWeights)>> {
+    let optional = |r: lora_core::Result<AdapterWeights>| match r {
+        Ok(w) => Ok(Some(w)),
+        Err(lora_core::Error::Adapter { .. }) => Ok(None),
+        Err(e) => Err(e),
     };
-    Ok((unet, te))
+    let mut parts = vec![(
+        "unet",
+        AdapterWeights::from_model(&mut pipe.unet, adapter_name)?,
+    )];
+    if let Some(w) = optional(AdapterWeights::from_model(
+        &mut pipe.text_encoder,
+        adapter_name,
+    ))? {
+        parts.push(("text_encoder", w));
+    }
+    if let Some(te2) = pipe.text_encoder_2.as_mut()
+        && let Some(w) = optional(AdapterWeights::from_model(te2, adapter_name))?
+    {
+        parts.push(("text_encoder_2", w));
+    }
+    Ok(parts)
+}
+
+/// The kohya prefix of a pipeline component: `lora_unet`; the text encoder `lora_te` (SD
+/// 1.x/2.x) or `lora_te1` (SDXL); `lora_te2` (SDXL's `text_encoder_2`) — sd-scripts
+/// `networks/lora.py` `LORA_PREFIX_UNET`, `LORA_PREFIX_TEXT_ENCODER{,1,2}`.
+pub fn kohya_prefix(component: &str, sdxl: bool) -> &'static str {
+    match (component, sdxl) {
+        ("unet", _) => KOHYA_UNET_PREFIX,
+        ("text_encoder", false) => KOHYA_TE_PREFIX,
+        ("text_encoder", true) => KOHYA_TE1_PREFIX,
+        _ => KOHYA_TE2_PREFIX,
+    }
 }
 
 /// Writes adapter `adapter_name` of `pipe` as one kohya file at `path`: UNet modules under
-/// `lora_unet_`, text-encoder modules (when trained) under `lora_te_` (sd-scripts
-/// `networks/lora.py` prefixes for SD 1.x/2.x), f32 `.alpha`, `metadata` in the header.
+/// `lora_unet_` (diffusers module names, which diffusers, ComfyUI and A1111/Forge map), text
+/// encoder modules (when trained) under `lora_te_` — SDXL: `lora_te1_` / `lora_te2_` — (see
+/// [`kohya_prefix`]), f32 `.alpha`, `metadata` in the header.
 ///
 /// # Errors
 /// lora-core format errors with the path.
@@ -774,18 +1314,22 @@ pub fn write_kohya(
     metadata: std::collections::BTreeMap<String, String>,
     path: &Path,
 ) -> lora_core::Result<()> {
-    let (mut unet, te) = pipeline_weights(pipe, adapter_name)?;
-    unet.metadata = metadata;
-    let mut parts = vec![(KOHYA_UNET_PREFIX, &unet)];
-    if let Some(te) = &te {
-        parts.push((KOHYA_TE_PREFIX, te));
+    let sdxl = pipe.is_sdxl();
+    let mut parts = pipeline_weights(pipe, adapter_name)?;
+    if let Some((_, unet)) = parts.first_mut() {
+        unet.metadata = metadata;
     }
-    lora_core::formats::kohya::write(path, &parts)
+    let refs: Vec<(&str, &AdapterWeights)> = parts
+        .iter()
+        .map(|(c, w)| (kohya_prefix(c, sdxl), w))
+        .collect();
+    lora_core::formats::kohya::write(path, &refs)
 }
 
 /// Writes adapter `adapter_name` of `pipe` as diffusers' `pytorch_lora_weights.safetensors`
-/// into `dir` (`unet.…`, and `text_encoder.…` when the text encoder was trained; the file
-/// `StableDiffusionPipeline.load_lora_weights(dir)` reads). Returns the file.
+/// into `dir` (`unet.…`, and `text_encoder.…` / `text_encoder_2.…` when the text encoders were
+/// trained; the file `StableDiffusion[XL]Pipeline.load_lora_weights(dir)` reads). Returns the
+/// file.
 ///
 /// # Errors
 /// lora-core format errors with the path.
@@ -794,17 +1338,14 @@ pub fn write_diffusers(
     adapter_name: &str,
     dir: &Path,
 ) -> lora_core::Result<PathBuf> {
-    let (unet, te) = pipeline_weights(pipe, adapter_name)?;
+    let parts = pipeline_weights(pipe, adapter_name)?;
     std::fs::create_dir_all(dir).map_err(|e| lora_core::Error::Io {
         path: dir.to_path_buf(),
         source: e,
     })?;
     let path = dir.join(lora_core::formats::diffusers::WEIGHTS_FILE);
-    let mut parts = vec![("unet", &unet)];
-    if let Some(te) = &te {
-        parts.push(("text_encoder", te));
-    }
-    lora_core::formats::diffusers::write(&path, &parts)?;
+    let refs: Vec<(&str, &AdapterWeights)> = parts.iter().map(|(c, w)| (*c, w)).collect();
+    lora_core::formats::diffusers::write(&path, &refs)?;
     Ok(path)
 }
 
@@ -813,8 +1354,10 @@ pub fn write_diffusers(
 pub struct LoadedAdapter {
     /// UNet modules.
     pub unet_modules: usize,
-    /// Text-encoder modules.
+    /// Text-encoder modules (SDXL: the first encoder's).
     pub text_encoder_modules: usize,
+    /// SDXL `text_encoder_2` modules.
+    pub text_encoder_2_modules: usize,
 }
 
 fn site_list(model: &mut dyn lora_core::inject::Adaptable) -> lora_core::Result<Vec<String>> {
@@ -826,63 +1369,120 @@ fn site_list(model: &mut dyn lora_core::inject::Adaptable) -> lora_core::Result<
     Ok(sites)
 }
 
-/// Loads an SD 1.x/2.x LoRA file into `pipe` as adapter `adapter_name` (tensors in `vs`):
-/// kohya (`lora_unet_…`, `lora_te_…`; alpha honoured, missing = rank) or diffusers / PEFT for
-/// diffusers (`unet.<module>.lora_A.weight`, `text_encoder.<module>…`; transformers 5 text-encoder
-/// names without `text_model.` are accepted), told apart by the keys.
+/// The module path of UNet site `site` (diffusers name) in the original (CompVis / Stability
+/// `sgm`) UNet, which sd-scripts' SDXL LoRA names its `lora_unet_` modules after
+/// (`down_blocks.1.attentions.0.proj_in` → `input_blocks.4.1.proj_in`, `…resnets.0.conv1` →
+/// `…in_layers.2`); lora-models' [`ldm_unet_key`] layout. `None` for sites without one.
+///
+/// [`ldm_unet_key`]: lora_models::sd::load::ldm_unet_key
+pub fn original_unet_module(site: &str, unet: &UNet2DConditionModel) -> Option<String> {
+    let plan = unet.plan();
+    let layout = lora_models::sd::load::UnetLayout {
+        layers_per_block: usize::try_from(*plan.layers.first()?).ok()?,
+        down_attn: plan.down_attn.clone(),
+        up_attn: plan.up_attn.clone(),
+    };
+    let key = lora_models::sd::load::ldm_unet_key(&format!("{site}.weight"), &layout)?;
+    key.strip_prefix(lora_models::sd::load::LDM_UNET_PREFIX)?
+        .strip_suffix(".weight")
+        .map(String::from)
+}
+
+/// Loads an SD 1.x/2.x or SDXL LoRA file into `pipe` as adapter `adapter_name` (tensors in
+/// `vs`), told apart by the keys:
+/// - kohya: `lora_unet_…` with diffusers module names or, as sd-scripts writes SDXL adapters,
+///   original ones (`lora_unet_input_blocks_4_1_…`, see [`original_unet_module`]); `lora_te_…`
+///   (SD 1.x/2.x) or `lora_te1_…` / `lora_te2_…` (SDXL); alpha honoured, missing = rank;
+/// - diffusers / PEFT for diffusers: `unet.<module>.lora_A.weight`, `text_encoder.<module>…`,
+///   `text_encoder_2.<module>…` (transformers 5 text-encoder names without `text_model.` are
+///   accepted).
 ///
 /// # Errors
 /// lora-core format errors naming the file and the modules that match no site; an error for
-/// kohya modules under other prefixes (SDXL's `lora_te1_`/`lora_te2_`) or diffusers components
-/// other than `unet` / `text_encoder`.
+/// text-encoder prefixes or components the pipeline does not have (SDXL adapters on SD 1.x and
+/// the reverse).
 pub fn load_adapter(
     pipe: &mut SdPipeline,
     path: &Path,
     adapter_name: &str,
     vs: &tch::nn::Path,
 ) -> lora_core::Result<LoadedAdapter> {
+    let sdxl = pipe.is_sdxl();
     let header = lora_core::formats::read_header(path)?;
-    let kohya = header
-        .tensors
-        .keys()
-        .any(|k| k.starts_with("lora_unet_") || k.starts_with("lora_te_"));
-    let (unet, mut te) = if kohya {
+    let kohya = header.tensors.keys().any(|k| {
+        ["lora_unet_", "lora_te_", "lora_te1_", "lora_te2_"]
+            .iter()
+            .any(|p| k.starts_with(p))
+    });
+    let fmt_err = |reason: String| lora_core::Error::Format {
+        file: path.to_path_buf(),
+        reason,
+    };
+    let what = if sdxl {
+        "an SDXL pipeline has lora_unet_, lora_te1_ and lora_te2_"
+    } else {
+        "an SD 1.x/2.x pipeline has lora_unet_ and lora_te_ (lora_te1_/lora_te2_ are SDXL's)"
+    };
+    let (unet, mut te, mut te2) = if kohya {
         let mut f = lora_core::formats::kohya::read(path)?;
-        let unet = f.take_prefix(KOHYA_UNET_PREFIX, &site_list(&mut pipe.unet)?)?;
-        let te = f.take_prefix(KOHYA_TE_PREFIX, &site_list(&mut pipe.text_encoder)?)?;
-        if let Some(k) = f.modules.keys().next() {
-            return Err(lora_core::Error::Format {
-                file: path.to_path_buf(),
-                reason: format!(
-                    "module {k:?} is neither lora_unet_ nor lora_te_ (an SDXL adapter? this pipeline is SD 1.x/2.x)"
-                ),
-            });
+        let unet_sites = site_list(&mut pipe.unet)?;
+        // sd-scripts' SDXL names: original UNet module paths
+        for site in &unet_sites {
+            if let Some(orig) = original_unet_module(site, &pipe.unet) {
+                let from = lora_core::formats::kohya::kohya_name(KOHYA_UNET_PREFIX, &orig);
+                if let Some(m) = f.modules.remove(&from) {
+                    f.modules.insert(
+                        lora_core::formats::kohya::kohya_name(KOHYA_UNET_PREFIX, site),
+                        m,
+                    );
+                }
+            }
         }
-        (unet, te)
+        let unet = f.take_prefix(KOHYA_UNET_PREFIX, &unet_sites)?;
+        let te = f.take_prefix(
+            kohya_prefix("text_encoder", sdxl),
+            &site_list(&mut pipe.text_encoder)?,
+        )?;
+        let te2 = match pipe.text_encoder_2.as_mut() {
+            Some(m) => f.take_prefix(KOHYA_TE2_PREFIX, &site_list(m)?)?,
+            None => AdapterWeights::default(),
+        };
+        if let Some(k) = f.modules.keys().next() {
+            return Err(fmt_err(format!(
+                "module {k:?} belongs to no component of this pipeline: {what}"
+            )));
+        }
+        (unet, te, te2)
     } else {
         let mut parts = lora_core::formats::diffusers::read(path)?;
         let unet = parts.remove("unet").unwrap_or_default();
         let te = parts.remove("text_encoder").unwrap_or_default();
+        let te2 = if sdxl {
+            parts.remove("text_encoder_2").unwrap_or_default()
+        } else {
+            AdapterWeights::default()
+        };
         if let Some(k) = parts.keys().next() {
-            return Err(lora_core::Error::Format {
-                file: path.to_path_buf(),
-                reason: format!(
-                    "component {k:?}: an SD 1.x/2.x pipeline has `unet` and `text_encoder`"
-                ),
-            });
+            return Err(fmt_err(format!(
+                "component {k:?}: {}",
+                if sdxl {
+                    "an SDXL pipeline has `unet`, `text_encoder` and `text_encoder_2`"
+                } else {
+                    "an SD 1.x/2.x pipeline has `unet` and `text_encoder`"
+                }
+            )));
         }
-        (unet, te)
+        (unet, te, te2)
     };
     lora_models::clip::canonicalize_adapter(&mut te);
+    lora_models::clip::canonicalize_adapter(&mut te2);
     let mut n = LoadedAdapter {
         unet_modules: unet.modules.len(),
         text_encoder_modules: te.modules.len(),
+        text_encoder_2_modules: te2.modules.len(),
     };
-    if n.unet_modules + n.text_encoder_modules == 0 {
-        return Err(lora_core::Error::Format {
-            file: path.to_path_buf(),
-            reason: "no LoRA module in the file".into(),
-        });
+    if n.unet_modules + n.text_encoder_modules + n.text_encoder_2_modules == 0 {
+        return Err(fmt_err("no LoRA module in the file".into()));
     }
     if n.unet_modules > 0 {
         n.unet_modules = unet
@@ -898,6 +1498,14 @@ pub fn load_adapter(
                 &(vs / "text_encoder"),
                 0.0,
             )?
+            .modules
+            .len();
+    }
+    if n.text_encoder_2_modules > 0
+        && let Some(m) = pipe.text_encoder_2.as_mut()
+    {
+        n.text_encoder_2_modules = te2
+            .load_into(m, adapter_name, &(vs / "text_encoder_2"), 0.0)?
             .modules
             .len();
     }
@@ -1025,7 +1633,9 @@ fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
 /// forced) → load → inject → data → fixed-noise eval → train → eval → samples → export →
 /// `summary.json`.
 ///
-/// Config keys used beyond the LLM job's: `data.resolution`, the bucket keys,
+/// Config keys used beyond the LLM job's: `model.kind` (`sd15` / `sdxl` must match the
+/// pipeline found), `model.tokenizer` (for a single-file base, see
+/// [`SdPipeline::from_single_file`]), `data.resolution`, the bucket keys,
 /// `data.caption_extension`, `data.keep_tokens`, `data.shuffle_caption`,
 /// `data.cache_latents` (also on disk), the diffusion `train.*` keys and the sampling
 /// `logging.*` keys — see the module docs. `train.max_steps` wins over `train.epochs` (kohya's
@@ -1100,13 +1710,34 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         "loading {} ({kind:?}) on {device:?}",
         base_path.display()
     ));
-    if cfg.model.kind == ModelKind::Sdxl {
-        return Err(JobError::Runtime(format!(
-            "{}: model.kind sdxl: the SD job trains SD 1.x/2.x pipelines; SDXL training (two text encoders, size/crop conditioning) is not implemented yet",
-            base_path.display()
-        )));
+    let mut pipe = if base_path.is_file() {
+        let companion = match &cfg.model.tokenizer {
+            Some(t) => Some(resolve_path(
+                "model.tokenizer",
+                t,
+                opts.config_dir.as_deref(),
+            )?),
+            None => None,
+        };
+        SdPipeline::from_single_file(&base_path, companion.as_deref(), kind, device)?
+    } else {
+        SdPipeline::from_diffusers(&base_path, kind, device)?
+    };
+    match (cfg.model.kind, pipe.is_sdxl()) {
+        (ModelKind::Sdxl, false) => {
+            return Err(JobError::Runtime(format!(
+                "{}: model.kind is sdxl but this is an SD 1.x/2.x pipeline (no text_encoder_2); set model.kind: sd15 or auto",
+                base_path.display()
+            )));
+        }
+        (ModelKind::Sd15, true) => {
+            return Err(JobError::Runtime(format!(
+                "{}: model.kind is sd15 but this is an SDXL pipeline (text_encoder_2, text_time UNet); set model.kind: sdxl or auto",
+                base_path.display()
+            )));
+        }
+        _ => {}
     }
-    let mut pipe = SdPipeline::from_diffusers(&base_path, kind, device)?;
     if let Some(p) = &cfg.train.prediction_type {
         pipe.schedule.prediction_type =
             PredictionType::from_diffusers(p).map_err(rt("train.prediction_type"))?;
@@ -1176,6 +1807,16 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             r.modules.len(),
             r.trainable_params
         ));
+        if let Some(te2) = pipe.text_encoder_2.as_mut() {
+            let r =
+                lora_core::inject::inject(te2, &te_cfg, "default", &(vs.root() / "text_encoder_2"))
+                    .map_err(rt("injecting LoRA into text_encoder_2"))?;
+            say(&format!(
+                "LoRA on {} text_encoder_2 modules: {} trainable parameters",
+                r.modules.len(),
+                r.trainable_params
+            ));
+        }
     }
     let pipe = Rc::new(pipe);
 
@@ -1236,8 +1877,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     } else {
         None
     };
+    // the VAE (its file or folder) and the dtype it encodes in name the cached latents
     let model_id = format!(
-        "vae:{}",
+        "vae:{}:{kind:?}",
         std::fs::canonicalize(&base_path)
             .unwrap_or_else(|_| base_path.clone())
             .display()
@@ -1407,8 +2049,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             epochs: 1 + rep.steps.saturating_sub(1) / per_epoch.max(1),
         },
     );
-    let v2 = pipe.unet.plan().cross_attention_dim.first() == Some(&1024);
-    let meta = sd_metadata(meta, v2, !train_te);
+    let meta = sd_metadata(meta, SdVersion::of(&pipe), !train_te);
     let mut outputs = Vec::new();
     for f in &cfg.train.export_formats {
         match f {
@@ -1508,14 +2149,30 @@ mod tests {
 
     #[test]
     fn kohya_metadata_names_the_base_version_as_sd_scripts_does() {
-        let m = sd_metadata(Default::default(), false, true);
+        let m = sd_metadata(Default::default(), SdVersion::V1, true);
         assert_eq!(m["ss_base_model_version"], "sd_v1");
         assert_eq!(m["ss_v2"], "False");
         assert_eq!(m["ss_network_train_unet_only"], "True");
-        let m = sd_metadata(Default::default(), true, false);
+        let m = sd_metadata(Default::default(), SdVersion::V2, false);
         assert_eq!(m["ss_base_model_version"], "sd_v2");
         assert_eq!(m["ss_v2"], "True");
         assert_eq!(m["ss_network_train_unet_only"], "False");
+        let m = sd_metadata(Default::default(), SdVersion::Xl, false);
+        assert_eq!(m["ss_base_model_version"], "sdxl_base_v1-0");
+        assert_eq!(m["ss_v2"], "False");
+    }
+
+    #[test]
+    fn sdxl_time_ids_are_height_first_and_kohya_prefixes_follow_sd_scripts() {
+        // a 640 × 480 (w × h) image, cropped at x = 16, y = 8 into a 512 × 384 bucket
+        assert_eq!(
+            sdxl_time_ids((640, 480), (16, 8), (512, 384)),
+            [480.0, 640.0, 8.0, 16.0, 384.0, 512.0]
+        );
+        assert_eq!(kohya_prefix("unet", true), "lora_unet");
+        assert_eq!(kohya_prefix("text_encoder", false), "lora_te");
+        assert_eq!(kohya_prefix("text_encoder", true), "lora_te1");
+        assert_eq!(kohya_prefix("text_encoder_2", true), "lora_te2");
     }
 
     #[test]

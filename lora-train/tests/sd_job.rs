@@ -93,6 +93,7 @@ fn run() -> &'static Run {
                 assets.as_os_str(),
                 "--out".as_ref(),
                 dir.as_os_str(),
+                "--single-file".as_ref(),
             ],
         );
         let summary = sd::run(
@@ -264,7 +265,7 @@ fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours()
         tch::no_grad(|| {
             (
                 p.unet.forward(&x, &t, &ctx, None).unwrap(),
-                p.condition(&ids, false).unwrap(),
+                p.condition(&ids, None, false).unwrap().hidden,
             )
         })
     };
@@ -431,5 +432,50 @@ fn v_prediction_noise_offset_checkpointing_bf16_and_euler_samples_run_end_to_end
                 .join(format!("variants/samples/step-{step}.png"))
                 .is_file()
         );
+    }
+}
+
+#[test]
+fn an_sd15_single_file_loads_like_the_folder() {
+    let r = run();
+    let _serial = serial();
+    let folder_dir = r.dir.join("pipeline");
+    let file = r.dir.join("single/model.safetensors");
+    assert!(sd::is_sd_model(&file));
+    assert!(
+        !sd::is_sd_model(&r.dir.join("out/emoji-tiny.safetensors")),
+        "an adapter is not a model"
+    );
+    let (k, d) = (Kind::Float, tch::Device::Cpu);
+    let folder = sd::SdPipeline::from_diffusers(&folder_dir, k, d).unwrap();
+    // a tokenizer folder alone does not describe the tiny UNet: SD 1.5's config is assumed
+    let e = sd::SdPipeline::from_single_file(&file, Some(&folder_dir.join("tokenizer")), k, d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("UNet"), "{e}");
+    let single = sd::SdPipeline::from_single_file(&file, Some(&folder_dir), k, d).unwrap();
+    assert!(!single.is_sdxl());
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(3);
+    let x = Tensor::randn([2, 4, 8, 8], (Kind::Float, d));
+    let t = Tensor::from_slice(&[10i64, 700]);
+    let prompts = ["emoji, grinning face", "emoji"];
+    let out = |p: &sd::SdPipeline| {
+        let c = p.encode_prompts(&prompts).unwrap();
+        let y = p.predict(&x, &t, &c, None, false).unwrap();
+        let z = p
+            .encode_images(&x.narrow(1, 0, 3).repeat([1, 1, 2, 2]).tanh())
+            .unwrap();
+        (y, c.hidden, z)
+    };
+    let (a, b) = (out(&folder), out(&single));
+    for (what, u, v) in [
+        ("UNet", &a.0, &b.0),
+        ("text encoder", &a.1, &b.1),
+        ("VAE", &a.2, &b.2),
+    ] {
+        let diff = max_abs(u, v);
+        eprintln!("SD 1.x single file vs folder, {what}: max |diff| {diff:.3e}");
+        assert_eq!(diff, 0.0, "{what}");
     }
 }
