@@ -464,8 +464,12 @@ pub fn estimate(model: &ModelDescriptor, settings: &Settings) -> Result<Estimate
 }
 
 fn no_target_error(sites: &[LinearSite], s: &Settings) -> Error {
-    let mut names: Vec<&str> = sites.iter().map(|x| x.name.as_str()).collect();
-    names.dedup();
+    let mut names: Vec<&str> = Vec::new();
+    for x in sites {
+        if !names.contains(&x.name.as_str()) {
+            names.push(x.name.as_str());
+        }
+    }
     Error::InvalidSetting {
         key: "lora.target_modules",
         reason: format!(

@@ -18,4 +18,5 @@ pub mod plot;
 pub mod precision;
 pub mod sched;
 pub mod sd;
+pub mod sd_plan;
 pub mod trainer;

@@ -133,8 +133,12 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// A human-readable report: settings, the breakdown table and the verdict.
+    /// A human-readable report: settings, the breakdown table and the verdict. A Stable
+    /// Diffusion plan (one with diffusion detail) is printed by [`crate::sd_plan::report`].
     pub fn report(&self) -> String {
+        if self.estimate.diffusion.is_some() {
+            return crate::sd_plan::report(self);
+        }
         let s = &self.settings;
         let mut out = String::new();
         // The model's name (GGUF `general.name` as written, else the architecture or preset)

@@ -1599,34 +1599,12 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
 }
 
 fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
+    // the folder the job loads; `lora-train plan` reads presets and single files too
+    // (crate::sd_plan::plan)
     let desc = lora_memory::ModelDescriptor::Diffusion(
         lora_memory::sd_header::diffusion_from_diffusers_folder(path)?,
     );
-    let (mut settings, mut notes) = crate::llm::settings_for(cfg, None, cuda);
-    let res = cfg.data.resolution.unwrap_or([512, 512]);
-    settings.resolution = res[0].max(res[1]);
-    settings.cache_latents = true;
-    let te = cfg.train.train_text_encoder;
-    settings.cache_text_encoder_outputs = !te;
-    settings.train_text_encoder = te;
-    notes.push(if te {
-        "VAE latents are cached; the text encoder is trained (LoRA) and runs every step".into()
-    } else {
-        "VAE latents and text-encoder outputs are cached; the text encoder is not trained".into()
-    });
-    let budget = crate::llm::budget_for(cfg, None)?;
-    let estimate = lora_memory::estimate(&desc, &settings)?;
-    Ok(Plan {
-        model: desc.name().to_string(),
-        model_source: path.display().to_string(),
-        settings,
-        fits: budget.as_ref().map(|b| estimate.peak <= b.bytes),
-        estimate,
-        budget,
-        changes: Vec::new(),
-        notes,
-        suggestion: Vec::new(),
-    })
+    crate::sd_plan::plan_with(cfg, &desc, path.display().to_string(), None, cuda)
 }
 
 /// Runs the SD job: plan (printed; a run predicted not to fit its budget is refused unless

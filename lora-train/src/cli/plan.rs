@@ -1,4 +1,5 @@
-//! `lora-train plan`: the memory plan of a config, from headers only.
+//! `lora-train plan`: the memory plan of a config, from headers only (causal LMs and Stable
+//! Diffusion).
 
 use super::{CliError, EXIT_DOES_NOT_FIT, EXIT_OK};
 use lora_memory::Budget;
@@ -42,7 +43,13 @@ pub fn run(
             .is_some_and(|d| d.starts_with("cuda") || d.parse::<u32>().is_ok())
         || cfg.system.device.starts_with("cuda")
         || (cfg.system.device == "auto" && cfg.memory.gpu.is_some());
-    let p = llm::plan(&mut cfg, config.parent(), override_budget, cuda)?;
+    // Stable Diffusion configs (model.kind sd15/sdxl, a diffusers folder, an SD single-file
+    // checkpoint or a diffusion preset) get the SD plan; everything else the causal-LM plan.
+    let p = if lora_train::sd_plan::is_sd_config(&cfg, config.parent()) {
+        lora_train::sd_plan::plan(&mut cfg, config.parent(), override_budget, cuda)?
+    } else {
+        llm::plan(&mut cfg, config.parent(), override_budget, cuda)?
+    };
     if json {
         println!(
             "{}",
