@@ -1656,8 +1656,18 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         .max_steps
         .unwrap_or(per_epoch * u64::from(cfg.train.epochs))
         .max(1);
+    // Trainer::fit runs at most this many steps (max_steps, capped by the epochs).
+    let trainer_total = total_steps.min(per_epoch * u64::from(cfg.train.epochs.max(1)));
+    let capped = if trainer_total < total_steps {
+        format!(
+            " (train.max_steps {total_steps} is capped by train.epochs {} × {per_epoch} steps per epoch; raise train.epochs for more)",
+            cfg.train.epochs.max(1)
+        )
+    } else {
+        String::new()
+    };
     say(&format!(
-        "data: {rows} rows of {seq_len} tokens, {} micro-batches of {micro} per epoch; {total_steps} optimizer steps (gradient_accumulation_steps {accum}); {} held-out tokens",
+        "data: {rows} rows of {seq_len} tokens, {} micro-batches of {micro} per epoch; {trainer_total} optimizer steps{capped} (gradient_accumulation_steps {accum}); {} held-out tokens",
         loader.batches_per_epoch(),
         eval_ids.len()
     ));
@@ -1666,8 +1676,6 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     if !eval_ids.is_empty() {
         say("evaluating held-out perplexity before training");
     }
-    // Trainer::fit runs at most this many steps (max_steps, capped by the epochs).
-    let trainer_total = total_steps.min(per_epoch * u64::from(cfg.train.epochs.max(1)));
     if let Some((_, counters)) = &resume_from
         && counters.step >= trainer_total
     {
