@@ -503,7 +503,8 @@ pub struct RunOptions {
     /// Print progress and the report to stderr/stdout.
     pub verbose: bool,
     /// `None`: start fresh; `Some(None)`: resume from the newest checkpoint of the run's output
-    /// folder; `Some(Some(dir))`: resume from that checkpoint.
+    /// folder; `Some(Some(dir))`: resume from that checkpoint. Either is [`JobError::Input`]
+    /// before anything loads when there is no such checkpoint (see [`resume_checkpoint`]).
     pub resume: Option<Option<PathBuf>>,
 }
 

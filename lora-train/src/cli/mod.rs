@@ -56,7 +56,9 @@ pub enum Command {
         /// Config file (.yaml, .yml or .toml).
         #[arg(long, short)]
         config: PathBuf,
-        /// Resume from the latest checkpoint in the run's output folder, or from DIR.
+        /// Resume from the latest checkpoint in the run's output folder, or from DIR (a step-*
+        /// folder); an error when there is none. Ctrl-C during training saves one and prints the
+        /// command.
         #[arg(long, num_args = 0..=1, value_name = "DIR")]
         resume: Option<Option<PathBuf>>,
         /// Start even when the plan predicts the run does not fit its budget.
