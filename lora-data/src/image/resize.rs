@@ -74,7 +74,8 @@ fn taps(in_size: u32, out_size: u32, first: u32, count: u32) -> Taps {
 
 /// Rounds a fixed-point sum to 8 bits. Sums fit in i32: weights are ≥ 0 and add up to about
 /// `2^22`, times 255 plus the rounding half stays below `2^31` (Pillow also sums 8-bit
-/// channels in 32-bit integers).
+/// channels in 32-bit integers). The passes add with `wrapping_*` ops, exact since nothing
+/// overflows, so that builds with overflow checks (the dev profile) still vectorize them.
 #[inline]
 fn clip8(v: i32) -> u8 {
     (v >> PRECISION_BITS).clamp(0, 255) as u8
@@ -137,9 +138,9 @@ pub fn resize_bilinear_crop(
                 let px = &row[s * 3..(s + w.len()) * 3];
                 let (mut cr, mut cg, mut cb) = (half, half, half);
                 for (p, &wi) in px.chunks_exact(3).zip(w) {
-                    cr += p[0] as i32 * wi;
-                    cg += p[1] as i32 * wi;
-                    cb += p[2] as i32 * wi;
+                    cr = cr.wrapping_add((p[0] as i32).wrapping_mul(wi));
+                    cg = cg.wrapping_add((p[1] as i32).wrapping_mul(wi));
+                    cb = cb.wrapping_add((p[2] as i32).wrapping_mul(wi));
                 }
                 o[0] = clip8(cr);
                 o[1] = clip8(cg);
@@ -160,7 +161,7 @@ pub fn resize_bilinear_crop(
             let r = s + i - row0;
             let row = &horiz[r * stride..(r + 1) * stride];
             for (a, &p) in acc.iter_mut().zip(row) {
-                *a += p as i32 * wi;
+                *a = a.wrapping_add((p as i32).wrapping_mul(wi));
             }
         }
         for (o, &a) in orow.iter_mut().zip(&acc) {
