@@ -1657,13 +1657,17 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         .max_steps
         .unwrap_or(per_epoch * u64::from(cfg.train.epochs))
         .max(1);
-    // Trainer::fit runs at most this many steps (max_steps, capped by the epochs).
-    let trainer_total = total_steps.min(per_epoch * u64::from(cfg.train.epochs.max(1)));
-    let capped = if trainer_total < total_steps {
-        format!(
-            " (train.max_steps {total_steps} is capped by train.epochs {} × {per_epoch} steps per epoch; raise train.epochs for more)",
-            cfg.train.epochs.max(1)
-        )
+    if cfg.train.max_steps.is_some() {
+        // train.max_steps wins over train.epochs (HF Trainer `max_steps`, kohya
+        // `max_train_steps`): run as many epochs as the steps need.
+        let need = total_steps.div_ceil(per_epoch.max(1));
+        cfg.train.epochs = u32::try_from(need)
+            .unwrap_or(u32::MAX)
+            .max(cfg.train.epochs);
+    }
+    let trainer_total = total_steps;
+    let capped = if cfg.train.max_steps.is_some() && per_epoch > 0 && total_steps > per_epoch {
+        format!(" ({} epochs)", total_steps.div_ceil(per_epoch))
     } else {
         String::new()
     };
