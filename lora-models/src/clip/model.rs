@@ -963,3 +963,175 @@ impl ClipTextModelWithProjection {
         Self::build(config, &Tensors::Map(&map), "", kind, device)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An OpenCLIP text tower (hidden 64 = one 64-wide head, 2 layers, MLP 128, 9 tokens, 5
+    /// positions, projection 16) written in OpenCLIP's layout, and the same weights in
+    /// transformers' layout, built independently of `from_open_clip`.
+    fn open_clip_pair(prefix: &str) -> (Vec<(String, Tensor)>, HashMap<String, Tensor>) {
+        tch::manual_seed(5);
+        let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu)) * 0.2;
+        let (d, ff) = (64, 128);
+        let mut oc: Vec<(String, Tensor)> = Vec::new();
+        let mut hf: HashMap<String, Tensor> = HashMap::new();
+        let both = |oc: &mut Vec<(String, Tensor)>,
+                    hf: &mut HashMap<String, Tensor>,
+                    o: &str,
+                    h: &str,
+                    t: Tensor| {
+            hf.insert(h.to_string(), t.copy());
+            oc.push((format!("{prefix}{o}"), t));
+        };
+        both(
+            &mut oc,
+            &mut hf,
+            "token_embedding.weight",
+            "text_model.embeddings.token_embedding.weight",
+            r(&[9, d]),
+        );
+        both(
+            &mut oc,
+            &mut hf,
+            "positional_embedding",
+            "text_model.embeddings.position_embedding.weight",
+            r(&[5, d]),
+        );
+        both(
+            &mut oc,
+            &mut hf,
+            "ln_final.weight",
+            "text_model.final_layer_norm.weight",
+            r(&[d]) + 1.0,
+        );
+        both(
+            &mut oc,
+            &mut hf,
+            "ln_final.bias",
+            "text_model.final_layer_norm.bias",
+            r(&[d]),
+        );
+        for i in 0..2 {
+            let (o, t) = (
+                format!("transformer.resblocks.{i}"),
+                format!("text_model.encoder.layers.{i}"),
+            );
+            for (a, b, shape) in [
+                ("ln_1.weight", "layer_norm1.weight", vec![d]),
+                ("ln_1.bias", "layer_norm1.bias", vec![d]),
+                ("ln_2.weight", "layer_norm2.weight", vec![d]),
+                ("ln_2.bias", "layer_norm2.bias", vec![d]),
+                (
+                    "attn.out_proj.weight",
+                    "self_attn.out_proj.weight",
+                    vec![d, d],
+                ),
+                ("attn.out_proj.bias", "self_attn.out_proj.bias", vec![d]),
+                ("mlp.c_fc.weight", "mlp.fc1.weight", vec![ff, d]),
+                ("mlp.c_fc.bias", "mlp.fc1.bias", vec![ff]),
+                ("mlp.c_proj.weight", "mlp.fc2.weight", vec![d, ff]),
+                ("mlp.c_proj.bias", "mlp.fc2.bias", vec![d]),
+            ] {
+                both(
+                    &mut oc,
+                    &mut hf,
+                    &format!("{o}.{a}"),
+                    &format!("{t}.{b}"),
+                    r(&shape),
+                );
+            }
+            let (w, b) = (r(&[3 * d, d]), r(&[3 * d]));
+            for (j, q) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
+                let j = j as i64;
+                hf.insert(
+                    format!("{t}.self_attn.{q}.weight"),
+                    w.narrow(0, j * d, d).copy(),
+                );
+                hf.insert(
+                    format!("{t}.self_attn.{q}.bias"),
+                    b.narrow(0, j * d, d).copy(),
+                );
+            }
+            oc.push((format!("{prefix}{o}.attn.in_proj_weight"), w));
+            oc.push((format!("{prefix}{o}.attn.in_proj_bias"), b));
+        }
+        // OpenCLIP applies `x @ text_projection` ([D, P]); transformers a [P, D] linear
+        let p = r(&[d, 16]);
+        hf.insert("text_projection.weight".into(), p.tr().contiguous());
+        oc.push((format!("{prefix}text_projection"), p));
+        oc.push((format!("{prefix}logit_scale"), Tensor::from(4.6f32)));
+        (oc, hf)
+    }
+
+    #[test]
+    fn open_clip_single_file_towers_load_like_their_transformers_layout() {
+        let prefix = crate::sd::load::SGM_TEXT_ENCODER_2_PREFIX;
+        let (oc, hf) = open_clip_pair(prefix);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sdxl.safetensors");
+        Tensor::write_safetensors(&oc, &file).unwrap();
+        // sizes read off the stored shapes
+        let m = ClipTextModelWithProjection::from_open_clip(
+            &file,
+            prefix,
+            None,
+            Kind::Float,
+            Device::Cpu,
+        )
+        .unwrap();
+        let c = m.config();
+        assert_eq!(
+            (
+                c.vocab_size,
+                c.hidden_size,
+                c.num_attention_heads,
+                c.num_hidden_layers
+            ),
+            (9, 64, 1, 2)
+        );
+        assert_eq!(
+            (
+                c.intermediate_size,
+                c.max_position_embeddings,
+                c.projection_dim
+            ),
+            (128, 5, Some(16))
+        );
+        assert_eq!((c.hidden_act, c.eos_token_id), (ClipActivation::Gelu, 2));
+        let want =
+            ClipTextModelWithProjection::from_tensors(c.clone(), &hf, "", Kind::Float, Device::Cpu)
+                .unwrap();
+        let ids = Tensor::from_slice(&[0i64, 3, 8, 1, 1, 0, 5, 7, 8, 1]).view([2, 5]);
+        let (a, b) = tch::no_grad(|| {
+            (
+                m.forward_t(&ids, false).unwrap(),
+                want.forward_t(&ids, false).unwrap(),
+            )
+        });
+        let diff = |x: &Tensor, y: &Tensor| (x - y).abs().max().double_value(&[]);
+        assert_eq!(diff(&a.last_hidden_state, &b.last_hidden_state), 0.0);
+        let (ea, eb) = (a.text_embeds.unwrap(), b.text_embeds.unwrap());
+        assert_eq!(ea.size(), [2, 16]);
+        assert_eq!(diff(&ea, &eb), 0.0);
+        // a fused in_proj of the wrong size is named
+        let mut bad = oc;
+        for (k, t) in bad.iter_mut() {
+            if k.ends_with("resblocks.1.attn.in_proj_bias") {
+                *t = t.narrow(0, 0, 100).copy();
+            }
+        }
+        Tensor::write_safetensors(&bad, &file).unwrap();
+        let e = ClipTextModelWithProjection::from_open_clip(
+            &file,
+            prefix,
+            None,
+            Kind::Float,
+            Device::Cpu,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("resblocks.1.attn.in_proj_bias"), "{e}");
+    }
+}
