@@ -1984,6 +1984,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         rss_peak_process: hwm_process.max(hwm_steps),
     };
     drop(trainer);
+    if rep.interrupted || crate::trainer::stop_requested() {
+        // Ctrl-C: the trainer saved a checkpoint; no evaluation, samples or export of a
+        // half-trained adapter (the CLI prints how to resume).
+        return Err(JobError::Interrupted {
+            step: rep.steps,
+            checkpoint: rep.last_checkpoint.clone(),
+        });
+    }
     if let Some(from) = rep.resumed_from {
         say(&format!("resumed at step {from}"));
     }
