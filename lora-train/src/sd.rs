@@ -1678,6 +1678,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         }
     };
 
+    // CPU: freed tensors go back to the OS so RSS follows the plan (as in the LLM job).
+    if !cuda
+        && cfg.memory.cpu_return_freed
+        && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+        && lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD)
+    {
+        say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
+    }
+
     // load, inject
     let kind = match cfg.model.dtype {
         Dtype::F32 => Kind::Float,
