@@ -5,9 +5,7 @@
 //!
 //! Run: `cargo run -p lora-memory --example sd_gpu_check -- measured.json`
 
-use lora_memory::{
-    BaseDtype, Bytes, MixedPrecision, ModelDescriptor, Profile, Settings, estimate,
-};
+use lora_memory::{BaseDtype, Bytes, MixedPrecision, ModelDescriptor, Profile, Settings, estimate};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args()

@@ -1025,6 +1025,12 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         }
         b
     };
+    // Bytes per element of what the norms save. Autocast runs GroupNorm and LayerNorm in fp32
+    // (both are on PyTorch's autocast fp32 op list): the 16-bit input is cast to fp32 and that
+    // copy is saved, and SiLU saves the fp32 GroupNorm output. Counted at 2 bytes, diffusers +
+    // PEFT fp16/bf16 runs on an H200 were underpredicted by 11–25% while fp32 runs were within
+    // 5% (benches/gpu/results/h200-diffusers-sd-2026-11-30.json, example `sd_gpu_check`).
+    let nb = if c.autocast { 4.0 } else { c.r };
     let mut stored = 0.0; // bytes per sample, no checkpointing
     let mut ckpt_stored = 0.0; // checkpointed unit inputs per sample
     let mut biggest_block = 0.0f64; // saved bytes of the largest unit (recompute)
@@ -1035,7 +1041,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     // the conv inputs (and LoCon A outputs) when the convs are trained. Frozen convs need no
     // saved input for the input gradient.
     let resnet = |cin: f64, cout: f64, n: f64| -> (f64, f64) {
-        let mut b = c.r * 2.0 * (cin + cout) * n;
+        let mut b = nb * 2.0 * (cin + cout) * n;
         if conv_lora {
             b += c.e * (cin + cout) * n;
             if !full {
@@ -1050,7 +1056,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     // q, k, v, out of self-attention and q, out of cross-attention (+ the logsumexp of each),
     // GEGLU (hidden, gate, gelu(gate): 12c), and the inputs of the adapted projections.
     let transformer = |ch: f64, heads: f64, n: f64, depth: f64| -> (f64, f64, f64) {
-        let elems = 3.0 + 6.0 + 12.0;
+        let elems = 6.0 + 12.0; // + the three LayerNorm inputs at `nb` bytes
         let mut maps = 0.0;
         // backward working set: the GEGLU backward holds the incoming gradient (4c), the
         // gradients of hidden and gate (8c) and their concatenation (8c), next to the gradient
@@ -1065,14 +1071,14 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
                 wk += 2.0 * c.e * heads * n * n;
             }
         }
-        let mut blk = c.e * elems * ch * n + maps;
+        let mut blk = c.e * elems * ch * n + nb * 3.0 * ch * n + maps;
         blk += lora_in(&["attn1.to_q", "attn1.to_k", "attn1.to_v"], ch * n);
         blk += lora_in(&["attn1.to_out.0"], ch * n);
         blk += lora_in(&["attn2.to_q"], ch * n);
         blk += lora_in(&["attn2.to_out.0"], ch * n);
         blk += lora_in(&["ff.net.0.proj"], ch * n);
         blk += lora_in(&["ff.net.2"], 4.0 * ch * n);
-        let wrapper = c.r * ch * n + lora_in(&["proj_in"], ch * n) + lora_in(&["proj_out"], ch * n);
+        let wrapper = nb * ch * n + lora_in(&["proj_in"], ch * n) + lora_in(&["proj_out"], ch * n);
         (wrapper + depth * blk, wk, wrapper + blk)
     };
     let nlev = d.levels.len();
@@ -1100,6 +1106,9 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         }
         None => unit(r.0, input, r.1, r.0),
     };
+    // diffusers checkpoints the BasicTransformerBlocks, not the Transformer2D's GroupNorm in
+    // front of proj_in: its saved fp32 input stays with checkpointing on.
+    let gn_kept = |ch: f64, n: f64| if ours { 0.0 } else { nb * ch * n };
     let mut skips = c.r * chan[0] * n0; // conv_in output
     // down path
     for (i, lv) in d.levels.iter().enumerate() {
@@ -1109,7 +1118,12 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         for j in 0..lv.resnets {
             let cin = if j == 0 && i > 0 { chan[i - 1] } else { ch };
             let t = (depth > 0.0).then(|| transformer(ch, lv.heads as f64, n, depth));
-            pair(resnet(cin, ch, n), t, c.r * cin * n, depth * c.r * ch * n);
+            pair(
+                resnet(cin, ch, n),
+                t,
+                c.r * cin * n,
+                depth * c.r * ch * n + gn_kept(ch, n),
+            );
             skips += c.r * ch * n;
         }
         if i + 1 < nlev {
@@ -1127,7 +1141,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         if ours {
             pair((2.0 * r.0, r.1), t, c.r * ch * n, 0.0);
         } else {
-            pair(r, t, c.r * ch * n, md * c.r * ch * n);
+            pair(r, t, c.r * ch * n, md * c.r * ch * n + gn_kept(ch, n));
             pair(r, None, c.r * ch * n, 0.0);
         }
     }
@@ -1157,13 +1171,13 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
                 resnet(prev + skip, ch, n),
                 t,
                 c.r * input * n,
-                depth * c.r * ch * n,
+                depth * c.r * ch * n + gn_kept(ch, n),
             );
         }
     }
     // conv_out head: GroupNorm + SiLU inputs at full latent resolution.
     let c0 = chan[0];
-    stored += c.r * 2.0 * c0 * n0;
+    stored += nb * 2.0 * c0 * n0;
     ckpt_stored += c.r * c0 * n0;
     if ours {
         // gradients of the skip connections wait for their down unit
