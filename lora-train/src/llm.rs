@@ -1797,6 +1797,28 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         say("evaluating held-out perplexity after training");
     }
     let eval_after = evaluate(&model, &eval_ids, seq_len)?;
+    if report.skipped_steps > 0 {
+        eprintln!(
+            "warning: {} of {} optimizer steps were skipped (non-finite loss or gradients; see logs/metrics.jsonl)",
+            report.skipped_steps, report.steps
+        );
+    }
+    if let Some(a) = &eval_after
+        && !a.mean_nll.is_finite()
+    {
+        // a diverged adapter is not exported: it would only break the tools that load it
+        return Err(JobError::Runtime(format!(
+            "training diverged: the held-out loss after training is {} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
+            a.mean_nll,
+            report.skipped_steps,
+            report.steps,
+            report
+                .last_checkpoint
+                .as_ref()
+                .map(|c| format!("; last checkpoint: {}", c.display()))
+                .unwrap_or_default()
+        )));
+    }
     let sample_after = match &cfg.logging.sample_prompt {
         Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
         None => None,

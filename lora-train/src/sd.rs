@@ -1599,11 +1599,21 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
 }
 
 fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
-    // the folder the job loads; `lora-train plan` reads presets and single files too
-    // (crate::sd_plan::plan)
-    let desc = lora_memory::ModelDescriptor::Diffusion(
-        lora_memory::sd_header::diffusion_from_diffusers_folder(path)?,
-    );
+    // what the job loads: a diffusers folder or a single-file checkpoint (its header);
+    // `lora-train plan` reads presets too (crate::sd_plan::plan)
+    let desc = if path.is_dir() {
+        lora_memory::ModelDescriptor::Diffusion(
+            lora_memory::sd_header::diffusion_from_diffusers_folder(path)?,
+        )
+    } else {
+        lora_memory::ModelDescriptor::from_safetensors(path)?
+    };
+    if !matches!(desc, lora_memory::ModelDescriptor::Diffusion(_)) {
+        return Err(JobError::Runtime(format!(
+            "{}: the file describes a language model, not Stable Diffusion",
+            path.display()
+        )));
+    }
     crate::sd_plan::plan_with(cfg, &desc, path.display().to_string(), None, cuda)
 }
 
@@ -2017,6 +2027,24 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     say(&format!(
         "fixed-noise loss: {eval_loss_before:.5} → {eval_loss_after:.5}"
     ));
+    if rep.skipped_steps > 0 {
+        eprintln!(
+            "warning: {} of {} optimizer steps were skipped (non-finite loss or gradients; see logs/metrics.jsonl)",
+            rep.skipped_steps, rep.steps
+        );
+    }
+    if !eval_loss_after.is_finite() {
+        // a diverged adapter is not exported: it would only break the pipelines that load it
+        return Err(JobError::Runtime(format!(
+            "training diverged: the fixed-noise loss after training is {eval_loss_after} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
+            rep.skipped_steps,
+            rep.steps,
+            rep.last_checkpoint
+                .as_ref()
+                .map(|c| format!("; last checkpoint: {}", c.display()))
+                .unwrap_or_default()
+        )));
+    }
     if !prompts.is_empty()
         && !written
             .borrow()
