@@ -222,3 +222,23 @@ fn zero_and_unrepresentable_budgets_are_usage_errors_naming_the_value() {
     let o = plan(&cfg, &["--budget", "2e11"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
+
+#[test]
+fn train_on_an_sd_preset_is_a_usage_error_that_asks_for_the_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        dir.path(),
+        "preset.yaml",
+        "model: {base_model: sd15}\ntrain: {output_dir: out}\n",
+    );
+    let o = bin()
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.contains("memory-planning preset"), "{t}");
+    assert!(t.contains("diffusers folder"), "{t}");
+    assert!(!dir.path().join("out").exists(), "nothing written: {t}");
+}

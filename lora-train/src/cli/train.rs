@@ -23,8 +23,17 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
         verbose: true,
         resume,
     };
+    let sd_job = lora_train::sd::wants_sd_job(&cfg, opts.config_dir.as_deref());
+    if !sd_job && lora_train::sd_plan::is_sd_config(&cfg, opts.config_dir.as_deref()) {
+        // an SD preset name: enough for `plan`, not for training
+        return Err(CliError::usage(format!(
+            "{}: model.base_model {:?} is a memory-planning preset (`lora-train plan` reads it); training needs the weights: a diffusers folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/) or a single-file .safetensors checkpoint",
+            config.display(),
+            cfg.base_model().unwrap_or_default()
+        )));
+    }
     install_sigint_handler();
-    let result = if lora_train::sd::wants_sd_job(&cfg, opts.config_dir.as_deref()) {
+    let result = if sd_job {
         lora_train::sd::run(cfg, &opts).map(|_| ())
     } else {
         llm::run(cfg, &opts).map(|_| ())
