@@ -1838,6 +1838,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         "data: {images} images, {items} items per epoch\n{}",
         ds.bucket_report()
     ));
+    // name every file left out or without a caption (the Display of a problem gives the path,
+    // what is wrong and what to do)
+    for p in ds.problems() {
+        eprintln!("warning: {p}");
+    }
     let micro = cfg.train.batch_size.max(1) as usize;
     let loader = ds
         .into_loader(LoaderConfig {
