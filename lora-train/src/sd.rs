@@ -1722,13 +1722,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     };
     match (cfg.model.kind, pipe.is_sdxl()) {
         (ModelKind::Sdxl, false) => {
-            return Err(JobError::Runtime(format!(
+            return Err(JobError::Input(format!(
                 "{}: model.kind is sdxl but this is an SD 1.x/2.x pipeline (no text_encoder_2); set model.kind: sd15 or auto",
                 base_path.display()
             )));
         }
         (ModelKind::Sd15, true) => {
-            return Err(JobError::Runtime(format!(
+            return Err(JobError::Input(format!(
                 "{}: model.kind is sd15 but this is an SDXL pipeline (text_encoder_2, text_time UNet); set model.kind: sdxl or auto",
                 base_path.display()
             )));
