@@ -242,3 +242,45 @@ fn train_on_an_sd_preset_is_a_usage_error_that_asks_for_the_weights() {
     assert!(t.contains("diffusers folder"), "{t}");
     assert!(!dir.path().join("out").exists(), "nothing written: {t}");
 }
+
+#[test]
+fn convert_names_stable_diffusion_adapters_instead_of_misreading_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let kohya = dir.path().join("kohya.safetensors");
+    safetensors(
+        &kohya,
+        &[
+            (
+                "lora_unet_mid_block_attentions_0_proj_in.lora_down.weight",
+                &[4, 8],
+            ),
+            (
+                "lora_unet_mid_block_attentions_0_proj_in.lora_up.weight",
+                &[8, 4],
+            ),
+        ],
+    );
+    let diffusers = dir.path().join("pytorch_lora_weights.safetensors");
+    safetensors(
+        &diffusers,
+        &[(
+            "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight",
+            &[4, 8],
+        )],
+    );
+    for (input, layout) in [(&kohya, "kohya"), (&diffusers, "diffusers")] {
+        let out = dir.path().join(format!("{layout}-out"));
+        let o = bin()
+            .args(["convert", "-i"])
+            .arg(input)
+            .args(["--to", "peft", "-o"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{t}");
+        assert!(t.contains("a Stable Diffusion adapter"), "{t}");
+        assert!(t.contains(layout), "{t}");
+        assert!(!out.exists(), "{t}");
+    }
+}

@@ -6,6 +6,12 @@ use std::path::Path;
 
 /// Runs `convert`.
 pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliError> {
+    if let Some(layout) = sd_layout(input) {
+        return Err(CliError::usage(format!(
+            "{}: a Stable Diffusion adapter ({layout}); convert handles LLaMA-family adapters. The SD job writes both layouts itself: set train.export_formats: [kohya, peft] (peft = diffusers' pytorch_lora_weights.safetensors) in the training config",
+            input.display()
+        )));
+    }
     let n = lora_train::export::convert(input, to, output).map_err(|e| match e {
         lora_train::export::ExportError::NotAnAdapter { .. }
         | lora_train::export::ExportError::UnknownKohyaModule { .. } => CliError::usage(e),
@@ -21,4 +27,45 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
         }
     ))?;
     Ok(EXIT_OK)
+}
+
+/// The Stable Diffusion layout of an adapter file, if it is one: kohya keys under
+/// `lora_unet_` / `lora_te_` / `lora_te1_` / `lora_te2_`, or diffusers keys under `unet.` /
+/// `text_encoder.` / `text_encoder_2.`. `None` for folders, unreadable files and other keys.
+fn sd_layout(input: &Path) -> Option<&'static str> {
+    let file = if input.is_dir() {
+        let f = input.join("pytorch_lora_weights.safetensors");
+        if !f.is_file() {
+            return None;
+        }
+        f
+    } else {
+        input.to_path_buf()
+    };
+    // the header only: u64 LE length, then the JSON table of tensors
+    use std::io::Read;
+    let mut f = std::fs::File::open(&file).ok()?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).ok()?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        return None;
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header).ok()?;
+    let table: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).ok()?;
+    let names: Vec<&String> = table.keys().collect();
+    if names
+        .iter()
+        .any(|k| k.starts_with("lora_unet_") || k.starts_with("lora_te"))
+    {
+        Some("kohya lora_unet_/lora_te keys")
+    } else if names
+        .iter()
+        .any(|k| k.starts_with("unet.") || k.starts_with("text_encoder"))
+    {
+        Some("diffusers unet./text_encoder. keys")
+    } else {
+        None
+    }
 }
