@@ -1660,6 +1660,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         opts.config_dir.as_deref(),
     )?;
 
+    crate::sd_plan::check_resolution(&cfg)?;
     crate::llm::check_output_dir(&cfg, opts)?;
     // plan
     let plan = match sd_plan(&mut cfg, &base_path, cuda) {

@@ -45,6 +45,37 @@ pub fn is_sd_config(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
     }
 }
 
+/// Checks `data.resolution` for an SD run: both sides positive multiples of 8 (the VAE's
+/// downscale factor; latents are `resolution / 8`). Multiples of 64 suit SD's UNet best (it
+/// halves the latent three times); aspect buckets round to `bucket_reso_steps` themselves.
+///
+/// # Errors
+/// [`JobError::Config`] naming `data.resolution`, the value and a multiple to use.
+pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
+    if let Some([w, h]) = cfg.data.resolution
+        && (w == 0 || h == 0 || w % 8 != 0 || h % 8 != 0)
+    {
+        let near = |v: u32| (v.max(8) + 4) / 8 * 8;
+        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "data.resolution".into(),
+            value: if w == h {
+                w.to_string()
+            } else {
+                format!("[{w}, {h}]")
+            },
+            expected: format!(
+                "a multiple of 8 pixels on each side (latents are 1/8 of it), e.g. {}; multiples of 64 suit SD best",
+                if w == h {
+                    near(w).to_string()
+                } else {
+                    format!("[{}, {}]", near(w), near(h))
+                }
+            ),
+        }));
+    }
+    Ok(())
+}
+
 /// The diffusion descriptor of `model.base_model` and where it came from: a diffusers folder
 /// (configs + safetensors headers), an SD single-file checkpoint (its header; SD 1.x / SDXL by
 /// the cross-attention width) or a preset name.
@@ -173,6 +204,7 @@ pub fn plan_with(
     override_budget: Option<Budget>,
     cuda: bool,
 ) -> Result<Plan> {
+    check_resolution(cfg)?;
     let (settings, mut notes) = settings_for(cfg, desc, cuda);
     notes.extend(cfg.notes());
     notes.push(if cfg.train.train_text_encoder {

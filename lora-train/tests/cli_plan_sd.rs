@@ -284,3 +284,21 @@ fn convert_names_stable_diffusion_adapters_instead_of_misreading_them() {
         assert!(!out.exists(), "{t}");
     }
 }
+
+#[test]
+fn a_resolution_that_is_not_a_multiple_of_8_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        dir.path(),
+        "res.yaml",
+        "model: {base_model: sd15}\ndata: {resolution: 500}\n",
+    );
+    let o = plan(&cfg, &[]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.contains("data.resolution"), "{t}");
+    assert!(
+        t.contains("504"),
+        "the nearest multiple of 8 is suggested: {t}"
+    );
+}
