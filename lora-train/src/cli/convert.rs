@@ -30,7 +30,7 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
 }
 
 /// The Stable Diffusion layout of an adapter file, if it is one: kohya keys under
-/// `lora_unet_` / `lora_te_` / `lora_te1_` / `lora_te2_`, or diffusers keys under `unet.` /
+/// `lora_unet_` / `lora_te_text_model_` / `lora_te1_` / `lora_te2_`, or diffusers keys under `unet.` /
 /// `text_encoder.` / `text_encoder_2.`. `None` for folders, unreadable files and other keys.
 fn sd_layout(input: &Path) -> Option<&'static str> {
     let file = if input.is_dir() {
@@ -55,9 +55,17 @@ fn sd_layout(input: &Path) -> Option<&'static str> {
     f.read_exact(&mut header).ok()?;
     let table: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).ok()?;
     let names: Vec<&String> = table.keys().collect();
+    // LLaMA-family kohya files use `lora_te_model_…`; SD's CLIP encoders are
+    // `lora_te_text_model_…`, `lora_te1_…`, `lora_te2_…`
+    let sd_kohya = [
+        "lora_unet_",
+        "lora_te_text_model_",
+        "lora_te1_",
+        "lora_te2_",
+    ];
     if names
         .iter()
-        .any(|k| k.starts_with("lora_unet_") || k.starts_with("lora_te"))
+        .any(|k| sd_kohya.iter().any(|p| k.starts_with(p)))
     {
         Some("kohya lora_unet_/lora_te keys")
     } else if names
