@@ -427,6 +427,16 @@ impl Budget {
                 reason: "a budget must be more than 0 bytes".into(),
             });
         }
+        if p.assumed.is_some() && p.bytes.0 < 1 << 20 {
+            // "--budget 8" meant 8 GB, not 8 bytes
+            return Err(Error::InvalidSize {
+                input: text.to_string(),
+                reason: format!(
+                    "{} bytes is no training budget; a number without a unit is read as bytes: write the unit, e.g. \"{value}GB\" or \"{value}GiB\"",
+                    p.bytes.0
+                ),
+            });
+        }
         Ok(Budget {
             bytes: p.bytes,
             source: BudgetSource::Size {
@@ -542,6 +552,19 @@ mod tests {
                 .contains("more than 0 bytes")
         );
         assert_eq!(Budget::parse("8e9").unwrap().bytes, Bytes(8_000_000_000));
+    }
+
+    #[test]
+    fn a_bare_small_number_asks_for_a_unit() {
+        let e = Budget::parse("8").unwrap_err().to_string();
+        assert!(e.contains("\"8GB\"") && e.contains("\"8GiB\""), "{e}");
+        assert!(Budget::parse("cuda: 12").is_err());
+        // explicit units and large bare byte counts stay valid
+        assert_eq!(Budget::parse("8MB").unwrap().bytes, Bytes(8_000_000));
+        assert_eq!(
+            Budget::parse("8000000000").unwrap().bytes,
+            Bytes(8_000_000_000)
+        );
     }
 
     #[cfg(feature = "nvml")]
