@@ -280,23 +280,7 @@ impl Checkpoint {
     /// # Errors
     /// A missing or corrupt `state.json`, or a newer format.
     pub fn read_counters(dir: &Path) -> Result<TrainerCounters> {
-        let path = dir.join(STATE_FILE);
-        let text = fs::read(&path).map_err(io_err("read", &path))?;
-        let st: StateFile = serde_json::from_slice(&text).map_err(|e| TrainError::State {
-            what: "checkpoint state.json".into(),
-            message: format!("`{}`: {e}", path.display()),
-        })?;
-        if st.format_version != FORMAT_VERSION {
-            return Err(TrainError::State {
-                what: "checkpoint".into(),
-                message: format!(
-                    "`{}` has format version {}, this build reads {FORMAT_VERSION}",
-                    dir.display(),
-                    st.format_version
-                ),
-            });
-        }
-        Ok(st.counters)
+        Ok(read_state(dir)?.counters)
     }
 
     /// Reads a checkpoint folder (tensors on CPU, in the order they were saved).
@@ -304,22 +288,7 @@ impl Checkpoint {
     /// # Errors
     /// Missing or corrupt files, or a newer format.
     pub fn read_from(dir: &Path) -> Result<Self> {
-        let path = dir.join(STATE_FILE);
-        let text = fs::read(&path).map_err(io_err("read", &path))?;
-        let st: StateFile = serde_json::from_slice(&text).map_err(|e| TrainError::State {
-            what: "checkpoint state.json".into(),
-            message: format!("`{}`: {e}", path.display()),
-        })?;
-        if st.format_version != FORMAT_VERSION {
-            return Err(TrainError::State {
-                what: "checkpoint".into(),
-                message: format!(
-                    "`{}` has format version {}, this build reads {FORMAT_VERSION}",
-                    dir.display(),
-                    st.format_version
-                ),
-            });
-        }
+        let st = read_state(dir)?;
         let mut by_name: BTreeMap<String, Tensor> = read_safetensors(&dir.join(ADAPTER_FILE))?
             .into_iter()
             .collect();
@@ -476,6 +445,27 @@ impl CheckpointManager {
         }
         Ok(())
     }
+}
+
+/// A checkpoint folder's `state.json`, checked for this build's format version.
+fn read_state(dir: &Path) -> Result<StateFile> {
+    let path = dir.join(STATE_FILE);
+    let text = fs::read(&path).map_err(io_err("read", &path))?;
+    let st: StateFile = serde_json::from_slice(&text).map_err(|e| TrainError::State {
+        what: "checkpoint state.json".into(),
+        message: format!("`{}`: {e}", path.display()),
+    })?;
+    if st.format_version != FORMAT_VERSION {
+        return Err(TrainError::State {
+            what: "checkpoint".into(),
+            message: format!(
+                "`{}` has format version {}, this build reads {FORMAT_VERSION}",
+                dir.display(),
+                st.format_version
+            ),
+        });
+    }
+    Ok(st)
 }
 
 #[cfg(test)]
