@@ -42,19 +42,8 @@ fn sd_layout(input: &Path) -> Option<&'static str> {
     } else {
         input.to_path_buf()
     };
-    // the header only: u64 LE length, then the JSON table of tensors
-    use std::io::Read;
-    let mut f = std::fs::File::open(&file).ok()?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).ok()?;
-    let len = u64::from_le_bytes(len);
-    if len > 100 << 20 {
-        return None;
-    }
-    let mut header = vec![0u8; len as usize];
-    f.read_exact(&mut header).ok()?;
-    let table: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).ok()?;
-    let names: Vec<&String> = table.keys().collect();
+    // the header only (no tensor data is read)
+    let table = lora_memory::safetensors_header::read_header(&file).ok()?;
     // LLaMA-family kohya files use `lora_te_model_…`; SD's CLIP encoders are
     // `lora_te_text_model_…`, `lora_te1_…`, `lora_te2_…`
     let sd_kohya = [
@@ -63,13 +52,13 @@ fn sd_layout(input: &Path) -> Option<&'static str> {
         "lora_te1_",
         "lora_te2_",
     ];
-    if names
-        .iter()
+    if table
+        .keys()
         .any(|k| sd_kohya.iter().any(|p| k.starts_with(p)))
     {
         Some("kohya lora_unet_/lora_te keys")
-    } else if names
-        .iter()
+    } else if table
+        .keys()
         .any(|k| k.starts_with("unet.") || k.starts_with("text_encoder"))
     {
         Some("diffusers unet./text_encoder. keys")
