@@ -86,6 +86,17 @@ fn rt<E: std::fmt::Display>(ctx: &str) -> impl FnOnce(E) -> JobError + '_ {
     move |e| JobError::Runtime(format!("{ctx}: {e}"))
 }
 
+/// The training noise schedule of a pipeline folder (`scheduler/scheduler_config.json`), else
+/// SD's (`ScheduleConfig::sd`).
+fn read_schedule(dir: &Path) -> Result<ScheduleConfig> {
+    let file = dir.join("scheduler/scheduler_config.json");
+    if file.is_file() {
+        ScheduleConfig::from_file(&file).map_err(rt(&format!("reading {}", file.display())))
+    } else {
+        Ok(ScheduleConfig::sd())
+    }
+}
+
 fn model_err(e: lora_models::Error) -> TrainError {
     match e {
         lora_models::Error::Torch(t) => TrainError::Torch(t),
@@ -320,12 +331,7 @@ impl SdPipeline {
         } else {
             (None, None)
         };
-        let sched_file = dir.join("scheduler/scheduler_config.json");
-        let schedule = if sched_file.is_file() {
-            ScheduleConfig::from_file(&sched_file).map_err(rt(&ctx("the scheduler config")))?
-        } else {
-            ScheduleConfig::sd()
-        };
+        let schedule = read_schedule(dir)?;
         Ok(SdPipeline {
             unet,
             vae,
@@ -489,13 +495,7 @@ impl SdPipeline {
         } else {
             None
         };
-        let sched_file = comp.join("scheduler/scheduler_config.json");
-        let schedule = if sched_file.is_file() {
-            ScheduleConfig::from_file(&sched_file)
-                .map_err(rt(&format!("reading {}", sched_file.display())))?
-        } else {
-            ScheduleConfig::sd()
-        };
+        let schedule = read_schedule(&comp)?;
         Ok(SdPipeline {
             unet,
             vae,
