@@ -1601,19 +1601,7 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
 fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
     // what the job loads: a diffusers folder or a single-file checkpoint (its header);
     // `lora-train plan` reads presets too (crate::sd_plan::plan)
-    let desc = if path.is_dir() {
-        lora_memory::ModelDescriptor::Diffusion(
-            lora_memory::sd_header::diffusion_from_diffusers_folder(path)?,
-        )
-    } else {
-        lora_memory::ModelDescriptor::from_safetensors(path)?
-    };
-    if !matches!(desc, lora_memory::ModelDescriptor::Diffusion(_)) {
-        return Err(JobError::Runtime(format!(
-            "{}: the file describes a language model, not Stable Diffusion",
-            path.display()
-        )));
-    }
+    let desc = crate::sd_plan::descriptor_of_path(path, &path.display().to_string())?;
     crate::sd_plan::plan_with(cfg, &desc, path.display().to_string(), None, cuda)
 }
 

@@ -97,12 +97,25 @@ pub fn read_descriptor(
             };
         }
     };
+    Ok((
+        descriptor_of_path(&path, written)?,
+        path.display().to_string(),
+    ))
+}
+
+/// The diffusion descriptor of a resolved base-model path (`written` as in the config): a
+/// diffusers folder (configs + safetensors headers) or a single-file checkpoint (its header).
+/// Used by [`read_descriptor`] and by the SD job for what it loads.
+///
+/// # Errors
+/// Header errors; [`JobError::Runtime`] when the file describes a language model.
+pub fn descriptor_of_path(path: &Path, written: &str) -> Result<ModelDescriptor> {
     let desc = if path.is_dir() {
         ModelDescriptor::Diffusion(lora_memory::sd_header::diffusion_from_diffusers_folder(
-            &path,
+            path,
         )?)
     } else {
-        ModelDescriptor::from_safetensors(&path)?
+        ModelDescriptor::from_safetensors(path)?
     };
     if !matches!(desc, ModelDescriptor::Diffusion(_)) {
         return Err(JobError::Runtime(format!(
@@ -110,7 +123,7 @@ pub fn read_descriptor(
             path.display()
         )));
     }
-    Ok((desc, path.display().to_string()))
+    Ok(desc)
 }
 
 /// lora-memory settings for an SD run of `cfg` on `desc`, and notes on what was assumed.
