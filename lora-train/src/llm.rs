@@ -1379,6 +1379,40 @@ pub fn trainer_config(
     })
 }
 
+/// After training: warns when steps were skipped as non-finite, and refuses a run whose
+/// evaluation loss (`what`, e.g. "held-out loss"; `None` when nothing was evaluated) ended
+/// non-finite, so that no diverged adapter is
+/// exported (it would only break the tools that load it). Shared by the LLM and SD jobs.
+///
+/// # Errors
+/// [`JobError::Runtime`] naming the loss, the skipped steps, what to change and the last
+/// checkpoint.
+pub(crate) fn check_not_diverged(
+    report: &crate::trainer::TrainReport,
+    what: &str,
+    loss: Option<f64>,
+) -> Result<()> {
+    if report.skipped_steps > 0 {
+        eprintln!(
+            "warning: {} of {} optimizer steps were skipped (non-finite loss or gradients; see logs/metrics.jsonl)",
+            report.skipped_steps, report.steps
+        );
+    }
+    let Some(loss) = loss.filter(|l| !l.is_finite()) else {
+        return Ok(());
+    };
+    Err(JobError::Runtime(format!(
+        "training diverged: the {what} after training is {loss} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
+        report.skipped_steps,
+        report.steps,
+        report
+            .last_checkpoint
+            .as_ref()
+            .map(|c| format!("; last checkpoint: {}", c.display()))
+            .unwrap_or_default()
+    )))
+}
+
 /// Runs the causal-LM job: plan (refusing a run predicted not to fit unless forced) → load →
 /// inject → data → train → export → summary.
 ///
@@ -1797,28 +1831,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         say("evaluating held-out perplexity after training");
     }
     let eval_after = evaluate(&model, &eval_ids, seq_len)?;
-    if report.skipped_steps > 0 {
-        eprintln!(
-            "warning: {} of {} optimizer steps were skipped (non-finite loss or gradients; see logs/metrics.jsonl)",
-            report.skipped_steps, report.steps
-        );
-    }
-    if let Some(a) = &eval_after
-        && !a.mean_nll.is_finite()
-    {
-        // a diverged adapter is not exported: it would only break the tools that load it
-        return Err(JobError::Runtime(format!(
-            "training diverged: the held-out loss after training is {} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
-            a.mean_nll,
-            report.skipped_steps,
-            report.steps,
-            report
-                .last_checkpoint
-                .as_ref()
-                .map(|c| format!("; last checkpoint: {}", c.display()))
-                .unwrap_or_default()
-        )));
-    }
+    check_not_diverged(
+        &report,
+        "held-out loss",
+        eval_after.as_ref().map(|a| a.mean_nll),
+    )?;
     let sample_after = match &cfg.logging.sample_prompt {
         Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
         None => None,

@@ -2021,24 +2021,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     say(&format!(
         "fixed-noise loss: {eval_loss_before:.5} → {eval_loss_after:.5}"
     ));
-    if rep.skipped_steps > 0 {
-        eprintln!(
-            "warning: {} of {} optimizer steps were skipped (non-finite loss or gradients; see logs/metrics.jsonl)",
-            rep.skipped_steps, rep.steps
-        );
-    }
-    if !eval_loss_after.is_finite() {
-        // a diverged adapter is not exported: it would only break the pipelines that load it
-        return Err(JobError::Runtime(format!(
-            "training diverged: the fixed-noise loss after training is {eval_loss_after} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
-            rep.skipped_steps,
-            rep.steps,
-            rep.last_checkpoint
-                .as_ref()
-                .map(|c| format!("; last checkpoint: {}", c.display()))
-                .unwrap_or_default()
-        )));
-    }
+    crate::llm::check_not_diverged(&rep, "fixed-noise loss", Some(eval_loss_after))?;
     if !prompts.is_empty()
         && !written
             .borrow()
