@@ -1,6 +1,7 @@
 // A small C ABI over the parts of libtorch 2.13 that tch 0.26 does not expose: bf16/fp16 autocast
 // state, CUDA caching-allocator statistics, a counting CPU allocator (exact tensor bytes, optional
-// limit), RNG generator state and the deterministic-algorithms switch.
+// limit), RNG generator state, the deterministic-algorithms switch, and the multi-tensor
+// (`_foreach_*`) ops of the Adam update, which tch does not bind.
 //
 // Every function returns NULL on success or a heap-allocated error message (free it with
 // `lsdk_free_error`); C++ exceptions never cross the C boundary.
@@ -12,6 +13,13 @@
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_addcdiv.h>
+#include <ATen/ops/_foreach_addcmul.h>
+#include <ATen/ops/_foreach_div.h>
+#include <ATen/ops/_foreach_lerp.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_sqrt.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -26,6 +34,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -326,6 +335,72 @@ char* lsdk_set_deterministic(int32_t enabled, int32_t warn_only) {
 
 char* lsdk_get_deterministic(int32_t* enabled) {
   return guarded([&] { *enabled = at::globalContext().deterministicAlgorithms() ? 1 : 0; });
+}
+
+// ---- gradients and multi-tensor optimizer ops ---------------------------------------------------
+
+// Drops the gradient of `t` (what `optimizer.zero_grad(set_to_none=True)` does per parameter).
+char* lsdk_grad_set_undefined(at::Tensor* t) {
+  return guarded([&] {
+    TORCH_CHECK(t != nullptr, "null tensor");
+    t->mutable_grad().reset();
+  });
+}
+
+// One Adam/AdamW update of `n` fp32 tensors in the order of torch.optim.adam's
+// `_multi_tensor_adam` (torch 2.13, non-capturable, non-amsgrad):
+//   params *= decay_factor                      (skipped when decay_factor == 1)
+//   exp_avgs.lerp_(grads, one_minus_beta1)
+//   exp_avg_sqs *= beta2; exp_avg_sqs.addcmul_(grads, grads, one_minus_beta2)
+//   denom = sqrt(exp_avg_sqs) / bias_correction2_sqrt[i] + eps
+//   params.addcdiv_(exp_avgs, denom, neg_step_size[i])
+// The per-tensor scalars come from the caller so that every formula lives in one place.
+char* lsdk_adam_foreach_step(
+    const at::Tensor* const* params,
+    const at::Tensor* const* grads,
+    const at::Tensor* const* exp_avgs,
+    const at::Tensor* const* exp_avg_sqs,
+    const double* neg_step_size,
+    const double* bias_correction2_sqrt,
+    int64_t n,
+    double decay_factor,
+    double one_minus_beta1,
+    double beta2,
+    double one_minus_beta2,
+    double eps) {
+  return guarded([&] {
+    TORCH_CHECK(n >= 0, "negative tensor count");
+    std::vector<at::Tensor> p, g, m, v;
+    std::vector<c10::Scalar> step, bc2;
+    p.reserve(n);
+    g.reserve(n);
+    m.reserve(n);
+    v.reserve(n);
+    step.reserve(n);
+    bc2.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(params[i] && grads[i] && exp_avgs[i] && exp_avg_sqs[i], "null tensor at ", i);
+      p.push_back(*params[i]);
+      g.push_back(*grads[i]);
+      m.push_back(*exp_avgs[i]);
+      v.push_back(*exp_avg_sqs[i]);
+      step.emplace_back(neg_step_size[i]);
+      bc2.emplace_back(bias_correction2_sqrt[i]);
+    }
+    if (n == 0) {
+      return;
+    }
+    if (decay_factor != 1.0) {
+      at::_foreach_mul_(p, decay_factor);
+    }
+    at::_foreach_lerp_(m, g, one_minus_beta1);
+    at::_foreach_mul_(v, beta2);
+    at::_foreach_addcmul_(v, g, g, one_minus_beta2);
+    auto denom = at::_foreach_sqrt(v);
+    at::_foreach_div_(denom, bc2);
+    at::_foreach_add_(denom, eps);
+    at::_foreach_addcdiv_(p, m, denom, step);
+  });
 }
 
 }  // extern "C"

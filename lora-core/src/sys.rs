@@ -13,7 +13,7 @@
 use std::ffi::{CStr, c_char};
 use std::marker::PhantomData;
 
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 mod ffi {
     use std::ffi::c_char;
@@ -46,6 +46,22 @@ mod ffi {
         -> *mut c_char;
         pub fn lsdk_set_deterministic(enabled: i32, warn_only: i32) -> *mut c_char;
         pub fn lsdk_get_deterministic(enabled: *mut i32) -> *mut c_char;
+        pub fn lsdk_grad_set_undefined(t: *mut torch_sys::C_tensor) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn lsdk_adam_foreach_step(
+            params: *const *const torch_sys::C_tensor,
+            grads: *const *const torch_sys::C_tensor,
+            exp_avgs: *const *const torch_sys::C_tensor,
+            exp_avg_sqs: *const *const torch_sys::C_tensor,
+            neg_step_size: *const f64,
+            bias_correction2_sqrt: *const f64,
+            n: i64,
+            decay_factor: f64,
+            one_minus_beta1: f64,
+            beta2: f64,
+            one_minus_beta2: f64,
+            eps: f64,
+        ) -> *mut c_char;
     }
 }
 
@@ -567,6 +583,117 @@ pub fn deterministic() -> ShimResult<bool> {
     Ok(v != 0)
 }
 
+/// Drops the gradient of `t` (its `.grad` becomes undefined), as
+/// `optimizer.zero_grad(set_to_none=True)` does in PyTorch (the default since torch 2.0). The
+/// next backward allocates a fresh gradient instead of adding into a zeroed one, so between steps
+/// no gradient memory is held.
+///
+/// # Errors
+/// A libtorch error.
+pub fn set_grad_undefined(t: &mut Tensor) -> ShimResult<()> {
+    // SAFETY: `as_mut_ptr` is a live `torch::Tensor*` owned by `t` for the whole call.
+    check("grad_set_undefined", unsafe {
+        ffi::lsdk_grad_set_undefined(t.as_mut_ptr() as *mut torch_sys::C_tensor)
+    })
+}
+
+/// The scalars of one multi-tensor Adam update ([`adam_foreach_step`]); every field is an `f64`
+/// computed by the caller, exactly as `torch.optim.adam._multi_tensor_adam` computes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamForeachScalars {
+    /// Decoupled weight decay factor `1 − lr·λ` (1.0: no decay, the multiply is skipped).
+    pub decay_factor: f64,
+    /// `1 − β₁`, the `lerp` weight of the first moment.
+    pub one_minus_beta1: f64,
+    /// `β₂`.
+    pub beta2: f64,
+    /// `1 − β₂`.
+    pub one_minus_beta2: f64,
+    /// ε, added to `√v / √(1 − β₂ᵗ)`.
+    pub eps: f64,
+}
+
+/// One Adam/AdamW update of many fp32 tensors with libtorch's multi-tensor (`_foreach_*`) ops, in
+/// the order of `torch.optim.adam._multi_tensor_adam` (torch 2.13, non-capturable, non-amsgrad):
+///
+/// ```text
+/// p ← p·decay_factor
+/// m ← lerp(m, g, 1 − β₁)            v ← β₂·v;  v ← v + (1 − β₂)·g·g
+/// p ← p + neg_step_size[i] · m / (√v / bias_correction2_sqrt[i] + ε)
+/// ```
+///
+/// Each `_foreach_*` op is one libtorch call over the whole list instead of one per tensor. The
+/// result is bit-identical to the per-tensor loop (`torch.optim.AdamW(foreach=False)`). The
+/// denominators are one temporary list as large as `exp_avg_sqs`.
+///
+/// `params`, `grads`, `exp_avgs`, `exp_avg_sqs` are parallel lists of same-shaped fp32 tensors on
+/// one device; `neg_step_size[i] = −lr / (1 − β₁ᵗ)` and `bias_correction2_sqrt[i] = √(1 − β₂ᵗ)` for
+/// tensor `i`'s step count `t`. `params`, `exp_avgs` and `exp_avg_sqs` are updated in place.
+///
+/// # Errors
+/// Lists of different lengths (the error names them), or a libtorch error (shape or dtype
+/// mismatch, out of memory).
+pub fn adam_foreach_step(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    neg_step_size: &[f64],
+    bias_correction2_sqrt: &[f64],
+    s: AdamForeachScalars,
+) -> ShimResult<()> {
+    let n = params.len();
+    if [
+        grads.len(),
+        exp_avgs.len(),
+        exp_avg_sqs.len(),
+        neg_step_size.len(),
+        bias_correction2_sqrt.len(),
+    ]
+    .iter()
+    .any(|&l| l != n)
+    {
+        return Err(ShimError {
+            op: "adam_foreach_step",
+            message: format!(
+                "list lengths differ: params {n}, grads {}, exp_avgs {}, exp_avg_sqs {}, step sizes {}, bias corrections {}",
+                grads.len(),
+                exp_avgs.len(),
+                exp_avg_sqs.len(),
+                neg_step_size.len(),
+                bias_correction2_sqrt.len()
+            ),
+        });
+    }
+    let ptrs = |ts: &[Tensor]| -> Vec<*const torch_sys::C_tensor> {
+        ts.iter().map(|t| t.as_ptr() as *const torch_sys::C_tensor).collect()
+    };
+    let (p, g, m, v) = (
+        ptrs(params),
+        ptrs(grads),
+        ptrs(exp_avgs),
+        ptrs(exp_avg_sqs),
+    );
+    // SAFETY: every pointer is a live `torch::Tensor*` borrowed from the slices for the whole
+    // call, all arrays hold `n` entries (checked above), and the shim only reads the handles.
+    check("adam_foreach_step", unsafe {
+        ffi::lsdk_adam_foreach_step(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            neg_step_size.as_ptr(),
+            bias_correction2_sqrt.as_ptr(),
+            n as i64,
+            s.decay_factor,
+            s.one_minus_beta1,
+            s.beta2,
+            s.one_minus_beta2,
+            s.eps,
+        )
+    })
+}
+
 /// Sets libtorch's intra-op thread count for the calling thread (`tch::set_num_threads`) and
 /// returns the previous value.
 pub fn set_num_threads(n: usize) -> usize {
@@ -682,5 +809,78 @@ mod tests {
         assert!(s1.n_allocations > s0.n_allocations);
         assert!(s1.peak_bytes >= 4 * n as u64);
         drop(t);
+    }
+    #[test]
+    fn grad_set_undefined_drops_the_gradient() {
+        let p = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        (&p * 2.0).sum(Kind::Float).backward();
+        assert_eq!(p.grad().double_value(&[1]), 2.0);
+        set_grad_undefined(&mut p.shallow_clone()).unwrap();
+        assert!(!p.grad().defined());
+        // The next backward starts from nothing instead of adding to the old gradient.
+        (&p * 3.0).sum(Kind::Float).backward();
+        assert_eq!(p.grad().double_value(&[0]), 3.0);
+    }
+
+    /// The multi-tensor update against the same formula written with per-tensor ops, two tensors
+    /// with different step counts (so different per-tensor scalars).
+    #[test]
+    fn adam_foreach_step_matches_per_tensor_ops() {
+        tch::manual_seed(7);
+        let shapes: [&[i64]; 2] = [&[4, 3], &[5]];
+        let mk = || shapes.map(|s| Tensor::randn(s, (Kind::Float, Device::Cpu)));
+        let (p, g, m, v0) = (mk(), mk(), mk(), mk());
+        let v = v0.each_ref().map(|t| t.abs());
+        let (b1, b2, lr, wd, eps) = (0.9f64, 0.999f64, 1e-2f64, 0.1f64, 1e-8f64);
+        let steps = [1i32, 5];
+        let neg: Vec<f64> = steps.iter().map(|&t| -(lr / (1.0 - b1.powi(t)))).collect();
+        let bc2: Vec<f64> = steps.iter().map(|&t| (1.0 - b2.powi(t)).sqrt()).collect();
+        let copy = |ts: &[Tensor; 2]| ts.each_ref().map(|t| t.copy());
+        let (p1, m1, v1) = (copy(&p), copy(&m), copy(&v));
+        adam_foreach_step(
+            &p1,
+            &g,
+            &m1,
+            &v1,
+            &neg,
+            &bc2,
+            AdamForeachScalars {
+                decay_factor: 1.0 - lr * wd,
+                one_minus_beta1: 1.0 - b1,
+                beta2: b2,
+                one_minus_beta2: 1.0 - b2,
+                eps,
+            },
+        )
+        .unwrap();
+        for i in 0..2 {
+            let m2 = m[i].lerp(&g[i], 1.0 - b1);
+            let v2 = &v[i] * b2 + &g[i] * &g[i] * (1.0 - b2);
+            let denom = v2.sqrt() / bc2[i] + eps;
+            let p2 = &p[i] * (1.0 - lr * wd) + &m2 * neg[i] / &denom;
+            let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+            assert!(close(&m1[i], &m2) == 0.0, "exp_avg {i}");
+            assert!(close(&v1[i], &v2) < 1e-6, "exp_avg_sq {i}");
+            assert!(close(&p1[i], &p2) < 1e-6, "param {i}");
+            // Something really moved.
+            assert!(close(&p1[i], &p[i]) > 1e-4, "param {i} unchanged");
+        }
+        let err = adam_foreach_step(
+            &p1,
+            &g[..1],
+            &m1,
+            &v1,
+            &neg,
+            &bc2,
+            AdamForeachScalars {
+                decay_factor: 1.0,
+                one_minus_beta1: 0.1,
+                beta2: 0.999,
+                one_minus_beta2: 0.001,
+                eps,
+            },
+        )
+        .unwrap_err();
+        assert!(err.message.contains("grads 1"), "{err}");
     }
 }

@@ -66,8 +66,9 @@ pub struct Breakdown {
     /// arXiv:1804.04235).
     pub optimizer_states: Bytes,
     /// Temporaries of the optimizer step: `foreach` AdamW builds one state-sized list
-    /// (`_foreach_sqrt(exp_avg_sq)`) for all parameters at once (torch.optim.adamw
-    /// `_multi_tensor_adamw`); fused or per-tensor loops only the largest tensor.
+    /// (`_foreach_sqrt(exp_avg_sq)`) for all parameters at once (torch.optim.adam
+    /// `_multi_tensor_adam`); lora-train's AdamW does the same per chunk of
+    /// [`OURS_FOREACH_CHUNK_ELEMENTS`]; fused or per-tensor loops only the largest tensor.
     pub optimizer_step_temporaries: Bytes,
     /// Saved activations at the backward peak (all layers, or the checkpointed layer inputs plus
     /// the recomputed layer and its gradient working set).
@@ -126,7 +127,7 @@ impl Breakdown {
             Term {
                 name: "optimizer step temporaries",
                 bytes: self.optimizer_step_temporaries,
-                formula: "foreach: one state-sized list",
+                formula: "foreach: one state-sized list (ours: ≤ 4 Mi elements)",
             },
             Term {
                 name: "activations",
@@ -424,6 +425,30 @@ fn targeted<'a>(sites: &'a [LinearSite], s: &Settings) -> Vec<&'a LinearSite> {
         .collect()
 }
 
+/// Most elements per multi-tensor AdamW call in lora-train's optimizer: each call's temporary
+/// denominators (`_foreach_sqrt(exp_avg_sq)`) then stay under `(4 Mi + largest tensor)` fp32
+/// elements, about 16 MiB, whatever the adapter's size.
+pub const OURS_FOREACH_CHUNK_ELEMENTS: u64 = 4 << 20;
+
+/// Temporaries of the optimizer step. PEFT's `torch.optim.AdamW` on CUDA (foreach) builds one
+/// state-sized list; our AdamW runs the same ops in chunks of [`OURS_FOREACH_CHUNK_ELEMENTS`];
+/// fused or per-tensor steps (other optimizers, CPU PyTorch) hold one tensor's worth.
+fn step_temporaries(t: &Trainable, s: &Settings, foreach_tmp: f64, state_bytes: f64) -> f64 {
+    let per_tensor = t.largest as f64 * state_bytes;
+    if s.optimizer != Optimizer::AdamW || s.profile.fused_adamw {
+        return per_tensor;
+    }
+    if s.profile.framework == Framework::Ours {
+        let chunk = t.params.min(OURS_FOREACH_CHUNK_ELEMENTS + t.largest);
+        return (chunk as f64 * state_bytes).max(per_tensor);
+    }
+    if s.device.is_cuda() {
+        foreach_tmp
+    } else {
+        per_tensor
+    }
+}
+
 fn optimizer_bytes(t: &Trainable, opt: Optimizer, state_bytes: f64) -> (f64, f64) {
     // (states, foreach temporaries per state-sized list)
     let p = t.params as f64;
@@ -669,15 +694,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     };
     let gradients = trainable.params as f64 * grad_bytes;
     let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
-    let step_tmp = if s.optimizer == Optimizer::AdamW
-        && s.device.is_cuda()
-        && !s.profile.fused_adamw
-        && s.profile.framework != Framework::Ours
-    {
-        foreach_tmp
-    } else {
-        trainable.largest as f64 * state_bytes
-    };
+    let step_tmp = step_temporaries(&trainable, s, foreach_tmp, state_bytes);
 
     // Activations.
     let layer = decoder_layer(d, s, &c, &sites, seq);
@@ -967,15 +984,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     };
     let gradients = trainable.params as f64 * grad_bytes;
     let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
-    let step_tmp = if s.optimizer == Optimizer::AdamW
-        && s.device.is_cuda()
-        && !s.profile.fused_adamw
-        && s.profile.framework != Framework::Ours
-    {
-        foreach_tmp
-    } else {
-        trainable.largest as f64 * state_bytes
-    };
+    let step_tmp = step_temporaries(&trainable, s, foreach_tmp, state_bytes);
 
     // Activations per sample.
     let [wpx, hpx] = s.largest_bucket.unwrap_or([s.resolution, s.resolution]);

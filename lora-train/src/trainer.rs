@@ -113,6 +113,7 @@ impl TrainError {
     pub fn is_oom(&self) -> bool {
         match self {
             TrainError::Torch(e) => is_oom_message(&e.to_string()),
+            TrainError::Shim(e) => is_oom_message(&e.message),
             TrainError::OutOfMemory { .. } => true,
             _ => false,
         }
@@ -483,6 +484,7 @@ fn mem_snapshot(device: Device, track_cpu: bool) -> MemSnapshot {
 /// A libtorch error.
 pub fn global_grad_norm(params: &[Tensor]) -> Result<f64> {
     let _ng = tch::no_grad_guard();
+    let _threads = crate::optim::CpuStepThreads::for_params(params);
     let mut norms = Vec::new();
     for p in params {
         let g = p.f_grad()?;
@@ -507,6 +509,7 @@ pub fn clip_grads(params: &[Tensor], norm: f64, max_norm: f64) -> Result<()> {
         return Ok(());
     }
     let _ng = tch::no_grad_guard();
+    let _threads = crate::optim::CpuStepThreads::for_params(params);
     for p in params {
         let mut g = p.f_grad()?;
         if g.defined() {

@@ -181,6 +181,7 @@ impl Adafactor {
 impl Optimizer for Adafactor {
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
+        let _threads = super::CpuStepThreads::for_params(&self.params());
         let cfg = self.cfg.clone();
         for gi in 0..self.groups.len() {
             let lr_group = self.lr * self.groups[gi].lr_scale;

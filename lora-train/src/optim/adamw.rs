@@ -157,27 +157,98 @@ pub(crate) fn adamw_update(
     Ok(())
 }
 
+/// Most elements per multi-tensor call: the denominators of one call are a temporary as large as
+/// the chunk's state (4 Mi fp32 elements = 16 MiB), whatever the adapter's size; the memory
+/// planner charges the same ([`lora_memory::estimate::OURS_FOREACH_CHUNK_ELEMENTS`]).
+const FOREACH_CHUNK_ELEMENTS: i64 = lora_memory::estimate::OURS_FOREACH_CHUNK_ELEMENTS as i64;
+
+/// Parallel lists for one [`lora_core::sys::adam_foreach_step`] call.
+#[derive(Default)]
+struct ForeachBatch {
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    exp_avgs: Vec<Tensor>,
+    exp_avg_sqs: Vec<Tensor>,
+    neg_step_size: Vec<f64>,
+    bias_correction2_sqrt: Vec<f64>,
+    elements: i64,
+}
+
+impl ForeachBatch {
+    fn flush(&mut self, s: lora_core::sys::AdamForeachScalars) -> Result<()> {
+        if self.params.is_empty() {
+            return Ok(());
+        }
+        lora_core::sys::adam_foreach_step(
+            &self.params,
+            &self.grads,
+            &self.exp_avgs,
+            &self.exp_avg_sqs,
+            &self.neg_step_size,
+            &self.bias_correction2_sqrt,
+            s,
+        )?;
+        *self = Self::default();
+        Ok(())
+    }
+}
+
 impl Optimizer for AdamW {
+    /// fp32 parameters on one device go through libtorch's multi-tensor ops
+    /// ([`lora_core::sys::adam_foreach_step`], a few calls per group instead of ~10 per tensor);
+    /// others (bf16/fp16 parameters with fp32 state) through [`adamw_update`]. Both give the same
+    /// bits as `torch.optim.AdamW`. On CPU the step runs on one libtorch thread
+    /// ([`super::CpuStepThreads`]).
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
+        let _threads = super::CpuStepThreads::for_params(&self.params());
+        let (b1, b2) = self.cfg.betas;
         for (gi, group) in self.groups.iter().enumerate() {
             let lr = self.lr * group.lr_scale;
             let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);
+            let scalars = lora_core::sys::AdamForeachScalars {
+                decay_factor: if wd != 0.0 { 1.0 - lr * wd } else { 1.0 },
+                one_minus_beta1: 1.0 - b1,
+                beta2: b2,
+                one_minus_beta2: 1.0 - b2,
+                eps: self.cfg.eps,
+            };
+            let mut batch = ForeachBatch::default();
             for (pi, p) in group.params.iter().enumerate() {
                 let Some(g) = grad_f32(p)? else { continue };
                 let slot = &mut self.slots[gi][pi];
                 slot.step += 1;
-                adamw_update(
-                    p,
-                    &g,
-                    &mut slot.exp_avg,
-                    &mut slot.exp_avg_sq,
-                    slot.step,
-                    lr,
-                    wd,
-                    &self.cfg,
-                )?;
+                if p.kind() != Kind::Float
+                    || batch.params.first().is_some_and(|q| q.device() != p.device())
+                {
+                    if p.kind() != Kind::Float {
+                        adamw_update(
+                            p,
+                            &g,
+                            &mut slot.exp_avg,
+                            &mut slot.exp_avg_sq,
+                            slot.step,
+                            lr,
+                            wd,
+                            &self.cfg,
+                        )?;
+                        continue;
+                    }
+                    batch.flush(scalars)?;
+                }
+                let t = slot.step as i32;
+                batch.neg_step_size.push(-(lr / (1.0 - b1.powi(t))));
+                batch.bias_correction2_sqrt.push((1.0 - b2.powi(t)).sqrt());
+                batch.elements += p.numel() as i64;
+                batch.params.push(p.shallow_clone());
+                batch.grads.push(g);
+                batch.exp_avgs.push(slot.exp_avg.shallow_clone());
+                batch.exp_avg_sqs.push(slot.exp_avg_sq.shallow_clone());
+                if batch.elements >= FOREACH_CHUNK_ELEMENTS {
+                    batch.flush(scalars)?;
+                }
             }
+            batch.flush(scalars)?;
         }
         self.steps += 1;
         Ok(())

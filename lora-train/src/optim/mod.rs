@@ -132,7 +132,8 @@ pub trait Optimizer {
     /// # Errors
     /// A libtorch error (e.g. out of memory).
     fn step(&mut self) -> Result<()>;
-    /// Sets every parameter's gradient to zero (if defined).
+    /// Drops every parameter's gradient (`.grad` becomes undefined, as PyTorch's
+    /// `zero_grad(set_to_none=True)`).
     ///
     /// # Errors
     /// A libtorch error.
@@ -248,16 +249,45 @@ pub(crate) fn grad_f32(p: &Tensor) -> Result<Option<Tensor>> {
     }))
 }
 
-/// Zeroes every defined gradient of `params`.
+/// Drops the gradient of every parameter (`.grad` becomes undefined), like PyTorch's
+/// `zero_grad(set_to_none=True)`: the next backward writes fresh gradients instead of adding into
+/// zeroed ones, and no gradient memory is held between steps.
 pub(crate) fn zero_grads(params: &[Tensor]) -> Result<()> {
-    let _g = tch::no_grad_guard();
     for p in params {
-        let mut g = p.f_grad()?;
-        if g.defined() {
-            let _ = g.f_zero_()?;
-        }
+        let mut p = p.shallow_clone();
+        lora_core::sys::set_grad_undefined(&mut p)?;
     }
     Ok(())
+}
+
+/// While alive, libtorch runs on one intra-op thread, when the parameters are on the CPU (on a
+/// GPU it does nothing); the previous count comes back on drop.
+///
+/// An optimizer step over adapter tensors is thousands of small element-wise ops. With two or
+/// more threads, each op can wait for libtorch's OpenMP workers, which costs more than the work
+/// whenever the machine is busy: measured with `torch.optim.AdamW` over the 420 LoRA tensors of
+/// SmolLM2-135M (r8, 7 targets) on a 2-core machine under a parallel build, median step 74–118 ms
+/// with 2 threads (worst 0.6–1.8 s) vs 18–36 ms (worst 40–45 ms) on one thread.
+pub(crate) struct CpuStepThreads {
+    previous: Option<usize>,
+}
+
+impl CpuStepThreads {
+    /// Switches to one thread if the first parameter lives on the CPU.
+    pub(crate) fn for_params(params: &[Tensor]) -> Self {
+        let on_cpu = params.first().is_some_and(|p| p.device() == tch::Device::Cpu);
+        let previous = (on_cpu && tch::get_num_threads() > 1)
+            .then(|| lora_core::sys::set_num_threads(1));
+        Self { previous }
+    }
+}
+
+impl Drop for CpuStepThreads {
+    fn drop(&mut self) {
+        if let Some(n) = self.previous {
+            lora_core::sys::set_num_threads(n);
+        }
+    }
 }
 
 /// Writes `new` (fp32) into parameter `p` in place, converting to `p`'s dtype.

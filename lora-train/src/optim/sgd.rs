@@ -88,6 +88,7 @@ impl Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
+        let _threads = super::CpuStepThreads::for_params(&self.params());
         for (gi, group) in self.groups.iter().enumerate() {
             let lr = self.lr * group.lr_scale;
             let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);
