@@ -344,6 +344,10 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
 
     fn spawn_pool(&self) -> Pool<C::Batch> {
         let n = self.config.num_workers;
+        // libtorch picks a thread's intra-op thread count on that thread's first parallel op, from
+        // the last count set anywhere in the process; the workers set 1 (see `worker_loop`), so
+        // the calling thread settles its own count first and keeps it.
+        let _ = tch::get_num_threads();
         let mut jobs = Vec::with_capacity(n);
         let mut handles = Vec::with_capacity(n);
         for w in 0..n {
@@ -370,12 +374,17 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
     }
 }
 
+/// A worker's body. Like PyTorch's DataLoader workers (`torch.utils.data._utils.worker`, which
+/// call `torch.set_num_threads(1)`), each worker runs libtorch on one intra-op thread: the
+/// workers already run in parallel with each other and with training, and every collate op
+/// waking an OpenMP team per worker would oversubscribe the cores.
 fn worker_loop<D: Dataset, C: Collate<D::Item>>(
     dataset: &D,
     collate: &C,
     jobs: Receiver<Job<C::Batch>>,
     stride: usize,
 ) {
+    tch::set_num_threads(1);
     for job in jobs {
         let mut k = job.start;
         while k < job.plan.len() {
