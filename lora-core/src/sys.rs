@@ -666,14 +666,11 @@ pub fn adam_foreach_step(
         });
     }
     let ptrs = |ts: &[Tensor]| -> Vec<*const torch_sys::C_tensor> {
-        ts.iter().map(|t| t.as_ptr() as *const torch_sys::C_tensor).collect()
+        ts.iter()
+            .map(|t| t.as_ptr() as *const torch_sys::C_tensor)
+            .collect()
     };
-    let (p, g, m, v) = (
-        ptrs(params),
-        ptrs(grads),
-        ptrs(exp_avgs),
-        ptrs(exp_avg_sqs),
-    );
+    let (p, g, m, v) = (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs));
     // SAFETY: every pointer is a live `torch::Tensor*` borrowed from the slices for the whole
     // call, all arrays hold `n` entries (checked above), and the shim only reads the handles.
     check("adam_foreach_step", unsafe {

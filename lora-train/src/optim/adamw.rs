@@ -219,7 +219,10 @@ impl Optimizer for AdamW {
                 let slot = &mut self.slots[gi][pi];
                 slot.step += 1;
                 if p.kind() != Kind::Float
-                    || batch.params.first().is_some_and(|q| q.device() != p.device())
+                    || batch
+                        .params
+                        .first()
+                        .is_some_and(|q| q.device() != p.device())
                 {
                     if p.kind() != Kind::Float {
                         adamw_update(

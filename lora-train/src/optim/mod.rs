@@ -275,9 +275,11 @@ pub(crate) struct CpuStepThreads {
 impl CpuStepThreads {
     /// Switches to one thread if the first parameter lives on the CPU.
     pub(crate) fn for_params(params: &[Tensor]) -> Self {
-        let on_cpu = params.first().is_some_and(|p| p.device() == tch::Device::Cpu);
-        let previous = (on_cpu && tch::get_num_threads() > 1)
-            .then(|| lora_core::sys::set_num_threads(1));
+        let on_cpu = params
+            .first()
+            .is_some_and(|p| p.device() == tch::Device::Cpu);
+        let previous =
+            (on_cpu && tch::get_num_threads() > 1).then(|| lora_core::sys::set_num_threads(1));
         Self { previous }
     }
 }
