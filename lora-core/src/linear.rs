@@ -87,7 +87,10 @@ impl LoraLinear {
         };
         let w = self.base.weight(x.kind())?;
         let base_out = x.f_linear::<Tensor>(&w, None).ctx(ctx)?;
-        let y = add_branches(
+        let y = if self.plain_branches(x, &base_out) {
+            self.add_plain_branches(x, base_out, train).ctx(ctx)?
+        } else {
+            add_branches(
             self,
             x,
             &base_out,
@@ -97,7 +100,8 @@ impl LoraLinear {
                     .f_linear::<Tensor>(&ad.lora_b, None)
             },
             &|xd, w| xd.f_linear::<Tensor>(w, None),
-        )?;
+            )?
+        };
         match &self.bias {
             None => Ok(y),
             Some(b) => {
@@ -109,6 +113,50 @@ impl LoraLinear {
                 y.f_add(&b).ctx(ctx)
             }
         }
+    }
+}
+
+impl LoraLinear {
+    /// True when every active adapter is plain LoRA (no DoRA magnitude) in the dtype of `x` and of
+    /// the base output, so [`Self::add_plain_branches`] gives the same function as the general path.
+    fn plain_branches(&self, x: &Tensor, base_out: &Tensor) -> bool {
+        !self.disabled
+            && self.adapters.iter().filter(|a| a.in_branch()).all(|a| {
+                a.magnitude.is_none()
+                    && a.lora_a.kind() == x.kind()
+                    && a.lora_b.kind() == x.kind()
+                    && base_out.kind() == x.kind()
+            })
+    }
+
+    /// `y = base_out + Σ (s·A(dropout(x)))·Bᵀ` with the scaling applied in rank space (`[..., r]`)
+    /// and the sum fused into the B matmul (`addmm`, β = 1). Mathematically PEFT's
+    /// `base + B(A(x))·s`, with two fewer passes over the `[..., out]` output per adapter (the
+    /// scaling multiply and the add) forward, and one fewer backward.
+    fn add_plain_branches(
+        &self,
+        x: &Tensor,
+        base_out: Tensor,
+        train: bool,
+    ) -> std::result::Result<Tensor, tch::TchError> {
+        let size = base_out.size();
+        let out = self.out_features();
+        let mut y = base_out.f_reshape([-1, out])?;
+        for ad in self.adapters.iter().filter(|a| a.in_branch()) {
+            let p = ad.spec.dropout;
+            let xd = if train && p > 0.0 {
+                x.f_dropout(p, true)?
+            } else {
+                x.shallow_clone()
+            };
+            let r = ad.lora_a.size()[0];
+            let h = xd
+                .f_linear::<Tensor>(&ad.lora_a, None)?
+                .f_mul_scalar(ad.effective_scale())?
+                .f_reshape([-1, r])?;
+            y = y.f_addmm(&h, &ad.lora_b.f_tr()?)?;
+        }
+        y.f_reshape(size.as_slice())
     }
 }
 

@@ -74,7 +74,8 @@ pub struct Breakdown {
     /// the recomputed layer and its gradient working set).
     pub activations: Bytes,
     /// Logits and loss at their peak: HF keeps the 16-bit logits, the fp32 `log_softmax` output
-    /// and, in the backward, two fp32 gradients: `b·s·V·(e + 12)` bytes.
+    /// and, in the backward, two fp32 gradients: `b·s·V·(e + 12)` bytes. lora-train's fused head
+    /// + cross-entropy holds one chunk of [`OURS_CE_CHUNK_BYTES`] plus `(8 + e)·d` per token.
     pub logits_loss: Bytes,
     /// Token ids, labels, masks (int64) or latents + noise + conditioning for diffusion.
     pub batch_data: Bytes,
@@ -430,6 +431,10 @@ fn targeted<'a>(sites: &'a [LinearSite], s: &Settings) -> Vec<&'a LinearSite> {
 /// elements, about 16 MiB, whatever the adapter's size.
 pub const OURS_FOREACH_CHUNK_ELEMENTS: u64 = 4 << 20;
 
+/// Bytes of fp32 logits per chunk of lora-train's fused LM head + cross-entropy
+/// (`lora_models::llama::Llama::loss`): 32 MiB, at least 16 rows.
+pub const OURS_CE_CHUNK_BYTES: u64 = 32 << 20;
+
 /// Temporaries of the optimizer step. PEFT's `torch.optim.AdamW` on CUDA (foreach) builds one
 /// state-sized list; our AdamW runs the same ops in chunks of [`OURS_FOREACH_CHUNK_ELEMENTS`];
 /// fused or per-tensor steps (other optimizers, CPU PyTorch) hold one tensor's worth.
@@ -701,7 +706,29 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     let layers = d.layers as f64;
     let lm_lora = sites.iter().any(|x| x.name == "lm_head");
     let e_logits = c.e;
-    let (logits_peak, logits_kept) = if s.profile.compiled_loss {
+    // lora-train's fused head + cross-entropy (lora_models `Llama::loss`): no `[tokens, V]`
+    // logits; per token the normed hidden states and their gradient (saved by the surrogate,
+    // fp32 at most) plus the gradient rows in the weight dtype; one chunk of logits at a time.
+    let fused_ce = s.profile.framework == Framework::Ours
+        && !lm_lora
+        && !s.profile.compiled_loss
+        && !s.profile.chunked_cross_entropy;
+    let ce_chunk = if fused_ce {
+        let rows_total = f64::from(s.micro_batch) * f64::from(s.seq_len.saturating_sub(1));
+        let rows = (OURS_CE_CHUNK_BYTES as f64 / (4.0 * v.max(1.0)))
+            .floor()
+            .max(16.0)
+            .min(rows_total);
+        // fp32 without autocast: one reused fp32 buffer; otherwise the 16-bit chunk, its fp32
+        // copy and the 16-bit copy for the gradient matmul.
+        let per_row = if c.e >= 4.0 { 4.0 * v } else { (2.0 * c.e + 4.0) * v };
+        rows * per_row
+    } else {
+        0.0
+    };
+    let (logits_peak, logits_kept) = if fused_ce {
+        ((8.0 + c.e) * h, 8.0 * h)
+    } else if s.profile.compiled_loss {
         // fused cross-entropy: 16-bit logits + their gradient (one chunk at a time when chunked)
         let grad = if s.profile.chunked_cross_entropy {
             e_logits * v / 8.0
@@ -729,15 +756,13 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         (layers * layer.saved, 0.0)
     };
-    let loss_branch = logits_peak + logits_extra;
-    let layer_branch = logits_kept + recompute + layer.working;
-    let (act_per_token, logits_per_token) = if loss_branch >= layer_branch {
-        (stored, loss_branch)
+    let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk;
+    let layer_branch = (logits_kept + recompute + layer.working) * tokens;
+    let (activations, logits_loss) = if loss_branch >= layer_branch {
+        (stored * tokens, loss_branch)
     } else {
-        (stored + recompute + layer.working, logits_kept)
+        ((stored + recompute + layer.working) * tokens, logits_kept * tokens)
     };
-    let activations = act_per_token * tokens;
-    let logits_loss = logits_per_token * tokens;
     let batch = 32.0 * tokens;
 
     finish(FinishArgs {

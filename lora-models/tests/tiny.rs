@@ -417,3 +417,81 @@ fn loads_single_and_sharded_safetensors() {
         "{e}"
     );
 }
+
+/// `Llama::loss` runs the LM head and the cross-entropy chunk by chunk and hands the gradient to
+/// autograd through a surrogate; value and every adapter gradient must equal the plain
+/// `cross_entropy(logits)` path. The vocabulary is large enough (300,000) that the 32 MiB chunks
+/// hold 27 rows, so the 2 × 40 tokens run as several chunks that straddle batch rows.
+#[test]
+fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
+    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    for tied in [false, true] {
+        let mut c = tiny_config("llama");
+        c.vocab_size = 300_000;
+        c.tie_word_embeddings = tied;
+        let mut m =
+            Llama::from_tensors(c.clone(), &random_weights(&c, 3), Kind::Float, Device::Cpu)
+                .unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let cfg = LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj", "embed_tokens"]);
+        inject(&mut m, &cfg, "default", &vs.root()).unwrap();
+        tch::no_grad(|| {
+            for v in vs.trainable_variables() {
+                let _ = v
+                    .shallow_clone()
+                    .f_add_(&(Tensor::randn_like(&v) * 0.05))
+                    .unwrap();
+            }
+        });
+        let (b, s) = (2, 40);
+        let x = (Tensor::arange(b * s, (Kind::Int64, Device::Cpu)) * 7919).remainder(300_000);
+        let x = x.view([b, s]);
+        let labels = x.copy();
+        let _ = labels.get(0).narrow(0, 0, 5).fill_(-100);
+        let _ = labels.get(1).narrow(0, 30, 10).fill_(-100);
+
+        let zero = || {
+            for v in vs.trainable_variables() {
+                let mut g = v.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        };
+        zero();
+        let loss = m.loss(&x, &labels, None, None, false).unwrap();
+        loss.backward();
+        let (l_fused, g_fused) = (loss.double_value(&[]), grads(&vs));
+
+        zero();
+        let logits = m.forward_t(&x, None, None, false).unwrap();
+        let v = logits.size()[2];
+        let reference = logits
+            .narrow(1, 0, s - 1)
+            .reshape([-1, v])
+            .cross_entropy_loss::<Tensor>(
+                &labels.narrow(1, 1, s - 1).reshape([-1]),
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            );
+        reference.backward();
+        let (l_ref, g_ref) = (reference.double_value(&[]), grads(&vs));
+
+        assert!(
+            (l_fused - l_ref).abs() < 1e-5 * l_ref.abs(),
+            "tied {tied}: loss {l_fused} vs {l_ref}"
+        );
+        assert!(l_ref > 1.0, "a random model's loss is large: {l_ref}");
+        for ((name, a), (_, r)) in g_fused.iter().zip(&g_ref) {
+            let scale = r.abs().max().double_value(&[]);
+            assert!(scale > 0.0, "{name} got no gradient");
+            let d = max_diff(a, r);
+            assert!(d <= 1e-4 * scale, "tied {tied}, {name}: {d} (scale {scale})");
+        }
+        // Without a graph (evaluation) the value is the same.
+        let l_eval = tch::no_grad(|| m.loss(&x, &labels, None, None, false).unwrap());
+        assert!((l_eval.double_value(&[]) - l_fused).abs() < 1e-6);
+    }
+}

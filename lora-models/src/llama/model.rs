@@ -25,6 +25,11 @@ use crate::gguf::GgufFile;
 /// convention for prompt and padding positions).
 pub const IGNORE_INDEX: i64 = -100;
 
+/// Bytes of fp32 logits per chunk of [`Llama::loss`]'s fused head + cross-entropy (32 MiB:
+/// 170 rows at SmolLM2's 49,152-token vocabulary, 65 at Llama 3's 128,256; never fewer than 16);
+/// the memory planner charges the same ([`lora_memory::estimate::OURS_CE_CHUNK_BYTES`]).
+pub const FUSED_CE_CHUNK_BYTES: i64 = lora_memory::estimate::OURS_CE_CHUNK_BYTES as i64;
+
 /// RMSNorm: `y = w ⊙ x / sqrt(mean(x²) + ε)`, the normalisation in f32, the result cast back to
 /// the input dtype before the weight is applied (HF `LlamaRMSNorm`).
 #[derive(Debug)]
@@ -780,6 +785,129 @@ impl Llama {
         Ok(lg.f_cross_entropy_loss::<Tensor>(&lb, None, tch::Reduction::Mean, IGNORE_INDEX, 0.0)?)
     }
 
+    /// The frozen LM-head weight `[V, d]` in the model dtype, when the head adds nothing to a plain
+    /// `h·Wᵀ` (tied to the embedding, or an untied head with no active LoRA adapter and no bias);
+    /// `None` otherwise.
+    fn plain_head_weight(&self) -> Result<Option<Tensor>> {
+        match &self.lm_head {
+            None => Ok(Some(self.embed_tokens.base().weight(self.kind)?)),
+            Some(l) => {
+                let active = !l.adapters_disabled()
+                    && l.adapters().iter().any(|a| a.is_enabled() && !a.is_merged());
+                if active || l.bias().is_some() {
+                    Ok(None)
+                } else {
+                    Ok(Some(l.base().weight(self.kind)?))
+                }
+            }
+        }
+    }
+
+    /// Final norm, LM head and shifted cross-entropy of hidden states `h` `[b, s, d]` against
+    /// `labels` `[b, s]`: the value of [`Llama::loss`].
+    ///
+    /// When the head is a plain frozen matmul ([`Self::plain_head_weight`]), the `[b·s, V]` logits
+    /// never exist at once: rows go through the head in chunks of [`FUSED_CE_CHUNK_BYTES`] of fp32
+    /// logits, each chunk gives its loss (`logsumexp − logit[label]`) and, when a gradient is
+    /// needed, the gradient of the normed hidden states right away
+    /// (`∂loss/∂h = (softmax − onehot(label))·W / n_valid`, rows with label −100 zero). The
+    /// returned tensor carries that gradient to the rest of the graph through
+    /// `loss + Σ(hn·g) − sg(Σ(hn·g))` (`sg` = detached), whose value is the loss and whose
+    /// gradient with respect to the normed hidden states `hn` is `g`. The same idea as the fused
+    /// linear + cross-entropy kernels of Liger-Kernel (arXiv:2410.10989) and torchtune's chunked
+    /// loss, here built from libtorch ops. Same FLOPs as the plain path; instead of
+    /// `b·s·V·(e + 12)` bytes of logits, log-probabilities and their gradients it holds one chunk,
+    /// and in fp32 without autocast that chunk is one buffer reused for every chunk (no page
+    /// faults for fresh logits every step).
+    fn head_loss(&self, h: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let (b, s, d) = (h.size()[0], h.size()[1], h.size()[2]);
+        if labels.size() != [b, s] {
+            return Err(Error::InvalidArgument(format!(
+                "labels must be [{b}, {s}], got {:?}",
+                labels.size()
+            )));
+        }
+        let Some(w) = self.plain_head_weight()? else {
+            return Self::shifted_ce(&self.head(h)?, labels);
+        };
+        let lb = labels
+            .f_to_device(h.device())?
+            .f_to_kind(Kind::Int64)?
+            .f_narrow(1, 1, s - 1)?
+            .f_reshape([-1])?;
+        let valid = lb.f_ne(IGNORE_INDEX)?;
+        let n_valid = valid.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+        if n_valid == 0 || s < 2 {
+            // Nothing to predict: the plain path's mean over no tokens (NaN, as HF).
+            return Self::shifted_ce(&self.head(h)?, labels);
+        }
+        let hn = self.norm.forward(h)?;
+        let want_grad = hn.requires_grad();
+        let v = w.size()[0];
+        let rows = hn.f_narrow(1, 0, s - 1)?.f_reshape([-1, d])?.f_detach()?;
+        let n = rows.size()[0];
+        let idx = lb.f_clamp_min(0)?.f_unsqueeze(1)?;
+        let validf = valid.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
+        let wt = w.f_tr()?;
+        let autocast = lora_core::sys::autocast_state(h.device())
+            .map(|a| a.enabled)
+            .unwrap_or(true);
+        let reuse = self.kind == Kind::Float && !autocast;
+        let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1))).clamp(16, n.max(16)).min(n);
+        let buf = if reuse {
+            Some(Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?)
+        } else {
+            None
+        };
+        // Gradient rows of the n = b·(s − 1) predicting positions, in the head weight's dtype.
+        let grad = if want_grad {
+            Some(Tensor::f_empty([n, d], (w.kind(), h.device()))?)
+        } else {
+            None
+        };
+        let mut total = Tensor::f_zeros([], (Kind::Float, h.device()))?;
+        let _ng = tch::no_grad_guard();
+        let inv = 1.0 / n_valid as f64;
+        let mut start = 0;
+        while start < n {
+            let r = chunk.min(n - start);
+            let x = rows.f_narrow(0, start, r)?;
+            let mut lg = match &buf {
+                Some(bf) => {
+                    let out = bf.f_narrow(0, 0, r)?;
+                    x.f_mm_out(&out, &wt)?
+                }
+                None => x.f_mm(&wt)?.f_to_kind(Kind::Float)?,
+            };
+            let lse = lg.f_logsumexp([-1i64].as_slice(), true)?;
+            let ix = idx.f_narrow(0, start, r)?;
+            let vf = validf.f_narrow(0, start, r)?;
+            let tgt = lg.f_gather(1, &ix, false)?;
+            total = total.f_add(&lse.f_sub(&tgt)?.f_mul(&vf)?.f_sum(Kind::Float)?)?;
+            if let Some(g) = &grad {
+                // softmax − onehot(label), times valid / n_valid per row.
+                let _ = lg.f_sub_(&lse)?.f_exp_()?;
+                let _ = lg.f_scatter_add_(1, &ix, &vf.f_neg()?)?;
+                let _ = lg.f_mul_(&vf.f_mul_scalar(inv)?)?;
+                let gx = g.f_narrow(0, start, r)?;
+                let _ = lg.f_to_kind(w.kind())?.f_mm_out(&gx, &w)?;
+            }
+            start += r;
+        }
+        let loss = total.f_mul_scalar(inv)?;
+        drop(_ng);
+        match grad {
+            Some(g) => {
+                // The last position predicts nothing: its gradient is zero.
+                let last = Tensor::f_zeros([b, 1, d], (hn.kind(), h.device()))?;
+                let g = Tensor::f_cat(&[g.f_view([b, s - 1, d])?.f_to_kind(hn.kind())?, last], 1)?;
+                let dot = hn.f_mul(&g)?.f_sum(Kind::Float)?;
+                Ok(dot.f_sub(&dot.f_detach()?)?.f_add(&loss)?)
+            }
+            None => Ok(loss),
+        }
+    }
+
     /// Mean next-token negative log-likelihood: the causal-LM training loss.
     ///
     /// `labels` `[batch, seq]` int64 are usually the input ids with prompt/padding positions set
@@ -796,8 +924,8 @@ impl Llama {
         pos_ids: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor> {
-        let logits = self.forward_t(ids, attn_mask, pos_ids, train)?;
-        Self::shifted_ce(&logits, labels)
+        let h = self.hidden_states(ids, attn_mask, pos_ids, train)?;
+        self.head_loss(&h, labels)
     }
 
     /// Computes [`Llama::loss`] and backpropagates `loss · loss_scale` into every tensor that
@@ -831,7 +959,7 @@ impl Llama {
         let seg =
             |i: usize, x: &Tensor| self.layers[i].forward(x, &p.cos, &p.sin, &p.mask, None, train);
         let (h, tape) = SegmentTape::forward(&p.x0, self.layers.len(), seg)?;
-        let loss = Self::shifted_ce(&self.head(&h)?, labels)?;
+        let loss = self.head_loss(&h, labels)?;
         loss.f_mul_scalar(loss_scale)?.f_backward()?;
         let g = h.f_grad()?;
         let g0 = tape.backward(&g, seg)?;
