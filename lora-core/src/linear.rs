@@ -91,15 +91,15 @@ impl LoraLinear {
             self.add_plain_branches(x, base_out, train).ctx(ctx)?
         } else {
             add_branches(
-            self,
-            x,
-            &base_out,
-            train,
-            &|ad, xd| {
-                xd.f_linear::<Tensor>(&ad.lora_a, None)?
-                    .f_linear::<Tensor>(&ad.lora_b, None)
-            },
-            &|xd, w| xd.f_linear::<Tensor>(w, None),
+                self,
+                x,
+                &base_out,
+                train,
+                &|ad, xd| {
+                    xd.f_linear::<Tensor>(&ad.lora_a, None)?
+                        .f_linear::<Tensor>(&ad.lora_b, None)
+                },
+                &|xd, w| xd.f_linear::<Tensor>(w, None),
             )?
         };
         match &self.bias {

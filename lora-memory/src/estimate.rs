@@ -721,7 +721,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             .min(rows_total);
         // fp32 without autocast: one reused fp32 buffer; otherwise the 16-bit chunk, its fp32
         // copy and the 16-bit copy for the gradient matmul.
-        let per_row = if c.e >= 4.0 { 4.0 * v } else { (2.0 * c.e + 4.0) * v };
+        let per_row = if c.e >= 4.0 {
+            4.0 * v
+        } else {
+            (2.0 * c.e + 4.0) * v
+        };
         rows * per_row
     } else {
         0.0
@@ -761,7 +765,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     let (activations, logits_loss) = if loss_branch >= layer_branch {
         (stored * tokens, loss_branch)
     } else {
-        ((stored + recompute + layer.working) * tokens, logits_kept * tokens)
+        (
+            (stored + recompute + layer.working) * tokens,
+            logits_kept * tokens,
+        )
     };
     let batch = 32.0 * tokens;
 

@@ -488,7 +488,10 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
             let scale = r.abs().max().double_value(&[]);
             assert!(scale > 0.0, "{name} got no gradient");
             let d = max_diff(a, r);
-            assert!(d <= 1e-4 * scale, "tied {tied}, {name}: {d} (scale {scale})");
+            assert!(
+                d <= 1e-4 * scale,
+                "tied {tied}, {name}: {d} (scale {scale})"
+            );
         }
         // Without a graph (evaluation) the value is the same.
         let l_eval = tch::no_grad(|| m.loss(&x, &labels, None, None, false).unwrap());

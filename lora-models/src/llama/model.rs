@@ -122,13 +122,13 @@ struct Attention {
 
 impl Attention {
     /// `x` `[b, s, d]`; `cos`/`sin` `[b, 1, s, hd]`; `mask` bool `[b, 1, s, past + s]` (true =
-    /// attend).
+    /// attend), or `None` for plain causal attention without a cache (SDPA's `is_causal`).
     fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        mask: Option<&Tensor>,
         cache: Option<&mut LayerCache>,
         train: bool,
     ) -> Result<Tensor> {
@@ -170,9 +170,9 @@ impl Attention {
             &q,
             &k,
             &v,
-            Some(mask),
+            mask,
             0.0,
-            false,
+            mask.is_none(),
             None,
             false,
         )?;
@@ -212,7 +212,7 @@ impl DecoderLayer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        mask: Option<&Tensor>,
         cache: Option<&mut LayerCache>,
         train: bool,
     ) -> Result<Tensor> {
@@ -237,7 +237,8 @@ struct Prepared {
     x0: Tensor,
     cos: Tensor,
     sin: Tensor,
-    mask: Tensor,
+    /// `None`: plain causal attention (see [`Llama::mask`]).
+    mask: Option<Tensor>,
 }
 
 /// A LLaMA-family causal LM whose every linear (and the embedding) is a LoRA site.
@@ -567,7 +568,9 @@ impl Llama {
     /// Boolean attention mask `[b, 1, s, past + s]` (true = attend): causal, padding (keys whose
     /// `attn_mask` is 0), documents (keys of another document, for packed rows), and always the
     /// diagonal so that no row is empty (a padded query attends to itself only; its output is
-    /// never used, and this keeps it finite).
+    /// never used, and this keeps it finite). `None` when that mask would be the plain causal
+    /// triangle (no cache, no padding, one document per row): attention then runs with
+    /// `is_causal`, as transformers' SDPA path does when it can drop the mask.
     fn mask(
         &self,
         b: i64,
@@ -575,9 +578,30 @@ impl Llama {
         past: i64,
         attn_mask: Option<&Tensor>,
         doc: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    ) -> Result<Option<Tensor>> {
         let dev = self.device;
         let t = past + s;
+        if let Some(am) = attn_mask
+            && am.size() != [b, t]
+        {
+            return Err(Error::InvalidArgument(format!(
+                "attention mask must be [batch, past + seq] = [{b}, {t}], got {:?}",
+                am.size()
+            )));
+        }
+        // No cache, no padding, one document per row: the mask is exactly the causal triangle, and
+        // SDPA's `is_causal` skips the blocks above the diagonal instead of reading a mask.
+        let no_padding = match attn_mask {
+            None => true,
+            Some(am) => am.f_ne(0)?.f_all()?.f_int64_value(&[])? != 0,
+        };
+        let one_document = match doc {
+            None => true,
+            Some(d) => d.f_eq(0)?.f_all()?.f_int64_value(&[])? != 0,
+        };
+        if past == 0 && no_padding && one_document {
+            return Ok(None);
+        }
         let q = Tensor::f_arange(s, (Kind::Int64, dev))?
             .f_add_scalar(past)?
             .f_view([s, 1])?;
@@ -587,12 +611,6 @@ impl Llama {
             .f_view([1, 1, s, t])?
             .f_expand([b, 1, s, t], false)?;
         if let Some(am) = attn_mask {
-            if am.size() != [b, t] {
-                return Err(Error::InvalidArgument(format!(
-                    "attention mask must be [batch, past + seq] = [{b}, {t}], got {:?}",
-                    am.size()
-                )));
-            }
             let am = am.f_to_device(dev)?.f_ne(0)?.f_view([b, 1, 1, t])?;
             m = m.f_logical_and(&am)?;
         }
@@ -603,7 +621,7 @@ impl Llama {
             m = m.f_logical_and(&same)?;
         }
         let diag = k.f_eq_tensor(&q)?.f_view([1, 1, s, t])?;
-        Ok(m.f_logical_or(&diag)?)
+        Ok(Some(m.f_logical_or(&diag)?))
     }
 
     /// Document ids `[b, s]` from position ids: a new document starts wherever a position is not
@@ -700,7 +718,7 @@ impl Llama {
         let p = self.prepare(ids, attn_mask, pos_ids)?;
         let mut x = p.x0;
         for l in &self.layers {
-            x = l.forward(&x, &p.cos, &p.sin, &p.mask, None, train)?;
+            x = l.forward(&x, &p.cos, &p.sin, p.mask.as_ref(), None, train)?;
         }
         Ok(x)
     }
@@ -759,7 +777,7 @@ impl Llama {
         let mask = self.mask(b, s, past, None, None)?;
         let mut x = self.embed(ids)?;
         for (l, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = l.forward(&x, &cos, &sin, &mask, Some(c), false)?;
+            x = l.forward(&x, &cos, &sin, mask.as_ref(), Some(c), false)?;
         }
         cache.len += s;
         self.head(&x)
@@ -793,7 +811,9 @@ impl Llama {
             None => Ok(Some(self.embed_tokens.base().weight(self.kind)?)),
             Some(l) => {
                 let active = !l.adapters_disabled()
-                    && l.adapters().iter().any(|a| a.is_enabled() && !a.is_merged());
+                    && l.adapters()
+                        .iter()
+                        .any(|a| a.is_enabled() && !a.is_merged());
                 if active || l.bias().is_some() {
                     Ok(None)
                 } else {
@@ -853,7 +873,9 @@ impl Llama {
             .map(|a| a.enabled)
             .unwrap_or(true);
         let reuse = self.kind == Kind::Float && !autocast;
-        let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1))).clamp(16, n.max(16)).min(n);
+        let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1)))
+            .clamp(16, n.max(16))
+            .min(n);
         let buf = if reuse {
             Some(Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?)
         } else {
@@ -956,8 +978,9 @@ impl Llama {
             return Ok(loss.f_detach()?);
         }
         let p = self.prepare(ids, attn_mask, pos_ids)?;
-        let seg =
-            |i: usize, x: &Tensor| self.layers[i].forward(x, &p.cos, &p.sin, &p.mask, None, train);
+        let seg = |i: usize, x: &Tensor| {
+            self.layers[i].forward(x, &p.cos, &p.sin, p.mask.as_ref(), None, train)
+        };
         let (h, tape) = SegmentTape::forward(&p.x0, self.layers.len(), seg)?;
         let loss = self.head_loss(&h, labels)?;
         loss.f_mul_scalar(loss_scale)?.f_backward()?;
