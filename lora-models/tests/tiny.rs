@@ -496,5 +496,27 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
         // Without a graph (evaluation) the value is the same.
         let l_eval = tch::no_grad(|| m.loss(&x, &labels, None, None, false).unwrap());
         assert!((l_eval.double_value(&[]) - l_fused).abs() < 1e-6);
+
+        // Under bf16 autocast the head runs in bf16 on both paths: same loss to bf16 precision.
+        let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+        let l_bf16 = tch::no_grad(|| m.loss(&x, &labels, None, None, false).unwrap());
+        let logits = tch::no_grad(|| m.forward_t(&x, None, None, false).unwrap());
+        let r_bf16 = logits
+            .narrow(1, 0, s - 1)
+            .reshape([-1, v])
+            .cross_entropy_loss::<Tensor>(
+                &labels.narrow(1, 1, s - 1).reshape([-1]),
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            )
+            .double_value(&[]);
+        let l_bf16 = l_bf16.double_value(&[]);
+        assert!(
+            (l_bf16 - r_bf16).abs() < 1e-3 * r_bf16,
+            "tied {tied}: bf16 loss {l_bf16} vs {r_bf16}"
+        );
+        assert!((l_bf16 - l_fused).abs() > 0.0, "autocast changed nothing");
     }
 }

@@ -868,11 +868,17 @@ impl Llama {
         let n = rows.size()[0];
         let idx = lb.f_clamp_min(0)?.f_unsqueeze(1)?;
         let validf = valid.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
+        // The head's matmuls run in the dtype the plain path would use: the autocast dtype when
+        // autocast is on (one cast of W for all chunks, as autocast itself would keep for the
+        // backward), else the model dtype.
+        let autocast = lora_core::sys::autocast_state(h.device())?;
+        let mm_kind = match (autocast.enabled, autocast.dtype) {
+            (true, Some(k)) => k,
+            _ => self.kind,
+        };
+        let w = w.f_to_kind(mm_kind)?;
         let wt = w.f_tr()?;
-        let autocast = lora_core::sys::autocast_state(h.device())
-            .map(|a| a.enabled)
-            .unwrap_or(true);
-        let reuse = self.kind == Kind::Float && !autocast;
+        let reuse = mm_kind == Kind::Float;
         let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1)))
             .clamp(16, n.max(16))
             .min(n);
@@ -881,9 +887,9 @@ impl Llama {
         } else {
             None
         };
-        // Gradient rows of the n = b·(s − 1) predicting positions, in the head weight's dtype.
+        // Gradient rows of the n = b·(s − 1) predicting positions, in the matmul dtype.
         let grad = if want_grad {
-            Some(Tensor::f_empty([n, d], (w.kind(), h.device()))?)
+            Some(Tensor::f_empty([n, d], (mm_kind, h.device()))?)
         } else {
             None
         };
@@ -893,7 +899,7 @@ impl Llama {
         let mut start = 0;
         while start < n {
             let r = chunk.min(n - start);
-            let x = rows.f_narrow(0, start, r)?;
+            let x = rows.f_narrow(0, start, r)?.f_to_kind(mm_kind)?;
             let mut lg = match &buf {
                 Some(bf) => {
                     let out = bf.f_narrow(0, 0, r)?;
@@ -911,8 +917,12 @@ impl Llama {
                 let _ = lg.f_sub_(&lse)?.f_exp_()?;
                 let _ = lg.f_scatter_add_(1, &ix, &vf.f_neg()?)?;
                 let _ = lg.f_mul_(&vf.f_mul_scalar(inv)?)?;
-                let gx = g.f_narrow(0, start, r)?;
-                let _ = lg.f_to_kind(w.kind())?.f_mm_out(&gx, &w)?;
+                let mut gx = g.f_narrow(0, start, r)?;
+                if reuse {
+                    let _ = lg.f_mm_out(&gx, &w)?;
+                } else {
+                    let _ = gx.f_copy_(&lg.f_to_kind(mm_kind)?.f_mm(&w)?)?;
+                }
             }
             start += r;
         }
