@@ -933,6 +933,17 @@ pub struct DiffusionDetail {
     pub text_encoder_activations: Bytes,
 }
 
+/// Whether the VAE and the text encoder(s) are on the device during the training steps, as
+/// `(vae, text_encoders)`: a model leaves once everything it computes is cached before training
+/// (`cache_latents` without `random_crop`; `cache_text_encoder_outputs` without
+/// `varying_captions`), unless `keep_models_loaded` keeps it (kohya sd-scripts move the VAE and
+/// the text encoders to the CPU after caching; a trained text encoder is never cached).
+fn frozen_models_on_device(s: &Settings) -> (bool, bool) {
+    let vae = !s.cache_latents || s.random_crop || s.keep_models_loaded;
+    let te = !s.cache_text_encoder_outputs || s.varying_captions || s.keep_models_loaded;
+    (vae, te)
+}
+
 fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate> {
     let c = ctx(s);
     if s.train_text_encoder && s.cache_text_encoder_outputs {
@@ -957,7 +968,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     if s.method != Method::Full && sites.is_empty() {
         return Err(no_target_error(&usable, s));
     }
-    let notes = Vec::new();
+    let mut notes = Vec::new();
     // UNet weights in the base dtype (block-quantized types apply to the UNet as a whole); the
     // VAE and text encoders in 16 bit (32 bit for an fp32 base) while they are on the device.
     let wb = s.base_dtype.bytes_per_param();
@@ -967,12 +978,25 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     } else {
         2.0
     };
-    let te_weights = if !s.cache_text_encoder_outputs || s.keep_models_loaded {
+    let (vae_stays, te_stays) = frozen_models_on_device(s);
+    if s.cache_latents && s.random_crop && !s.keep_models_loaded {
+        notes.push(
+            "random_crop: latents are encoded as the crops are drawn, so the VAE stays on the device"
+                .to_string(),
+        );
+    }
+    if s.cache_text_encoder_outputs && s.varying_captions && !s.keep_models_loaded {
+        notes.push(
+            "captions change between epochs (shuffled or dropped tags): text-encoder outputs are computed as they come, so the text encoders stay on the device"
+                .to_string(),
+        );
+    }
+    let te_weights = if te_stays {
         d.text_encoder_params() as f64 * te_bytes
     } else {
         0.0
     };
-    let vae_weights = if !s.cache_latents || s.keep_models_loaded {
+    let vae_weights = if vae_stays {
         d.vae_params as f64 * te_bytes
     } else {
         0.0

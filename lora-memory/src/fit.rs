@@ -135,20 +135,28 @@ fn optimizer(s: &Settings) -> Option<(Settings, String, String, String)> {
 }
 
 fn cache_inputs(s: &Settings) -> Option<(Settings, String, String, String)> {
-    if s.cache_latents && (s.cache_text_encoder_outputs || s.train_text_encoder) {
+    // What can be computed before training: latents unless crops are random, text-encoder
+    // outputs unless the encoder is trained or the captions change between epochs.
+    let mut n = s.clone();
+    n.cache_latents |= !s.random_crop;
+    n.cache_text_encoder_outputs |= !s.train_text_encoder && !s.varying_captions;
+    if n.cache_latents == s.cache_latents
+        && n.cache_text_encoder_outputs == s.cache_text_encoder_outputs
+    {
         return None;
     }
-    let mut n = s.clone();
-    n.cache_latents = true;
-    if !s.train_text_encoder {
-        n.cache_text_encoder_outputs = true;
-    }
-    Some((
-        n,
-        "VAE / text encoders resident".into(),
-        "latents and text-encoder outputs cached".into(),
-        "precomputed latents and conditioning let the VAE and frozen text encoders leave the device".into(),
-    ))
+    let what = |x: &Settings| match (x.cache_latents, x.cache_text_encoder_outputs) {
+        (true, true) => "latents and text-encoder outputs cached",
+        (true, false) => "latents cached",
+        (false, true) => "text-encoder outputs cached",
+        (false, false) => "nothing cached",
+    };
+    let reason = if s.keep_models_loaded {
+        "precomputed latents and conditioning: the VAE and frozen text encoders no longer run per step"
+    } else {
+        "precomputed latents and conditioning let the VAE and frozen text encoders leave the device (back only for sample images)"
+    };
+    Some((n.clone(), what(s).into(), what(&n).into(), reason.into()))
 }
 
 fn lower_rank(s: &Settings) -> Option<(Settings, String, String, String)> {
@@ -400,6 +408,166 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// SDXL LoRA as the low-VRAM guides set it up: bf16 base and compute, attention targets,
+    /// r16 α8, 1024 px, one image per micro-batch.
+    fn sdxl_1024() -> (ModelDescriptor, Settings) {
+        let m = ModelDescriptor::preset("SDXL").unwrap();
+        let s = Settings::default()
+            .with_base_dtype(BaseDtype::Bf16)
+            .with_mixed_precision(MixedPrecision::Bf16)
+            .with_target_modules(&["to_q", "to_k", "to_v", "to_out.0"])
+            .with_rank(16)
+            .with_alpha(8.0)
+            .with_resolution(1024)
+            .with_micro_batch(1)
+            .with_gradient_accumulation_steps(4);
+        (m, s)
+    }
+
+    #[test]
+    fn sdxl_caching_takes_the_vae_and_both_text_encoders_off_the_device() {
+        let (m, s) = sdxl_1024();
+        let s = s
+            .with_gradient_checkpointing(true)
+            .with_cache_latents(true)
+            .with_cache_text_encoder_outputs(true);
+        let kept = estimate(&m, &s.clone().with_keep_models_loaded(true)).unwrap();
+        let moved = estimate(&m, &s).unwrap();
+        // AutoencoderKL 83,653,863 + CLIP ViT-L 123,060,480 + OpenCLIP bigG 694,659,840
+        // parameters, in bf16
+        let frozen = 2 * (83_653_863 + 123_060_480 + 694_659_840);
+        assert_eq!(kept.peak_allocated.0 - moved.peak_allocated.0, frozen);
+        assert_eq!(kept.peak.0 - moved.peak.0, frozen);
+        let (k, g) = (
+            kept.diffusion.as_ref().unwrap(),
+            moved.diffusion.as_ref().unwrap(),
+        );
+        assert_eq!(k.vae_weights.0, 2 * 83_653_863);
+        assert_eq!(k.text_encoder_weights.0, 2 * (123_060_480 + 694_659_840));
+        assert_eq!((g.vae_weights.0, g.text_encoder_weights.0), (0, 0));
+        // what the data do not let be cached stays: random crops keep the VAE, captions that
+        // change between epochs keep the text encoders
+        let crop = estimate(&m, &s.clone().with_random_crop(true)).unwrap();
+        let d = crop.diffusion.as_ref().unwrap();
+        assert_eq!(
+            (d.vae_weights, d.text_encoder_weights.0),
+            (k.vae_weights, 0)
+        );
+        assert!(crop.notes.iter().any(|n| n.contains("random_crop")));
+        let shuffled = estimate(&m, &s.clone().with_varying_captions(true)).unwrap();
+        let d = shuffled.diffusion.as_ref().unwrap();
+        assert_eq!(
+            (d.vae_weights.0, d.text_encoder_weights),
+            (0, k.text_encoder_weights)
+        );
+        assert_eq!(
+            shuffled.peak_allocated.0 - moved.peak_allocated.0,
+            k.text_encoder_weights.0
+        );
+        eprintln!(
+            "SDXL 1024 px, checkpointing, AdamW: peak {} with the VAE and text encoders on the device, {} without",
+            kept.peak, moved.peak
+        );
+    }
+
+    #[test]
+    fn sdxl_1024_fits_8_gib_by_caching_before_the_resolution_is_touched() {
+        let (m, s) = sdxl_1024();
+        let budget = Bytes(8 * GIB);
+        let start = estimate(&m, &s).unwrap();
+        assert!(start.peak > budget, "{}", start.peak);
+        let f = fit(&m, &s, budget).unwrap();
+        for c in &f.changes {
+            eprintln!(
+                "{}: {} → {} (peak {})",
+                c.setting, c.from, c.to, c.peak_after
+            );
+        }
+        assert!(f.estimate.peak <= budget, "{}", f.estimate.peak);
+        assert_eq!(
+            (f.settings.resolution, f.settings.largest_bucket),
+            (1024, None)
+        );
+        assert_eq!(f.settings.lora.rank, 16);
+        assert!(f.settings.cache_latents && f.settings.cache_text_encoder_outputs);
+        let d = f.estimate.diffusion.as_ref().unwrap();
+        assert_eq!((d.vae_weights.0, d.text_encoder_weights.0), (0, 0));
+        let caching = f
+            .changes
+            .iter()
+            .find(|c| c.setting == "cache_latents / cache_text_encoder_outputs")
+            .expect("the caching rung");
+        assert_eq!(caching.from, "nothing cached");
+        assert_eq!(caching.to, "latents and text-encoder outputs cached");
+        assert!(
+            caching.reason.contains("leave the device"),
+            "{}",
+            caching.reason
+        );
+
+        // Models pinned to the device (a CPU run, or a trainer that keeps them): caching frees
+        // nothing, and the ladder has to lower the rank and then the resolution.
+        let pinned = fit(&m, &s.clone().with_keep_models_loaded(true), budget).unwrap();
+        for c in &pinned.changes {
+            eprintln!(
+                "pinned: {}: {} → {} (peak {})",
+                c.setting, c.from, c.to, c.peak_after
+            );
+        }
+        assert!(pinned.settings.resolution < 1024, "{:?}", pinned.changes);
+        assert!(
+            pinned
+                .changes
+                .iter()
+                .all(|c| c.setting != "cache_latents / cache_text_encoder_outputs"),
+            "{:?}",
+            pinned.changes
+        );
+    }
+
+    #[test]
+    fn the_caching_rung_caches_only_what_the_data_allow_and_the_resolution_comes_last() {
+        let (m, s) = sdxl_1024();
+        let (n, from, to, _) = cache_inputs(&s.clone().with_varying_captions(true)).unwrap();
+        assert!(n.cache_latents && !n.cache_text_encoder_outputs);
+        assert_eq!(
+            (from.as_str(), to.as_str()),
+            ("nothing cached", "latents cached")
+        );
+        let (n, _, to, _) = cache_inputs(&s.clone().with_random_crop(true)).unwrap();
+        assert!(!n.cache_latents && n.cache_text_encoder_outputs);
+        assert_eq!(to, "text-encoder outputs cached");
+        let (n, _, _, _) = cache_inputs(&s.clone().with_train_text_encoder(true)).unwrap();
+        assert!(n.cache_latents && !n.cache_text_encoder_outputs);
+        assert!(
+            cache_inputs(&s.clone().with_random_crop(true).with_varying_captions(true)).is_none()
+        );
+        // a budget only a smaller image fits: every other rung is tried first
+        let f = match fit(&m, &s, Bytes(5 * GIB)) {
+            Ok(f) => f,
+            Err(FitError::DoesNotFit {
+                changes, settings, ..
+            }) => Fit {
+                estimate: estimate(&m, &settings).unwrap(),
+                settings: *settings,
+                changes,
+                headroom: Bytes(0),
+            },
+            Err(e) => panic!("{e}"),
+        };
+        let names: Vec<&str> = f.changes.iter().map(|c| c.setting.as_str()).collect();
+        eprintln!("5 GiB: {names:?}, peak {}", f.estimate.peak);
+        let first = names
+            .iter()
+            .position(|n| *n == "resolution")
+            .expect("resolution lowered");
+        assert!(
+            names[first..].iter().all(|n| *n == "resolution"),
+            "{names:?}"
+        );
+        assert!(names[..first].contains(&"cache_latents / cache_text_encoder_outputs"));
     }
 
     #[test]

@@ -334,10 +334,20 @@ pub struct Settings {
     /// DreamBooth prior preservation: a class image per instance image (doubles the batch).
     pub prior_preservation: bool,
     /// Diffusion: the VAE and the text encoder(s) stay on the device even when latents or
-    /// text-encoder outputs are cached. This SDK's SD job keeps them loaded (it encodes the
-    /// images it has not cached yet during the first epoch and draws sample images); kohya's
-    /// scripts move them off the device once the caches are built (the default, `false`).
+    /// text-encoder outputs are cached (a CPU run: moving them "off the device" keeps them in
+    /// the same memory). With `false` (the default) they leave the device once the caches are
+    /// built and come back only to draw sample images, as in kohya's scripts and this SDK's SD
+    /// job with `cache_latents`.
     pub keep_models_loaded: bool,
+    /// Diffusion: crops are drawn at random each epoch (kohya `random_crop`), so latents cannot
+    /// all be encoded before training and the VAE stays on the device even with
+    /// `cache_latents` (kohya refuses to cache latents with random crops).
+    pub random_crop: bool,
+    /// Diffusion: captions change between epochs (kohya `shuffle_caption`,
+    /// `caption_dropout_rate`, `caption_tag_dropout_rate`, a random caption line), so
+    /// text-encoder outputs cannot all be computed before training and the frozen text encoders
+    /// stay on the device even with `cache_text_encoder_outputs`.
+    pub varying_captions: bool,
     /// Attention kernel.
     pub attention: Attention,
     /// Device.
@@ -365,6 +375,8 @@ impl Default for Settings {
             train_text_encoder: false,
             prior_preservation: false,
             keep_models_loaded: false,
+            random_crop: false,
+            varying_captions: false,
             attention: Attention::Sdpa,
             device: Device::cuda(),
             profile: Profile::ours(),
@@ -413,6 +425,10 @@ impl Settings {
         with_prior_preservation, prior_preservation: bool);
     setter!(/// Sets `keep_models_loaded`.
         with_keep_models_loaded, keep_models_loaded: bool);
+    setter!(/// Sets `random_crop`.
+        with_random_crop, random_crop: bool);
+    setter!(/// Sets `varying_captions`.
+        with_varying_captions, varying_captions: bool);
     setter!(/// Sets `attention`.
         with_attention, attention: Attention);
     setter!(/// Sets `device`.
