@@ -411,6 +411,52 @@ fn split_name(name: &str) -> (String, Option<u32>) {
     (compact, mem)
 }
 
+/// The unit system a budget was written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Units {
+    /// Powers of ten: `KB`, `MB`, `GB`, `TB`, or bytes.
+    Decimal,
+    /// Powers of two: `KiB`, `MiB`, `GiB`, `TiB`, and the single letters `K`, `M`, `G`, `T`
+    /// (read as binary), and GPU memory (NVIDIA's "GB" on the box are GiB).
+    Binary,
+}
+
+/// The unit system of a size string as [`crate::parse_size`] reads it (the letters after the
+/// number; a device prefix before `:` is ignored).
+fn written_units(text: &str) -> Units {
+    let value = text.rsplit(':').next().unwrap_or(text);
+    let compact: String = value.chars().filter(|c| !c.is_whitespace()).collect();
+    let unit_len = compact
+        .chars()
+        .rev()
+        .take_while(|c| c.is_ascii_alphabetic())
+        .count();
+    let unit = compact[compact.len() - unit_len..].to_ascii_lowercase();
+    if unit.ends_with("ib") || matches!(unit.as_str(), "k" | "m" | "g" | "t") {
+        Units::Binary
+    } else {
+        Units::Decimal
+    }
+}
+
+/// `bytes` in `units` first and the other system in parentheses: `8.00 GB (7.45 GiB)`,
+/// `8.00 GiB (8.59 GB)`; below a gigabyte (gibibyte) in MB (MiB).
+fn format_in(bytes: Bytes, units: Units) -> String {
+    match units {
+        Units::Decimal => bytes.to_string(),
+        Units::Binary if bytes.0 >= GIB => {
+            format!("{:.2} GiB ({:.2} GB)", bytes.gib(), bytes.gb())
+        }
+        Units::Binary if bytes.0 >= MIB => format!(
+            "{:.1} MiB ({:.1} MB)",
+            bytes.0 as f64 / MIB as f64,
+            bytes.mb()
+        ),
+        Units::Binary => format!("{} B", bytes.0),
+    }
+}
+
 impl Budget {
     /// Parses a size string (`"6GB"`, `"12GiB"`) or the `max_memory` form `"cuda: 6GB"` /
     /// `"max_memory: cuda: 6GB"` (a device prefix before `:` is ignored).
@@ -478,6 +524,76 @@ impl Budget {
                     .join(", "),
             }),
         }
+    }
+
+    /// The unit system the budget was written in: a size string's own
+    /// (`"8GB"` decimal, `"8GiB"` / `"8G"` binary), binary for GPU memory.
+    pub fn units(&self) -> Units {
+        match &self.source {
+            BudgetSource::Size { input, .. } => written_units(input),
+            BudgetSource::Gpu { .. } | BudgetSource::NvmlFree { .. } => Units::Binary,
+        }
+    }
+
+    /// The budget in both units, the one it was written in first: `"8GB"` gives
+    /// `8.00 GB (7.45 GiB)`, `"8GiB"` and GPU presets `8.00 GiB (8.59 GB)`.
+    ///
+    /// ```
+    /// let b = lora_memory::Budget::parse("cuda: 8GB").unwrap();
+    /// assert_eq!(b.amount(), "8.00 GB (7.45 GiB)");
+    /// ```
+    pub fn amount(&self) -> String {
+        format_in(self.bytes, self.units())
+    }
+
+    /// A hint for a budget written in decimal units (GB) that is within 10% of the memory of a
+    /// GPU sold as that many "GB" (which are GiB: an "8 GB" card has 8 GiB = 8.59 GB), saying
+    /// how to write the card's size instead. `None` for binary budgets, GPU presets, and sizes
+    /// near no card's (or equal to one's within 0.5%).
+    ///
+    /// ```
+    /// let h = lora_memory::Budget::parse("8GB").unwrap().unit_hint().unwrap();
+    /// assert!(h.contains("8GiB"), "{h}");
+    /// assert!(lora_memory::Budget::parse("8GiB").unwrap().unit_hint().is_none());
+    /// ```
+    pub fn unit_hint(&self) -> Option<String> {
+        let BudgetSource::Size { input, .. } = &self.source else {
+            return None;
+        };
+        if self.units() != Units::Decimal {
+            return None;
+        }
+        let b = self.bytes.as_f64();
+        // cards whose "GB" on the box are GiB: the one sold as the number written ("8GB" → an
+        // "8 GB" card), else the nearest
+        let written_gb = (b / 1e9).round();
+        let (gb, rel) = GPU_PRESETS
+            .iter()
+            .filter(|p| p.bytes == gib(u64::from(p.marketed_gb)))
+            .map(|p| {
+                let size = p.bytes as f64;
+                (p.marketed_gb, (b - size).abs() / size)
+            })
+            .min_by(|x, y| {
+                let other = |gb: u32| f64::from(gb) != written_gb;
+                (other(x.0), x.1)
+                    .partial_cmp(&(other(y.0), y.1))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            })?;
+        if !(0.005..=0.10).contains(&rel) {
+            return None;
+        }
+        let example = GPU_PRESETS
+            .iter()
+            .filter(|p| p.default && p.marketed_gb == gb && p.bytes == gib(u64::from(gb)))
+            // a consumer card when there is one
+            .max_by_key(|p| p.name.starts_with("RTX ") || p.name.starts_with("GTX "))
+            .map_or_else(String::new, |p| format!(", e.g. \"{}\"", p.name));
+        Some(format!(
+            "{input:?} is {}, but a card sold as \"{gb} GB\" has {gb} GiB = {:.2} GB: for such a card write {gb}GiB (--budget {gb}GiB, memory.budget) or name the card (--gpu, memory.gpu{example})",
+            self.amount(),
+            gib(u64::from(gb)) as f64 / 1e9
+        ))
     }
 
     /// Free memory of CUDA device `device_index` right now, from the NVIDIA driver (NVML).
@@ -565,6 +681,55 @@ mod tests {
             Budget::parse("8000000000").unwrap().bytes,
             Bytes(8_000_000_000)
         );
+    }
+
+    #[test]
+    fn amounts_lead_with_the_units_written() {
+        let a = |s: &str| Budget::parse(s).unwrap().amount();
+        assert_eq!(a("8GB"), "8.00 GB (7.45 GiB)");
+        assert_eq!(a("cuda: 8GB"), "8.00 GB (7.45 GiB)");
+        assert_eq!(a("8 gb"), "8.00 GB (7.45 GiB)");
+        assert_eq!(a("8e9"), "8.00 GB (7.45 GiB)");
+        assert_eq!(a("8GiB"), "8.00 GiB (8.59 GB)");
+        assert_eq!(a("max_memory: cuda: 12GiB"), "12.00 GiB (12.88 GB)");
+        assert_eq!(a("8G"), "8.00 GiB (8.59 GB)");
+        assert_eq!(a("500MB"), "500.0 MB (476.8 MiB)");
+        assert_eq!(a("512MiB"), "512.0 MiB (536.9 MB)");
+        assert_eq!(a("1.5e3MB"), "1.50 GB (1.40 GiB)");
+        let card = Budget::gpu("RTX 4060").unwrap();
+        assert_eq!(card.units(), Units::Binary);
+        assert_eq!(card.amount(), "8.00 GiB (8.59 GB)");
+        assert_eq!(Budget::parse("8GB").unwrap().units(), Units::Decimal);
+    }
+
+    #[test]
+    fn a_decimal_budget_near_a_card_size_hints_at_gib() {
+        let h = |s: &str| Budget::parse(s).unwrap().unit_hint();
+        let eight = h("8GB").unwrap();
+        for part in [
+            "\"8GB\" is 8.00 GB (7.45 GiB)",
+            "\"8 GB\" has 8 GiB = 8.59 GB",
+            "--budget 8GiB",
+            "--gpu",
+        ] {
+            assert!(eight.contains(part), "{part:?} missing: {eight}");
+        }
+        // 12 GB is 11.18 GiB: 6.9% under a 12 GiB card (and 1.6% over an 11 GiB one, but
+        // "12GB" was written for a 12 GB card)
+        assert!(h("cuda: 12GB").unwrap().contains("--budget 12GiB"));
+        // A100 80GB: 81,920 MiB = 80 GiB
+        assert!(h("80GB").unwrap().contains("--budget 80GiB"));
+        // 16.5 GB is 15.37 GiB: the nearest card is 16 GiB (3.9% under)
+        assert!(h("16.5GB").unwrap().contains("16 GiB"));
+        // 7 GB (6.52 GiB) is 18% under 8 GiB and 8.7% over 6 GiB: the 6 GiB card is meant
+        assert!(h("7GB").unwrap().contains("\"6 GB\""));
+        // binary budgets, card presets, sizes equal to a card's and sizes far from any: none
+        assert_eq!(h("8GiB"), None);
+        assert_eq!(h("8G"), None);
+        assert_eq!(Budget::gpu("RTX 4060").unwrap().unit_hint(), None);
+        assert_eq!(h("8.59GB"), None);
+        assert_eq!(h("14.5GB"), None, "12.5% over 12 GiB, 15.6% under 16 GiB");
+        assert_eq!(h("500MB"), None);
     }
 
     #[cfg(feature = "nvml")]
