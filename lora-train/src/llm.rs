@@ -190,31 +190,35 @@ impl Plan {
                 );
             }
         }
-        match (&self.budget, self.fits) {
-            (Some(b), Some(true)) => {
-                out += &format!(
-                    "verdict: fits — predicted peak {} of budget {} ({}), headroom {}\n",
-                    self.estimate.peak,
-                    b.bytes,
-                    budget_source(b),
-                    b.bytes.saturating_sub(self.estimate.peak)
-                )
-            }
-            (Some(b), _) => {
-                out += &format!(
-                    "verdict: DOES NOT FIT — predicted peak {} exceeds budget {} ({}) by {}\n",
-                    self.estimate.peak,
-                    b.bytes,
-                    budget_source(b),
-                    self.estimate.peak.saturating_sub(b.bytes)
-                )
-            }
-            (None, _) => {
-                out += &format!(
-                    "verdict: predicted peak {} (no budget given)\n",
-                    self.estimate.peak
-                )
-            }
+        out += &self.verdict();
+        out
+    }
+
+    /// The verdict line of [`Plan::report`] (LLM and SD plans): the predicted peak against the
+    /// budget, the budget in both units (the one it was written in first) and where it came
+    /// from; then, for a CUDA plan with a decimal budget near a GPU's size,
+    /// [`Budget::unit_hint`] on a `hint:` line.
+    pub fn verdict(&self) -> String {
+        let peak = self.estimate.peak;
+        let mut out = match (&self.budget, self.fits) {
+            (Some(b), Some(true)) => format!(
+                "verdict: fits — predicted peak {peak} of budget {} ({}), headroom {}\n",
+                b.amount(),
+                budget_source(b),
+                b.bytes.saturating_sub(peak)
+            ),
+            (Some(b), _) => format!(
+                "verdict: DOES NOT FIT — predicted peak {peak} exceeds budget {} ({}) by {}\n",
+                b.amount(),
+                budget_source(b),
+                peak.saturating_sub(b.bytes)
+            ),
+            (None, _) => format!("verdict: predicted peak {peak} (no budget given)\n"),
+        };
+        if self.settings.device.is_cuda()
+            && let Some(h) = self.budget.as_ref().and_then(Budget::unit_hint)
+        {
+            out += &format!("hint: {h}\n");
         }
         out
     }

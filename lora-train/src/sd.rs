@@ -400,21 +400,8 @@ impl SdPipeline {
                 path.display()
             )));
         }
-        let comp = match companion {
-            Some(c) => c.to_path_buf(),
-            None => path
-                .parent()
-                .filter(|d| d.join("tokenizer").is_dir())
-                .map(Path::to_path_buf)
-                .ok_or_else(|| {
-                    JobError::Runtime(format!(
-                        "{}: a single-file checkpoint holds no tokenizer: set model.tokenizer to a CLIP tokenizer folder (vocab.json + merges.txt or tokenizer.json) or to a diffusers {} folder (its tokenizer/{} and configs are used)",
-                        path.display(),
-                        if sdxl { "SDXL" } else { "SD 1.5" },
-                        if sdxl { ", tokenizer_2/" } else { "" }
-                    ))
-                })?,
-        };
+        // the check `lora-train plan` makes too
+        let comp = crate::sd_plan::single_file_companion(path, companion, sdxl)?;
         let tok_dir = if comp.join("tokenizer").is_dir() {
             comp.join("tokenizer")
         } else {
@@ -1648,7 +1635,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         opts.config_dir.as_deref(),
     )?;
 
-    crate::sd_plan::check_resolution(&cfg)?;
+    // the checks `lora-train plan` makes (resolution, target_modules, model.kind, a single
+    // file's tokenizer), before anything loads or is written
+    let desc = crate::sd_plan::descriptor_of_path(&base_path, &base_written).ok();
+    crate::sd_plan::check_sd_config(
+        &cfg,
+        Some(&base_path),
+        desc.as_ref(),
+        opts.config_dir.as_deref(),
+    )?;
     crate::llm::check_output_dir(&cfg, opts)?;
     // plan
     let plan = match sd_plan(&mut cfg, &base_path, cuda) {
@@ -1709,21 +1704,12 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     } else {
         SdPipeline::from_diffusers(&base_path, kind, device)?
     };
-    match (cfg.model.kind, pipe.is_sdxl()) {
-        (ModelKind::Sdxl, false) => {
-            return Err(JobError::Input(format!(
-                "{}: model.kind is sdxl but this is an SD 1.x/2.x pipeline (no text_encoder_2); set model.kind: sd15 or auto",
-                base_path.display()
-            )));
-        }
-        (ModelKind::Sd15, true) => {
-            return Err(JobError::Input(format!(
-                "{}: model.kind is sd15 but this is an SDXL pipeline (text_encoder_2, text_time UNet); set model.kind: sdxl or auto",
-                base_path.display()
-            )));
-        }
-        _ => {}
-    }
+    crate::sd_plan::check_model_kind(
+        cfg.model.kind,
+        pipe.is_sdxl(),
+        &base_path.display().to_string(),
+        false,
+    )?;
     if let Some(p) = &cfg.train.prediction_type {
         pipe.schedule.prediction_type =
             PredictionType::from_diffusers(p).map_err(rt("train.prediction_type"))?;

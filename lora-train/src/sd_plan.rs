@@ -9,12 +9,17 @@
 //! while the encoder is frozen), estimates the peak and checks it against the budget.
 //! [`report`] prints it with the rows that matter for diffusion (image and latent size, batch,
 //! what is cached, UNet / VAE / text-encoder weights, UNet and text-encoder activations).
+//!
+//! [`check_sd_config`] holds the checks `lora-train plan` and the SD job share, so both refuse
+//! the same configs with the same message before anything loads: `data.resolution`,
+//! `lora.target_modules` against the UNet's module names, `model.kind` against the model, and a
+//! single-file checkpoint's tokenizer.
 
-use crate::config::TrainConfig;
-use crate::llm::{JobError, Plan, Result, budget_source, resolve_path};
+use crate::config::{ModelKind, TargetModules, TrainConfig};
+use crate::llm::{JobError, Plan, Result, resolve_path};
 use lora_memory::model::DiffusionFamily;
 use lora_memory::{Budget, Bytes, FitError, ModelDescriptor, Settings};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Whether `cfg` plans (and trains) as Stable Diffusion: `model.kind: sd15 | sdxl`, a diffusers
 /// SD folder (see [`crate::sd::wants_sd_job`]), an SD single-file `.safetensors` checkpoint, or
@@ -72,6 +77,380 @@ pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
                 }
             ),
         }));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks shared by `lora-train plan` and `lora-train train` (the SD job runs them before anything
+// loads), so both commands accept and refuse the same configs with the same message.
+// ---------------------------------------------------------------------------------------------
+
+/// What kind of UNet module a name is, for the plan: modelled by lora-memory as a linear site,
+/// a ResNet 3×3 conv (LoCon, planned with `conv_rank`), or a small module the plan leaves out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UnetModuleKind {
+    /// Attention / feed-forward / `proj_in` / `proj_out` / `time_emb_proj` linears.
+    Planned,
+    /// `resnets.N.conv1` / `conv2` (3×3).
+    ResnetConv,
+    /// `conv_in`, `conv_out`, `conv_shortcut`, samplers, time / text-time embeddings.
+    Unplanned,
+}
+
+/// The module names of diffusers' `UNet2DConditionModel` (SD 1.x/2.x and SDXL) that the SD job
+/// can put LoRA on (lora-models' UNet sites), with `#` standing for a block index.
+const UNET_MODULES: &[(&str, UnetModuleKind)] = {
+    use UnetModuleKind::{Planned as P, ResnetConv as R, Unplanned as U};
+    &[
+        ("conv_in", U),
+        ("time_embedding.linear_1", U),
+        ("time_embedding.linear_2", U),
+        ("add_embedding.linear_1", U),
+        ("add_embedding.linear_2", U),
+        ("BLOCK.resnets.#.conv1", R),
+        ("BLOCK.resnets.#.conv2", R),
+        ("BLOCK.resnets.#.time_emb_proj", P),
+        ("BLOCK.resnets.#.conv_shortcut", U),
+        ("BLOCK.attentions.#.proj_in", P),
+        ("BLOCK.attentions.#.proj_out", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn1.to_q", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn1.to_k", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn1.to_v", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn1.to_out.0", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn2.to_q", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn2.to_k", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn2.to_v", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.attn2.to_out.0", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.ff.net.0.proj", P),
+        ("BLOCK.attentions.#.transformer_blocks.#.ff.net.2", P),
+        ("down_blocks.#.downsamplers.0.conv", U),
+        ("up_blocks.#.upsamplers.0.conv", U),
+        ("conv_out", U),
+    ]
+};
+
+/// The UNet module names of [`check_target_modules`]'s error, briefly.
+pub const UNET_TARGET_NAMES_HELP: &str = "to_q, to_k, to_v, to_out.0 (attn1 self-, attn2 cross-attention), proj_in, proj_out, ff.net.0.proj, ff.net.2, ResNet conv1, conv2 (LoCon), time_emb_proj, conv_shortcut, conv_in, conv_out, downsamplers.0.conv, upsamplers.0.conv, or a full path such as down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k";
+
+/// Every template of [`UNET_MODULES`] with its block prefix spelled out (`BLOCK` = a down block,
+/// the mid block or an up block), as token lists.
+fn unet_module_templates() -> Vec<(Vec<&'static str>, UnetModuleKind)> {
+    let mut out = Vec::new();
+    for &(path, kind) in UNET_MODULES {
+        match path.strip_prefix("BLOCK.") {
+            Some(rest) => {
+                for block in ["down_blocks.#", "mid_block", "up_blocks.#"] {
+                    let mut t: Vec<&str> = block.split('.').collect();
+                    t.extend(rest.split('.'));
+                    out.push((t, kind));
+                }
+            }
+            None => out.push((path.split('.').collect(), kind)),
+        }
+    }
+    out
+}
+
+/// The generic name of a template's modules, as lora-memory names its sites: the parts after
+/// the last index (`attn1.to_q`, `proj_in`, `conv1`, `downsamplers.0.conv`, `conv_in`).
+fn template_site(template: &[&str]) -> String {
+    let start = template
+        .iter()
+        .rposition(|p| *p == "#")
+        .map_or(0, |i| i + 1);
+    template[start..].join(".")
+}
+
+/// PEFT's list matching (the whole module name, or its last dot-separated parts) of `target`
+/// against a template whose `#` parts match any index.
+fn target_matches_template(target: &str, template: &[&str]) -> bool {
+    let parts: Vec<&str> = target.split('.').collect();
+    parts.len() <= template.len()
+        && parts.iter().rev().zip(template.iter().rev()).all(|(p, t)| {
+            if *t == "#" {
+                !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
+            } else {
+                p == t
+            }
+        })
+}
+
+/// Concrete module names for a regex `target_modules` (indices 0–3 for blocks, resnets and
+/// attentions, 0–9 for transformer blocks: SDXL's deepest level has 10), each with its generic
+/// site name and kind.
+fn unet_module_examples() -> Vec<(String, (String, UnetModuleKind))> {
+    let mut out = Vec::new();
+    for (t, kind) in unet_module_templates() {
+        let site = template_site(&t);
+        let mut names = vec![String::new()];
+        for (i, part) in t.iter().enumerate() {
+            let choices: Vec<String> = if *part == "#" {
+                let n = if i > 0 && t[i - 1] == "transformer_blocks" {
+                    10
+                } else {
+                    4
+                };
+                (0..n).map(|k| k.to_string()).collect()
+            } else {
+                vec![(*part).to_string()]
+            };
+            names = names
+                .iter()
+                .flat_map(|prefix| {
+                    choices.iter().map(move |c| {
+                        if prefix.is_empty() {
+                            c.clone()
+                        } else {
+                            format!("{prefix}.{c}")
+                        }
+                    })
+                })
+                .collect();
+        }
+        out.extend(names.into_iter().map(|n| (n, (site.clone(), kind))));
+    }
+    out
+}
+
+/// `lora.target_modules` as the SD job uses it: the config's value, or the UNet attention
+/// projections ([`crate::sd::DEFAULT_UNET_TARGETS`]) when it is left at its (LLM) default.
+pub fn unet_target_modules(cfg: &TrainConfig) -> TargetModules {
+    if cfg.lora.target_modules == TargetModules::default() {
+        TargetModules::List(
+            crate::sd::DEFAULT_UNET_TARGETS
+                .iter()
+                .map(|t| t.to_string())
+                .collect(),
+        )
+    } else {
+        cfg.lora.target_modules.clone()
+    }
+}
+
+/// The UNet name an LLM or text-encoder module name most likely meant.
+fn unet_name_for(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "q_proj" | "self_attn.q_proj" | "to_query" => "to_q",
+        "k_proj" | "self_attn.k_proj" => "to_k",
+        "v_proj" | "self_attn.v_proj" => "to_v",
+        "o_proj" | "out_proj" | "self_attn.out_proj" | "to_out" | "attn.out_proj" => "to_out.0",
+        "gate_proj" | "up_proj" | "fc1" | "mlp.fc1" | "ff.net.0" => "ff.net.0.proj",
+        "down_proj" | "fc2" | "mlp.fc2" => "ff.net.2",
+        _ => return None,
+    })
+}
+
+/// The UNet modules `targets` reaches, with PEFT's matching as the SD job's injection does it:
+/// their generic site names (see [`template_site`]) and kinds, one entry per module template
+/// reached.
+///
+/// # Errors
+/// [`JobError::Config`] naming `lora.target_modules`: list entries that name no UNet module, a
+/// regex that matches none of the UNet's names or does not compile.
+fn unet_target_sites(targets: &TargetModules) -> Result<Vec<(String, UnetModuleKind)>> {
+    let invalid = |value: String, expected: String| {
+        JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "lora.target_modules".into(),
+            value,
+            expected,
+        })
+    };
+    let te_hint = "the text encoder's q/k/v/out_proj get LoRA with train.train_text_encoder: true";
+    match targets {
+        TargetModules::Regex(r) if r == "all-linear" => Ok(unet_module_templates()
+            .into_iter()
+            .filter(|(tpl, k)| {
+                *k == UnetModuleKind::Planned && !tpl.iter().any(|p| p.starts_with("conv"))
+            })
+            .map(|(tpl, k)| (template_site(&tpl), k))
+            .collect()),
+        TargetModules::Regex(r) => {
+            let mut c = lora_core::config::LoraConfig::new::<&str>(1, 1.0, &[]);
+            c.target_modules = Some(lora_core::config::TargetModules::Regex(r.clone()));
+            let m = lora_core::config::TargetMatcher::new(&c).map_err(|e| {
+                invalid(
+                    format!("{r:?}"),
+                    format!("a valid regular expression ({e}), or a list of UNet module names"),
+                )
+            })?;
+            let kinds: Vec<(String, UnetModuleKind)> = unet_module_examples()
+                .into_iter()
+                .filter(|(n, _)| m.matches(n, true))
+                .map(|(_, site)| site)
+                .collect();
+            if kinds.is_empty() {
+                return Err(invalid(
+                    format!("{r:?}"),
+                    format!(
+                        "a regex that matches whole UNet module names (e.g. \"down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q\"), or a list of UNet module names: {UNET_TARGET_NAMES_HELP}; {te_hint}"
+                    ),
+                ));
+            }
+            Ok(kinds)
+        }
+        TargetModules::List(list) => {
+            let templates = unet_module_templates();
+            let mut kinds = Vec::new();
+            let mut bad = Vec::new();
+            for t in list {
+                let before = kinds.len();
+                kinds.extend(
+                    templates
+                        .iter()
+                        .filter(|(tpl, _)| target_matches_template(t, tpl))
+                        .map(|(tpl, k)| (template_site(tpl), *k)),
+                );
+                if kinds.len() == before {
+                    bad.push(t.clone());
+                }
+            }
+            if bad.is_empty() {
+                return Ok(kinds);
+            }
+            let meant: Vec<String> = bad
+                .iter()
+                .filter_map(|b| unet_name_for(b).map(|u| format!("for {b} write {u}")))
+                .collect();
+            Err(invalid(
+                if bad.len() == list.len() {
+                    format!("{bad:?}")
+                } else {
+                    format!("{bad:?} (in {list:?})")
+                },
+                format!(
+                    "UNet module names (the SD job puts LoRA on the UNet): {UNET_TARGET_NAMES_HELP}{}; {te_hint}",
+                    if meant.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", meant.join(", "))
+                    }
+                ),
+            ))
+        }
+    }
+}
+
+/// Checks that every `lora.target_modules` entry (the SD job's targets, see
+/// [`unet_target_modules`]) names a module of the UNet, as the job's injection matches them.
+/// `lora-train plan` and the SD job both call it, before anything loads.
+///
+/// # Errors
+/// [`JobError::Config`] naming `lora.target_modules`, the entries that name no UNet module and
+/// the names that do (e.g. `q_proj` is an LLM / text-encoder name; the UNet's is `to_q`).
+pub fn check_target_modules(cfg: &TrainConfig) -> Result<()> {
+    unet_target_sites(&unet_target_modules(cfg)).map(|_| ())
+}
+
+/// Checks `model.kind` against the model: `sdxl` on an SD 1.x/2.x model, or `sd15` on an SDXL
+/// one. `sdxl` says what the model is; `base` is `model.base_model` as written and `preset`
+/// whether it is a planning preset name (else a path). Used by `lora-train plan` and by the SD
+/// job (before loading, from the header, and after loading, from the pipeline).
+///
+/// # Errors
+/// [`JobError::Input`] naming both values and what to change.
+pub fn check_model_kind(kind: ModelKind, sdxl: bool, base: &str, preset: bool) -> Result<()> {
+    let (kind_name, is, other) = match (kind, sdxl) {
+        (ModelKind::Sdxl, false) => ("sdxl", "an SD 1.x/2.x", "sd15"),
+        (ModelKind::Sd15, true) => ("sd15", "an SDXL", "sdxl"),
+        _ => return Ok(()),
+    };
+    let model = if sdxl { "SDXL" } else { "SD 1.5" };
+    Err(JobError::Input(if preset {
+        format!(
+            "model.kind is {kind_name} but model.base_model {base:?} is the {model} planning preset; write base_model: {kind_name} to plan {}, or set model.kind: {other} (or remove it) to plan {model}",
+            if sdxl { "SD 1.5" } else { "SDXL" },
+        )
+    } else {
+        format!(
+            "{base}: model.kind is {kind_name} but this is {is} pipeline ({}); set model.kind: {other} or auto",
+            if sdxl {
+                "text_encoder_2, text_time UNet"
+            } else {
+                "no text_encoder_2"
+            }
+        )
+    }))
+}
+
+/// The folder a single-file checkpoint takes its tokenizer (and component configs) from:
+/// `tokenizer` (`model.tokenizer`, resolved) when given, else the file's own folder when it has
+/// a `tokenizer/`. The tokenizer is read from its `tokenizer/` folder when there is one, else
+/// from the folder itself, and must be `tokenizer.json` or `vocab.json` + `merges.txt` there. `sdxl` only shapes the message. Used by `lora-train plan`
+/// and by [`crate::sd::SdPipeline::from_single_file`].
+///
+/// # Errors
+/// [`JobError::Input`] naming the file and `model.tokenizer` and what to set it to.
+pub fn single_file_companion(path: &Path, tokenizer: Option<&Path>, sdxl: bool) -> Result<PathBuf> {
+    let what = format!(
+        "a CLIP tokenizer folder (vocab.json + merges.txt or tokenizer.json) or a diffusers {} folder (its tokenizer/{} and configs are used)",
+        if sdxl { "SDXL" } else { "SD 1.5" },
+        if sdxl { ", tokenizer_2/" } else { "" }
+    );
+    let Some(comp) = tokenizer.map(Path::to_path_buf).or_else(|| {
+        path.parent()
+            .filter(|d| d.join("tokenizer").is_dir())
+            .map(Path::to_path_buf)
+    }) else {
+        return Err(JobError::Input(format!(
+            "{}: a single-file checkpoint holds no tokenizer: set model.tokenizer to {what}",
+            path.display()
+        )));
+    };
+    // the loader reads `<comp>/tokenizer` when it is a folder, else `<comp>` itself
+    let tok_dir = if comp.join("tokenizer").is_dir() {
+        comp.join("tokenizer")
+    } else {
+        comp.clone()
+    };
+    let holds_tokenizer = tok_dir.join("tokenizer.json").is_file()
+        || (tok_dir.join("vocab.json").is_file() && tok_dir.join("merges.txt").is_file());
+    if !holds_tokenizer {
+        return Err(JobError::Input(format!(
+            "{}: no tokenizer.json or vocab.json + merges.txt in {} ({}); set model.tokenizer to {what}",
+            path.display(),
+            tok_dir.display(),
+            if tokenizer.is_some() {
+                "model.tokenizer"
+            } else {
+                "the file's folder, as model.tokenizer is not set"
+            }
+        )));
+    }
+    Ok(comp)
+}
+
+/// The checks `lora-train plan` and `lora-train train` share on an SD config, before anything
+/// loads: `data.resolution` ([`check_resolution`]), `lora.target_modules`
+/// ([`check_target_modules`]), and with the model's descriptor `desc`: `model.kind` against it
+/// ([`check_model_kind`]) and, for a single-file checkpoint `base`, its tokenizer
+/// ([`single_file_companion`]; `model.tokenizer` resolved as [`resolve_path`] does). `base` is
+/// the resolved `model.base_model` (`None` for a planning preset).
+///
+/// # Errors
+/// As the checks; [`JobError::MissingFile`] for a `model.tokenizer` that does not exist.
+pub fn check_sd_config(
+    cfg: &TrainConfig,
+    base: Option<&Path>,
+    desc: Option<&ModelDescriptor>,
+    config_dir: Option<&Path>,
+) -> Result<()> {
+    check_resolution(cfg)?;
+    check_target_modules(cfg)?;
+    let Some(ModelDescriptor::Diffusion(d)) = desc else {
+        return Ok(());
+    };
+    let sdxl = d.family == DiffusionFamily::Sdxl;
+    match base {
+        None => check_model_kind(cfg.model.kind, sdxl, cfg.base_model()?, true)?,
+        Some(p) => check_model_kind(cfg.model.kind, sdxl, &p.display().to_string(), false)?,
+    }
+    if let Some(p) = base.filter(|p| p.is_file()) {
+        let tok = match &cfg.model.tokenizer {
+            Some(t) => Some(resolve_path("model.tokenizer", t, config_dir)?),
+            None => None,
+        };
+        single_file_companion(p, tok.as_deref(), sdxl)?;
     }
     Ok(())
 }
@@ -138,12 +517,75 @@ pub fn settings_for(
     cuda: bool,
 ) -> (Settings, Vec<String>) {
     let (mut s, mut notes) = crate::llm::settings_for(cfg, None, cuda);
-    if cfg.lora.target_modules == crate::config::TargetModules::default() {
-        // the SD job's default: the UNet attention projections
-        s.lora.target_modules = crate::sd::DEFAULT_UNET_TARGETS
-            .iter()
-            .map(|t| t.to_string())
-            .collect();
+    // lora-memory names its UNet sites generically (`attn1.to_q`, `proj_in`, …, one per kind
+    // of module). A target naming a module by its path (`down_blocks.1.attentions.0.proj_in`)
+    // or a regex is planned as the generic sites it reaches, on every such module (an upper
+    // bound). ResNet 3×3 convs (LoCon) are planned through lora-memory's conv rank (every conv1
+    // and conv2); conv_in/conv_out, shortcuts, samplers and embeddings are not modelled (small),
+    // and alone are planned as the ResNet convs (an upper bound).
+    let targets = unet_target_modules(cfg);
+    let sites = unet_target_sites(&targets).unwrap_or_default();
+    let has = |k: UnetModuleKind| sites.iter().any(|(_, x)| *x == k);
+    let planned: Vec<String> = sites
+        .iter()
+        .filter(|(_, k)| *k == UnetModuleKind::Planned)
+        .fold(Vec::new(), |mut v, (n, _)| {
+            if !v.contains(n) {
+                v.push(n.clone());
+            }
+            v
+        });
+    match &targets {
+        TargetModules::List(l) => {
+            // as written when lora-memory matches each entry the same way
+            let generic = |e: &String| {
+                planned
+                    .iter()
+                    .any(|n| n == e || n.ends_with(&format!(".{e}")))
+            };
+            let by_path: Vec<&String> = l
+                .iter()
+                .filter(|e| {
+                    !generic(e)
+                        && unet_target_sites(&TargetModules::List(vec![(*e).clone()]))
+                            .is_ok_and(|s| s.iter().any(|(_, k)| *k == UnetModuleKind::Planned))
+                })
+                .collect();
+            if by_path.is_empty() {
+                s.lora.target_modules = l.clone();
+            } else {
+                notes.push(format!(
+                    "{by_path:?} name modules of one block: the plan counts LoRA on that kind of module in every block (an upper bound)"
+                ));
+                s.lora.target_modules = planned.clone();
+            }
+        }
+        TargetModules::Regex(r) if r == "all-linear" => {}
+        TargetModules::Regex(r) => {
+            notes.retain(|n| !n.starts_with("lora.target_modules is a regex"));
+            notes.push(format!(
+                "lora.target_modules is a regex ({r:?}): planned on the UNet modules it matches ({}), in every block",
+                planned.join(", ")
+            ));
+            s.lora.target_modules = planned.clone();
+        }
+    }
+    let unplanned_only =
+        has(UnetModuleKind::Unplanned) && planned.is_empty() && !has(UnetModuleKind::ResnetConv);
+    if has(UnetModuleKind::ResnetConv) || unplanned_only {
+        s.lora.conv_rank = Some(cfg.lora.rank);
+        notes.push(format!(
+            "LoRA on ResNet 3×3 convs (LoCon) is planned at rank {} on every conv1 and conv2{}",
+            cfg.lora.rank,
+            if unplanned_only {
+                " (an upper bound for the modules targeted, which the plan does not model)"
+            } else {
+                ""
+            }
+        ));
+    }
+    if has(UnetModuleKind::Unplanned) && !unplanned_only {
+        notes.push("LoRA on conv_in, conv_out, conv_shortcut, the down/upsampler convs and the time embeddings is not counted in the plan (a few MB at most)".into());
     }
     let sdxl = matches!(desc, ModelDescriptor::Diffusion(d) if d.family == DiffusionFamily::Sdxl);
     let res = match cfg.data.resolution {
@@ -194,8 +636,8 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
 /// `memory.auto_fit: true`). `cuda` selects the device model.
 ///
 /// # Errors
-/// As [`read_descriptor`]; config, budget and estimate errors. Not fitting is *not* an error
-/// (see [`Plan::fits`]).
+/// As [`read_descriptor`] and [`check_sd_config`]; config, budget and estimate errors. Not
+/// fitting is *not* an error (see [`Plan::fits`]).
 pub fn plan(
     cfg: &mut TrainConfig,
     config_dir: Option<&Path>,
@@ -203,6 +645,9 @@ pub fn plan(
     cuda: bool,
 ) -> Result<Plan> {
     let (desc, source) = read_descriptor(cfg, config_dir)?;
+    // what `train` refuses before loading, `plan` refuses too (the same checks)
+    let base = resolve_path("model.base_model", cfg.base_model()?, config_dir).ok();
+    check_sd_config(cfg, base.as_deref(), Some(&desc), config_dir)?;
     plan_with(cfg, &desc, source, override_budget, cuda)
 }
 
@@ -225,12 +670,6 @@ pub fn plan_with(
     } else {
         "the text encoder is frozen: its outputs are cached per caption".into()
     });
-    if let ModelDescriptor::Diffusion(d) = desc
-        && cfg.model.kind == crate::config::ModelKind::Sd15
-        && d.family == DiffusionFamily::Sdxl
-    {
-        notes.push("model.kind is sd15 but the model is an SDXL UNet; planned as SDXL".into());
-    }
     let budget = crate::llm::budget_for(cfg, override_budget)?;
     let estimate = lora_memory::estimate(desc, &settings)?;
     let mut plan = Plan {
@@ -499,23 +938,7 @@ pub fn report(p: &Plan) -> String {
             );
         }
     }
-    out += &match (&p.budget, p.fits) {
-        (Some(b), Some(true)) => format!(
-            "verdict: fits — predicted peak {} of budget {} ({}), headroom {}\n",
-            e.peak,
-            b.bytes,
-            budget_source(b),
-            b.bytes.saturating_sub(e.peak)
-        ),
-        (Some(b), _) => format!(
-            "verdict: DOES NOT FIT — predicted peak {} exceeds budget {} ({}) by {}\n",
-            e.peak,
-            b.bytes,
-            budget_source(b),
-            e.peak.saturating_sub(b.bytes)
-        ),
-        (None, _) => format!("verdict: predicted peak {} (no budget given)\n", e.peak),
-    };
+    out += &p.verdict();
     out
 }
 
@@ -575,6 +998,189 @@ mod tests {
         let mut cfg = preset_config("model: {base_model: SmolLM2-135M, kind: sd15}\n");
         let e = plan(&mut cfg, None, None, false).unwrap_err().to_string();
         assert!(e.contains("SmolLM2-135M") && e.contains("not found"), "{e}");
+    }
+
+    fn with_targets(targets: &str) -> TrainConfig {
+        preset_config(&format!(
+            "model: {{base_model: sd15}}\nlora: {{target_modules: {targets}}}\n"
+        ))
+    }
+
+    #[test]
+    fn unet_names_are_accepted_as_peft_matches_them_and_others_are_named() {
+        for ok in [
+            "[to_q, to_k, to_v, to_out.0]",
+            "[attn2.to_k, ff.net.0.proj, ff.net.2, proj_in, proj_out]",
+            "[conv1, resnets.0.conv2, time_emb_proj, conv_shortcut]",
+            "[conv_in, conv_out, downsamplers.0.conv, upsamplers.0.conv]",
+            "[time_embedding.linear_1, add_embedding.linear_2]",
+            "[down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q]",
+            "[mid_block.attentions.0.proj_in, up_blocks.3.resnets.2.conv_shortcut]",
+            "[transformer_blocks.9.attn2.to_out.0]",
+            "all-linear",
+            "'.*attn[12]\\.to_[qkv]'",
+            "'up_blocks\\.1\\..*conv1'",
+        ] {
+            let cfg = with_targets(ok);
+            check_target_modules(&cfg).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        // left at the (LLM) default, the SD job's UNet attention projections are used
+        let cfg = preset_config("model: {base_model: sd15}\n");
+        assert_eq!(
+            unet_target_modules(&cfg),
+            TargetModules::List(crate::sd::DEFAULT_UNET_TARGETS.map(String::from).to_vec())
+        );
+        check_target_modules(&cfg).unwrap();
+        for (bad, named, hint) in [
+            ("[q_proj]", "[\"q_proj\"]", "for q_proj write to_q"),
+            (
+                "[to_q, to_out]",
+                "[\"to_out\"] (in [\"to_q\", \"to_out\"])",
+                "for to_out write to_out.0",
+            ),
+            ("[attn3.to_q]", "[\"attn3.to_q\"]", "to_out.0"),
+            ("[down_blocks.x.resnets.0.conv1]", "down_blocks.x", "conv1"),
+            ("[to_q.weight]", "to_q.weight", "proj_in"),
+            ("'q_proj|k_proj'", "\"q_proj|k_proj\"", "regex"),
+            ("'(to_q'", "\"(to_q\"", "valid regular expression"),
+        ] {
+            let e = check_target_modules(&with_targets(bad)).unwrap_err();
+            assert!(matches!(e, JobError::Config(_)), "{bad}: {e:?}");
+            let e = e.to_string();
+            for part in ["lora.target_modules", named, hint] {
+                assert!(e.contains(part), "{bad}: {part:?} missing from {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn conv_targets_are_planned_with_the_conv_rank() {
+        let plan_of = |targets: &str| {
+            let mut cfg = preset_config(&format!(
+                "model: {{base_model: sd15}}\nlora: {{rank: 4, target_modules: {targets}}}\n"
+            ));
+            plan(&mut cfg, None, None, false).unwrap()
+        };
+        let attn = plan_of("[to_q]");
+        let locon = plan_of("[to_q, conv1]");
+        assert_eq!(attn.settings.lora.conv_rank, None);
+        assert_eq!(locon.settings.lora.conv_rank, Some(4));
+        assert!(locon.estimate.trainable_params > attn.estimate.trainable_params);
+        assert!(
+            locon.notes.iter().any(|n| n.contains("LoCon")),
+            "{:?}",
+            locon.notes
+        );
+        // a module of one block is planned as that kind of module in every block
+        let one = plan_of("[down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q]");
+        assert_eq!(one.settings.lora.target_modules, ["attn1.to_q"]);
+        assert!(one.estimate.trainable_params > 0);
+        assert!(one.estimate.trainable_params < attn.estimate.trainable_params);
+        assert!(
+            one.notes.iter().any(|n| n.contains("upper bound")),
+            "{:?}",
+            one.notes
+        );
+        let re = plan_of("'.*attn[12]\\.to_q'");
+        assert_eq!(
+            re.settings.lora.target_modules,
+            ["attn1.to_q", "attn2.to_q"]
+        );
+        assert_eq!(re.estimate.trainable_params, attn.estimate.trainable_params);
+        // modules the plan does not model: alone, planned as the ResNet convs (an upper bound)
+        let only = plan_of("[conv_in]");
+        assert_eq!(only.settings.lora.conv_rank, Some(4));
+        assert!(only.estimate.trainable_params > 0);
+        let small = plan_of("[to_q, conv_in]");
+        assert_eq!(
+            small.estimate.trainable_params,
+            attn.estimate.trainable_params
+        );
+        assert!(
+            small.notes.iter().any(|n| n.contains("not counted")),
+            "{:?}",
+            small.notes
+        );
+    }
+
+    #[test]
+    fn model_kind_against_the_model_names_both() {
+        check_model_kind(ModelKind::Sdxl, true, "sdxl", true).unwrap();
+        check_model_kind(ModelKind::Auto, false, "sd15", true).unwrap();
+        let e = check_model_kind(ModelKind::Sdxl, false, "sd15", true)
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "model.kind is sdxl",
+            "\"sd15\"",
+            "SD 1.5 planning preset",
+            "base_model: sdxl",
+            "model.kind: sd15",
+        ] {
+            assert!(e.contains(part), "{part:?} missing from {e}");
+        }
+        let e = check_model_kind(ModelKind::Sd15, true, "/m/xl", false).unwrap_err();
+        assert!(matches!(e, JobError::Input(_)));
+        assert!(
+            e.to_string()
+                .contains("/m/xl: model.kind is sd15 but this is an SDXL pipeline"),
+            "{e}"
+        );
+        // the plan of a preset refuses the contradiction instead of planning the preset
+        let mut cfg = preset_config("model: {base_model: sd15, kind: sdxl}\n");
+        assert!(
+            plan(&mut cfg, None, None, false)
+                .unwrap_err()
+                .to_string()
+                .contains("model.kind is sdxl")
+        );
+        let mut cfg = preset_config("model: {base_model: sdxl, kind: sdxl}\n");
+        assert_eq!(plan(&mut cfg, None, None, false).unwrap().model, "SDXL");
+    }
+
+    #[test]
+    fn a_single_file_needs_a_tokenizer_beside_it_or_in_model_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("model.safetensors");
+        std::fs::write(&file, b"").unwrap();
+        let e = single_file_companion(&file, None, true).unwrap_err();
+        assert!(matches!(e, JobError::Input(_)));
+        let e = e.to_string();
+        assert!(
+            e.contains("holds no tokenizer")
+                && e.contains("model.tokenizer")
+                && e.contains("tokenizer_2/"),
+            "{e}"
+        );
+        // a folder without tokenizer files
+        let empty = dir.path().join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let e = single_file_companion(&file, Some(&empty), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no tokenizer.json or vocab.json + merges.txt")
+                && e.contains("model.tokenizer"),
+            "{e}"
+        );
+        // a CLIP tokenizer folder, a pipeline folder, and a tokenizer/ beside the file
+        std::fs::write(empty.join("tokenizer.json"), b"{}").unwrap();
+        assert_eq!(
+            single_file_companion(&file, Some(&empty), false).unwrap(),
+            empty
+        );
+        let tok = dir.path().join("tokenizer");
+        std::fs::create_dir_all(&tok).unwrap();
+        std::fs::write(tok.join("vocab.json"), b"{}").unwrap();
+        let e = single_file_companion(&file, None, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.tokenizer is not set"), "{e}");
+        std::fs::write(tok.join("merges.txt"), b"").unwrap();
+        assert_eq!(
+            single_file_companion(&file, None, false).unwrap(),
+            dir.path()
+        );
     }
 
     #[test]

@@ -302,3 +302,321 @@ fn a_resolution_that_is_not_a_multiple_of_8_is_named() {
         "the nearest multiple of 8 is suggested: {t}"
     );
 }
+
+fn train(cfg: &Path) -> Output {
+    bin().args(["train", "--config"]).arg(cfg).output().unwrap()
+}
+
+/// The `error: …` line of a failed command.
+fn error_line(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A single-file SD 1.x checkpoint header (original LDM keys) with no tokenizer beside it.
+fn sd15_single_file(path: &Path) {
+    safetensors(
+        path,
+        &[
+            (
+                "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight",
+                &[320, 768],
+            ),
+            (
+                "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight",
+                &[10, 8],
+            ),
+            ("first_stage_model.decoder.conv_in.weight", &[8, 4, 3, 3]),
+        ],
+    );
+}
+
+#[test]
+fn a_target_module_that_is_no_unet_name_is_refused_by_plan_and_train_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    diffusers_folder(&dir.path().join("pipe"));
+    let config = |targets: &str| {
+        write(
+            dir.path(),
+            "targets.yaml",
+            &format!(
+                "model:\n  base_model: pipe\nlora:\n  target_modules: {targets}\ndata:\n  train_data_dir: data\n  resolution: 32\ntrain:\n  output_dir: {}\nsystem:\n  device: cpu\n",
+                dir.path().join("out").display()
+            ),
+        )
+    };
+    let cfg = config("[q_proj]");
+    let (p, t) = (plan(&cfg, &[]), train(&cfg));
+    assert_eq!(p.status.code(), Some(2), "{}", text(&p));
+    assert_eq!(t.status.code(), Some(2), "{}", text(&t));
+    let e = error_line(&p);
+    assert_eq!(e, error_line(&t), "plan and train say the same");
+    for part in [
+        "lora.target_modules",
+        "\"q_proj\"",
+        "to_q, to_k, to_v, to_out.0",
+        "proj_in",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "conv1",
+        "for q_proj write to_q",
+        "train.train_text_encoder",
+    ] {
+        assert!(e.contains(part), "{part:?} missing: {e}");
+    }
+    // one short message, not the UNet's module list
+    assert!(
+        e.len() < 900 && !e.contains("down_blocks.0.resnets.0"),
+        "{e}"
+    );
+    assert!(
+        !dir.path().join("out").exists(),
+        "nothing written: {}",
+        text(&t)
+    );
+    // UNet names plan (LoCon convs and full paths included); a typo among them is named alone
+    for ok in [
+        "[to_q, to_out.0, conv1]",
+        "[down_blocks.0.attentions.0.proj_in]",
+    ] {
+        let o = plan(&config(ok), &[]);
+        assert_eq!(o.status.code(), Some(0), "{ok}: {}", text(&o));
+    }
+    let cfg = config("[to_q, to_out]");
+    let (p, t) = (plan(&cfg, &[]), train(&cfg));
+    assert_eq!((p.status.code(), t.status.code()), (Some(2), Some(2)));
+    let e = error_line(&p);
+    assert_eq!(e, error_line(&t));
+    assert!(
+        e.contains("[\"to_out\"] (in [\"to_q\", \"to_out\"])") && e.contains("write to_out.0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_single_file_without_a_tokenizer_is_refused_by_plan_and_train_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    sd15_single_file(&dir.path().join("models/v1-5.safetensors"));
+    let yaml = format!(
+        "model:\n  base_model: models/v1-5.safetensors\ndata:\n  train_data_dir: data\n  resolution: 64\ntrain:\n  output_dir: {}\nsystem:\n  device: cpu\n",
+        dir.path().join("out").display()
+    );
+    let cfg = write(dir.path(), "single.yaml", &yaml);
+    let (p, t) = (plan(&cfg, &[]), train(&cfg));
+    assert_eq!(p.status.code(), Some(2), "{}", text(&p));
+    assert_eq!(t.status.code(), Some(2), "{}", text(&t));
+    let e = error_line(&p);
+    assert_eq!(e, error_line(&t), "plan and train say the same");
+    for part in [
+        "v1-5.safetensors",
+        "holds no tokenizer",
+        "set model.tokenizer",
+        "vocab.json + merges.txt",
+        "diffusers SD 1.5 folder",
+    ] {
+        assert!(e.contains(part), "{part:?} missing: {e}");
+    }
+    assert!(
+        !dir.path().join("out").exists(),
+        "nothing written: {}",
+        text(&t)
+    );
+    // model.tokenizer that does not exist: named, exit 2
+    let cfg = write(
+        dir.path(),
+        "missing.yaml",
+        &yaml.replace("\ndata:", "\n  tokenizer: no-such-folder\ndata:"),
+    );
+    let o = plan(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        error_line(&o).contains("model.tokenizer") && error_line(&o).contains("no-such-folder"),
+        "{}",
+        text(&o)
+    );
+    // a CLIP tokenizer beside the file: the plan goes on
+    write(dir.path(), "models/tokenizer/vocab.json", "{}");
+    write(dir.path(), "models/tokenizer/merges.txt", "");
+    let o = plan(&write(dir.path(), "single.yaml", &yaml), &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("Stable Diffusion LoRA"), "{}", text(&o));
+}
+
+#[test]
+fn model_kind_that_contradicts_the_base_is_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    // a planning preset: SD 1.5 is not planned silently for an SDXL run
+    let cfg = write(
+        dir.path(),
+        "preset.yaml",
+        "model: {base_model: sd15, kind: sdxl}\n",
+    );
+    let o = plan(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let e = error_line(&o);
+    for part in [
+        "model.kind is sdxl",
+        "\"sd15\"",
+        "SD 1.5 planning preset",
+        "base_model: sdxl",
+        "model.kind: sd15",
+    ] {
+        assert!(e.contains(part), "{part:?} missing: {e}");
+    }
+    let cfg = write(
+        dir.path(),
+        "xl.yaml",
+        "model: {base_model: sdxl, kind: sdxl}\n",
+    );
+    let o = plan(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("plan: SDXL"), "{}", text(&o));
+    // a diffusers SD 1.x folder with kind sdxl: plan and train refuse it the same way
+    diffusers_folder(&dir.path().join("pipe"));
+    let cfg = write(
+        dir.path(),
+        "folder.yaml",
+        &format!(
+            "model:\n  base_model: pipe\n  kind: sdxl\ndata:\n  train_data_dir: data\n  resolution: 32\ntrain:\n  output_dir: {}\nsystem:\n  device: cpu\n",
+            dir.path().join("out").display()
+        ),
+    );
+    let (p, t) = (plan(&cfg, &[]), train(&cfg));
+    assert_eq!(p.status.code(), Some(2), "{}", text(&p));
+    assert_eq!(t.status.code(), Some(2), "{}", text(&t));
+    let e = error_line(&p);
+    assert_eq!(e, error_line(&t));
+    assert!(
+        e.contains("model.kind is sdxl but this is an SD 1.x/2.x pipeline")
+            && e.contains("model.kind: sd15 or auto"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_budget_on_the_command_line_wins_over_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        dir.path(),
+        "gpu.yaml",
+        "model: {base_model: sd15}\ndata: {resolution: 512}\nmemory: {gpu: RTX 3060}\n",
+    );
+    let json = |args: &[&str]| {
+        let o = plan(&cfg, &[&["--json"], args].concat());
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    // the config alone: its GPU, on CUDA
+    let j = json(&[]);
+    assert!(
+        j["settings"]["device"].get("cuda").is_some(),
+        "{}",
+        j["settings"]
+    );
+    assert_eq!(j["budget"]["bytes"], 12u64 << 30);
+    // --budget with a device: that device and that budget
+    let j = json(&["--budget", "cpu: 16GB"]);
+    assert!(
+        j["settings"]["device"].get("cpu").is_some(),
+        "{}",
+        j["settings"]
+    );
+    assert_eq!(j["budget"]["bytes"], 16_000_000_000u64);
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains("replaces memory.gpu: RTX 3060") && notes.contains("planned for the CPU"),
+        "{notes}"
+    );
+    let o = plan(&cfg, &["--budget", "cpu: 16GB"]);
+    assert!(text(&o).contains("device cpu"), "{}", text(&o));
+    // a size alone replaces the budget; the device stays the config's
+    let j = json(&["--budget", "10GB"]);
+    assert!(
+        j["settings"]["device"].get("cuda").is_some(),
+        "{}",
+        j["settings"]
+    );
+    assert_eq!(j["budget"]["bytes"], 10_000_000_000u64);
+    // the other way round: a CPU config (the same file, rewritten), a CUDA flag
+    write(
+        dir.path(),
+        "gpu.yaml",
+        "model: {base_model: sd15}\ndata: {resolution: 512}\nmemory: {budget: 64GB}\nsystem: {device: cpu}\n",
+    );
+    for flag in [["--budget", "cuda: 24GB"], ["--gpu", "RTX 4090"]] {
+        let j = json(&flag);
+        assert!(
+            j["settings"]["device"].get("cuda").is_some(),
+            "{flag:?}: {}",
+            j["settings"]
+        );
+        assert_eq!(
+            j["budget"]["bytes"],
+            24u64
+                * if flag[0] == "--gpu" {
+                    1 << 30
+                } else {
+                    1_000_000_000
+                }
+        );
+        assert!(
+            j["notes"]
+                .to_string()
+                .contains("replaces memory.budget: 64GB"),
+            "{}",
+            j["notes"]
+        );
+    }
+    // --help says so
+    let o = bin().args(["plan", "--help"]).output().unwrap();
+    let h = text(&o);
+    assert!(h.contains("Wins over memory.gpu / memory.budget"), "{h}");
+}
+
+#[test]
+fn a_decimal_budget_is_shown_in_both_units_with_a_hint_near_a_card_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let sd = write(
+        dir.path(),
+        "sd15.yaml",
+        "model: {base_model: sd15}\ndata: {resolution: 512}\n",
+    );
+    let llm = write(
+        dir.path(),
+        "llm.yaml",
+        "model: {base_model: SmolLM2-135M}\n",
+    );
+    for cfg in [&sd, &llm] {
+        let o = plan(cfg, &["--budget", "cuda: 8GB"]);
+        let t = text(&o);
+        let verdict = t
+            .lines()
+            .find(|l| l.starts_with("verdict:"))
+            .unwrap_or_default();
+        assert!(
+            verdict.contains("budget 8.00 GB (7.45 GiB) (\"cuda: 8GB\")"),
+            "{t}"
+        );
+        let hint = t
+            .lines()
+            .find(|l| l.starts_with("hint:"))
+            .unwrap_or_default();
+        for part in ["\"8 GB\" has 8 GiB = 8.59 GB", "--budget 8GiB", "--gpu"] {
+            assert!(hint.contains(part), "{part:?} missing: {t}");
+        }
+        // written in GiB or as a card: binary first, no hint
+        for args in [["--budget", "cuda: 8GiB"], ["--gpu", "RTX 4060"]] {
+            let t = text(&plan(cfg, &args));
+            assert!(t.contains("budget 8.00 GiB (8.59 GB)"), "{args:?}: {t}");
+            assert!(!t.contains("hint:"), "{args:?}: {t}");
+        }
+        // far from any card size, or a CPU budget: no hint
+        for b in ["cuda: 14.5GB", "cpu: 8GB"] {
+            let t = text(&plan(cfg, &["--budget", b]));
+            assert!(t.contains("verdict:") && !t.contains("hint:"), "{b}: {t}");
+        }
+    }
+}

@@ -70,10 +70,13 @@ pub enum Command {
         /// Config file (.yaml, .yml or .toml).
         #[arg(long, short)]
         config: PathBuf,
-        /// Budget: a GPU by name (e.g. "RTX 3060", "A100 80GB"); plans for CUDA.
+        /// Budget: a GPU by name (e.g. "RTX 3060", "A100 80GB"); plans for CUDA. Wins over
+        /// memory.gpu / memory.budget and system.device in the config.
         #[arg(long, conflicts_with = "budget")]
         gpu: Option<String>,
-        /// Budget: a size ("12GB", "8GiB", "cuda: 6GB").
+        /// Budget: a size ("12GB" = 12·10^9 bytes, "8GiB" = 8·2^30, as cards sold as "8 GB" have;
+        /// "cuda: 6GB", "cpu: 16GB" also set the device). Wins over memory.gpu / memory.budget
+        /// and, with a device, over system.device in the config.
         #[arg(long)]
         budget: Option<String>,
         /// Print the plan as JSON.

@@ -37,19 +37,26 @@ pub fn run(
             budget.unwrap_or_default()
         )));
     }
-    let cuda = gpu.is_some()
-        || budget_device
-            .as_deref()
-            .is_some_and(|d| d.starts_with("cuda") || d.parse::<u32>().is_ok())
-        || cfg.system.device.starts_with("cuda")
+    // The command line wins over the config: `--gpu` plans for CUDA and a device written in
+    // `--budget` decides the device; otherwise `system.device` does ("auto" = CUDA when the
+    // config names a GPU in memory.gpu).
+    let flag_cuda = if gpu.is_some() {
+        Some(true)
+    } else {
+        budget_device.as_deref().map(|d| d != "cpu")
+    };
+    let config_cuda = cfg.system.device.starts_with("cuda")
         || (cfg.system.device == "auto" && cfg.memory.gpu.is_some());
+    let cuda = flag_cuda.unwrap_or(config_cuda);
+    let overridden = override_notes(&cfg, gpu, budget, flag_cuda, config_cuda);
     // Stable Diffusion configs (model.kind sd15/sdxl, a diffusers folder, an SD single-file
     // checkpoint or a diffusion preset) get the SD plan; everything else the causal-LM plan.
-    let p = if lora_train::sd_plan::is_sd_config(&cfg, config.parent()) {
+    let mut p = if lora_train::sd_plan::is_sd_config(&cfg, config.parent()) {
         lora_train::sd_plan::plan(&mut cfg, config.parent(), override_budget, cuda)?
     } else {
         llm::plan(&mut cfg, config.parent(), override_budget, cuda)?
     };
+    p.notes.extend(overridden);
     if json {
         println!(
             "{}",
@@ -63,4 +70,53 @@ pub fn run(
     } else {
         EXIT_OK
     })
+}
+
+/// Notes saying what the command line replaced in the config: the budget (`memory.gpu` /
+/// `memory.budget`) and the device the config would plan for.
+fn override_notes(
+    cfg: &TrainConfig,
+    gpu: Option<&str>,
+    budget: Option<&str>,
+    flag_cuda: Option<bool>,
+    config_cuda: bool,
+) -> Vec<String> {
+    let flag = match (gpu, budget) {
+        (Some(g), _) => format!("--gpu {g:?}"),
+        (None, Some(b)) => format!("--budget {b:?}"),
+        (None, None) => return Vec::new(),
+    };
+    let mut notes = Vec::new();
+    let in_config: Vec<String> = [
+        cfg.memory.gpu.as_ref().map(|g| format!("memory.gpu: {g}")),
+        cfg.memory
+            .budget
+            .as_ref()
+            .map(|b| format!("memory.budget: {}", b.text)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !in_config.is_empty() {
+        notes.push(format!(
+            "{flag} replaces {} from the config (the command line wins)",
+            in_config.join(" and ")
+        ));
+    }
+    if let Some(c) = flag_cuda
+        && c != config_cuda
+    {
+        notes.push(format!(
+            "planned for {} as {flag} says; the config (system.device: {}{}) would plan for {}",
+            if c { "CUDA" } else { "the CPU" },
+            cfg.system.device,
+            if cfg.memory.gpu.is_some() {
+                ", memory.gpu set"
+            } else {
+                ""
+            },
+            if config_cuda { "CUDA" } else { "the CPU" }
+        ));
+    }
+    notes
 }
