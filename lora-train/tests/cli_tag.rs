@@ -1,7 +1,9 @@
 //! `lora-train tag` on a temporary copy of real photos (`assets/skimage`) with the real
 //! MobileNetV2 ImageNet model (`assets/mobilenet_v2`): one hand-written caption must survive, one
 //! corrupt image fails alone (exit 1, the others written), append keeps hand-written tags first,
-//! a dry run writes nothing, an unknown config key exits 2.
+//! a dry run writes nothing, an unknown config key exits 2. Without `--model` the default model
+//! is found beside the executable from any folder (or exit 2 naming where it looked), failed
+//! images are not counted as tagged, and `--max-tags 0` means no limit.
 
 #![cfg(feature = "tagger")]
 
@@ -153,4 +155,128 @@ fn the_default_threshold_follows_the_models_head_and_is_printed() {
         "{out}"
     );
     assert!(out.contains("4 skipped"), "{out}");
+}
+
+/// A copy of the binary at `<root>/bin/lora-train` (a hard link when the file system allows):
+/// the executable's location is one of the places the default model is looked for.
+fn binary_in(root: &Path) -> PathBuf {
+    let bin = root.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("lora-train");
+    if std::fs::hard_link(env!("CARGO_BIN_EXE_lora-train"), &exe).is_err() {
+        std::fs::copy(env!("CARGO_BIN_EXE_lora-train"), &exe).unwrap();
+    }
+    exe
+}
+
+/// `tag` without `--model`, run from `cwd` with no LORA_SDK_ASSETS.
+fn tag_default_model(exe: &Path, cwd: &Path, images: &Path, extra: &[&str]) -> Output {
+    Command::new(exe)
+        .arg("tag")
+        .arg("--images")
+        .arg(images)
+        .args(extra)
+        .current_dir(cwd)
+        .env_remove("LORA_SDK_ASSETS")
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_default_model_is_found_from_any_folder_and_failures_are_not_counted_as_tagged() {
+    let model = assets().join("mobilenet_v2");
+    assert!(
+        model.join("model.safetensors").is_file(),
+        "{} is missing: run `cargo xtask setup`",
+        model.display()
+    );
+    // An installed layout: <root>/bin/lora-train and <root>/assets/mobilenet_v2.
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let exe = binary_in(root.path());
+    std::fs::create_dir(root.path().join("assets")).unwrap();
+    std::os::unix::fs::symlink(
+        model.canonicalize().unwrap(),
+        root.path().join("assets/mobilenet_v2"),
+    )
+    .unwrap();
+    // Run from an unrelated folder with relative paths.
+    let work = tempfile::tempdir().unwrap();
+    let imgs = work.path().join("imgs");
+    std::fs::create_dir(&imgs).unwrap();
+    for n in ["chelsea.png", "coffee.png"] {
+        std::fs::copy(assets().join("skimage").join(n), imgs.join(n)).unwrap();
+    }
+    std::fs::write(imgs.join("broken.png"), b"\x89PNG\r\n\x1a\nnot a png").unwrap();
+
+    let o = tag_default_model(&exe, work.path(), Path::new("imgs"), &[]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "one image failed: {out}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    // Two captions written, the broken image counted apart and named with its reason.
+    assert!(stdout.contains("tagged 2 images in "), "{out}");
+    assert!(stdout.contains("; 1 failed"), "{out}");
+    assert!(
+        stderr.contains("1 of 3 images failed")
+            && stderr.contains("imgs/broken.png: cannot decode image"),
+        "{out}"
+    );
+    assert!(imgs.join("chelsea.txt").is_file() && imgs.join("coffee.txt").is_file());
+    assert!(!imgs.join("broken.txt").exists());
+
+    // Without the assets beside the executable (nor in the current folder): exit 2 before any
+    // model loads, naming the places looked and how to give a model.
+    let bare = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let exe = binary_in(bare.path());
+    let o = tag_default_model(&exe, work.path(), Path::new("imgs"), &["--dry-run"]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    for needle in [
+        work.path()
+            .join("assets/mobilenet_v2")
+            .display()
+            .to_string(),
+        bare.path()
+            .join("assets/mobilenet_v2")
+            .display()
+            .to_string(),
+        "--model DIR".to_string(),
+        "LORA_SDK_ASSETS".to_string(),
+    ] {
+        assert!(out.contains(&needle), "{needle:?} not in:\n{out}");
+    }
+    assert!(!out.contains("loaded in"), "{out}");
+}
+
+#[test]
+fn max_tags_0_means_no_limit_as_wd14_taggers_write_every_tag_above_the_thresholds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::copy(assets().join("skimage/chelsea.png"), d.join("chelsea.png")).unwrap();
+    let caption = |extra: &[&str]| {
+        let o = tag(d, &[&["--dry-run", "--threshold", "0.05"], extra].concat());
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(0), "{out}");
+        // the line after "would write …chelsea.txt" holds the caption
+        let lines: Vec<&str> = out.lines().collect();
+        let i = lines
+            .iter()
+            .position(|l| l.starts_with("would write") && l.ends_with("chelsea.txt"))
+            .unwrap_or_else(|| panic!("no caption for chelsea.png:\n{out}"));
+        lines[i + 1].trim().to_string()
+    };
+    let all = caption(&[]);
+    assert!(all.split(", ").count() >= 2, "{all}");
+    assert_eq!(caption(&["--max-tags", "0"]), all);
+    assert_eq!(
+        caption(&["--max-tags", "1"]),
+        all.split(", ").next().unwrap()
+    );
+    let help = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .args(["tag", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("0 = no limit"), "{help}");
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
+use lora_tagger::caption::CaptionAction;
 use lora_tagger::config::{LlmBackend, TaggerConfig};
 use lora_tagger::{
     CachedTagger, CaptionMode, CaptionWriter, Error as TagError, ImageTagger, TagCache, Tagger,
@@ -35,7 +36,9 @@ pub struct TagArgs {
     /// Tagger config (.yaml, .yml or .toml; see examples/configs/tagger.yaml).
     #[arg(long, short)]
     pub config: Option<PathBuf>,
-    /// Image model folder (model.safetensors + selected_tags.csv); default assets/mobilenet_v2.
+    /// Image model folder (model.safetensors + selected_tags.csv); default mobilenet_v2/ in the
+    /// project's assets: $LORA_SDK_ASSETS, else ./assets, else the assets/ folder beside the
+    /// executable or up to two folders above it (target/debug/lora-train finds the workspace's).
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// What to do with existing captions: skip (default), overwrite or append.
@@ -55,7 +58,8 @@ pub struct TagArgs {
     /// A word written first in every caption (trigger word); repeat for several.
     #[arg(long, value_name = "WORD")]
     pub trigger: Vec<String>,
-    /// At most this many model tags per caption (after the trigger words).
+    /// At most this many model tags per caption (after the trigger words); 0 = no limit, every
+    /// tag above the thresholds, as kohya's tag_images_by_wd14_tagger.py writes (the default).
     #[arg(long, value_name = "N")]
     pub max_tags: Option<usize>,
 }
@@ -105,14 +109,82 @@ fn load_config(a: &TagArgs) -> Result<TaggerConfig, CliError> {
         cfg.tags.always_first = a.trigger.clone();
     }
     if let Some(n) = a.max_tags {
-        cfg.tags.max_tags = Some(n);
+        // 0 = no limit (WD14 taggers write every tag above the thresholds)
+        cfg.tags.max_tags = (n > 0).then_some(n);
     }
     Ok(cfg)
 }
 
+/// The folders the project's assets (what `cargo xtask setup` fills) are looked for in, in
+/// order: `$LORA_SDK_ASSETS` (`cargo run` sets it through `.cargo/config.toml`), `assets` in the
+/// current folder, then `assets` in the executable's folder and the two above it (a
+/// `target/debug/lora-train` run from anywhere finds the workspace's `assets/`).
+fn asset_roots() -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    if let Some(a) = std::env::var_os("LORA_SDK_ASSETS") {
+        roots.push(PathBuf::from(a));
+    }
+    roots.push(
+        std::env::current_dir()
+            .map(|d| d.join("assets"))
+            .unwrap_or_else(|_| PathBuf::from("assets")),
+    );
+    if let Ok(exe) = std::env::current_exe() {
+        roots.extend(exe.ancestors().skip(1).take(3).map(|d| d.join("assets")));
+    }
+    let mut seen = std::collections::HashSet::new();
+    roots.retain(|r| seen.insert(r.clone()));
+    roots
+}
+
+/// The first `<root>/<rel>` over [`asset_roots`] for which `found` holds, else every path looked at.
+fn find_asset(rel: &Path, found: impl Fn(&Path) -> bool) -> Result<PathBuf, Vec<PathBuf>> {
+    let looked: Vec<PathBuf> = asset_roots().iter().map(|r| r.join(rel)).collect();
+    match looked.iter().find(|p| found(p)) {
+        Some(p) => Ok(p.clone()),
+        None => Err(looked),
+    }
+}
+
+/// The default image model folder (`mobilenet_v2/` of the assets), or a usage error that says
+/// where it looked and how to give a model.
+fn default_image_model() -> Result<PathBuf, CliError> {
+    find_asset(Path::new("mobilenet_v2"), |p| {
+        p.join("model.safetensors").is_file()
+    })
+    .map_err(|looked| {
+        CliError::usage(format!(
+            "no image model: --model is not given and the default MobileNetV2 \
+             (mobilenet_v2/model.safetensors) is in none of: {}. Pass --model DIR (a folder with \
+             model.safetensors + selected_tags.csv), set image.model in --config, or set \
+             LORA_SDK_ASSETS to the assets folder `cargo xtask setup` fills",
+            looked
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
+}
+
 /// Runs `tag`.
 pub fn run(a: &TagArgs) -> Result<i32, CliError> {
-    let cfg = load_config(a)?;
+    let mut cfg = load_config(a)?;
+    if a.images.is_some() && cfg.image.model.is_none() {
+        cfg.image.model = Some(default_image_model()?);
+    }
+    // The default in-process LLM is found the same way; when it is in none of the places, the
+    // tagger's own error (with the `llm` settings hint below) says so.
+    if a.descriptions.is_some()
+        && cfg.llm.model_path.is_none()
+        && matches!(cfg.llm.backend, None | Some(LlmBackend::Local))
+        && let Ok(p) = find_asset(
+            &Path::new("models").join(lora_tagger::llm::local::DEFAULT_MODEL_FILE),
+            Path::is_file,
+        )
+    {
+        cfg.llm.model_path = Some(p);
+    }
     if let Some(dir) = &a.images {
         run_images(dir, &cfg)
     } else if let Some(file) = &a.descriptions {
@@ -176,16 +248,51 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
         .last_micro_batch()
         .map(|(s, l, h)| format!(", micro-batch {s} → {l} ({h} halvings)"))
         .unwrap_or_default();
+    // Images that failed (unreadable, undecodable, caption not writable), with the reason: not
+    // counted as tagged, and named again after the summary.
+    let failed: Vec<(&Path, &str)> = run
+        .report
+        .entries
+        .iter()
+        .filter_map(|e| match &e.action {
+            CaptionAction::Fail { error } => Some((e.image.as_path(), error.as_str())),
+            _ => None,
+        })
+        .collect();
+    let tagged = run
+        .tags
+        .iter()
+        .filter(|(img, _)| !failed.iter().any(|(f, _)| f == img))
+        .count();
     super::outln(format_args!(
-        "tagged {} images in {:.2} s: {:.2} images/s{mb}; cache {} hits / {} misses",
-        run.tagged,
+        "tagged {tagged} images in {:.2} s: {:.2} images/s{mb}; cache {} hits / {} misses{}",
         run.tagging_s,
-        run.images_per_s(),
+        if run.tagging_s > 0.0 {
+            tagged as f64 / run.tagging_s
+        } else {
+            0.0
+        },
         stats.hits,
-        stats.misses
+        stats.misses,
+        if failed.is_empty() {
+            String::new()
+        } else {
+            format!("; {} failed", failed.len())
+        }
     ))?;
-    let (_, _, _, _, failed) = run.report.totals();
-    Ok(if failed > 0 { EXIT_RUNTIME } else { EXIT_OK })
+    if failed.is_empty() {
+        return Ok(EXIT_OK);
+    }
+    let mut msg = format!(
+        "{} of {} images failed (no caption written for them):",
+        failed.len(),
+        images.len()
+    );
+    for (img, why) in &failed {
+        msg.push_str(&format!("\n  {}: {why}", img.display()));
+    }
+    eprintln!("{msg}");
+    Ok(EXIT_RUNTIME)
 }
 
 /// One description per line; JSONL lines take "description", "text" or "caption".
