@@ -12,11 +12,50 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
             input.display()
         )));
     }
-    let n = lora_train::export::convert(input, to, output).map_err(|e| match e {
-        lora_train::export::ExportError::NotAnAdapter { .. }
-        | lora_train::export::ExportError::UnknownKohyaModule { .. } => CliError::usage(e),
-        other => CliError::runtime(other),
+    check_output(input, to, output)?;
+    // Written beside the output first and moved into place at the end: an output that is the
+    // input (`--force`) is read completely before anything under its name changes, and a failed
+    // conversion leaves the old output (or the input) as it was.
+    let name = output.file_name().ok_or_else(|| {
+        CliError::usage(format!(
+            "--output {}: not a file or folder name",
+            output.display()
+        ))
     })?;
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(parent).map_err(|e| {
+        CliError::usage(format!(
+            "--output {}: cannot create the folder {}: {e}",
+            output.display(),
+            parent.display()
+        ))
+    })?;
+    let tmp = parent.join(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = lora_train::export::convert(input, to, &tmp)
+        .map_err(|e| match e {
+            lora_train::export::ExportError::NotAnAdapter { .. }
+            | lora_train::export::ExportError::UnknownKohyaModule { .. } => CliError::usage(e),
+            other => CliError::runtime(other),
+        })
+        .and_then(|n| install(&tmp, output).map(|()| n));
+    let n = match result {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = if tmp.is_dir() {
+                std::fs::remove_dir_all(&tmp)
+            } else {
+                std::fs::remove_file(&tmp)
+            };
+            return Err(e);
+        }
+    };
     super::outln(format_args!(
         "wrote {} ({n} modules, {})",
         output.display(),
@@ -27,6 +66,77 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
         }
     ))?;
     Ok(EXIT_OK)
+}
+
+/// Refuses, before anything is read, an output whose kind does not match the format: a folder
+/// for kohya (one file) or a file for PEFT (a folder). Replacing one by the other would delete
+/// the folder's other files or turn the input into a folder of the same name, so the message
+/// names both paths and suggests one that works.
+fn check_output(input: &Path, to: ExportFormat, output: &Path) -> Result<(), CliError> {
+    let is_input = match (input.canonicalize(), output.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    let which = if is_input { " (the input)" } else { "" };
+    if to == ExportFormat::Kohya && output.is_dir() {
+        let example = if is_input {
+            output.with_extension("safetensors")
+        } else {
+            output.join("adapter.safetensors")
+        };
+        return Err(CliError::usage(format!(
+            "--output {}{which} is a folder; the kohya format is one .safetensors file, so give \
+             a file path (e.g. {}). A folder is never replaced by a file",
+            output.display(),
+            example.display()
+        )));
+    }
+    if to == ExportFormat::Peft && output.exists() && !output.is_dir() {
+        let example = output.with_extension("");
+        let example = if example == output {
+            output.with_extension("peft")
+        } else {
+            example
+        };
+        return Err(CliError::usage(format!(
+            "--output {}{which} is a file; the PEFT format is a folder (adapter_config.json + \
+             adapter_model.safetensors), so give a folder path (e.g. {}). A file is never \
+             replaced by a folder",
+            output.display(),
+            example.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Moves the converted `tmp` into place: a kohya file is renamed over `output` (atomic); a PEFT
+/// folder is renamed to `output` when there is none, else each of its files is renamed into
+/// the existing folder (other files there are kept).
+fn install(tmp: &Path, output: &Path) -> Result<(), CliError> {
+    if !(tmp.is_dir() && output.is_dir()) {
+        return std::fs::rename(tmp, output).map_err(moving(tmp, output));
+    }
+    let entries = std::fs::read_dir(tmp)
+        .and_then(|d| d.collect::<std::io::Result<Vec<_>>>())
+        .map_err(|e| CliError::runtime(format!("reading {}: {e}", tmp.display())))?;
+    for e in entries {
+        let to = output.join(e.file_name());
+        let from = e.path();
+        std::fs::rename(&from, &to).map_err(moving(&from, &to))?;
+    }
+    std::fs::remove_dir(tmp)
+        .map_err(|e| CliError::runtime(format!("removing {}: {e}", tmp.display())))
+}
+
+/// The error of a failed rename of `from` to `to` (exit 1).
+fn moving<'a>(from: &'a Path, to: &'a Path) -> impl FnOnce(std::io::Error) -> CliError + 'a {
+    move |e| {
+        CliError::runtime(format!(
+            "moving {} to {}: {e}",
+            from.display(),
+            to.display()
+        ))
+    }
 }
 
 /// The Stable Diffusion layout of an adapter file, if it is one: kohya keys under

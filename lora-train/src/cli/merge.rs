@@ -8,8 +8,63 @@
 use super::{CliError, EXIT_OK};
 use lora_core::inject::{Adaptable, merge_adapters};
 use lora_models::gguf::{GgufFile, dequantize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
+
+/// Checks `--output` before any work and reserves a temporary file beside it (which proves the
+/// folder is writable): the merged weights are written there and renamed over `output` at the
+/// end, so a failed or interrupted merge never leaves a partial file under the output's name.
+///
+/// # Errors
+/// Exit 2 when `output` is a folder, its parent is a file or cannot be created, or nothing can
+/// be written there.
+fn reserve_output(output: &Path) -> Result<PathBuf, CliError> {
+    if output.is_dir() {
+        return Err(CliError::usage(format!(
+            "--output {}: is a folder; merge writes one .safetensors file, so give a file path \
+             (e.g. {})",
+            output.display(),
+            output.join("merged.safetensors").display()
+        )));
+    }
+    let Some(name) = output.file_name() else {
+        return Err(CliError::usage(format!(
+            "--output {}: not a file name; give a .safetensors file path",
+            output.display()
+        )));
+    };
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if parent.exists() && !parent.is_dir() {
+        return Err(CliError::usage(format!(
+            "--output {}: {} is a file, not a folder",
+            output.display(),
+            parent.display()
+        )));
+    }
+    std::fs::create_dir_all(parent).map_err(|e| {
+        CliError::usage(format!(
+            "--output {}: cannot create the folder {}: {e}",
+            output.display(),
+            parent.display()
+        ))
+    })?;
+    let tmp = parent.join(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::File::create(&tmp).map_err(|e| {
+        CliError::usage(format!(
+            "--output {}: cannot write in {}: {e}; choose another path",
+            output.display(),
+            parent.display()
+        ))
+    })?;
+    Ok(tmp)
+}
 
 /// Runs `merge`.
 pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError> {
@@ -21,6 +76,35 @@ pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError>
             "merge: --model must be a GGUF file (HF folders already hold safetensors: merge with PEFT's merge_and_unload)",
         ));
     }
+    let tmp = reserve_output(output)?;
+    let merged = merge_into(model, adapter, &tmp).and_then(|(n, count)| {
+        std::fs::rename(&tmp, output)
+            .map(|()| (n, count))
+            .map_err(|e| {
+                CliError::runtime(format!(
+                    "moving the merged weights from {} to {}: {e}",
+                    tmp.display(),
+                    output.display()
+                ))
+            })
+    });
+    let (n, count) = match merged {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    super::outln(format_args!(
+        "merged {n} adapted modules; wrote {count} tensors to {}",
+        output.display()
+    ))?;
+    Ok(EXIT_OK)
+}
+
+/// Merges `adapter` into `model` and writes the merged weights to `file`; returns the number of
+/// adapted modules and of tensors written.
+fn merge_into(model: &Path, adapter: &Path, file: &Path) -> Result<(usize, usize), CliError> {
     let mut m = super::model::load(model, Some(adapter))?;
     let n = merge_adapters(&mut m.model, None, true).map_err(CliError::runtime)?;
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
@@ -63,12 +147,7 @@ pub fn run(model: &Path, adapter: &Path, output: &Path) -> Result<i32, CliError>
             tensors.push((hf, t));
         }
     }
-    Tensor::write_safetensors(&tensors, output)
-        .map_err(|e| CliError::runtime(format!("writing {}: {e}", output.display())))?;
-    super::outln(format_args!(
-        "merged {n} adapted modules; wrote {} tensors to {}",
-        tensors.len(),
-        output.display()
-    ))?;
-    Ok(EXIT_OK)
+    Tensor::write_safetensors(&tensors, file)
+        .map_err(|e| CliError::runtime(format!("writing {}: {e}", file.display())))?;
+    Ok((n, tensors.len()))
 }
