@@ -283,6 +283,15 @@ impl Checkpoint {
         Ok(read_state(dir)?.counters)
     }
 
+    /// Reads only the run configuration a checkpoint was written with (its `state.json`, no
+    /// tensors); `Null` when the writer recorded none.
+    ///
+    /// # Errors
+    /// A missing or corrupt `state.json`, or a newer format.
+    pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
+        Ok(read_state(dir)?.config)
+    }
+
     /// Reads a checkpoint folder (tensors on CPU, in the order they were saved).
     ///
     /// # Errors
@@ -447,6 +456,72 @@ impl CheckpointManager {
     }
 }
 
+/// The keys of the run configuration (dotted paths into its JSON) that fix the adapter a
+/// checkpoint holds: its tensor names and shapes (`lora.rank`, `lora.target_modules`, …) or how
+/// they are applied (`lora.alpha`, `lora.use_rslora`, …). A run resumed with another value
+/// would fail on a tensor shape or silently train a different adapter.
+pub const ADAPTER_CONFIG_KEYS: &[&str] = &[
+    "lora.rank",
+    "lora.alpha",
+    "lora.target_modules",
+    "lora.exclude_modules",
+    "lora.rank_pattern",
+    "lora.alpha_pattern",
+    "lora.use_dora",
+    "lora.use_rslora",
+    "lora.network_module",
+    "train.train_text_encoder",
+];
+
+/// One key of [`ADAPTER_CONFIG_KEYS`] whose value differs between a checkpoint and a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigMismatch {
+    /// Dotted key, e.g. `lora.rank`.
+    pub key: &'static str,
+    /// The value the checkpoint was written with (JSON).
+    pub checkpoint: serde_json::Value,
+    /// The value of the run's configuration (JSON).
+    pub config: serde_json::Value,
+}
+
+/// The [`ADAPTER_CONFIG_KEYS`] whose values differ between `saved` (a checkpoint's recorded
+/// configuration, [`Checkpoint::read_config`]) and `run` (this run's, serialized the same way),
+/// in the order of that list. Lists compare as sets (`[q_proj, v_proj]` = `[v_proj, q_proj]`);
+/// a key missing on either side (an older writer, a `Null` config) is not compared. `skip`
+/// leaves keys out (e.g. the rank and alpha that `memory.auto_fit` chooses).
+pub fn adapter_config_mismatches(
+    saved: &serde_json::Value,
+    run: &serde_json::Value,
+    skip: &[&str],
+) -> Vec<ConfigMismatch> {
+    fn at<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+        key.split('.').try_fold(v, |v, k| v.get(k))
+    }
+    fn normalized(v: &serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Array(items) => {
+                let mut items: Vec<serde_json::Value> = items.iter().map(normalized).collect();
+                items.sort_by_key(|x| x.to_string());
+                items.dedup();
+                serde_json::Value::Array(items)
+            }
+            other => other.clone(),
+        }
+    }
+    ADAPTER_CONFIG_KEYS
+        .iter()
+        .filter(|k| !skip.contains(k))
+        .filter_map(|&key| {
+            let (a, b) = (at(saved, key)?, at(run, key)?);
+            (normalized(a) != normalized(b)).then(|| ConfigMismatch {
+                key,
+                checkpoint: a.clone(),
+                config: b.clone(),
+            })
+        })
+        .collect()
+}
+
 /// A checkpoint folder's `state.json`, checked for this build's format version.
 fn read_state(dir: &Path) -> Result<StateFile> {
     let path = dir.join(STATE_FILE);
@@ -540,6 +615,35 @@ mod tests {
             m.latest().unwrap().unwrap(),
             dir.path().join("step-00000004")
         );
+    }
+
+    #[test]
+    fn adapter_config_mismatches_name_each_key_and_both_values() {
+        let saved = serde_json::json!({
+            "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"],
+                     "use_dora": false},
+            "train": {"learning_rate": 1e-4},
+        });
+        // Same adapter; other settings and the order of target_modules may change.
+        let same = serde_json::json!({
+            "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["v_proj", "q_proj"],
+                     "use_dora": false},
+            "train": {"learning_rate": 5e-4},
+        });
+        assert!(adapter_config_mismatches(&saved, &same, &[]).is_empty());
+        let changed = serde_json::json!({
+            "lora": {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj"], "use_dora": false},
+        });
+        let m = adapter_config_mismatches(&saved, &changed, &[]);
+        let keys: Vec<&str> = m.iter().map(|m| m.key).collect();
+        assert_eq!(keys, ["lora.rank", "lora.alpha", "lora.target_modules"]);
+        assert_eq!(m[0].checkpoint, serde_json::json!(4));
+        assert_eq!(m[0].config, serde_json::json!(8));
+        assert_eq!(m[2].config, serde_json::json!(["q_proj"]));
+        // Keys left out, and a checkpoint that recorded no config, are not compared.
+        let m = adapter_config_mismatches(&saved, &changed, &["lora.rank", "lora.alpha"]);
+        assert_eq!(m.len(), 1);
+        assert!(adapter_config_mismatches(&serde_json::Value::Null, &changed, &[]).is_empty());
     }
 
     #[test]

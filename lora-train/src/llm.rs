@@ -785,7 +785,50 @@ pub fn resume_checkpoint(
     };
     let counters = Checkpoint::read_counters(&path)
         .map_err(|e| JobError::Input(format!("--resume {}: {e}", path.display())))?;
+    check_resume_adapter(cfg, &path)?;
     Ok(Some((path, counters)))
+}
+
+/// Compares the adapter settings a checkpoint was written with ([`crate::checkpoint::ADAPTER_CONFIG_KEYS`]:
+/// rank, alpha, target_modules, …) with the run's, before any tensor is read: a changed rank
+/// would otherwise fail late on a tensor shape, a changed alpha silently train another adapter.
+/// With `memory.auto_fit` the rank and alpha are not compared (the fit may choose them after
+/// this check).
+///
+/// # Errors
+/// [`JobError::Input`] naming each key with the checkpoint's and the config's value.
+fn check_resume_adapter(cfg: &TrainConfig, checkpoint: &Path) -> Result<()> {
+    use crate::checkpoint::{Checkpoint, adapter_config_mismatches};
+    let saved = Checkpoint::read_config(checkpoint)
+        .map_err(|e| JobError::Input(format!("--resume {}: {e}", checkpoint.display())))?;
+    let run = serde_json::to_value(cfg).map_err(rt("serializing the config"))?;
+    let skip: &[&str] = if cfg.memory.auto_fit {
+        &["lora.rank", "lora.alpha"]
+    } else {
+        &[]
+    };
+    let diffs = adapter_config_mismatches(&saved, &run, skip);
+    let Some(first) = diffs.first() else {
+        return Ok(());
+    };
+    let each: Vec<String> = diffs
+        .iter()
+        .map(|d| {
+            format!(
+                "{} is {} in the checkpoint but {} in the config",
+                d.key, d.checkpoint, d.config
+            )
+        })
+        .collect();
+    Err(JobError::Input(format!(
+        "--resume {}: the checkpoint's adapter does not match the config: {}. A resumed run \
+         continues the same adapter: set {}: {} in the config again, or run without --resume \
+         to start a new run",
+        checkpoint.display(),
+        each.join("; "),
+        first.key,
+        first.checkpoint
+    )))
 }
 
 /// Renames each existing `dir/<name>` to `dir/<name>.prev-<unix time>` (nothing is deleted), and

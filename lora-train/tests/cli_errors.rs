@@ -1,6 +1,8 @@
 //! The `lora-train` binary's answers to bad input, found before any model loads where possible:
 //! exit 2 naming the argument, key or file; exit 1 for a stdout that cannot be written; exit 130
-//! with the resume command after Ctrl-C.
+//! with the resume command after Ctrl-C. `merge` into a folder and `convert` over its own input
+//! are refused (or done through a temporary file) before any work; `--resume` with another
+//! rank, alpha or target_modules names the key and both values.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -371,4 +373,255 @@ fn ctrl_c_saves_a_checkpoint_and_prints_the_resume_command() {
     );
     assert!(log.contains(&want), "{want:?} not in:\n{log}");
     assert!(log.contains("the last checkpoint is"), "{log}");
+}
+
+/// A real PEFT adapter for SmolLM2-135M (LoRA r4 on layer 0's and 1's q_proj, 576 → 576),
+/// with deterministic non-zero weights: enough for `merge` and `convert` without training.
+fn tiny_peft_adapter(dir: &Path) -> PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let out = dir.join("adapter");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(
+        out.join("adapter_config.json"),
+        serde_json::json!({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+            "target_modules": ["q_proj"], "lora_dropout": 0.0, "bias": "none",
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let bytes = |n: usize, seed: f32| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (((i as f32) * 0.37 + seed).sin() * 0.01).to_le_bytes())
+            .collect()
+    };
+    let mut data = Vec::new();
+    for layer in 0..2 {
+        let k = format!("base_model.model.model.layers.{layer}.self_attn.q_proj");
+        data.push((
+            format!("{k}.lora_A.weight"),
+            vec![4, 576],
+            bytes(4 * 576, 1.0),
+        ));
+        data.push((
+            format!("{k}.lora_B.weight"),
+            vec![576, 4],
+            bytes(576 * 4, 2.0),
+        ));
+    }
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(k, s, b)| {
+            (
+                k.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("adapter_model.safetensors")).unwrap();
+    out
+}
+
+/// The tensors of a safetensors file by name, as raw bytes.
+fn tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(k, v)| (k, v.data().to_vec()))
+        .collect()
+}
+
+/// Hidden temporaries (`.name.partial-PID`) left in a folder.
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".partial-"))
+        .collect()
+}
+
+#[test]
+fn merge_into_an_existing_folder_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let adapter = tiny_peft_adapter(d);
+    let folder = d.join("merged");
+    std::fs::create_dir(&folder).unwrap();
+    let t = Instant::now();
+    let o = bin()
+        .arg("merge")
+        .arg("--model")
+        .arg(gguf())
+        .arg("--adapter")
+        .arg(&adapter)
+        .arg("--output")
+        .arg(&folder)
+        .arg("--force")
+        .output()
+        .unwrap();
+    assert_usage(
+        &o,
+        t.elapsed(),
+        &[
+            &format!("--output {}: is a folder", folder.display()),
+            &folder.join("merged.safetensors").display().to_string(),
+        ],
+    );
+    let t = text(&o);
+    assert!(!t.contains("IoError") && !t.contains("merged 2"), "{t}");
+    assert_eq!(std::fs::read_dir(&folder).unwrap().count(), 0);
+
+    // A file path in a folder that does not exist yet works, and leaves no temporary behind.
+    let out = d.join("new/merged.safetensors");
+    let o = bin()
+        .arg("merge")
+        .arg("--model")
+        .arg(gguf())
+        .arg("--adapter")
+        .arg(&adapter)
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains("merged 2 adapted modules"),
+        "{}",
+        text(&o)
+    );
+    let merged = tensors(&out);
+    assert!(merged.contains_key("model.layers.0.self_attn.q_proj.weight"));
+    assert!(merged.contains_key("model.norm.weight"));
+    assert!(leftovers(&d.join("new")).is_empty());
+}
+
+#[test]
+fn convert_over_its_own_input_is_safe_or_refused_and_never_loses_the_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let peft = tiny_peft_adapter(d);
+    let convert = |input: &Path, to: &str, output: &Path| {
+        bin()
+            .arg("convert")
+            .arg("--input")
+            .arg(input)
+            .args(["--to", to])
+            .arg("--output")
+            .arg(output)
+            .arg("--force")
+            .output()
+            .unwrap()
+    };
+    let kohya = d.join("a.safetensors");
+    let o = convert(&peft, "kohya", &kohya);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let kohya_bytes = std::fs::read(&kohya).unwrap();
+    let kohya_tensors = tensors(&kohya);
+    assert_eq!(kohya_tensors.len(), 6, "{:?}", kohya_tensors.keys());
+
+    // kohya file → PEFT folder at the same path: refused up front, the input untouched.
+    let t = Instant::now();
+    let o = convert(&kohya, "peft", &kohya);
+    assert_usage(
+        &o,
+        t.elapsed(),
+        &[
+            &format!("--output {} (the input) is a file", kohya.display()),
+            "give a folder path",
+            &d.join("a").display().to_string(),
+        ],
+    );
+    assert!(!text(&o).contains("File exists"), "{}", text(&o));
+    assert_eq!(std::fs::read(&kohya).unwrap(), kohya_bytes);
+
+    // PEFT folder → kohya file at the folder's path: refused, the folder untouched.
+    let before = tensors(&peft.join("adapter_model.safetensors"));
+    let t = Instant::now();
+    let o = convert(&peft, "kohya", &peft);
+    assert_usage(
+        &o,
+        t.elapsed(),
+        &[
+            &format!("--output {} (the input) is a folder", peft.display()),
+            &d.join("adapter.safetensors").display().to_string(),
+        ],
+    );
+    assert_eq!(tensors(&peft.join("adapter_model.safetensors")), before);
+
+    // The same format over itself works through a temporary file: same tensors after.
+    let o = convert(&kohya, "kohya", &kohya);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(tensors(&kohya), kohya_tensors);
+    std::fs::write(peft.join("README.md"), "notes\n").unwrap();
+    let o = convert(&peft, "peft", &peft);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(tensors(&peft.join("adapter_model.safetensors")), before);
+    assert_eq!(
+        std::fs::read_to_string(peft.join("README.md")).unwrap(),
+        "notes\n",
+        "other files in the output folder are kept"
+    );
+    assert!(leftovers(d).is_empty(), "{:?}", leftovers(d));
+}
+
+#[test]
+fn resume_with_another_rank_alpha_or_target_modules_names_the_key_before_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = d.join("run");
+    let ck = out.join("checkpoints/step-00000001");
+    std::fs::create_dir_all(&ck).unwrap();
+    // A checkpoint's state.json as the trainer writes it, with the run config it recorded
+    // (r4 α8 on q_proj, as `config()` writes); no tensor is read before the check.
+    let state = serde_json::json!({
+        "format_version": 1,
+        "counters": {"step": 1, "epoch": 0, "batches_in_epoch": 1, "samples": 2, "tokens": 64,
+                     "micro_batch_split": 1, "lr_factor": 1.0, "skipped_steps": 0, "oom_backoffs": 0},
+        "optimizer_meta": null, "scheduler": null, "rng_cpu": "", "rng_cuda": null,
+        "loader": null, "scaler": null, "adapter_names": [],
+        "config": {"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"],
+                            "use_dora": false, "use_rslora": false}},
+    });
+    std::fs::write(ck.join("state.json"), state.to_string()).unwrap();
+    let cases = [
+        (
+            "rank: 8, alpha: 8, target_modules: [q_proj]",
+            vec![
+                "lora.rank is 4 in the checkpoint but 8 in the config",
+                "set lora.rank: 4",
+            ],
+        ),
+        (
+            "rank: 4, alpha: 16, target_modules: [q_proj]",
+            vec!["lora.alpha is 8.0 in the checkpoint but 16.0 in the config"],
+        ),
+        (
+            "rank: 4, alpha: 8, target_modules: [q_proj, v_proj]",
+            vec![
+                r#"lora.target_modules is ["q_proj"] in the checkpoint but ["q_proj","v_proj"] in the config"#,
+            ],
+        ),
+    ];
+    for (lora, needles) in cases {
+        let cfg = config(d, "r.yaml", &macbeth(), &out, "");
+        let body = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("rank: 4, alpha: 8, target_modules: [q_proj]", lora);
+        std::fs::write(&cfg, body).unwrap();
+        let t = Instant::now();
+        let o = train(&cfg, &["--resume", ck.to_str().unwrap()]);
+        let mut all = vec![ck.to_str().unwrap()];
+        all.extend(needles);
+        assert_usage(&o, t.elapsed(), &all);
+    }
+    // The checkpoint's own adapter settings pass the check (the run goes on to load the model).
+    let cfg = config(d, "same.yaml", &macbeth(), &out, "");
+    let o = train(&cfg, &["--resume", ck.to_str().unwrap()]);
+    assert!(
+        !text(&o).contains("does not match the config"),
+        "{}",
+        text(&o)
+    );
 }
