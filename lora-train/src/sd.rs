@@ -270,6 +270,33 @@ pub struct SdPipeline {
     /// [`ClipTextModel::skip_hidden`]). SDXL counts from its penultimate default: 1 =
     /// `hidden_states[-2]` of both encoders, 2 = `hidden_states[-3]` (diffusers' `clip_skip=1`).
     pub clip_skip: usize,
+    /// The device the UNet (and training) runs on.
+    device: Device,
+    /// The device the VAE is on (the text encoders know theirs).
+    vae_device: Device,
+    /// The dtype the frozen models were loaded in.
+    kind: Kind,
+    /// The files the VAE and the text encoders are loaded again from (see
+    /// [`SdPipeline::move_frozen`]).
+    origin: FrozenOrigin,
+}
+
+/// Where a pipeline's VAE and text encoders come from, to load them again on another device.
+#[derive(Debug, Clone)]
+enum FrozenOrigin {
+    /// A diffusers folder (`vae/`, `text_encoder/`, `text_encoder_2/`).
+    Folder(PathBuf),
+    /// An original single-file checkpoint (the component configs are the loaded models').
+    SingleFile(PathBuf),
+}
+
+/// Copies of the VAE / text encoders loaded on the UNet's device for one call, for the ones that
+/// were moved off it (see [`SdPipeline::move_frozen`]); dropped when the call ends.
+#[derive(Default)]
+struct OnDevice {
+    vae: Option<AutoencoderKL>,
+    text_encoder: Option<ClipTextModel>,
+    text_encoder_2: Option<ClipTextModelWithProjection>,
 }
 
 /// Whether the UNet's added conditioning fits the text encoders found (`sdxl`: a second one).
@@ -341,6 +368,10 @@ impl SdPipeline {
             tokenizer_2,
             schedule,
             clip_skip: 1,
+            device,
+            vae_device: device,
+            kind,
+            origin: FrozenOrigin::Folder(dir.to_path_buf()),
         })
     }
 
@@ -492,6 +523,10 @@ impl SdPipeline {
             tokenizer_2,
             schedule,
             clip_skip: 1,
+            device,
+            vae_device: device,
+            kind,
+            origin: FrozenOrigin::SingleFile(path.to_path_buf()),
         })
     }
 
@@ -545,11 +580,24 @@ impl SdPipeline {
         ids_2: Option<&Tensor>,
         train: bool,
     ) -> lora_models::Result<TextCond> {
-        let ids = ids.f_to_device(self.text_encoder.device())?;
-        let out = self.text_encoder.forward_t(&ids, train)?;
-        let Some(te2) = &self.text_encoder_2 else {
+        let on = self.on_device(false, true)?;
+        self.condition_with(&on, ids, ids_2, train)
+    }
+
+    /// [`Self::condition`] with the text encoders of `on` where it has them.
+    fn condition_with(
+        &self,
+        on: &OnDevice,
+        ids: &Tensor,
+        ids_2: Option<&Tensor>,
+        train: bool,
+    ) -> lora_models::Result<TextCond> {
+        let te = on.text_encoder.as_ref().unwrap_or(&self.text_encoder);
+        let ids = ids.f_to_device(te.device())?;
+        let out = te.forward_t(&ids, train)?;
+        let Some(te2) = on.text_encoder_2.as_ref().or(self.text_encoder_2.as_ref()) else {
             return Ok(TextCond {
-                hidden: self.text_encoder.skip_hidden(&out, self.clip_skip, true)?,
+                hidden: te.skip_hidden(&out, self.clip_skip, true)?,
                 pooled: None,
             });
         };
@@ -558,9 +606,9 @@ impl SdPipeline {
                 "SDXL conditioning needs the token ids of tokenizer_2".into(),
             )
         })?;
-        let out2 = te2.forward_t(&ids_2.f_to_device(self.text_encoder.device())?, train)?;
+        let out2 = te2.forward_t(&ids_2.f_to_device(te.device())?, train)?;
         let skip = self.clip_skip.max(1) + 1;
-        let h1 = self.text_encoder.skip_hidden(&out, skip, false)?;
+        let h1 = te.skip_hidden(&out, skip, false)?;
         let h2 = te2.skip_hidden(&out2, skip, false)?.f_to_kind(h1.kind())?;
         let pooled = out2.text_embeds.ok_or_else(|| {
             lora_models::Error::InvalidArgument("text_encoder_2 returned no text_embeds".into())
@@ -580,17 +628,193 @@ impl SdPipeline {
     /// Model errors.
     pub fn encode_images(&self, pixels: &Tensor) -> lora_models::Result<Tensor> {
         let _g = tch::no_grad_guard();
-        let x = pixels.f_to_device(self.unet_device())?;
-        let z = self.vae.encode(&x)?.mode();
-        Ok(self
-            .vae
+        let on = self.on_device(true, false)?;
+        let vae = on.vae.as_ref().unwrap_or(&self.vae);
+        let x = pixels.f_to_device(self.device)?;
+        let z = vae.encode(&x)?.mode();
+        Ok(vae
             .scale_latents(&z)?
             .f_to_kind(Kind::Float)?
             .f_to_device(Device::Cpu)?)
     }
 
     fn unet_device(&self) -> Device {
+        self.device
+    }
+
+    /// The device the UNet runs on (where training happens).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The device the VAE is on: the UNet's, or another after [`Self::move_frozen`].
+    pub fn vae_device(&self) -> Device {
+        self.vae_device
+    }
+
+    /// The device the text encoder(s) are on.
+    pub fn text_encoder_device(&self) -> Device {
         self.text_encoder.device()
+    }
+
+    /// Moves the VAE (`vae`) and the text encoder(s) (`text_encoders`) to `to`, as kohya
+    /// sd-scripts move them to the CPU once latents and text-encoder outputs are cached: the
+    /// copies on `to` are loaded again from the pipeline's files (see [`Self::reload_frozen`])
+    /// and the old ones dropped, which frees their memory on the device. A component already on
+    /// `to` stays as it is, so on a CPU run the call changes nothing.
+    ///
+    /// While a component is away from the UNet's device, [`Self::encode_images`],
+    /// [`Self::condition`] / [`Self::encode_prompts`] and [`Self::sample_images`] load a copy
+    /// on the UNet's device for the call and drop it afterwards (back only for sampling, then
+    /// off again).
+    ///
+    /// Returns the components moved (`"vae"`, `"text_encoder"`, `"text_encoder_2"`).
+    ///
+    /// # Errors
+    /// [`JobError::Runtime`] naming the component and the file when loading fails; text
+    /// encoders that carry LoRA adapters (trained or loaded) are refused, as loading them again
+    /// would drop the adapters.
+    pub fn move_frozen(
+        &mut self,
+        to: Device,
+        vae: bool,
+        text_encoders: bool,
+    ) -> Result<Vec<&'static str>> {
+        let vae = vae && self.vae_device != to;
+        let text_encoders = text_encoders && self.text_encoder.device() != to;
+        self.reload_frozen(to, vae, text_encoders)
+    }
+
+    /// Loads the VAE (`vae`) and the text encoder(s) (`text_encoders`) again from the
+    /// pipeline's files (the diffusers folder's `vae/`, `text_encoder/`, `text_encoder_2/`, or
+    /// the single file with the loaded models' configs) onto `device` in the pipeline's dtype,
+    /// replacing the current copies; what [`Self::move_frozen`] does for components not on
+    /// `device` yet. The new copies compute exactly what the old ones did.
+    ///
+    /// Returns the components loaded.
+    ///
+    /// # Errors
+    /// As [`Self::move_frozen`].
+    pub fn reload_frozen(
+        &mut self,
+        device: Device,
+        vae: bool,
+        text_encoders: bool,
+    ) -> Result<Vec<&'static str>> {
+        let origin = match &self.origin {
+            FrozenOrigin::Folder(p) | FrozenOrigin::SingleFile(p) => p.clone(),
+        };
+        let ctx = |c: &str| format!("loading {c} of {} on {device:?}", origin.display());
+        let mut moved = Vec::new();
+        if text_encoders {
+            let mut adapters = lora_core::inject::count_params(&mut self.text_encoder)
+                .map_err(rt(&ctx("text_encoder")))?
+                .0;
+            if let Some(te2) = self.text_encoder_2.as_mut() {
+                adapters += lora_core::inject::count_params(te2)
+                    .map_err(rt(&ctx("text_encoder_2")))?
+                    .0;
+            }
+            if adapters > 0 {
+                return Err(JobError::Runtime(format!(
+                    "{}: the text encoders carry LoRA adapters ({adapters} parameters) and are not moved (loading them again would drop the adapters)",
+                    origin.display()
+                )));
+            }
+            let (te, te2) = self
+                .load_text_encoders(device)
+                .map_err(rt(&ctx("the text encoders")))?;
+            self.text_encoder = te;
+            moved.push("text_encoder");
+            if te2.is_some() {
+                self.text_encoder_2 = te2;
+                moved.push("text_encoder_2");
+            }
+        }
+        if vae {
+            self.vae = self.load_vae(device).map_err(rt(&ctx("the VAE")))?;
+            self.vae_device = device;
+            moved.push("vae");
+        }
+        Ok(moved)
+    }
+
+    /// The VAE loaded from the pipeline's files onto `device`.
+    fn load_vae(&self, device: Device) -> lora_models::Result<AutoencoderKL> {
+        let opts = LoadOptions {
+            kind: self.kind,
+            device,
+            ..LoadOptions::default()
+        };
+        match &self.origin {
+            FrozenOrigin::Folder(dir) => AutoencoderKL::from_diffusers(dir, &opts),
+            FrozenOrigin::SingleFile(path) => {
+                AutoencoderKL::from_single_file(path, self.vae.config().clone(), &opts)
+            }
+        }
+    }
+
+    /// The text encoder(s), without adapters, loaded from the pipeline's files onto `device`.
+    fn load_text_encoders(
+        &self,
+        device: Device,
+    ) -> lora_models::Result<(ClipTextModel, Option<ClipTextModelWithProjection>)> {
+        use lora_models::sd::load as ld;
+        let kind = self.kind;
+        match &self.origin {
+            FrozenOrigin::Folder(dir) => {
+                let te = ClipTextModel::from_pretrained(dir.join("text_encoder"), kind, device)?;
+                let te2 = match &self.text_encoder_2 {
+                    Some(_) => Some(ClipTextModelWithProjection::from_pretrained(
+                        dir.join("text_encoder_2"),
+                        kind,
+                        device,
+                    )?),
+                    None => None,
+                };
+                Ok((te, te2))
+            }
+            FrozenOrigin::SingleFile(path) => {
+                let prefix = if self.is_sdxl() {
+                    ld::SGM_TEXT_ENCODER_PREFIX
+                } else {
+                    ld::LDM_TEXT_ENCODER_PREFIX
+                };
+                let te = ClipTextModel::from_single_file(
+                    path,
+                    prefix,
+                    Some(self.text_encoder.config().clone()),
+                    kind,
+                    device,
+                )?;
+                let te2 = match &self.text_encoder_2 {
+                    Some(t) => Some(ClipTextModelWithProjection::from_open_clip(
+                        path,
+                        ld::SGM_TEXT_ENCODER_2_PREFIX,
+                        Some(t.config().clone()),
+                        kind,
+                        device,
+                    )?),
+                    None => None,
+                };
+                Ok((te, te2))
+            }
+        }
+    }
+
+    /// Copies on the UNet's device of the VAE (`vae`) and the text encoders (`text`) that were
+    /// moved off it; empty when they are there.
+    fn on_device(&self, vae: bool, text: bool) -> lora_models::Result<OnDevice> {
+        let mut on = OnDevice::default();
+        if vae && self.vae_device != self.device {
+            on.vae = Some(self.load_vae(self.device)?);
+        }
+        if text && self.text_encoder.device() != self.device {
+            let (te, te2) = self.load_text_encoders(self.device)?;
+            on.text_encoder = Some(te);
+            on.text_encoder_2 = te2;
+        }
+        Ok(on)
     }
 
     /// The UNet prediction for `x` at `t` under `cond` (SDXL: with `time_ids` `[n, 6]` f32 as
@@ -640,15 +864,23 @@ impl SdPipeline {
         let dev = self.unet_device();
         let saved = lora_core::sys::rng_state(Device::Cpu).ok();
         let _g = tch::no_grad_guard();
+        // the VAE and text encoders on the UNet's device for this grid (copies of those moved
+        // off it, dropped at the end)
+        let on = self.on_device(true, true)?;
+        let encode = |p: &[&str]| -> lora_models::Result<TextCond> {
+            let (ids, ids_2) = self.tokenize(p)?;
+            self.condition_with(&on, &ids, ids_2.as_ref(), false)
+        };
         let n = prompts.len() as i64;
-        let cond = self.encode_prompts(prompts)?;
+        let texts: Vec<&str> = prompts.iter().map(AsRef::as_ref).collect();
+        let cond = encode(&texts)?;
         let uncond = if self.is_sdxl() {
             TextCond {
                 hidden: cond.hidden.f_zeros_like()?,
                 pooled: cond.pooled.as_ref().map(Tensor::f_zeros_like).transpose()?,
             }
         } else {
-            self.encode_prompts(&vec![""; prompts.len()])?
+            encode(&vec![""; prompts.len()])?
         };
         let both = TextCond {
             hidden: Tensor::f_cat(&[&uncond.hidden, &cond.hidden], 0)?,
@@ -710,7 +942,9 @@ impl SdPipeline {
                 };
                 self.predict(x, &ts, &c, ids.as_ref(), false)
             })?;
-        let img = self.vae.decode(&self.vae.unscale_latents(&z)?)?;
+        let vae = on.vae.as_ref().unwrap_or(&self.vae);
+        let img = vae.decode(&vae.unscale_latents(&z)?)?;
+        drop(on);
         if let Some(s) = saved {
             let _ = lora_core::sys::set_rng_state(Device::Cpu, &s);
         }
@@ -954,47 +1188,16 @@ impl ImageSource {
         for (&i, &s) in idx.iter().zip(seeds) {
             let sample = self.loader.dataset().get_seeded(i, s).map_err(data)?;
             let key: CacheKey = sample.cache_key(&self.model_id).map_err(data)?;
-            let digest = key.digest();
-            let lat = match self.latents.get(&digest) {
-                Some(t) => t.shallow_clone(),
-                None => {
-                    let from_disk = match &self.disk {
-                        Some(c) => c.get(&key).map_err(data)?,
-                        None => None,
-                    };
-                    let t = match from_disk {
-                        Some(t) => t,
-                        None => {
-                            let t = self
-                                .pipe
-                                .encode_images(&sample.pixels.f_unsqueeze(0)?)
-                                .map_err(model_err)?
-                                .f_squeeze_dim(0)?;
-                            *self.encoded.borrow_mut() += 1;
-                            if let Some(c) = &self.disk {
-                                c.put(&key, &t).map_err(data)?;
-                            }
-                            t
-                        }
-                    };
-                    self.latents.insert(digest, t.shallow_clone());
-                    t
-                }
-            };
+            let (lat, _) = cached_latents(
+                &self.pipe,
+                &sample.pixels,
+                &key,
+                &mut self.latents,
+                self.disk.as_ref(),
+                &mut self.encoded.borrow_mut(),
+            )?;
             if self.cache_text {
-                let cond = match self.text.get(&sample.caption) {
-                    Some(t) => t.shallow_clone(),
-                    None => {
-                        let t = self
-                            .pipe
-                            .encode_prompts(&[sample.caption.as_str()])
-                            .map_err(model_err)?
-                            .row(0)?;
-                        self.text.insert(sample.caption.clone(), t.shallow_clone());
-                        t
-                    }
-                };
-                conds.push(cond);
+                conds.push(cached_text(&self.pipe, &sample.caption, &mut self.text)?);
             }
             time_ids.extend(sdxl_time_ids(
                 sample.original_size,
@@ -1024,6 +1227,14 @@ impl ImageSource {
         })
     }
 
+    /// Adds what [`precache`] computed to the in-memory caches (its VAE encodings to
+    /// [`Self::encoded`]).
+    pub fn preload(&mut self, p: Precached) {
+        self.latents.extend(p.latents);
+        self.text.extend(p.text);
+        *self.encoded.borrow_mut() += p.encoded;
+    }
+
     /// A fixed batch of `n` items spread evenly over the epoch's item list (so repeats of one
     /// image are not picked twice when `n` ≤ the number of images), built with seed 0
     /// (centred crops, no flips, captions as seed 0 shuffles them) for the fixed-noise
@@ -1038,6 +1249,256 @@ impl ImageSource {
         let seeds = vec![0u64; idx.len()];
         self.build(&idx, &seeds)
     }
+}
+
+/// The latents of the image `pixels` `[3, H, W]` under `key`: from `mem`, else from the disk
+/// cache, else encoded by the VAE (then written to the disk cache, atomically); kept in `mem`.
+/// Also says where they came from (`encoded` counts the VAE runs).
+fn cached_latents(
+    pipe: &SdPipeline,
+    pixels: &Tensor,
+    key: &CacheKey,
+    mem: &mut HashMap<String, Tensor>,
+    disk: Option<&LatentCache>,
+    encoded: &mut u64,
+) -> crate::trainer::Result<(Tensor, LatentsFrom)> {
+    let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+    let digest = key.digest();
+    if let Some(t) = mem.get(&digest) {
+        return Ok((t.shallow_clone(), LatentsFrom::Memory));
+    }
+    let from_disk = match disk {
+        Some(c) => c.get(key).map_err(data)?,
+        None => None,
+    };
+    let (t, from) = match from_disk {
+        Some(t) => (t, LatentsFrom::Disk),
+        None => {
+            let t = pipe
+                .encode_images(&pixels.f_unsqueeze(0)?)
+                .map_err(model_err)?
+                .f_squeeze_dim(0)?;
+            *encoded += 1;
+            if let Some(c) = disk {
+                c.put(key, &t).map_err(data)?;
+            }
+            (t, LatentsFrom::Vae)
+        }
+    };
+    mem.insert(digest, t.shallow_clone());
+    Ok((t, from))
+}
+
+/// Where [`cached_latents`] found an image's latents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LatentsFrom {
+    /// Already in memory.
+    Memory,
+    /// Read from the disk cache.
+    Disk,
+    /// Encoded by the VAE.
+    Vae,
+}
+
+/// The text-encoder conditioning of one caption (`hidden` `[77, D]`, SDXL `pooled` `[P]`) from
+/// `mem`, else computed and kept there; held on the CPU (a step moves its batch to the device).
+fn cached_text(
+    pipe: &SdPipeline,
+    caption: &str,
+    mem: &mut HashMap<String, TextCond>,
+) -> crate::trainer::Result<TextCond> {
+    if let Some(t) = mem.get(caption) {
+        return Ok(t.shallow_clone());
+    }
+    let t = pipe
+        .encode_prompts(&[caption])
+        .map_err(model_err)?
+        .row(0)?
+        .to_device(Device::Cpu)?;
+    mem.insert(caption.to_string(), t.shallow_clone());
+    Ok(t)
+}
+
+/// The random augmentations of a dataset's subsets, which decide what can be computed before
+/// training.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Augmentations {
+    /// Some subset crops at random (`random_crop`): latents differ per epoch.
+    pub random_crop: bool,
+    /// Some subset flips (`flip_aug`): both orientations of an image are cached.
+    pub flip: bool,
+    /// Some subset changes its captions between epochs (`shuffle_caption`,
+    /// `caption_dropout_rate`, `caption_tag_dropout_rate`, `random_caption_line`).
+    pub varying_captions: bool,
+}
+
+impl Augmentations {
+    /// The augmentations of every subset of `dc`.
+    pub fn of(dc: &DatasetConfig) -> Self {
+        let mut a = Augmentations::default();
+        for sub in dc.datasets.iter().flat_map(|d| &d.subsets) {
+            a.random_crop |= sub.random_crop;
+            a.flip |= sub.flip_aug;
+            a.varying_captions |= sub.shuffle_caption
+                || sub.caption_dropout_rate > 0.0
+                || sub.caption_tag_dropout_rate > 0.0
+                || sub.random_caption_line;
+        }
+        a
+    }
+}
+
+/// What the SD job computes before training and then moves off the device, as
+/// `(latents, text_encoder_outputs)`: with `data.cache_latents: true`, every latent unless
+/// crops are random, and the text-encoder outputs of every caption unless the text encoders are
+/// trained or the captions change between epochs. The VAE leaves the device when the first is
+/// true, the text encoders when the second is (kohya sd-scripts' `cache_latents` /
+/// `cache_text_encoder_outputs`).
+pub fn precomputed(cfg: &TrainConfig, aug: Augmentations) -> (bool, bool) {
+    let cache = cfg.data.cache_latents == Some(true);
+    (
+        cache && !aug.random_crop,
+        cache && !cfg.train.train_text_encoder && !aug.varying_captions,
+    )
+}
+
+/// Sets the lora-memory settings that say which frozen models the SD job keeps on the device
+/// during the training steps: `cache_latents` / `cache_text_encoder_outputs` as
+/// [`precomputed`] says, `random_crop` / `varying_captions` from the dataset's subsets
+/// (`aug`), and `keep_models_loaded` on a CPU run (`cuda` false), where moving them to the CPU
+/// keeps them in the same memory.
+pub fn frozen_model_settings(
+    s: &mut lora_memory::Settings,
+    cfg: &TrainConfig,
+    aug: Augmentations,
+    cuda: bool,
+) {
+    let cache = cfg.data.cache_latents == Some(true);
+    s.cache_latents = cache;
+    s.cache_text_encoder_outputs = cache && !cfg.train.train_text_encoder;
+    s.random_crop = aug.random_crop;
+    s.varying_captions = aug.varying_captions;
+    s.keep_models_loaded = !cuda;
+}
+
+/// The augmentations of the dataset `cfg` names (`data.train_data_dir`, relative paths against
+/// `config_dir`); the config's own `data.shuffle_caption` when the dataset cannot be read.
+pub fn augmentations_of(cfg: &TrainConfig, config_dir: Option<&Path>) -> Augmentations {
+    let read = || -> Option<Augmentations> {
+        let written = cfg.data.train_data_dir.as_deref()?;
+        let path = resolve_path("data.train_data_dir", written, config_dir).ok()?;
+        Some(Augmentations::of(&dataset_config(cfg, &path).ok()?))
+    };
+    read().unwrap_or(Augmentations {
+        varying_captions: cfg.data.shuffle_caption == Some(true),
+        ..Augmentations::default()
+    })
+}
+
+/// Latents and text-encoder outputs computed before training by [`precache`].
+#[derive(Debug, Default)]
+pub struct Precached {
+    /// Latents by [`CacheKey::digest`] (f32, CPU).
+    pub latents: HashMap<String, Tensor>,
+    /// Conditioning by caption (CPU).
+    pub text: HashMap<String, TextCond>,
+    /// VAE encodings done (the rest came from the disk cache).
+    pub encoded: u64,
+}
+
+/// Encodes, before training, the latents of every item of `ds` (`latents`; both orientations
+/// when a subset flips, which needs crops that are not random) and the text-encoder outputs of
+/// every caption (`text`; captions that do not change between epochs), reading and writing the
+/// disk cache `disk` as training would. Between images it checks
+/// [`crate::trainer::stop_requested`] and returns `None` when a stop was asked for: what was
+/// encoded so far stays on disk as complete entries (each written atomically), nothing is
+/// marked as done, and a rerun encodes the rest. `progress` gets a line now and then (count /
+/// total).
+///
+/// # Errors
+/// Data, model and cache errors.
+pub fn precache(
+    pipe: &SdPipeline,
+    ds: &ImageDataset,
+    model_id: &str,
+    disk: Option<&LatentCache>,
+    (latents, text): (bool, bool),
+    progress: &dyn Fn(&str),
+) -> crate::trainer::Result<Option<Precached>> {
+    let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+    let mut out = Precached::default();
+    if !latents && !text {
+        return Ok(Some(out));
+    }
+    let flip = latents && Augmentations::of(ds.config()).flip;
+    let total = ds.len();
+    let what = match (latents, text) {
+        (true, true) => "latents and text-encoder outputs",
+        (true, false) => "latents",
+        _ => "text-encoder outputs",
+    };
+    let started = std::time::Instant::now();
+    let mut last = started;
+    let mut from_disk = 0u64;
+    for i in 0..total {
+        if crate::trainer::stop_requested() {
+            progress(&format!(
+                "caching {what}: stopped at {i}/{total} items ({} encoded, {from_disk} from disk); the cache holds only complete entries, a rerun encodes the rest",
+                out.encoded
+            ));
+            return Ok(None);
+        }
+        if i == 0 || last.elapsed().as_secs_f64() >= 2.0 {
+            last = std::time::Instant::now();
+            progress(&format!(
+                "caching {what}: {i}/{total} items ({} encoded, {from_disk} from disk, {} captions)",
+                out.encoded,
+                out.text.len()
+            ));
+        }
+        // seed 0: centred crop (no random crop here), the caption as every epoch has it
+        let sample = ds.get_seeded(i, 0).map_err(data)?;
+        if latents {
+            let key = sample.cache_key(model_id).map_err(data)?;
+            let (_, from) = cached_latents(
+                pipe,
+                &sample.pixels,
+                &key,
+                &mut out.latents,
+                disk,
+                &mut out.encoded,
+            )?;
+            from_disk += u64::from(from == LatentsFrom::Disk);
+            if flip {
+                // the other orientation: lora-data flips the cropped image, a pure permutation
+                let key = CacheKey {
+                    flip: !key.flip,
+                    ..key
+                };
+                let mirrored = sample.pixels.f_flip([2])?;
+                let (_, from) = cached_latents(
+                    pipe,
+                    &mirrored,
+                    &key,
+                    &mut out.latents,
+                    disk,
+                    &mut out.encoded,
+                )?;
+                from_disk += u64::from(from == LatentsFrom::Disk);
+            }
+        }
+        if text {
+            cached_text(pipe, &sample.caption, &mut out.text)?;
+        }
+    }
+    progress(&format!(
+        "caching {what}: {total}/{total} items in {:.1} s ({} latents, {} encoded; {} captions)",
+        started.elapsed().as_secs_f64(),
+        out.latents.len(),
+        out.encoded,
+        out.text.len()
+    ));
+    Ok(Some(out))
 }
 
 impl BatchSource<SdBatch> for ImageSource {
@@ -1790,7 +2251,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             ));
         }
     }
-    let pipe = Rc::new(pipe);
+    let interrupted = || JobError::Interrupted {
+        step: 0,
+        checkpoint: None,
+    };
+    if crate::trainer::stop_requested() {
+        return Err(interrupted());
+    }
 
     // data
     let data_written = cfg.data.train_data_dir.clone().ok_or_else(|| {
@@ -1861,6 +2328,54 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             .unwrap_or_else(|_| base_path.clone())
             .display()
     );
+    // Cache before training what can be (kohya's cache_latents / cache_text_encoder_outputs),
+    // then move the VAE and the frozen text encoders off the device: they come back only to
+    // draw sample images.
+    let aug = Augmentations::of(loader.dataset().config());
+    let (pre_latents, pre_text) = precomputed(&cfg, aug);
+    if cfg.data.cache_latents == Some(true) {
+        if aug.random_crop {
+            say(
+                "random_crop: latents are encoded as the crops are drawn; the VAE stays on the device",
+            );
+        }
+        if !train_te && aug.varying_captions {
+            say(
+                "captions change between epochs (shuffle_caption, caption or tag dropout, random caption lines): text-encoder outputs are cached as they come; the text encoders stay on the device",
+            );
+        }
+    }
+    let precached = precache(
+        &pipe,
+        loader.dataset(),
+        &model_id,
+        disk.as_ref(),
+        (pre_latents, pre_text),
+        &say,
+    )
+    .map_err(|e| JobError::Runtime(format!("caching before training: {e}")))?;
+    let Some(precached) = precached else {
+        return Err(interrupted());
+    };
+    if pre_latents || pre_text {
+        let moved = pipe.move_frozen(Device::Cpu, pre_latents, pre_text)?;
+        let which = match (pre_latents, pre_text) {
+            (true, true) => "the VAE and the text encoders",
+            (true, false) => "the VAE",
+            _ => "the text encoders",
+        };
+        if moved.is_empty() {
+            say(&format!(
+                "{which} stay in memory (a CPU run: the device is the CPU)"
+            ));
+        } else {
+            say(&format!(
+                "moved {} to the CPU until sample images are drawn",
+                moved.join(", ")
+            ));
+        }
+    }
+    let pipe = Rc::new(pipe);
     let mut source = ImageSource::new(
         pipe.clone(),
         loader,
@@ -1869,6 +2384,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         disk,
         !train_te,
     );
+    source.preload(precached);
     let encoded = source.encoded.clone();
 
     // the objective
@@ -1889,6 +2405,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         fixed_eval_loss(&pipe, &objective, &eval_batch, &EVAL_TIMESTEPS, eval_seed)
             .map_err(rt("evaluating before training"))?;
     say(&format!("fixed-noise loss before: {eval_loss_before:.5}"));
+    if crate::trainer::stop_requested() {
+        return Err(interrupted());
+    }
 
     // train
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
