@@ -24,6 +24,13 @@
 //!   encoded once per (image, bucket, crop, flip, VAE, dtype) and kept in memory, and also on
 //!   disk under `<output_dir>/latent_cache` with `data.cache_latents: true` (lora-data's
 //!   [`LatentCache`]).
+//! - **Caching before training** (`data.cache_latents: true`, as kohya's `cache_latents` /
+//!   `cache_text_encoder_outputs`): every latent (both orientations with `flip_aug`) and, with
+//!   frozen text encoders, every caption's conditioning are computed before the first step
+//!   ([`precache`], progress as count / total, a stop request honoured between images); the
+//!   VAE and the frozen text encoders then move to the CPU and come back to the device only to
+//!   draw sample grids ([`SdPipeline::move_frozen`]). Random crops keep the VAE, captions that
+//!   change between epochs (`shuffle_caption`, caption or tag dropout) keep the text encoders.
 //! - **Objective**: lora-models' [`DiffusionLoss`] (ε or v target from the scheduler config or
 //!   `train.prediction_type`, `train.min_snr_gamma`, `train.noise_offset`), the UNet's
 //!   checkpointed backward with `train.gradient_checkpointing`; conditioning at
@@ -2621,6 +2628,48 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frozen_model_settings_charge_what_the_job_keeps_on_the_device() {
+        let sdxl = lora_memory::ModelDescriptor::preset("SDXL").unwrap();
+        let mut cfg = TrainConfig::default();
+        cfg.data.cache_latents = Some(true);
+        let charged = |cfg: &TrainConfig, aug: Augmentations, cuda: bool| {
+            let mut s = lora_memory::Settings::default()
+                .with_target_modules(&DEFAULT_UNET_TARGETS)
+                .with_resolution(1024);
+            frozen_model_settings(&mut s, cfg, aug, cuda);
+            let d = lora_memory::estimate(&sdxl, &s).unwrap().diffusion.unwrap();
+            (d.vae_weights.0 > 0, d.text_encoder_weights.0 > 0)
+        };
+        let fixed = Augmentations::default();
+        // cache_latents, frozen text encoders, fixed captions: both leave the device on CUDA
+        assert_eq!(precomputed(&cfg, fixed), (true, true));
+        assert_eq!(charged(&cfg, fixed, true), (false, false));
+        // on the CPU the move keeps them in the same memory
+        assert_eq!(charged(&cfg, fixed, false), (true, true));
+        // shuffled captions keep the text encoders, random crops the VAE
+        let shuffled = Augmentations {
+            varying_captions: true,
+            ..fixed
+        };
+        assert_eq!(precomputed(&cfg, shuffled), (true, false));
+        assert_eq!(charged(&cfg, shuffled, true), (false, true));
+        let cropped = Augmentations {
+            random_crop: true,
+            ..fixed
+        };
+        assert_eq!(precomputed(&cfg, cropped), (false, true));
+        assert_eq!(charged(&cfg, cropped, true), (true, false));
+        // trained text encoders stay; without cache_latents nothing is cached ahead
+        cfg.train.train_text_encoder = true;
+        assert_eq!(precomputed(&cfg, fixed), (true, false));
+        assert_eq!(charged(&cfg, fixed, true), (false, true));
+        cfg.train.train_text_encoder = false;
+        cfg.data.cache_latents = None;
+        assert_eq!(precomputed(&cfg, fixed), (false, false));
+        assert_eq!(charged(&cfg, fixed, true), (true, true));
+    }
 
     #[test]
     fn kohya_folders_give_subsets_with_repeats_and_a_plain_folder_is_one_subset() {
