@@ -11,7 +11,10 @@
 //   (signed map), by binary search (`bucketize`) vs by the bit-pattern table, and the whole
 //   block-wise quantize (absmax, divide, table) of the same 4.88 M values;
 // - `image`: decode → resize → bucket crop → tensor of 64 emoji PNGs (assets/emoji/img, 128 px);
-// - `text`: tokenize (SmolLM2's byte-level BPE) and pack Hamlet into 512-token rows.
+// - `text`: tokenize (SmolLM2's byte-level BPE) and pack Hamlet into 512-token rows;
+// - `lm_head_loss`: final norm + tied LM head (49,152 × 576) + next-token cross-entropy over
+//   2 × 128 tokens, forward + backward: `Llama::loss` (chunked, no `[tokens, V]` logits) vs the
+//   plain path (full logits, `cross_entropy`) on a one-layer SmolLM2-shaped model.
 //
 // The image and text benches need the assets of `cargo xtask setup` and are skipped without them.
 //
@@ -278,9 +281,95 @@ fn short() -> Criterion {
         .measurement_time(Duration::from_secs(2))
 }
 
+fn lm_head_loss(c: &mut Criterion) {
+    use lora_models::llama::{Llama, LlamaConfig};
+    tch::manual_seed(5);
+    let cfg = LlamaConfig {
+        model_type: "llama".into(),
+        vocab_size: 49_152,
+        hidden_size: HIDDEN,
+        intermediate_size: INTER,
+        num_hidden_layers: 1,
+        num_attention_heads: 9,
+        num_key_value_heads: Some(3),
+        head_dim: None,
+        rms_norm_eps: 1e-5,
+        rope_theta: 100_000.0,
+        rope_scaling: None,
+        max_position_embeddings: 2048,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        mlp_bias: false,
+        hidden_act: "silu".into(),
+        bos_token_id: None,
+        eos_token_id: vec![],
+    };
+    let o = (Kind::Float, Device::Cpu);
+    let mut w = std::collections::HashMap::new();
+    w.insert(
+        "model.embed_tokens.weight".to_string(),
+        Tensor::randn([cfg.vocab_size, HIDDEN], o) * 0.05,
+    );
+    w.insert("model.norm.weight".to_string(), Tensor::ones([HIDDEN], o));
+    let hd = HIDDEN / 9;
+    for (name, out, inp) in [
+        ("self_attn.q_proj", HIDDEN, HIDDEN),
+        ("self_attn.k_proj", 3 * hd, HIDDEN),
+        ("self_attn.v_proj", 3 * hd, HIDDEN),
+        ("self_attn.o_proj", HIDDEN, HIDDEN),
+        ("mlp.gate_proj", INTER, HIDDEN),
+        ("mlp.up_proj", INTER, HIDDEN),
+        ("mlp.down_proj", HIDDEN, INTER),
+    ] {
+        w.insert(
+            format!("model.layers.0.{name}.weight"),
+            Tensor::randn([out, inp], o) * 0.02,
+        );
+    }
+    for n in ["input_layernorm", "post_attention_layernorm"] {
+        w.insert(format!("model.layers.0.{n}.weight"), Tensor::ones([HIDDEN], o));
+    }
+    let mut model = Llama::from_tensors(cfg.clone(), &w, Kind::Float, Device::Cpu).unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    lora_core::inject::inject(
+        &mut model,
+        &lora_core::config::LoraConfig::new(8, 16.0, &["down_proj"]),
+        "default",
+        &vs.root(),
+    )
+    .unwrap();
+    let ids = Tensor::randint(49_152, [2, 128], (Kind::Int64, Device::Cpu));
+    let mut g = c.benchmark_group("lm_head_loss");
+    g.bench_function("chunked_fwd_bwd", |b| {
+        b.iter(|| {
+            let loss = model.loss(&ids, &ids, None, None, true).unwrap();
+            loss.backward();
+            black_box(loss.double_value(&[]))
+        })
+    });
+    g.bench_function("full_logits_fwd_bwd", |b| {
+        b.iter(|| {
+            let logits = model.forward_t(&ids, None, None, true).unwrap();
+            let loss = logits
+                .narrow(1, 0, 127)
+                .reshape([-1, 49_152])
+                .cross_entropy_loss::<Tensor>(
+                    &ids.narrow(1, 1, 127).reshape([-1]),
+                    None,
+                    tch::Reduction::Mean,
+                    -100,
+                    0.0,
+                );
+            loss.backward();
+            black_box(loss.double_value(&[]))
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = kernels;
     config = short();
-    targets = lora_linear, quant_linear, optimizer_step, quantize_8bit, image, text
+    targets = lora_linear, quant_linear, optimizer_step, quantize_8bit, image, text, lm_head_loss
 }
 criterion_main!(kernels);
