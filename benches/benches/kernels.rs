@@ -327,7 +327,10 @@ fn lm_head_loss(c: &mut Criterion) {
         );
     }
     for n in ["input_layernorm", "post_attention_layernorm"] {
-        w.insert(format!("model.layers.0.{n}.weight"), Tensor::ones([HIDDEN], o));
+        w.insert(
+            format!("model.layers.0.{n}.weight"),
+            Tensor::ones([HIDDEN], o),
+        );
     }
     let mut model = Llama::from_tensors(cfg.clone(), &w, Kind::Float, Device::Cpu).unwrap();
     let vs = nn::VarStore::new(Device::Cpu);
