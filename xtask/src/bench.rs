@@ -135,15 +135,22 @@ fn threads_env(cmd: &mut Command, t: usize) {
         .env("MKL_NUM_THREADS", t.to_string());
 }
 
-/// Runs `cmd`, failing with its stderr tail.
+/// Runs `cmd`, failing with the cause: stderr without libtorch's C++ backtrace frames (lines
+/// `frame #N: …` and the "Exception raised from" line), last 25 lines of it.
 fn run_quiet(cmd: &mut Command, what: &str) -> Result<String> {
     let out = cmd
         .output()
         .with_context(|| format!("could not start {what} ({:?})", cmd.get_program()))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let tail: Vec<&str> = err.lines().rev().take(25).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        let kept: Vec<&str> = err
+            .lines()
+            .filter(|l| {
+                let t = l.trim_start();
+                !(t.starts_with("frame #") || t.starts_with("Exception raised from"))
+            })
+            .collect();
+        let tail = &kept[kept.len().saturating_sub(25)..];
         bail!("{what} failed ({}):\n{}", out.status, tail.join("\n"));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
