@@ -720,11 +720,12 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             .max(16.0)
             .min(rows_total);
         // fp32 without autocast: one reused fp32 buffer; otherwise the 16-bit chunk, its fp32
-        // copy and the 16-bit copy for the gradient matmul.
+        // copy and the 16-bit copy for the gradient matmul. Plus `logsumexp`'s fp32 temporary
+        // of the same chunk (`exp(x − max)`: ATen's `logsumexp` is a composite op).
         let per_row = if c.e >= 4.0 {
-            4.0 * v
+            8.0 * v
         } else {
-            (2.0 * c.e + 4.0) * v
+            (2.0 * c.e + 8.0) * v
         };
         rows * per_row
     } else {
