@@ -16,28 +16,7 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
     // Written beside the output first and moved into place at the end: an output that is the
     // input (`--force`) is read completely before anything under its name changes, and a failed
     // conversion leaves the old output (or the input) as it was.
-    let name = output.file_name().ok_or_else(|| {
-        CliError::usage(format!(
-            "--output {}: not a file or folder name",
-            output.display()
-        ))
-    })?;
-    let parent = match output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    std::fs::create_dir_all(parent).map_err(|e| {
-        CliError::usage(format!(
-            "--output {}: cannot create the folder {}: {e}",
-            output.display(),
-            parent.display()
-        ))
-    })?;
-    let tmp = parent.join(format!(
-        ".{}.partial-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
+    let tmp = super::staging_path(output, "a file or folder name")?;
     let result = lora_train::export::convert(input, to, &tmp)
         .map_err(|e| match e {
             lora_train::export::ExportError::NotAnAdapter { .. }

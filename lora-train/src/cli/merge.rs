@@ -27,40 +27,12 @@ fn reserve_output(output: &Path) -> Result<PathBuf, CliError> {
             output.join("merged.safetensors").display()
         )));
     }
-    let Some(name) = output.file_name() else {
-        return Err(CliError::usage(format!(
-            "--output {}: not a file name; give a .safetensors file path",
-            output.display()
-        )));
-    };
-    let parent = match output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    if parent.exists() && !parent.is_dir() {
-        return Err(CliError::usage(format!(
-            "--output {}: {} is a file, not a folder",
-            output.display(),
-            parent.display()
-        )));
-    }
-    std::fs::create_dir_all(parent).map_err(|e| {
-        CliError::usage(format!(
-            "--output {}: cannot create the folder {}: {e}",
-            output.display(),
-            parent.display()
-        ))
-    })?;
-    let tmp = parent.join(format!(
-        ".{}.partial-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
+    let tmp = super::staging_path(output, "a .safetensors file path")?;
     std::fs::File::create(&tmp).map_err(|e| {
         CliError::usage(format!(
             "--output {}: cannot write in {}: {e}; choose another path",
             output.display(),
-            parent.display()
+            tmp.parent().unwrap_or(std::path::Path::new(".")).display()
         ))
     })?;
     Ok(tmp)

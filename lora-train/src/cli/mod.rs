@@ -177,6 +177,45 @@ pub enum Command {
 
 /// An existing output is only replaced with `--force` (exit 2 otherwise), so a typo in `--output`
 /// never destroys a file the user had.
+/// The hidden path beside `output` that a command writes first and renames into place at the end
+/// (`.NAME.partial-PID` in `output`'s folder, which is created). `kind` says what `--output` must
+/// name ("a .safetensors file path", "a file or folder name") in the error for a path without one.
+///
+/// # Errors
+/// Exit 2 naming `--output` when it has no file name, its parent is a file, or the folder cannot
+/// be created.
+fn staging_path(output: &std::path::Path, kind: &str) -> Result<std::path::PathBuf, CliError> {
+    let Some(name) = output.file_name() else {
+        return Err(CliError::usage(format!(
+            "--output {}: not a file name; give {kind}",
+            output.display()
+        )));
+    };
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if parent.exists() && !parent.is_dir() {
+        return Err(CliError::usage(format!(
+            "--output {}: {} is a file, not a folder",
+            output.display(),
+            parent.display()
+        )));
+    }
+    std::fs::create_dir_all(parent).map_err(|e| {
+        CliError::usage(format!(
+            "--output {}: cannot create the folder {}: {e}",
+            output.display(),
+            parent.display()
+        ))
+    })?;
+    Ok(parent.join(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
 fn refuse_existing(output: &std::path::Path, force: bool) -> Result<(), CliError> {
     if output.exists() && !force {
         return Err(CliError::usage(format!(
