@@ -30,7 +30,7 @@ use lora_core::config::AdapterSpec;
 use lora_core::layer::LoraLayer;
 use lora_core::linear::LoraLinear;
 use lora_core::quant::{QuantKind, QuantWeight};
-use lora_train::optim::{
+use lora_train::engine::optim::{
     AdafactorConfig, AdamWConfig, DynamicMap, OptimizerKind, ParamGroup, QuantizedState,
 };
 use tch::{Device, Kind, Tensor, nn};

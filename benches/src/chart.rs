@@ -20,10 +20,10 @@ pub struct Bar {
 }
 
 const SCALE: u32 = 2;
-const CHAR_W: u32 = lora_train::plot::CHAR_W * SCALE;
+const CHAR_W: u32 = lora_train::engine::plot::CHAR_W * SCALE;
 
 fn text(img: &mut RgbImage, x: u32, y: u32, s: &str, color: Rgb<u8>) {
-    lora_train::plot::draw_text(img, x, y, s, SCALE, color);
+    lora_train::engine::plot::draw_text(img, x, y, s, SCALE, color);
 }
 
 fn rect(img: &mut RgbImage, x0: u32, y0: u32, w: u32, h: u32, color: Rgb<u8>) {

@@ -20,9 +20,9 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use lora_train::callbacks::{Callback, Control, StepInfo};
 use lora_train::config::{BaseWeights, Dtype};
-use lora_train::trainer::{BatchSource, Resume, Trainer, TrainerConfig};
+use lora_train::engine::callbacks::{Callback, Control, StepInfo};
+use lora_train::engine::{BatchSource, Resume, Trainer, TrainerConfig};
 
 use crate::{BenchError, Result, lower, torch};
 
@@ -285,12 +285,12 @@ impl FixedBatches {
 }
 
 impl BatchSource<lora_data::text::TextBatch> for FixedBatches {
-    fn start_epoch(&mut self, _epoch: u64) -> lora_train::trainer::Result<()> {
+    fn start_epoch(&mut self, _epoch: u64) -> lora_train::engine::Result<()> {
         self.next = 0;
         Ok(())
     }
 
-    fn next_batch(&mut self) -> lora_train::trainer::Result<Option<lora_data::text::TextBatch>> {
+    fn next_batch(&mut self) -> lora_train::engine::Result<Option<lora_data::text::TextBatch>> {
         if self.next >= self.steps {
             return Ok(None);
         }
@@ -307,7 +307,7 @@ impl BatchSource<lora_data::text::TextBatch> for FixedBatches {
         serde_json::json!({ "next": self.next })
     }
 
-    fn load_state(&mut self, state: &serde_json::Value) -> lora_train::trainer::Result<()> {
+    fn load_state(&mut self, state: &serde_json::Value) -> lora_train::engine::Result<()> {
         self.next = state["next"].as_i64().unwrap_or(0);
         Ok(())
     }
@@ -320,12 +320,12 @@ struct Recorder {
 }
 
 impl Callback for Recorder {
-    fn on_start(&mut self, _total: u64, _start: u64) -> lora_train::trainer::Result<()> {
+    fn on_start(&mut self, _total: u64, _start: u64) -> lora_train::engine::Result<()> {
         self.cpu_mark = cpu_seconds();
         Ok(())
     }
 
-    fn on_step(&mut self, info: &StepInfo) -> lora_train::trainer::Result<Control> {
+    fn on_step(&mut self, info: &StepInfo) -> lora_train::engine::Result<Control> {
         let now = cpu_seconds();
         self.steps
             .borrow_mut()
@@ -378,7 +378,7 @@ pub fn read_batches(job_dir: &Path) -> Result<Tensor> {
 
 /// Resident set and its high-water mark of this process, bytes (`/proc/self/status`).
 pub fn rss() -> (u64, u64) {
-    lora_train::llm::proc_rss()
+    lora_train::job::proc_rss()
 }
 
 /// Runs the job of `opts.job_dir` through our [`Trainer`] and measures it.
@@ -393,9 +393,9 @@ pub fn rss() -> (u64, u64) {
 /// Invalid options (unknown device or precision, more steps than batches); model, adapter and
 /// training errors.
 pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
-    use lora_train::optim::{AdamWConfig, OptimizerKind};
-    use lora_train::precision::Precision;
-    use lora_train::sched::SchedulerKind;
+    use lora_train::engine::optim::{AdamWConfig, OptimizerKind};
+    use lora_train::engine::precision::Precision;
+    use lora_train::engine::sched::SchedulerKind;
     let cuda = match opts.device.as_str() {
         "cpu" => false,
         "cuda" => true,
@@ -500,7 +500,7 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
     }));
 
     let (rss_baseline, _) = rss();
-    let _ = lora_train::llm::reset_peak_rss();
+    let _ = lora_train::job::reset_peak_rss();
     let report = trainer
         .fit(&mut task, &mut source, Resume::No)
         .map_err(lower("training"))?;
@@ -543,7 +543,7 @@ fn phase_loop(
     load_s: f64,
     (b, s): (i64, i64),
 ) -> Result<TrainResult> {
-    use lora_train::optim::{AdamWConfig, OptimizerKind, ParamGroup};
+    use lora_train::engine::optim::{AdamWConfig, OptimizerKind, ParamGroup};
     let device = model.device();
     let sync = || {
         if let Device::Cuda(i) = device {
@@ -559,7 +559,7 @@ fn phase_loop(
     .map_err(lower("building AdamW"))?;
     let bf16 = opts.precision == "bf16";
     let (rss_baseline, _) = rss();
-    let _ = lora_train::llm::reset_peak_rss();
+    let _ = lora_train::job::reset_peak_rss();
     let _ = lora_core::sys::cpu_reset_peak();
     if let Device::Cuda(i) = device {
         let _ = lora_core::sys::cuda_reset_peak(i);

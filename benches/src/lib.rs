@@ -7,7 +7,7 @@
 //! token batches (a safetensors file both sides read), the same AdamW hyper-parameters and thread
 //! count — and records per-step time, losses and peak memory ([`job::TrainResult`]):
 //! - [`job::prepare`] writes the shared inputs (batches and the initial adapter);
-//! - [`job::train_ours`] runs them through [`lora_train::trainer::Trainer`];
+//! - [`job::train_ours`] runs them through [`lora_train::engine::Trainer`];
 //! - `benches/python/peft_train.py` runs them through PEFT + transformers in a plain PyTorch loop;
 //! - [`chart::ratio_chart`] draws the ratios ours/theirs as a bar chart PNG.
 

@@ -179,9 +179,9 @@ impl ModelSettings {
                 } else {
                     return Err(bad("write \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""));
                 };
-                if idx >= cuda_count {
+                if let Some(problem) = lora_core::sys::cuda_device_problem(idx) {
                     return Err(bad(&format!(
-                        "libtorch sees {cuda_count} CUDA device(s); use \"cpu\" or \"auto\""
+                        "a CUDA device this machine has (cuda:{idx} was asked for), but {problem}"
                     )));
                 }
                 Ok(tch::Device::Cuda(idx))

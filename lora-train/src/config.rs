@@ -438,6 +438,10 @@ pub enum OptimizerKind {
     /// SGD (with `momentum`).
     #[serde(rename = "SGD")]
     Sgd,
+    /// SGD with Nesterov momentum (kohya's `SGDNesterov`: `torch.optim.SGD(nesterov=True)`,
+    /// `momentum` as set, 0.9 by default).
+    #[serde(rename = "SGDNesterov")]
+    SgdNesterov,
 }
 
 /// Learning-rate schedule (names of transformers' `get_scheduler` / kohya `lr_scheduler`).
@@ -1209,7 +1213,7 @@ const OPTIMIZERS: &[(&str, OptimizerKind)] = &[
     ("adamw_8bit", OptimizerKind::AdamW8bit),
     ("adamw_bnb_8bit", OptimizerKind::AdamW8bit),
     ("bitsandbytes.optim.AdamW8bit", OptimizerKind::AdamW8bit),
-    ("SGDNesterov", OptimizerKind::Sgd),
+    ("SGDNesterov", OptimizerKind::SgdNesterov),
 ];
 
 const SCHEDULERS: &[(&str, SchedulerKind)] = &[

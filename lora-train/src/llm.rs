@@ -4,239 +4,17 @@
 //! into lora-memory [`Settings`], estimates the peak, checks it against the budget and, with
 //! `memory.auto_fit`, applies lora-memory's `fit()`.
 
-use crate::config::{BaseWeights, Dtype, OptimizerKind, Precision, TargetModules, TrainConfig};
-use lora_memory::{
-    BaseDtype, Budget, Change, Device, Estimate, FitError, MixedPrecision, ModelDescriptor,
-    Optimizer, Settings,
+use crate::config::{BaseWeights, Dtype, TrainConfig};
+use crate::job::error::rt;
+use crate::job::run::move_aside;
+use crate::job::{
+    JobError, MeasuredMemory, Plan, Result, RunOptions, apply_settings, budget_for, budget_source,
+    check_device, check_not_diverged, check_output_dir, lora_config, proc_rss, reset_peak_rss,
+    resolve_path, resume_checkpoint, settings_for, trainer_config,
 };
+use lora_memory::{BaseDtype, Budget, FitError, ModelDescriptor};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
-
-/// Errors of the causal-LM job.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum JobError {
-    /// The configuration is invalid.
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    /// Reading the model header, a budget or estimating failed.
-    #[error(transparent)]
-    Memory(#[from] lora_memory::Error),
-    /// The run is predicted not to fit its budget and was not forced.
-    #[error(
-        "predicted peak {peak} does not fit the budget {budget} ({source_desc}); set memory.auto_fit: true to let lora-memory pick settings that fit, change the settings by hand, or pass --force"
-    )]
-    DoesNotFit {
-        /// Predicted peak.
-        peak: lora_memory::Bytes,
-        /// The budget.
-        budget: lora_memory::Bytes,
-        /// Where the budget came from.
-        source_desc: String,
-    },
-    /// A file given in the config does not exist.
-    #[error("{key} = {path:?}: not found (looked in {looked}); {hint}")]
-    MissingFile {
-        /// The config key.
-        key: String,
-        /// The path as written.
-        path: String,
-        /// Where it was looked for.
-        looked: String,
-        /// What to do.
-        hint: String,
-    },
-    /// An input is unusable: a command-line argument (`--resume` without a checkpoint), an
-    /// empty training file, a model file that is truncated or not a model. The message names the
-    /// file or argument and what to do; the CLI exits 2.
-    #[error("{0}")]
-    Input(String),
-    /// The run was stopped by [`crate::trainer::request_stop`] (Ctrl-C in the CLI).
-    #[error("interrupted at step {step}; {}", match checkpoint {
-        Some(c) => format!("the last checkpoint is {}", c.display()),
-        None => "no checkpoint was saved".to_string(),
-    })]
-    Interrupted {
-        /// Optimizer steps done when it stopped.
-        step: u64,
-        /// The newest checkpoint of the run (the one `--resume` continues from), if any.
-        checkpoint: Option<PathBuf>,
-    },
-    /// Anything else at run time (training, I/O), with context.
-    #[error("{0}")]
-    Runtime(String),
-}
-
-/// `Result` with a [`JobError`].
-pub type Result<T> = std::result::Result<T, JobError>;
-
-/// Resolves a path from the config: as written relative to the current directory when it exists
-/// there, else relative to the config file's folder.
-///
-/// # Errors
-/// [`JobError::MissingFile`] naming the key and both places looked.
-pub fn resolve_path(key: &str, written: &str, config_dir: Option<&Path>) -> Result<PathBuf> {
-    let p = PathBuf::from(written);
-    if p.exists() {
-        return Ok(p);
-    }
-    let mut looked = vec![
-        std::env::current_dir()
-            .map(|d| d.join(&p))
-            .unwrap_or_else(|_| p.clone())
-            .display()
-            .to_string(),
-    ];
-    if p.is_relative()
-        && let Some(dir) = config_dir
-    {
-        let q = dir.join(&p);
-        if q.exists() {
-            return Ok(q);
-        }
-        looked.push(q.display().to_string());
-    }
-    Err(JobError::MissingFile {
-        key: key.into(),
-        path: written.into(),
-        looked: looked.join(" and "),
-        hint: if written.starts_with("assets/") {
-            "the assets are provisioned by `cargo xtask setup`".into()
-        } else {
-            "fix the path (relative paths are tried from the current directory, then from the config file's folder)".into()
-        },
-    })
-}
-
-/// The memory plan of a run.
-#[derive(Debug, Clone, Serialize)]
-pub struct Plan {
-    /// Model name from the header.
-    pub model: String,
-    /// Where the descriptor came from (file path or preset).
-    pub model_source: String,
-    /// Settings estimated (after `auto_fit`, if applied).
-    pub settings: Settings,
-    /// The estimate for `settings`.
-    pub estimate: Estimate,
-    /// The budget, when one is known.
-    pub budget: Option<Budget>,
-    /// `Some(true/false)` when a budget is known.
-    pub fits: Option<bool>,
-    /// Changes made by `auto_fit`.
-    pub changes: Vec<Change>,
-    /// Notes (assumed units, approximations).
-    pub notes: Vec<String>,
-    /// When the plan does not fit and `auto_fit` is off: the changes `fit()` would make and the
-    /// peak they reach (`memory.auto_fit: true` applies them). Empty when nothing fits.
-    pub suggestion: Vec<Change>,
-}
-
-impl Plan {
-    /// A human-readable report: settings, the breakdown table and the verdict. A Stable
-    /// Diffusion plan (one with diffusion detail) is printed by [`crate::sd_plan::report`].
-    pub fn report(&self) -> String {
-        if self.estimate.diffusion.is_some() {
-            return crate::sd_plan::report(self);
-        }
-        let s = &self.settings;
-        let mut out = String::new();
-        // The model's name (GGUF `general.name` as written, else the architecture or preset)
-        // once, in this header; the table's own title line repeats it, so it is dropped.
-        let e = &self.estimate;
-        out += &format!(
-            "plan: {} ({}), trainable params: {}\n",
-            self.model, self.model_source, e.trainable_params
-        );
-        out += &format!(
-            "  device {}  base {:?}  mixed precision {:?}  LoRA r{} α{} on {:?}\n",
-            if s.device.is_cuda() { "cuda" } else { "cpu" },
-            s.base_dtype,
-            s.mixed_precision,
-            s.lora.rank,
-            s.lora.alpha,
-            s.lora.target_modules
-        );
-        out += &format!(
-            "  micro_batch {} × gradient_accumulation_steps {}  seq_len {}  gradient checkpointing {}  optimizer {:?}\n",
-            s.micro_batch,
-            s.gradient_accumulation_steps,
-            s.seq_len,
-            if s.gradient_checkpointing {
-                "on"
-            } else {
-                "off"
-            },
-            s.optimizer
-        );
-        let table = e.to_table();
-        let title = format!("{}  (trainable params: {})\n", e.model, e.trainable_params);
-        out += table.strip_prefix(title.as_str()).unwrap_or(&table);
-        for c in &self.changes {
-            out += &format!(
-                "auto_fit: {} {} → {} ({}); peak after {}\n",
-                c.setting, c.from, c.to, c.reason, c.peak_after
-            );
-        }
-        for n in &self.notes {
-            out += &format!("note: {n}\n");
-        }
-        if !self.suggestion.is_empty() {
-            out += "would fit with (set memory.auto_fit: true to apply, or change the config):\n";
-            for c in &self.suggestion {
-                out += &format!(
-                    "  {} {} → {} ({}); peak after {}\n",
-                    c.setting, c.from, c.to, c.reason, c.peak_after
-                );
-            }
-        }
-        out += &self.verdict();
-        out
-    }
-
-    /// The verdict line of [`Plan::report`] (LLM and SD plans): the predicted peak against the
-    /// budget, the budget in both units (the one it was written in first) and where it came
-    /// from; then, for a CUDA plan with a decimal budget near a GPU's size,
-    /// [`Budget::unit_hint`] on a `hint:` line.
-    pub fn verdict(&self) -> String {
-        let peak = self.estimate.peak;
-        let mut out = match (&self.budget, self.fits) {
-            (Some(b), Some(true)) => format!(
-                "verdict: fits — predicted peak {peak} of budget {} ({}), headroom {}\n",
-                b.amount(),
-                budget_source(b),
-                b.bytes.saturating_sub(peak)
-            ),
-            (Some(b), _) => format!(
-                "verdict: DOES NOT FIT — predicted peak {peak} exceeds budget {} ({}) by {}\n",
-                b.amount(),
-                budget_source(b),
-                peak.saturating_sub(b.bytes)
-            ),
-            (None, _) => format!("verdict: predicted peak {peak} (no budget given)\n"),
-        };
-        if self.settings.device.is_cuda()
-            && let Some(h) = self.budget.as_ref().and_then(Budget::unit_hint)
-        {
-            out += &format!("hint: {h}\n");
-        }
-        out
-    }
-}
-
-/// Describes a budget's origin in words.
-pub fn budget_source(b: &Budget) -> String {
-    match &b.source {
-        lora_memory::BudgetSource::Size { input, assumed } => match assumed {
-            Some(a) => format!("{input:?}, {a}"),
-            None => format!("{input:?}"),
-        },
-        lora_memory::BudgetSource::Gpu { name } => format!("GPU preset {name}"),
-        lora_memory::BudgetSource::NvmlFree { device_index } => {
-            format!("free memory of cuda:{device_index} (NVML)")
-        }
-    }
-}
 
 /// Reads the base model's header (no tensor data): GGUF, safetensors file/folder, `config.json`,
 /// or a lora-memory preset name. Returns the descriptor, a source description, and the GGUF
@@ -304,123 +82,6 @@ fn has_safetensors(dir: &Path) -> bool {
                 .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
         })
         .unwrap_or(false)
-}
-
-/// lora-memory settings for a config. `file_quant` is the storage type of the file's layer
-/// linears (GGUF), used when `model.weights: quantized`; `cuda` selects the device model.
-pub fn settings_for(
-    cfg: &TrainConfig,
-    file_quant: Option<BaseDtype>,
-    cuda: bool,
-) -> (Settings, Vec<String>) {
-    let mut notes = Vec::new();
-    let base_dtype = match cfg.model.weights {
-        BaseWeights::Dense => match cfg.model.dtype {
-            Dtype::F32 => BaseDtype::F32,
-            Dtype::Bf16 => BaseDtype::Bf16,
-            Dtype::F16 => BaseDtype::F16,
-        },
-        BaseWeights::Quantized => match file_quant {
-            Some(q) if q.is_quantized() => q,
-            _ => BaseDtype::Nf4 { double_quant: true },
-        },
-    };
-    let mixed_precision = match cfg.train.mixed_precision {
-        Precision::No => MixedPrecision::No,
-        Precision::Fp16 => MixedPrecision::Fp16,
-        Precision::Bf16 => MixedPrecision::Bf16,
-        Precision::FullBf16 => MixedPrecision::FullBf16,
-    };
-    let targets = match &cfg.lora.target_modules {
-        TargetModules::List(l) => l.clone(),
-        TargetModules::Regex(r) => {
-            if r != "all-linear" {
-                notes.push(format!(
-                    "lora.target_modules is a regex ({r:?}); the plan counts the sites whose name matches it as a plain name"
-                ));
-            }
-            vec![r.clone()]
-        }
-    };
-    let optimizer = match cfg.train.optimizer {
-        OptimizerKind::AdamW => Optimizer::AdamW,
-        OptimizerKind::AdamW8bit => Optimizer::AdamW8bit,
-        OptimizerKind::Adafactor => Optimizer::Adafactor,
-        OptimizerKind::Sgd => Optimizer::Sgd {
-            momentum: cfg.train.momentum as f32,
-        },
-    };
-    let mut s = Settings::default()
-        .with_base_dtype(base_dtype)
-        .with_mixed_precision(mixed_precision)
-        .with_method(if cfg.lora.use_dora {
-            lora_memory::Method::Dora
-        } else {
-            lora_memory::Method::Lora
-        })
-        .with_rank(cfg.lora.rank)
-        .with_alpha(cfg.lora.alpha as f32)
-        .with_target_modules(&targets)
-        .with_lora_dropout(cfg.lora.dropout as f32)
-        .with_micro_batch(cfg.train.batch_size)
-        .with_gradient_accumulation_steps(cfg.train.gradient_accumulation_steps)
-        .with_seq_len(cfg.data.seq_len)
-        .with_gradient_checkpointing(cfg.train.gradient_checkpointing)
-        .with_optimizer(optimizer)
-        .with_device(if cuda { Device::cuda() } else { Device::cpu() });
-    if let Some([w, h]) = cfg.data.resolution {
-        s = s.with_resolution(w.max(h));
-    }
-    if let Some(c) = cfg.data.cache_latents {
-        s = s.with_cache_latents(c);
-    }
-    (s, notes)
-}
-
-/// Writes fitted settings back into the config (what `auto_fit` changes).
-pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
-    cfg.train.batch_size = s.micro_batch;
-    cfg.train.gradient_accumulation_steps = s.gradient_accumulation_steps;
-    cfg.data.seq_len = s.seq_len;
-    cfg.train.gradient_checkpointing = s.gradient_checkpointing;
-    cfg.lora.rank = s.lora.rank;
-    cfg.lora.alpha = f64::from(s.lora.alpha);
-    cfg.train.mixed_precision = match s.mixed_precision {
-        MixedPrecision::No => Precision::No,
-        MixedPrecision::Fp16 => Precision::Fp16,
-        MixedPrecision::Bf16 => Precision::Bf16,
-        MixedPrecision::FullBf16 => Precision::FullBf16,
-    };
-    cfg.train.optimizer = match s.optimizer {
-        Optimizer::AdamW => OptimizerKind::AdamW,
-        Optimizer::AdamW8bit => OptimizerKind::AdamW8bit,
-        Optimizer::Adafactor => OptimizerKind::Adafactor,
-        Optimizer::Sgd { .. } => OptimizerKind::Sgd,
-    };
-    match s.base_dtype {
-        BaseDtype::F32 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F32),
-        BaseDtype::Bf16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::Bf16),
-        BaseDtype::F16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F16),
-        _ => cfg.model.weights = BaseWeights::Quantized,
-    }
-}
-
-/// The budget for a run: an explicit override, else `memory.gpu` / `memory.budget` from the
-/// config, else none.
-///
-/// # Errors
-/// Unknown GPU names (with the list of known ones).
-pub fn budget_for(cfg: &TrainConfig, override_budget: Option<Budget>) -> Result<Option<Budget>> {
-    if override_budget.is_some() {
-        return Ok(override_budget);
-    }
-    if let Some(g) = &cfg.memory.gpu {
-        return Ok(Some(Budget::gpu(g)?));
-    }
-    if let Some(b) = &cfg.memory.budget {
-        return Ok(Some(Budget::parse(&b.text)?));
-    }
-    Ok(None)
 }
 
 /// Plans a run: header → settings → estimate → budget check → (auto_fit) `fit()`.
@@ -497,21 +158,6 @@ pub fn plan(
 // The run
 // ---------------------------------------------------------------------------------------------
 
-/// How [`run`] is called.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// Folder of the config file (relative paths are tried there after the current directory).
-    pub config_dir: Option<PathBuf>,
-    /// Start even when the plan predicts the run does not fit.
-    pub force: bool,
-    /// Print progress and the report to stderr/stdout.
-    pub verbose: bool,
-    /// `None`: start fresh; `Some(None)`: resume from the newest checkpoint of the run's output
-    /// folder; `Some(Some(dir))`: resume from that checkpoint. Either is [`JobError::Input`]
-    /// before anything loads when there is no such checkpoint (see [`resume_checkpoint`]).
-    pub resume: Option<Option<PathBuf>>,
-}
-
 /// Held-out evaluation of the model.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq)]
 pub struct EvalResult {
@@ -521,21 +167,6 @@ pub struct EvalResult {
     pub perplexity: f64,
     /// Tokens scored.
     pub tokens: usize,
-}
-
-/// Measured memory of the run.
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Default)]
-pub struct MeasuredMemory {
-    /// Process resident set right before the first training step (bytes, `/proc/self/status` VmRSS).
-    pub rss_before_steps: u64,
-    /// Peak resident set during the training steps (VmHWM after resetting it before the steps).
-    pub rss_peak_steps: u64,
-    /// `rss_peak_steps − rss_before_steps`: what lora-memory's `step_delta` predicts on CPU.
-    pub rss_step_delta: u64,
-    /// Peak live CPU tensor bytes (the shim's counting allocator), weights included.
-    pub tensor_peak: u64,
-    /// Peak resident set of the whole process since start (VmHWM before the reset).
-    pub rss_peak_process: u64,
 }
 
 /// What a run did.
@@ -631,268 +262,6 @@ impl RunSummary {
     }
 }
 
-fn rt<E: std::fmt::Display>(ctx: &str) -> impl FnOnce(E) -> JobError + '_ {
-    move |e| JobError::Runtime(format!("{ctx}: {e}"))
-}
-
-/// `VmRSS` and `VmHWM` of this process in bytes (Linux; zeros elsewhere).
-pub fn proc_rss() -> (u64, u64) {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kb = |key: &str| {
-        s.lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-            * 1024
-    };
-    (kb("VmRSS:"), kb("VmHWM:"))
-}
-
-/// Resets the kernel's peak-RSS counter (`echo 5 > /proc/self/clear_refs`, Linux ≥ 4.0), so the
-/// next `VmHWM` is the peak from now on. Returns false when not possible.
-pub fn reset_peak_rss() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// Reads the training text: one file, or every `.txt` file of a folder (sorted), cut to
-/// `max_bytes` at a character boundary.
-/// Prepares `train.output_dir` before anything is loaded: it must be a folder (or not exist
-/// yet). When it holds a previous run's `checkpoints/` (and `logs/`) and this run is not a
-/// `--resume`, those are moved aside as `<name>.prev-<unix time>`: a fresh run never interleaves
-/// its checkpoints and metrics with an old run's (a later `--resume` would continue the wrong
-/// one), and nothing the old run left is deleted.
-///
-/// # Errors
-/// [`JobError::Config`] naming `train.output_dir` when it is a file; [`JobError::Runtime`] when
-/// moving fails.
-pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<()> {
-    let out = PathBuf::from(&cfg.train.output_dir);
-    if out.exists() && !out.is_dir() {
-        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
-            key: "train.output_dir".into(),
-            value: format!("{:?}", cfg.train.output_dir),
-            expected: "a folder, but a file of that name exists; choose another output_dir".into(),
-        }));
-    }
-    check_writable(cfg)?;
-    resume_checkpoint(cfg, opts)?;
-    let ckpt = out.join("checkpoints");
-    let has_run = std::fs::read_dir(&ckpt)
-        .map(|rd| {
-            rd.flatten()
-                .any(|e| e.file_name().to_string_lossy().starts_with("step-"))
-        })
-        .unwrap_or(false);
-    if !has_run || opts.resume.is_some() {
-        return Ok(());
-    }
-    let mut names = vec!["checkpoints".to_string()];
-    if cfg.logging.logging_dir.is_none() {
-        names.push("logs".into());
-    }
-    if opts.verbose {
-        eprintln!(
-            "{} holds a previous run; starting a new one (use --resume to continue it)",
-            out.display()
-        );
-    }
-    move_aside(&out, &names, opts.verbose)?;
-    Ok(())
-}
-
-/// Creates `train.output_dir` and writes (then removes) a probe file in it, so a read-only or
-/// otherwise unwritable folder is reported before the model loads rather than at the first
-/// checkpoint.
-///
-/// # Errors
-/// [`JobError::Config`] naming `train.output_dir`, the OS error and what to do.
-pub fn check_writable(cfg: &TrainConfig) -> Result<()> {
-    let out = PathBuf::from(&cfg.train.output_dir);
-    let bad = |what: String| {
-        JobError::Config(crate::config::ConfigError::InvalidValue {
-            key: "train.output_dir".into(),
-            value: format!("{:?}", cfg.train.output_dir),
-            expected: format!(
-                "a folder this user can write, but {what}; choose another output_dir or fix its permissions"
-            ),
-        })
-    };
-    std::fs::create_dir_all(&out)
-        .map_err(|e| bad(format!("creating {} failed: {e}", out.display())))?;
-    let probe = out.join(format!(".lora-train-write-test-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .map_err(|e| bad(format!("writing a file in {} failed: {e}", out.display())))?;
-    let _ = std::fs::remove_file(&probe);
-    Ok(())
-}
-
-/// The checkpoint a `--resume` run continues from and its loop counters, read before the model
-/// loads: the newest complete `step-*` folder under `<train.output_dir>/checkpoints` for
-/// `--resume`, or the folder given to `--resume DIR`. `None` when the run does not resume.
-///
-/// # Errors
-/// [`JobError::Input`] naming the folder searched when there is no checkpoint, or the folder
-/// given when it is not a checkpoint (with the newest checkpoint inside it as a hint when it is
-/// a run's output folder).
-pub fn resume_checkpoint(
-    cfg: &TrainConfig,
-    opts: &RunOptions,
-) -> Result<Option<(PathBuf, crate::checkpoint::TrainerCounters)>> {
-    use crate::checkpoint::{Checkpoint, CheckpointManager};
-    let Some(resume) = &opts.resume else {
-        return Ok(None);
-    };
-    let ckpt_dir = PathBuf::from(&cfg.train.output_dir).join("checkpoints");
-    let latest_in = |d: &Path| CheckpointManager::new(d, 1).latest().ok().flatten();
-    let path = match resume {
-        None => latest_in(&ckpt_dir).ok_or_else(|| {
-            JobError::Input(format!(
-                "--resume: no checkpoint in {} (the checkpoints of train.output_dir {:?}); \
-                 nothing to resume — run without --resume to start fresh, or pass --resume DIR \
-                 with a step-* folder of another run",
-                ckpt_dir.display(),
-                cfg.train.output_dir
-            ))
-        })?,
-        Some(dir) => {
-            if !dir.is_dir() {
-                return Err(JobError::Input(format!(
-                    "--resume {}: no such folder; pass one of the step-* folders under {}, or \
-                     --resume alone for the newest",
-                    dir.display(),
-                    ckpt_dir.display()
-                )));
-            }
-            if !CheckpointManager::is_checkpoint(dir) {
-                let hint = latest_in(dir)
-                    .or_else(|| latest_in(&dir.join("checkpoints")))
-                    .map(|p| format!("did you mean {}?", p.display()))
-                    .unwrap_or_else(|| {
-                        format!(
-                            "pass one of the step-* folders under {}, or --resume alone for the newest",
-                            ckpt_dir.display()
-                        )
-                    });
-                return Err(JobError::Input(format!(
-                    "--resume {}: not a checkpoint (a checkpoint is a step-* folder holding \
-                     state.json); {hint}",
-                    dir.display()
-                )));
-            }
-            dir.clone()
-        }
-    };
-    let counters = Checkpoint::read_counters(&path)
-        .map_err(|e| JobError::Input(format!("--resume {}: {e}", path.display())))?;
-    check_resume_adapter(cfg, &path)?;
-    Ok(Some((path, counters)))
-}
-
-/// Compares the adapter settings a checkpoint was written with ([`crate::checkpoint::ADAPTER_CONFIG_KEYS`]:
-/// rank, alpha, target_modules, …) with the run's, before any tensor is read: a changed rank
-/// would otherwise fail late on a tensor shape, a changed alpha silently train another adapter.
-/// With `memory.auto_fit` the rank and alpha are not compared (the fit may choose them after
-/// this check).
-///
-/// # Errors
-/// [`JobError::Input`] naming each key with the checkpoint's and the config's value.
-fn check_resume_adapter(cfg: &TrainConfig, checkpoint: &Path) -> Result<()> {
-    use crate::checkpoint::{Checkpoint, adapter_config_mismatches};
-    let saved = Checkpoint::read_config(checkpoint)
-        .map_err(|e| JobError::Input(format!("--resume {}: {e}", checkpoint.display())))?;
-    let run = serde_json::to_value(cfg).map_err(rt("serializing the config"))?;
-    let skip: &[&str] = if cfg.memory.auto_fit {
-        &["lora.rank", "lora.alpha"]
-    } else {
-        &[]
-    };
-    let diffs = adapter_config_mismatches(&saved, &run, skip);
-    let Some(first) = diffs.first() else {
-        return Ok(());
-    };
-    let each: Vec<String> = diffs
-        .iter()
-        .map(|d| {
-            format!(
-                "{} is {} in the checkpoint but {} in the config",
-                d.key, d.checkpoint, d.config
-            )
-        })
-        .collect();
-    Err(JobError::Input(format!(
-        "--resume {}: the checkpoint's adapter does not match the config: {}. A resumed run \
-         continues the same adapter: set {}: {} in the config again, or run without --resume \
-         to start a new run",
-        checkpoint.display(),
-        each.join("; "),
-        first.key,
-        first.checkpoint
-    )))
-}
-
-/// Renames each existing `dir/<name>` to `dir/<name>.prev-<unix time>` (nothing is deleted), and
-/// says so when `verbose`.
-fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<()> {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    for name in names {
-        let p = dir.join(name);
-        if p.exists() {
-            let kept = dir.join(format!("{name}.prev-{stamp}"));
-            std::fs::rename(&p, &kept).map_err(rt(&format!(
-                "moving the existing {} aside to {}",
-                p.display(),
-                kept.display()
-            )))?;
-            if verbose {
-                eprintln!("kept the existing {} as {}", p.display(), kept.display());
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Refuses `system.device: cuda` / `cuda:N` when libtorch sees no such CUDA device, before
-/// anything loads (libtorch's own error comes only at the first tensor moved there).
-///
-/// # Errors
-/// [`JobError::Config`] naming `system.device`, what libtorch sees and what to do.
-pub fn check_device(cfg: &TrainConfig) -> Result<()> {
-    let d = cfg.system.device.as_str();
-    let index = match d {
-        "cuda" => 0,
-        _ => match d.strip_prefix("cuda:").and_then(|n| n.parse::<i64>().ok()) {
-            Some(i) => i,
-            None => return Ok(()),
-        },
-    };
-    let count = if tch::Cuda::is_available() {
-        tch::Cuda::device_count()
-    } else {
-        0
-    };
-    if index < count {
-        return Ok(());
-    }
-    Err(JobError::Config(crate::config::ConfigError::InvalidValue {
-        key: "system.device".into(),
-        value: format!("{d:?}"),
-        expected: if count == 0 {
-            "a device this machine has, but libtorch sees no CUDA device here (no GPU, no driver, \
-             or a CPU-only libtorch); use \"cpu\" or \"auto\", and see `lora-train doctor`"
-                .into()
-        } else {
-            format!(
-                "a device this machine has, but libtorch sees {count} CUDA device(s) (cuda:0…cuda:{}); use one of those or \"auto\"",
-                count - 1
-            )
-        },
-    }))
-}
-
 /// Checks plain training text before the model loads: not empty, and (with
 /// `data.eval_fraction` > 0 and no `data.eval_file`) a held-out tail that is not empty either.
 ///
@@ -977,6 +346,8 @@ fn write_stdout(text: &str) -> Result<()> {
         .map_err(|e| JobError::Runtime(format!("writing to stdout failed: {e}")))
 }
 
+/// Reads the training text: one file, or every `.txt` file of a folder (sorted), cut to
+/// `max_bytes` at a character boundary.
 fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf>)> {
     let files: Vec<PathBuf> = if path.is_dir() {
         let mut v: Vec<PathBuf> = std::fs::read_dir(path)
@@ -1082,23 +453,6 @@ fn sample(
         .map_err(rt("decoding the sample"))
 }
 
-/// The PEFT `LoraConfig` of a run.
-///
-/// # Errors
-/// [`JobError::Runtime`] when lora-core rejects the settings.
-pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::config::LoraConfig> {
-    let mut v = cfg.lora.to_peft_json();
-    if let serde_json::Value::Object(m) = &mut v {
-        m.insert("task_type".into(), "CAUSAL_LM".into());
-        m.insert("base_model_name_or_path".into(), base_model.into());
-        m.insert("peft_type".into(), "LORA".into());
-    }
-    let c: lora_core::config::LoraConfig =
-        serde_json::from_value(v).map_err(rt("building the LoRA config"))?;
-    c.validate().map_err(rt("validating the LoRA config"))?;
-    Ok(c)
-}
-
 /// Loads a LLaMA-family base and its tokenizer from a GGUF file or an HF folder.
 ///
 /// # Errors
@@ -1156,7 +510,7 @@ pub fn load_base(
     }
 }
 
-/// The causal-LM [`crate::trainer::TrainStep`]: a LLaMA-family model with LoRA adapters and
+/// The causal-LM [`crate::engine::TrainStep`]: a LLaMA-family model with LoRA adapters and
 /// packed text batches; loss = mean next-token NLL over labels ≠ −100 ([`lora_models::llama::Llama::loss`]).
 pub struct LlamaTask<'a> {
     /// The model (adapters injected).
@@ -1167,17 +521,17 @@ pub struct LlamaTask<'a> {
     pub loraplus_lr_ratio: Option<f64>,
 }
 
-fn model_err(e: lora_models::Error) -> crate::trainer::TrainError {
+fn model_err(e: lora_models::Error) -> crate::engine::TrainError {
     match e {
-        lora_models::Error::Torch(t) => crate::trainer::TrainError::Torch(t),
-        other => crate::trainer::TrainError::App(other.to_string()),
+        lora_models::Error::Torch(t) => crate::engine::TrainError::Torch(t),
+        other => crate::engine::TrainError::App(other.to_string()),
     }
 }
 
-impl crate::trainer::TrainStep for LlamaTask<'_> {
+impl crate::engine::TrainStep for LlamaTask<'_> {
     type Batch = lora_data::text::TextBatch;
 
-    fn loss(&mut self, b: &Self::Batch, train: bool) -> crate::trainer::Result<tch::Tensor> {
+    fn loss(&mut self, b: &Self::Batch, train: bool) -> crate::engine::Result<tch::Tensor> {
         let d = self.model.device();
         let ids = b.input_ids.f_to_device(d)?;
         let labels = b.labels.f_to_device(d)?;
@@ -1195,7 +549,7 @@ impl crate::trainer::TrainStep for LlamaTask<'_> {
         &mut self,
         b: &Self::Batch,
         scale: f64,
-    ) -> crate::trainer::Result<Option<tch::Tensor>> {
+    ) -> crate::engine::Result<Option<tch::Tensor>> {
         if !self.model.gradient_checkpointing() {
             return Ok(None);
         }
@@ -1217,10 +571,10 @@ impl crate::trainer::TrainStep for LlamaTask<'_> {
             .collect()
     }
 
-    fn param_groups(&self) -> Vec<crate::optim::ParamGroup> {
+    fn param_groups(&self) -> Vec<crate::engine::optim::ParamGroup> {
         match self.loraplus_lr_ratio {
-            Some(r) => crate::optim::lora_plus_groups(self.named_trainable(), r),
-            None => vec![crate::optim::ParamGroup::new(
+            Some(r) => crate::engine::optim::lora_plus_groups(self.named_trainable(), r),
+            None => vec![crate::engine::optim::ParamGroup::new(
                 "adapters",
                 self.named.iter().map(|(_, t)| t.shallow_clone()).collect(),
             )],
@@ -1235,7 +589,7 @@ impl crate::trainer::TrainStep for LlamaTask<'_> {
         &self,
         b: &Self::Batch,
         parts: usize,
-    ) -> crate::trainer::Result<Vec<Self::Batch>> {
+    ) -> crate::engine::Result<Vec<Self::Batch>> {
         let n = parts.max(1) as i64;
         let ids = b.input_ids.f_chunk(n, 0)?;
         let labels = b.labels.f_chunk(n, 0)?;
@@ -1296,19 +650,19 @@ impl TextSource {
     }
 }
 
-fn data_err(e: lora_data::Error) -> crate::trainer::TrainError {
-    crate::trainer::TrainError::App(format!("data: {e}"))
+fn data_err(e: lora_data::Error) -> crate::engine::TrainError {
+    crate::engine::TrainError::App(format!("data: {e}"))
 }
 
-impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
-    fn start_epoch(&mut self, epoch: u64) -> crate::trainer::Result<()> {
+impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
+    fn start_epoch(&mut self, epoch: u64) -> crate::engine::Result<()> {
         self.plan = self.loader.plan(epoch);
         self.epoch = epoch;
         self.next = 0;
         Ok(())
     }
 
-    fn next_batch(&mut self) -> crate::trainer::Result<Option<lora_data::text::TextBatch>> {
+    fn next_batch(&mut self) -> crate::engine::Result<Option<lora_data::text::TextBatch>> {
         use lora_data::loader::{Collate, Dataset};
         let Some(idx) = self.plan.get(self.next) else {
             return Ok(None);
@@ -1330,8 +684,8 @@ impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
         serde_json::json!({"epoch": self.epoch, "next": self.next, "rows": lora_data::loader::Dataset::len(self.loader.dataset())})
     }
 
-    fn load_state(&mut self, state: &serde_json::Value) -> crate::trainer::Result<()> {
-        let bad = |m: &str| crate::trainer::TrainError::State {
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
+        let bad = |m: &str| crate::engine::TrainError::State {
             what: "loader position".into(),
             message: m.into(),
         };
@@ -1350,114 +704,6 @@ impl crate::trainer::BatchSource<lora_data::text::TextBatch> for TextSource {
         self.next = next.min(self.plan.len());
         Ok(())
     }
-}
-
-/// The engine's settings for a config.
-///
-/// # Errors
-/// [`JobError::Runtime`] for settings the engine rejects.
-pub fn trainer_config(
-    cfg: &TrainConfig,
-    device: tch::Device,
-    out_dir: &Path,
-    total_steps: u64,
-) -> Result<crate::trainer::TrainerConfig> {
-    use crate::config::{NanPolicy, SchedulerKind as S};
-    use crate::optim::{AdafactorConfig, AdamWConfig, OptimizerKind as O, SgdConfig};
-    use crate::sched::SchedulerKind as E;
-    let t = &cfg.train;
-    let adamw = AdamWConfig {
-        weight_decay: t.weight_decay,
-        ..AdamWConfig::default()
-    };
-    let optimizer = match t.optimizer {
-        OptimizerKind::AdamW => O::AdamW(adamw),
-        OptimizerKind::AdamW8bit => O::AdamW8bit(adamw),
-        OptimizerKind::Adafactor => O::Adafactor(AdafactorConfig::default()),
-        OptimizerKind::Sgd => O::Sgd(SgdConfig {
-            momentum: t.momentum,
-            weight_decay: t.weight_decay,
-            ..SgdConfig::default()
-        }),
-    };
-    let scheduler = match t.lr_scheduler {
-        S::Constant => E::Constant,
-        S::ConstantWithWarmup => E::ConstantWithWarmup,
-        S::Linear => E::Linear,
-        S::Cosine => E::Cosine { num_cycles: 0.5 },
-        S::CosineWithRestarts => E::CosineWithRestarts {
-            num_cycles: f64::from(t.num_cycles.max(1)),
-        },
-        S::Polynomial => E::Polynomial {
-            lr_end: 1e-7,
-            power: t.power,
-        },
-    };
-    let precision = match t.mixed_precision {
-        Precision::No => crate::precision::Precision::Fp32,
-        Precision::Bf16 => crate::precision::Precision::Bf16,
-        Precision::Fp16 => crate::precision::Precision::Fp16,
-        Precision::FullBf16 => crate::precision::Precision::FullBf16,
-    };
-    Ok(crate::trainer::TrainerConfig {
-        lr: t.learning_rate,
-        optimizer,
-        scheduler,
-        warmup_steps: t.warmup_steps,
-        epochs: u64::from(t.epochs),
-        max_steps: Some(total_steps),
-        gradient_accumulation_steps: t.gradient_accumulation_steps.max(1) as usize,
-        max_grad_norm: (t.max_grad_norm > 0.0).then_some(t.max_grad_norm),
-        precision,
-        device,
-        non_finite: match t.nan_policy {
-            NanPolicy::Skip => crate::trainer::NonFinitePolicy::Skip,
-            NanPolicy::LowerLr => crate::trainer::NonFinitePolicy::LowerLr { factor: 0.5 },
-            NanPolicy::Stop => crate::trainer::NonFinitePolicy::Stop,
-        },
-        checkpoint_dir: Some(out_dir.join("checkpoints")),
-        save_every_n_steps: t.save_every_n_steps,
-        save_every_n_epochs: t.save_every_n_epochs.map(u64::from),
-        keep_last: t.keep_last_checkpoints.max(1) as usize,
-        seed: Some(cfg.system.seed),
-        track_cpu_memory: true,
-        run_config: serde_json::to_value(cfg).map_err(rt("serializing the config"))?,
-        ..crate::trainer::TrainerConfig::default()
-    })
-}
-
-/// After training: warns when steps were skipped as non-finite, and refuses a run whose
-/// evaluation loss (`what`, e.g. "held-out loss"; `None` when nothing was evaluated) ended
-/// non-finite, so that no diverged adapter is
-/// exported (it would only break the tools that load it). Shared by the LLM and SD jobs.
-///
-/// # Errors
-/// [`JobError::Runtime`] naming the loss, the skipped steps, what to change and the last
-/// checkpoint.
-pub(crate) fn check_not_diverged(
-    report: &crate::trainer::TrainReport,
-    what: &str,
-    loss: Option<f64>,
-) -> Result<()> {
-    if report.skipped_steps > 0 {
-        eprintln!(
-            "warning: {} of {} optimizer steps were skipped (non-finite loss or gradients; see logs/metrics.jsonl)",
-            report.skipped_steps, report.steps
-        );
-    }
-    let Some(loss) = loss.filter(|l| !l.is_finite()) else {
-        return Ok(());
-    };
-    Err(JobError::Runtime(format!(
-        "training diverged: the {what} after training is {loss} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
-        report.skipped_steps,
-        report.steps,
-        report
-            .last_checkpoint
-            .as_ref()
-            .map(|c| format!("; last checkpoint: {}", c.display()))
-            .unwrap_or_default()
-    )))
 }
 
 /// Runs the causal-LM job: plan (refusing a run predicted not to fit unless forced) → load →
@@ -1525,7 +771,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
     }
 
-    check_output_dir(&cfg, opts)?;
+    let _lock = check_output_dir(&cfg, opts)?;
     let out_dir = PathBuf::from(&cfg.train.output_dir);
     let resume_from = resume_checkpoint(&cfg, opts)?;
     if let Some((path, counters)) = &resume_from {
@@ -1587,7 +833,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         step: resume_from.as_ref().map(|r| r.1.step).unwrap_or(0),
         checkpoint: resume_from.as_ref().map(|r| r.0.clone()),
     };
-    if crate::trainer::stop_requested() {
+    if crate::engine::stop_requested() {
         return Err(interrupted_before_training());
     }
     model.set_gradient_checkpointing(cfg.train.gradient_checkpointing);
@@ -1785,7 +1031,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         Some(p) => Some(sample(&model, &tok, p, cfg.logging.sample_max_new_tokens)?),
         None => None,
     };
-    if crate::trainer::stop_requested() {
+    if crate::engine::stop_requested() {
         return Err(interrupted_before_training());
     }
 
@@ -1804,10 +1050,11 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
     let mut source = TextSource::new(loader);
     let tcfg = trainer_config(&cfg, device, &out_dir, total_steps)?;
-    let mut trainer: crate::trainer::Trainer<LlamaTask<'_>> = crate::trainer::Trainer::new(tcfg);
+    let mut trainer: crate::engine::Trainer<LlamaTask<'_>> = crate::engine::Trainer::new(tcfg);
+    #[cfg(feature = "progress")]
     if cfg.logging.progress && opts.verbose {
         trainer.add_callback(Box::new(
-            crate::callbacks::ProgressBar::new().every(cfg.logging.log_every_n_steps),
+            crate::engine::progress::ProgressBar::new().every(cfg.logging.log_every_n_steps),
         ));
     }
     let log_dir = cfg
@@ -1819,13 +1066,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     // metrics.jsonl (appended on resume), TensorBoard event files when `logging.tensorboard`, and
     // loss.png at the end.
     trainer.add_callback(Box::new(
-        crate::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
+        crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
             .map_err(|e| JobError::Runtime(e.to_string()))?
             .with_every(cfg.logging.log_every_n_steps),
     ));
     let resume = match &resume_from {
-        None => crate::trainer::Resume::No,
-        Some((dir, _)) => crate::trainer::Resume::From(dir.clone()),
+        None => crate::engine::Resume::No,
+        Some((dir, _)) => crate::engine::Resume::From(dir.clone()),
     };
     let (rss_before_steps, hwm_process) = proc_rss();
     let _ = reset_peak_rss();
@@ -1834,14 +1081,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let report = trainer
         .fit(&mut task, &mut source, resume)
         .map_err(|e| match e {
-            crate::trainer::TrainError::NonFinite { .. }
-            | crate::trainer::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
+            crate::engine::TrainError::NonFinite { .. }
+            | crate::engine::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
             other => JobError::Runtime(format!("training: {other}")),
         })?;
     let step = report.steps;
     let tokens = report.tokens;
     let losses = report.losses.clone();
-    if report.interrupted || crate::trainer::stop_requested() {
+    if report.interrupted || crate::engine::stop_requested() {
         return Err(JobError::Interrupted {
             step: report.steps,
             checkpoint: report.last_checkpoint.clone(),
@@ -1946,32 +1193,6 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn settings_follow_the_config() {
-        let mut cfg = TrainConfig::from_yaml_str(
-            "lora: {rank: 16, alpha: 32}\ntrain: {batch_size: 4, gradient_accumulation_steps: 2, optimizer: AdamW8bit, mixed_precision: bf16}\ndata: {seq_len: 512}\n",
-        )
-        .unwrap();
-        let (s, _) = settings_for(&cfg, Some(BaseDtype::Q4_1), false);
-        assert_eq!(
-            (
-                s.lora.rank,
-                s.micro_batch,
-                s.gradient_accumulation_steps,
-                s.seq_len
-            ),
-            (16, 4, 2, 512)
-        );
-        assert_eq!(s.optimizer, Optimizer::AdamW8bit);
-        assert_eq!(s.mixed_precision, MixedPrecision::Bf16);
-        assert_eq!(s.base_dtype, BaseDtype::F32, "dense weights default to f32");
-        assert!(!s.device.is_cuda());
-        cfg.model.weights = BaseWeights::Quantized;
-        let (s, _) = settings_for(&cfg, Some(BaseDtype::Q4_1), true);
-        assert_eq!(s.base_dtype, BaseDtype::Q4_1);
-        assert!(s.device.is_cuda());
-    }
 
     #[test]
     fn preset_plan_against_a_small_gpu_does_not_fit_and_auto_fit_fixes_it() {

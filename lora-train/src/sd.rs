@@ -35,11 +35,12 @@
 //!   `train.prediction_type`, `train.min_snr_gamma`, `train.noise_offset`), the UNet's
 //!   checkpointed backward with `train.gradient_checkpointing`; conditioning at
 //!   `train.clip_skip`.
-//! - **Engine**: the [`crate::trainer::Trainer`] as for LLMs: gradient accumulation, mixed
+//! - **Engine**: the [`crate::engine::Trainer`] as for LLMs: gradient accumulation, mixed
 //!   precision, OOM back-off (batches split), NaN policy, checkpoints and exact resume (the
 //!   loader position is part of the checkpoint).
 //! - **Evaluation**: the loss on fixed noise and fixed timesteps ([`EVAL_TIMESTEPS`]) over the
-//!   8 items spread over the epoch, before and after training ([`fixed_eval_loss`]).
+//!   8 items spread over the epoch, one batch per aspect bucket, before and after training
+//!   ([`fixed_eval_loss`]).
 //! - **Sampling**: DDIM or Euler (`logging.sample_sampler`, `sample_steps`,
 //!   `sample_guidance_scale`) on `logging.sample_prompts` (or the lines of
 //!   `logging.sample_prompt`) every `logging.sample_every_n_steps` steps and at the end, a PNG
@@ -51,9 +52,11 @@
 //!   (`unet.<module>.lora_A/B.weight`, `text_encoder.…`, `text_encoder_2.…`, scaling folded
 //!   into B) — the file `StableDiffusion[XL]Pipeline.load_lora_weights` reads.
 
-use crate::config::{Dtype, ExportFormat, ModelKind, TargetModules, TrainConfig};
-use crate::llm::{JobError, Plan, Result, RunOptions, resolve_path};
-use crate::trainer::{BatchSource, TrainError, TrainStep};
+use crate::config::{Dtype, ExportFormat, TargetModules, TrainConfig};
+use crate::engine::{BatchSource, TrainError, TrainStep};
+use crate::job::error::rt;
+use crate::job::{JobError, Plan, Result, RunOptions, resolve_path};
+use crate::sd_plan::DEFAULT_UNET_TARGETS;
 use lora_core::formats::AdapterWeights;
 use lora_data::cache::{CacheKey, LatentCache};
 use lora_data::image::{ImageCollate, ImageDataset, config::DatasetConfig};
@@ -80,18 +83,10 @@ pub const KOHYA_TE_PREFIX: &str = "lora_te";
 pub const KOHYA_TE1_PREFIX: &str = "lora_te1";
 /// kohya prefix of SDXL's second text encoder, OpenCLIP bigG (`LORA_PREFIX_TEXT_ENCODER2`).
 pub const KOHYA_TE2_PREFIX: &str = "lora_te2";
-/// The UNet modules adapted when `lora.target_modules` is left at its default: the attention
-/// projections, as diffusers' `train_text_to_image_lora.py` (`target_modules=["to_k", "to_q",
-/// "to_v", "to_out.0"]`).
-pub const DEFAULT_UNET_TARGETS: [&str; 4] = ["to_q", "to_k", "to_v", "to_out.0"];
 /// The text-encoder modules adapted with `train.train_text_encoder`: CLIP's attention
 /// projections, as diffusers' `train_text_to_image_lora.py` / `train_dreambooth_lora.py`
 /// (`target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]`).
 pub const TEXT_ENCODER_TARGETS: [&str; 4] = ["q_proj", "k_proj", "v_proj", "out_proj"];
-
-fn rt<E: std::fmt::Display>(ctx: &str) -> impl FnOnce(E) -> JobError + '_ {
-    move |e| JobError::Runtime(format!("{ctx}: {e}"))
-}
 
 /// The training noise schedule of a pipeline folder (`scheduler/scheduler_config.json`), else
 /// SD's (`ScheduleConfig::sd`).
@@ -108,39 +103,6 @@ fn model_err(e: lora_models::Error) -> TrainError {
     match e {
         lora_models::Error::Torch(t) => TrainError::Torch(t),
         other => TrainError::App(other.to_string()),
-    }
-}
-
-/// Whether `path` looks like a Stable Diffusion model: a diffusers folder (`model_index.json` or
-/// a `unet/config.json`) or an original single-file `.safetensors` checkpoint (UNet tensors
-/// under `model.diffusion_model.`; only the header is read). What the CLI uses to send a run to
-/// this job.
-pub fn is_sd_model(path: &Path) -> bool {
-    if path.is_file() {
-        return path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
-            && lora_core::formats::read_header(path).is_ok_and(|h| {
-                h.tensors
-                    .keys()
-                    .any(|k| k.starts_with(lora_models::sd::load::LDM_UNET_PREFIX))
-            });
-    }
-    path.is_dir()
-        && (path.join("model_index.json").is_file() || path.join("unet/config.json").is_file())
-}
-
-/// Whether `cfg` is for this job: `model.kind` `sd15`/`sdxl`, or `auto` with a base model that
-/// [`is_sd_model`] (resolved as [`resolve_path`] does).
-pub fn wants_sd_job(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
-    match cfg.model.kind {
-        ModelKind::Sd15 | ModelKind::Sdxl => true,
-        ModelKind::Llm => false,
-        ModelKind::Auto => cfg
-            .base_model()
-            .ok()
-            .and_then(|b| resolve_path("model.base_model", b, config_dir).ok())
-            .is_some_and(|p| is_sd_model(&p)),
     }
 }
 
@@ -1003,7 +965,7 @@ pub struct SdTask {
 }
 
 impl SdTask {
-    fn inputs(&self, b: &SdBatch, train: bool) -> crate::trainer::Result<(Tensor, TextCond)> {
+    fn inputs(&self, b: &SdBatch, train: bool) -> crate::engine::Result<(Tensor, TextCond)> {
         let d = self.pipe.unet_device();
         let cond = match &b.cond {
             Some(c) => c.to_device(d)?,
@@ -1019,7 +981,7 @@ impl SdTask {
 impl TrainStep for SdTask {
     type Batch = SdBatch;
 
-    fn loss(&mut self, b: &SdBatch, train: bool) -> crate::trainer::Result<Tensor> {
+    fn loss(&mut self, b: &SdBatch, train: bool) -> crate::engine::Result<Tensor> {
         let (lat, cond) = self.inputs(b, train)?;
         let pipe = &self.pipe;
         let ids = b.time_ids.as_ref();
@@ -1030,7 +992,7 @@ impl TrainStep for SdTask {
 
     /// With gradient checkpointing on, the UNet recomputes its units during backward
     /// ([`UNet2DConditionModel::loss_backward`]); otherwise the trainer's plain path runs.
-    fn loss_backward(&mut self, b: &SdBatch, scale: f64) -> crate::trainer::Result<Option<Tensor>> {
+    fn loss_backward(&mut self, b: &SdBatch, scale: f64) -> crate::engine::Result<Option<Tensor>> {
         if !self.pipe.unet.gradient_checkpointing() {
             return Ok(None);
         }
@@ -1074,10 +1036,10 @@ impl TrainStep for SdTask {
             .collect()
     }
 
-    fn param_groups(&self) -> Vec<crate::optim::ParamGroup> {
+    fn param_groups(&self) -> Vec<crate::engine::optim::ParamGroup> {
         match self.loraplus_lr_ratio {
-            Some(r) => crate::optim::lora_plus_groups(self.named_trainable(), r),
-            None => vec![crate::optim::ParamGroup::new(
+            Some(r) => crate::engine::optim::lora_plus_groups(self.named_trainable(), r),
+            None => vec![crate::engine::optim::ParamGroup::new(
                 "adapters",
                 self.named.iter().map(|(_, t)| t.shallow_clone()).collect(),
             )],
@@ -1088,11 +1050,11 @@ impl TrainStep for SdTask {
         b.latents.size().first().copied().unwrap_or(0).max(0) as usize
     }
 
-    fn split_batch(&self, b: &SdBatch, parts: usize) -> crate::trainer::Result<Vec<SdBatch>> {
+    fn split_batch(&self, b: &SdBatch, parts: usize) -> crate::engine::Result<Vec<SdBatch>> {
         let n = parts.max(1) as i64;
         let l = b.latents.f_chunk(n, 0)?;
         let k = l.len();
-        let opt_chunks = |t: Option<&Tensor>| -> crate::trainer::Result<Vec<Option<Tensor>>> {
+        let opt_chunks = |t: Option<&Tensor>| -> crate::engine::Result<Vec<Option<Tensor>>> {
             Ok(match t {
                 Some(t) => t.f_chunk(n, 0)?.into_iter().map(Some).collect(),
                 None => (0..k).map(|_| None).collect(),
@@ -1142,6 +1104,7 @@ pub struct ImageSource {
     latents: HashMap<String, Tensor>,
     text: HashMap<String, TextCond>,
     cache_text: bool,
+    bucket_batches: std::collections::BTreeMap<(u32, u32), u64>,
     /// VAE encodings done (cache misses).
     pub encoded: Rc<RefCell<u64>>,
 }
@@ -1170,6 +1133,7 @@ impl ImageSource {
             latents: HashMap::new(),
             text: HashMap::new(),
             cache_text,
+            bucket_batches: Default::default(),
             encoded: Rc::new(RefCell::new(0)),
         }
     }
@@ -1186,7 +1150,7 @@ impl ImageSource {
     }
 
     /// The batch of dataset items `idx` with seed function `seed_of`.
-    fn build(&mut self, idx: &[usize], seeds: &[u64]) -> crate::trainer::Result<SdBatch> {
+    fn build(&mut self, idx: &[usize], seeds: &[u64]) -> crate::engine::Result<SdBatch> {
         let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
         let mut lats = Vec::with_capacity(idx.len());
         let mut conds = Vec::with_capacity(idx.len());
@@ -1242,19 +1206,36 @@ impl ImageSource {
         *self.encoded.borrow_mut() += p.encoded;
     }
 
-    /// A fixed batch of `n` items spread evenly over the epoch's item list (so repeats of one
-    /// image are not picked twice when `n` ≤ the number of images), built with seed 0
-    /// (centred crops, no flips, captions as seed 0 shuffles them) for the fixed-noise
-    /// evaluation.
+    /// The fixed evaluation set: `n` items spread evenly over the epoch's item list (so
+    /// repeats of one image are not picked twice when `n` ≤ the number of images), built with
+    /// seed 0 (centred crops, no flips, captions as seed 0 shuffles them), as one batch per
+    /// aspect bucket (latents of different buckets differ in shape and cannot be stacked),
+    /// buckets in the order their first item appears.
     ///
     /// # Errors
     /// Data / model errors.
-    pub fn fixed_batch(&mut self, n: usize) -> crate::trainer::Result<SdBatch> {
-        let len = self.loader.dataset().len();
+    pub fn fixed_batches(&mut self, n: usize) -> crate::engine::Result<Vec<SdBatch>> {
+        let ds = self.loader.dataset();
+        let len = ds.len();
         let k = n.min(len).max(1);
-        let idx: Vec<usize> = (0..k).map(|j| j * len / k).collect();
-        let seeds = vec![0u64; idx.len()];
-        self.build(&idx, &seeds)
+        let mut groups: Vec<(Option<(u32, u32)>, Vec<usize>)> = Vec::new();
+        for i in (0..k).map(|j| j * len / k) {
+            let bucket = ds.bucket_of(i);
+            match groups.iter_mut().find(|(b, _)| *b == bucket) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((bucket, vec![i])),
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(_, idx)| self.build(&idx, &vec![0u64; idx.len()]))
+            .collect()
+    }
+
+    /// Training batches drawn so far in this process, per bucket `(width, height)`, in bucket
+    /// order.
+    pub fn bucket_batches(&self) -> Vec<((u32, u32), u64)> {
+        self.bucket_batches.iter().map(|(b, n)| (*b, *n)).collect()
     }
 }
 
@@ -1268,7 +1249,7 @@ fn cached_latents(
     mem: &mut HashMap<String, Tensor>,
     disk: Option<&LatentCache>,
     encoded: &mut u64,
-) -> crate::trainer::Result<(Tensor, LatentsFrom)> {
+) -> crate::engine::Result<(Tensor, LatentsFrom)> {
     let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
     let digest = key.digest();
     if let Some(t) = mem.get(&digest) {
@@ -1313,7 +1294,7 @@ fn cached_text(
     pipe: &SdPipeline,
     caption: &str,
     mem: &mut HashMap<String, TextCond>,
-) -> crate::trainer::Result<TextCond> {
+) -> crate::engine::Result<TextCond> {
     if let Some(t) = mem.get(caption) {
         return Ok(t.shallow_clone());
     }
@@ -1417,7 +1398,7 @@ pub struct Precached {
 /// when a subset flips, which needs crops that are not random) and the text-encoder outputs of
 /// every caption (`text`; captions that do not change between epochs), reading and writing the
 /// disk cache `disk` as training would. Between images it checks
-/// [`crate::trainer::stop_requested`] and returns `None` when a stop was asked for: what was
+/// [`crate::engine::stop_requested`] and returns `None` when a stop was asked for: what was
 /// encoded so far stays on disk as complete entries (each written atomically), nothing is
 /// marked as done, and a rerun encodes the rest. `progress` gets a line now and then (count /
 /// total).
@@ -1431,7 +1412,7 @@ pub fn precache(
     disk: Option<&LatentCache>,
     (latents, text): (bool, bool),
     progress: &dyn Fn(&str),
-) -> crate::trainer::Result<Option<Precached>> {
+) -> crate::engine::Result<Option<Precached>> {
     let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
     let mut out = Precached::default();
     if !latents && !text {
@@ -1448,7 +1429,7 @@ pub fn precache(
     let mut last = started;
     let mut from_disk = 0u64;
     for i in 0..total {
-        if crate::trainer::stop_requested() {
+        if crate::engine::stop_requested() {
             progress(&format!(
                 "caching {what}: stopped at {i}/{total} items ({} encoded, {from_disk} from disk); the cache holds only complete entries, a rerun encodes the rest",
                 out.encoded
@@ -1509,18 +1490,24 @@ pub fn precache(
 }
 
 impl BatchSource<SdBatch> for ImageSource {
-    fn start_epoch(&mut self, epoch: u64) -> crate::trainer::Result<()> {
+    fn start_epoch(&mut self, epoch: u64) -> crate::engine::Result<()> {
         self.plan = self.loader.plan(epoch);
         self.epoch = epoch;
         self.next = 0;
         Ok(())
     }
 
-    fn next_batch(&mut self) -> crate::trainer::Result<Option<SdBatch>> {
+    fn next_batch(&mut self) -> crate::engine::Result<Option<SdBatch>> {
         let Some(idx) = self.plan.get(self.next).cloned() else {
             return Ok(None);
         };
         self.next += 1;
+        if let Some(b) = idx
+            .first()
+            .and_then(|&i| self.loader.dataset().bucket_of(i))
+        {
+            *self.bucket_batches.entry(b).or_default() += 1;
+        }
         let seeds: Vec<u64> = idx.iter().map(|&i| self.item_seed(i)).collect();
         self.build(&idx, &seeds).map(Some)
     }
@@ -1533,7 +1520,7 @@ impl BatchSource<SdBatch> for ImageSource {
         serde_json::json!({"epoch": self.epoch, "next": self.next, "items": self.loader.dataset().len()})
     }
 
-    fn load_state(&mut self, state: &serde_json::Value) -> crate::trainer::Result<()> {
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
         let bad = |m: &str| TrainError::State {
             what: "image loader position".into(),
             message: m.into(),
@@ -1604,15 +1591,15 @@ impl SampleCallback {
     }
 }
 
-impl crate::callbacks::Callback for SampleCallback {
+impl crate::engine::callbacks::Callback for SampleCallback {
     fn on_step(
         &mut self,
-        info: &crate::callbacks::StepInfo,
-    ) -> crate::trainer::Result<crate::callbacks::Control> {
+        info: &crate::engine::callbacks::StepInfo,
+    ) -> crate::engine::Result<crate::engine::callbacks::Control> {
         if self.every > 0 && !self.prompts.is_empty() && info.step % self.every == 0 {
             self.write(info.step).map_err(TrainError::App)?;
         }
-        Ok(crate::callbacks::Control::Continue)
+        Ok(crate::engine::callbacks::Control::Continue)
     }
 }
 
@@ -1620,45 +1607,54 @@ impl crate::callbacks::Callback for SampleCallback {
 // Evaluation, export
 // ---------------------------------------------------------------------------------------------
 
-/// The diffusion loss of `batch` on fixed noise and fixed timesteps: every latent is scored at
-/// each of `timesteps` with noise drawn from `seed`; the mean loss (f64). Identical inputs
-/// before and after training, so the difference is the adapter's doing.
+/// The diffusion loss of `batches` (one per aspect bucket, see [`ImageSource::fixed_batches`])
+/// on fixed noise and fixed timesteps: every latent is scored at each of `timesteps` with noise
+/// drawn from `seed` (batch by batch, timestep by timestep); the mean over all items and
+/// timesteps (f64). Identical inputs before and after training, so the difference is the
+/// adapter's doing.
 ///
 /// # Errors
 /// Model errors.
 pub fn fixed_eval_loss(
     pipe: &SdPipeline,
     objective: &DiffusionLoss,
-    batch: &SdBatch,
+    batches: &[SdBatch],
     timesteps: &[i64],
     seed: u64,
 ) -> lora_models::Result<f64> {
     let _g = tch::no_grad_guard();
     let saved = lora_core::sys::rng_state(Device::Cpu).ok();
     let d = pipe.unet_device();
-    let lat = batch.latents.f_to_device(d)?;
-    let cond = match &batch.cond {
-        Some(c) => c.to_device(d)?,
-        None => pipe.condition(&batch.ids, batch.ids_2.as_ref(), false)?,
-    };
-    let time_ids = batch.time_ids.as_ref();
-    let n = lat.size()[0];
     tch::manual_seed(seed as i64);
     let mut total = 0.0;
-    for &t in timesteps {
-        let noise = Tensor::f_randn(lat.size(), (Kind::Float, Device::Cpu))?
-            .f_to_device(d)?
-            .f_to_kind(lat.kind())?;
-        let ts = Tensor::f_full([n], t, (Kind::Int64, d))?;
-        let l = objective.loss_with(&lat, noise, ts, |x, t| {
-            pipe.predict(x, t, &cond, time_ids, false)
-        })?;
-        total += l.f_double_value(&[])?;
+    let mut items = 0i64;
+    for batch in batches {
+        if crate::engine::stop_requested() {
+            break;
+        }
+        let lat = batch.latents.f_to_device(d)?;
+        let cond = match &batch.cond {
+            Some(c) => c.to_device(d)?,
+            None => pipe.condition(&batch.ids, batch.ids_2.as_ref(), false)?,
+        };
+        let time_ids = batch.time_ids.as_ref();
+        let n = lat.size()[0];
+        for &t in timesteps {
+            let noise = Tensor::f_randn(lat.size(), (Kind::Float, Device::Cpu))?
+                .f_to_device(d)?
+                .f_to_kind(lat.kind())?;
+            let ts = Tensor::f_full([n], t, (Kind::Int64, d))?;
+            let l = objective.loss_with(&lat, noise, ts, |x, t| {
+                pipe.predict(x, t, &cond, time_ids, false)
+            })?;
+            total += l.f_double_value(&[])? * n as f64;
+        }
+        items += n;
     }
     if let Some(s) = saved {
         let _ = lora_core::sys::set_rng_state(Device::Cpu, &s);
     }
-    Ok(total / timesteps.len().max(1) as f64)
+    Ok(total / (items.max(1) as f64 * timesteps.len().max(1) as f64))
 }
 
 /// The Stable Diffusion generation a pipeline belongs to (kohya's `ss_base_model_version`).
@@ -1993,9 +1989,12 @@ pub struct SdRunSummary {
     /// Seconds spent training.
     pub train_seconds: f64,
     /// Measured memory of the training steps (CPU runs; as the causal-LM job measures it).
-    pub memory: crate::llm::MeasuredMemory,
+    pub memory: crate::job::MeasuredMemory,
     /// Sample grids written.
     pub samples: Vec<PathBuf>,
+    /// Training batches drawn in this process per aspect bucket `(width, height)` (a resumed
+    /// run counts only the batches after the resume point).
+    pub bucket_batches: Vec<((u32, u32), u64)>,
     /// Adapter and summary files written.
     pub outputs: Vec<PathBuf>,
 }
@@ -2112,7 +2111,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         desc.as_ref(),
         opts.config_dir.as_deref(),
     )?;
-    crate::llm::check_output_dir(&cfg, opts)?;
+    let _lock = crate::job::check_output_dir(&cfg, opts)?;
     // plan
     let plan = match sd_plan(&mut cfg, &base_path, cuda) {
         Ok(p) => {
@@ -2123,7 +2122,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
                 let b = p
                     .budget
                     .clone()
-                    .map(|b| (b.bytes, crate::llm::budget_source(&b)));
+                    .map(|b| (b.bytes, crate::job::budget_source(&b)));
                 if let Some((bytes, src)) = b {
                     return Err(JobError::DoesNotFit {
                         peak: p.estimate.peak,
@@ -2262,7 +2261,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         step: 0,
         checkpoint: None,
     };
-    if crate::trainer::stop_requested() {
+    if crate::engine::stop_requested() {
         return Err(interrupted());
     }
 
@@ -2404,15 +2403,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     let objective = DiffusionLoss::new(schedule, loss_cfg).map_err(rt("the diffusion loss"))?;
 
     // before
-    let eval_batch = source
-        .fixed_batch(8)
-        .map_err(|e| JobError::Runtime(format!("the evaluation batch: {e}")))?;
+    let eval_batches = source
+        .fixed_batches(8)
+        .map_err(|e| JobError::Runtime(format!("the evaluation batches: {e}")))?;
     let eval_seed = cfg.system.seed ^ 0x5eed;
     let eval_loss_before =
-        fixed_eval_loss(&pipe, &objective, &eval_batch, &EVAL_TIMESTEPS, eval_seed)
+        fixed_eval_loss(&pipe, &objective, &eval_batches, &EVAL_TIMESTEPS, eval_seed)
             .map_err(rt("evaluating before training"))?;
     say(&format!("fixed-noise loss before: {eval_loss_before:.5}"));
-    if crate::trainer::stop_requested() {
+    if crate::engine::stop_requested() {
         return Err(interrupted());
     }
 
@@ -2425,11 +2424,12 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         named,
         loraplus_lr_ratio: cfg.train.loraplus_lr_ratio,
     };
-    let tcfg = crate::llm::trainer_config(&cfg, device, &out_dir, total_steps)?;
-    let mut trainer: crate::trainer::Trainer<SdTask> = crate::trainer::Trainer::new(tcfg);
+    let tcfg = crate::job::trainer_config(&cfg, device, &out_dir, total_steps)?;
+    let mut trainer: crate::engine::Trainer<SdTask> = crate::engine::Trainer::new(tcfg);
+    #[cfg(feature = "progress")]
     if cfg.logging.progress && opts.verbose {
         trainer.add_callback(Box::new(
-            crate::callbacks::ProgressBar::new().every(cfg.logging.log_every_n_steps),
+            crate::engine::progress::ProgressBar::new().every(cfg.logging.log_every_n_steps),
         ));
     }
     let log_dir = cfg
@@ -2439,7 +2439,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         .map(PathBuf::from)
         .unwrap_or_else(|| out_dir.join("logs"));
     trainer.add_callback(Box::new(
-        crate::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
+        crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
             .map_err(|e| JobError::Runtime(e.to_string()))?
             .with_every(cfg.logging.log_every_n_steps),
     ));
@@ -2486,20 +2486,20 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     );
     trainer.add_callback(Box::new(sampler));
     let resume = match &opts.resume {
-        None => crate::trainer::Resume::No,
-        Some(None) => crate::trainer::Resume::Latest,
-        Some(Some(dir)) => crate::trainer::Resume::From(dir.clone()),
+        None => crate::engine::Resume::No,
+        Some(None) => crate::engine::Resume::Latest,
+        Some(Some(dir)) => crate::engine::Resume::From(dir.clone()),
     };
-    let (rss_before_steps, hwm_process) = crate::llm::proc_rss();
-    let _ = crate::llm::reset_peak_rss();
+    let (rss_before_steps, hwm_process) = crate::job::proc_rss();
+    let _ = crate::job::reset_peak_rss();
     let _ = lora_core::sys::cpu_reset_peak();
     let t_train = std::time::Instant::now();
     let rep = trainer
         .fit(&mut task, &mut source, resume)
         .map_err(|e| JobError::Runtime(format!("training: {e}")))?;
     let train_seconds = t_train.elapsed().as_secs_f64();
-    let (_, hwm_steps) = crate::llm::proc_rss();
-    let memory = crate::llm::MeasuredMemory {
+    let (_, hwm_steps) = crate::job::proc_rss();
+    let memory = crate::job::MeasuredMemory {
         rss_before_steps,
         rss_peak_steps: hwm_steps,
         rss_step_delta: hwm_steps.saturating_sub(rss_before_steps),
@@ -2509,7 +2509,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         rss_peak_process: hwm_process.max(hwm_steps),
     };
     drop(trainer);
-    if rep.interrupted || crate::trainer::stop_requested() {
+    if rep.interrupted || crate::engine::stop_requested() {
         // Ctrl-C: the trainer saved a checkpoint; no evaluation, samples or export of a
         // half-trained adapter (the CLI prints how to resume).
         return Err(JobError::Interrupted {
@@ -2525,15 +2525,21 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     let eval_loss_after = fixed_eval_loss(
         &pipe,
         &task.objective,
-        &eval_batch,
+        &eval_batches,
         &EVAL_TIMESTEPS,
         eval_seed,
     )
     .map_err(rt("evaluating after training"))?;
+    if crate::engine::stop_requested() {
+        return Err(JobError::Interrupted {
+            step: rep.steps,
+            checkpoint: rep.last_checkpoint.clone(),
+        });
+    }
     say(&format!(
         "fixed-noise loss: {eval_loss_before:.5} → {eval_loss_after:.5}"
     ));
-    crate::llm::check_not_diverged(&rep, "fixed-noise loss", Some(eval_loss_after))?;
+    crate::job::check_not_diverged(&rep, "fixed-noise loss", Some(eval_loss_after))?;
     if !prompts.is_empty()
         && !written
             .borrow()
@@ -2544,6 +2550,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         written.borrow_mut().push(p);
     }
     let samples = written.borrow().clone();
+    let bucket_batches = source.bucket_batches();
     drop(final_sampler);
     drop(task);
     drop(source);
@@ -2593,6 +2600,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         train_seconds,
         memory,
         samples,
+        bucket_batches,
         outputs,
     };
     let text = serde_json::to_string_pretty(&summary).map_err(rt("serializing the summary"))?;
@@ -2628,6 +2636,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sd_plan::is_sd_model;
 
     #[test]
     fn frozen_model_settings_charge_what_the_job_keeps_on_the_device() {

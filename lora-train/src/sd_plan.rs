@@ -16,16 +16,54 @@
 //! single-file checkpoint's tokenizer.
 
 use crate::config::{ModelKind, TargetModules, TrainConfig};
-use crate::llm::{JobError, Plan, Result, resolve_path};
+use crate::job::{JobError, Plan, Result, resolve_path};
 use lora_memory::model::DiffusionFamily;
 use lora_memory::{Budget, Bytes, FitError, ModelDescriptor, Settings};
 use std::path::{Path, PathBuf};
 
+/// The UNet modules adapted when `lora.target_modules` is left at its default: the attention
+/// projections, as diffusers' `train_text_to_image_lora.py` (`target_modules=["to_k", "to_q",
+/// "to_v", "to_out.0"]`).
+pub const DEFAULT_UNET_TARGETS: [&str; 4] = ["to_q", "to_k", "to_v", "to_out.0"];
+
+/// Whether `path` looks like a Stable Diffusion model: a diffusers folder (`model_index.json` or
+/// a `unet/config.json`) or an original single-file `.safetensors` checkpoint (UNet tensors
+/// under `model.diffusion_model.`; only the header is read). What the CLI uses to send a run to
+/// this job.
+pub fn is_sd_model(path: &Path) -> bool {
+    if path.is_file() {
+        return path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
+            && lora_core::formats::read_header(path).is_ok_and(|h| {
+                h.tensors
+                    .keys()
+                    .any(|k| k.starts_with(lora_models::sd::load::LDM_UNET_PREFIX))
+            });
+    }
+    path.is_dir()
+        && (path.join("model_index.json").is_file() || path.join("unet/config.json").is_file())
+}
+
+/// Whether `cfg` is for this job: `model.kind` `sd15`/`sdxl`, or `auto` with a base model that
+/// [`is_sd_model`] (resolved as [`resolve_path`] does).
+pub fn wants_sd_job(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
+    match cfg.model.kind {
+        ModelKind::Sd15 | ModelKind::Sdxl => true,
+        ModelKind::Llm => false,
+        ModelKind::Auto => cfg
+            .base_model()
+            .ok()
+            .and_then(|b| resolve_path("model.base_model", b, config_dir).ok())
+            .is_some_and(|p| is_sd_model(&p)),
+    }
+}
+
 /// Whether `cfg` plans (and trains) as Stable Diffusion: `model.kind: sd15 | sdxl`, a diffusers
-/// SD folder (see [`crate::sd::wants_sd_job`]), an SD single-file `.safetensors` checkpoint, or
+/// SD folder (see [`wants_sd_job`]), an SD single-file `.safetensors` checkpoint, or
 /// a diffusion preset name (`sd15`, `SD1.5`, `sdxl`) that is not a path.
 pub fn is_sd_config(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
-    if crate::sd::wants_sd_job(cfg, config_dir) {
+    if wants_sd_job(cfg, config_dir) {
         return true;
     }
     if cfg.model.kind != crate::config::ModelKind::Auto {
@@ -214,15 +252,10 @@ fn unet_module_examples() -> Vec<(String, (String, UnetModuleKind))> {
 }
 
 /// `lora.target_modules` as the SD job uses it: the config's value, or the UNet attention
-/// projections ([`crate::sd::DEFAULT_UNET_TARGETS`]) when it is left at its (LLM) default.
+/// projections ([`DEFAULT_UNET_TARGETS`]) when it is left at its (LLM) default.
 pub fn unet_target_modules(cfg: &TrainConfig) -> TargetModules {
     if cfg.lora.target_modules == TargetModules::default() {
-        TargetModules::List(
-            crate::sd::DEFAULT_UNET_TARGETS
-                .iter()
-                .map(|t| t.to_string())
-                .collect(),
-        )
+        TargetModules::List(DEFAULT_UNET_TARGETS.iter().map(|t| t.to_string()).collect())
     } else {
         cfg.lora.target_modules.clone()
     }
@@ -516,7 +549,7 @@ pub fn settings_for(
     desc: &ModelDescriptor,
     cuda: bool,
 ) -> (Settings, Vec<String>) {
-    let (mut s, mut notes) = crate::llm::settings_for(cfg, None, cuda);
+    let (mut s, mut notes) = crate::job::settings_for(cfg, None, cuda);
     // lora-memory names its UNet sites generically (`attn1.to_q`, `proj_in`, …, one per kind
     // of module). A target naming a module by its path (`down_blocks.1.attentions.0.proj_in`)
     // or a regex is planned as the generic sites it reaches, on every such module (an upper
@@ -615,10 +648,10 @@ pub fn settings_for(
     (s, notes)
 }
 
-/// Writes fitted SD settings back into the config: [`crate::llm::apply_settings`] plus the
+/// Writes fitted SD settings back into the config: [`crate::job::apply_settings`] plus the
 /// resolution and whether the text encoder is trained.
 pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
-    crate::llm::apply_settings(cfg, s);
+    crate::job::apply_settings(cfg, s);
     let [w, h] = s.largest_bucket.unwrap_or([s.resolution, s.resolution]);
     if cfg.data.resolution.map(|[a, b]| a.max(b)) != Some(s.resolution) {
         cfg.data.resolution = Some(if s.largest_bucket.is_some() {
@@ -670,7 +703,7 @@ pub fn plan_with(
     } else {
         "the text encoder is frozen: its outputs are cached per caption".into()
     });
-    let budget = crate::llm::budget_for(cfg, override_budget)?;
+    let budget = crate::job::budget_for(cfg, override_budget)?;
     let estimate = lora_memory::estimate(desc, &settings)?;
     let mut plan = Plan {
         model: desc.name().to_string(),
@@ -1028,7 +1061,7 @@ mod tests {
         let cfg = preset_config("model: {base_model: sd15}\n");
         assert_eq!(
             unet_target_modules(&cfg),
-            TargetModules::List(crate::sd::DEFAULT_UNET_TARGETS.map(String::from).to_vec())
+            TargetModules::List(DEFAULT_UNET_TARGETS.map(String::from).to_vec())
         );
         check_target_modules(&cfg).unwrap();
         for (bad, named, hint) in [

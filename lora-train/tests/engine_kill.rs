@@ -10,18 +10,18 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use engine_common::{ToyData, ToyLora};
-use lora_train::callbacks::{Callback, Control, StepInfo};
-use lora_train::checkpoint::{Checkpoint, CheckpointManager};
-use lora_train::optim::OptimizerKind;
-use lora_train::sched::SchedulerKind;
-use lora_train::trainer::{Resume, Trainer, TrainerConfig};
+use lora_train::engine::callbacks::{Callback, Control, StepInfo};
+use lora_train::engine::checkpoint::{Checkpoint, CheckpointManager};
+use lora_train::engine::optim::OptimizerKind;
+use lora_train::engine::sched::SchedulerKind;
+use lora_train::engine::{Resume, Trainer, TrainerConfig};
 
 const TOTAL_STEPS: u64 = 30;
 
 struct Announce;
 
 impl Callback for Announce {
-    fn on_step(&mut self, info: &StepInfo) -> lora_train::trainer::Result<Control> {
+    fn on_step(&mut self, info: &StepInfo) -> lora_train::engine::Result<Control> {
         println!("STEP {}", info.step);
         std::thread::sleep(Duration::from_millis(15));
         Ok(Control::Continue)

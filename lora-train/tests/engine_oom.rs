@@ -9,28 +9,28 @@ use std::sync::{Arc, Mutex};
 
 use engine_common::{ToyData, ToyLora};
 use lora_core::sys;
-use lora_train::callbacks::{Callback, TrainEvent};
-use lora_train::optim::{OptimizerKind, SgdConfig};
-use lora_train::trainer::{Resume, Trainer, TrainerConfig};
+use lora_train::engine::callbacks::{Callback, TrainEvent};
+use lora_train::engine::optim::{OptimizerKind, SgdConfig};
+use lora_train::engine::{Resume, Trainer, TrainerConfig};
 
 #[derive(Clone, Default)]
 struct Events(Arc<Mutex<Vec<TrainEvent>>>);
 
 impl Callback for Events {
-    fn on_event(&mut self, e: &TrainEvent) -> lora_train::trainer::Result<()> {
+    fn on_event(&mut self, e: &TrainEvent) -> lora_train::engine::Result<()> {
         self.0.lock().unwrap().push(e.clone());
         Ok(())
     }
 }
 
-fn run(limit: Option<u64>) -> (ToyLora, lora_train::trainer::TrainReport, Vec<TrainEvent>) {
+fn run(limit: Option<u64>) -> (ToyLora, lora_train::engine::TrainReport, Vec<TrainEvent>) {
     run_with(limit, false)
 }
 
 fn run_with(
     limit: Option<u64>,
     scalar_op: bool,
-) -> (ToyLora, lora_train::trainer::TrainReport, Vec<TrainEvent>) {
+) -> (ToyLora, lora_train::engine::TrainReport, Vec<TrainEvent>) {
     tch::set_num_threads(1);
     let mut task = ToyLora::new();
     task.scratch_with_scalar_op = scalar_op;
@@ -41,7 +41,7 @@ fn run_with(
     let cfg = TrainerConfig {
         lr: 0.05,
         optimizer: OptimizerKind::Sgd(SgdConfig::default()),
-        scheduler: lora_train::sched::SchedulerKind::Constant,
+        scheduler: lora_train::engine::sched::SchedulerKind::Constant,
         epochs: 2,
         max_grad_norm: None,
         ..Default::default()

@@ -2,7 +2,7 @@
 //! Adafactor), with fixtures from `tests/fixtures/gen_optim_ref.py`; state save/load; AdamW8bit
 //! against fp32 AdamW.
 
-use lora_train::optim::{
+use lora_train::engine::optim::{
     AdamW, AdamW8bit, AdamWConfig, DynamicMap, Optimizer, OptimizerKind, OptimizerState,
     ParamGroup, QuantizedState,
 };

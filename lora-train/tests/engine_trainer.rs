@@ -6,11 +6,11 @@ mod engine_common;
 use std::sync::{Arc, Mutex};
 
 use engine_common::{ToyData, ToyLora};
-use lora_train::callbacks::{Callback, Control, StepInfo, StopAfter, TrainEvent};
-use lora_train::checkpoint::{Checkpoint, CheckpointManager};
-use lora_train::optim::{AdamWConfig, OptimizerKind};
-use lora_train::sched::{Scheduler, SchedulerKind};
-use lora_train::trainer::{
+use lora_train::engine::callbacks::{Callback, Control, StepInfo, StopAfter, TrainEvent};
+use lora_train::engine::checkpoint::{Checkpoint, CheckpointManager};
+use lora_train::engine::optim::{AdamWConfig, OptimizerKind};
+use lora_train::engine::sched::{Scheduler, SchedulerKind};
+use lora_train::engine::{
     NonFinitePolicy, Resume, TrainError, TrainReport, Trainer, TrainerConfig,
 };
 
@@ -18,11 +18,11 @@ use lora_train::trainer::{
 struct Record(Arc<Mutex<Vec<StepInfo>>>, Arc<Mutex<Vec<TrainEvent>>>);
 
 impl Callback for Record {
-    fn on_step(&mut self, info: &StepInfo) -> lora_train::trainer::Result<Control> {
+    fn on_step(&mut self, info: &StepInfo) -> lora_train::engine::Result<Control> {
         self.0.lock().unwrap().push(info.clone());
         Ok(Control::Continue)
     }
-    fn on_event(&mut self, e: &TrainEvent) -> lora_train::trainer::Result<()> {
+    fn on_event(&mut self, e: &TrainEvent) -> lora_train::engine::Result<()> {
         self.1.lock().unwrap().push(e.clone());
         Ok(())
     }
@@ -281,17 +281,17 @@ fn bf16_autocast_trains_with_fp32_adapters_and_fp16_needs_cuda() {
     let rec = Record::default();
     let mut cfg = config(None, OptimizerKind::AdamW(AdamWConfig::default()));
     cfg.epochs = 6;
-    cfg.precision = lora_train::precision::Precision::Bf16;
+    cfg.precision = lora_train::engine::precision::Precision::Bf16;
     let (task, report) = train(cfg, None, Resume::No, &rec);
     let first: f64 = report.losses[..5].iter().map(|l| l.1).sum::<f64>() / 5.0;
     let last: f64 = report.losses[25..].iter().map(|l| l.1).sum::<f64>() / 5.0;
     println!("toy loss with bf16 autocast: first epoch {first:.4}, last epoch {last:.4}");
     assert!(last < 0.8 * first, "loss did not drop: {first} -> {last}");
-    for (_, t) in lora_train::trainer::TrainStep::named_trainable(&task) {
+    for (_, t) in lora_train::engine::TrainStep::named_trainable(&task) {
         assert_eq!(t.kind(), tch::Kind::Float);
     }
     let mut fp16 = config(None, OptimizerKind::AdamW(AdamWConfig::default()));
-    fp16.precision = lora_train::precision::Precision::Fp16;
+    fp16.precision = lora_train::engine::precision::Precision::Fp16;
     let mut trainer: Trainer<ToyLora> = Trainer::new(fp16);
     let err = trainer
         .fit(&mut ToyLora::new(), &mut ToyData::new(8, 4, 1), Resume::No)

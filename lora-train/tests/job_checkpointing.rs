@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use lora_train::config::TrainConfig;
-use lora_train::llm::{RunOptions, RunSummary, run};
+use lora_train::job::RunOptions;
+use lora_train::llm::{RunSummary, run};
 use safetensors::SafeTensors;
 
 fn repo() -> PathBuf {

@@ -14,9 +14,9 @@
 //! The stop request is process-wide: every test here takes one lock, and clears it when done.
 
 use lora_train::config::TrainConfig;
-use lora_train::llm::{JobError, RunOptions};
+use lora_train::engine::{clear_stop_request, request_stop};
+use lora_train::job::{JobError, RunOptions};
 use lora_train::sd::{self, SampleOptions, SamplerKind, SdPipeline};
-use lora_train::trainer::{clear_stop_request, request_stop};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -341,4 +341,129 @@ fn frozen_models_loaded_again_compute_what_they_did() {
         .to_string();
     assert!(e.contains("adapters"), "{e}");
     assert_eq!(p.reload_frozen(Device::Cpu, true, false).unwrap(), ["vae"]);
+}
+
+/// A kohya folder `<dir>/mixed/1_mixed/` of 4 emoji (square, RGBA) from the fixture and 4 of
+/// scikit-image's photos of other sizes: `chelsea.png` 451×300 and `coffee.png` 600×400
+/// (landscape), `rocket.jpg` 427×640 (portrait), `camera.png` 512×512 (grayscale), each with a
+/// caption.
+fn mixed_folder(dir: &Path) -> PathBuf {
+    let photos = root().join("assets/skimage");
+    assert!(
+        photos.join("chelsea.png").is_file(),
+        "assets/skimage is missing: run `cargo xtask setup`"
+    );
+    let out = dir.join("mixed");
+    let sub = out.join("1_mixed");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&sub).unwrap();
+    let emoji_dir = std::fs::read_dir(dir.join("data"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.is_dir())
+        .unwrap();
+    let mut emoji: Vec<PathBuf> = files(&emoji_dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "png"))
+        .collect();
+    emoji.sort();
+    for png in &emoji[..4] {
+        std::fs::copy(png, sub.join(png.file_name().unwrap())).unwrap();
+        let txt = png.with_extension("txt");
+        std::fs::copy(&txt, sub.join(txt.file_name().unwrap())).unwrap();
+    }
+    for (name, caption) in [
+        ("chelsea.png", "photo, a cat"),
+        ("coffee.png", "photo, a cup of coffee"),
+        ("rocket.jpg", "photo, a rocket on its launch pad"),
+        ("camera.png", "photo, a man with a camera, grayscale"),
+    ] {
+        std::fs::copy(photos.join(name), sub.join(name)).unwrap();
+        let stem = Path::new(name).file_stem().unwrap().to_str().unwrap();
+        std::fs::write(sub.join(format!("{stem}.txt")), caption).unwrap();
+    }
+    out
+}
+
+/// Real datasets mix aspect ratios: the evaluation batches, caching, training batches and
+/// samples of the SD 1.x and SDXL jobs take images of three buckets (32×32, 40×24, 24×40) with
+/// and without caching before training; the loss stays finite and every bucket is trained on.
+#[test]
+fn mixed_aspect_buckets_train_evaluate_and_sample_sd_and_sdxl() {
+    let _serial = serial();
+    let _clear = ClearStop;
+    clear_stop_request();
+    for sdxl in [false, true] {
+        let dir = fixture(sdxl);
+        let data = mixed_folder(dir);
+        for cache in [true, false] {
+            let what = format!(
+                "{}, cache_latents {cache}",
+                if sdxl { "SDXL" } else { "SD 1.x" }
+            );
+            let out = format!("mixed-out-{cache}");
+            let _ = std::fs::remove_dir_all(dir.join(&out));
+            let yaml = if sdxl {
+                "examples/configs/sdxl-emoji-tiny.yaml"
+            } else {
+                "examples/configs/sd15-emoji-tiny.yaml"
+            };
+            let mut cfg = TrainConfig::from_file(root().join(yaml)).unwrap();
+            cfg.model.base_model = Some(
+                dir.join(if sdxl { "pipeline_xl" } else { "pipeline" })
+                    .display()
+                    .to_string(),
+            );
+            cfg.data.train_data_dir = Some(data.display().to_string());
+            cfg.data.enable_bucket = Some(true);
+            cfg.data.min_bucket_reso = Some(16);
+            cfg.data.max_bucket_reso = Some(64);
+            cfg.data.bucket_reso_steps = Some(8);
+            cfg.data.cache_latents = Some(cache);
+            cfg.data.shuffle_caption = Some(false);
+            cfg.train.train_text_encoder = false;
+            cfg.train.output_dir = dir.join(&out).display().to_string();
+            cfg.train.batch_size = 2;
+            // 5 batches per epoch: 32×32 holds the emoji and the camera (3 batches), 40×24
+            // chelsea and coffee, 24×40 the rocket
+            cfg.train.max_steps = Some(5);
+            cfg.train.save_every_n_steps = None;
+            cfg.logging.sample_every_n_steps = 3;
+            cfg.logging.sample_steps = 2;
+            let s = sd::run(
+                cfg,
+                &RunOptions {
+                    verbose: true,
+                    ..RunOptions::default()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!((s.images, s.items, s.steps), (8, 8, 5), "{what}");
+            assert!(
+                s.eval_loss_before.is_finite() && s.eval_loss_after.is_finite(),
+                "{what}: {} → {}",
+                s.eval_loss_before,
+                s.eval_loss_after
+            );
+            assert!(
+                s.losses.iter().all(|(_, l)| l.is_finite()),
+                "{what}: {:?}",
+                s.losses
+            );
+            assert_eq!(
+                s.bucket_batches,
+                vec![((24, 40), 1), ((32, 32), 3), ((40, 24), 1)],
+                "{what}: every bucket trained on"
+            );
+            if cache {
+                // both orientations are cached only with flip augmentation: one per image
+                assert_eq!(s.vae_encodings, 8, "{what}");
+            }
+            assert_eq!(s.samples.len(), 2, "{what}: steps 3 and 5");
+            for p in &s.samples {
+                assert!(p.is_file(), "{what}: {}", p.display());
+            }
+        }
+    }
 }

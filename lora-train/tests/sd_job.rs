@@ -7,7 +7,7 @@
 //! PEFT adapter with diffusers for us to load.
 
 use lora_train::config::TrainConfig;
-use lora_train::llm::RunOptions;
+use lora_train::job::RunOptions;
 use lora_train::sd::{self, SdRunSummary};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -377,9 +377,9 @@ fn the_sd15_character_config_reads_as_written_and_bad_sd_keys_are_named() {
     let mut auto = c.clone();
     auto.model.kind = ModelKind::Auto;
     auto.model.base_model = Some(dir.path().display().to_string());
-    assert!(sd::wants_sd_job(&auto, None));
+    assert!(lora_train::sd_plan::wants_sd_job(&auto, None));
     auto.model.base_model = Some(root().join("Cargo.toml").display().to_string());
-    assert!(!sd::wants_sd_job(&auto, None));
+    assert!(!lora_train::sd_plan::wants_sd_job(&auto, None));
     // kohya spellings, and errors that name the key
     let c = TrainConfig::from_toml_str(
         "noise_offset = 0.1\nmin_snr_gamma = 5.0\nclip_skip = 2\nsample_every_n_steps = 10\nsample_sampler = \"euler\"\n",
@@ -441,9 +441,9 @@ fn an_sd15_single_file_loads_like_the_folder() {
     let _serial = serial();
     let folder_dir = r.dir.join("pipeline");
     let file = r.dir.join("single/model.safetensors");
-    assert!(sd::is_sd_model(&file));
+    assert!(lora_train::sd_plan::is_sd_model(&file));
     assert!(
-        !sd::is_sd_model(&r.dir.join("out/emoji-tiny.safetensors")),
+        !lora_train::sd_plan::is_sd_model(&r.dir.join("out/emoji-tiny.safetensors")),
         "an adapter is not a model"
     );
     let (k, d) = (Kind::Float, tch::Device::Cpu);

@@ -5,7 +5,7 @@
 //! `peak_allocated`.
 
 use lora_train::config::TrainConfig;
-use lora_train::llm::RunOptions;
+use lora_train::job::RunOptions;
 use lora_train::sd;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -11,7 +11,7 @@
 
 use lora_train::config::TrainConfig;
 use lora_train::core::inject::Adaptable;
-use lora_train::llm::RunOptions;
+use lora_train::job::RunOptions;
 use lora_train::sd::{self, SdRunSummary};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -370,7 +370,7 @@ fn an_sdxl_single_file_loads_like_the_folder_and_trains() {
     let folder_dir = r.dir.join("pipeline_xl");
     let file = r.dir.join("single/model.safetensors");
     assert!(
-        sd::is_sd_model(&file),
+        lora_train::sd_plan::is_sd_model(&file),
         "a single file is recognised by its header"
     );
     let (k, d) = (Kind::Float, tch::Device::Cpu);
@@ -422,7 +422,7 @@ fn an_sdxl_single_file_loads_like_the_folder_and_trains() {
     cfg.model.base_model = Some(file.display().to_string());
     cfg.model.kind = lora_train::config::ModelKind::Auto;
     cfg.model.tokenizer = Some(folder_dir.display().to_string());
-    assert!(sd::wants_sd_job(&cfg, None));
+    assert!(lora_train::sd_plan::wants_sd_job(&cfg, None));
     cfg.train.max_steps = Some(2);
     cfg.train.save_every_n_steps = None;
     cfg.logging.sample_prompts.clear();
@@ -453,7 +453,7 @@ fn the_sdxl_character_config_reads_as_written() {
     assert_eq!(c.train.optimizer, OptimizerKind::AdamW8bit);
     assert!(c.train.gradient_checkpointing && !c.train.train_text_encoder);
     assert!(
-        sd::wants_sd_job(&c, None),
+        lora_train::sd_plan::wants_sd_job(&c, None),
         "model.kind sdxl goes to the SD job"
     );
     let e = TrainConfig::from_yaml_str("model:\n  tokeniser: x\n")

@@ -156,9 +156,13 @@ fn demo(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
     // workspace takes several minutes and should not look like a hang.
     eprintln!("== demo: building lora-train (a first build takes several minutes)");
     let mut build = cargo();
-    build
-        .current_dir(root)
-        .args(["build", "--package", "lora-train", "--bin", "lora-train"]);
+    build.current_dir(root).args([
+        "build",
+        "--package",
+        "lora-train-cli",
+        "--bin",
+        "lora-train",
+    ]);
     configure(&mut build, env);
     util::run(&mut build, "building lora-train")?;
     let mut cmd = cargo();
@@ -166,7 +170,7 @@ fn demo(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
         "run",
         "--quiet",
         "--package",
-        "lora-train",
+        "lora-train-cli",
         "--bin",
         "lora-train",
         "--",

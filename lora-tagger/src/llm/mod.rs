@@ -56,6 +56,26 @@ pub struct LlmSettings {
     pub device: Option<String>,
 }
 
+/// `device` (parsed from `name`) when this machine has it, checked before any model loads.
+///
+/// # Errors
+/// [`Error::Config`] naming `model_settings.device`, what was asked and what libtorch sees.
+fn usable_device(name: &str, device: tch::Device) -> Result<tch::Device> {
+    let tch::Device::Cuda(index) = device else {
+        return Ok(device);
+    };
+    match lora_core::sys::cuda_device_problem(index) {
+        None => Ok(device),
+        Some(problem) => Err(Error::Config {
+            key: "model_settings.device".into(),
+            value: format!("{name:?}"),
+            hint: format!(
+                "a CUDA device this machine has (cuda:{index} was asked for), but {problem}"
+            ),
+        }),
+    }
+}
+
 /// Parses a device name: `cpu`, `cuda` (= `cuda:0`), `cuda:N`, `auto` (CUDA when available).
 ///
 /// # Errors
@@ -106,7 +126,7 @@ pub fn from_settings(s: &LlmSettings) -> Result<Box<dyn Tagger>> {
                 seed: s.seed.unwrap_or(d.seed),
                 max_batch_size: s.max_batch_size.unwrap_or(d.max_batch_size),
                 device: match &s.device {
-                    Some(name) => parse_device(name)?,
+                    Some(name) => usable_device(name, parse_device(name)?)?,
                     None => d.device,
                 },
                 prompt,

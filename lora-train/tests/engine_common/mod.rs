@@ -14,7 +14,7 @@ pub fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-use lora_train::trainer::{BatchSource, Result, TrainStep};
+use lora_train::engine::{BatchSource, Result, TrainStep};
 use tch::{Device, Kind, Tensor};
 
 pub const IN: i64 = 8;

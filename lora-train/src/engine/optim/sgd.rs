@@ -10,12 +10,12 @@
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::{
+use super::optimizer::Optimizer;
+use super::optimizer::{
     OptimizerState, ParamGroup, check_lr, check_meta_name, grad_f32, load_slot, meta_u64,
     param_f32, slot_key, tensor_bytes, write_param, zero_grads,
 };
-use crate::optim::Optimizer;
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
 
 /// SGD hyper-parameters (defaults of `torch.optim.SGD`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -88,7 +88,7 @@ impl Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
-        let _threads = super::CpuStepThreads::for_params(&self.params());
+        let _threads = super::optimizer::CpuStepThreads::for_params(&self.params());
         for (gi, group) in self.groups.iter().enumerate() {
             let lr = self.lr * group.lr_scale;
             let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);

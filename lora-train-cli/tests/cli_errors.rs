@@ -259,6 +259,34 @@ fn train_input_errors_come_before_the_model_loads() {
     let t = Instant::now();
     let o = train(&cfg, &[]);
     assert_usage(&o, t.elapsed(), &["train.output_dir", "empty.txt/out"]);
+
+    // An output folder another live run holds (pid 1 on this host): refused, nothing moved.
+    let busy = d.join("busy");
+    std::fs::create_dir_all(busy.join("checkpoints/step-1")).unwrap();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into());
+    let lock = busy.join(".lora-train.lock");
+    let owner = format!(r#"{{"pid": 1, "host": "{host}", "started": 1700000000}}"#);
+    std::fs::write(&lock, &owner).unwrap();
+    let cfg = config(d, "busy.yaml", &macbeth(), &busy, "");
+    let t = Instant::now();
+    let o = train(&cfg, &[]);
+    assert_usage(
+        &o,
+        t.elapsed(),
+        &[
+            "train.output_dir",
+            "another run is using it",
+            "pid 1",
+            ".lora-train.lock",
+        ],
+    );
+    assert_eq!(std::fs::read_to_string(&lock).unwrap(), owner);
+    assert!(
+        busy.join("checkpoints/step-1").is_dir(),
+        "the other run's checkpoints stay"
+    );
 }
 
 #[test]

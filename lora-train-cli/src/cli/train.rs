@@ -6,16 +6,17 @@
 //! the first).
 
 use super::{CliError, EXIT_INTERRUPTED, EXIT_OK};
-use lora_train::checkpoint::CheckpointManager;
 use lora_train::config::TrainConfig;
-use lora_train::llm::{self, JobError, RunOptions};
+use lora_train::engine::checkpoint::CheckpointManager;
+use lora_train::job::{JobError, RunOptions};
+use lora_train::llm;
 use std::path::{Path, PathBuf};
 
 /// Runs `train`.
 pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Result<i32, CliError> {
     let cfg = TrainConfig::from_file(config)?;
     // Both jobs: `system.device: cuda` without CUDA is refused before anything loads.
-    llm::check_device(&cfg)?;
+    lora_train::job::check_device(&cfg)?;
     let out_dir = PathBuf::from(&cfg.train.output_dir);
     let opts = RunOptions {
         config_dir: config.parent().map(Path::to_path_buf),
@@ -23,7 +24,7 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
         verbose: true,
         resume,
     };
-    let sd_job = lora_train::sd::wants_sd_job(&cfg, opts.config_dir.as_deref());
+    let sd_job = lora_train::sd_plan::wants_sd_job(&cfg, opts.config_dir.as_deref());
     if !sd_job && lora_train::sd_plan::is_sd_config(&cfg, opts.config_dir.as_deref()) {
         // an SD preset name: enough for `plan`, not for training
         return Err(CliError::usage(format!(
@@ -44,7 +45,7 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
         }
         // A job that does not check the stop request itself (the trainer still stops at a step
         // boundary and saves) ends normally: report the interrupt the same way.
-        Ok(()) if lora_train::trainer::stop_requested() => interrupted(config, &out_dir, 0, None),
+        Ok(()) if lora_train::engine::stop_requested() => interrupted(config, &out_dir, 0, None),
         Ok(()) => Ok(EXIT_OK),
         Err(e) => Err(e.into()),
     }
@@ -107,7 +108,7 @@ fn shell_quote(s: &str) -> String {
 /// acts on the flag at the next step boundary.
 #[cfg(unix)]
 extern "C" fn on_sigint(_: libc::c_int) {
-    lora_train::trainer::request_stop();
+    lora_train::engine::request_stop();
     let msg: &[u8] = b"\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again quits at once)\n";
     // SAFETY: write(2) on fd 2 with a valid buffer of the given length.
     unsafe {

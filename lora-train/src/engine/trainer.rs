@@ -1,166 +1,22 @@
-//! The training loop: [`TrainStep`] (the app's model and loss), [`Trainer`] (accumulation,
-//! clipping, mixed precision, OOM back-off, NaN/Inf policy, checkpoints, exact resume) and the
-//! crate's error type.
+//! The training loop: [`TrainStep`] (the app's model and loss), [`BatchSource`] (its data) and
+//! [`Trainer`] (accumulation, clipping, mixed precision, OOM back-off, NaN/Inf policy,
+//! checkpoints, exact resume).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use lora_core::sys::{self, ShimError};
+use lora_core::sys;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::callbacks::{Callback, Control, MemSnapshot, StepInfo, TrainEvent};
-use crate::checkpoint::{Checkpoint, CheckpointManager, TrainerCounters};
-use crate::optim::{Optimizer, OptimizerKind, ParamGroup};
-use crate::precision::{GradScaler, Precision};
-use crate::sched::{Scheduler, SchedulerKind};
-
-/// Set by [`request_stop`]: every running [`Trainer::fit`] stops after its current optimizer
-/// step, saves a checkpoint and returns with [`TrainReport::interrupted`].
-static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Asks every running [`Trainer::fit`] to stop at the next step boundary (after saving a
-/// checkpoint when a `checkpoint_dir` is set). One atomic store: async-signal-safe, so a SIGINT
-/// handler may call it (the `lora-train` CLI does, for Ctrl-C).
-pub fn request_stop() {
-    STOP_REQUESTED.store(true, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// True once [`request_stop`] was called (until [`clear_stop_request`]).
-pub fn stop_requested() -> bool {
-    STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst)
-}
-
-/// Forgets an earlier [`request_stop`], so the next [`Trainer::fit`] runs to its end.
-pub fn clear_stop_request() {
-    STOP_REQUESTED.store(false, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Errors of the training engine.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TrainError {
-    /// A libtorch call failed (out of memory, shape mismatch, …).
-    #[error("libtorch error: {0}")]
-    Torch(#[from] tch::TchError),
-    /// The libtorch shim failed (autocast, allocator statistics, RNG state).
-    #[error(transparent)]
-    Shim(#[from] ShimError),
-    /// A file could not be read or written.
-    #[error("{op} `{path}`: {source}")]
-    Io {
-        /// What was being done ("write checkpoint", "read", …).
-        op: &'static str,
-        /// The file or folder.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A hyper-parameter or setting is invalid.
-    #[error("invalid {what} `{value}`: {hint}")]
-    Invalid {
-        /// The setting.
-        what: String,
-        /// The offending value.
-        value: String,
-        /// What to use instead.
-        hint: String,
-    },
-    /// Saved state (checkpoint, optimizer state) is missing or does not match this run.
-    #[error("bad {what}: {message}")]
-    State {
-        /// Which state.
-        what: String,
-        /// What is wrong and what to do.
-        message: String,
-    },
-    /// Loss or gradient norm became NaN/Inf and the policy is to stop.
-    #[error(
-        "non-finite {what} at step {step}: {value} (policy: stop; lower the learning rate or use bf16/fp32)"
-    )]
-    NonFinite {
-        /// "loss" or "grad norm".
-        what: &'static str,
-        /// The optimizer step.
-        step: u64,
-        /// The value seen.
-        value: f64,
-    },
-    /// Out of memory even with a micro-batch of one sample.
-    #[error(
-        "out of memory at step {step} with micro-batch {micro_batch}: {message} (lower seq length / rank, enable gradient checkpointing or a quantized base)"
-    )]
-    OutOfMemory {
-        /// The optimizer step.
-        step: u64,
-        /// Samples per micro-batch when it failed.
-        micro_batch: usize,
-        /// libtorch's message.
-        message: String,
-    },
-    /// An error raised by the application's [`TrainStep`] or a callback.
-    #[error("{0}")]
-    App(String),
-}
-
-/// `Result` with a [`TrainError`].
-pub type Result<T> = std::result::Result<T, TrainError>;
-
-impl TrainError {
-    /// True for libtorch out-of-memory errors: CUDA ("CUDA out of memory", "out of memory") and CPU
-    /// ("DefaultCPUAllocator: can't allocate memory").
-    pub fn is_oom(&self) -> bool {
-        match self {
-            TrainError::Torch(e) => is_oom_message(&e.to_string()),
-            TrainError::Shim(e) => is_oom_message(&e.message),
-            TrainError::OutOfMemory { .. } => true,
-            _ => false,
-        }
-    }
-}
-
-/// True when a libtorch error message reports an allocation failure.
-pub fn is_oom_message(msg: &str) -> bool {
-    lora_core::oom::is_oom_message(msg)
-}
-
-/// Summary of a finished (or stopped) run.
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-pub struct TrainReport {
-    /// Optimizer steps done (including steps done before a resume).
-    pub steps: u64,
-    /// Epochs completed.
-    pub epochs: u64,
-    /// `(step, loss)` of every step run in this process.
-    pub losses: Vec<(u64, f64)>,
-    /// Loss of the last step.
-    pub final_loss: Option<f64>,
-    /// Steps whose update was skipped (non-finite values, fp16 overflow).
-    pub skipped_steps: u64,
-    /// Out-of-memory back-offs (each halves the micro-batch).
-    pub oom_backoffs: u64,
-    /// Final split of each loader batch (1 = no back-off).
-    pub micro_batch_split: usize,
-    /// True when a callback stopped the run before the planned steps.
-    pub stopped_early: bool,
-    /// True when the run stopped because of [`request_stop`] (Ctrl-C in the CLI); the last
-    /// checkpoint is [`TrainReport::last_checkpoint`].
-    #[serde(default)]
-    pub interrupted: bool,
-    /// The step the run resumed from, if it did.
-    pub resumed_from: Option<u64>,
-    /// The last checkpoint written.
-    pub last_checkpoint: Option<PathBuf>,
-    /// Peak memory on the training device, bytes (CUDA allocator peak, or CPU tensor peak).
-    pub peak_bytes: u64,
-    /// Wall time of this process's part of the run, seconds.
-    pub elapsed_s: f64,
-    /// Samples seen (whole run).
-    pub samples: u64,
-    /// Tokens seen (whole run).
-    pub tokens: u64,
-}
+use crate::engine::callbacks::{Callback, Control, MemSnapshot, StepInfo, TrainEvent};
+use crate::engine::checkpoint::{Checkpoint, CheckpointManager, TrainerCounters};
+use crate::engine::error::{Result, TrainError};
+use crate::engine::optim::{Optimizer, OptimizerKind, ParamGroup};
+use crate::engine::precision::{GradScaler, Precision};
+use crate::engine::report::TrainReport;
+use crate::engine::sched::{Scheduler, SchedulerKind};
+use crate::engine::stop::stop_requested;
 
 /// The application side of training: the model's loss on a batch and its trainable tensors.
 ///
@@ -184,7 +40,7 @@ pub trait TrainStep {
     fn named_trainable(&self) -> Vec<(String, Tensor)>;
 
     /// Parameter groups for the optimizer (default: one group of all trainable tensors). Use
-    /// [`crate::optim::lora_plus_groups`] for LoRA+.
+    /// [`crate::engine::optim::lora_plus_groups`] for LoRA+.
     fn param_groups(&self) -> Vec<ParamGroup> {
         vec![ParamGroup::new(
             "adapters",
@@ -272,8 +128,9 @@ pub enum NonFinitePolicy {
 }
 
 impl Default for NonFinitePolicy {
+    /// [`NonFinitePolicy::Skip`], the config's `train.nan_policy` default.
     fn default() -> Self {
-        NonFinitePolicy::LowerLr { factor: 0.5 }
+        NonFinitePolicy::Skip
     }
 }
 
@@ -420,11 +277,11 @@ enum StepOutcome {
 /// The training loop over a [`TrainStep`].
 ///
 /// ```no_run
-/// # use lora_train::trainer::*;
+/// # use lora_train::engine::*;
 /// # fn run<S: TrainStep>(mut task: S, mut data: impl BatchSource<S::Batch>) -> Result<()> {
 /// let cfg = TrainerConfig { lr: 2e-4, epochs: 3, gradient_accumulation_steps: 4, ..Default::default() };
 /// let mut trainer: Trainer<S> = Trainer::new(cfg);
-/// trainer.add_callback(Box::new(lora_train::callbacks::ProgressBar::new()));
+/// trainer.add_callback(Box::new(lora_train::engine::progress::ProgressBar::new()));
 /// let report = trainer.fit(&mut task, &mut data, Resume::Latest)?;
 /// println!("final loss {:?}", report.final_loss);
 /// # Ok(()) }
@@ -484,7 +341,7 @@ fn mem_snapshot(device: Device, track_cpu: bool) -> MemSnapshot {
 /// A libtorch error.
 pub fn global_grad_norm(params: &[Tensor]) -> Result<f64> {
     let _ng = tch::no_grad_guard();
-    let _threads = crate::optim::CpuStepThreads::for_params(params);
+    let _threads = crate::engine::optim::CpuStepThreads::for_params(params);
     let mut norms = Vec::new();
     for p in params {
         let g = p.f_grad()?;
@@ -509,7 +366,7 @@ pub fn clip_grads(params: &[Tensor], norm: f64, max_norm: f64) -> Result<()> {
         return Ok(());
     }
     let _ng = tch::no_grad_guard();
-    let _threads = crate::optim::CpuStepThreads::for_params(params);
+    let _threads = crate::engine::optim::CpuStepThreads::for_params(params);
     for p in params {
         let mut g = p.f_grad()?;
         if g.defined() {

@@ -15,13 +15,14 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::adamw::AdamWConfig;
 use super::adamw::adamw_update;
-use super::{
-    AdamWConfig, OptimizerState, ParamGroup, check_lr, check_meta_name, grad_f32, load_slot,
-    meta_u64, slot_key, tensor_bytes, zero_grads,
+use super::optimizer::Optimizer;
+use super::optimizer::{
+    OptimizerState, ParamGroup, check_lr, check_meta_name, grad_f32, load_slot, meta_u64, slot_key,
+    tensor_bytes, zero_grads,
 };
-use crate::optim::Optimizer;
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
 
 /// A 256-entry quantization code (sorted ascending), its 255 decision midpoints, and a table that
 /// finds the nearest code of a value without a search.
@@ -347,7 +348,7 @@ impl AdamW8bit {
 impl Optimizer for AdamW8bit {
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
-        let _threads = super::CpuStepThreads::for_params(&self.params());
+        let _threads = super::optimizer::CpuStepThreads::for_params(&self.params());
         for (gi, group) in self.groups.iter().enumerate() {
             let lr = self.lr * group.lr_scale;
             let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);

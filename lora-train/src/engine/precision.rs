@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use lora_core::sys::AutocastGuard;
 
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
 
 /// How the forward/backward runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

@@ -333,39 +333,19 @@ fn read_descriptions(file: &Path) -> Result<Vec<String>, CliError> {
     Ok(out)
 }
 
-/// The `llm` section and generation settings in the form `lora_tagger::llm::from_settings` takes.
-fn llm_settings(cfg: &TaggerConfig) -> lora_tagger::llm::LlmSettings {
-    let l = &cfg.llm;
-    lora_tagger::llm::LlmSettings {
-        backend: l.backend.map(|b| {
-            match b {
-                LlmBackend::Local => "local",
-                LlmBackend::Http => "http",
-            }
-            .to_string()
-        }),
-        model_path: l.model_path.clone(),
-        base_url: l.base_url.clone(),
-        model: l.model.clone(),
-        api_key_env: l.api_key_env.clone(),
-        concurrency: l.concurrency,
-        prompt: l.prompt.clone(),
-        max_batch_size: Some(cfg.generation_settings.max_batch_size),
-        timeout_s: Some(cfg.generation_settings.timeout),
-        retry_attempts: Some(cfg.generation_settings.retry_attempts),
-        device: Some(cfg.model_settings.device.clone()),
-        ..Default::default()
-    }
-}
-
 fn run_descriptions(file: &Path, out: Option<&Path>, cfg: &TaggerConfig) -> Result<i32, CliError> {
     let descriptions = read_descriptions(file)?;
-    let inner = lora_tagger::llm::from_settings(&llm_settings(cfg)).map_err(|e| {
-        CliError::usage(format!(
+    let inner = lora_tagger::llm::from_config(cfg).map_err(|e| match &e {
+        // a device this machine lacks: the message says what was asked, what was found and
+        // how to run on the CPU
+        lora_tagger::Error::Config { key, .. } if key == "model_settings.device" => {
+            CliError::usage(e.to_string())
+        }
+        _ => CliError::usage(format!(
             "{e}\n(an LLM backend must be configured for --descriptions: the `llm` section of \
              --config, e.g. `llm: {{backend: http, base_url: http://127.0.0.1:8080/v1, model: NAME}}`, \
              or the default local SmolLM2 from `cargo xtask setup`)"
-        ))
+        )),
     })?;
     let mut tagger = CachedTagger::new(
         inner,

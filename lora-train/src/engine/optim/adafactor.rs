@@ -17,12 +17,12 @@
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::{
+use super::optimizer::Optimizer;
+use super::optimizer::{
     OptimizerState, ParamGroup, check_lr, check_meta_name, grad_f32, load_slot, meta_u64,
     param_f32, slot_key, tensor_bytes, write_param, zero_grads,
 };
-use crate::optim::Optimizer;
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
 
 /// Adafactor hyper-parameters (`transformers.optimization.Adafactor` names; defaults as there
 /// except `scale_parameter` and `relative_step`, which are off).
@@ -181,7 +181,7 @@ impl Adafactor {
 impl Optimizer for Adafactor {
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
-        let _threads = super::CpuStepThreads::for_params(&self.params());
+        let _threads = super::optimizer::CpuStepThreads::for_params(&self.params());
         let cfg = self.cfg.clone();
         for gi in 0..self.groups.len() {
             let lr_group = self.lr * self.groups[gi].lr_scale;

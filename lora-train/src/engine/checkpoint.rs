@@ -21,10 +21,10 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::optim::OptimizerState;
-use crate::precision::ScalerState;
-use crate::sched::Scheduler;
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
+use crate::engine::optim::OptimizerState;
+use crate::engine::precision::ScalerState;
+use crate::engine::sched::Scheduler;
 
 const ADAPTER_FILE: &str = "adapter.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
@@ -42,7 +42,7 @@ pub struct TrainerCounters {
     pub batches_in_epoch: u64,
     /// Samples seen in total.
     pub samples: u64,
-    /// Tokens seen in total (as reported by the [`crate::trainer::TrainStep`]).
+    /// Tokens seen in total (as reported by the [`crate::engine::trainer::TrainStep`]).
     pub tokens: u64,
     /// Each loader batch is split into this many micro-batches (OOM back-off; 1 normally).
     pub micro_batch_split: usize,
@@ -69,7 +69,7 @@ pub struct Checkpoint {
     pub rng_cpu: Vec<u8>,
     /// CUDA generator state of the training device, if training on CUDA.
     pub rng_cuda: Option<Vec<u8>>,
-    /// The data loader's position (opaque; from [`crate::trainer::BatchSource::state`]).
+    /// The data loader's position (opaque; from [`crate::engine::trainer::BatchSource::state`]).
     pub loader: serde_json::Value,
     /// The run's configuration (opaque JSON), for the record and for resume checks.
     pub config: serde_json::Value,

@@ -12,16 +12,16 @@ use std::f64::consts::PI;
 
 use serde::{Deserialize, Serialize};
 
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
 
 /// Which schedule (kohya / transformers `lr_scheduler` names).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case", tag = "type", deny_unknown_fields)]
 pub enum SchedulerKind {
-    /// `lr` throughout.
+    /// `lr` throughout (the default, as kohya's `lr_scheduler` and the config's).
+    #[default]
     Constant,
     /// Linear warm-up from 0, then `lr`.
-    #[default]
     ConstantWithWarmup,
     /// Warm-up, then linear decay to 0 at `total_steps`.
     Linear,

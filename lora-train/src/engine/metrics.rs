@@ -1,4 +1,5 @@
-//! Run metrics on disk: a JSONL line per step, TensorBoard event files, and a loss-curve PNG.
+//! Run metrics on disk: a JSONL line per step, TensorBoard event files, and (feature `plot`) a
+//! loss-curve PNG.
 //!
 //! TensorBoard files are written directly in their on-disk format — a TFRecord stream of
 //! `tensorflow.Event` protobufs (`tensorboard/compat/proto/event.proto`, `summary.proto`): each
@@ -12,8 +13,9 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::callbacks::{Callback, Control, StepInfo, TrainEvent};
-use crate::trainer::{Result, TrainError, TrainReport};
+use crate::engine::callbacks::{Callback, Control, StepInfo, TrainEvent};
+use crate::engine::error::{Result, TrainError};
+use crate::engine::report::TrainReport;
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
     move |source| TrainError::Io {
@@ -211,134 +213,9 @@ impl TensorBoardWriter {
     }
 }
 
-/// Draws a loss curve as a PNG: light grid, axes, the raw per-step loss in light blue and its
-/// exponential moving average (α = 0.1) in dark blue, y from the minimum to the maximum loss;
-/// labelled with the built-in bitmap font ([`crate::plot`]): a title, the loss at the top, middle
-/// and bottom grid lines, and the first, middle and last step.
-///
-/// # Errors
-/// Fewer than two finite points, or I/O / encoding errors.
-pub fn write_loss_png(path: &Path, points: &[(u64, f64)], width: u32, height: u32) -> Result<()> {
-    let pts: Vec<(f64, f64)> = points
-        .iter()
-        .filter(|p| p.1.is_finite())
-        .map(|&(s, l)| (s as f64, l))
-        .collect();
-    if pts.len() < 2 {
-        return Err(TrainError::Invalid {
-            what: "loss curve".into(),
-            value: format!("{} finite points", pts.len()),
-            hint: "need at least two steps with a finite loss".into(),
-        });
-    }
-    let (w, h) = (width.max(160), height.max(100));
-    let mut img = image::RgbImage::from_pixel(w, h, image::Rgb([255, 255, 255]));
-    let ink = image::Rgb([40, 40, 40]);
-    let margin = 24f64;
-    // Room for the labels: loss values left of the plot, steps below it, a title above.
-    let left = 8.0 + 7.0 * crate::plot::CHAR_W as f64;
-    let bottom = 14.0 + crate::plot::CHAR_H as f64;
-    let (x0, x1) = (pts[0].0, pts[pts.len() - 1].0.max(pts[0].0 + 1.0));
-    let lo = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
-    let hi = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
-    let (lo, hi) = if hi - lo < 1e-12 {
-        (lo - 1.0, hi + 1.0)
-    } else {
-        (lo, hi)
-    };
-    let (pw, ph) = (w as f64 - left - margin, h as f64 - bottom - margin);
-    let px = |x: f64| left + (x - x0) / (x1 - x0) * pw;
-    let py = |y: f64| margin + (1.0 - (y - lo) / (hi - lo)) * ph;
-    let label = |v: f64| {
-        if v.abs() >= 100.0 {
-            format!("{v:.0}")
-        } else if v.abs() >= 10.0 {
-            format!("{v:.1}")
-        } else {
-            format!("{v:.3}")
-        }
-    };
-    let cw = crate::plot::CHAR_W;
-    crate::plot::draw_text(&mut img, left as u32, 6, "LOSS PER STEP, EMA DARK", 1, ink);
-    for (v, y) in [
-        (hi, margin),
-        ((hi + lo) / 2.0, margin + ph / 2.0),
-        (lo, margin + ph),
-    ] {
-        let t = label(v);
-        let x = (left as u32).saturating_sub(4 + t.len() as u32 * cw);
-        crate::plot::draw_text(&mut img, x, (y as u32).saturating_sub(3), &t, 1, ink);
-    }
-    for (step, x) in [
-        (x0, left),
-        ((x0 + x1) / 2.0, left + pw / 2.0),
-        (x1, left + pw),
-    ] {
-        let t = format!("{step:.0}");
-        let x = (x as u32).saturating_sub(t.len() as u32 * cw / 2);
-        crate::plot::draw_text(&mut img, x, h - bottom as u32 + 6, &t, 1, ink);
-    }
-    let mut plot = |x: f64, y: f64, c: [u8; 3]| {
-        if x >= 0.0 && y >= 0.0 && (x as u32) < w && (y as u32) < h {
-            img.put_pixel(x as u32, y as u32, image::Rgb(c));
-        }
-    };
-    // Grid: 5 horizontal and 5 vertical lines inside the plot area.
-    for i in 0..=4 {
-        let gy = margin + i as f64 * ph / 4.0;
-        let gx = left + i as f64 * pw / 4.0;
-        for t in (left as u32)..=((left + pw) as u32) {
-            plot(t as f64, gy, [230, 230, 230]);
-        }
-        for t in (margin as u32)..=((margin + ph) as u32) {
-            plot(gx, t as f64, [230, 230, 230]);
-        }
-    }
-    // Axes.
-    for t in (left as u32)..=((left + pw) as u32) {
-        plot(t as f64, margin + ph, [0, 0, 0]);
-    }
-    for t in (margin as u32)..=((margin + ph) as u32) {
-        plot(left, t as f64, [0, 0, 0]);
-    }
-    let mut line = |a: (f64, f64), b: (f64, f64), c: [u8; 3]| {
-        let n = ((b.0 - a.0).abs().max((b.1 - a.1).abs()).ceil() as usize).max(1);
-        for k in 0..=n {
-            let t = k as f64 / n as f64;
-            plot(a.0 + t * (b.0 - a.0), a.1 + t * (b.1 - a.1), c);
-        }
-    };
-    for win in pts.windows(2) {
-        line(
-            (px(win[0].0), py(win[0].1)),
-            (px(win[1].0), py(win[1].1)),
-            [160, 190, 240],
-        );
-    }
-    let mut ema = pts[0].1;
-    let mut prev = (px(pts[0].0), py(ema));
-    for p in &pts[1..] {
-        ema = 0.9 * ema + 0.1 * p.1;
-        let cur = (px(p.0), py(ema));
-        line(prev, cur, [20, 50, 160]);
-        line((prev.0, prev.1 + 1.0), (cur.0, cur.1 + 1.0), [20, 50, 160]);
-        prev = cur;
-    }
-    if let Some(parent) = path.parent()
-        && !parent.as_os_str().is_empty()
-    {
-        fs::create_dir_all(parent).map_err(io_err("create folder", parent))?;
-    }
-    img.save_with_format(path, image::ImageFormat::Png)
-        .map_err(|e| TrainError::State {
-            what: "loss curve".into(),
-            message: format!("writing `{}`: {e}", path.display()),
-        })
-}
-
 /// A [`Callback`] that writes `metrics.jsonl` (one JSON object per step and per event),
 /// TensorBoard scalars (`loss`, `lr`, `grad_norm`, `it_per_s`, `tokens_per_s`, `mem_peak_mib`)
-/// under `tensorboard/`, and `loss.png` at the end, all in one folder.
+/// under `tensorboard/`, and `loss.png` at the end (feature `plot`), all in one folder.
 pub struct MetricsLogger {
     dir: PathBuf,
     jsonl: BufWriter<File>,
@@ -449,8 +326,14 @@ impl Callback for MetricsLogger {
         if let Some(tb) = self.tb.as_mut() {
             tb.flush()?;
         }
+        #[cfg(feature = "plot")]
         if self.losses.iter().filter(|l| l.1.is_finite()).count() >= 2 {
-            write_loss_png(&self.dir.join("loss.png"), &self.losses, 800, 400)?;
+            crate::engine::plot::write_loss_png(
+                &self.dir.join("loss.png"),
+                &self.losses,
+                800,
+                400,
+            )?;
         }
         Ok(())
     }
@@ -480,27 +363,5 @@ mod tests {
         assert!(recs[1].windows(2).any(|s| s == [0x10, 3]));
         assert!(recs[1].windows(10).any(|s| s == b"train/loss"));
         assert!(recs[1].windows(4).any(|s| s == 1.5f32.to_le_bytes()));
-    }
-
-    #[test]
-    fn loss_png_has_the_curve() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("loss.png");
-        let pts: Vec<(u64, f64)> = (1..=50).map(|s| (s, 2.0 / s as f64)).collect();
-        write_loss_png(&p, &pts, 200, 100).unwrap();
-        let img = image::open(&p).unwrap().to_rgb8();
-        assert_eq!(img.dimensions(), (200, 100));
-        let dark = img.pixels().filter(|px| px.0 == [20, 50, 160]).count();
-        assert!(dark > 100, "{dark} curve pixels");
-        // Labels are drawn (text ink) left of the y axis and under the x axis.
-        let ink = |x0: u32, x1: u32, y0: u32, y1: u32| {
-            (x0..x1)
-                .flat_map(|x| (y0..y1).map(move |y| (x, y)))
-                .filter(|&(x, y)| img.get_pixel(x, y).0 == [40, 40, 40])
-                .count()
-        };
-        assert!(ink(0, 40, 20, 85) > 20, "no y labels");
-        assert!(ink(40, 200, 85, 100) > 10, "no x labels");
-        assert!(write_loss_png(&p, &pts[..1], 200, 100).is_err());
     }
 }

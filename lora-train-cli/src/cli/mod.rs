@@ -11,7 +11,6 @@ mod generate;
 mod merge;
 mod model;
 mod plan;
-#[cfg(feature = "tagger")]
 mod tag;
 mod train;
 
@@ -171,7 +170,6 @@ pub enum Command {
         seed: u64,
     },
     /// Caption a folder of images (image tagger) or tag text descriptions (LLM tagger).
-    #[cfg(feature = "tagger")]
     Tag(tag::TagArgs),
 }
 
@@ -294,9 +292,9 @@ impl From<lora_train::config::ConfigError> for CliError {
     }
 }
 
-impl From<lora_train::llm::JobError> for CliError {
-    fn from(e: lora_train::llm::JobError) -> Self {
-        use lora_train::llm::JobError as J;
+impl From<lora_train::job::JobError> for CliError {
+    fn from(e: lora_train::job::JobError) -> Self {
+        use lora_train::job::JobError as J;
         let code = match &e {
             J::Config(_) | J::MissingFile { .. } | J::Input(_) => EXIT_USAGE,
             J::Interrupted { .. } => EXIT_INTERRUPTED,
@@ -379,7 +377,6 @@ pub fn main() -> i32 {
             top_k,
             seed,
         }),
-        #[cfg(feature = "tagger")]
         Command::Tag(args) => tag::run(&args),
     };
     match result {

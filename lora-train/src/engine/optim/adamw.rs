@@ -10,14 +10,17 @@
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::{
+use super::optimizer::Optimizer;
+use super::optimizer::{
     OptimizerState, ParamGroup, check_lr, check_meta_name, grad_f32, load_slot, meta_u64,
     param_f32, slot_key, tensor_bytes, write_param, zero_grads,
 };
-use crate::optim::Optimizer;
-use crate::trainer::{Result, TrainError};
+use crate::engine::error::{Result, TrainError};
 
-/// AdamW hyper-parameters (defaults of `torch.optim.AdamW`).
+/// AdamW hyper-parameters: `torch.optim.AdamW`'s betas and ε; weight decay 0 as in
+/// transformers' `TrainingArguments.weight_decay` (the config's `train.weight_decay` default,
+/// so a config and the engine train the same). kohya's and diffusers' training scripts pass
+/// torch's `0.01`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamWConfig {
@@ -25,7 +28,7 @@ pub struct AdamWConfig {
     pub betas: (f64, f64),
     /// ε added to the denominator, default `1e-8`.
     pub eps: f64,
-    /// Decoupled weight decay λ, default `0.01`.
+    /// Decoupled weight decay λ, default `0.0`.
     pub weight_decay: f64,
 }
 
@@ -34,7 +37,7 @@ impl Default for AdamWConfig {
         Self {
             betas: (0.9, 0.999),
             eps: 1e-8,
-            weight_decay: 0.01,
+            weight_decay: 0.0,
         }
     }
 }
@@ -198,10 +201,10 @@ impl Optimizer for AdamW {
     /// ([`lora_core::sys::adam_foreach_step`], a few calls per group instead of ~10 per tensor);
     /// others (bf16/fp16 parameters with fp32 state) through [`adamw_update`]. Both give the same
     /// bits as `torch.optim.AdamW`. On CPU the step runs on one libtorch thread
-    /// ([`super::CpuStepThreads`]).
+    /// ([`super::optimizer::CpuStepThreads`]).
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
-        let _threads = super::CpuStepThreads::for_params(&self.params());
+        let _threads = super::optimizer::CpuStepThreads::for_params(&self.params());
         let (b1, b2) = self.cfg.betas;
         for (gi, group) in self.groups.iter().enumerate() {
             let lr = self.lr * group.lr_scale;

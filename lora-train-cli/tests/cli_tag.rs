@@ -5,8 +5,6 @@
 //! is found beside the executable from any folder (or exit 2 naming where it looked), failed
 //! images are not counted as tagged, and `--max-tags 0` means no limit.
 
-#![cfg(feature = "tagger")]
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -279,4 +277,43 @@ fn max_tags_0_means_no_limit_as_wd14_taggers_write_every_tag_above_the_threshold
         .unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("0 = no limit"), "{help}");
+}
+
+/// A config that asks for CUDA on a machine without one is exit 2 with one sentence (what was
+/// asked, what libtorch sees, how to run on the CPU) before any model loads, and no libtorch
+/// backtrace. Skipped where libtorch sees a CUDA device.
+#[test]
+fn tag_descriptions_on_a_missing_cuda_device_is_one_clear_sentence() {
+    if lora_train::core::sys::cuda_device_count().unwrap_or(0) > 0 {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tagger.yaml");
+    std::fs::write(&cfg, "model_settings:\n  device: cuda\n").unwrap();
+    let desc = dir.path().join("d.txt");
+    std::fs::write(&desc, "Greek coins from Pompeii.\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .arg("tag")
+        .arg("--descriptions")
+        .arg(&desc)
+        .arg("--config")
+        .arg(&cfg)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    for needle in [
+        "model_settings.device",
+        "cuda:0 was asked for",
+        "no CUDA device",
+        "\"cpu\"",
+    ] {
+        assert!(t.contains(needle), "{needle:?} not in:\n{t}");
+    }
+    assert!(
+        !t.contains("frame #"),
+        "a libtorch backtrace reached the user:\n{t}"
+    );
+    assert!(!t.contains("LLM backend must be configured"), "{t}");
 }

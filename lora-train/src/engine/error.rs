@@ -1,0 +1,94 @@
+//! The engine's error type.
+
+use std::path::PathBuf;
+
+use lora_core::sys::ShimError;
+
+/// Errors of the training engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// A libtorch call failed (out of memory, shape mismatch, …).
+    #[error("libtorch error: {0}")]
+    Torch(#[from] tch::TchError),
+    /// The libtorch shim failed (autocast, allocator statistics, RNG state).
+    #[error(transparent)]
+    Shim(#[from] ShimError),
+    /// A file could not be read or written.
+    #[error("{op} `{path}`: {source}")]
+    Io {
+        /// What was being done ("write checkpoint", "read", …).
+        op: &'static str,
+        /// The file or folder.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A hyper-parameter or setting is invalid.
+    #[error("invalid {what} `{value}`: {hint}")]
+    Invalid {
+        /// The setting.
+        what: String,
+        /// The offending value.
+        value: String,
+        /// What to use instead.
+        hint: String,
+    },
+    /// Saved state (checkpoint, optimizer state) is missing or does not match this run.
+    #[error("bad {what}: {message}")]
+    State {
+        /// Which state.
+        what: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// Loss or gradient norm became NaN/Inf and the policy is to stop.
+    #[error(
+        "non-finite {what} at step {step}: {value} (policy: stop; lower the learning rate or use bf16/fp32)"
+    )]
+    NonFinite {
+        /// "loss" or "grad norm".
+        what: &'static str,
+        /// The optimizer step.
+        step: u64,
+        /// The value seen.
+        value: f64,
+    },
+    /// Out of memory even with a micro-batch of one sample.
+    #[error(
+        "out of memory at step {step} with micro-batch {micro_batch}: {message} (lower seq length / rank, enable gradient checkpointing or a quantized base)"
+    )]
+    OutOfMemory {
+        /// The optimizer step.
+        step: u64,
+        /// Samples per micro-batch when it failed.
+        micro_batch: usize,
+        /// libtorch's message.
+        message: String,
+    },
+    /// An error raised by the application's [`crate::engine::TrainStep`] or a callback.
+    #[error("{0}")]
+    App(String),
+}
+
+/// `Result` with a [`TrainError`].
+pub type Result<T> = std::result::Result<T, TrainError>;
+
+impl TrainError {
+    /// True for libtorch out-of-memory errors: CUDA ("CUDA out of memory", "out of memory") and CPU
+    /// ("DefaultCPUAllocator: can't allocate memory").
+    pub fn is_oom(&self) -> bool {
+        match self {
+            TrainError::Torch(e) => is_oom_message(&e.to_string()),
+            TrainError::Shim(e) => is_oom_message(&e.message),
+            TrainError::OutOfMemory { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// True when a libtorch error message reports an allocation failure.
+pub fn is_oom_message(msg: &str) -> bool {
+    lora_core::oom::is_oom_message(msg)
+}

@@ -1,0 +1,168 @@
+//! One lowering of a [`TrainConfig`] to the settings of the layers below it: the engine's
+//! [`crate::engine::TrainerConfig`] and lora-core's [`lora_core::config::LoraConfig`].
+
+use crate::config::{OptimizerKind, Precision, TrainConfig};
+use crate::job::error::{Result, rt};
+use std::path::Path;
+
+/// The engine's settings for a config.
+///
+/// # Errors
+/// [`JobError::Runtime`] for settings the engine rejects.
+pub fn trainer_config(
+    cfg: &TrainConfig,
+    device: tch::Device,
+    out_dir: &Path,
+    total_steps: u64,
+) -> Result<crate::engine::TrainerConfig> {
+    use crate::config::{NanPolicy, SchedulerKind as S};
+    use crate::engine::optim::{AdafactorConfig, AdamWConfig, OptimizerKind as O, SgdConfig};
+    use crate::engine::sched::SchedulerKind as E;
+    let t = &cfg.train;
+    let adamw = AdamWConfig {
+        weight_decay: t.weight_decay,
+        ..AdamWConfig::default()
+    };
+    let optimizer = match t.optimizer {
+        OptimizerKind::AdamW => O::AdamW(adamw),
+        OptimizerKind::AdamW8bit => O::AdamW8bit(adamw),
+        OptimizerKind::Adafactor => O::Adafactor(AdafactorConfig::default()),
+        OptimizerKind::Sgd => O::Sgd(SgdConfig {
+            momentum: t.momentum,
+            weight_decay: t.weight_decay,
+            ..SgdConfig::default()
+        }),
+        OptimizerKind::SgdNesterov => O::Sgd(SgdConfig {
+            momentum: t.momentum,
+            weight_decay: t.weight_decay,
+            nesterov: true,
+            ..SgdConfig::default()
+        }),
+    };
+    let scheduler = match t.lr_scheduler {
+        S::Constant => E::Constant,
+        S::ConstantWithWarmup => E::ConstantWithWarmup,
+        S::Linear => E::Linear,
+        S::Cosine => E::Cosine { num_cycles: 0.5 },
+        S::CosineWithRestarts => E::CosineWithRestarts {
+            num_cycles: f64::from(t.num_cycles.max(1)),
+        },
+        S::Polynomial => E::Polynomial {
+            lr_end: 1e-7,
+            power: t.power,
+        },
+    };
+    let precision = match t.mixed_precision {
+        Precision::No => crate::engine::precision::Precision::Fp32,
+        Precision::Bf16 => crate::engine::precision::Precision::Bf16,
+        Precision::Fp16 => crate::engine::precision::Precision::Fp16,
+        Precision::FullBf16 => crate::engine::precision::Precision::FullBf16,
+    };
+    Ok(crate::engine::TrainerConfig {
+        lr: t.learning_rate,
+        optimizer,
+        scheduler,
+        warmup_steps: t.warmup_steps,
+        epochs: u64::from(t.epochs),
+        max_steps: Some(total_steps),
+        gradient_accumulation_steps: t.gradient_accumulation_steps.max(1) as usize,
+        max_grad_norm: (t.max_grad_norm > 0.0).then_some(t.max_grad_norm),
+        precision,
+        device,
+        non_finite: match t.nan_policy {
+            NanPolicy::Skip => crate::engine::NonFinitePolicy::Skip,
+            NanPolicy::LowerLr => crate::engine::NonFinitePolicy::LowerLr { factor: 0.5 },
+            NanPolicy::Stop => crate::engine::NonFinitePolicy::Stop,
+        },
+        checkpoint_dir: Some(out_dir.join("checkpoints")),
+        save_every_n_steps: t.save_every_n_steps,
+        save_every_n_epochs: t.save_every_n_epochs.map(u64::from),
+        keep_last: t.keep_last_checkpoints.max(1) as usize,
+        seed: Some(cfg.system.seed),
+        track_cpu_memory: true,
+        run_config: serde_json::to_value(cfg).map_err(rt("serializing the config"))?,
+        ..crate::engine::TrainerConfig::default()
+    })
+}
+
+/// The PEFT `LoraConfig` of a run.
+///
+/// # Errors
+/// [`JobError::Runtime`] when lora-core rejects the settings.
+pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::config::LoraConfig> {
+    let mut v = cfg.lora.to_peft_json();
+    if let serde_json::Value::Object(m) = &mut v {
+        m.insert("task_type".into(), "CAUSAL_LM".into());
+        m.insert("base_model_name_or_path".into(), base_model.into());
+        m.insert("peft_type".into(), "LORA".into());
+    }
+    let c: lora_core::config::LoraConfig =
+        serde_json::from_value(v).map_err(rt("building the LoRA config"))?;
+    c.validate().map_err(rt("validating the LoRA config"))?;
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::optim::{AdamWConfig, OptimizerKind as O, SgdConfig};
+    use crate::engine::{NonFinitePolicy, TrainerConfig};
+
+    fn lowered(cfg: &TrainConfig) -> TrainerConfig {
+        trainer_config(cfg, tch::Device::Cpu, Path::new("out"), 10).unwrap()
+    }
+
+    #[test]
+    fn the_config_defaults_are_the_engine_defaults() {
+        let from_yaml = TrainConfig::from_yaml_str("{}\n").unwrap();
+        let from_toml = TrainConfig::from_toml_str("").unwrap();
+        let engine = TrainerConfig::default();
+        for cfg in [TrainConfig::default(), from_yaml, from_toml] {
+            let t = lowered(&cfg);
+            assert_eq!(t.optimizer, engine.optimizer);
+            assert_eq!(t.optimizer, O::AdamW(AdamWConfig::default()));
+            assert_eq!(t.scheduler, engine.scheduler);
+            assert_eq!(t.non_finite, engine.non_finite);
+            assert_eq!(t.non_finite, NonFinitePolicy::Skip);
+            assert_eq!(t.lr, engine.lr);
+            assert_eq!(t.warmup_steps, engine.warmup_steps);
+            assert_eq!(t.epochs, engine.epochs);
+            assert_eq!(
+                t.gradient_accumulation_steps,
+                engine.gradient_accumulation_steps
+            );
+            assert_eq!(t.max_grad_norm, engine.max_grad_norm);
+            assert_eq!(t.precision, engine.precision);
+            assert_eq!(t.keep_last, engine.keep_last);
+            assert_eq!(t.save_every_n_steps, engine.save_every_n_steps);
+        }
+    }
+
+    #[test]
+    fn sgd_nesterov_from_a_config_is_nesterov_sgd_as_the_engine_names_it() {
+        let engine = crate::engine::optim::OptimizerKind::from_name("SGDNesterov").unwrap();
+        for cfg in [
+            TrainConfig::from_yaml_str("optimizer_type: SGDNesterov\n").unwrap(),
+            TrainConfig::from_toml_str("optimizer_type = \"SGDNesterov\"\n").unwrap(),
+        ] {
+            let t = lowered(&cfg);
+            assert_eq!(t.optimizer, engine);
+            assert_eq!(
+                t.optimizer,
+                O::Sgd(SgdConfig {
+                    momentum: 0.9,
+                    nesterov: true,
+                    ..SgdConfig::default()
+                })
+            );
+        }
+        let plain = lowered(&TrainConfig::from_yaml_str("optimizer_type: SGD\n").unwrap());
+        assert!(matches!(
+            plain.optimizer,
+            O::Sgd(SgdConfig {
+                nesterov: false,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,22 @@
+//! What every job shares: its error type, how it is called ([`RunOptions`]), config paths,
+//! the memory plan ([`plan`]), the lowering of a [`crate::config::TrainConfig`] to the engine's
+//! and lora-core's settings ([`lower`]), and the checks and measurements around a run
+//! ([`run`]). A recipe (`crate::llm`, `crate::sd`) uses this module; this module uses no
+//! recipe.
+
+pub mod error;
+pub mod lower;
+pub mod options;
+pub mod plan;
+pub mod run;
+
+pub use error::{JobError, Result};
+pub use lower::{lora_config, trainer_config};
+pub use options::{RunOptions, resolve_path};
+pub use plan::Plan;
+pub use plan::{apply_settings, budget_for, budget_source, diffusion_report, settings_for};
+pub(crate) use run::check_not_diverged;
+pub use run::{
+    MeasuredMemory, OutputLock, check_device, check_output_dir, check_writable, proc_rss,
+    reset_peak_rss, resume_checkpoint,
+};

@@ -1,0 +1,529 @@
+//! The memory plan of a run ([`Plan`]) and how it reads: the language-model report, the
+//! diffusion report (image and latent sizes, what is cached, UNet / VAE / text-encoder rows) and
+//! the verdict; the config ↔ lora-memory [`Settings`] mapping and the budget a run is held to.
+
+use crate::config::{BaseWeights, Dtype, OptimizerKind, Precision, TargetModules, TrainConfig};
+use crate::job::error::Result;
+use lora_memory::{
+    BaseDtype, Budget, Bytes, Change, Device, Estimate, MixedPrecision, Optimizer, Settings,
+};
+use serde::Serialize;
+
+/// The memory plan of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    /// Model name from the header.
+    pub model: String,
+    /// Where the descriptor came from (file path or preset).
+    pub model_source: String,
+    /// Settings estimated (after `auto_fit`, if applied).
+    pub settings: Settings,
+    /// The estimate for `settings`.
+    pub estimate: Estimate,
+    /// The budget, when one is known.
+    pub budget: Option<Budget>,
+    /// `Some(true/false)` when a budget is known.
+    pub fits: Option<bool>,
+    /// Changes made by `auto_fit`.
+    pub changes: Vec<Change>,
+    /// Notes (assumed units, approximations).
+    pub notes: Vec<String>,
+    /// When the plan does not fit and `auto_fit` is off: the changes `fit()` would make and the
+    /// peak they reach (`memory.auto_fit: true` applies them). Empty when nothing fits.
+    pub suggestion: Vec<Change>,
+}
+
+impl Plan {
+    /// A human-readable report: settings, the breakdown table and the verdict. A Stable
+    /// Diffusion plan (one with diffusion detail) is printed by [`diffusion_report`].
+    pub fn report(&self) -> String {
+        if self.estimate.diffusion.is_some() {
+            return diffusion_report(self);
+        }
+        let s = &self.settings;
+        let mut out = String::new();
+        // The model's name (GGUF `general.name` as written, else the architecture or preset)
+        // once, in this header; the table's own title line repeats it, so it is dropped.
+        let e = &self.estimate;
+        out += &format!(
+            "plan: {} ({}), trainable params: {}\n",
+            self.model, self.model_source, e.trainable_params
+        );
+        out += &format!(
+            "  device {}  base {:?}  mixed precision {:?}  LoRA r{} α{} on {:?}\n",
+            if s.device.is_cuda() { "cuda" } else { "cpu" },
+            s.base_dtype,
+            s.mixed_precision,
+            s.lora.rank,
+            s.lora.alpha,
+            s.lora.target_modules
+        );
+        out += &format!(
+            "  micro_batch {} × gradient_accumulation_steps {}  seq_len {}  gradient checkpointing {}  optimizer {:?}\n",
+            s.micro_batch,
+            s.gradient_accumulation_steps,
+            s.seq_len,
+            if s.gradient_checkpointing {
+                "on"
+            } else {
+                "off"
+            },
+            s.optimizer
+        );
+        let table = e.to_table();
+        let title = format!("{}  (trainable params: {})\n", e.model, e.trainable_params);
+        out += table.strip_prefix(title.as_str()).unwrap_or(&table);
+        for c in &self.changes {
+            out += &format!(
+                "auto_fit: {} {} → {} ({}); peak after {}\n",
+                c.setting, c.from, c.to, c.reason, c.peak_after
+            );
+        }
+        for n in &self.notes {
+            out += &format!("note: {n}\n");
+        }
+        if !self.suggestion.is_empty() {
+            out += "would fit with (set memory.auto_fit: true to apply, or change the config):\n";
+            for c in &self.suggestion {
+                out += &format!(
+                    "  {} {} → {} ({}); peak after {}\n",
+                    c.setting, c.from, c.to, c.reason, c.peak_after
+                );
+            }
+        }
+        out += &self.verdict();
+        out
+    }
+
+    /// The verdict line of [`Plan::report`] (LLM and SD plans): the predicted peak against the
+    /// budget, the budget in both units (the one it was written in first) and where it came
+    /// from; then, for a CUDA plan with a decimal budget near a GPU's size,
+    /// [`Budget::unit_hint`] on a `hint:` line.
+    pub fn verdict(&self) -> String {
+        let peak = self.estimate.peak;
+        let mut out = match (&self.budget, self.fits) {
+            (Some(b), Some(true)) => format!(
+                "verdict: fits — predicted peak {peak} of budget {} ({}), headroom {}\n",
+                b.amount(),
+                budget_source(b),
+                b.bytes.saturating_sub(peak)
+            ),
+            (Some(b), _) => format!(
+                "verdict: DOES NOT FIT — predicted peak {peak} exceeds budget {} ({}) by {}\n",
+                b.amount(),
+                budget_source(b),
+                peak.saturating_sub(b.bytes)
+            ),
+            (None, _) => format!("verdict: predicted peak {peak} (no budget given)\n"),
+        };
+        if self.settings.device.is_cuda()
+            && let Some(h) = self.budget.as_ref().and_then(Budget::unit_hint)
+        {
+            out += &format!("hint: {h}\n");
+        }
+        out
+    }
+}
+
+/// Describes a budget's origin in words.
+pub fn budget_source(b: &Budget) -> String {
+    match &b.source {
+        lora_memory::BudgetSource::Size { input, assumed } => match assumed {
+            Some(a) => format!("{input:?}, {a}"),
+            None => format!("{input:?}"),
+        },
+        lora_memory::BudgetSource::Gpu { name } => format!("GPU preset {name}"),
+        lora_memory::BudgetSource::NvmlFree { device_index } => {
+            format!("free memory of cuda:{device_index} (NVML)")
+        }
+    }
+}
+
+/// lora-memory settings for a config. `file_quant` is the storage type of the file's layer
+/// linears (GGUF), used when `model.weights: quantized`; `cuda` selects the device model.
+pub fn settings_for(
+    cfg: &TrainConfig,
+    file_quant: Option<BaseDtype>,
+    cuda: bool,
+) -> (Settings, Vec<String>) {
+    let mut notes = Vec::new();
+    let base_dtype = match cfg.model.weights {
+        BaseWeights::Dense => match cfg.model.dtype {
+            Dtype::F32 => BaseDtype::F32,
+            Dtype::Bf16 => BaseDtype::Bf16,
+            Dtype::F16 => BaseDtype::F16,
+        },
+        BaseWeights::Quantized => match file_quant {
+            Some(q) if q.is_quantized() => q,
+            _ => BaseDtype::Nf4 { double_quant: true },
+        },
+    };
+    let mixed_precision = match cfg.train.mixed_precision {
+        Precision::No => MixedPrecision::No,
+        Precision::Fp16 => MixedPrecision::Fp16,
+        Precision::Bf16 => MixedPrecision::Bf16,
+        Precision::FullBf16 => MixedPrecision::FullBf16,
+    };
+    let targets = match &cfg.lora.target_modules {
+        TargetModules::List(l) => l.clone(),
+        TargetModules::Regex(r) => {
+            if r != "all-linear" {
+                notes.push(format!(
+                    "lora.target_modules is a regex ({r:?}); the plan counts the sites whose name matches it as a plain name"
+                ));
+            }
+            vec![r.clone()]
+        }
+    };
+    let optimizer = match cfg.train.optimizer {
+        OptimizerKind::AdamW => Optimizer::AdamW,
+        OptimizerKind::AdamW8bit => Optimizer::AdamW8bit,
+        OptimizerKind::Adafactor => Optimizer::Adafactor,
+        OptimizerKind::Sgd | OptimizerKind::SgdNesterov => Optimizer::Sgd {
+            momentum: cfg.train.momentum as f32,
+        },
+    };
+    let mut s = Settings::default()
+        .with_base_dtype(base_dtype)
+        .with_mixed_precision(mixed_precision)
+        .with_method(if cfg.lora.use_dora {
+            lora_memory::Method::Dora
+        } else {
+            lora_memory::Method::Lora
+        })
+        .with_rank(cfg.lora.rank)
+        .with_alpha(cfg.lora.alpha as f32)
+        .with_target_modules(&targets)
+        .with_lora_dropout(cfg.lora.dropout as f32)
+        .with_micro_batch(cfg.train.batch_size)
+        .with_gradient_accumulation_steps(cfg.train.gradient_accumulation_steps)
+        .with_seq_len(cfg.data.seq_len)
+        .with_gradient_checkpointing(cfg.train.gradient_checkpointing)
+        .with_optimizer(optimizer)
+        .with_device(if cuda { Device::cuda() } else { Device::cpu() });
+    if let Some([w, h]) = cfg.data.resolution {
+        s = s.with_resolution(w.max(h));
+    }
+    if let Some(c) = cfg.data.cache_latents {
+        s = s.with_cache_latents(c);
+    }
+    (s, notes)
+}
+
+/// Writes fitted settings back into the config (what `auto_fit` changes).
+pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
+    cfg.train.batch_size = s.micro_batch;
+    cfg.train.gradient_accumulation_steps = s.gradient_accumulation_steps;
+    cfg.data.seq_len = s.seq_len;
+    cfg.train.gradient_checkpointing = s.gradient_checkpointing;
+    cfg.lora.rank = s.lora.rank;
+    cfg.lora.alpha = f64::from(s.lora.alpha);
+    cfg.train.mixed_precision = match s.mixed_precision {
+        MixedPrecision::No => Precision::No,
+        MixedPrecision::Fp16 => Precision::Fp16,
+        MixedPrecision::Bf16 => Precision::Bf16,
+        MixedPrecision::FullBf16 => Precision::FullBf16,
+    };
+    cfg.train.optimizer = match s.optimizer {
+        Optimizer::AdamW => OptimizerKind::AdamW,
+        Optimizer::AdamW8bit => OptimizerKind::AdamW8bit,
+        Optimizer::Adafactor => OptimizerKind::Adafactor,
+        // the plan does not tell plain SGD from Nesterov's: keep the config's
+        Optimizer::Sgd { .. } if cfg.train.optimizer == OptimizerKind::SgdNesterov => {
+            OptimizerKind::SgdNesterov
+        }
+        Optimizer::Sgd { .. } => OptimizerKind::Sgd,
+    };
+    match s.base_dtype {
+        BaseDtype::F32 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F32),
+        BaseDtype::Bf16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::Bf16),
+        BaseDtype::F16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F16),
+        _ => cfg.model.weights = BaseWeights::Quantized,
+    }
+}
+
+/// The budget for a run: an explicit override, else `memory.gpu` / `memory.budget` from the
+/// config, else none.
+///
+/// # Errors
+/// Unknown GPU names (with the list of known ones).
+pub fn budget_for(cfg: &TrainConfig, override_budget: Option<Budget>) -> Result<Option<Budget>> {
+    if override_budget.is_some() {
+        return Ok(override_budget);
+    }
+    if let Some(g) = &cfg.memory.gpu {
+        return Ok(Some(Budget::gpu(g)?));
+    }
+    if let Some(b) = &cfg.memory.budget {
+        return Ok(Some(Budget::parse(&b.text)?));
+    }
+    Ok(None)
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b { "on" } else { "off" }
+}
+
+/// The SD plan as text: the run's shape (image and latent size, batch, what is cached and what
+/// is trained), one row per memory term that applies to diffusion (no sequence length, tokens
+/// or logits), the totals, notes, suggested changes and the verdict.
+///
+/// A plan without diffusion detail (a language-model plan) is printed by [`Plan::report`].
+pub fn diffusion_report(p: &Plan) -> String {
+    let Some(d) = &p.estimate.diffusion else {
+        return p.report();
+    };
+    let s = &p.settings;
+    let e = &p.estimate;
+    let b = &e.breakdown;
+    let cuda = s.device.is_cuda();
+    let mut out = format!(
+        "plan: {} ({}) — Stable Diffusion LoRA\n",
+        p.model, p.model_source
+    );
+    out += &format!(
+        "  device {}  UNet {:?}  mixed precision {:?}  LoRA r{} α{} on {:?}{}\n",
+        if cuda { "cuda" } else { "cpu" },
+        s.base_dtype,
+        s.mixed_precision,
+        s.lora.rank,
+        s.lora.alpha,
+        s.lora.target_modules,
+        if s.train_text_encoder {
+            " + text encoder q/k/v/out_proj"
+        } else {
+            ""
+        }
+    );
+    out += &format!(
+        "  image {}×{} px → latents {}×{}  micro_batch {}{} × gradient_accumulation_steps {}  gradient checkpointing {}  optimizer {:?}\n",
+        d.image_size[0],
+        d.image_size[1],
+        d.latent_size[0],
+        d.latent_size[1],
+        s.micro_batch,
+        if d.images_per_micro_batch != s.micro_batch {
+            format!(
+                " ({} images with prior preservation)",
+                d.images_per_micro_batch
+            )
+        } else {
+            String::new()
+        },
+        s.gradient_accumulation_steps,
+        yes_no(s.gradient_checkpointing),
+        s.optimizer
+    );
+    out += &format!(
+        "  latents cached: {}{}  text encoder: {}\n",
+        if s.cache_latents { "yes" } else { "no" },
+        if s.keep_models_loaded {
+            " (VAE kept loaded for first-epoch encoding and samples)"
+        } else {
+            ""
+        },
+        if s.train_text_encoder {
+            "trained (LoRA), runs every step"
+        } else if s.cache_text_encoder_outputs {
+            "frozen, outputs cached"
+        } else {
+            "frozen, runs every step"
+        }
+    );
+    let rows: Vec<(&str, Bytes, String)> = vec![
+        (
+            "UNet weights",
+            d.unet_weights,
+            format!("UNet params × {} B", s.base_dtype.bytes_per_param()),
+        ),
+        (
+            "VAE weights",
+            d.vae_weights,
+            if d.vae_weights.0 == 0 {
+                "not on the device (latents cached)".into()
+            } else {
+                "VAE params, 16-bit (32-bit for an fp32 base)".into()
+            },
+        ),
+        (
+            "text-encoder weights",
+            d.text_encoder_weights,
+            if d.text_encoder_weights.0 == 0 {
+                "not on the device (outputs cached)".into()
+            } else {
+                "text-encoder params, 16-bit (32-bit for an fp32 base)".into()
+            },
+        ),
+        (
+            "autocast weight copies",
+            b.autocast_weight_copies,
+            "2 B × UNet linear params (32-bit base under autocast)".into(),
+        ),
+        (
+            "adapter params",
+            b.adapter_params,
+            format!("{} trainable × adapter bytes", e.trainable_params),
+        ),
+        ("gradients", b.gradients, "trainable × grad bytes".into()),
+        (
+            "optimizer states",
+            b.optimizer_states,
+            "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B".into(),
+        ),
+        (
+            "optimizer step temporaries",
+            b.optimizer_step_temporaries,
+            "largest tensor's state (or one foreach list)".into(),
+        ),
+        (
+            "UNet activations",
+            d.unet_activations,
+            if s.gradient_checkpointing {
+                "unit inputs + one recomputed unit, × images".into()
+            } else {
+                "saved ResNet/transformer tensors at the latent size, × images".into()
+            },
+        ),
+        (
+            "text-encoder activations",
+            d.text_encoder_activations,
+            if s.train_text_encoder {
+                "77 tokens × layers, × images".into()
+            } else {
+                "none (not trained)".into()
+            },
+        ),
+        (
+            "batch data",
+            b.batch_data,
+            "latents, noise, noisy latents, prediction + conditioning (fp32)".into(),
+        ),
+        (
+            "context / workspace",
+            b.context_workspace,
+            if cuda {
+                "CUDA context + cuBLAS workspace".into()
+            } else {
+                "CPU runtime: libtorch, heap, threads".into()
+            },
+        ),
+        (
+            "allocator margin",
+            b.allocator_margin,
+            if cuda {
+                "caching allocator: reserved − allocated".into()
+            } else {
+                "none on CPU (no caching allocator)".into()
+            },
+        ),
+    ];
+    let mut table: Vec<(String, String, String, String)> = rows
+        .into_iter()
+        .map(|(n, v, f)| {
+            (
+                n.to_string(),
+                format!("{:.3}", v.gb()),
+                format!("{:.3}", v.gib()),
+                f,
+            )
+        })
+        .collect();
+    table.push(("─".repeat(3), String::new(), String::new(), String::new()));
+    for (n, v, f) in [
+        (
+            "peak allocated",
+            e.peak_allocated,
+            if cuda {
+                "max_memory_allocated"
+            } else {
+                "peak live tensor bytes"
+            },
+        ),
+        (
+            "peak reserved",
+            e.peak_reserved,
+            if cuda {
+                "max_memory_reserved"
+            } else {
+                "= allocated on CPU"
+            },
+        ),
+        (
+            "total (process peak)",
+            e.peak_process,
+            if cuda {
+                "nvidia-smi"
+            } else {
+                "process peak RSS"
+            },
+        ),
+    ] {
+        table.push((
+            n.to_string(),
+            format!("{:.3}", v.gb()),
+            format!("{:.3}", v.gib()),
+            f.to_string(),
+        ));
+    }
+    let w0 = table.iter().map(|r| r.0.chars().count()).max().unwrap_or(4);
+    let w1 = table.iter().map(|r| r.1.len()).max().unwrap_or(2).max(2);
+    let w2 = table.iter().map(|r| r.2.len()).max().unwrap_or(3).max(3);
+    out += &format!(
+        "{:<w0$}  {:>w1$}  {:>w2$}  {}\n",
+        "term", "GB", "GiB", "formula"
+    );
+    for r in table {
+        out += &format!("{:<w0$}  {:>w1$}  {:>w2$}  {}\n", r.0, r.1, r.2, r.3);
+    }
+    for n in e.notes.iter().chain(&p.notes) {
+        out += &format!("note: {n}\n");
+    }
+    for c in &p.changes {
+        out += &format!(
+            "auto_fit: {} {} → {} ({}); peak after {}\n",
+            c.setting, c.from, c.to, c.reason, c.peak_after
+        );
+    }
+    if !p.suggestion.is_empty() {
+        out += "would fit with (set memory.auto_fit: true to apply, or change the config):\n";
+        for c in &p.suggestion {
+            out += &format!(
+                "  {} {} → {} ({}); peak after {}\n",
+                c.setting, c.from, c.to, c.reason, c.peak_after
+            );
+        }
+    }
+    out += &p.verdict();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_follow_the_config() {
+        let mut cfg = TrainConfig::from_yaml_str(
+            "lora: {rank: 16, alpha: 32}\ntrain: {batch_size: 4, gradient_accumulation_steps: 2, optimizer: AdamW8bit, mixed_precision: bf16}\ndata: {seq_len: 512}\n",
+        )
+        .unwrap();
+        let (s, _) = settings_for(&cfg, Some(BaseDtype::Q4_1), false);
+        assert_eq!(
+            (
+                s.lora.rank,
+                s.micro_batch,
+                s.gradient_accumulation_steps,
+                s.seq_len
+            ),
+            (16, 4, 2, 512)
+        );
+        assert_eq!(s.optimizer, Optimizer::AdamW8bit);
+        assert_eq!(s.mixed_precision, MixedPrecision::Bf16);
+        assert_eq!(s.base_dtype, BaseDtype::F32, "dense weights default to f32");
+        assert!(!s.device.is_cuda());
+        cfg.model.weights = BaseWeights::Quantized;
+        let (s, _) = settings_for(&cfg, Some(BaseDtype::Q4_1), true);
+        assert_eq!(s.base_dtype, BaseDtype::Q4_1);
+        assert!(s.device.is_cuda());
+    }
+}
