@@ -206,11 +206,12 @@ fn list_subset(
             continue;
         }
         if is_unsupported_image_extension(&ext) {
+            let f = DecodeFailure::unsupported_extension(&ext);
             problems.push(Problem {
                 path: p.clone(),
                 kind: ProblemKind::UnknownFormat,
-                what: format!("`.{ext}` images cannot be decoded"),
-                fix: "convert it to PNG or JPEG (the original is left untouched)".into(),
+                what: f.what(),
+                fix: f.fix().into(),
             });
             continue;
         }
@@ -253,37 +254,15 @@ fn check_one(config: &DatasetConfig, c: Candidate) -> Result<ScannedImage, Probl
         what,
         fix: fix.to_string(),
     };
-    let decoded = decode_file(&c.path, ds.background_color).map_err(|f| match f {
-        DecodeFailure::ZeroByte => problem(
-            &c.path,
-            ProblemKind::ZeroByte,
-            "the file is empty (0 bytes)".into(),
-            "copy the image again or delete it",
-        ),
-        DecodeFailure::Truncated(m) => problem(
-            &c.path,
-            ProblemKind::Truncated,
-            format!("the image data ends early ({m})"),
-            "copy or download the image again",
-        ),
-        DecodeFailure::Corrupt(m) => problem(
-            &c.path,
-            ProblemKind::Corrupt,
-            format!("not a valid image ({m})"),
-            "replace the file; check it opens in an image viewer",
-        ),
-        DecodeFailure::Unsupported(m) => problem(
-            &c.path,
-            ProblemKind::UnknownFormat,
-            format!("unsupported image encoding ({m})"),
-            "convert it to PNG or JPEG",
-        ),
-        DecodeFailure::Io(m) => problem(
-            &c.path,
-            ProblemKind::UnreadableFolder,
-            format!("cannot read the file ({m})"),
-            "check the file's permissions",
-        ),
+    let decoded = decode_file(&c.path, ds.background_color).map_err(|f| {
+        let kind = match f {
+            DecodeFailure::ZeroByte => ProblemKind::ZeroByte,
+            DecodeFailure::Truncated(_) => ProblemKind::Truncated,
+            DecodeFailure::Corrupt(_) => ProblemKind::Corrupt,
+            DecodeFailure::Unsupported(_) => ProblemKind::UnknownFormat,
+            DecodeFailure::Io(_) => ProblemKind::UnreadableFolder,
+        };
+        problem(&c.path, kind, f.what(), f.fix())
     })?;
     let size = decoded.rgb.dimensions();
     let caption = match &c.caption_path {

@@ -645,3 +645,125 @@ fn bilinear_resize_matches_pillow() {
         );
     }
 }
+
+/// Writes the dirty dataset of `tests/fixtures/make_dirty_dataset.py` (real photos with the
+/// damage real folders have) under `dir`; returns the kohya folder's parent.
+fn dirty_dataset(dir: &Path) -> Option<PathBuf> {
+    let assets = asset_dir("skimage")?;
+    let python = std::env::var_os("LORA_SDK_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python"));
+    let o = std::process::Command::new(python)
+        .arg(fixture("make_dirty_dataset.py"))
+        .arg("--assets")
+        .arg(assets.parent().unwrap())
+        .arg("--out")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "make_dirty_dataset.py failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Some(dir.to_path_buf())
+}
+
+#[test]
+fn a_dirty_dataset_keeps_every_usable_image_and_names_every_bad_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(root) = dirty_dataset(tmp.path()) else {
+        return;
+    };
+    let template = ImageSetConfig {
+        bucket: BucketConfig {
+            resolution: (64, 64),
+            enable_bucket: true,
+            min_bucket_reso: 32,
+            max_bucket_reso: 128,
+            bucket_reso_steps: 16,
+        },
+        ..ImageSetConfig::default()
+    };
+    let config = DatasetConfig::from_kohya_folders(&root, None, &template).unwrap();
+    // stop: every bad file listed, nothing trained
+    let err = ImageDataset::new(config.clone(), Policy::Fail).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::Invalid { count: 4, .. }), "{msg}");
+    // skip: the usable images, each bad file named with what is wrong and what to do
+    let ds = ImageDataset::new(config, Policy::Skip).unwrap();
+    let mut kinds: Vec<(String, ProblemKind)> = ds
+        .problems()
+        .iter()
+        .map(|p| {
+            (
+                p.path.file_name().unwrap().to_string_lossy().into_owned(),
+                p.kind,
+            )
+        })
+        .collect();
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        vec![
+            ("broken.jpg".to_string(), ProblemKind::Truncated),
+            ("empty.png".to_string(), ProblemKind::ZeroByte),
+            ("noise.bmp".to_string(), ProblemKind::Corrupt),
+            ("scan.jxl".to_string(), ProblemKind::UnknownFormat),
+        ]
+    );
+    for p in ds.problems() {
+        let line = p.to_string();
+        assert!(
+            line.contains(&p.path.display().to_string()) && line.contains("fix: "),
+            "{line}"
+        );
+        assert!(msg.contains(&p.path.display().to_string()), "{msg}");
+    }
+    let broken = ds
+        .problems()
+        .iter()
+        .find(|p| p.kind == ProblemKind::Truncated)
+        .unwrap();
+    assert!(
+        broken.what.contains("ends early") && broken.what.contains("FF D9"),
+        "{}",
+        broken.what
+    );
+    assert_eq!(ds.num_images(), 7);
+    assert_eq!(ds.len(), 14, "2 repeats");
+    let samples: Vec<_> = (0..ds.len()).map(|i| ds.get(i).unwrap()).collect();
+    let by_name = |name: &str| {
+        samples
+            .iter()
+            .find(|s| s.path.file_name().unwrap() == name)
+            .unwrap_or_else(|| panic!("{name} is not in the dataset"))
+    };
+    // EXIF orientation 6: 640×427 pixels stored, 427×640 shown and trained
+    let rocket = by_name("rocket_exif.jpg");
+    assert_eq!(rocket.original_size, (427, 640));
+    assert!(rocket.bucket.0 < rocket.bucket.1, "{:?}", rocket.bucket);
+    // a BOM and CRLF line ends do not reach the caption
+    assert_eq!(by_name("chelsea.png").caption, "photo, a cat");
+    // no caption file: the folder's class tokens
+    assert_eq!(by_name("coins.png").caption, "dirty");
+    // upper-case extensions, 16-bit and CMYK files decode
+    assert_eq!(by_name("MOON.PNG").caption, "photo, the moon");
+    assert_eq!(by_name("coffee.JPG").original_size, (600, 400));
+    let cam = by_name("camera_16bit.png");
+    assert_eq!(cam.original_size, (512, 512));
+    assert!(
+        cam.pixels.get(0).equal(&cam.pixels.get(2)),
+        "gray gives equal channels"
+    );
+    let horse = by_name("horse_cmyk.jpg");
+    assert_eq!(horse.original_size, (400, 328));
+    let (lo, hi) = (
+        horse.pixels.min().double_value(&[]),
+        horse.pixels.max().double_value(&[]),
+    );
+    assert!(
+        hi - lo > 1.0,
+        "the CMYK image decodes to a real picture: {lo}..{hi}"
+    );
+}

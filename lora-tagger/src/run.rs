@@ -9,8 +9,7 @@ use crate::error::{Error, Result};
 use crate::tags::PostProcess;
 use crate::{ScoredTag, Tagger};
 
-/// File extensions treated as images (lowercase), as the `image` crate decodes them.
-pub const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff"];
+pub use lora_data::image::decode::IMAGE_EXTENSIONS;
 
 /// The images directly inside `dir` (not recursive), sorted by name.
 ///
@@ -31,6 +30,34 @@ pub fn list_images(dir: &Path) -> Result<Vec<PathBuf>> {
         })
         .collect();
     out.sort();
+    Ok(out)
+}
+
+/// The files directly inside `dir` whose extension names an image format that cannot be decoded
+/// here (HEIC, AVIF, JPEG XL, …; [`lora_data::image::decode::UNSUPPORTED_IMAGE_EXTENSIONS`]),
+/// sorted by name, each with the diagnosis training gives it — so a command can name every image
+/// it leaves out.
+///
+/// # Errors
+/// [`Error::Io`] naming the folder when it cannot be listed.
+pub fn list_unsupported_images(
+    dir: &Path,
+) -> Result<Vec<(PathBuf, lora_data::image::decode::DecodeFailure)>> {
+    use lora_data::image::decode::{DecodeFailure, is_unsupported_image_extension};
+    let rd = std::fs::read_dir(dir).map_err(|source| Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut out: Vec<(PathBuf, DecodeFailure)> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file())
+        .filter_map(|p| {
+            let ext = p.extension()?.to_str()?.to_string();
+            is_unsupported_image_extension(&ext)
+                .then(|| (p, DecodeFailure::unsupported_extension(&ext)))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }
 

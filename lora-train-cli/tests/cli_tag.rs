@@ -317,3 +317,70 @@ fn tag_descriptions_on_a_missing_cuda_device_is_one_clear_sentence() {
     );
     assert!(!t.contains("LLM backend must be configured"), "{t}");
 }
+
+/// The dirty dataset of `lora-data/tests/fixtures/make_dirty_dataset.py`: the usable images are
+/// tagged (EXIF-rotated, CMYK, 16-bit, upper-case extensions), the cut JPEG, the empty and the
+/// corrupt file fail with the diagnosis training gives them (exit 1), and the `.jxl` is named
+/// as left out — no file is skipped without a word.
+#[test]
+fn a_dirty_folder_names_every_image_it_cannot_tag_in_the_words_training_uses() {
+    let dir = tempfile::tempdir().unwrap();
+    let python = std::env::var_os("LORA_SDK_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("../.venv/bin/python"));
+    let res = Command::new(python)
+        .arg(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../lora-data/tests/fixtures/make_dirty_dataset.py"),
+        )
+        .arg("--assets")
+        .arg(assets())
+        .arg("--out")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "make_dirty_dataset.py failed:\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let d = dir.path().join("2_dirty");
+    let broken_caption = std::fs::read_to_string(d.join("broken.txt")).unwrap();
+    let o = tag(&d, &["--mode", "overwrite"]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "three images failed: {out}");
+    let line = |name: &str| {
+        out.lines()
+            .find(|l| l.contains(name))
+            .unwrap_or_else(|| panic!("{name} is not named:\n{out}"))
+            .to_string()
+    };
+    assert!(
+        line("broken.jpg").contains("the image data ends early"),
+        "{out}"
+    );
+    assert!(line("empty.png").contains("the file is empty"), "{out}");
+    assert!(
+        line("noise.bmp").contains("not a valid image") || line("noise.bmp").contains("FAILED"),
+        "{out}"
+    );
+    assert!(line("scan.jxl").contains("cannot be decoded here"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(d.join("broken.txt")).unwrap(),
+        broken_caption,
+        "a failed image's caption is left alone"
+    );
+    for name in [
+        "chelsea",
+        "coffee",
+        "rocket_exif",
+        "camera_16bit",
+        "horse_cmyk",
+        "coins",
+        "MOON",
+    ] {
+        let c = std::fs::read_to_string(d.join(format!("{name}.txt"))).unwrap();
+        assert!(!c.trim().is_empty(), "{name}: empty caption");
+    }
+    assert!(!out.contains("frame #"), "{out}");
+}

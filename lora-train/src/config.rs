@@ -401,6 +401,21 @@ pub struct DataSection {
     pub bucket_reso_steps: Option<u32>,
     /// kohya `cache_latents`.
     pub cache_latents: Option<bool>,
+    /// What the image jobs do with images that cannot be used (an empty, cut-short or corrupt
+    /// file, an unsupported format, an unreadable caption): `skip` them, each named in a
+    /// warning (the default), or `stop` before training with every one listed (exit 2).
+    pub bad_images: BadImages,
+}
+
+/// `data.bad_images`: skip unusable images with a warning, or stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BadImages {
+    /// Leave them out; each is named in a warning.
+    #[default]
+    Skip,
+    /// Refuse to start, listing every one.
+    Stop,
 }
 
 impl Default for DataSection {
@@ -421,6 +436,7 @@ impl Default for DataSection {
             max_bucket_reso: None,
             bucket_reso_steps: None,
             cache_latents: None,
+            bad_images: BadImages::Skip,
         }
     }
 }
@@ -876,6 +892,7 @@ const KEYS: &[&[&str]] = &[
     &["data.max_bucket_reso", "max_bucket_reso"],
     &["data.bucket_reso_steps", "bucket_reso_steps"],
     &["data.cache_latents", "cache_latents"],
+    &["data.bad_images"],
     // train
     &["train.batch_size", "data.batch_size", "train_batch_size"],
     &[
@@ -1249,6 +1266,8 @@ const DTYPES: &[(&str, Dtype)] = &[
     ("fp16", Dtype::F16),
     ("float16", Dtype::F16),
 ];
+
+const BAD_IMAGES: &[(&str, BadImages)] = &[("skip", BadImages::Skip), ("stop", BadImages::Stop)];
 
 const FORMATS: &[(&str, DataFormat)] = &[
     ("text", DataFormat::Text),
@@ -1654,6 +1673,7 @@ impl TrainConfig {
             "true or false",
             &mut c.data.cache_latents,
         )?;
+        doc.set_choice("data.bad_images", BAD_IMAGES, &mut c.data.bad_images)?;
 
         // train
         let t = &mut c.train;

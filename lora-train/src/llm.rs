@@ -1095,11 +1095,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         });
     }
     if let Some(from) = report.resumed_from {
-        say(&format!(
-            "resumed at step {from}; trained steps {}–{}",
-            from + 1,
-            report.steps
-        ));
+        say(&if report.steps > from {
+            format!(
+                "resumed at step {from}; trained steps {}–{}",
+                from + 1,
+                report.steps
+            )
+        } else {
+            format!("resumed at step {from}; no steps were left to train")
+        });
     }
     if report.oom_backoffs > 0 {
         say(&format!(
@@ -1152,7 +1156,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         },
     );
     // Never overwrite what an earlier run (or the user) left under the same names: move it aside.
-    move_aside(
+    let kept = move_aside(
         &out_dir,
         &[
             cfg.train.output_name.clone(),
@@ -1163,6 +1167,23 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     )?;
     let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir)
         .map_err(rt("exporting the adapter"))?;
+    // A resumed run's earlier outputs are its own (an export cut short, or an earlier finish):
+    // once the new ones are written, the copies kept aside go. A fresh run keeps another run's.
+    if opts.resume.is_some() {
+        for k in &kept {
+            let removed = if k.is_dir() {
+                std::fs::remove_dir_all(k)
+            } else {
+                std::fs::remove_file(k)
+            };
+            if removed.is_ok() && opts.verbose {
+                eprintln!(
+                    "removed {} (this run's earlier output, now re-exported)",
+                    k.display()
+                );
+            }
+        }
+    }
     let mut summary = RunSummary {
         plan,
         steps: step,

@@ -1628,10 +1628,7 @@ pub fn fixed_eval_loss(
     tch::manual_seed(seed as i64);
     let mut total = 0.0;
     let mut items = 0i64;
-    for batch in batches {
-        if crate::engine::stop_requested() {
-            break;
-        }
+    'batches: for batch in batches {
         let lat = batch.latents.f_to_device(d)?;
         let cond = match &batch.cond {
             Some(c) => c.to_device(d)?,
@@ -1640,6 +1637,10 @@ pub fn fixed_eval_loss(
         let time_ids = batch.time_ids.as_ref();
         let n = lat.size()[0];
         for &t in timesteps {
+            // Ctrl-C: answered between forward passes (the caller reports the interruption)
+            if crate::engine::stop_requested() {
+                break 'batches;
+            }
             let noise = Tensor::f_randn(lat.size(), (Kind::Float, Device::Cpu))?
                 .f_to_device(d)?
                 .f_to_kind(lat.kind())?;
@@ -2278,8 +2279,23 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         opts.config_dir.as_deref(),
     )?;
     let dcfg = dataset_config(&cfg, &data_path)?;
-    let ds = ImageDataset::new(dcfg, lora_data::validate::Policy::Skip)
-        .map_err(rt(&format!("scanning {}", data_path.display())))?;
+    let policy = match cfg.data.bad_images {
+        crate::config::BadImages::Skip => lora_data::validate::Policy::Skip,
+        crate::config::BadImages::Stop => lora_data::validate::Policy::Fail,
+    };
+    let ds = ImageDataset::new(dcfg, policy).map_err(|e| match e {
+        // unusable images (with `stop`) or none usable at all: the user's data, exit 2
+        lora_data::Error::Invalid { .. } => JobError::Input(format!(
+            "data.train_data_dir {}: {e}\nfix or remove those files{}",
+            data_path.display(),
+            if cfg.data.bad_images == crate::config::BadImages::Stop {
+                ", or set data.bad_images: skip to train without them"
+            } else {
+                ""
+            }
+        )),
+        other => JobError::Runtime(format!("scanning {}: {other}", data_path.display())),
+    })?;
     let images = ds.num_images();
     let items = ds.len();
     say(&format!(

@@ -345,8 +345,8 @@ fn frozen_models_loaded_again_compute_what_they_did() {
 
 /// A kohya folder `<dir>/mixed/1_mixed/` of 4 emoji (square, RGBA) from the fixture and 4 of
 /// scikit-image's photos of other sizes: `chelsea.png` 451×300 and `coffee.png` 600×400
-/// (landscape), `rocket.jpg` 427×640 (portrait), `camera.png` 512×512 (grayscale), each with a
-/// caption.
+/// (landscape), `rocket.jpg` turned to 427×640 (portrait), `camera.png` 512×512 (grayscale),
+/// each with a caption.
 fn mixed_folder(dir: &Path) -> PathBuf {
     let photos = root().join("assets/skimage");
     assert!(
@@ -376,13 +376,23 @@ fn mixed_folder(dir: &Path) -> PathBuf {
     for (name, caption) in [
         ("chelsea.png", "photo, a cat"),
         ("coffee.png", "photo, a cup of coffee"),
-        ("rocket.jpg", "photo, a rocket on its launch pad"),
         ("camera.png", "photo, a man with a camera, grayscale"),
     ] {
         std::fs::copy(photos.join(name), sub.join(name)).unwrap();
         let stem = Path::new(name).file_stem().unwrap().to_str().unwrap();
         std::fs::write(sub.join(format!("{stem}.txt")), caption).unwrap();
     }
+    // scikit-image has no portrait photo: the rocket (640×427) turned upright
+    image::open(photos.join("rocket.jpg"))
+        .unwrap()
+        .rotate90()
+        .save(sub.join("rocket_portrait.png"))
+        .unwrap();
+    std::fs::write(
+        sub.join("rocket_portrait.txt"),
+        "photo, a rocket on its launch pad, portrait",
+    )
+    .unwrap();
     out
 }
 
@@ -426,7 +436,7 @@ fn mixed_aspect_buckets_train_evaluate_and_sample_sd_and_sdxl() {
             cfg.train.output_dir = dir.join(&out).display().to_string();
             cfg.train.batch_size = 2;
             // 5 batches per epoch: 32×32 holds the emoji and the camera (3 batches), 40×24
-            // chelsea and coffee, 24×40 the rocket
+            // chelsea and coffee, 24×40 the upright rocket
             cfg.train.max_steps = Some(5);
             cfg.train.save_every_n_steps = None;
             cfg.logging.sample_every_n_steps = 3;
@@ -466,4 +476,80 @@ fn mixed_aspect_buckets_train_evaluate_and_sample_sd_and_sdxl() {
             }
         }
     }
+}
+
+/// The dirty dataset of `lora-data/tests/fixtures/make_dirty_dataset.py` (EXIF-rotated, CMYK,
+/// 16-bit, upper-case extensions, a BOM + CRLF caption, a missing caption; a truncated JPEG, an
+/// empty file, a corrupt file, a `.jxl`): with `data.bad_images: stop` the job refuses before
+/// loading, naming every bad file; with the default `skip` it trains on the 7 usable images
+/// (latents cached first), and the cut JPEG is not among them.
+#[test]
+fn a_dirty_dataset_trains_on_its_usable_images_and_stop_names_every_bad_file() {
+    let dir = fixture(false);
+    let _serial = serial();
+    let _clear = ClearStop;
+    clear_stop_request();
+    let data = dir.join("dirty");
+    let _ = std::fs::remove_dir_all(&data);
+    let res = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("lora-data/tests/fixtures/make_dirty_dataset.py"))
+        .arg("--assets")
+        .arg(root().join("assets"))
+        .arg("--out")
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "make_dirty_dataset.py failed:\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let run = |out: &str, stop: bool| {
+        let _ = std::fs::remove_dir_all(dir.join(out));
+        let mut cfg = config(dir, out);
+        cfg.data.train_data_dir = Some(data.display().to_string());
+        cfg.data.enable_bucket = Some(true);
+        cfg.data.min_bucket_reso = Some(16);
+        cfg.data.max_bucket_reso = Some(64);
+        cfg.data.bucket_reso_steps = Some(8);
+        cfg.train.batch_size = 2;
+        cfg.train.max_steps = Some(3);
+        cfg.logging.sample_every_n_steps = 0;
+        cfg.logging.sample_prompts.clear();
+        if stop {
+            cfg.data.bad_images = lora_train::config::BadImages::Stop;
+        }
+        sd::run(
+            cfg,
+            &RunOptions {
+                verbose: true,
+                ..RunOptions::default()
+            },
+        )
+    };
+    match run("dirty-stop", true) {
+        Err(JobError::Input(msg)) => {
+            for f in ["broken.jpg", "empty.png", "noise.bmp", "scan.jxl"] {
+                assert!(msg.contains(f), "{f} not named in:\n{msg}");
+            }
+            assert!(
+                msg.contains("ends early") && msg.contains("data.bad_images: skip"),
+                "{msg}"
+            );
+        }
+        Err(e) => panic!("expected bad input, got {e}"),
+        Ok(_) => panic!("data.bad_images: stop trained on a dataset with bad files"),
+    }
+    let s = run("dirty-skip", false).unwrap();
+    assert_eq!((s.images, s.items, s.steps), (7, 14, 3));
+    assert!(
+        s.losses.iter().all(|(_, l)| l.is_finite()),
+        "{:?}",
+        s.losses
+    );
+    assert!(s.eval_loss_before.is_finite() && s.eval_loss_after.is_finite());
+    assert_eq!(
+        s.vae_encodings, 7,
+        "each usable image encoded once before training"
+    );
 }

@@ -448,7 +448,9 @@ pub(crate) fn owned_view(key: &str, t: &Tensor) -> Result<OwnedView> {
 }
 
 /// Writes `tensors` (any device; f32/f16/bf16/f64/i64/i32) and `metadata` to a safetensors file,
-/// creating the parent folder.
+/// creating the parent folder. The file appears whole or not at all (written in
+/// `.<file name>.partial/` beside it, then renamed into place); what a cut-short earlier write left
+/// there is removed first.
 ///
 /// # Errors
 /// [`Error::Dtype`] for other dtypes; [`Error::Io`] / [`Error::SafeTensors`] with the path.
@@ -465,17 +467,33 @@ pub fn write_safetensors(
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    if let Some(dir) = path.parent()
-        && !dir.as_os_str().is_empty()
-    {
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    // The safetensors writer stages through a randomly named `.tmpXXXXXX` beside its target; a
+    // kill mid-write would leave that behind under a name nothing can clean. Stage it in a
+    // folder of a known name instead (`.<file>.partial/`), removed once the file is in place and
+    // cleared first when an earlier write of the same file was cut short.
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "adapter.safetensors".into());
+    let staging = dir.join(format!(".{name}.partial"));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(io_err(&staging))?;
     }
+    std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
+    let staged = staging.join(&name);
     safetensors::serialize_to_file(
         views.iter().map(|(k, v)| (k.as_str(), v)),
         if meta.is_empty() { None } else { Some(meta) },
-        path,
+        &staged,
     )
     .map_err(st_err(path))?;
+    std::fs::rename(&staged, path).map_err(io_err(path))?;
+    let _ = std::fs::remove_dir_all(&staging);
     // The safetensors writer creates the file owner-only (0600); adapters are meant to be read by
     // other tools and services (ComfyUI, A1111, a model server), so give them ordinary file modes.
     #[cfg(unix)]

@@ -31,6 +31,46 @@ pub enum DecodeFailure {
     Io(String),
 }
 
+impl DecodeFailure {
+    /// A file whose extension names a format this crate cannot decode
+    /// ([`UNSUPPORTED_IMAGE_EXTENSIONS`]; `ext` without the dot).
+    pub fn unsupported_extension(ext: &str) -> Self {
+        DecodeFailure::Unsupported(format!("`.{ext}` images cannot be decoded here"))
+    }
+
+    /// What is wrong, in the words every command uses for the file (training, caching,
+    /// tagging).
+    pub fn what(&self) -> String {
+        match self {
+            DecodeFailure::ZeroByte => "the file is empty (0 bytes)".into(),
+            DecodeFailure::Truncated(m) => format!("the image data ends early ({m})"),
+            DecodeFailure::Corrupt(m) => format!("not a valid image ({m})"),
+            DecodeFailure::Unsupported(m) => format!("unsupported image encoding ({m})"),
+            DecodeFailure::Io(m) => format!("cannot read the file ({m})"),
+        }
+    }
+
+    /// What to do about it.
+    pub fn fix(&self) -> &'static str {
+        match self {
+            DecodeFailure::ZeroByte => "copy the image again or delete it",
+            DecodeFailure::Truncated(_) => "copy or download the image again",
+            DecodeFailure::Corrupt(_) => "replace the file; check it opens in an image viewer",
+            DecodeFailure::Unsupported(_) => {
+                "convert it to PNG or JPEG (the original is left untouched)"
+            }
+            DecodeFailure::Io(_) => "check the file's permissions",
+        }
+    }
+}
+
+/// `what; fix: fix`, as a dataset [`crate::validate::Problem`] reads after its path (see [`DecodeFailure::what`], [`DecodeFailure::fix`]).
+impl std::fmt::Display for DecodeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}; fix: {}", self.what(), self.fix())
+    }
+}
+
 /// A decoded image.
 #[derive(Debug, Clone)]
 pub struct Decoded {
@@ -60,7 +100,8 @@ fn classify(e: ImageError) -> DecodeFailure {
     }
 }
 
-/// Decodes `bytes` (format from the content, not the extension), applies the EXIF orientation,
+/// Decodes `bytes` (format from the content, not the extension) after [`check_complete`],
+/// applies the EXIF orientation,
 /// converts every color type (gray, gray+alpha, RGBA, 16-bit, palette, CMYK JPEG) to 8-bit RGB,
 /// compositing transparent pixels over `background` (`out = a·c + (1 − a)·bg`, straight alpha).
 ///
@@ -73,11 +114,13 @@ pub fn decode_bytes(bytes: &[u8], background: [u8; 3]) -> Result<Decoded, Decode
     let reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| DecodeFailure::Io(e.to_string()))?;
-    if reader.format().is_none() {
+    let Some(format) = reader.format() else {
         return Err(DecodeFailure::Corrupt(
             "the bytes match no known image format".into(),
         ));
-    }
+    };
+    // decoders pad a cut file (a truncated JPEG decodes with blank rows): check first
+    check_complete(bytes, format)?;
     let mut decoder = reader.into_decoder().map_err(classify)?;
     let orientation = decoder
         .orientation()
@@ -88,6 +131,62 @@ pub fn decode_bytes(bytes: &[u8], background: [u8; 3]) -> Result<Decoded, Decode
         rgb: to_rgb(img, background),
         orientation,
     })
+}
+
+/// Checks that `bytes` hold a whole image file of `format`, where decoders would otherwise fill
+/// what is missing: a JPEG must have its end-of-image marker (`FF D9`) after its last
+/// start-of-scan (`FF DA`; entropy-coded data never holds `FF D9`, so a cut file lacks it), a PNG
+/// its `IEND` chunk, a GIF its trailer byte (`3B`), a WebP the bytes its RIFF header counts.
+/// Other formats pass (their decoders report a short file themselves).
+///
+/// # Errors
+/// [`DecodeFailure::Truncated`] saying what is missing.
+pub fn check_complete(bytes: &[u8], format: ::image::ImageFormat) -> Result<(), DecodeFailure> {
+    use ::image::ImageFormat as F;
+    let cut = |what: &str| {
+        Err(DecodeFailure::Truncated(format!(
+            "{what}: the file is cut short"
+        )))
+    };
+    match format {
+        F::Jpeg => {
+            let last_sos = bytes.windows(2).rposition(|w| w == [0xFF, 0xDA]);
+            let eoi_after = |from: usize| bytes[from..].windows(2).any(|w| w == [0xFF, 0xD9]);
+            match last_sos {
+                Some(i) if eoi_after(i) => Ok(()),
+                Some(_) => cut("the JPEG data ends before its end-of-image marker (FF D9)"),
+                None => cut("the JPEG has no image data (no start-of-scan marker)"),
+            }
+        }
+        F::Png => {
+            // the IEND chunk: length 0, type "IEND"
+            if bytes
+                .windows(8)
+                .any(|w| w == [0, 0, 0, 0, b'I', b'E', b'N', b'D'])
+            {
+                Ok(())
+            } else {
+                cut("the PNG ends before its IEND chunk")
+            }
+        }
+        F::Gif => match bytes.iter().rposition(|&b| b != 0) {
+            Some(i) if bytes[i] == 0x3B => Ok(()),
+            _ => cut("the GIF ends before its trailer (3B)"),
+        },
+        F::WebP if bytes.len() >= 12 && &bytes[..4] == b"RIFF" => {
+            let size = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) as usize;
+            if bytes.len() >= size.saturating_add(8) {
+                Ok(())
+            } else {
+                cut(&format!(
+                    "the WebP holds {} of the {} bytes its header counts",
+                    bytes.len(),
+                    size.saturating_add(8)
+                ))
+            }
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Reads and decodes a file; see [`decode_bytes`].
@@ -171,5 +270,53 @@ mod tests {
         ));
         assert!(is_image_extension("JPG") && is_image_extension("Png"));
         assert!(is_unsupported_image_extension("HEIC"));
+    }
+
+    /// A 64×48 gradient encoded by the `image` crate's own encoders.
+    fn encoded(format: ImageFormat) -> Vec<u8> {
+        let img = RgbImage::from_fn(64, 48, |x, y| {
+            ::image::Rgb([(x * 4) as u8, (y * 5) as u8, ((x + y) * 2) as u8])
+        });
+        let mut out = Vec::new();
+        img.write_to(&mut Cursor::new(&mut out), format).unwrap();
+        out
+    }
+
+    #[test]
+    fn cut_files_are_truncated_not_padded() {
+        for format in [
+            ImageFormat::Jpeg,
+            ImageFormat::Png,
+            ImageFormat::Gif,
+            ImageFormat::WebP,
+        ] {
+            let whole = encoded(format);
+            let d = decode_bytes(&whole, [0; 3]).unwrap();
+            assert_eq!(d.rgb.dimensions(), (64, 48), "{format:?}");
+            let cut = &whole[..whole.len() * 3 / 4];
+            match decode_bytes(cut, [0; 3]) {
+                Err(DecodeFailure::Truncated(m)) => assert!(m.contains("cut short"), "{m}"),
+                other => panic!("{format:?} cut to 3/4: {other:?}"),
+            }
+        }
+        // the decoder alone accepts a cut JPEG (it fills the missing rows): the check is needed
+        let jpeg = encoded(ImageFormat::Jpeg);
+        let cut = &jpeg[..jpeg.len() * 3 / 4];
+        assert!(::image::load_from_memory(cut).is_ok());
+        // trailing bytes after the end of a JPEG are fine
+        let mut padded = jpeg.clone();
+        padded.extend_from_slice(&[0u8; 64]);
+        assert!(decode_bytes(&padded, [0; 3]).is_ok());
+    }
+
+    #[test]
+    fn a_png_with_a_bad_crc_is_corrupt() {
+        let mut png = encoded(ImageFormat::Png);
+        let idat = png.windows(4).position(|w| w == b"IDAT").unwrap();
+        png[idat + 8] ^= 0x55;
+        assert!(matches!(
+            decode_bytes(&png, [0; 3]).unwrap_err(),
+            DecodeFailure::Corrupt(_)
+        ));
     }
 }

@@ -202,6 +202,10 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
         )));
     }
     let images = lora_tagger::run::list_images(dir).map_err(tag_err)?;
+    // name every image left out, in the words training uses
+    for (path, why) in lora_tagger::run::list_unsupported_images(dir).map_err(tag_err)? {
+        eprintln!("warning: {}: {why}", path.display());
+    }
     if images.is_empty() {
         return Err(CliError::usage(format!(
             "--images {}: no images (looked for {})",

@@ -406,9 +406,9 @@ impl<S: TrainStep> Trainer<S> {
             .batches_per_epoch()
             .map(|b| b.div_ceil(self.cfg.gradient_accumulation_steps as u64));
         match (self.cfg.max_steps, per_epoch) {
-            (Some(m), Some(p)) => Ok(m.min(p * self.cfg.epochs.max(1))),
+            (Some(m), Some(p)) => Ok(m.min(p.saturating_mul(self.cfg.epochs.max(1)))),
             (Some(m), None) => Ok(m),
-            (None, Some(p)) => Ok(p * self.cfg.epochs),
+            (None, Some(p)) => Ok(p.saturating_mul(self.cfg.epochs)),
             (None, None) => Err(TrainError::Invalid {
                 what: "max_steps".into(),
                 value: "unset".into(),

@@ -222,12 +222,13 @@ fn check_resume_adapter(cfg: &TrainConfig, checkpoint: &Path) -> Result<()> {
 }
 
 /// Renames each existing `dir/<name>` to `dir/<name>.prev-<unix time>` (nothing is deleted), and
-/// says so when `verbose`.
-pub(crate) fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<()> {
+/// says so when `verbose`; returns the copies kept.
+pub(crate) fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<Vec<PathBuf>> {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    let mut kept_copies = Vec::new();
     for name in names {
         let p = dir.join(name);
         if p.exists() {
@@ -240,9 +241,10 @@ pub(crate) fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<
             if verbose {
                 eprintln!("kept the existing {} as {}", p.display(), kept.display());
             }
+            kept_copies.push(kept);
         }
     }
-    Ok(())
+    Ok(kept_copies)
 }
 
 /// Refuses `system.device: cuda` / `cuda:N` when libtorch sees no such CUDA device, before
