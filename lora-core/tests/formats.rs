@@ -412,3 +412,24 @@ fn thousands(n: i64) -> String {
     }
     out
 }
+
+/// A write cut short (a kill mid-export) leaves only `.<file>.partial/` beside the file; the next
+/// write of that file clears it, and a finished write leaves nothing but the file.
+#[test]
+fn a_cut_short_write_is_cleared_by_the_next_and_leaves_nothing_beside_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("adapter.safetensors");
+    // what a kill during the safetensors writer leaves: its random `.tmpXXXXXX` in our staging
+    let staging = dir.path().join(".adapter.safetensors.partial");
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::write(staging.join(".tmpAbC123"), b"half a file").unwrap();
+    let t = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([2, 3]);
+    write(&file, vec![("w", t.shallow_clone())]);
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["adapter.safetensors".to_string()]);
+    let (back, _) = read_safetensors(&file).unwrap();
+    assert!(back["w"].equal(&t));
+}

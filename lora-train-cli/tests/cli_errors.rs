@@ -653,3 +653,38 @@ fn resume_with_another_rank_alpha_or_target_modules_names_the_key_before_loading
         text(&o)
     );
 }
+
+/// An export cut short (killed after the trainer's last checkpoint, before `summary.json`):
+/// `--resume` has no step left to train, says so, exports again, and leaves no staging folder
+/// and no `.prev-*` copy of its own earlier output behind.
+#[test]
+fn a_resumed_re_export_leaves_no_temporary_or_prev_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = d.join("run");
+    let cfg = config(d, "r.yaml", &macbeth(), &out, "");
+    let o = train(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    // what a kill during the export leaves: no summary, the safetensors writer's staging
+    std::fs::remove_file(out.join("summary.json")).unwrap();
+    let staging = out.join("r/.adapter_model.safetensors.partial");
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::write(staging.join(".tmpAbC123"), b"half a file").unwrap();
+    let o = train(&cfg, &["--resume"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains("resumed at step 2; no steps were left to train"),
+        "{t}"
+    );
+    assert!(!t.contains("trained steps 3–2"), "{t}");
+    let left: Vec<String> = [out.clone(), out.join("r")]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).unwrap())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".prev-") || n.ends_with(".partial") || n.starts_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert!(out.join("r/adapter_model.safetensors").is_file());
+    assert!(out.join("summary.json").is_file());
+}

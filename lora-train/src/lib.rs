@@ -10,6 +10,8 @@
 //!   lora-core's settings, checks around a run) and adapter export with run metadata.
 //! - `llm` (feature `llm`): the causal-LM recipe (LLaMA family, GGUF or safetensors bases).
 //! - `sd`, `sd_plan` (feature `sd`): the Stable Diffusion 1.x / SDXL recipe and its plan.
+//! - `recipes`: the recipes compiled in, behind the `job::Recipe` trait; `recipes::for_config`
+//!   says which one a config is for.
 //!
 //! # Features
 //! | feature | default | what it adds |
@@ -42,6 +44,8 @@ pub mod export;
 pub mod job;
 #[cfg(feature = "llm")]
 pub mod llm;
+#[cfg(feature = "jobs")]
+pub mod recipes;
 #[cfg(feature = "sd")]
 pub mod sd;
 #[cfg(feature = "sd")]

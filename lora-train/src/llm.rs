@@ -1211,6 +1211,36 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     Ok(summary)
 }
 
+/// The causal-LM recipe: any model the other recipes do not recognise (LLaMA-family GGUF,
+/// safetensors or `config.json`, or a lora-memory preset for planning).
+#[derive(Debug, Clone, Copy)]
+pub struct LlmRecipe;
+
+impl crate::job::Recipe for LlmRecipe {
+    fn name(&self) -> &'static str {
+        "llm"
+    }
+
+    fn detect(&self, _cfg: &TrainConfig, _config_dir: Option<&Path>) -> bool {
+        true
+    }
+
+    fn plan(
+        &self,
+        cfg: &mut TrainConfig,
+        config_dir: Option<&Path>,
+        budget: Option<Budget>,
+        cuda: bool,
+    ) -> Result<Plan> {
+        plan(cfg, config_dir, budget, cuda)
+    }
+
+    fn train(&self, cfg: TrainConfig, opts: &RunOptions) -> Result<serde_json::Value> {
+        let summary = run(cfg, opts)?;
+        serde_json::to_value(&summary).map_err(rt("serializing the summary"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2649,6 +2649,43 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     Ok(summary)
 }
 
+/// The Stable Diffusion 1.x / 2.x / SDXL recipe: `model.kind: sd15 | sdxl`, a diffusers SD
+/// folder, an original single-file checkpoint, or (for planning only) a diffusion preset.
+#[derive(Debug, Clone, Copy)]
+pub struct SdRecipe;
+
+impl crate::job::Recipe for SdRecipe {
+    fn name(&self) -> &'static str {
+        "sd"
+    }
+
+    fn detect(&self, cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
+        crate::sd_plan::is_sd_config(cfg, config_dir)
+    }
+
+    fn plan(
+        &self,
+        cfg: &mut TrainConfig,
+        config_dir: Option<&Path>,
+        budget: Option<lora_memory::Budget>,
+        cuda: bool,
+    ) -> Result<Plan> {
+        crate::sd_plan::plan(cfg, config_dir, budget, cuda)
+    }
+
+    fn train(&self, cfg: TrainConfig, opts: &RunOptions) -> Result<serde_json::Value> {
+        if !crate::sd_plan::wants_sd_job(&cfg, opts.config_dir.as_deref()) {
+            // a diffusion preset name: enough for planning, not for training
+            return Err(JobError::Input(format!(
+                "model.base_model {:?} is a memory-planning preset (`lora-train plan` reads it); training needs the weights: a diffusers folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/) or a single-file .safetensors checkpoint",
+                cfg.base_model().unwrap_or_default()
+            )));
+        }
+        let summary = run(cfg, opts)?;
+        serde_json::to_value(&summary).map_err(rt("serializing the summary"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,7 @@
 use super::{CliError, EXIT_DOES_NOT_FIT, EXIT_OK};
 use lora_memory::Budget;
 use lora_train::config::TrainConfig;
-use lora_train::llm;
+use lora_train::job::Recipe;
 use std::path::Path;
 
 /// Runs `plan`; exit 3 when a budget is known and the plan does not fit it.
@@ -49,13 +49,10 @@ pub fn run(
         || (cfg.system.device == "auto" && cfg.memory.gpu.is_some());
     let cuda = flag_cuda.unwrap_or(config_cuda);
     let overridden = override_notes(&cfg, gpu, budget, flag_cuda, config_cuda);
-    // Stable Diffusion configs (model.kind sd15/sdxl, a diffusers folder, an SD single-file
-    // checkpoint or a diffusion preset) get the SD plan; everything else the causal-LM plan.
-    let mut p = if lora_train::sd_plan::is_sd_config(&cfg, config.parent()) {
-        lora_train::sd_plan::plan(&mut cfg, config.parent(), override_budget, cuda)?
-    } else {
-        llm::plan(&mut cfg, config.parent(), override_budget, cuda)?
-    };
+    // the recipe the config is for (Stable Diffusion: model.kind sd15/sdxl, a diffusers folder,
+    // an SD single file or a diffusion preset; every other model: the causal-LM recipe)
+    let recipe = recipe_for(&cfg, config.parent())?;
+    let mut p = recipe.plan(&mut cfg, config.parent(), override_budget, cuda)?;
     p.notes.extend(overridden);
     if json {
         println!(
@@ -119,4 +116,25 @@ fn override_notes(
         ));
     }
     notes
+}
+
+/// The recipe `cfg` is for ([`lora_train::recipes::for_config`]).
+///
+/// # Errors
+/// A usage error naming the recipes compiled in when none takes the config.
+pub(super) fn recipe_for(
+    cfg: &TrainConfig,
+    config_dir: Option<&Path>,
+) -> Result<&'static dyn Recipe, CliError> {
+    lora_train::recipes::for_config(cfg, config_dir).ok_or_else(|| {
+        let names: Vec<&str> = lora_train::recipes::all()
+            .iter()
+            .map(|r| r.name())
+            .collect();
+        CliError::usage(format!(
+            "no recipe of this build takes model.base_model {:?} (recipes: {})",
+            cfg.base_model().unwrap_or_default(),
+            names.join(", ")
+        ))
+    })
 }

@@ -9,7 +9,6 @@ use super::{CliError, EXIT_INTERRUPTED, EXIT_OK};
 use lora_train::config::TrainConfig;
 use lora_train::engine::checkpoint::CheckpointManager;
 use lora_train::job::{JobError, RunOptions};
-use lora_train::llm;
 use std::path::{Path, PathBuf};
 
 /// Runs `train`.
@@ -24,21 +23,9 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
         verbose: true,
         resume,
     };
-    let sd_job = lora_train::sd_plan::wants_sd_job(&cfg, opts.config_dir.as_deref());
-    if !sd_job && lora_train::sd_plan::is_sd_config(&cfg, opts.config_dir.as_deref()) {
-        // an SD preset name: enough for `plan`, not for training
-        return Err(CliError::usage(format!(
-            "{}: model.base_model {:?} is a memory-planning preset (`lora-train plan` reads it); training needs the weights: a diffusers folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/) or a single-file .safetensors checkpoint",
-            config.display(),
-            cfg.base_model().unwrap_or_default()
-        )));
-    }
+    let recipe = super::plan::recipe_for(&cfg, opts.config_dir.as_deref())?;
     install_sigint_handler();
-    let result = if sd_job {
-        lora_train::sd::run(cfg, &opts).map(|_| ())
-    } else {
-        llm::run(cfg, &opts).map(|_| ())
-    };
+    let result = recipe.train(cfg, &opts).map(|_| ());
     match result {
         Err(JobError::Interrupted { step, checkpoint }) => {
             interrupted(config, &out_dir, step, checkpoint)

@@ -8,6 +8,7 @@ pub mod error;
 pub mod lower;
 pub mod options;
 pub mod plan;
+pub mod recipe;
 pub mod run;
 
 pub use error::{JobError, Result};
@@ -15,6 +16,7 @@ pub use lower::{lora_config, trainer_config};
 pub use options::{RunOptions, resolve_path};
 pub use plan::Plan;
 pub use plan::{apply_settings, budget_for, budget_source, diffusion_report, settings_for};
+pub use recipe::Recipe;
 pub(crate) use run::check_not_diverged;
 pub use run::{
     MeasuredMemory, OutputLock, check_device, check_output_dir, check_writable, proc_rss,
