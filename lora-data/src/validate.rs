@@ -11,10 +11,9 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
-use crate::image::DatasetConfig;
-use crate::image::SmallImages;
 use crate::image::bucket::{place, select_bucket};
 use crate::image::caption::{CaptionError, decode_caption};
+use crate::image::config::{DatasetConfig, SmallImages, SubsetConfig};
 use crate::image::decode::{
     DecodeFailure, decode_file, is_image_extension, is_unsupported_image_extension,
 };
@@ -153,7 +152,7 @@ pub(crate) fn scan(config: &DatasetConfig) -> (Vec<ScannedImage>, Vec<Problem>) 
 fn list_subset(
     di: usize,
     si: usize,
-    sub: &crate::image::SubsetConfig,
+    sub: &SubsetConfig,
     out: &mut Vec<Candidate>,
     problems: &mut Vec<Problem>,
 ) {

@@ -318,6 +318,20 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<GgufHeader> {
     })
 }
 
+impl ModelDescriptor {
+    /// Reads only the header of a GGUF file and derives a decoder descriptor from its metadata
+    /// (`<arch>.block_count`, `.embedding_length`, `.feed_forward_length`, `.attention.head_count`,
+    /// `.attention.head_count_kv`, `.rope.dimension_count`, `.vocab_size` or the token-list
+    /// length) and tensor infos (parameter count = sum of tensor elements; tied embeddings when no
+    /// `output.weight`).
+    ///
+    /// # Errors
+    /// See [`crate::gguf::read_header`]; [`Error::Config`] for a missing metadata key.
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
+        descriptor_from_gguf(path.as_ref())
+    }
+}
+
 pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
     let h = read_header(path)?;
     let arch = h

@@ -646,29 +646,6 @@ impl ModelDescriptor {
         })?;
         from_config_value(path, &v)
     }
-
-    /// Reads only the header of a GGUF file and derives a decoder descriptor from its metadata
-    /// (`<arch>.block_count`, `.embedding_length`, `.feed_forward_length`, `.attention.head_count`,
-    /// `.attention.head_count_kv`, `.rope.dimension_count`, `.vocab_size` or the token-list
-    /// length) and tensor infos (parameter count = sum of tensor elements; tied embeddings when no
-    /// `output.weight`).
-    ///
-    /// # Errors
-    /// See [`crate::gguf::read_header`]; [`Error::Config`] for a missing metadata key.
-    pub fn from_gguf(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
-        crate::gguf::descriptor_from_gguf(path.as_ref())
-    }
-
-    /// Reads only safetensors headers (8-byte length + JSON) of a file or a folder (all
-    /// `*.safetensors` files in it, plus `config.json` when present) and derives a descriptor:
-    /// LLaMA-family HF checkpoints, Stable Diffusion single-file checkpoints (original LDM keys)
-    /// and diffusers UNet checkpoints.
-    ///
-    /// # Errors
-    /// [`Error::Io`], [`Error::Safetensors`], [`Error::UnsupportedArchitecture`].
-    pub fn from_safetensors(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
-        crate::safetensors_header::descriptor_from_safetensors(path.as_ref())
-    }
 }
 
 fn with_bias(mut d: DecoderDescriptor) -> DecoderDescriptor {

@@ -110,6 +110,19 @@ fn files_of(path: &Path) -> Result<Vec<PathBuf>> {
     }
 }
 
+impl ModelDescriptor {
+    /// Reads only safetensors headers (8-byte length + JSON) of a file or a folder (all
+    /// `*.safetensors` files in it, plus `config.json` when present) and derives a descriptor:
+    /// LLaMA-family HF checkpoints, Stable Diffusion single-file checkpoints (original LDM keys)
+    /// and diffusers UNet checkpoints.
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::Safetensors`], [`Error::UnsupportedArchitecture`].
+    pub fn from_safetensors(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
+        descriptor_from_safetensors(path.as_ref())
+    }
+}
+
 pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor> {
     let mut all = BTreeMap::new();
     for f in files_of(path)? {

@@ -5,7 +5,7 @@
 //! `memory.auto_fit`, applies lora-memory's `fit()`.
 
 use crate::config::{BaseWeights, Dtype, TrainConfig};
-use crate::job::error::rt;
+use crate::job::error::During;
 use crate::job::run::move_aside;
 use crate::job::{
     JobError, MeasuredMemory, Plan, Result, RunOptions, apply_settings, budget_for, budget_source,
@@ -351,7 +351,7 @@ fn write_stdout(text: &str) -> Result<()> {
 fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf>)> {
     let files: Vec<PathBuf> = if path.is_dir() {
         let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(rt(&format!("reading folder {}", path.display())))?
+            .during(format!("reading folder {}", path.display()))?
             .flatten()
             .map(|e| e.path())
             .filter(|p| p.extension().is_some_and(|x| x == "txt"))
@@ -363,7 +363,7 @@ fn read_text(path: &Path, max_bytes: Option<u64>) -> Result<(String, Vec<PathBuf
     };
     let mut text = String::new();
     for f in &files {
-        let bytes = std::fs::read(f).map_err(rt(&format!("reading {}", f.display())))?;
+        let bytes = std::fs::read(f).during(format!("reading {}", f.display()))?;
         let t = String::from_utf8(bytes).map_err(|e| {
             JobError::Config(crate::config::ConfigError::InvalidValue {
                 key: "data.train_data_dir".into(),
@@ -425,7 +425,7 @@ fn evaluate(
     };
     let r = model
         .perplexity_ids(ids, &opts)
-        .map_err(rt("held-out perplexity"))?;
+        .during("held-out perplexity")?;
     Ok(Some(EvalResult {
         mean_nll: r.mean_nll,
         perplexity: r.perplexity,
@@ -441,16 +441,13 @@ fn sample(
 ) -> Result<String> {
     let ids = tok
         .encode(prompt, false)
-        .map_err(rt("tokenizing the sample prompt"))?;
+        .during("tokenizing the sample prompt")?;
     let opts = lora_models::llama::GenerateOptions {
         max_new_tokens: max_new as usize,
         ..Default::default()
     };
-    let g = model
-        .generate(&ids, &opts)
-        .map_err(rt("sample generation"))?;
-    tok.decode(&g.tokens, true)
-        .map_err(rt("decoding the sample"))
+    let g = model.generate(&ids, &opts).during("sample generation")?;
+    tok.decode(&g.tokens, true).during("decoding the sample")
 }
 
 /// Loads a LLaMA-family base and its tokenizer from a GGUF file or an HF folder.
@@ -476,7 +473,7 @@ pub fn load_base(
     let ctx = format!("loading {}", path.display());
     // A malformed file is bad input (exit 2 in the CLI), named with what to do; a libtorch
     // failure while loading (out of memory, …) stays a runtime error.
-    let rt = |ctx: &str| {
+    let load_err = |ctx: &str| {
         let ctx = ctx.to_string();
         move |e: lora_models::Error| {
             use lora_models::Error as M;
@@ -491,7 +488,10 @@ pub fn load_base(
                     "{e}; the file is damaged (a truncated download?) or not a model this \
                      tool reads — check its size and checksum, or download it again"
                 )),
-                other => JobError::Runtime(format!("{ctx}: {other}")),
+                other => JobError::Model {
+                    during: ctx.clone(),
+                    source: other,
+                },
             }
         }
     };
@@ -499,13 +499,13 @@ pub fn load_base(
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
     {
-        let model = Llama::from_gguf(path, mode, device).map_err(rt(&ctx))?;
-        let tok = lora_models::tokenizer::load_tokenizer_from_gguf(path).map_err(rt(&ctx))?;
+        let model = Llama::from_gguf(path, mode, device).map_err(load_err(&ctx))?;
+        let tok = lora_models::tokenizer::load_tokenizer_from_gguf(path).map_err(load_err(&ctx))?;
         Ok((model, tok))
     } else {
-        let model = Llama::from_safetensors(path, mode, device).map_err(rt(&ctx))?;
+        let model = Llama::from_safetensors(path, mode, device).map_err(load_err(&ctx))?;
         let tok = lora_models::tokenizer::load_tokenizer(path.join("tokenizer.json"))
-            .map_err(rt(&ctx))?;
+            .map_err(load_err(&ctx))?;
         Ok((model, tok))
     }
 }
@@ -841,7 +841,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let lcfg = lora_config(&cfg, &base_written)?;
     let vs = tch::nn::VarStore::new(device);
     let report = lora_core::inject::inject(&mut model, &lcfg, "default", &vs.root())
-        .map_err(rt("injecting LoRA"))?;
+        .during("injecting LoRA")?;
     say(&format!(
         "LoRA r{} α{} on {} modules: {} trainable of {} parameters ({:.3}%)",
         cfg.lora.rank,
@@ -895,17 +895,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         let eval_text;
         if let Some(e) = &cfg.data.eval_file {
             let p = resolve_path("data.eval_file", e, opts.config_dir.as_deref())?;
-            eval_text =
-                std::fs::read_to_string(&p).map_err(rt(&format!("reading {}", p.display())))?;
+            eval_text = std::fs::read_to_string(&p).during(format!("reading {}", p.display()))?;
             held = &eval_text;
         }
         let ds = TextDataset::from_texts(&[(&data_written, train_text)], tok.inner(), text_cfg)
-            .map_err(rt("building the text dataset"))?;
+            .during("building the text dataset")?;
         let eval_ids = if held.is_empty() {
             Vec::new()
         } else {
-            tok.encode(held, false)
-                .map_err(rt("tokenizing held-out text"))?
+            tok.encode(held, false).during("tokenizing held-out text")?
         };
         let st = ds.stats();
         let stats = serde_json::json!({
@@ -920,10 +918,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         (ds, eval_ids, stats)
     } else {
         let full = TextDataset::from_files(&[&data_path], tok.inner(), text_cfg)
-            .map_err(rt("building the dataset"))?;
+            .during("building the dataset")?;
         let (t, v) = full
             .split(cfg.data.eval_fraction, cfg.system.seed)
-            .map_err(rt("splitting the dataset"))?;
+            .during("splitting the dataset")?;
         let eval_ids: Vec<i64> = v
             .documents()
             .iter()
@@ -976,7 +974,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             persistent_workers: cfg.data_loader.persistent_workers,
         },
     )
-    .map_err(rt("building the data loader"))?;
+    .during("building the data loader")?;
     let accum = cfg.train.gradient_accumulation_steps.max(1) as usize;
     let per_epoch = loader.batches_per_epoch().div_ceil(accum) as u64;
     let total_steps = cfg
@@ -1037,7 +1035,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
 
     // 5. train (the engine's Trainer: accumulation, clipping, mixed precision, OOM back-off,
     // NaN policy, checkpoints, exact resume)
-    std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
+    std::fs::create_dir_all(&out_dir).during(format!("creating {}", out_dir.display()))?;
     if cfg.train.gradient_checkpointing {
         say("gradient checkpointing: each decoder layer is recomputed during backward");
     }
@@ -1067,7 +1065,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     // loss.png at the end.
     trainer.add_callback(Box::new(
         crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
-            .map_err(|e| JobError::Runtime(e.to_string()))?
+            .during("the metrics log")?
             .with_every(cfg.logging.log_every_n_steps),
     ));
     let resume = match &resume_from {
@@ -1083,7 +1081,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         .map_err(|e| match e {
             crate::engine::TrainError::NonFinite { .. }
             | crate::engine::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
-            other => JobError::Runtime(format!("training: {other}")),
+            other => JobError::Train {
+                during: "training".into(),
+                source: other,
+            },
         })?;
     let step = report.steps;
     let tokens = report.tokens;
@@ -1141,7 +1142,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
 
     // 6. export
     let sha = if base_path.is_file() {
-        Some(crate::export::sha256_file(&base_path).map_err(rt("hashing the base model"))?)
+        Some(crate::export::sha256_file(&base_path).during("hashing the base model")?)
     } else {
         None
     };
@@ -1166,7 +1167,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         opts.verbose,
     )?;
     let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir)
-        .map_err(rt("exporting the adapter"))?;
+        .during("exporting the adapter")?;
     // A resumed run's earlier outputs are its own (an export cut short, or an earlier finish):
     // once the new ones are written, the copies kept aside go. A fresh run keeps another run's.
     if opts.resume.is_some() {
@@ -1202,9 +1203,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
     let summary_path = out_dir.join("summary.json");
     outputs.push(summary_path.clone());
     summary.outputs = outputs;
-    let text = serde_json::to_string_pretty(&summary).map_err(rt("serializing the summary"))?;
-    std::fs::write(&summary_path, text)
-        .map_err(rt(&format!("writing {}", summary_path.display())))?;
+    let text = serde_json::to_string_pretty(&summary).during("serializing the summary")?;
+    std::fs::write(&summary_path, text).during(format!("writing {}", summary_path.display()))?;
     if opts.verbose {
         write_stdout(&summary.report())?;
     }
@@ -1237,7 +1237,7 @@ impl crate::job::Recipe for LlmRecipe {
 
     fn train(&self, cfg: TrainConfig, opts: &RunOptions) -> Result<serde_json::Value> {
         let summary = run(cfg, opts)?;
-        serde_json::to_value(&summary).map_err(rt("serializing the summary"))
+        serde_json::to_value(&summary).during("serializing the summary")
     }
 }
 

@@ -54,7 +54,7 @@
 
 use crate::config::{Dtype, ExportFormat, TargetModules, TrainConfig};
 use crate::engine::{BatchSource, TrainError, TrainStep};
-use crate::job::error::rt;
+use crate::job::error::During;
 use crate::job::{JobError, Plan, Result, RunOptions, resolve_path};
 use crate::sd_plan::DEFAULT_UNET_TARGETS;
 use lora_core::formats::AdapterWeights;
@@ -93,7 +93,7 @@ pub const TEXT_ENCODER_TARGETS: [&str; 4] = ["q_proj", "k_proj", "v_proj", "out_
 fn read_schedule(dir: &Path) -> Result<ScheduleConfig> {
     let file = dir.join("scheduler/scheduler_config.json");
     if file.is_file() {
-        ScheduleConfig::from_file(&file).map_err(rt(&format!("reading {}", file.display())))
+        ScheduleConfig::from_file(&file).during(format!("reading {}", file.display()))
     } else {
         Ok(ScheduleConfig::sd())
     }
@@ -305,24 +305,22 @@ impl SdPipeline {
             ..LoadOptions::default()
         };
         let ctx = |c: &str| format!("loading {} of {}", c, dir.display());
-        let unet =
-            UNet2DConditionModel::from_diffusers(dir, &opts).map_err(rt(&ctx("the UNet")))?;
+        let unet = UNet2DConditionModel::from_diffusers(dir, &opts).during(&ctx("the UNet"))?;
         let sdxl = dir.join("text_encoder_2").is_dir();
         sdxl_unet_check(&unet, sdxl, dir)?;
-        let vae = AutoencoderKL::from_diffusers(dir, &opts).map_err(rt(&ctx("the VAE")))?;
+        let vae = AutoencoderKL::from_diffusers(dir, &opts).during(&ctx("the VAE"))?;
         let text_encoder = ClipTextModel::from_pretrained(dir.join("text_encoder"), kind, device)
-            .map_err(rt(&ctx("text_encoder")))?;
-        let tokenizer =
-            ClipTokenizer::from_dir(dir.join("tokenizer")).map_err(rt(&ctx("tokenizer")))?;
+            .during(&ctx("text_encoder"))?;
+        let tokenizer = ClipTokenizer::from_dir(dir.join("tokenizer")).during(&ctx("tokenizer"))?;
         let (text_encoder_2, tokenizer_2) = if sdxl {
             let te2 = ClipTextModelWithProjection::from_pretrained(
                 dir.join("text_encoder_2"),
                 kind,
                 device,
             )
-            .map_err(rt(&ctx("text_encoder_2")))?;
-            let tok2 = ClipTokenizer::from_dir(dir.join("tokenizer_2"))
-                .map_err(rt(&ctx("tokenizer_2")))?;
+            .during(&ctx("text_encoder_2"))?;
+            let tok2 =
+                ClipTokenizer::from_dir(dir.join("tokenizer_2")).during(&ctx("tokenizer_2"))?;
             (Some(te2), Some(tok2))
         } else {
             (None, None)
@@ -372,7 +370,7 @@ impl SdPipeline {
         let ctx = |c: &str| format!("loading {} of {}", c, path.display());
         let (sdxl, sd2, has_unet, has_te) = {
             let files = ld::SafetensorsFiles::open(&[path.to_path_buf()], path, Device::Cpu)
-                .map_err(rt(&ctx("the header")))?;
+                .during(&ctx("the header"))?;
             let has = |p: &str| files.names().any(|n| n.starts_with(p));
             (
                 has(ld::SGM_TEXT_ENCODER_2_PREFIX),
@@ -407,16 +405,16 @@ impl SdPipeline {
         } else {
             comp.clone()
         };
-        let tokenizer = ClipTokenizer::from_dir(&tok_dir).map_err(rt(&format!(
+        let tokenizer = ClipTokenizer::from_dir(&tok_dir).during(format!(
             "model.tokenizer: reading the tokenizer {}",
             tok_dir.display()
-        )))?;
+        ))?;
         let tokenizer_2 = if !sdxl {
             None
         } else if comp.join("tokenizer_2").is_dir() {
             Some(
                 ClipTokenizer::from_dir(comp.join("tokenizer_2"))
-                    .map_err(rt(&format!("reading {}/tokenizer_2", comp.display())))?,
+                    .during(format!("reading {}/tokenizer_2", comp.display()))?,
             )
         } else {
             // SDXL's tokenizer_2 is CLIP's BPE padded with "!"
@@ -424,7 +422,7 @@ impl SdPipeline {
                 tokenizer
                     .clone()
                     .with_pad_token("!")
-                    .map_err(rt("SDXL tokenizer_2 from the tokenizer"))?,
+                    .during("SDXL tokenizer_2 from the tokenizer")?,
             )
         };
         let config_file = |c: &str| {
@@ -433,7 +431,10 @@ impl SdPipeline {
         };
         let cfg_err = |c: &str| {
             let at = format!("reading {}/{c}/config.json", comp.display());
-            move |e: lora_models::Error| JobError::Runtime(format!("{at}: {e}"))
+            move |e: lora_models::Error| JobError::Model {
+                during: at.clone(),
+                source: e,
+            }
         };
         let unet_cfg = match config_file("unet") {
             Some(f) => lora_models::sd::UNetConfig::from_file(&f).map_err(cfg_err("unet"))?,
@@ -456,10 +457,9 @@ impl SdPipeline {
             ..LoadOptions::default()
         };
         let unet = UNet2DConditionModel::from_single_file(path, unet_cfg, &opts)
-            .map_err(rt(&ctx("the UNet")))?;
+            .during(&ctx("the UNet"))?;
         sdxl_unet_check(&unet, sdxl, path)?;
-        let vae =
-            AutoencoderKL::from_single_file(path, vae_cfg, &opts).map_err(rt(&ctx("the VAE")))?;
+        let vae = AutoencoderKL::from_single_file(path, vae_cfg, &opts).during(&ctx("the VAE"))?;
         let prefix = if sdxl {
             ld::SGM_TEXT_ENCODER_PREFIX
         } else {
@@ -467,7 +467,7 @@ impl SdPipeline {
         };
         let text_encoder =
             ClipTextModel::from_single_file(path, prefix, te_cfg("text_encoder")?, kind, device)
-                .map_err(rt(&ctx("the text encoder")))?;
+                .during(&ctx("the text encoder"))?;
         let text_encoder_2 = if sdxl {
             Some(
                 ClipTextModelWithProjection::from_open_clip(
@@ -477,7 +477,7 @@ impl SdPipeline {
                     kind,
                     device,
                 )
-                .map_err(rt(&ctx("text_encoder_2 (OpenCLIP)")))?,
+                .during(&ctx("text_encoder_2 (OpenCLIP)"))?,
             )
         } else {
             None
@@ -677,11 +677,11 @@ impl SdPipeline {
         let mut moved = Vec::new();
         if text_encoders {
             let mut adapters = lora_core::inject::count_params(&mut self.text_encoder)
-                .map_err(rt(&ctx("text_encoder")))?
+                .during(&ctx("text_encoder"))?
                 .0;
             if let Some(te2) = self.text_encoder_2.as_mut() {
                 adapters += lora_core::inject::count_params(te2)
-                    .map_err(rt(&ctx("text_encoder_2")))?
+                    .during(&ctx("text_encoder_2"))?
                     .0;
             }
             if adapters > 0 {
@@ -692,7 +692,7 @@ impl SdPipeline {
             }
             let (te, te2) = self
                 .load_text_encoders(device)
-                .map_err(rt(&ctx("the text encoders")))?;
+                .during(&ctx("the text encoders"))?;
             self.text_encoder = te;
             moved.push("text_encoder");
             if te2.is_some() {
@@ -701,7 +701,7 @@ impl SdPipeline {
             }
         }
         if vae {
-            self.vae = self.load_vae(device).map_err(rt(&ctx("the VAE")))?;
+            self.vae = self.load_vae(device).during(&ctx("the VAE"))?;
             self.vae_device = device;
             moved.push("vae");
         }
@@ -2007,7 +2007,7 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
     let lower = data_path.to_string_lossy().to_ascii_lowercase();
     if lower.ends_with(".toml") {
         return DatasetConfig::from_toml_file(data_path)
-            .map_err(rt(&format!("reading {}", data_path.display())));
+            .during(format!("reading {}", data_path.display()));
     }
     let d = &cfg.data;
     let mut set = lora_data::image::config::ImageSetConfig::default();
@@ -2043,7 +2043,7 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
     }
     set.subsets.push(sub);
     let dc = DatasetConfig::from_kohya_folders(data_path, None, &set)
-        .map_err(rt(&format!("listing {}", data_path.display())))?;
+        .during(format!("listing {}", data_path.display()))?;
     if dc.datasets.iter().all(|s| s.subsets.is_empty()) {
         // a plain folder of images: one subset, one repeat
         return Ok(DatasetConfig {
@@ -2180,7 +2180,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     )?;
     if let Some(p) = &cfg.train.prediction_type {
         pipe.schedule.prediction_type =
-            PredictionType::from_diffusers(p).map_err(rt("train.prediction_type"))?;
+            PredictionType::from_diffusers(p).during("train.prediction_type")?;
     }
     if let Some(n) = cfg.train.clip_skip {
         pipe.clip_skip = n as usize;
@@ -2218,10 +2218,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         v
     };
     let lcfg: lora_core::config::LoraConfig =
-        serde_json::from_value(lcfg_json).map_err(rt("building the LoRA config"))?;
+        serde_json::from_value(lcfg_json).during("building the LoRA config")?;
     let vs = tch::nn::VarStore::new(device);
     let report = lora_core::inject::inject(&mut pipe.unet, &lcfg, "default", &vs.root())
-        .map_err(rt("injecting LoRA into the UNet"))?;
+        .during("injecting LoRA into the UNet")?;
     say(&format!(
         "LoRA r{} α{} on {} UNet modules: {} trainable of {} parameters ({:.3}%)",
         cfg.lora.rank,
@@ -2234,14 +2234,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     let train_te = cfg.train.train_text_encoder;
     if train_te {
         let te_cfg: lora_core::config::LoraConfig =
-            serde_json::from_value(te_json).map_err(rt("building the text-encoder LoRA config"))?;
+            serde_json::from_value(te_json).during("building the text-encoder LoRA config")?;
         let r = lora_core::inject::inject(
             &mut pipe.text_encoder,
             &te_cfg,
             "default",
             &(vs.root() / "text_encoder"),
         )
-        .map_err(rt("injecting LoRA into the text encoder"))?;
+        .during("injecting LoRA into the text encoder")?;
         say(&format!(
             "LoRA on {} text-encoder modules: {} trainable parameters",
             r.modules.len(),
@@ -2250,7 +2250,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         if let Some(te2) = pipe.text_encoder_2.as_mut() {
             let r =
                 lora_core::inject::inject(te2, &te_cfg, "default", &(vs.root() / "text_encoder_2"))
-                    .map_err(rt("injecting LoRA into text_encoder_2"))?;
+                    .during("injecting LoRA into text_encoder_2")?;
             say(&format!(
                 "LoRA on {} text_encoder_2 modules: {} trainable parameters",
                 r.modules.len(),
@@ -2294,7 +2294,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
                 ""
             }
         )),
-        other => JobError::Runtime(format!("scanning {}: {other}", data_path.display())),
+        other => JobError::Data {
+            during: format!("scanning {}", data_path.display()),
+            source: other,
+        },
     })?;
     let images = ds.num_images();
     let items = ds.len();
@@ -2318,7 +2321,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             prefetch_factor: 1,
             persistent_workers: false,
         })
-        .map_err(rt("building the image loader"))?;
+        .during("building the image loader")?;
     let accum = cfg.train.gradient_accumulation_steps.max(1) as usize;
     let per_epoch = loader.batches_per_epoch().div_ceil(accum) as u64;
     let total_steps = cfg
@@ -2334,12 +2337,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             .max(cfg.train.epochs);
     }
     let out_dir = PathBuf::from(&cfg.train.output_dir);
-    std::fs::create_dir_all(&out_dir).map_err(rt(&format!("creating {}", out_dir.display())))?;
+    std::fs::create_dir_all(&out_dir).during(format!("creating {}", out_dir.display()))?;
     let disk = if cfg.data.cache_latents == Some(true) {
-        Some(
-            LatentCache::new(out_dir.join("latent_cache"))
-                .map_err(rt("opening the latent cache"))?,
-        )
+        Some(LatentCache::new(out_dir.join("latent_cache")).during("opening the latent cache")?)
     } else {
         None
     };
@@ -2375,7 +2375,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         (pre_latents, pre_text),
         &say,
     )
-    .map_err(|e| JobError::Runtime(format!("caching before training: {e}")))?;
+    .during("caching before training")?;
     let Some(precached) = precached else {
         return Err(interrupted());
     };
@@ -2415,17 +2415,15 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         min_snr_gamma: cfg.train.min_snr_gamma,
         ..LossConfig::default()
     };
-    let schedule = NoiseSchedule::new(pipe.schedule.clone()).map_err(rt("the noise schedule"))?;
-    let objective = DiffusionLoss::new(schedule, loss_cfg).map_err(rt("the diffusion loss"))?;
+    let schedule = NoiseSchedule::new(pipe.schedule.clone()).during("the noise schedule")?;
+    let objective = DiffusionLoss::new(schedule, loss_cfg).during("the diffusion loss")?;
 
     // before
-    let eval_batches = source
-        .fixed_batches(8)
-        .map_err(|e| JobError::Runtime(format!("the evaluation batches: {e}")))?;
+    let eval_batches = source.fixed_batches(8).during("the evaluation batches")?;
     let eval_seed = cfg.system.seed ^ 0x5eed;
     let eval_loss_before =
         fixed_eval_loss(&pipe, &objective, &eval_batches, &EVAL_TIMESTEPS, eval_seed)
-            .map_err(rt("evaluating before training"))?;
+            .during("evaluating before training")?;
     say(&format!("fixed-noise loss before: {eval_loss_before:.5}"));
     if crate::engine::stop_requested() {
         return Err(interrupted());
@@ -2456,7 +2454,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         .unwrap_or_else(|| out_dir.join("logs"));
     trainer.add_callback(Box::new(
         crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
-            .map_err(|e| JobError::Runtime(e.to_string()))?
+            .during("the metrics log")?
             .with_every(cfg.logging.log_every_n_steps),
     ));
     // sample prompts: logging.sample_prompts, else the lines of logging.sample_prompt
@@ -2512,7 +2510,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     let t_train = std::time::Instant::now();
     let rep = trainer
         .fit(&mut task, &mut source, resume)
-        .map_err(|e| JobError::Runtime(format!("training: {e}")))?;
+        .during("training")?;
     let train_seconds = t_train.elapsed().as_secs_f64();
     let (_, hwm_steps) = crate::job::proc_rss();
     let memory = crate::job::MeasuredMemory {
@@ -2545,7 +2543,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         &EVAL_TIMESTEPS,
         eval_seed,
     )
-    .map_err(rt("evaluating after training"))?;
+    .during("evaluating after training")?;
     if crate::engine::stop_requested() {
         return Err(JobError::Interrupted {
             step: rep.steps,
@@ -2591,13 +2589,13 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             ExportFormat::Kohya => {
                 let p = out_dir.join(format!("{}.safetensors", cfg.train.output_name));
                 write_kohya(&mut pipe, "default", meta.clone(), &p)
-                    .map_err(rt("writing the kohya adapter"))?;
+                    .during("writing the kohya adapter")?;
                 outputs.push(p);
             }
             ExportFormat::Peft => {
                 let p =
                     write_diffusers(&mut pipe, "default", &out_dir.join(&cfg.train.output_name))
-                        .map_err(rt("writing the diffusers adapter"))?;
+                        .during("writing the diffusers adapter")?;
                 outputs.push(p);
             }
         }
@@ -2619,9 +2617,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         bucket_batches,
         outputs,
     };
-    let text = serde_json::to_string_pretty(&summary).map_err(rt("serializing the summary"))?;
-    std::fs::write(&summary_path, text)
-        .map_err(rt(&format!("writing {}", summary_path.display())))?;
+    let text = serde_json::to_string_pretty(&summary).during("serializing the summary")?;
+    std::fs::write(&summary_path, text).during(format!("writing {}", summary_path.display()))?;
     if opts.verbose {
         println!(
             "summary: {} optimizer steps in {:.1} s; fixed-noise loss {:.5} → {:.5} ({:+.1}%)",
@@ -2682,7 +2679,7 @@ impl crate::job::Recipe for SdRecipe {
             )));
         }
         let summary = run(cfg, opts)?;
-        serde_json::to_value(&summary).map_err(rt("serializing the summary"))
+        serde_json::to_value(&summary).during("serializing the summary")
     }
 }
 

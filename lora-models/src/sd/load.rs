@@ -37,7 +37,7 @@ pub struct LoadOptions {
     /// The device the weights go to.
     pub device: Device,
     /// How attention is computed.
-    pub attention: super::blocks::AttentionBackend,
+    pub attention: super::attention::AttentionBackend,
     /// The weights variant of a diffusers folder (`Some("fp16")` reads
     /// `diffusion_pytorch_model.fp16.safetensors`); `None` takes the plain file and falls back to
     /// the `fp16` variant when the plain file is absent.
@@ -49,7 +49,7 @@ impl Default for LoadOptions {
         Self {
             kind: Kind::Float,
             device: Device::Cpu,
-            attention: super::blocks::AttentionBackend::Sdpa,
+            attention: super::attention::AttentionBackend::Sdpa,
             variant: None,
         }
     }

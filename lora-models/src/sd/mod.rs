@@ -20,12 +20,13 @@
 //! # let _ = eps; Ok(()) }
 //! ```
 
+pub mod attention;
 pub mod blocks;
 pub mod load;
 pub mod unet;
 pub mod vae;
 
-pub use blocks::AttentionBackend;
+pub use attention::AttentionBackend;
 pub use load::LoadOptions;
 pub use unet::{UNet2DConditionModel, UNetConfig};
 pub use vae::{AutoencoderKL, DiagonalGaussian, VaeConfig};

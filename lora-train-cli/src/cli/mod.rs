@@ -383,9 +383,38 @@ pub fn main() -> i32 {
         Ok(code) => code,
         Err(e) => {
             if !e.message.is_empty() {
-                eprintln!("error: {}", e.message);
+                eprintln!("error: {}", without_backtrace(&e.message));
             }
             e.code
         }
+    }
+}
+
+/// `msg` without the C++ stack trace libtorch appends to its errors (the `Exception raised
+/// from …` line and the `frame #N: …` lines): what failed stays, the frames are of no use to a
+/// user and bury it.
+pub fn without_backtrace(msg: &str) -> String {
+    let kept: Vec<&str> = msg
+        .lines()
+        .filter(|l| {
+            let t = l.trim_start();
+            !(t.starts_with("frame #") || t.starts_with("Exception raised from"))
+        })
+        .collect();
+    kept.join("\n").trim_end().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn libtorch_frames_are_cut_from_messages() {
+        let msg = "training: libtorch error: shape '[2, 3]' is invalid for input of size 5\n\
+                   Exception raised from view_impl at /pytorch/aten/src/ATen/native/TensorShape.cpp:3540\n\
+                   frame #0: c10::Error::Error(...) + 0x95 (0x7f in libc10.so)\n\
+                   frame #1: <unknown function> + 0x1234 (0x7f in libtorch_cpu.so)\n";
+        assert_eq!(
+            super::without_backtrace(msg),
+            "training: libtorch error: shape '[2, 3]' is invalid for input of size 5"
+        );
     }
 }

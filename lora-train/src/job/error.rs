@@ -52,7 +52,79 @@ pub enum JobError {
         /// The newest checkpoint of the run (the one `--resume` continues from), if any.
         checkpoint: Option<PathBuf>,
     },
-    /// Anything else at run time (training, I/O), with context.
+    /// The training engine failed (out of memory, a non-finite loss under `stop`, a checkpoint).
+    #[error("{during}: {source}")]
+    Train {
+        /// What the job was doing ("training", "evaluating before training", …).
+        during: String,
+        /// The engine's error.
+        #[source]
+        source: crate::engine::TrainError,
+    },
+    /// A model failed to load, run or save.
+    #[error("{during}: {source}")]
+    Model {
+        /// What the job was doing.
+        during: String,
+        /// The model layer's error.
+        #[source]
+        source: lora_models::Error,
+    },
+    /// LoRA layers, injection or an adapter file failed.
+    #[error("{during}: {source}")]
+    Lora {
+        /// What the job was doing.
+        during: String,
+        /// lora-core's error.
+        #[source]
+        source: lora_core::Error,
+    },
+    /// The data could not be read, scanned or batched.
+    #[error("{during}: {source}")]
+    Data {
+        /// What the job was doing.
+        during: String,
+        /// lora-data's error.
+        #[source]
+        source: lora_data::Error,
+    },
+    /// A libtorch call failed outside the engine.
+    #[error("{during}: {source}")]
+    Torch {
+        /// What the job was doing.
+        during: String,
+        /// libtorch's error.
+        #[source]
+        source: tch::TchError,
+    },
+    /// A file or folder could not be read or written.
+    #[error("{during}: {source}")]
+    Io {
+        /// What the job was doing (names the file).
+        during: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An adapter could not be written.
+    #[error("{during}: {source}")]
+    Export {
+        /// What the job was doing.
+        during: String,
+        /// The exporter's error.
+        #[source]
+        source: crate::export::ExportError,
+    },
+    /// A summary or metadata could not be (de)serialized.
+    #[error("{during}: {source}")]
+    Json {
+        /// What the job was doing.
+        during: String,
+        /// serde_json's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Anything else at run time, with context.
     #[error("{0}")]
     Runtime(String),
 }
@@ -60,7 +132,35 @@ pub enum JobError {
 /// `Result` with a [`JobError`].
 pub type Result<T> = std::result::Result<T, JobError>;
 
-/// `map_err` helper: a runtime error with `ctx` in front of the cause's message.
-pub(crate) fn rt<E: std::fmt::Display>(ctx: &str) -> impl FnOnce(E) -> JobError + '_ {
-    move |e| JobError::Runtime(format!("{ctx}: {e}"))
+/// Context for a failed call: `result.during("loading the UNet")?` turns the lower layer's error
+/// into the [`JobError`] variant that keeps it as its `#[source]`, with what the job was doing in
+/// front of its message.
+pub trait During<T> {
+    /// The error as a [`JobError`] with `what` as context.
+    ///
+    /// # Errors
+    /// The wrapped error, when `self` is one.
+    fn during(self, what: impl Into<String>) -> Result<T>;
 }
+
+macro_rules! during_for {
+    ($err:ty, $variant:ident) => {
+        impl<T> During<T> for std::result::Result<T, $err> {
+            fn during(self, what: impl Into<String>) -> Result<T> {
+                self.map_err(|source| JobError::$variant {
+                    during: what.into(),
+                    source,
+                })
+            }
+        }
+    };
+}
+
+during_for!(crate::engine::TrainError, Train);
+during_for!(lora_models::Error, Model);
+during_for!(lora_core::Error, Lora);
+during_for!(lora_data::Error, Data);
+during_for!(tch::TchError, Torch);
+during_for!(std::io::Error, Io);
+during_for!(serde_json::Error, Json);
+during_for!(crate::export::ExportError, Export);

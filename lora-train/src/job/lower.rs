@@ -2,7 +2,7 @@
 //! [`crate::engine::TrainerConfig`] and lora-core's [`lora_core::config::LoraConfig`].
 
 use crate::config::{OptimizerKind, Precision, TrainConfig};
-use crate::job::error::{Result, rt};
+use crate::job::error::{During, Result};
 use std::path::Path;
 
 /// The engine's settings for a config.
@@ -80,7 +80,7 @@ pub fn trainer_config(
         keep_last: t.keep_last_checkpoints.max(1) as usize,
         seed: Some(cfg.system.seed),
         track_cpu_memory: true,
-        run_config: serde_json::to_value(cfg).map_err(rt("serializing the config"))?,
+        run_config: serde_json::to_value(cfg).during("serializing the config")?,
         ..crate::engine::TrainerConfig::default()
     })
 }
@@ -97,8 +97,8 @@ pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::con
         m.insert("peft_type".into(), "LORA".into());
     }
     let c: lora_core::config::LoraConfig =
-        serde_json::from_value(v).map_err(rt("building the LoRA config"))?;
-    c.validate().map_err(rt("validating the LoRA config"))?;
+        serde_json::from_value(v).during("building the LoRA config")?;
+    c.validate().during("validating the LoRA config")?;
     Ok(c)
 }
 

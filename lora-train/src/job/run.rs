@@ -3,7 +3,7 @@
 //! and the divergence check before export.
 
 use crate::config::TrainConfig;
-use crate::job::error::{JobError, Result, rt};
+use crate::job::error::{During, JobError, Result};
 use crate::job::options::RunOptions;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -191,7 +191,7 @@ fn check_resume_adapter(cfg: &TrainConfig, checkpoint: &Path) -> Result<()> {
     use crate::engine::checkpoint::{Checkpoint, adapter_config_mismatches};
     let saved = Checkpoint::read_config(checkpoint)
         .map_err(|e| JobError::Input(format!("--resume {}: {e}", checkpoint.display())))?;
-    let run = serde_json::to_value(cfg).map_err(rt("serializing the config"))?;
+    let run = serde_json::to_value(cfg).during("serializing the config")?;
     let skip: &[&str] = if cfg.memory.auto_fit {
         &["lora.rank", "lora.alpha"]
     } else {
@@ -233,11 +233,11 @@ pub(crate) fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<
         let p = dir.join(name);
         if p.exists() {
             let kept = dir.join(format!("{name}.prev-{stamp}"));
-            std::fs::rename(&p, &kept).map_err(rt(&format!(
+            std::fs::rename(&p, &kept).during(format!(
                 "moving the existing {} aside to {}",
                 p.display(),
                 kept.display()
-            )))?;
+            ))?;
             if verbose {
                 eprintln!("kept the existing {} as {}", p.display(), kept.display());
             }
@@ -363,7 +363,7 @@ impl OutputLock {
             {
                 Ok(mut f) => {
                     f.write_all(me.to_string().as_bytes())
-                        .map_err(rt(&format!("writing {}", path.display())))?;
+                        .during(format!("writing {}", path.display()))?;
                     return Ok(OutputLock { path });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -414,7 +414,7 @@ impl OutputLock {
                         );
                     }
                     std::fs::remove_file(&path)
-                        .map_err(rt(&format!("removing the stale lock {}", path.display())))?;
+                        .during(format!("removing the stale lock {}", path.display()))?;
                 }
                 Err(e) => {
                     return Err(JobError::Runtime(format!(
