@@ -1,5 +1,3 @@
-include!("../build-support/torch_link.rs");
-
 fn main() {
-    link_libtorch_at_runtime();
+    lora_build::link_libtorch_at_runtime();
 }

@@ -1,5 +1,3 @@
-include!("../build-support/torch_link.rs");
-
 /// Compiles `shim/shim.cpp` (bf16 autocast, allocator statistics, RNG state) against the libtorch
 /// that torch-sys found. torch-sys publishes its library folder as `DEP_TCH_LIBTORCH_LIB`; the
 /// headers sit next to it in `../include`.
@@ -32,6 +30,6 @@ fn build_shim() {
 }
 
 fn main() {
-    link_libtorch_at_runtime();
+    lora_build::link_libtorch_at_runtime();
     build_shim();
 }

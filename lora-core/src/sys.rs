@@ -291,21 +291,23 @@ pub fn cuda_device_count() -> ShimResult<usize> {
     Ok(n.max(0) as usize)
 }
 
-/// Why CUDA device `index` cannot be used here, as the second half of a sentence that starts
-/// with what was asked (`system.device "cuda" asks for CUDA device 0, but …`); `None` when
-/// libtorch sees that device. One wording for every command that takes a device.
+/// Why CUDA device `index` cannot be used here, in one sentence: what was asked, what libtorch
+/// sees, and how to run on the CPU (`cuda:0 was asked for, but libtorch sees no CUDA device …`);
+/// `None` when libtorch sees that device. One wording for every command that takes a device.
 pub fn cuda_device_problem(index: usize) -> Option<String> {
     let n = cuda_device_count().unwrap_or(0);
     if index < n {
         return None;
     }
     Some(if n == 0 {
-        "libtorch sees no CUDA device on this machine (no NVIDIA GPU or driver, or a CPU-only \
-         libtorch); use \"cpu\" (or \"auto\") to run on the CPU, and see `lora-train doctor`"
-            .to_string()
+        format!(
+            "cuda:{index} was asked for, but libtorch sees no CUDA device on this machine (no \
+             NVIDIA GPU or driver, or a CPU-only libtorch); use \"cpu\" (or \"auto\") to run on \
+             the CPU, and see `lora-train doctor`"
+        )
     } else {
         format!(
-            "libtorch sees {n} CUDA device(s) (cuda:0…cuda:{}); use one of those, \"cpu\" or \"auto\"",
+            "cuda:{index} was asked for, but libtorch sees {n} CUDA device(s) (cuda:0…cuda:{}); use one of those, \"cpu\" or \"auto\"",
             n - 1
         )
     })

@@ -180,9 +180,7 @@ impl ModelSettings {
                     return Err(bad("write \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""));
                 };
                 if let Some(problem) = lora_core::sys::cuda_device_problem(idx) {
-                    return Err(bad(&format!(
-                        "a CUDA device this machine has (cuda:{idx} was asked for), but {problem}"
-                    )));
+                    return Err(bad(&problem));
                 }
                 Ok(tch::Device::Cuda(idx))
             }

@@ -688,3 +688,52 @@ fn a_resumed_re_export_leaves_no_temporary_or_prev_files() {
     assert!(out.join("r/adapter_model.safetensors").is_file());
     assert!(out.join("summary.json").is_file());
 }
+
+/// A fresh run in a folder that holds a previous run keeps that run's files aside — but only
+/// once it really starts: a run refused on its input leaves the previous one as it was (so
+/// `--resume` still continues it), and a run that starts keeps the checkpoints, logs, adapter
+/// and summary as `.prev-*` copies instead of overwriting them.
+#[test]
+fn a_previous_run_is_set_aside_only_when_the_new_one_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = d.join("run");
+    let cfg = config(d, "r.yaml", &macbeth(), &out, "");
+    let o = train(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let summary = std::fs::read(out.join("summary.json")).unwrap();
+    let prev = |out: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".prev-"))
+            .map(|n| n.split(".prev-").next().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    // refused on its input: nothing moved
+    let empty = d.join("empty.txt");
+    std::fs::write(&empty, "\n").unwrap();
+    let refused = config(d, "refused.yaml", &empty, &out, "");
+    let o = train(&refused, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(prev(&out).is_empty(), "{:?}", prev(&out));
+    assert!(out.join("checkpoints/step-00000002").is_dir());
+    // a fresh run that starts: the previous run's files kept aside, none overwritten
+    let o = train(&cfg, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(prev(&out), vec!["checkpoints", "logs", "r", "summary.json"]);
+    let kept = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("summary.json.prev-")
+        })
+        .unwrap();
+    assert_eq!(std::fs::read(kept).unwrap(), summary);
+    assert!(out.join("checkpoints/step-00000002").is_dir() && out.join("r").is_dir());
+}

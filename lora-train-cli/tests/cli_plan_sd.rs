@@ -620,3 +620,35 @@ fn a_decimal_budget_is_shown_in_both_units_with_a_hint_near_a_card_size() {
         }
     }
 }
+
+/// Bucket settings that cannot work are bad input (exit 2) naming the key; `plan` and the SD
+/// job share the check (`sd_plan::check_sd_config`, run before any model loads).
+#[test]
+fn impossible_bucket_settings_are_usage_errors_before_anything_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    for (extra, key) in [
+        (
+            "min_bucket_reso: 128, max_bucket_reso: 64",
+            "min_bucket_reso",
+        ),
+        ("bucket_reso_steps: 0", "bucket_reso_steps"),
+    ] {
+        let cfg = write(
+            dir.path(),
+            "b.yaml",
+            &format!(
+                "model: {{base_model: sd15}}\ndata: {{resolution: 64, enable_bucket: true, {extra}}}\ntrain: {{output_dir: out}}\n"
+            ),
+        );
+        for cmd in ["plan"] {
+            let o = bin().args([cmd, "--config"]).arg(&cfg).output().unwrap();
+            let t = text(&o);
+            assert_eq!(o.status.code(), Some(2), "{cmd} {extra}: {t}");
+            assert!(
+                t.contains(key) && t.contains("bucket settings"),
+                "{cmd} {extra}: {t}"
+            );
+            assert!(!t.contains("loading "), "{t}");
+        }
+    }
+}

@@ -383,4 +383,12 @@ fn a_dirty_folder_names_every_image_it_cannot_tag_in_the_words_training_uses() {
         assert!(!c.trim().is_empty(), "{name}: empty caption");
     }
     assert!(!out.contains("frame #"), "{out}");
+    // the dataset's parent folder: the images are in its kohya subfolder, and the message says so
+    let o = tag(dir.path(), &[]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(
+        out.contains("no images directly in it") && out.contains("2_dirty"),
+        "{out}"
+    );
 }

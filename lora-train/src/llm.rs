@@ -771,7 +771,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
     }
 
-    let _lock = check_output_dir(&cfg, opts)?;
+    let mut lock = check_output_dir(&cfg, opts)?;
     let out_dir = PathBuf::from(&cfg.train.output_dir);
     let resume_from = resume_checkpoint(&cfg, opts)?;
     if let Some((path, counters)) = &resume_from {
@@ -1055,6 +1055,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             crate::engine::progress::ProgressBar::new().every(cfg.logging.log_every_n_steps),
         ));
     }
+    // a previous run in this folder: its files go aside now that this run really starts
+    lock.set_aside_previous_run()?;
     let log_dir = cfg
         .logging
         .logging_dir

@@ -2010,22 +2010,10 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
             .during(format!("reading {}", data_path.display()));
     }
     let d = &cfg.data;
-    let mut set = lora_data::image::config::ImageSetConfig::default();
-    if let Some([w, h]) = d.resolution {
-        set.bucket.resolution = (w, h);
-    }
-    if let Some(b) = d.enable_bucket {
-        set.bucket.enable_bucket = b;
-    }
-    if let Some(v) = d.min_bucket_reso {
-        set.bucket.min_bucket_reso = v;
-    }
-    if let Some(v) = d.max_bucket_reso {
-        set.bucket.max_bucket_reso = v;
-    }
-    if let Some(v) = d.bucket_reso_steps {
-        set.bucket.bucket_reso_steps = v;
-    }
+    let mut set = lora_data::image::config::ImageSetConfig {
+        bucket: crate::sd_plan::bucket_config(cfg),
+        ..Default::default()
+    };
     set.batch_size = cfg.train.batch_size.max(1) as usize;
     let mut sub = lora_data::image::config::SubsetConfig::new(data_path);
     if let Some(e) = &d.caption_extension {
@@ -2112,7 +2100,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         desc.as_ref(),
         opts.config_dir.as_deref(),
     )?;
-    let _lock = crate::job::check_output_dir(&cfg, opts)?;
+    let mut lock = crate::job::check_output_dir(&cfg, opts)?;
     // plan
     let plan = match sd_plan(&mut cfg, &base_path, cuda) {
         Ok(p) => {
@@ -2381,14 +2369,14 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
     };
     if pre_latents || pre_text {
         let moved = pipe.move_frozen(Device::Cpu, pre_latents, pre_text)?;
-        let which = match (pre_latents, pre_text) {
-            (true, true) => "the VAE and the text encoders",
-            (true, false) => "the VAE",
-            _ => "the text encoders",
+        let (which, verb) = match (pre_latents, pre_text) {
+            (true, true) => ("the VAE and the text encoders", "stay"),
+            (true, false) => ("the VAE", "stays"),
+            _ => ("the text encoders", "stay"),
         };
         if moved.is_empty() {
             say(&format!(
-                "{which} stay in memory (a CPU run: the device is the CPU)"
+                "{which} {verb} in memory (a CPU run: the device is the CPU)"
             ));
         } else {
             say(&format!(
@@ -2446,6 +2434,8 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             crate::engine::progress::ProgressBar::new().every(cfg.logging.log_every_n_steps),
         ));
     }
+    // a previous run in this folder: its files go aside now that this run really starts
+    lock.set_aside_previous_run()?;
     let log_dir = cfg
         .logging
         .logging_dir

@@ -469,6 +469,9 @@ pub fn check_sd_config(
     config_dir: Option<&Path>,
 ) -> Result<()> {
     check_resolution(cfg)?;
+    bucket_config(cfg)
+        .check()
+        .map_err(|e| JobError::Input(format!("the data section's bucket settings: {e}")))?;
     check_target_modules(cfg)?;
     let Some(ModelDescriptor::Diffusion(d)) = desc else {
         return Ok(());
@@ -486,6 +489,29 @@ pub fn check_sd_config(
         single_file_companion(p, tok.as_deref(), sdxl)?;
     }
     Ok(())
+}
+
+/// The aspect-bucket settings of `cfg`'s data section (`data.resolution`, `enable_bucket`,
+/// `min_bucket_reso`, `max_bucket_reso`, `bucket_reso_steps`) over lora-data's defaults.
+pub fn bucket_config(cfg: &TrainConfig) -> lora_data::image::BucketConfig {
+    let d = &cfg.data;
+    let mut b = lora_data::image::BucketConfig::default();
+    if let Some([w, h]) = d.resolution {
+        b.resolution = (w, h);
+    }
+    if let Some(v) = d.enable_bucket {
+        b.enable_bucket = v;
+    }
+    if let Some(v) = d.min_bucket_reso {
+        b.min_bucket_reso = v;
+    }
+    if let Some(v) = d.max_bucket_reso {
+        b.max_bucket_reso = v;
+    }
+    if let Some(v) = d.bucket_reso_steps {
+        b.bucket_reso_steps = v;
+    }
+    b
 }
 
 /// The diffusion descriptor of `model.base_model` and where it came from: a diffusers folder

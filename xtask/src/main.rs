@@ -118,7 +118,7 @@ fn configure(cmd: &mut Command, env: &Env) {
     cmd.env("LIBTORCH", &env.libtorch)
         .env("LIBTORCH_CXX11_ABI", "1")
         .env("LORA_SDK_PYTHON", &env.python);
-    // Binaries and test executables carry an rpath to libtorch (build-support/torch_link.rs), but
+    // Binaries and test executables carry an rpath to libtorch (the lora-build crate), but
     // rustdoc's doc-test executables get no link arguments from build scripts.
     let mut dylib = env.libtorch.join("lib").into_os_string();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|o| !o.is_empty()) {

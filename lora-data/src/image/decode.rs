@@ -80,7 +80,8 @@ pub struct Decoded {
     pub orientation: ::image::metadata::Orientation,
 }
 
-fn classify(e: ImageError) -> DecodeFailure {
+/// What an `image` crate error says about a file: cut short, corrupt, unsupported or unreadable.
+pub fn classify(e: ImageError) -> DecodeFailure {
     let msg = e.to_string();
     let lower = msg.to_ascii_lowercase();
     match &e {

@@ -84,24 +84,25 @@ pub fn load_rgb(path: &Path) -> Result<RgbImage> {
         path: path.to_path_buf(),
         source,
     })?;
-    let failed = |f: lora_data::image::decode::DecodeFailure| Error::Image {
+    use lora_data::image::decode::{DecodeFailure, check_complete, classify};
+    let failed = |f: DecodeFailure| Error::Image {
         path: path.to_path_buf(),
         msg: f.to_string(),
     };
     if bytes.is_empty() {
-        return Err(failed(lora_data::image::decode::DecodeFailure::ZeroByte));
+        return Err(failed(DecodeFailure::ZeroByte));
     }
     let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
         .with_guessed_format()
-        .map_err(|e| failed(lora_data::image::decode::DecodeFailure::Io(e.to_string())))?;
-    // a cut file decodes with blank rows: refused with the training side's wording
-    if let Some(format) = reader.format() {
-        lora_data::image::decode::check_complete(&bytes, format).map_err(failed)?;
-    }
-    let img = reader.decode().map_err(|e| Error::Image {
-        path: path.to_path_buf(),
-        msg: e.to_string(),
-    })?;
+        .map_err(|e| failed(DecodeFailure::Io(e.to_string())))?;
+    // the training side's checks and wording: a cut file decodes with blank rows otherwise
+    let Some(format) = reader.format() else {
+        return Err(failed(DecodeFailure::Corrupt(
+            "the bytes match no known image format".into(),
+        )));
+    };
+    check_complete(&bytes, format).map_err(failed)?;
+    let img = reader.decode().map_err(|e| failed(classify(e)))?;
     if !img.color().has_alpha() {
         return Ok(img.to_rgb8());
     }

@@ -69,9 +69,7 @@ fn usable_device(name: &str, device: tch::Device) -> Result<tch::Device> {
         Some(problem) => Err(Error::Config {
             key: "model_settings.device".into(),
             value: format!("{name:?}"),
-            hint: format!(
-                "a CUDA device this machine has (cuda:{index} was asked for), but {problem}"
-            ),
+            hint: problem,
         }),
     }
 }

@@ -207,8 +207,32 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
         eprintln!("warning: {}: {why}", path.display());
     }
     if images.is_empty() {
+        // a kohya dataset folder: the images are in its `N_concept/` subfolders
+        let mut subs: Vec<String> = std::fs::read_dir(dir)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| {
+                        p.is_dir() && lora_tagger::run::list_images(p).is_ok_and(|v| !v.is_empty())
+                    })
+                    .map(|p| p.display().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        subs.sort();
+        let hint = if subs.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; the images are in its subfolders — tag each: {}",
+                subs.iter()
+                    .map(|s| format!("--images {s}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
         return Err(CliError::usage(format!(
-            "--images {}: no images (looked for {})",
+            "--images {}: no images directly in it (looked for {}){hint}",
             dir.display(),
             lora_tagger::run::IMAGE_EXTENSIONS.join(", ")
         )));

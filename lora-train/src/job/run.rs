@@ -64,16 +64,19 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<OutputLo
             expected: "a folder, but a file of that name exists; choose another output_dir".into(),
         }));
     }
+    check_output_name(&cfg.train.output_name)?;
     check_writable(cfg)?;
     let lock = OutputLock::acquire(&out, opts.verbose)?;
     resume_checkpoint(cfg, opts)?;
+    let mut lock = lock;
     let ckpt = out.join("checkpoints");
     let has_run = std::fs::read_dir(&ckpt)
         .map(|rd| {
             rd.flatten()
                 .any(|e| e.file_name().to_string_lossy().starts_with("step-"))
         })
-        .unwrap_or(false);
+        .unwrap_or(false)
+        || out.join("summary.json").is_file();
     if !has_run || opts.resume.is_some() {
         return Ok(lock);
     }
@@ -81,14 +84,53 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<OutputLo
     if cfg.logging.logging_dir.is_none() {
         names.push("logs".into());
     }
+    names.extend([
+        "samples".to_string(),
+        "summary.json".to_string(),
+        cfg.train.output_name.clone(),
+        format!("{}.safetensors", cfg.train.output_name),
+    ]);
     if opts.verbose {
         eprintln!(
-            "{} holds a previous run; starting a new one (use --resume to continue it)",
+            "{} holds a previous run; a new one starts (use --resume to continue it); its files are kept aside once training begins",
             out.display()
         );
     }
-    move_aside(&out, &names, opts.verbose)?;
+    // moved only when this run really starts (`OutputLock::set_aside_previous_run`): a run refused
+    // on its data or model leaves the previous one as it was, resumable
+    lock.previous_run = names;
+    lock.verbose = opts.verbose;
     Ok(lock)
+}
+
+/// `train.output_name` names files inside `train.output_dir` (`<name>.safetensors`, `<name>/`):
+/// a plain file name, so the outputs cannot land outside the folder or over a file of the user's.
+///
+/// # Errors
+/// [`JobError::Config`] naming `train.output_name` when it is empty, has a path separator or
+/// `..`, starts with a dot, or holds a control character.
+pub fn check_output_name(name: &str) -> Result<()> {
+    let bad = if name.trim().is_empty() {
+        Some("is empty")
+    } else if name.contains('/') || name.contains('\\') {
+        Some("holds a path separator")
+    } else if name.starts_with('.') {
+        Some("starts with a dot (a hidden file, or a way out of the folder)")
+    } else if name.chars().any(char::is_control) {
+        Some("holds a control character")
+    } else {
+        None
+    };
+    match bad {
+        None => Ok(()),
+        Some(why) => Err(JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "train.output_name".into(),
+            value: format!("{name:?}"),
+            expected: format!(
+                "a plain file name such as \"my-lora\" (the outputs go inside train.output_dir), but it {why}"
+            ),
+        })),
+    }
 }
 
 /// Creates `train.output_dir` and writes (then removes) a probe file in it, so a read-only or
@@ -269,9 +311,7 @@ pub fn check_device(cfg: &TrainConfig) -> Result<()> {
         Some(problem) => Err(JobError::Config(crate::config::ConfigError::InvalidValue {
             key: "system.device".into(),
             value: format!("{d:?}"),
-            expected: format!(
-                "a CUDA device this machine has (cuda:{index} was asked for), but {problem}"
-            ),
+            expected: format!("a CUDA device this machine has; {problem}"),
         })),
     }
 }
@@ -320,6 +360,9 @@ pub const LOCK_FILE: &str = ".lora-train.lock";
 #[derive(Debug)]
 pub struct OutputLock {
     path: PathBuf,
+    /// A previous run's files to keep aside when this run starts training.
+    previous_run: Vec<String>,
+    verbose: bool,
 }
 
 /// This machine's host name (Linux `/proc/sys/kernel/hostname`, else `$HOSTNAME`, else
@@ -364,7 +407,11 @@ impl OutputLock {
                 Ok(mut f) => {
                     f.write_all(me.to_string().as_bytes())
                         .during(format!("writing {}", path.display()))?;
-                    return Ok(OutputLock { path });
+                    return Ok(OutputLock {
+                        path,
+                        previous_run: Vec::new(),
+                        verbose,
+                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     let text = std::fs::read_to_string(&path).unwrap_or_default();
@@ -434,6 +481,21 @@ impl OutputLock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Just before the first training step of a fresh run in a folder that holds a previous
+    /// run: renames that run's checkpoints, logs, samples, summary and adapters to
+    /// `<name>.prev-<unix time>` (nothing is deleted) and returns the copies kept; once only.
+    ///
+    /// # Errors
+    /// [`JobError::Io`] when a rename fails.
+    pub fn set_aside_previous_run(&mut self) -> Result<Vec<PathBuf>> {
+        let names = std::mem::take(&mut self.previous_run);
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dir = self.path.parent().unwrap_or_else(|| Path::new("."));
+        move_aside(dir, &names, self.verbose)
+    }
 }
 
 impl Drop for OutputLock {
@@ -445,6 +507,30 @@ impl Drop for OutputLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_names_stay_inside_the_output_folder() {
+        for ok in ["adapter", "my-lora_v2", "sks style 1.5"] {
+            assert!(check_output_name(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            " ",
+            "../../escaped",
+            "/tmp/victim",
+            "a/b",
+            "..",
+            ".hidden",
+            "a\\b",
+            "x\ny",
+        ] {
+            let e = check_output_name(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("train.output_name") && e.contains("plain file name"),
+                "{bad:?}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn a_live_owner_refuses_a_second_lock_and_a_dead_one_is_taken_over() {
