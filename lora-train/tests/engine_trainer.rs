@@ -298,3 +298,21 @@ fn bf16_autocast_trains_with_fp32_adapters_and_fp16_needs_cuda() {
         .unwrap_err();
     assert!(err.to_string().contains("CUDA"), "{err}");
 }
+
+#[test]
+fn resuming_a_finished_run_reports_its_steps_and_epochs() {
+    let _serial = engine_common::serial();
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(
+        Some(dir.path()),
+        OptimizerKind::AdamW(AdamWConfig::default()),
+    );
+    cfg.save_every_n_steps = Some(1);
+    let (_, full) = train(cfg.clone(), None, Resume::No, &Record::default());
+    assert_eq!((full.steps, full.epochs), (15, 3));
+    // the last checkpoint was taken at the epoch's last batch: nothing is left to train
+    let (_, again) = train(cfg, None, Resume::Latest, &Record::default());
+    assert_eq!(again.resumed_from, Some(15));
+    assert_eq!((again.steps, again.epochs), (15, 3));
+}

@@ -587,7 +587,13 @@ impl<S: TrainStep> Trainer<S> {
         }
         let mut report = std::mem::take(&mut run.report);
         report.steps = run.counters.step;
-        report.epochs = run.counters.epoch;
+        // a run whose last checkpoint closed an epoch (a resume with no step left) counts that
+        // epoch, as the run that wrote it did
+        report.epochs = run.counters.epoch
+            + u64::from(
+                run.counters.batches_in_epoch > 0
+                    && data.batches_per_epoch() == Some(run.counters.batches_in_epoch),
+            );
         report.skipped_steps = run.counters.skipped_steps;
         report.oom_backoffs = run.counters.oom_backoffs;
         report.micro_batch_split = run.counters.micro_batch_split;
