@@ -1318,12 +1318,19 @@ fn suggest(path: &str) -> Option<String> {
         .chain(SPECIAL_KEYS.iter().copied())
         .collect();
     let last = path.rsplit('.').next().unwrap_or(path);
-    // The same leaf name under another section (`train.lora_rank` → `model.lora_rank`).
+    // The same leaf name under another section names the setting's own key, the first of its
+    // spellings (`train.seq_len` → `data.seq_len`, `lora.network_dim` → `lora.rank`, not the
+    // top-level kohya alias `network_dim`).
     if let Some(k) = all
         .iter()
         .find(|k| k.rsplit('.').next() == Some(last) && **k != path)
     {
-        return Some((*k).to_string());
+        let canonical = KEYS
+            .iter()
+            .find(|group| group.contains(k))
+            .and_then(|group| group.first())
+            .unwrap_or(k);
+        return Some((*canonical).to_string());
     }
     let mut best: Option<(usize, &str)> = None;
     for k in &all {
@@ -2274,6 +2281,13 @@ mod tests {
             msg.contains("train.batch_size") && msg.contains("data.batch_size"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn a_known_spelling_under_the_wrong_section_points_at_the_settings_own_key() {
+        let e = TrainConfig::from_yaml_str("lora:\n  network_dim: 16\n").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("did you mean `lora.rank`"), "{msg}");
     }
 
     #[test]
