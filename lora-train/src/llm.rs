@@ -6,7 +6,7 @@
 
 use crate::config::{BaseWeights, Dtype, TrainConfig};
 use crate::job::error::During;
-use crate::job::run::move_aside;
+use crate::job::run::ExportAside;
 use crate::job::{
     JobError, MeasuredMemory, Plan, Result, RunOptions, apply_settings, budget_for, budget_source,
     check_device, check_not_diverged, check_output_dir, lora_config, proc_rss, reset_peak_rss,
@@ -1158,35 +1158,10 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             epochs: 1 + step.saturating_sub(1) / per_epoch.max(1),
         },
     );
-    // Never overwrite what an earlier run (or the user) left under the same names: move it aside.
-    let kept = move_aside(
-        &out_dir,
-        &[
-            cfg.train.output_name.clone(),
-            format!("{}.safetensors", cfg.train.output_name),
-            "summary.json".to_string(),
-        ],
-        opts.verbose,
-    )?;
+    let kept = ExportAside::take(&cfg, opts)?;
     let mut outputs = crate::export::export_run(&mut model, "default", &lcfg, &cfg, meta, &out_dir)
         .during("exporting the adapter")?;
-    // A resumed run's earlier outputs are its own (an export cut short, or an earlier finish):
-    // once the new ones are written, the copies kept aside go. A fresh run keeps another run's.
-    if opts.resume.is_some() {
-        for k in &kept {
-            let removed = if k.is_dir() {
-                std::fs::remove_dir_all(k)
-            } else {
-                std::fs::remove_file(k)
-            };
-            if removed.is_ok() && opts.verbose {
-                eprintln!(
-                    "removed {} (this run's earlier output, now re-exported)",
-                    k.display()
-                );
-            }
-        }
-    }
+    kept.exported();
     let mut summary = RunSummary {
         plan,
         steps: step,

@@ -2573,6 +2573,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         },
     );
     let meta = sd_metadata(meta, SdVersion::of(&pipe), !train_te);
+    let kept = crate::job::run::ExportAside::take(&cfg, opts)?;
     let mut outputs = Vec::new();
     for f in &cfg.train.export_formats {
         match f {
@@ -2590,6 +2591,7 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
             }
         }
     }
+    kept.exported();
     let summary_path = out_dir.join("summary.json");
     outputs.push(summary_path.clone());
     let summary = SdRunSummary {

@@ -84,12 +84,8 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<OutputLo
     if cfg.logging.logging_dir.is_none() {
         names.push("logs".into());
     }
-    names.extend([
-        "samples".to_string(),
-        "summary.json".to_string(),
-        cfg.train.output_name.clone(),
-        format!("{}.safetensors", cfg.train.output_name),
-    ]);
+    // its adapters and summary go aside when this run exports ([`ExportAside`])
+    names.push("samples".to_string());
     if opts.verbose {
         eprintln!(
             "{} holds a previous run; a new one starts (use --resume to continue it); its files are kept aside once training begins",
@@ -263,9 +259,66 @@ fn check_resume_adapter(cfg: &TrainConfig, checkpoint: &Path) -> Result<()> {
     )))
 }
 
+/// What stood under a run's output names (`<output_name>`, `<output_name>.safetensors`,
+/// `summary.json`) when its export began, kept aside as `.prev-*` copies: the export never
+/// writes over a file it did not make. Once the new files are written
+/// ([`ExportAside::exported`]), a resumed run's copies go (they were this run's own earlier
+/// export, cut short or finished); a fresh run keeps them (another run's, or the user's).
+#[derive(Debug)]
+#[must_use = "call `exported` once the adapter files are written"]
+pub struct ExportAside {
+    kept: Vec<PathBuf>,
+    resumed: bool,
+    verbose: bool,
+}
+
+impl ExportAside {
+    /// Moves what stands under `cfg`'s output names aside.
+    ///
+    /// # Errors
+    /// [`JobError::Io`] when a rename fails.
+    pub fn take(cfg: &TrainConfig, opts: &RunOptions) -> Result<Self> {
+        let name = &cfg.train.output_name;
+        let kept = move_aside(
+            Path::new(&cfg.train.output_dir),
+            &[
+                name.clone(),
+                format!("{name}.safetensors"),
+                "summary.json".to_string(),
+            ],
+            opts.verbose,
+        )?;
+        Ok(Self {
+            kept,
+            resumed: opts.resume.is_some(),
+            verbose: opts.verbose,
+        })
+    }
+
+    /// The new files are in place: a resumed run's own earlier copies are removed.
+    pub fn exported(self) {
+        if !self.resumed {
+            return;
+        }
+        for k in &self.kept {
+            let removed = if k.is_dir() {
+                std::fs::remove_dir_all(k)
+            } else {
+                std::fs::remove_file(k)
+            };
+            if removed.is_ok() && self.verbose {
+                eprintln!(
+                    "removed {} (this run's earlier output, now re-exported)",
+                    k.display()
+                );
+            }
+        }
+    }
+}
+
 /// Renames each existing `dir/<name>` to `dir/<name>.prev-<unix time>` (nothing is deleted), and
 /// says so when `verbose`; returns the copies kept.
-pub(crate) fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<Vec<PathBuf>> {
+fn move_aside(dir: &Path, names: &[String], verbose: bool) -> Result<Vec<PathBuf>> {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -483,7 +536,7 @@ impl OutputLock {
     }
 
     /// Just before the first training step of a fresh run in a folder that holds a previous
-    /// run: renames that run's checkpoints, logs, samples, summary and adapters to
+    /// run: renames that run's checkpoints, logs and samples to
     /// `<name>.prev-<unix time>` (nothing is deleted) and returns the copies kept; once only.
     ///
     /// # Errors
