@@ -8,7 +8,8 @@
 /// An app's own model trained with LoRA through [`lora_train::engine`]: a frozen two-layer MLP
 /// built from lora-core's [`LoraLinear`](lora_train::core::linear::LoraLinear) layers, with a
 /// rank-4 adapter on each, regressing a fixed random teacher. The engine knows nothing of the
-/// model: it sees a [`TrainStep`] (loss + trainable tensors) and a [`BatchSource`].
+/// model: it sees a [`TrainStep`](lora_train::engine::TrainStep) (loss + trainable tensors) and
+/// a [`BatchSource`](lora_train::engine::BatchSource).
 pub mod own_model {
     use lora_train::core::base::BaseWeight;
     use lora_train::core::config::AdapterSpec;

@@ -318,7 +318,7 @@ fn double_quantize(absmax: &[f32]) -> (Vec<i8>, Vec<f32>, f32) {
     (q, scales, offset)
 }
 
-/// Inverse of [`double_quantize`] in plain Rust (reference for tests).
+/// Inverse of the NF4 double quantization of absmax scales, in plain Rust (reference for tests).
 pub fn nf4_double_dequantize_reference(
     q: &[i8],
     scales: &[f32],

@@ -22,6 +22,8 @@
 //! }
 //! ```
 #![deny(missing_docs)]
+// docs.rs (nightly rustdoc): badges on items that need a feature
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod budget;
 pub mod cases;

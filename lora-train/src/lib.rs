@@ -26,6 +26,8 @@
 //! An app that only wants the engine depends on `lora-train` with `default-features = false`.
 //! The `lora-train` command line is the `lora-train-cli` package.
 #![deny(missing_docs)]
+// docs.rs (nightly rustdoc): badges on items that need a feature
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use lora_core as core;
 #[cfg(feature = "jobs")]

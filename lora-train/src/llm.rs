@@ -1,7 +1,7 @@
 //! The causal-LM job: plan → load → inject → train → export → summary.
 //!
 //! [`plan`] is pure (lora-memory only): it reads the model's header, turns the [`TrainConfig`]
-//! into lora-memory [`Settings`], estimates the peak, checks it against the budget and, with
+//! into lora-memory [`Settings`](lora_memory::Settings), estimates the peak, checks it against the budget and, with
 //! `memory.auto_fit`, applies lora-memory's `fit()`.
 
 use crate::config::{BaseWeights, Dtype, TrainConfig};

@@ -7,7 +7,7 @@
 //! ([`crate::sd::run`]: latents cached in memory after the first encoding, the VAE and the text
 //! encoder kept loaded for first-epoch encodings and sample images, text-encoder outputs cached
 //! while the encoder is frozen), estimates the peak and checks it against the budget.
-//! [`report`] prints it with the rows that matter for diffusion (image and latent size, batch,
+//! [`report`](crate::job::diffusion_report) prints it with the rows that matter for diffusion (image and latent size, batch,
 //! what is cached, UNet / VAE / text-encoder weights, UNet and text-encoder activations).
 //!
 //! [`check_sd_config`] holds the checks `lora-train plan` and the SD job share, so both refuse

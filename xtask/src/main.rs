@@ -12,6 +12,7 @@
 
 mod assets;
 mod bench;
+mod package;
 mod python;
 mod util;
 
@@ -29,8 +30,12 @@ usage: cargo xtask <command>
 commands:
   setup    provision libtorch (.venv with torch==2.13.0 or your LIBTORCH), the Python interop
            peers and the real assets; idempotent (a second run is a no-op in seconds)
-  test     setup, then the whole suite: unit, integration, doc and interop tests
+  test     setup, then the whole suite: unit, integration, doc and interop tests, then `msrv` and
+           `consumer` (skipped when arguments for cargo test are given)
   demo     setup, then the main job: LoRA fine-tune of SmolLM2-135M-Instruct on Shakespeare
+  consumer package the crates, build their docs as docs.rs does, and build and run apps outside
+           the repository against the packaged crates (part of `test`; xtask/consumer/README.md)
+  msrv     check the workspace's rust-version against its dependencies and clippy (part of `test`)
   doctor   print what setup found (libtorch, python, assets) without changing anything
   bench-compare  the same LoRA training job through lora-train and Python PEFT + transformers,
            alternating, plus the image loader vs Pillow: ratios to bench.json/.md/.png
@@ -50,6 +55,8 @@ fn main() {
         Some("test") => setup(&root).and_then(|env| test(&root, &env, &args[1..])),
         Some("demo") => setup(&root).and_then(|env| demo(&root, &env, &args[1..])),
         Some("doctor") => doctor(&root),
+        Some("consumer") => setup(&root).and_then(|env| package::consumer(&root, &env)),
+        Some("msrv") => python::ensure_libtorch(&root).and_then(|env| package::msrv(&root, &env)),
         Some("bench-compare") if args.iter().any(|a| a == "-h" || a == "--help") => {
             print!("{}", bench::USAGE);
             return;
@@ -140,7 +147,15 @@ fn test(root: &Path, env: &Env, extra: &[String]) -> Result<()> {
     configure(&mut cmd, env);
     eprintln!("== test: cargo test --workspace");
     util::run(&mut cmd, "the test suite (cargo test --workspace)")?;
-    eprintln!("== test: passed in {:.0} s", t.elapsed().as_secs_f64());
+    let suite_s = t.elapsed().as_secs_f64();
+    if extra.is_empty() {
+        package::msrv(root, env)?;
+        package::consumer(root, env)?;
+    }
+    eprintln!(
+        "== test: passed in {:.0} s (cargo test {suite_s:.0} s)",
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 

@@ -8,7 +8,7 @@ use std::path::Path;
 /// The engine's settings for a config.
 ///
 /// # Errors
-/// [`JobError::Runtime`] for settings the engine rejects.
+/// [`JobError::Runtime`](crate::job::JobError::Runtime) for settings the engine rejects.
 pub fn trainer_config(
     cfg: &TrainConfig,
     device: tch::Device,
@@ -88,7 +88,7 @@ pub fn trainer_config(
 /// The PEFT `LoraConfig` of a run.
 ///
 /// # Errors
-/// [`JobError::Runtime`] when lora-core rejects the settings.
+/// [`JobError::Runtime`](crate::job::JobError::Runtime) when lora-core rejects the settings.
 pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::config::LoraConfig> {
     let mut v = cfg.lora.to_peft_json();
     if let serde_json::Value::Object(m) = &mut v {

@@ -14,7 +14,7 @@ pub struct RunOptions {
     pub verbose: bool,
     /// `None`: start fresh; `Some(None)`: resume from the newest checkpoint of the run's output
     /// folder; `Some(Some(dir))`: resume from that checkpoint. Either is [`JobError::Input`]
-    /// before anything loads when there is no such checkpoint (see [`resume_checkpoint`]).
+    /// before anything loads when there is no such checkpoint (see [`resume_checkpoint`](crate::job::resume_checkpoint)).
     pub resume: Option<Option<PathBuf>>,
 }
 

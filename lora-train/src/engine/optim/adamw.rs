@@ -199,9 +199,9 @@ impl ForeachBatch {
 impl Optimizer for AdamW {
     /// fp32 parameters on one device go through libtorch's multi-tensor ops
     /// ([`lora_core::sys::adam_foreach_step`], a few calls per group instead of ~10 per tensor);
-    /// others (bf16/fp16 parameters with fp32 state) through [`adamw_update`]. Both give the same
+    /// others (bf16/fp16 parameters with fp32 state) through a per-tensor update. Both give the same
     /// bits as `torch.optim.AdamW`. On CPU the step runs on one libtorch thread
-    /// ([`super::optimizer::CpuStepThreads`]).
+    /// (libtorch's intra-op threads are set to 1 for the step and restored after).
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
         let _threads = super::optimizer::CpuStepThreads::for_params(&self.params());
