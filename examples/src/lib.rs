@@ -1,8 +1,10 @@
-//! Runnable examples of the lora-sdk.
+//! Runnable examples of the lora-sdk (`examples/README.md` lists them with their commands):
 //!
-//! - `cargo run -p lora-examples --bin own_model`: LoRA on an app's own tch model through the
-//!   training engine alone ([`own_model`]); this crate depends on `lora-train` without default
-//!   features, so it compiles no recipe, config file, plotting or image code.
+//! - `own_model`: LoRA on an app's own tch model through the training engine alone ([`own_model`]);
+//!   with `--no-default-features` this crate compiles no recipe, config file, plotting or image
+//!   code;
+//! - `plan_fit`, `finetune_smollm2`, `sd_lora`, `tag_folder`, `convert_adapter` (feature
+//!   `recipes`, on by default): single-file programs in `src/bin/`.
 #![deny(missing_docs)]
 
 /// An app's own model trained with LoRA through [`lora_train::engine`]: a frozen two-layer MLP

@@ -711,7 +711,22 @@ impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
 ///
 /// # Errors
 /// [`JobError::DoesNotFit`] before loading anything; config, file and runtime errors.
-pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
+pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
+    run_with(cfg, opts, Vec::new())
+}
+
+/// [`run`] with the app's own engine callbacks (progress of its own, early stopping, …), called
+/// after the job's progress bar and metrics logger at every step, epoch and checkpoint. A
+/// callback returning [`Control::Stop`](crate::engine::Control::Stop) ends training early; the
+/// adapter is still exported and the summary says how many steps ran.
+///
+/// # Errors
+/// As [`run`]; an error a callback returns stops the run with that error.
+pub fn run_with(
+    mut cfg: TrainConfig,
+    opts: &RunOptions,
+    callbacks: Vec<Box<dyn crate::engine::Callback>>,
+) -> Result<RunSummary> {
     use lora_data::loader::{Loader, LoaderConfig};
     use lora_data::text::{TextConfig, TextDataset, TextFormat};
     let t_start = std::time::Instant::now();
@@ -1070,6 +1085,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             .during("the metrics log")?
             .with_every(cfg.logging.log_every_n_steps),
     ));
+    for cb in callbacks {
+        trainer.add_callback(cb);
+    }
     let resume = match &resume_from {
         None => crate::engine::Resume::No,
         Some((dir, _)) => crate::engine::Resume::From(dir.clone()),

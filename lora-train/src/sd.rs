@@ -2062,7 +2062,22 @@ fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
 ///
 /// # Errors
 /// [`JobError::DoesNotFit`], config, file and runtime errors.
-pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
+pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
+    run_with(cfg, opts, Vec::new())
+}
+
+/// [`run`] with the app's own engine callbacks, called after the job's progress bar, metrics
+/// logger and sample-image callback. A callback returning
+/// [`Control::Stop`](crate::engine::Control::Stop) ends training early; the adapter is still
+/// exported.
+///
+/// # Errors
+/// As [`run`]; an error a callback returns stops the run with that error.
+pub fn run_with(
+    mut cfg: TrainConfig,
+    opts: &RunOptions,
+    callbacks: Vec<Box<dyn crate::engine::Callback>>,
+) -> Result<SdRunSummary> {
     let t_start = std::time::Instant::now();
     let say = |s: &str| {
         if opts.verbose {
@@ -2489,6 +2504,9 @@ pub fn run(mut cfg: TrainConfig, opts: &RunOptions) -> Result<SdRunSummary> {
         sample_opts,
     );
     trainer.add_callback(Box::new(sampler));
+    for cb in callbacks {
+        trainer.add_callback(cb);
+    }
     let resume = match &opts.resume {
         None => crate::engine::Resume::No,
         Some(None) => crate::engine::Resume::Latest,

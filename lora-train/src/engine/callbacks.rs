@@ -199,9 +199,146 @@ impl Callback for StopAfter {
     }
 }
 
+/// Stops the run when the training loss stops improving: after `patience` optimizer steps in
+/// which its moving average did not fall below the best value so far by more than `min_delta`.
+///
+/// The average is exponential, `ema_t = β·ema_(t−1) + (1 − β)·loss_t` with `ema_1 = loss_1`
+/// (default `β = 0.9`, about the last ten steps), so one noisy step neither stops nor extends the
+/// run. Skipped steps (non-finite loss or gradients) are not counted. This is the rule of
+/// Keras' and transformers' `EarlyStopping` (`patience`, `min_delta`), applied to the smoothed
+/// training loss because the engine has no evaluation metric of its own; the run's
+/// [`TrainReport::stopped_early`] says when it fired.
+#[derive(Debug, Clone)]
+pub struct EarlyStopping {
+    patience: u64,
+    min_delta: f64,
+    beta: f64,
+    ema: Option<f64>,
+    best: f64,
+    since_best: u64,
+}
+
+impl EarlyStopping {
+    /// Stops after `patience` steps (at least 1) without improvement; `min_delta` 0, `β` 0.9.
+    pub fn new(patience: u64) -> Self {
+        Self {
+            patience: patience.max(1),
+            min_delta: 0.0,
+            beta: 0.9,
+            ema: None,
+            best: f64::INFINITY,
+            since_best: 0,
+        }
+    }
+
+    /// The least fall of the averaged loss (in loss units) that counts as an improvement.
+    pub fn with_min_delta(mut self, min_delta: f64) -> Self {
+        self.min_delta = min_delta.max(0.0);
+        self
+    }
+
+    /// The averaging factor `β` in `[0, 1)`; 0 compares raw step losses.
+    pub fn with_smoothing(mut self, beta: f64) -> Self {
+        self.beta = beta.clamp(0.0, 0.999);
+        self
+    }
+
+    /// The smoothed loss after the last counted step (`None` before the first).
+    pub fn smoothed_loss(&self) -> Option<f64> {
+        self.ema
+    }
+}
+
+impl Callback for EarlyStopping {
+    fn on_start(&mut self, _total_steps: u64, _start_step: u64) -> Result<()> {
+        self.ema = None;
+        self.best = f64::INFINITY;
+        self.since_best = 0;
+        Ok(())
+    }
+
+    fn on_step(&mut self, info: &StepInfo) -> Result<Control> {
+        if info.skipped || !info.loss.is_finite() {
+            return Ok(Control::Continue);
+        }
+        let ema = match self.ema {
+            None => info.loss,
+            Some(prev) => self.beta * prev + (1.0 - self.beta) * info.loss,
+        };
+        self.ema = Some(ema);
+        if ema < self.best - self.min_delta {
+            self.best = ema;
+            self.since_best = 0;
+        } else {
+            self.since_best += 1;
+        }
+        Ok(if self.since_best >= self.patience {
+            Control::Stop
+        } else {
+            Control::Continue
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn step(n: u64, loss: f64) -> StepInfo {
+        StepInfo {
+            step: n,
+            loss,
+            ..StepInfo::default()
+        }
+    }
+
+    /// Feeds `losses` and returns the 1-based step at which the callback said stop.
+    fn stops_at(cb: &mut EarlyStopping, losses: &[f64]) -> Option<u64> {
+        cb.on_start(losses.len() as u64, 0).unwrap();
+        for (i, &l) in losses.iter().enumerate() {
+            if cb.on_step(&step(i as u64 + 1, l)).unwrap() == Control::Stop {
+                return Some(i as u64 + 1);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn early_stopping_waits_patience_steps_after_the_best() {
+        // raw losses (β = 0): best 1.0 at step 3, then three steps without a fall
+        let mut cb = EarlyStopping::new(3).with_smoothing(0.0);
+        assert_eq!(
+            stops_at(&mut cb, &[3.0, 2.0, 1.0, 1.0, 1.5, 1.2, 0.5]),
+            Some(6)
+        );
+        // a fall smaller than min_delta does not count
+        let mut cb = EarlyStopping::new(2)
+            .with_smoothing(0.0)
+            .with_min_delta(0.1);
+        assert_eq!(stops_at(&mut cb, &[1.0, 0.95, 0.92, 0.5]), Some(3));
+        // a loss that keeps falling never stops
+        let mut cb = EarlyStopping::new(1).with_smoothing(0.0);
+        assert_eq!(stops_at(&mut cb, &[4.0, 3.0, 2.0, 1.0]), None);
+    }
+
+    #[test]
+    fn early_stopping_smooths_and_ignores_skipped_steps() {
+        // β = 0.5: 2.0 → ema 2.0; 1.0 → 1.5; 3.0 (one bad step) → 2.25 (no improvement, 1);
+        // 1.0 → 1.625 (no improvement, 2 = patience)
+        let mut cb = EarlyStopping::new(2).with_smoothing(0.5);
+        assert_eq!(stops_at(&mut cb, &[2.0, 1.0, 3.0, 1.0]), Some(4));
+        assert_eq!(cb.smoothed_loss(), Some(1.625));
+        // skipped and non-finite steps leave the state alone
+        let mut cb = EarlyStopping::new(1).with_smoothing(0.0);
+        cb.on_start(4, 0).unwrap();
+        assert_eq!(cb.on_step(&step(1, 2.0)).unwrap(), Control::Continue);
+        let mut skipped = step(2, 5.0);
+        skipped.skipped = true;
+        assert_eq!(cb.on_step(&skipped).unwrap(), Control::Continue);
+        assert_eq!(cb.on_step(&step(3, f64::NAN)).unwrap(), Control::Continue);
+        assert_eq!(cb.on_step(&step(4, 1.0)).unwrap(), Control::Continue);
+        assert_eq!(cb.on_step(&step(5, 1.0)).unwrap(), Control::Stop);
+    }
 
     #[test]
     fn control_merge_prefers_stop() {

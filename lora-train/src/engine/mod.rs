@@ -28,6 +28,7 @@ pub mod sched;
 pub mod stop;
 pub mod trainer;
 
+pub use callbacks::{Callback, Control, EarlyStopping, StepInfo, StopAfter, TrainEvent};
 pub use error::{Result, TrainError, is_oom_message};
 pub use report::TrainReport;
 pub use stop::{clear_stop_request, request_stop, stop_requested};
