@@ -1,5 +1,6 @@
-//! LoRA layers over tch, quantized frozen bases, target matching and injection, and the adapter
-//! file formats other tools load (PEFT, kohya, diffusers).
+//! LoRA for models written with tch: frozen base layers (dense or kept quantized) with trainable
+//! low-rank adapters, injected by module path with PEFT's `target_modules` semantics, merged or
+//! switched off at inference, and saved in the files PEFT, kohya and diffusers load.
 //!
 //! - [`linear::LoraLinear`], [`conv::LoraConv2d`] (LoCon), [`embedding::LoraEmbedding`]: a frozen base
 //!   ([`base::BaseWeight`]: dense fp32/fp16/bf16, or [`quant::QuantWeight`] NF4 / GGUF Q8_0 / Q4_0 /

