@@ -185,11 +185,24 @@ fn assets_dir(root: &Path) -> PathBuf {
 
 /// Fetches, verifies and unpacks every asset that is not already complete.
 pub fn ensure_all(root: &Path) -> Result<()> {
+    ensure(root, |_| true)
+}
+
+/// The assets the demo reads (the GGUF base and the Shakespeare text); neither needs the Python
+/// peers to unpack.
+pub const DEMO_ASSETS: [&str; 2] = ["models", "shakespeare"];
+
+/// [`ensure_all`] for the assets named in `names` only.
+pub fn ensure_only(root: &Path, names: &[&str]) -> Result<()> {
+    ensure(root, |n| names.contains(&n))
+}
+
+fn ensure(root: &Path, wanted: impl Fn(&str) -> bool) -> Result<()> {
     let dir = assets_dir(root);
     let downloads = dir.join(".downloads");
     std::fs::create_dir_all(&downloads)
         .with_context(|| format!("setup/assets: cannot create {}", downloads.display()))?;
-    for asset in ASSETS {
+    for asset in ASSETS.iter().filter(|a| wanted(a.name)) {
         let dest = dir.join(asset.name);
         let stamp = dest.join(".ok");
         let want_stamp = stamp_text(asset);

