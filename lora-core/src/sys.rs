@@ -15,6 +15,12 @@ use std::marker::PhantomData;
 
 use tch::{Device, Kind, Tensor};
 
+/// Bytes of a tensor's elements: `numel · element size` (libtorch's `element_size()`); views
+/// count their own elements, not the storage they share.
+pub fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
 mod ffi {
     use std::ffi::c_char;
     unsafe extern "C" {

@@ -46,4 +46,4 @@ pub use settings::{
     Attention, BaseDtype, Device, Framework, LoraSettings, Method, MixedPrecision, Optimizer,
     Profile, Settings,
 };
-pub use units::{Bytes, ParsedSize, parse_size};
+pub use units::{Bytes, ParsedSize, Size, parse_size};

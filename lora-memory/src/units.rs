@@ -247,6 +247,57 @@ impl std::str::FromStr for Bytes {
     }
 }
 
+/// A memory size as a config file writes it (`"6GB"`, `"12GiB"`, or a bare number of bytes), with
+/// its byte count; serialized back as the text, so a config round-trips unchanged. Used by the
+/// training config's `memory.budget` and the tagger's `max_memory` caps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Size {
+    /// As written.
+    pub text: String,
+    /// Bytes, as [`parse_size`] reads the text.
+    pub bytes: u64,
+    /// How an ambiguous unit was read (bare number, single-letter suffix, lowercase `b`), from
+    /// [`ParsedSize::assumed`].
+    pub assumed: Option<String>,
+}
+
+impl Size {
+    /// Parses `text` with [`parse_size`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`] as [`parse_size`].
+    pub fn parse(text: &str) -> Result<Size> {
+        let p = parse_size(text)?;
+        Ok(Size {
+            text: text.to_string(),
+            bytes: p.bytes.0,
+            assumed: p.assumed,
+        })
+    }
+}
+
+impl Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    /// A string, or a number (of bytes) as YAML and TOML write one unquoted.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let text = match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(s) => s,
+            serde_json::Value::Number(n) => n.to_string(),
+            other => {
+                return Err(serde::de::Error::custom(format!(
+                    "expected a size like \"6GB\", found {other}"
+                )));
+            }
+        };
+        Size::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,5 +366,20 @@ mod tests {
         assert_eq!(Bytes(5_000_000).to_string(), "5.0 MB (4.8 MiB)");
         assert_eq!(Bytes(12).to_string(), "12 B");
         assert_eq!(Bytes(3) - Bytes(5), Bytes(0));
+    }
+
+    #[test]
+    fn a_size_setting_keeps_its_text_and_reads_numbers_as_bytes() {
+        let s: Size = serde_json::from_str("\"6GB\"").unwrap();
+        assert_eq!(
+            (s.text.as_str(), s.bytes, s.assumed.is_none()),
+            ("6GB", 6_000_000_000, true)
+        );
+        assert_eq!(serde_json::to_string(&s).unwrap(), "\"6GB\"");
+        let n: Size = serde_json::from_str("4096").unwrap();
+        assert_eq!((n.bytes, n.assumed.is_some()), (4096, true));
+        let e = serde_json::from_str::<Size>("[1]").unwrap_err().to_string();
+        assert!(e.contains("expected a size like \"6GB\""), "{e}");
+        assert!(serde_json::from_str::<Size>("\"6 parsecs\"").is_err());
     }
 }

@@ -70,44 +70,8 @@ impl Precision {
     }
 }
 
-/// A size as written and in bytes (serialized as the text).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Size {
-    /// The text as written (`"6GB"`).
-    pub text: String,
-    /// Bytes.
-    pub bytes: u64,
-    /// How an ambiguous unit was read (e.g. "no unit: read as bytes"), from
-    /// [`lora_memory::parse_size`].
-    pub assumed: Option<String>,
-}
-
-impl Serialize for Size {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> Deserialize<'de> for Size {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let v = Value::deserialize(d)?;
-        let text = match &v {
-            Value::String(s) => s.clone(),
-            Value::Number(n) => n.to_string(),
-            other => {
-                return Err(serde::de::Error::custom(format!(
-                    "expected a size like \"6GB\", found {other}"
-                )));
-            }
-        };
-        let p = lora_memory::parse_size(&text).map_err(serde::de::Error::custom)?;
-        Ok(Size {
-            text,
-            bytes: p.bytes.0,
-            assumed: p.assumed,
-        })
-    }
-}
+/// A size as written and in bytes (serialized as the text): [`lora_memory::Size`].
+pub use lora_memory::Size;
 
 /// `model_settings.max_memory`: caps on the memory the tagger may plan its batches for.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -722,22 +686,8 @@ fn check_type(key: &str, v: &Value, ty: Ty) -> Result<()> {
     }
 }
 
-/// Levenshtein distance over chars.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let a: Vec<char> = a.chars().collect();
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    let mut cur = vec![0; b.len() + 1];
-    for i in 1..=a.len() {
-        cur[0] = i;
-        for j in 1..=b.len() {
-            let sub = prev[j - 1] + usize::from(a[i - 1] != b[j - 1]);
-            cur[j] = sub.min(prev[j] + 1).min(cur[j - 1] + 1);
-        }
-        std::mem::swap(&mut prev, &mut cur);
-    }
-    prev[b.len()]
-}
+// Levenshtein distance over chars (the `strsim` crate).
+use strsim::levenshtein as edit_distance;
 
 /// The closest known key: the same leaf under another section, else the smallest edit distance
 /// (on the whole path or on the leaf within the same section) within a third of the leaf's length.

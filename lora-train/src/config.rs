@@ -143,56 +143,20 @@ pub type Result<T> = std::result::Result<T, ConfigError>;
 // The canonical model
 // ---------------------------------------------------------------------------------------------
 
-/// A memory size given as text (`"6GB"`), with its parsed byte count.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Size {
-    /// As written.
-    pub text: String,
-    /// Bytes.
-    pub bytes: u64,
-    /// How an ambiguous unit was read (from [`lora_memory::parse_size`]), e.g. a bare number.
-    pub assumed: Option<String>,
-}
+/// A memory size given as text (`"6GB"`), with its parsed byte count (one type for every config
+/// of the SDK: [`lora_memory::Size`]).
+pub use lora_memory::Size;
 
-impl Size {
-    /// Parses `text` with [`lora_memory::parse_size`]; `key` names the setting in errors.
-    ///
-    /// # Errors
-    /// [`ConfigError::InvalidValue`] when the text is not a size.
-    pub fn parse(key: &str, text: &str) -> Result<Size> {
-        let p = lora_memory::parse_size(text).map_err(|e| ConfigError::InvalidValue {
-            key: key.to_string(),
-            value: format!("{text:?}"),
-            expected: format!("a size like \"6GB\", \"12GiB\" or \"512MB\" ({e})"),
-        })?;
-        Ok(Size {
-            text: text.to_string(),
-            bytes: p.bytes.0,
-            assumed: p.assumed,
-        })
-    }
-}
-
-impl Serialize for Size {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> Deserialize<'de> for Size {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let v = Value::deserialize(d)?;
-        let text = match v {
-            Value::String(s) => s,
-            Value::Number(n) => n.to_string(),
-            other => {
-                return Err(serde::de::Error::custom(format!(
-                    "expected a size string, found {other}"
-                )));
-            }
-        };
-        Size::parse("size", &text).map_err(serde::de::Error::custom)
-    }
+/// Parses a size setting; `key` names it in the error.
+///
+/// # Errors
+/// [`ConfigError::InvalidValue`] when the text is not a size.
+fn parse_size_key(key: &str, text: &str) -> Result<Size> {
+    Size::parse(text).map_err(|e| ConfigError::InvalidValue {
+        key: key.to_string(),
+        value: format!("{text:?}"),
+        expected: format!("a size like \"6GB\", \"12GiB\" or \"512MB\" ({e})"),
+    })
 }
 
 /// `target_modules`: a list (exact name or `.`-suffix match) or one regex string (full match),
@@ -456,6 +420,8 @@ pub enum OptimizerKind {
     Sgd,
     /// SGD with Nesterov momentum (kohya's `SGDNesterov`: `torch.optim.SGD(nesterov=True)`,
     /// `momentum` as set, 0.9 by default).
+    ///
+    /// Plain `SGD` has no momentum unless `train.momentum` sets it.
     #[serde(rename = "SGDNesterov")]
     SgdNesterov,
 }
@@ -535,8 +501,10 @@ pub struct TrainSection {
     pub optimizer: OptimizerKind,
     /// Decoupled weight decay (default 0).
     pub weight_decay: f64,
-    /// SGD momentum (default 0.9).
-    pub momentum: f64,
+    /// SGD momentum μ. Unset: 0 for `SGD` (`torch.optim.SGD`'s and kohya's default) and 0.9 for
+    /// `SGDNesterov` (kohya's), as the engine's optimizer names give them
+    /// ([`crate::job::lower::sgd_momentum`]).
+    pub momentum: Option<f64>,
     /// LoRA+ ratio `lr_B / lr_A` (arXiv:2402.12354); `None` = plain LoRA.
     pub loraplus_lr_ratio: Option<f64>,
     /// Scheduler (kohya `lr_scheduler`).
@@ -593,7 +561,7 @@ impl Default for TrainSection {
             learning_rate: 1e-4,
             optimizer: OptimizerKind::AdamW,
             weight_decay: 0.0,
-            momentum: 0.9,
+            momentum: None,
             loraplus_lr_ratio: None,
             lr_scheduler: SchedulerKind::Constant,
             warmup_steps: 0,
@@ -1293,22 +1261,8 @@ const NAN_POLICIES: &[(&str, NanPolicy)] = &[
 const EXPORTS: &[(&str, ExportFormat)] =
     &[("peft", ExportFormat::Peft), ("kohya", ExportFormat::Kohya)];
 
-/// Levenshtein distance (Wagner–Fischer).
-fn edit_distance(a: &str, b: &str) -> usize {
-    let a: Vec<char> = a.chars().collect();
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    let mut cur = vec![0; b.len() + 1];
-    for i in 1..=a.len() {
-        cur[0] = i;
-        for j in 1..=b.len() {
-            let sub = prev[j - 1] + usize::from(a[i - 1] != b[j - 1]);
-            cur[j] = sub.min(prev[j] + 1).min(cur[j - 1] + 1);
-        }
-        std::mem::swap(&mut prev, &mut cur);
-    }
-    prev[b.len()]
-}
+// Levenshtein distance over chars (the `strsim` crate).
+use strsim::levenshtein as edit_distance;
 
 /// The closest known spelling to an unknown key path.
 fn suggest(path: &str) -> Option<String> {
@@ -1405,8 +1359,8 @@ fn resolution(key: &str, v: &Value) -> Result<[u32; 2]> {
 
 fn size_of(key: &str, v: &Value) -> Result<Size> {
     match v {
-        Value::String(s) => Size::parse(key, s),
-        Value::Number(n) => Size::parse(key, &n.to_string()),
+        Value::String(s) => parse_size_key(key, s),
+        Value::Number(n) => parse_size_key(key, &n.to_string()),
         _ => Err(invalid(
             key,
             v,
@@ -2319,7 +2273,7 @@ mod tests {
         let mut c = TrainConfig::default();
         c.lora.rank = 16;
         c.lora.target_modules = TargetModules::Regex(".*proj".into());
-        c.memory.budget = Some(Size::parse("memory.budget", "6GB").unwrap());
+        c.memory.budget = Some(parse_size_key("memory.budget", "6GB").unwrap());
         c.train.export_formats = vec![ExportFormat::Peft, ExportFormat::Kohya];
         let y = c.to_yaml().unwrap();
         let back = TrainConfig::from_yaml_str(&y).unwrap();

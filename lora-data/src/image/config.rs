@@ -164,20 +164,8 @@ const KOHYA_UNSUPPORTED: &[&str] = &[
     "validation_split",
 ];
 
-/// Levenshtein distance (insert, delete, substitute = 1).
-pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, &cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != cb);
-            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
+// Levenshtein distance over chars (the `strsim` crate).
+pub(crate) use strsim::levenshtein as edit_distance;
 
 /// `"; did you mean `x`?"` for the closest of `known` within a third of the key's length, else "".
 pub(crate) fn did_you_mean(key: &str, known: &[&str]) -> String {

@@ -19,9 +19,7 @@ use super::weights::Tensors;
 use crate::error::{Error, Result};
 use crate::sd::load::SafetensorsFiles;
 
-fn tensor_bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
-}
+use lora_core::sys::tensor_bytes;
 
 /// `nn.LayerNorm(D, eps)` with weight and bias.
 #[derive(Debug)]

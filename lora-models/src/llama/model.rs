@@ -54,9 +54,7 @@ impl RmsNorm {
     }
 }
 
-fn tensor_bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
-}
+use lora_core::sys::tensor_bytes;
 
 /// `[x1, x2] → [−x2, x1]` on the last dim (HF `rotate_half`).
 fn rotate_half(x: &Tensor) -> Result<Tensor> {

@@ -28,12 +28,12 @@ pub fn trainer_config(
         OptimizerKind::AdamW8bit => O::AdamW8bit(adamw),
         OptimizerKind::Adafactor => O::Adafactor(AdafactorConfig::default()),
         OptimizerKind::Sgd => O::Sgd(SgdConfig {
-            momentum: t.momentum,
+            momentum: sgd_momentum(t),
             weight_decay: t.weight_decay,
             ..SgdConfig::default()
         }),
         OptimizerKind::SgdNesterov => O::Sgd(SgdConfig {
-            momentum: t.momentum,
+            momentum: sgd_momentum(t),
             weight_decay: t.weight_decay,
             nesterov: true,
             ..SgdConfig::default()
@@ -102,6 +102,18 @@ pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::con
     Ok(c)
 }
 
+/// The SGD momentum a config trains with: `train.momentum`, else the engine's default for the
+/// optimizer's name (`SGD` 0 as `torch.optim.SGD`, `SGDNesterov`
+/// [`NESTEROV_MOMENTUM`](crate::engine::optim::NESTEROV_MOMENTUM)). The memory plan uses the same
+/// number (a momentum buffer exists only when it is above 0).
+pub fn sgd_momentum(t: &crate::config::TrainSection) -> f64 {
+    match (t.momentum, t.optimizer) {
+        (Some(m), _) => m,
+        (None, OptimizerKind::SgdNesterov) => crate::engine::optim::NESTEROV_MOMENTUM,
+        (None, _) => crate::engine::optim::SgdConfig::default().momentum,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,6 +169,15 @@ mod tests {
             );
         }
         let plain = lowered(&TrainConfig::from_yaml_str("optimizer_type: SGD\n").unwrap());
+        assert_eq!(
+            plain.optimizer,
+            crate::engine::optim::OptimizerKind::from_name("SGD").unwrap(),
+            "SGD from a config is the engine's SGD (no momentum unless set)"
+        );
+        let set = lowered(
+            &TrainConfig::from_yaml_str("optimizer_type: SGD\ntrain:\n  momentum: 0.5\n").unwrap(),
+        );
+        assert!(matches!(set.optimizer, O::Sgd(SgdConfig { momentum, .. }) if momentum == 0.5));
         assert!(matches!(
             plain.optimizer,
             O::Sgd(SgdConfig {

@@ -180,7 +180,7 @@ pub fn settings_for(
         OptimizerKind::AdamW8bit => Optimizer::AdamW8bit,
         OptimizerKind::Adafactor => Optimizer::Adafactor,
         OptimizerKind::Sgd | OptimizerKind::SgdNesterov => Optimizer::Sgd {
-            momentum: cfg.train.momentum as f32,
+            momentum: crate::job::lower::sgd_momentum(&cfg.train) as f32,
         },
     };
     let mut s = Settings::default()

@@ -48,6 +48,10 @@ impl Default for OptimizerKind {
     }
 }
 
+/// The momentum of `SGDNesterov` when none is given: 0.9, kohya sd-scripts' default for it
+/// (`torch.optim.SGD` itself defaults to 0, which Nesterov momentum does not allow).
+pub const NESTEROV_MOMENTUM: f64 = 0.9;
+
 impl OptimizerKind {
     /// Parses kohya's `optimizer_type` names ("AdamW", "AdamW8bit", "Adafactor", "SGD",
     /// case-insensitive; also "adamw_8bit", "sgdnesterov") with default hyper-parameters.
@@ -62,7 +66,7 @@ impl OptimizerKind {
             "adafactor" => Self::Adafactor(AdafactorConfig::default()),
             "sgd" => Self::Sgd(SgdConfig::default()),
             "sgdnesterov" => Self::Sgd(SgdConfig {
-                momentum: 0.9,
+                momentum: NESTEROV_MOMENTUM,
                 nesterov: true,
                 ..SgdConfig::default()
             }),

@@ -94,16 +94,7 @@ impl OptimizerState {
     }
 }
 
-/// Bytes of a tensor's elements (`numel · element size`).
-pub fn tensor_bytes(t: &Tensor) -> u64 {
-    let elt = match t.kind() {
-        Kind::Uint8 | Kind::Int8 | Kind::Bool => 1,
-        Kind::Half | Kind::BFloat16 | Kind::Int16 => 2,
-        Kind::Float | Kind::Int => 4,
-        _ => 8,
-    };
-    t.numel() as u64 * elt
-}
+pub use lora_core::sys::tensor_bytes;
 
 /// An optimizer over [`ParamGroup`]s.
 pub trait Optimizer {
