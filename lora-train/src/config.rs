@@ -160,20 +160,19 @@ fn parse_size_key(key: &str, text: &str) -> Result<Size> {
 }
 
 /// `target_modules`: a list (exact name or `.`-suffix match) or one regex string (full match),
-/// as in PEFT's `LoraConfig`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum TargetModules {
-    /// Module names.
-    List(Vec<String>),
-    /// A regular expression over full module paths, or PEFT's `"all-linear"`.
-    Regex(String),
-}
+/// as in PEFT's `LoraConfig` — lora-core's type, which injection reads.
+pub use lora_core::config::TargetModules;
 
-impl Default for TargetModules {
-    fn default() -> Self {
-        TargetModules::List(vec!["q_proj".into(), "v_proj".into()])
-    }
+/// PEFT `init_lora_weights`: `true`, `false` or `"gaussian"` — lora-core's type.
+pub use lora_core::config::InitLoraWeights;
+
+/// `lora.target_modules` when unset: PEFT's default for LLaMA-family models. The SD job reads an
+/// unset list as its UNet attention default instead (`sd_plan::DEFAULT_UNET_TARGETS`).
+pub const DEFAULT_TARGET_MODULES: [&str; 2] = ["q_proj", "v_proj"];
+
+/// [`DEFAULT_TARGET_MODULES`] as a [`TargetModules`].
+pub fn default_target_modules() -> TargetModules {
+    TargetModules::list(&DEFAULT_TARGET_MODULES)
 }
 
 /// How the frozen base weights are held in memory.
@@ -256,8 +255,8 @@ pub struct LoraSection {
     pub use_rslora: bool,
     /// DoRA (arXiv:2402.09353).
     pub use_dora: bool,
-    /// PEFT `init_lora_weights`: `true` (Kaiming-uniform A, zero B) or `"gaussian"`.
-    pub init_lora_weights: Value,
+    /// PEFT `init_lora_weights`: `true` (Kaiming-uniform A, zero B), `false` or `"gaussian"`.
+    pub init_lora_weights: InitLoraWeights,
     /// Per-module rank overrides (PEFT `rank_pattern`).
     pub rank_pattern: BTreeMap<String, u32>,
     /// Per-module alpha overrides (PEFT `alpha_pattern`).
@@ -272,11 +271,11 @@ impl Default for LoraSection {
             rank: 8,
             alpha: 8.0,
             dropout: 0.0,
-            target_modules: TargetModules::default(),
+            target_modules: default_target_modules(),
             exclude_modules: None,
             use_rslora: false,
             use_dora: false,
-            init_lora_weights: Value::Bool(true),
+            init_lora_weights: InitLoraWeights::Kaiming,
             rank_pattern: BTreeMap::new(),
             alpha_pattern: BTreeMap::new(),
             network_module: None,
@@ -285,30 +284,37 @@ impl Default for LoraSection {
 }
 
 impl LoraSection {
-    /// The PEFT `LoraConfig` JSON (field names and meaning as in PEFT's `adapter_config.json`).
-    pub fn to_peft_json(&self) -> Value {
-        let targets = match &self.target_modules {
-            TargetModules::List(l) => Value::from(l.clone()),
-            TargetModules::Regex(r) => Value::from(r.clone()),
-        };
-        let exclude = match &self.exclude_modules {
-            None => Value::Null,
-            Some(TargetModules::List(l)) => Value::from(l.clone()),
-            Some(TargetModules::Regex(r)) => Value::from(r.clone()),
-        };
-        serde_json::json!({
-            "r": self.rank,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
-            "target_modules": targets,
-            "exclude_modules": exclude,
-            "use_rslora": self.use_rslora,
-            "use_dora": self.use_dora,
-            "init_lora_weights": self.init_lora_weights,
-            "rank_pattern": self.rank_pattern,
-            "alpha_pattern": self.alpha_pattern,
-            "bias": "none",
-        })
+    /// lora-core's `LoraConfig` of this section (PEFT's field names and meanings; `bias`
+    /// `"none"`), for a base named `base_model` and PEFT task `task_type` (`"CAUSAL_LM"`, or
+    /// `None` for diffusion), with `target_modules` as given (the SD job substitutes its UNet
+    /// default for an unset list).
+    pub fn to_lora_config(
+        &self,
+        target_modules: TargetModules,
+        base_model: &str,
+        task_type: Option<&str>,
+    ) -> lora_core::config::LoraConfig {
+        lora_core::config::LoraConfig {
+            r: i64::from(self.rank),
+            lora_alpha: self.alpha,
+            target_modules: Some(target_modules),
+            exclude_modules: self.exclude_modules.clone(),
+            lora_dropout: self.dropout,
+            use_rslora: self.use_rslora,
+            use_dora: self.use_dora,
+            init_lora_weights: self.init_lora_weights,
+            rank_pattern: self
+                .rank_pattern
+                .iter()
+                .map(|(k, v)| (k.clone(), i64::from(*v)))
+                .collect(),
+            alpha_pattern: self.alpha_pattern.clone(),
+            bias: "none".into(),
+            peft_type: "LORA".into(),
+            task_type: task_type.map(str::to_string),
+            base_model_name_or_path: Some(base_model.to_string()),
+            ..lora_core::config::LoraConfig::default()
+        }
     }
 }
 
@@ -1530,8 +1536,9 @@ impl TrainConfig {
         doc.set("lora.use_rslora", "true or false", &mut c.lora.use_rslora)?;
         doc.set("lora.use_dora", "true or false", &mut c.lora.use_dora)?;
         if let Some((v, _)) = doc.get_with("lora.init_lora_weights", |k, v| match v {
-            Value::Bool(_) => Ok(v.clone()),
-            Value::String(s) if s == "gaussian" => Ok(v.clone()),
+            Value::Bool(true) => Ok(InitLoraWeights::Kaiming),
+            Value::Bool(false) => Ok(InitLoraWeights::Random),
+            Value::String(s) if s == "gaussian" => Ok(InitLoraWeights::Gaussian),
             _ => Err(invalid(k, v, "true, false or \"gaussian\"")),
         })? {
             c.lora.init_lora_weights = v;

@@ -148,7 +148,7 @@ pub fn plan(
                 ));
             }
             Err(FitError::Estimate(e)) => return Err(e.into()),
-            Err(other) => return Err(JobError::Runtime(other.to_string())),
+            Err(other) => return Err(JobError::Fit(other)),
         }
     }
     Ok(plan)
@@ -343,7 +343,7 @@ fn write_stdout(text: &str) -> Result<()> {
     let mut so = std::io::stdout().lock();
     so.write_all(text.as_bytes())
         .and_then(|()| so.flush())
-        .map_err(|e| JobError::Runtime(format!("writing to stdout failed: {e}")))
+        .during("writing to stdout")
 }
 
 /// Reads the training text: one file, or every `.txt` file of a folder (sorted), cut to
@@ -1100,7 +1100,7 @@ pub fn run_with(
         .fit(&mut task, &mut source, resume)
         .map_err(|e| match e {
             crate::engine::TrainError::NonFinite { .. }
-            | crate::engine::TrainError::OutOfMemory { .. } => JobError::Runtime(e.to_string()),
+            | crate::engine::TrainError::OutOfMemory { .. } => JobError::Engine(e),
             other => JobError::Train {
                 during: "training".into(),
                 source: other,

@@ -284,7 +284,10 @@ fn sdxl_unet_check(unet: &UNet2DConditionModel, sdxl: bool, origin: &Path) -> Re
             "UNet `addition_embed_type: {other}` is not trained by the SD job (SD 1.x/2.x: none, SDXL: text_time)"
         ),
     };
-    Err(JobError::Runtime(format!("{}: {msg}", origin.display())))
+    Err(JobError::Unsupported {
+        what: origin.display().to_string(),
+        reason: msg,
+    })
 }
 
 impl SdPipeline {
@@ -294,7 +297,8 @@ impl SdPipeline {
     /// [`Self::from_single_file`] (tokenizers and configs from a diffusers folder beside it).
     ///
     /// # Errors
-    /// [`JobError::Runtime`] naming the component and the loader's message.
+    /// [`JobError::Model`] / [`JobError::Io`] naming the component, with the loader's error as
+    /// the source; [`JobError::Unsupported`] for a UNet this job does not train.
     pub fn from_diffusers(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
         if dir.is_file() {
             return Self::from_single_file(dir, None, kind, device);
@@ -357,7 +361,7 @@ impl SdPipeline {
     /// = the tokenizer padded with `!`, SD's noise schedule.
     ///
     /// # Errors
-    /// [`JobError::Runtime`]: no UNet in the file, an SD 2.x file (OpenCLIP-H text encoder, not
+    /// [`JobError::Unsupported`]: no UNet in the file, an SD 2.x file (OpenCLIP-H text encoder, not
     /// read here: convert it with diffusers), no tokenizer (naming `model.tokenizer`), and the
     /// loaders' errors naming the component.
     pub fn from_single_file(
@@ -381,22 +385,28 @@ impl SdPipeline {
         };
         let convert_hint = "or convert it to a diffusers folder (diffusers `StableDiffusionPipeline.from_single_file(path).save_pretrained(dir)`, `StableDiffusionXLPipeline` for SDXL)";
         if !has_unet {
-            return Err(JobError::Runtime(format!(
-                "{}: no `model.diffusion_model.*` tensors: not an original SD 1.x / SDXL checkpoint; set model.base_model to a diffusers folder {convert_hint}",
-                path.display()
-            )));
+            return Err(JobError::Unsupported {
+                what: path.display().to_string(),
+                reason: format!(
+                    "no `model.diffusion_model.*` tensors: not an original SD 1.x / SDXL checkpoint; set model.base_model to a diffusers folder {convert_hint}"
+                ),
+            });
         }
         if sd2 && !sdxl {
-            return Err(JobError::Runtime(format!(
-                "{}: an SD 2.x single file (OpenCLIP-H text encoder under `cond_stage_model.model.`) is not read by the SD job; {convert_hint}",
-                path.display()
-            )));
+            return Err(JobError::Unsupported {
+                what: path.display().to_string(),
+                reason: format!(
+                    "an SD 2.x single file (OpenCLIP-H text encoder under `cond_stage_model.model.`) is not read by the SD job; {convert_hint}"
+                ),
+            });
         }
         if !has_te {
-            return Err(JobError::Runtime(format!(
-                "{}: no text encoder (`cond_stage_model.transformer.*` / `conditioner.embedders.0.transformer.*`) in the file; {convert_hint}",
-                path.display()
-            )));
+            return Err(JobError::Unsupported {
+                what: path.display().to_string(),
+                reason: format!(
+                    "no text encoder (`cond_stage_model.transformer.*` / `conditioner.embedders.0.transformer.*`) in the file; {convert_hint}"
+                ),
+            });
         }
         // the check `lora-train plan` makes too
         let comp = crate::sd_plan::single_file_companion(path, companion, sdxl)?;
@@ -640,8 +650,9 @@ impl SdPipeline {
     /// Returns the components moved (`"vae"`, `"text_encoder"`, `"text_encoder_2"`).
     ///
     /// # Errors
-    /// [`JobError::Runtime`] naming the component and the file when loading fails; text
-    /// encoders that carry LoRA adapters (trained or loaded) are refused, as loading them again
+    /// [`JobError::Model`] naming the component and the file when loading fails;
+    /// [`JobError::Unsupported`] for text encoders that carry LoRA adapters (trained or loaded),
+    /// as loading them again
     /// would drop the adapters.
     pub fn move_frozen(
         &mut self,
@@ -685,10 +696,12 @@ impl SdPipeline {
                     .0;
             }
             if adapters > 0 {
-                return Err(JobError::Runtime(format!(
-                    "{}: the text encoders carry LoRA adapters ({adapters} parameters) and are not moved (loading them again would drop the adapters)",
-                    origin.display()
-                )));
+                return Err(JobError::Unsupported {
+                    what: origin.display().to_string(),
+                    reason: format!(
+                        "the text encoders carry LoRA adapters ({adapters} parameters) and are not moved (loading them again would drop the adapters)"
+                    ),
+                });
             }
             let (te, te2) = self
                 .load_text_encoders(device)
@@ -2191,37 +2204,22 @@ pub fn run_with(
     pipe.unet
         .set_gradient_checkpointing(cfg.train.gradient_checkpointing);
     tch::manual_seed(cfg.system.seed as i64);
-    let mut lcfg_json = cfg.lora.to_peft_json();
-    if cfg.lora.target_modules == TargetModules::default()
-        && let serde_json::Value::Object(m) = &mut lcfg_json
-    {
-        m.insert(
-            "target_modules".into(),
-            serde_json::json!(DEFAULT_UNET_TARGETS),
-        );
-    }
-    if let serde_json::Value::Object(m) = &mut lcfg_json {
-        m.insert("peft_type".into(), "LORA".into());
-        m.insert(
-            "base_model_name_or_path".into(),
-            base_written.clone().into(),
-        );
-    }
-    let te_json = {
-        let mut v = lcfg_json.clone();
-        if let serde_json::Value::Object(m) = &mut v {
-            m.insert(
-                "target_modules".into(),
-                serde_json::json!(TEXT_ENCODER_TARGETS),
-            );
-            m.insert("exclude_modules".into(), serde_json::Value::Null);
-            m.insert("rank_pattern".into(), serde_json::json!({}));
-            m.insert("alpha_pattern".into(), serde_json::json!({}));
-        }
-        v
+    // an unset target list means the UNet's attention projections here
+    let unet_targets = if cfg.lora.target_modules == crate::config::default_target_modules() {
+        TargetModules::list(&DEFAULT_UNET_TARGETS)
+    } else {
+        cfg.lora.target_modules.clone()
     };
-    let lcfg: lora_core::config::LoraConfig =
-        serde_json::from_value(lcfg_json).during("building the LoRA config")?;
+    let lcfg = cfg.lora.to_lora_config(unet_targets, &base_written, None);
+    // the text encoders: CLIP's attention projections, with no per-module patterns (they name
+    // UNet modules)
+    let te_cfg = lora_core::config::LoraConfig {
+        target_modules: Some(TargetModules::list(&TEXT_ENCODER_TARGETS)),
+        exclude_modules: None,
+        rank_pattern: Default::default(),
+        alpha_pattern: Default::default(),
+        ..lcfg.clone()
+    };
     let vs = tch::nn::VarStore::new(device);
     let report = lora_core::inject::inject(&mut pipe.unet, &lcfg, "default", &vs.root())
         .during("injecting LoRA into the UNet")?;
@@ -2236,8 +2234,6 @@ pub fn run_with(
     ));
     let train_te = cfg.train.train_text_encoder;
     if train_te {
-        let te_cfg: lora_core::config::LoraConfig =
-            serde_json::from_value(te_json).during("building the text-encoder LoRA config")?;
         let r = lora_core::inject::inject(
             &mut pipe.text_encoder,
             &te_cfg,
@@ -2568,7 +2564,10 @@ pub fn run_with(
             .iter()
             .any(|p| p.ends_with(format!("step-{}.png", rep.steps)))
     {
-        let p = final_sampler.write(rep.steps).map_err(JobError::Runtime)?;
+        let p = final_sampler
+            .write(rep.steps)
+            .map_err(crate::engine::TrainError::App)
+            .during("writing the final sample grid")?;
         written.borrow_mut().push(p);
     }
     let samples = written.borrow().clone();
@@ -2579,7 +2578,7 @@ pub fn run_with(
 
     // export
     let mut pipe = Rc::try_unwrap(pipe)
-        .map_err(|_| JobError::Runtime("the pipeline is still shared after training".into()))?;
+        .map_err(|_| JobError::Internal("the pipeline is still shared after training"))?;
     let meta = crate::export::metadata_for(
         &cfg,
         &crate::export::RunMetadata {

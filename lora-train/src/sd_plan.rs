@@ -254,7 +254,7 @@ fn unet_module_examples() -> Vec<(String, (String, UnetModuleKind))> {
 /// `lora.target_modules` as the SD job uses it: the config's value, or the UNet attention
 /// projections ([`DEFAULT_UNET_TARGETS`]) when it is left at its (LLM) default.
 pub fn unet_target_modules(cfg: &TrainConfig) -> TargetModules {
-    if cfg.lora.target_modules == TargetModules::default() {
+    if cfg.lora.target_modules == crate::config::default_target_modules() {
         TargetModules::List(DEFAULT_UNET_TARGETS.iter().map(|t| t.to_string()).collect())
     } else {
         cfg.lora.target_modules.clone()
@@ -520,7 +520,7 @@ pub fn bucket_config(cfg: &TrainConfig) -> lora_data::image::BucketConfig {
 ///
 /// # Errors
 /// [`JobError::MissingFile`] when the path does not exist and is no diffusion preset; header
-/// errors; [`JobError::Runtime`] when the file describes a language model.
+/// errors; [`JobError::Unsupported`] when the file describes a language model.
 pub fn read_descriptor(
     cfg: &TrainConfig,
     config_dir: Option<&Path>,
@@ -546,7 +546,7 @@ pub fn read_descriptor(
 /// Used by [`read_descriptor`] and by the SD job for what it loads.
 ///
 /// # Errors
-/// Header errors; [`JobError::Runtime`] when the file describes a language model.
+/// Header errors; [`JobError::Unsupported`] when the file describes a language model.
 pub fn descriptor_of_path(path: &Path, written: &str) -> Result<ModelDescriptor> {
     let desc = if path.is_dir() {
         ModelDescriptor::Diffusion(lora_memory::sd_header::diffusion_from_diffusers_folder(
@@ -556,10 +556,10 @@ pub fn descriptor_of_path(path: &Path, written: &str) -> Result<ModelDescriptor>
         ModelDescriptor::from_safetensors(path)?
     };
     if !matches!(desc, ModelDescriptor::Diffusion(_)) {
-        return Err(JobError::Runtime(format!(
-            "model.base_model = {written:?} ({}): the file describes a language model, not Stable Diffusion; remove model.kind or point it at a diffusers folder, an SD .safetensors checkpoint or a preset (sd15, sdxl)",
-            path.display()
-        )));
+        return Err(JobError::Unsupported {
+            what: format!("model.base_model = {written:?} ({})", path.display()),
+            reason: "the file describes a language model, not Stable Diffusion; remove model.kind or point it at a diffusers folder, an SD .safetensors checkpoint or a preset (sd15, sdxl)".into(),
+        });
     }
     Ok(desc)
 }
@@ -758,7 +758,7 @@ pub fn plan_with(
                 "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, resolution) fits this budget; the smallest peak reachable is {smallest_peak}"
             )),
             Err(FitError::Estimate(e)) => return Err(e.into()),
-            Err(other) => return Err(JobError::Runtime(other.to_string())),
+            Err(other) => return Err(JobError::Fit(other)),
         }
     }
     Ok(plan)

@@ -124,9 +124,49 @@ pub enum JobError {
         #[source]
         source: serde_json::Error,
     },
-    /// Anything else at run time, with context.
-    #[error("{0}")]
-    Runtime(String),
+    /// The engine stopped the run: a non-finite loss under the `stop` policy, or out of memory
+    /// even at one sample per micro-batch.
+    #[error(transparent)]
+    Engine(crate::engine::TrainError),
+    /// Training ended with a non-finite evaluation loss; nothing was exported.
+    #[error(
+        "training diverged: the {what} after training is {loss} ({skipped} of {steps} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
+        checkpoint.as_ref().map(|c| format!("; last checkpoint: {}", c.display())).unwrap_or_default()
+    )]
+    Diverged {
+        /// What was evaluated (`"held-out loss"`, …).
+        what: String,
+        /// Its value (NaN or ±inf).
+        loss: f64,
+        /// Optimizer steps skipped as non-finite.
+        skipped: u64,
+        /// Optimizer steps done.
+        steps: u64,
+        /// The run's last checkpoint, if any.
+        checkpoint: Option<std::path::PathBuf>,
+    },
+    /// A model file or setting this recipe does not train (an SD 2.x single file, a language
+    /// model given to the SD job, …), with what to do instead.
+    #[error("{what}: {reason}")]
+    Unsupported {
+        /// The file or key (`"model.base_model = …"`).
+        what: String,
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// The output folder's lock file is created and removed again and again: another run is
+    /// starting on the same `train.output_dir`.
+    #[error("{}: another process keeps creating the lock file; is a second run starting on this output_dir?", path.display())]
+    LockContended {
+        /// The lock file.
+        path: std::path::PathBuf,
+    },
+    /// `lora_memory::fit` failed in a way other than not fitting.
+    #[error(transparent)]
+    Fit(lora_memory::FitError),
+    /// A broken invariant of the job itself (a bug to report).
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 /// `Result` with a [`JobError`].

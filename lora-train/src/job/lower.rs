@@ -8,7 +8,8 @@ use std::path::Path;
 /// The engine's settings for a config.
 ///
 /// # Errors
-/// [`JobError::Runtime`](crate::job::JobError::Runtime) for settings the engine rejects.
+/// [`JobError::Json`](crate::job::JobError::Json) when the config cannot be recorded in the
+/// checkpoints.
 pub fn trainer_config(
     cfg: &TrainConfig,
     device: tch::Device,
@@ -88,16 +89,13 @@ pub fn trainer_config(
 /// The PEFT `LoraConfig` of a run.
 ///
 /// # Errors
-/// [`JobError::Runtime`](crate::job::JobError::Runtime) when lora-core rejects the settings.
+/// [`JobError::Lora`](crate::job::JobError::Lora) when lora-core rejects the settings.
 pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::config::LoraConfig> {
-    let mut v = cfg.lora.to_peft_json();
-    if let serde_json::Value::Object(m) = &mut v {
-        m.insert("task_type".into(), "CAUSAL_LM".into());
-        m.insert("base_model_name_or_path".into(), base_model.into());
-        m.insert("peft_type".into(), "LORA".into());
-    }
-    let c: lora_core::config::LoraConfig =
-        serde_json::from_value(v).during("building the LoRA config")?;
+    let c = cfg.lora.to_lora_config(
+        cfg.lora.target_modules.clone(),
+        base_model,
+        Some("CAUSAL_LM"),
+    );
     c.validate().during("validating the LoRA config")?;
     Ok(c)
 }

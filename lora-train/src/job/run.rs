@@ -54,7 +54,7 @@ pub fn reset_peak_rss() -> bool {
 ///
 /// # Errors
 /// [`JobError::Config`] naming `train.output_dir` when it is a file; [`JobError::Input`] when
-/// another live run holds the folder; [`JobError::Runtime`] when moving fails.
+/// another live run holds the folder; [`JobError::Io`] when moving fails.
 pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<OutputLock> {
     let out = PathBuf::from(&cfg.train.output_dir);
     if out.exists() && !out.is_dir() {
@@ -375,7 +375,7 @@ pub fn check_device(cfg: &TrainConfig) -> Result<()> {
 /// exported (it would only break the tools that load it). Shared by the LLM and SD jobs.
 ///
 /// # Errors
-/// [`JobError::Runtime`] naming the loss, the skipped steps, what to change and the last
+/// [`JobError::Diverged`] naming the loss, the skipped steps, what to change and the last
 /// checkpoint.
 pub(crate) fn check_not_diverged(
     report: &crate::engine::TrainReport,
@@ -391,16 +391,13 @@ pub(crate) fn check_not_diverged(
     let Some(loss) = loss.filter(|l| !l.is_finite()) else {
         return Ok(());
     };
-    Err(JobError::Runtime(format!(
-        "training diverged: the {what} after training is {loss} ({} of {} steps skipped as non-finite); nothing was exported. Lower train.learning_rate or set train.max_grad_norm (e.g. 1.0){}",
-        report.skipped_steps,
-        report.steps,
-        report
-            .last_checkpoint
-            .as_ref()
-            .map(|c| format!("; last checkpoint: {}", c.display()))
-            .unwrap_or_default()
-    )))
+    Err(JobError::Diverged {
+        what: what.to_string(),
+        loss,
+        skipped: report.skipped_steps,
+        steps: report.steps,
+        checkpoint: report.last_checkpoint.clone(),
+    })
 }
 
 /// The name of the lock file a run keeps in its output folder.
@@ -441,7 +438,8 @@ impl OutputLock {
     ///
     /// # Errors
     /// [`JobError::Input`] naming the folder and the run (pid, host, start) that holds it;
-    /// [`JobError::Runtime`] when the lock file cannot be written or read.
+    /// [`JobError::Io`] when the lock file cannot be written or read; [`JobError::LockContended`]
+    /// when it keeps reappearing.
     pub fn acquire(dir: &Path, verbose: bool) -> Result<OutputLock> {
         use std::io::Write;
         let path = dir.join(LOCK_FILE);
@@ -517,17 +515,11 @@ impl OutputLock {
                         .during(format!("removing the stale lock {}", path.display()))?;
                 }
                 Err(e) => {
-                    return Err(JobError::Runtime(format!(
-                        "creating the lock file {}: {e}",
-                        path.display()
-                    )));
+                    return Err(e).during(format!("creating the lock file {}", path.display()));
                 }
             }
         }
-        Err(JobError::Runtime(format!(
-            "{}: another process keeps creating the lock file; is a second run starting on this output_dir?",
-            path.display()
-        )))
+        Err(JobError::LockContended { path })
     }
 
     /// The lock file.
