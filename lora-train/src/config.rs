@@ -2286,4 +2286,239 @@ mod tests {
         let back = TrainConfig::from_yaml_str(&y).unwrap();
         assert_eq!(back, c, "{y}");
     }
+
+    /// A config with every documented key set to a value other than its default, built in code
+    /// (the Rust builder of the round-trip test below).
+    fn every_key_set() -> TrainConfig {
+        let mut c = TrainConfig::default();
+        let size = |t: &str| parse_size_key("size", t).unwrap();
+        c.model.base_model = Some("models/base.gguf".into());
+        c.model.weights = BaseWeights::Quantized;
+        c.model.dtype = Dtype::Bf16;
+        c.model.kind = ModelKind::Llm;
+        c.model.tokenizer = Some("tok".into());
+        c.lora.rank = 16;
+        c.lora.alpha = 32.0;
+        c.lora.dropout = 0.1;
+        c.lora.target_modules = TargetModules::list(&["q_proj", "k_proj", "v_proj", "o_proj"]);
+        c.lora.exclude_modules = Some(TargetModules::list(&["lm_head"]));
+        c.lora.use_rslora = true;
+        c.lora.use_dora = true;
+        c.lora.init_lora_weights = InitLoraWeights::Gaussian;
+        c.lora.rank_pattern = [("q_proj".to_string(), 4)].into();
+        c.lora.alpha_pattern = [("q_proj".to_string(), 8.0)].into();
+        c.lora.network_module = Some("networks.lora".into());
+        c.data.train_data_dir = Some("data/train.txt".into());
+        c.data.format = DataFormat::Jsonl;
+        c.data.eval_file = Some("data/eval.txt".into());
+        c.data.eval_fraction = 0.2;
+        c.data.max_bytes = Some(1000);
+        c.data.seq_len = 512;
+        c.data.resolution = Some([768, 512]);
+        c.data.caption_extension = Some(".txt".into());
+        c.data.keep_tokens = Some(1);
+        c.data.shuffle_caption = Some(true);
+        c.data.enable_bucket = Some(true);
+        c.data.min_bucket_reso = Some(256);
+        c.data.max_bucket_reso = Some(1024);
+        c.data.bucket_reso_steps = Some(64);
+        c.data.cache_latents = Some(true);
+        c.data.bad_images = BadImages::Stop;
+        c.train.batch_size = 4;
+        c.train.gradient_accumulation_steps = 2;
+        c.train.epochs = 3;
+        c.train.max_steps = Some(100);
+        c.train.learning_rate = 2e-4;
+        c.train.optimizer = OptimizerKind::SgdNesterov;
+        c.train.weight_decay = 0.01;
+        c.train.momentum = Some(0.8);
+        c.train.loraplus_lr_ratio = Some(16.0);
+        c.train.lr_scheduler = SchedulerKind::CosineWithRestarts;
+        c.train.warmup_steps = 10;
+        c.train.num_cycles = 2;
+        c.train.power = 2.0;
+        c.train.mixed_precision = Precision::Bf16;
+        c.train.gradient_checkpointing = true;
+        c.train.max_grad_norm = 0.5;
+        c.train.nan_policy = NanPolicy::LowerLr;
+        c.train.save_every_n_steps = Some(50);
+        c.train.save_every_n_epochs = Some(1);
+        c.train.keep_last_checkpoints = 5;
+        c.train.eval_every_n_steps = 25;
+        c.train.output_dir = "out/run".into();
+        c.train.output_name = "run".into();
+        c.train.export_formats = vec![ExportFormat::Kohya];
+        c.train.noise_offset = 0.05;
+        c.train.min_snr_gamma = Some(5.0);
+        c.train.prediction_type = Some("v_prediction".into());
+        c.train.clip_skip = Some(2);
+        c.train.train_text_encoder = true;
+        c.memory.budget = Some(size("12GiB")); // `memory.gpu` is the alternative: see below
+        c.memory.auto_fit = true;
+        c.memory.force = true;
+        c.memory.cpu_return_freed = !MemorySection::default().cpu_return_freed;
+        c.logging.log_every_n_steps = 7;
+        c.logging.logging_dir = Some("logs".into());
+        c.logging.progress = !LoggingSection::default().progress;
+        c.logging.tensorboard = !LoggingSection::default().tensorboard;
+        c.logging.sample_prompt = Some("Once".into());
+        c.logging.sample_max_new_tokens = 12;
+        c.logging.sample_every_n_steps = 30;
+        c.logging.sample_prompts = vec!["a cat".into(), "a dog".into()];
+        c.logging.sample_sampler = "euler".into();
+        c.logging.sample_steps = 12;
+        c.logging.sample_guidance_scale = 3.5;
+        c.system.seed = 7;
+        c.system.device = "cuda:1".into();
+        c.system.num_threads = Some(3);
+        c.data_loader.num_workers = 3;
+        c.data_loader.persistent_workers = !DataLoaderSection::default().persistent_workers;
+        c.data_loader.prefetch_factor = 4;
+        c.data_loader.shuffle = !DataLoaderSection::default().shuffle;
+        let mut t = TaggerSection::default();
+        t.model_settings.precision = Some("bf16".into());
+        t.model_settings.device = Some("cpu".into());
+        t.model_settings.device_map = Some("auto".into());
+        t.model_settings.low_cpu_mem_usage = Some(true);
+        t.model_settings.max_memory.cuda = Some(size("6GB"));
+        t.model_settings.max_memory.cpu = Some(size("16GB"));
+        t.generation_settings.max_batch_size = Some(8);
+        t.generation_settings.timeout = Some(30.0);
+        t.generation_settings.retry_attempts = Some(2);
+        t.memory_management.auto_clear_interval = Some(10);
+        t.memory_management.cache_size = Some(100);
+        c.tagger = Some(t);
+        c
+    }
+
+    /// The value at a dotted key path of a serialized config.
+    fn at<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+        key.split('.').try_fold(v, |v, k| v.get(k))
+    }
+
+    #[test]
+    fn every_documented_key_reaches_the_engine_alike_from_yaml_toml_and_code() {
+        // two settings that exclude each other (a budget, or a GPU to take it from) are set in
+        // a second variant
+        let mut with_gpu = every_key_set();
+        with_gpu.memory.budget = None;
+        with_gpu.memory.gpu = Some("RTX 3060 12GB".into());
+        let variants = [every_key_set(), with_gpu];
+        let as_json: Vec<Value> = variants
+            .iter()
+            .map(|c| serde_json::to_value(c).unwrap())
+            .collect();
+        let defaults = serde_json::to_value(TrainConfig::default()).unwrap();
+        // every documented key is a field of the config, and the test gives it a value of its own
+        for names in KEYS {
+            let key = names[0];
+            let values: Vec<&Value> = as_json.iter().filter_map(|v| at(v, key)).collect();
+            assert!(!values.is_empty(), "{key}: not a config field");
+            assert!(
+                values.iter().any(|v| Some(*v) != at(&defaults, key)),
+                "{key} is left at its default by the test"
+            );
+        }
+        // ... and every field of the config is documented
+        fn leaves(v: &Value, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
+            match v {
+                Value::Object(m) if !MAP_VALUED.contains(&prefix) => {
+                    for (k, v) in m {
+                        let p = if prefix.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{prefix}.{k}")
+                        };
+                        leaves(v, &p, out);
+                    }
+                }
+                _ => {
+                    out.insert(prefix.to_string());
+                }
+            }
+        }
+        let mut fields = std::collections::BTreeSet::new();
+        for v in &as_json {
+            leaves(v, "", &mut fields);
+        }
+        for f in &fields {
+            assert!(
+                KEYS.iter().any(|names| names[0] == f),
+                "{f}: a config field without a KEYS entry"
+            );
+        }
+        assert_eq!(fields.len(), KEYS.len());
+        // every alias spelling sets its key's field to the same value
+        for names in KEYS {
+            let key = names[0];
+            let Some(value) = as_json
+                .iter()
+                .filter_map(|v| at(v, key))
+                .find(|v| Some(*v) != at(&defaults, key))
+            else {
+                continue;
+            };
+            for alias in &names[1..] {
+                let mut doc = serde_json::Map::new();
+                let parts: Vec<&str> = alias.split('.').collect();
+                let mut leaf = value.clone();
+                for p in parts.iter().skip(1).rev() {
+                    leaf = serde_json::json!({ *p: leaf });
+                }
+                doc.insert(parts[0].to_string(), leaf);
+                let yaml = serde_yaml_ng::to_string(&Value::Object(doc)).unwrap();
+                let cfg = TrainConfig::from_yaml_str(&yaml)
+                    .unwrap_or_else(|e| panic!("{alias} (for {key}): {e}\n{yaml}"));
+                let got = serde_json::to_value(&cfg).unwrap();
+                assert_eq!(
+                    at(&got, key),
+                    Some(value),
+                    "{alias} does not set {key}:\n{yaml}"
+                );
+            }
+        }
+        for built in &variants {
+            round_trip_and_lower(built);
+        }
+        // the values the engine gets are the ones set
+        let t = crate::job::trainer_config(&variants[0], tch::Device::Cpu, Path::new("out"), 100)
+            .unwrap();
+        assert_eq!(
+            t.optimizer,
+            crate::engine::optim::OptimizerKind::Sgd(crate::engine::optim::SgdConfig {
+                momentum: 0.8,
+                weight_decay: 0.01,
+                nesterov: true,
+                ..Default::default()
+            })
+        );
+        assert_eq!(
+            (t.lr, t.warmup_steps, t.gradient_accumulation_steps),
+            (2e-4, 10, 2)
+        );
+    }
+
+    /// `built` read back from YAML (canonical keys) and TOML is equal, and lowers to the same
+    /// engine, lora-core and lora-memory settings.
+    fn round_trip_and_lower(built: &TrainConfig) {
+        // the same config from YAML (canonical keys), TOML and code
+        let yaml = built.to_yaml().unwrap();
+        let from_yaml = TrainConfig::from_yaml_str(&yaml).unwrap();
+        assert_eq!(&from_yaml, built, "YAML:\n{yaml}");
+        let toml_text = toml::to_string(built).unwrap();
+        let from_toml = TrainConfig::from_toml_str(&toml_text).unwrap();
+        assert_eq!(&from_toml, built, "TOML:\n{toml_text}");
+
+        // ... lowered to the engine, lora-core and lora-memory alike
+        for cfg in [&from_yaml, &from_toml] {
+            let lower = |c: &TrainConfig| {
+                let t =
+                    crate::job::trainer_config(c, tch::Device::Cpu, Path::new("out"), 100).unwrap();
+                let l = crate::job::lora_config(c, "base").unwrap();
+                let (s, _) = crate::job::settings_for(c, None, true);
+                format!("{t:?}\n{l:?}\n{s:?}")
+            };
+            assert_eq!(lower(cfg), lower(built));
+        }
+    }
 }
