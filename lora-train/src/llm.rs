@@ -8,9 +8,9 @@ use crate::config::{BaseWeights, Dtype, TrainConfig};
 use crate::job::error::During;
 use crate::job::run::ExportAside;
 use crate::job::{
-    JobError, MeasuredMemory, Plan, Result, RunOptions, apply_settings, budget_for, budget_source,
-    check_device, check_not_diverged, check_output_dir, lora_config, proc_rss, reset_peak_rss,
-    resolve_path, resume_checkpoint, settings_for, trainer_config,
+    JobError, MeasuredMemory, Plan, Result, RunOptions, budget_for, budget_source, check_device,
+    check_not_diverged, check_output_dir, lora_config, proc_rss, reset_peak_rss, resolve_path,
+    resume_checkpoint, settings_for, trainer_config,
 };
 use lora_memory::{BaseDtype, Budget, FitError, ModelDescriptor};
 use serde::Serialize;
@@ -87,12 +87,12 @@ fn has_safetensors(dir: &Path) -> bool {
 /// Plans a run: header → settings → estimate → budget check → (auto_fit) `fit()`.
 ///
 /// With `memory.auto_fit` and a budget, the returned plan carries the fitted settings and the
-/// changes; `cfg` is updated to match (see [`apply_settings`]).
+/// changes; `cfg` is not changed ([`Plan::apply_to`] writes them into a config).
 ///
 /// # Errors
 /// Config / header / budget errors. Not fitting is *not* an error here (see [`Plan::fits`]).
 pub fn plan(
-    cfg: &mut TrainConfig,
+    cfg: &TrainConfig,
     config_dir: Option<&Path>,
     override_budget: Option<Budget>,
     cuda: bool,
@@ -131,7 +131,6 @@ pub fn plan(
     {
         match lora_memory::fit(&desc, &plan.settings, b.bytes) {
             Ok(f) => {
-                apply_settings(cfg, &f.settings);
                 plan.fits = Some(f.estimate.peak <= b.bytes);
                 plan.settings = f.settings;
                 plan.estimate = f.estimate;
@@ -757,7 +756,8 @@ pub fn run_with(
     };
 
     // 1–3. plan
-    let plan = plan(&mut cfg, opts.config_dir.as_deref(), None, cuda)?;
+    let plan = plan(&cfg, opts.config_dir.as_deref(), None, cuda)?;
+    plan.apply_to(&mut cfg);
     if opts.verbose {
         write_stdout(&plan.report())?;
     }
@@ -1222,7 +1222,7 @@ impl crate::job::Recipe for LlmRecipe {
 
     fn plan(
         &self,
-        cfg: &mut TrainConfig,
+        cfg: &TrainConfig,
         config_dir: Option<&Path>,
         budget: Option<Budget>,
         cuda: bool,
@@ -1252,10 +1252,13 @@ mod tests {
                 .replace("memory: {gpu: RTX 3060}\n", ""),
         )
         .unwrap();
-        let p = plan(&mut cfg, None, None, true).unwrap();
+        let before = cfg.clone();
+        let p = plan(&cfg, None, None, true).unwrap();
         assert_eq!(p.fits, Some(true), "{}", p.report());
         assert!(!p.changes.is_empty());
         assert!(p.estimate.peak.0 <= 12 << 30);
+        assert_eq!(cfg, before, "planning leaves the config alone");
+        p.apply_to(&mut cfg);
         // the config now carries the fitted settings
         assert_eq!(cfg.train.batch_size, p.settings.micro_batch);
         assert_eq!(

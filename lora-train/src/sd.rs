@@ -2054,7 +2054,7 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
     Ok(dc)
 }
 
-fn sd_plan(cfg: &mut TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
+fn sd_plan(cfg: &TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
     // what the job loads: a diffusers folder or a single-file checkpoint (its header);
     // `lora-train plan` reads presets too (crate::sd_plan::plan)
     let desc = crate::sd_plan::descriptor_of_path(path, &path.display().to_string())?;
@@ -2130,8 +2130,9 @@ pub fn run_with(
     )?;
     let mut lock = crate::job::check_output_dir(&cfg, opts)?;
     // plan
-    let plan = match sd_plan(&mut cfg, &base_path, cuda) {
+    let plan = match sd_plan(&cfg, &base_path, cuda) {
         Ok(p) => {
+            p.apply_to(&mut cfg);
             if opts.verbose {
                 print!("{}", p.report());
             }
@@ -2671,7 +2672,7 @@ impl crate::job::Recipe for SdRecipe {
 
     fn plan(
         &self,
-        cfg: &mut TrainConfig,
+        cfg: &TrainConfig,
         config_dir: Option<&Path>,
         budget: Option<lora_memory::Budget>,
         cuda: bool,

@@ -675,30 +675,21 @@ pub fn settings_for(
 }
 
 /// Writes fitted SD settings back into the config: [`crate::job::apply_settings`] plus the
-/// resolution and whether the text encoder is trained.
-pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
-    crate::job::apply_settings(cfg, s);
-    let [w, h] = s.largest_bucket.unwrap_or([s.resolution, s.resolution]);
-    if cfg.data.resolution.map(|[a, b]| a.max(b)) != Some(s.resolution) {
-        cfg.data.resolution = Some(if s.largest_bucket.is_some() {
-            [w, h]
-        } else {
-            [s.resolution, s.resolution]
-        });
-    }
-    cfg.train.train_text_encoder = s.train_text_encoder;
-}
+/// resolution and whether the text encoder is trained (what [`Plan::apply_to`] does for a
+/// diffusion plan).
+pub use crate::job::plan::apply_diffusion_settings as apply_settings;
 
 /// Plans an SD run of `cfg`: descriptor (folder, single file or preset) → settings → estimate
 /// → budget (`override_budget`, else `memory.gpu` / `memory.budget`) → with a budget that is
-/// exceeded, the changes lora-memory's `fit()` suggests (applied to `cfg` with
-/// `memory.auto_fit: true`). `cuda` selects the device model.
+/// exceeded, the changes lora-memory's `fit()` suggests (carried by the plan as its settings with
+/// `memory.auto_fit: true`; [`Plan::apply_to`] writes them into a config). `cuda` selects the
+/// device model.
 ///
 /// # Errors
 /// As [`read_descriptor`] and [`check_sd_config`]; config, budget and estimate errors. Not
 /// fitting is *not* an error (see [`Plan::fits`]).
 pub fn plan(
-    cfg: &mut TrainConfig,
+    cfg: &TrainConfig,
     config_dir: Option<&Path>,
     override_budget: Option<Budget>,
     cuda: bool,
@@ -715,7 +706,7 @@ pub fn plan(
 /// # Errors
 /// Config, budget and estimate errors.
 pub fn plan_with(
-    cfg: &mut TrainConfig,
+    cfg: &TrainConfig,
     desc: &ModelDescriptor,
     source: String,
     override_budget: Option<Budget>,
@@ -747,7 +738,6 @@ pub fn plan_with(
     {
         match lora_memory::fit(desc, &plan.settings, b.bytes) {
             Ok(f) if cfg.memory.auto_fit => {
-                apply_settings(cfg, &f.settings);
                 plan.fits = Some(f.estimate.peak <= b.bytes);
                 plan.settings = f.settings;
                 plan.estimate = f.estimate;
@@ -1012,9 +1002,12 @@ mod tests {
         let mut cfg = preset_config(
             "model: {base_model: sdxl, dtype: bf16}\ndata: {resolution: [1024, 1024]}\ntrain: {batch_size: 4}\nmemory: {gpu: RTX 3060, auto_fit: true}\n",
         );
-        let p = plan(&mut cfg, None, None, true).unwrap();
+        let before = cfg.clone();
+        let p = plan(&cfg, None, None, true).unwrap();
         assert_eq!(p.fits, Some(true), "{}", report(&p));
         assert!(!p.changes.is_empty());
+        assert_eq!(cfg, before, "planning leaves the config alone");
+        p.apply_to(&mut cfg);
         assert_eq!(cfg.train.batch_size, p.settings.micro_batch);
         assert_eq!(
             cfg.train.gradient_checkpointing,

@@ -7,8 +7,8 @@
 //!
 //! The recipe for the config (LLM or Stable Diffusion) is found from the config itself; the plan
 //! reads only the model file's header. With `memory.auto_fit` the planner walks its ladder
-//! (micro-batch, precision, checkpointing, optimizer, …) and returns the changed settings; the
-//! config passed in gets them, so training with it would use them.
+//! (micro-batch, precision, checkpointing, optimizer, …) and returns the changed settings;
+//! `Plan::apply_to` writes them into the config, so training with it would use them.
 
 use anyhow::{Context, Result, bail};
 use lora_train::config::TrainConfig;
@@ -35,7 +35,7 @@ fn main() -> Result<()> {
     let budget = Budget::gpu(&gpu)?;
 
     cfg.memory.auto_fit = false;
-    let plan = recipe.plan(&mut cfg, dir, Some(budget.clone()), true)?;
+    let plan = recipe.plan(&cfg, dir, Some(budget.clone()), true)?;
     println!(
         "{} recipe, {} on {gpu}: batch {batch} × {seq_len} tokens → predicted peak {} of {}: {}",
         recipe.name(),
@@ -53,7 +53,9 @@ fn main() -> Result<()> {
     }
 
     cfg.memory.auto_fit = true;
-    let fitted = recipe.plan(&mut cfg, dir, Some(budget.clone()), true)?;
+    let fitted = recipe.plan(&cfg, dir, Some(budget.clone()), true)?;
+    // the plan carries the fitted settings; the config changes only when asked to
+    fitted.apply_to(&mut cfg);
     for c in &fitted.changes {
         println!(
             "  {}: {} → {} ({}; peak {})",

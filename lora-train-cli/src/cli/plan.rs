@@ -14,7 +14,7 @@ pub fn run(
     budget: Option<&str>,
     json: bool,
 ) -> Result<i32, CliError> {
-    let mut cfg = TrainConfig::from_file(config)?;
+    let cfg = TrainConfig::from_file(config)?;
     let override_budget = match (gpu, budget) {
         (Some(g), _) => Some(Budget::gpu(g).map_err(CliError::usage)?),
         (None, Some(b)) => Some(Budget::parse(b).map_err(CliError::usage)?),
@@ -52,7 +52,7 @@ pub fn run(
     // the recipe the config is for (Stable Diffusion: model.kind sd15/sdxl, a diffusers folder,
     // an SD single file or a diffusion preset; every other model: the causal-LM recipe)
     let recipe = recipe_for(&cfg, config.parent())?;
-    let mut p = recipe.plan(&mut cfg, config.parent(), override_budget, cuda)?;
+    let mut p = recipe.plan(&cfg, config.parent(), override_budget, cuda)?;
     p.notes.extend(overridden);
     if json {
         println!(

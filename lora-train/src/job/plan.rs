@@ -34,6 +34,21 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Writes the settings `auto_fit` chose ([`Plan::changes`]) into `cfg` (micro-batch and
+    /// accumulation, precision, checkpointing, optimizer, rank, …; see [`apply_settings`]).
+    /// Planning itself never edits a config: a run applies its plan to its own copy, and an app
+    /// calls this when it wants the fitted config. Does nothing when nothing was changed.
+    pub fn apply_to(&self, cfg: &mut TrainConfig) {
+        if self.changes.is_empty() {
+            return;
+        }
+        if self.estimate.diffusion.is_some() {
+            apply_diffusion_settings(cfg, &self.settings);
+        } else {
+            apply_settings(cfg, &self.settings);
+        }
+    }
+
     /// A human-readable report: settings, the breakdown table and the verdict. A Stable
     /// Diffusion plan (one with diffusion detail) is printed by [`diffusion_report`].
     pub fn report(&self) -> String {
@@ -208,6 +223,21 @@ pub fn settings_for(
         s = s.with_cache_latents(c);
     }
     (s, notes)
+}
+
+/// [`apply_settings`] for a diffusion run: also the training resolution (the largest bucket when
+/// bucketing) and whether the text encoder is trained.
+pub fn apply_diffusion_settings(cfg: &mut TrainConfig, s: &Settings) {
+    apply_settings(cfg, s);
+    let [w, h] = s.largest_bucket.unwrap_or([s.resolution, s.resolution]);
+    if cfg.data.resolution.map(|[a, b]| a.max(b)) != Some(s.resolution) {
+        cfg.data.resolution = Some(if s.largest_bucket.is_some() {
+            [w, h]
+        } else {
+            [s.resolution, s.resolution]
+        });
+    }
+    cfg.train.train_text_encoder = s.train_text_encoder;
 }
 
 /// Writes fitted settings back into the config (what `auto_fit` changes).

@@ -21,14 +21,15 @@ pub trait Recipe: Sync {
     /// headers at most, never weights.
     fn detect(&self, cfg: &TrainConfig, config_dir: Option<&Path>) -> bool;
 
-    /// The memory plan of `cfg` against `budget` (else the config's) on CUDA or the CPU; with
-    /// `memory.auto_fit` the fitted settings are written into `cfg`.
+    /// The memory plan of `cfg` against `budget` (else the config's) on CUDA or the CPU. With
+    /// `memory.auto_fit` the plan carries the fitted settings and the changes; `cfg` is not
+    /// touched ([`Plan::apply_to`] writes them into a config).
     ///
     /// # Errors
     /// Config, header and budget errors; not fitting is not an error ([`Plan::fits`]).
     fn plan(
         &self,
-        cfg: &mut TrainConfig,
+        cfg: &TrainConfig,
         config_dir: Option<&Path>,
         budget: Option<Budget>,
         cuda: bool,
