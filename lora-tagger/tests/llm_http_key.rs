@@ -1,6 +1,7 @@
 //! The API key is sent as `Authorization: Bearer …` and never shows in Debug, Display, errors or
 //! the model id. (One test in this binary: it sets an environment variable.)
 
+#[path = "tagger/llm_support/mod.rs"]
 mod llm_support;
 
 use std::time::Duration;

@@ -53,16 +53,21 @@ fn main() {
     let root = project_root();
     let started = Instant::now();
     let result = match args.first().map(String::as_str) {
+        Some("bench-compare") if args.iter().any(|a| a == "-h" || a == "--help") => {
+            print!("{}", bench::USAGE);
+            return;
+        }
+        // `cargo xtask test --help` and the like: the usage, not a set-up of several minutes
+        Some(_) if args[1..].iter().any(|a| a == "-h" || a == "--help") => {
+            print!("{USAGE}");
+            return;
+        }
         Some("setup") => setup(&root).map(|_| ()),
         Some("test") => setup(&root).and_then(|env| test(&root, &env, &args[1..])),
         Some("demo") => setup_demo(&root).and_then(|env| demo(&root, &env, &args[1..])),
         Some("doctor") => doctor(&root),
         Some("consumer") => setup(&root).and_then(|env| package::consumer(&root, &env)),
         Some("msrv") => python::ensure_libtorch(&root).and_then(|env| package::msrv(&root, &env)),
-        Some("bench-compare") if args.iter().any(|a| a == "-h" || a == "--help") => {
-            print!("{}", bench::USAGE);
-            return;
-        }
         Some("bench-compare") => python::ensure_libtorch(&root)
             .and_then(|env| bench::bench_compare(&root, &env, &args[1..])),
         Some("-h") | Some("--help") | Some("help") | None => {

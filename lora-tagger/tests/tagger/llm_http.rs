@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP tagger against real loopback sockets: a listener that answers as
 //! each test scripts it (errors, garbage, hangs, slow replies) and a port nothing listens on.
 
-mod llm_support;
+use crate::llm_support;
 
 use std::time::Duration;
 

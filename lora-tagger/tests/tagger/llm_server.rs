@@ -5,7 +5,7 @@
 //! Fails (does not skip) when the server package is missing: the message says to run
 //! `cargo xtask setup`.
 
-mod llm_support;
+use crate::llm_support;
 
 use std::time::Duration;
 
