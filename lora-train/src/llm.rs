@@ -452,7 +452,8 @@ fn sample(
 /// Loads a LLaMA-family base and its tokenizer from a GGUF file or an HF folder.
 ///
 /// # Errors
-/// [`JobError::Runtime`] with the loader's message.
+/// [`JobError::Input`] for a damaged file or one this tool does not read (with what to do);
+/// [`JobError::Model`] naming the file for other loader errors (out of memory, …).
 pub fn load_base(
     path: &Path,
     weights: BaseWeights,
