@@ -777,6 +777,7 @@ pub fn run_with(
         }
         say("warning: predicted not to fit; starting anyway (forced)");
     }
+    crate::job::check_fits_this_machine(&plan, cuda, opts.force || cfg.memory.force)?;
 
     // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).
     if !cuda
@@ -1267,5 +1268,35 @@ mod tests {
             8,
             "effective batch kept"
         );
+    }
+
+    #[test]
+    fn a_cpu_run_with_no_budget_is_checked_against_this_machines_memory() {
+        // Llama-2-7B in fp32 at 8 × 2048 tokens: far above any CPU machine this runs on
+        let y = "model: {base_model: llama-2-7b, weights: dense}\ntrain: {batch_size: 8}\ndata: {seq_len: 2048}\nsystem: {device: cpu}\n";
+        let cfg = TrainConfig::from_yaml_str(y).unwrap();
+        let p = plan(&cfg, None, None, false).unwrap();
+        assert_eq!(p.budget, None);
+        let Some(avail) = crate::job::available_ram() else {
+            return; // no /proc/meminfo
+        };
+        assert!(avail > 0);
+        assert!(p.estimate.peak.0 > avail, "{} vs {avail}", p.estimate.peak);
+        let e = crate::job::check_fits_this_machine(&p, false, false).unwrap_err();
+        assert!(
+            matches!(e, JobError::DoesNotFit { budget, peak, .. } if budget.0 > 0 && budget < peak),
+            "{e}"
+        );
+        assert!(e.to_string().contains("MemAvailable"), "{e}");
+        // forced, or on CUDA (the GPU's memory is not this machine's RAM), it starts
+        crate::job::check_fits_this_machine(&p, false, true).unwrap();
+        crate::job::check_fits_this_machine(&p, true, false).unwrap();
+        // the demo-sized run fits
+        let small = TrainConfig::from_yaml_str(
+            "model: {base_model: smollm2-135m}\ntrain: {batch_size: 2}\ndata: {seq_len: 64}\n",
+        )
+        .unwrap();
+        let p = plan(&small, None, None, false).unwrap();
+        crate::job::check_fits_this_machine(&p, false, false).unwrap();
     }
 }

@@ -2149,6 +2149,7 @@ pub fn run_with(
                     });
                 }
             }
+            crate::job::check_fits_this_machine(&p, cuda, opts.force || cfg.memory.force)?;
             Some(p)
         }
         Err(e) => {

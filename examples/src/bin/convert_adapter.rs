@@ -30,10 +30,19 @@ fn main() -> Result<()> {
             .map(String::as_str)
             .unwrap_or("output/examples/convert_adapter"),
     );
+    if !input.exists() {
+        bail!("{}: no such file or folder", input.display());
+    }
     if !input.join("adapter_config.json").is_file() {
         bail!(
             "{}: not a PEFT adapter folder (no adapter_config.json); run the finetune_smollm2 example first or pass one",
             input.display()
+        );
+    }
+    if out.exists() && !out.is_dir() {
+        bail!(
+            "{}: a file of that name exists; pass another OUTPUT_DIR (nothing was changed)",
+            out.display()
         );
     }
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -32,7 +32,15 @@ impl Callback for Record {
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let steps: u64 = args.next().map_or(Ok(12), |s| s.parse())?;
+    let steps: u64 = match args.next() {
+        None => 12,
+        Some(s) => match s.parse() {
+            Ok(n) if n > 0 => n,
+            _ => anyhow::bail!(
+                "STEPS: expected a whole number of optimizer steps above 0, got {s:?}"
+            ),
+        },
+    };
     let output = args
         .next()
         .unwrap_or_else(|| "output/examples/finetune_smollm2".into());

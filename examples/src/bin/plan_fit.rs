@@ -21,8 +21,21 @@ fn main() -> Result<()> {
     let arg = |i: usize, default: &str| args.get(i).cloned().unwrap_or_else(|| default.into());
     let config = arg(0, "examples/configs/smollm2-shakespeare.yaml");
     let gpu = arg(1, "GTX 1060 6GB");
-    let batch: u32 = arg(2, "64").parse().context("BATCH: a whole number")?;
-    let seq_len: u32 = arg(3, "2048").parse().context("SEQ_LEN: a whole number")?;
+    if args.len() > 4 {
+        bail!(
+            "usage: plan_fit [CONFIG] [GPU] [BATCH] [SEQ_LEN] (got {} arguments)",
+            args.len()
+        );
+    }
+    let number = |i: usize, name: &str, default: &str| -> Result<u32> {
+        let text = arg(i, default);
+        text.parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .with_context(|| format!("{name}: expected a whole number above 0, got {text:?}"))
+    };
+    let batch = number(2, "BATCH", "64")?;
+    let seq_len = number(3, "SEQ_LEN", "2048")?;
 
     let mut cfg = TrainConfig::from_file(&config)?;
     let dir = Path::new(&config).parent();

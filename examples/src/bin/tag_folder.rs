@@ -11,7 +11,8 @@
 //! threshold are post-processed (underscores to spaces, blacklist, order) and written to
 //! `<image>.txt`; existing captions are kept (mode `skip`).
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use lora_tagger::caption::CaptionAction;
 use lora_tagger::run::{list_images, tag_to_captions};
 use lora_tagger::{CaptionWriter, ImageTagger, TaggerConfig};
 use std::path::{Path, PathBuf};
@@ -29,7 +30,16 @@ fn main() -> Result<()> {
     config.image.model = Some(assets.join("mobilenet_v2"));
     config.captions.caption_extension = ".txt".into();
     let mut tagger = ImageTagger::from_config(&config)?;
+    if !folder.is_dir() {
+        bail!("{}: not a folder of images", folder.display());
+    }
     let images = list_images(&folder)?;
+    if images.is_empty() {
+        bail!(
+            "{}: no images directly in it (PNG, JPEG, WebP, …; subfolders are not searched)",
+            folder.display()
+        );
+    }
     let writer = CaptionWriter::new(config.captions.clone());
     let run = tag_to_captions(&mut tagger, &images, &config.tags, &writer)?;
 
@@ -41,20 +51,35 @@ fn main() -> Result<()> {
             .collect();
         println!("{}: {}", image.display(), best.join(", "));
     }
+    let mut failed = 0;
     for e in &run.report.entries {
+        let what = match (&e.action, &e.text) {
+            (CaptionAction::Fail { error }, _) => {
+                failed += 1;
+                format!("FAILED: {error}")
+            }
+            (CaptionAction::Skip { reason }, _) => format!("kept ({reason})"),
+            (_, Some(text)) => format!("{text:?}"),
+            (_, None) => "(nothing written)".into(),
+        };
         println!(
-            "{} → {}: {:?}",
+            "{} → {}: {what}",
             e.image.display(),
-            e.caption_path.display(),
-            e.text.as_deref().unwrap_or("(nothing written)")
+            e.caption_path.display()
         );
     }
     println!(
         "{} of {} images tagged in {:.2} s",
-        run.tagged,
+        run.tagged - failed.min(run.tagged),
         images.len(),
         run.tagging_s
     );
+    if failed > 0 {
+        bail!(
+            "{failed} of {} images could not be tagged (see above)",
+            images.len()
+        );
+    }
     Ok(())
 }
 

@@ -19,6 +19,7 @@ pub use plan::{apply_settings, budget_for, budget_source, diffusion_report, sett
 pub use recipe::Recipe;
 pub(crate) use run::check_not_diverged;
 pub use run::{
-    MeasuredMemory, OutputLock, check_device, check_output_dir, check_output_name, check_writable,
-    proc_rss, reset_peak_rss, resume_checkpoint,
+    MeasuredMemory, OutputLock, available_ram, check_device, check_fits_this_machine,
+    check_output_dir, check_output_name, check_writable, proc_rss, reset_peak_rss,
+    resume_checkpoint,
 };

@@ -400,6 +400,36 @@ pub(crate) fn check_not_diverged(
     })
 }
 
+/// The memory the kernel says a new process can still use without swapping (`MemAvailable` of
+/// `/proc/meminfo`), in bytes; `None` where there is no such file (not Linux).
+pub fn available_ram() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses, before anything loads, a CPU run with no budget (`memory.budget` / `memory.gpu` unset)
+/// whose predicted peak is above this machine's available memory ([`available_ram`]): without
+/// it such a run would start and swap or be killed minutes later. `forced` (`--force`,
+/// `memory.force`) starts it anyway.
+///
+/// # Errors
+/// [`JobError::DoesNotFit`] with the available memory as the budget.
+pub fn check_fits_this_machine(plan: &crate::job::Plan, cuda: bool, forced: bool) -> Result<()> {
+    if cuda || forced || plan.budget.is_some() {
+        return Ok(());
+    }
+    match available_ram() {
+        Some(avail) if plan.estimate.peak.0 > avail => Err(JobError::DoesNotFit {
+            peak: plan.estimate.peak,
+            budget: lora_memory::Bytes(avail),
+            source_desc: "no memory.budget or memory.gpu is set: this machine's available RAM, MemAvailable in /proc/meminfo".into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// The name of the lock file a run keeps in its output folder.
 pub const LOCK_FILE: &str = ".lora-train.lock";
 
