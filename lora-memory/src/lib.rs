@@ -31,6 +31,7 @@ pub mod error;
 pub mod estimate;
 pub mod fit;
 pub mod gguf;
+pub mod host;
 pub mod model;
 pub mod safetensors_header;
 pub mod sd_header;

@@ -80,22 +80,13 @@ pub struct ResourceSnapshot {
     pub cuda_allocator: Option<(u64, u64)>,
 }
 
-fn meminfo_kb(text: &str, key: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 impl ResourceSnapshot {
     /// Reads `/proc/meminfo`, `/proc/self/status`, the shim's CPU counters and, for a CUDA
     /// `device`, `cudaMemGetInfo` and the caching allocator's statistics. Missing sources read as
     /// zero / `None` (never an error).
     pub fn take(device: Device) -> Self {
-        let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let (ram_total, ram_available) = lora_memory::host::ram().unwrap_or((0, 0));
+        let (process_rss, _) = lora_memory::host::process_rss();
         let cpu_tensors = match lora_core::sys::counting_cpu_allocator_installed() {
             Ok(true) => lora_core::sys::cpu_mem_stats()
                 .ok()
@@ -113,9 +104,9 @@ impl ResourceSnapshot {
             _ => (None, None),
         };
         ResourceSnapshot {
-            ram_total: meminfo_kb(&mem, "MemTotal:"),
-            ram_available: meminfo_kb(&mem, "MemAvailable:"),
-            process_rss: meminfo_kb(&status, "VmRSS:"),
+            ram_total,
+            ram_available,
+            process_rss,
             cpu_tensors,
             vram,
             cuda_allocator,

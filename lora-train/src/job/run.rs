@@ -25,16 +25,7 @@ pub struct MeasuredMemory {
 
 /// `VmRSS` and `VmHWM` of this process in bytes (Linux; zeros elsewhere).
 pub fn proc_rss() -> (u64, u64) {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kb = |key: &str| {
-        s.lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-            * 1024
-    };
-    (kb("VmRSS:"), kb("VmHWM:"))
+    lora_memory::host::process_rss()
 }
 
 /// Resets the kernel's peak-RSS counter (`echo 5 > /proc/self/clear_refs`, Linux ≥ 4.0), so the
@@ -403,10 +394,7 @@ pub(crate) fn check_not_diverged(
 /// The memory the kernel says a new process can still use without swapping (`MemAvailable` of
 /// `/proc/meminfo`), in bytes; `None` where there is no such file (not Linux).
 pub fn available_ram() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    lora_memory::host::ram().map(|(_, available)| available)
 }
 
 /// Refuses, before anything loads, a CPU run with no budget (`memory.budget` / `memory.gpu` unset)
