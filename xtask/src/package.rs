@@ -2,8 +2,8 @@
 //! packaged crate, and apps outside the repository built against the packaged crates
 //! (`xtask/consumer/README.md`).
 
-use crate::Env;
 use crate::util;
+use crate::{Env, cargo};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,10 +24,6 @@ const PUBLISHED: [&str; 8] = [
 
 /// The apps of `xtask/consumer/`.
 const APPS: [&str; 2] = ["plan-app", "train-app"];
-
-fn cargo() -> Command {
-    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-}
 
 fn metadata(root: &Path) -> Result<serde_json::Value> {
     let out = cargo()
