@@ -62,6 +62,25 @@ pub enum Error {
         /// What is supported / what to do.
         hint: String,
     },
+    /// A model that loads but that a pipeline cannot be built from or run as asked (an SD 2.x
+    /// single file, an SDXL UNet without its second text encoder, a single file without a
+    /// tokenizer, …); `reason` says why and what to do.
+    #[error("{what}: {reason}")]
+    Unusable {
+        /// The file or folder.
+        what: String,
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// A step of loading or running failed; `during` names the step and the file.
+    #[error("{during}: {source}")]
+    Context {
+        /// What was being done (`"loading the VAE of <dir>"`, …).
+        during: String,
+        /// The error of that step.
+        #[source]
+        source: Box<Error>,
+    },
     /// A `config.json` or similar configuration file could not be parsed.
     #[error("config {path}: {msg}")]
     Config {

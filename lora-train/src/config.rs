@@ -411,26 +411,9 @@ impl Default for DataSection {
     }
 }
 
-/// Optimizer choice.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub enum OptimizerKind {
-    /// AdamW (Loshchilov & Hutter, arXiv:1711.05101).
-    #[default]
-    AdamW,
-    /// Block-wise 8-bit AdamW (arXiv:2110.02861).
-    AdamW8bit,
-    /// Adafactor (arXiv:1804.04235).
-    Adafactor,
-    /// SGD (with `momentum`).
-    #[serde(rename = "SGD")]
-    Sgd,
-    /// SGD with Nesterov momentum (kohya's `SGDNesterov`: `torch.optim.SGD(nesterov=True)`,
-    /// `momentum` as set, 0.9 by default).
-    ///
-    /// Plain `SGD` has no momentum unless `train.momentum` sets it.
-    #[serde(rename = "SGDNesterov")]
-    SgdNesterov,
-}
+/// The optimizer a config names: the engine's [`OptimizerName`] (one table of names, defaults
+/// and planner terms for the config, the trainer and the plan).
+pub use crate::engine::optim::OptimizerName;
 
 /// Learning-rate schedule (names of transformers' `get_scheduler` / kohya `lr_scheduler`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -504,7 +487,7 @@ pub struct TrainSection {
     /// Peak learning rate (default 1e-4).
     pub learning_rate: f64,
     /// Optimizer (`train.use_8bit_adam: true` → AdamW8bit; kohya `optimizer_type`).
-    pub optimizer: OptimizerKind,
+    pub optimizer: OptimizerName,
     /// Decoupled weight decay (default 0).
     pub weight_decay: f64,
     /// SGD momentum μ. Unset: 0 for `SGD` (`torch.optim.SGD`'s and kohya's default) and 0.9 for
@@ -565,7 +548,7 @@ impl Default for TrainSection {
             epochs: 1,
             max_steps: None,
             learning_rate: 1e-4,
-            optimizer: OptimizerKind::AdamW,
+            optimizer: OptimizerName::AdamW,
             weight_decay: 0.0,
             momentum: None,
             loraplus_lr_ratio: None,
@@ -1194,18 +1177,7 @@ fn choose<T: Copy>(key: &str, v: &Value, table: &[(&str, T)]) -> Result<T> {
         .ok_or_else(|| invalid(key, v, allowed()))
 }
 
-const OPTIMIZERS: &[(&str, OptimizerKind)] = &[
-    ("AdamW", OptimizerKind::AdamW),
-    ("AdamW8bit", OptimizerKind::AdamW8bit),
-    ("Adafactor", OptimizerKind::Adafactor),
-    ("SGD", OptimizerKind::Sgd),
-    // spellings seen in kohya / transformers configs
-    ("adamw_torch", OptimizerKind::AdamW),
-    ("adamw_8bit", OptimizerKind::AdamW8bit),
-    ("adamw_bnb_8bit", OptimizerKind::AdamW8bit),
-    ("bitsandbytes.optim.AdamW8bit", OptimizerKind::AdamW8bit),
-    ("SGDNesterov", OptimizerKind::SgdNesterov),
-];
+const OPTIMIZERS: &[(&str, OptimizerName)] = OptimizerName::SPELLINGS;
 
 const SCHEDULERS: &[(&str, SchedulerKind)] = &[
     ("constant", SchedulerKind::Constant),
@@ -1855,7 +1827,7 @@ impl TrainConfig {
                 e.used = true;
                 let on: bool = typed(key, &e.value, "true or false")?;
                 if opt_written {
-                    let is8 = c.train.optimizer == OptimizerKind::AdamW8bit;
+                    let is8 = c.train.optimizer == OptimizerName::AdamW8bit;
                     if on != is8 && (on || is8) {
                         return Err(ConfigError::Conflict {
                             canonical: "train.optimizer".into(),
@@ -1866,7 +1838,7 @@ impl TrainConfig {
                         });
                     }
                 } else if on {
-                    c.train.optimizer = OptimizerKind::AdamW8bit;
+                    c.train.optimizer = OptimizerName::AdamW8bit;
                 }
             }
         }
@@ -2329,7 +2301,7 @@ mod tests {
         c.train.epochs = 3;
         c.train.max_steps = Some(100);
         c.train.learning_rate = 2e-4;
-        c.train.optimizer = OptimizerKind::SgdNesterov;
+        c.train.optimizer = OptimizerName::SgdNesterov;
         c.train.weight_decay = 0.01;
         c.train.momentum = Some(0.8);
         c.train.loraplus_lr_ratio = Some(16.0);

@@ -46,12 +46,17 @@
 //!   config file or command line: an app trains its own tch model with LoRA through it.
 //! - `config`, `job`, `export` (feature `jobs`, on with either recipe): the YAML/TOML config,
 //!   what the recipes share (errors, the memory plan, the config's lowering to the engine's and
-//!   lora-core's settings, checks around a run) and adapter export with run metadata.
-//! - `llm` (feature `llm`): the causal-LM recipe (LLaMA family, GGUF or safetensors bases).
-//! - `sd`, `sd_plan` (feature `sd`): the Stable Diffusion 1.x / SDXL recipe and its plan.
-//! - `recipes`: the recipes compiled in, behind the `job::Recipe` trait; `recipes::for_config`
-//!   says which one a config is for.
-//!
+//!   lora-core's settings, checks around a run, and `job::sequence`: the one
+//!   plan → data → load → inject → train → evaluate → export sequence every recipe's run
+//!   follows) and adapter export with run metadata.
+//! - `recipes` (feature `jobs`): one folder per model family behind its feature, each a
+//!   `job::sequence::RunSteps` implementation plus its plan — `recipes::llm` (feature `llm`:
+//!   the causal-LM recipe, LLaMA family, GGUF or safetensors bases) and `recipes::sd` (feature
+//!   `sd`: Stable Diffusion 1.x / SDXL, with `recipes::sd::plan`) — and the registry:
+//!   `recipes::for_config` says which compiled-in recipe a config is for. Adding a family is a
+//!   folder and one registration line. `lora_train::llm`, `lora_train::sd` and
+//!   `lora_train::sd_plan` are short names for the recipe modules.
+
 //! # Features
 //! | feature | default | what it adds |
 //! |---|---|---|
@@ -83,11 +88,14 @@ pub mod engine;
 pub mod export;
 #[cfg(feature = "jobs")]
 pub mod job;
-#[cfg(feature = "llm")]
-pub mod llm;
 #[cfg(feature = "jobs")]
 pub mod recipes;
+/// The causal-LM recipe ([`recipes::llm`]).
+#[cfg(feature = "llm")]
+pub use recipes::llm;
+/// The Stable Diffusion recipe ([`recipes::sd`]).
 #[cfg(feature = "sd")]
-pub mod sd;
+pub use recipes::sd;
+/// The Stable Diffusion recipe's plan ([`recipes::sd::plan`]).
 #[cfg(feature = "sd")]
-pub mod sd_plan;
+pub use recipes::sd::plan as sd_plan;

@@ -1,7 +1,7 @@
 //! `TrainConfig` on the example files in `examples/configs/` and on the error cases users hit.
 
 use lora_train::config::{
-    BaseWeights, ConfigError, DataFormat, ExportFormat, OptimizerKind, Precision, SchedulerKind,
+    BaseWeights, ConfigError, DataFormat, ExportFormat, OptimizerName, Precision, SchedulerKind,
     TargetModules, TrainConfig,
 };
 use std::path::PathBuf;
@@ -59,7 +59,7 @@ fn kohya_toml_maps_flat_names_onto_the_model() {
     assert_eq!(c.lora.network_module.as_deref(), Some("networks.lora"));
     assert_eq!(
         c.train.optimizer,
-        OptimizerKind::AdamW8bit,
+        OptimizerName::AdamW8bit,
         "optimizer_type"
     );
     assert_eq!(c.train.learning_rate, 5e-4);
@@ -113,7 +113,7 @@ fn low_vram_guide_yaml_maps_its_keys() {
     assert!(c.train.gradient_checkpointing);
     assert_eq!(
         c.train.optimizer,
-        OptimizerKind::AdamW8bit,
+        OptimizerName::AdamW8bit,
         "train.use_8bit_adam"
     );
     assert_eq!(

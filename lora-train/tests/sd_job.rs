@@ -341,7 +341,7 @@ fn a_run_resumed_from_its_step_30_checkpoint_ends_with_the_same_adapter() {
 
 #[test]
 fn the_sd15_character_config_reads_as_written_and_bad_sd_keys_are_named() {
-    use lora_train::config::{ModelKind, OptimizerKind, TargetModules};
+    use lora_train::config::{ModelKind, OptimizerName, TargetModules};
     let c = TrainConfig::from_file(root().join("examples/configs/sd15-character.yaml")).unwrap();
     assert_eq!(c.model.kind, ModelKind::Sd15);
     assert_eq!((c.lora.rank, c.lora.alpha), (16, 8.0));
@@ -363,7 +363,7 @@ fn the_sd15_character_config_reads_as_written_and_bad_sd_keys_are_named() {
         )
     );
     assert_eq!(c.data.resolution, Some([512, 512]));
-    assert_eq!(c.train.optimizer, OptimizerKind::AdamW8bit);
+    assert_eq!(c.train.optimizer, OptimizerName::AdamW8bit);
     assert_eq!(c.train.noise_offset, 0.05);
     assert_eq!(c.train.min_snr_gamma, Some(5.0));
     assert_eq!(c.train.clip_skip, Some(1));

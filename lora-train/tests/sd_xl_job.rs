@@ -437,7 +437,7 @@ fn an_sdxl_single_file_loads_like_the_folder_and_trains() {
 
 #[test]
 fn the_sdxl_character_config_reads_as_written() {
-    use lora_train::config::{ModelKind, OptimizerKind};
+    use lora_train::config::{ModelKind, OptimizerName};
     let c = TrainConfig::from_file(root().join("examples/configs/sdxl-character.yaml")).unwrap();
     assert_eq!(c.model.kind, ModelKind::Sdxl);
     assert_eq!(
@@ -450,7 +450,7 @@ fn the_sdxl_character_config_reads_as_written() {
     );
     assert_eq!((c.lora.rank, c.lora.alpha), (16, 8.0));
     assert_eq!(c.data.resolution, Some([1024, 1024]));
-    assert_eq!(c.train.optimizer, OptimizerKind::AdamW8bit);
+    assert_eq!(c.train.optimizer, OptimizerName::AdamW8bit);
     assert!(c.train.gradient_checkpointing && !c.train.train_text_encoder);
     assert!(
         lora_train::sd_plan::wants_sd_job(&c, None),

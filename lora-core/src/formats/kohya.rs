@@ -20,6 +20,29 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 
+/// kohya module-name prefix of UNet adapters (sd-scripts `networks/lora.py`
+/// `LORA_PREFIX_UNET`).
+pub const KOHYA_UNET_PREFIX: &str = "lora_unet";
+/// kohya prefix of the SD 1.x/2.x text encoder (`LORA_PREFIX_TEXT_ENCODER`).
+pub const KOHYA_TE_PREFIX: &str = "lora_te";
+/// kohya prefix of SDXL's first text encoder, CLIP ViT-L (`LORA_PREFIX_TEXT_ENCODER1`).
+pub const KOHYA_TE1_PREFIX: &str = "lora_te1";
+/// kohya prefix of SDXL's second text encoder, OpenCLIP bigG (`LORA_PREFIX_TEXT_ENCODER2`).
+pub const KOHYA_TE2_PREFIX: &str = "lora_te2";
+
+/// The kohya prefix of a diffusion pipeline's component: `"unet"` → `lora_unet`;
+/// `"text_encoder"` → `lora_te` (SD 1.x/2.x) or `lora_te1` (SDXL); anything else (SDXL's
+/// `"text_encoder_2"`) → `lora_te2` — sd-scripts `networks/lora.py` `LORA_PREFIX_UNET`,
+/// `LORA_PREFIX_TEXT_ENCODER{,1,2}`.
+pub fn kohya_prefix(component: &str, sdxl: bool) -> &'static str {
+    match (component, sdxl) {
+        ("unet", _) => KOHYA_UNET_PREFIX,
+        ("text_encoder", false) => KOHYA_TE_PREFIX,
+        ("text_encoder", true) => KOHYA_TE1_PREFIX,
+        _ => KOHYA_TE2_PREFIX,
+    }
+}
+
 /// The kohya module name of module `path` under `prefix` (`"lora_unet"`, `"lora_te"`, ...).
 pub fn kohya_name(prefix: &str, path: &str) -> String {
     format!("{prefix}_{}", path.replace('.', "_"))

@@ -1,6 +1,7 @@
 //! Stable Diffusion 1.x / 2.x and SDXL: the denoising [`unet::UNet2DConditionModel`] and the
 //! [`vae::AutoencoderKL`], numerically matching diffusers 0.42.1, loaded from diffusers folders
-//! or original single-file checkpoints ([`load`]).
+//! or original single-file checkpoints ([`load`]), and the pipeline of both with its CLIP
+//! text encoder(s) ([`pipeline::SdPipeline`]).
 //!
 //! Every linear layer and convolution is a LoRA site named as diffusers names the module
 //! (`down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q`, `…resnets.0.conv1`), so
@@ -23,10 +24,14 @@
 pub mod attention;
 pub mod blocks;
 pub mod load;
+pub mod pipeline;
 pub mod unet;
 pub mod vae;
 
 pub use attention::AttentionBackend;
 pub use load::LoadOptions;
+pub use pipeline::{
+    SampleOptions, SamplerKind, SdPipeline, TextCond, sdxl_time_ids, single_file_companion,
+};
 pub use unet::{UNet2DConditionModel, UNetConfig};
 pub use vae::{AutoencoderKL, DiagonalGaussian, VaeConfig};

@@ -1,7 +1,7 @@
 //! One lowering of a [`TrainConfig`] to the settings of the layers below it: the engine's
 //! [`crate::engine::TrainerConfig`] and lora-core's [`lora_core::config::LoraConfig`].
 
-use crate::config::{OptimizerKind, Precision, TrainConfig};
+use crate::config::{Precision, TrainConfig};
 use crate::job::error::{During, Result};
 use std::path::Path;
 
@@ -17,29 +17,12 @@ pub fn trainer_config(
     total_steps: u64,
 ) -> Result<crate::engine::TrainerConfig> {
     use crate::config::{NanPolicy, SchedulerKind as S};
-    use crate::engine::optim::{AdafactorConfig, AdamWConfig, OptimizerKind as O, SgdConfig};
     use crate::engine::sched::SchedulerKind as E;
     let t = &cfg.train;
-    let adamw = AdamWConfig {
+    let optimizer = t.optimizer.with(&crate::engine::optim::OptimizerArgs {
         weight_decay: t.weight_decay,
-        ..AdamWConfig::default()
-    };
-    let optimizer = match t.optimizer {
-        OptimizerKind::AdamW => O::AdamW(adamw),
-        OptimizerKind::AdamW8bit => O::AdamW8bit(adamw),
-        OptimizerKind::Adafactor => O::Adafactor(AdafactorConfig::default()),
-        OptimizerKind::Sgd => O::Sgd(SgdConfig {
-            momentum: sgd_momentum(t),
-            weight_decay: t.weight_decay,
-            ..SgdConfig::default()
-        }),
-        OptimizerKind::SgdNesterov => O::Sgd(SgdConfig {
-            momentum: sgd_momentum(t),
-            weight_decay: t.weight_decay,
-            nesterov: true,
-            ..SgdConfig::default()
-        }),
-    };
+        momentum: t.momentum,
+    });
     let scheduler = match t.lr_scheduler {
         S::Constant => E::Constant,
         S::ConstantWithWarmup => E::ConstantWithWarmup,
@@ -105,11 +88,7 @@ pub fn lora_config(cfg: &TrainConfig, base_model: &str) -> Result<lora_core::con
 /// [`NESTEROV_MOMENTUM`](crate::engine::optim::NESTEROV_MOMENTUM)). The memory plan uses the same
 /// number (a momentum buffer exists only when it is above 0).
 pub fn sgd_momentum(t: &crate::config::TrainSection) -> f64 {
-    match (t.momentum, t.optimizer) {
-        (Some(m), _) => m,
-        (None, OptimizerKind::SgdNesterov) => crate::engine::optim::NESTEROV_MOMENTUM,
-        (None, _) => crate::engine::optim::SgdConfig::default().momentum,
-    }
+    t.momentum.unwrap_or(t.optimizer.default_momentum())
 }
 
 #[cfg(test)]

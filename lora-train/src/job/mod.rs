@@ -10,6 +10,7 @@ pub mod options;
 pub mod plan;
 pub mod recipe;
 pub mod run;
+pub mod sequence;
 
 pub use error::{JobError, Result};
 pub use lower::{lora_config, trainer_config};
@@ -17,9 +18,9 @@ pub use options::{RunOptions, resolve_path};
 pub use plan::Plan;
 pub use plan::{apply_settings, budget_for, budget_source, diffusion_report, settings_for};
 pub use recipe::Recipe;
-pub(crate) use run::check_not_diverged;
 pub use run::{
     MeasuredMemory, OutputLock, available_ram, check_device, check_fits_this_machine,
     check_output_dir, check_output_name, check_writable, proc_rss, reset_peak_rss,
     resume_checkpoint,
 };
+pub use sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};

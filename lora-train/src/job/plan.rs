@@ -2,11 +2,9 @@
 //! diffusion report (image and latent sizes, what is cached, UNet / VAE / text-encoder rows) and
 //! the verdict; the config ↔ lora-memory [`Settings`] mapping and the budget a run is held to.
 
-use crate::config::{BaseWeights, Dtype, OptimizerKind, Precision, TargetModules, TrainConfig};
+use crate::config::{BaseWeights, Dtype, Precision, TargetModules, TrainConfig};
 use crate::job::error::Result;
-use lora_memory::{
-    BaseDtype, Budget, Bytes, Change, Device, Estimate, MixedPrecision, Optimizer, Settings,
-};
+use lora_memory::{BaseDtype, Budget, Bytes, Change, Device, Estimate, MixedPrecision, Settings};
 use serde::Serialize;
 
 /// The memory plan of a run.
@@ -190,14 +188,10 @@ pub fn settings_for(
             vec![r.clone()]
         }
     };
-    let optimizer = match cfg.train.optimizer {
-        OptimizerKind::AdamW => Optimizer::AdamW,
-        OptimizerKind::AdamW8bit => Optimizer::AdamW8bit,
-        OptimizerKind::Adafactor => Optimizer::Adafactor,
-        OptimizerKind::Sgd | OptimizerKind::SgdNesterov => Optimizer::Sgd {
-            momentum: crate::job::lower::sgd_momentum(&cfg.train) as f32,
-        },
-    };
+    let optimizer = cfg
+        .train
+        .optimizer
+        .memory_term(crate::job::lower::sgd_momentum(&cfg.train));
     let mut s = Settings::default()
         .with_base_dtype(base_dtype)
         .with_mixed_precision(mixed_precision)
@@ -254,16 +248,8 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
         MixedPrecision::Bf16 => Precision::Bf16,
         MixedPrecision::FullBf16 => Precision::FullBf16,
     };
-    cfg.train.optimizer = match s.optimizer {
-        Optimizer::AdamW => OptimizerKind::AdamW,
-        Optimizer::AdamW8bit => OptimizerKind::AdamW8bit,
-        Optimizer::Adafactor => OptimizerKind::Adafactor,
-        // the plan does not tell plain SGD from Nesterov's: keep the config's
-        Optimizer::Sgd { .. } if cfg.train.optimizer == OptimizerKind::SgdNesterov => {
-            OptimizerKind::SgdNesterov
-        }
-        Optimizer::Sgd { .. } => OptimizerKind::Sgd,
-    };
+    cfg.train.optimizer =
+        crate::engine::optim::OptimizerName::of_memory_term(s.optimizer, cfg.train.optimizer);
     match s.base_dtype {
         BaseDtype::F32 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F32),
         BaseDtype::Bf16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::Bf16),
@@ -547,7 +533,7 @@ mod tests {
             ),
             (16, 4, 2, 512)
         );
-        assert_eq!(s.optimizer, Optimizer::AdamW8bit);
+        assert_eq!(s.optimizer, lora_memory::Optimizer::AdamW8bit);
         assert_eq!(s.mixed_precision, MixedPrecision::Bf16);
         assert_eq!(s.base_dtype, BaseDtype::F32, "dense weights default to f32");
         assert!(!s.device.is_cuda());

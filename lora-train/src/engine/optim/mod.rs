@@ -53,31 +53,12 @@ impl Default for OptimizerKind {
 pub const NESTEROV_MOMENTUM: f64 = 0.9;
 
 impl OptimizerKind {
-    /// Parses kohya's `optimizer_type` names ("AdamW", "AdamW8bit", "Adafactor", "SGD",
-    /// case-insensitive; also "adamw_8bit", "sgdnesterov") with default hyper-parameters.
+    /// Parses an optimizer name ([`OptimizerName::parse`]) with default hyper-parameters.
     ///
     /// # Errors
     /// An unknown name, listing the accepted ones.
     pub fn from_name(name: &str) -> Result<Self> {
-        let n = name.to_ascii_lowercase().replace(['-', '_'], "");
-        Ok(match n.as_str() {
-            "adamw" | "adam" => Self::AdamW(AdamWConfig::default()),
-            "adamw8bit" | "adam8bit" | "pagedadamw8bit" => Self::AdamW8bit(AdamWConfig::default()),
-            "adafactor" => Self::Adafactor(AdafactorConfig::default()),
-            "sgd" => Self::Sgd(SgdConfig::default()),
-            "sgdnesterov" => Self::Sgd(SgdConfig {
-                momentum: NESTEROV_MOMENTUM,
-                nesterov: true,
-                ..SgdConfig::default()
-            }),
-            _ => {
-                return Err(TrainError::Invalid {
-                    what: "optimizer_type".into(),
-                    value: name.into(),
-                    hint: "use one of AdamW, AdamW8bit, Adafactor, SGD, SGDNesterov".into(),
-                });
-            }
-        })
+        Ok(OptimizerName::parse(name)?.with(&OptimizerArgs::default()))
     }
 
     /// Builds the optimizer over `groups` with base learning rate `lr`.
@@ -91,5 +72,150 @@ impl OptimizerKind {
             Self::Adafactor(c) => Box::new(Adafactor::new(groups, lr, c.clone())?),
             Self::Sgd(c) => Box::new(Sgd::new(groups, lr, c.clone())?),
         })
+    }
+}
+
+/// An optimizer by name, without its hyper-parameters: what a config's `optimizer_type` says.
+///
+/// This is the factory's one table of optimizers: [`OptimizerName::with`] builds the
+/// [`OptimizerKind`] the trainer takes, and [`OptimizerName::memory_term`] names the planner's
+/// state term for it. Adding an optimizer is its file, a variant of both enums here and its
+/// lora-memory term.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum OptimizerName {
+    /// [`AdamW`] (Loshchilov & Hutter, arXiv:1711.05101).
+    #[default]
+    AdamW,
+    /// [`AdamW8bit`]: block-wise 8-bit AdamW (Dettmers et al., arXiv:2110.02861).
+    AdamW8bit,
+    /// [`Adafactor`] (Shazeer & Stern, arXiv:1804.04235).
+    Adafactor,
+    /// [`Sgd`], momentum as set (0 unless set, as `torch.optim.SGD`).
+    #[serde(rename = "SGD")]
+    Sgd,
+    /// [`Sgd`] with Nesterov momentum (kohya's `SGDNesterov`: `torch.optim.SGD(nesterov=True)`),
+    /// momentum as set, [`NESTEROV_MOMENTUM`] by default.
+    #[serde(rename = "SGDNesterov")]
+    SgdNesterov,
+}
+
+/// The hyper-parameters a config sets on top of an [`OptimizerName`]'s defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct OptimizerArgs {
+    /// Weight decay λ: decoupled for the AdamW family, L2 for SGD; unused by Adafactor.
+    pub weight_decay: f64,
+    /// SGD momentum μ; `None` is the name's default ([`OptimizerName::default_momentum`]).
+    pub momentum: Option<f64>,
+}
+
+impl OptimizerName {
+    /// The names accepted for each optimizer, first the canonical one (kohya's
+    /// `optimizer_type`), then spellings seen in kohya, transformers (`optim`) and bitsandbytes
+    /// configs. [`OptimizerName::parse`] compares them ignoring case, `_`, `-`, `.` and spaces.
+    pub const SPELLINGS: &'static [(&'static str, OptimizerName)] = &[
+        ("AdamW", Self::AdamW),
+        ("AdamW8bit", Self::AdamW8bit),
+        ("Adafactor", Self::Adafactor),
+        ("SGD", Self::Sgd),
+        ("SGDNesterov", Self::SgdNesterov),
+        ("adam", Self::AdamW),
+        ("adamw_torch", Self::AdamW),
+        ("adamw_8bit", Self::AdamW8bit),
+        ("adam8bit", Self::AdamW8bit),
+        ("adamw_bnb_8bit", Self::AdamW8bit),
+        ("PagedAdamW8bit", Self::AdamW8bit),
+        ("bitsandbytes.optim.AdamW8bit", Self::AdamW8bit),
+    ];
+
+    /// The canonical name (`"AdamW"`, `"SGDNesterov"`, …).
+    pub fn as_str(self) -> &'static str {
+        match Self::SPELLINGS.iter().find(|(_, n)| *n == self) {
+            Some((s, _)) => s,
+            None => "AdamW",
+        }
+    }
+
+    /// Parses one of [`OptimizerName::SPELLINGS`] (case, `_`, `-`, `.` and spaces ignored).
+    ///
+    /// # Errors
+    /// [`TrainError::Invalid`] for an unknown name, listing the canonical ones.
+    pub fn parse(name: &str) -> Result<Self> {
+        let norm = |s: &str| -> String {
+            s.chars()
+                .filter(|c| !matches!(c, '_' | '-' | ' ' | '.'))
+                .flat_map(char::to_lowercase)
+                .collect()
+        };
+        let n = norm(name);
+        Self::SPELLINGS
+            .iter()
+            .find(|(s, _)| norm(s) == n)
+            .map(|(_, o)| *o)
+            .ok_or_else(|| TrainError::Invalid {
+                what: "optimizer_type".into(),
+                value: name.into(),
+                hint: "use one of AdamW, AdamW8bit, Adafactor, SGD, SGDNesterov".into(),
+            })
+    }
+
+    /// The SGD momentum when none is set: [`NESTEROV_MOMENTUM`] for `SGDNesterov`, else
+    /// `SgdConfig::default().momentum` (0, as `torch.optim.SGD`).
+    pub fn default_momentum(self) -> f64 {
+        match self {
+            Self::SgdNesterov => NESTEROV_MOMENTUM,
+            _ => SgdConfig::default().momentum,
+        }
+    }
+
+    /// The optimizer to build: this name's defaults with `args` applied.
+    pub fn with(self, args: &OptimizerArgs) -> OptimizerKind {
+        let adamw = AdamWConfig {
+            weight_decay: args.weight_decay,
+            ..AdamWConfig::default()
+        };
+        let sgd = |nesterov: bool| SgdConfig {
+            momentum: args.momentum.unwrap_or(self.default_momentum()),
+            weight_decay: args.weight_decay,
+            nesterov,
+            ..SgdConfig::default()
+        };
+        match self {
+            Self::AdamW => OptimizerKind::AdamW(adamw),
+            Self::AdamW8bit => OptimizerKind::AdamW8bit(adamw),
+            Self::Adafactor => OptimizerKind::Adafactor(AdafactorConfig::default()),
+            Self::Sgd => OptimizerKind::Sgd(sgd(false)),
+            Self::SgdNesterov => OptimizerKind::Sgd(sgd(true)),
+        }
+    }
+
+    /// The planner's optimizer-state term for this optimizer with SGD momentum `momentum`
+    /// (see [`lora_memory::Optimizer`] for the bytes per parameter of each).
+    pub fn memory_term(self, momentum: f64) -> lora_memory::Optimizer {
+        match self {
+            Self::AdamW => lora_memory::Optimizer::AdamW,
+            Self::AdamW8bit => lora_memory::Optimizer::AdamW8bit,
+            Self::Adafactor => lora_memory::Optimizer::Adafactor,
+            Self::Sgd | Self::SgdNesterov => lora_memory::Optimizer::Sgd {
+                momentum: momentum as f32,
+            },
+        }
+    }
+
+    /// The name for a planner term that `auto_fit` chose; `current` is kept when the term
+    /// does not tell it apart (plain SGD from Nesterov's).
+    pub fn of_memory_term(term: lora_memory::Optimizer, current: Self) -> Self {
+        match term {
+            lora_memory::Optimizer::AdamW => Self::AdamW,
+            lora_memory::Optimizer::AdamW8bit => Self::AdamW8bit,
+            lora_memory::Optimizer::Adafactor => Self::Adafactor,
+            lora_memory::Optimizer::Sgd { .. } if current == Self::SgdNesterov => Self::SgdNesterov,
+            lora_memory::Optimizer::Sgd { .. } => Self::Sgd,
+        }
+    }
+}
+
+impl std::fmt::Display for OptimizerName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }

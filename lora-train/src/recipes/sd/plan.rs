@@ -406,51 +406,17 @@ pub fn check_model_kind(kind: ModelKind, sdxl: bool, base: &str, preset: bool) -
     }))
 }
 
-/// The folder a single-file checkpoint takes its tokenizer (and component configs) from:
-/// `tokenizer` (`model.tokenizer`, resolved) when given, else the file's own folder when it has
-/// a `tokenizer/`. The tokenizer is read from its `tokenizer/` folder when there is one, else
-/// from the folder itself, and must be `tokenizer.json` or `vocab.json` + `merges.txt` there. `sdxl` only shapes the message. Used by `lora-train plan`
-/// and by [`crate::sd::SdPipeline::from_single_file`].
+/// The folder a single-file checkpoint takes its tokenizer (and component configs) from
+/// ([`lora_models::sd::single_file_companion`]): `tokenizer` (`model.tokenizer`, resolved) when
+/// given, else the file's own folder when it has a `tokenizer/`.
 ///
 /// # Errors
 /// [`JobError::Input`] naming the file and `model.tokenizer` and what to set it to.
 pub fn single_file_companion(path: &Path, tokenizer: Option<&Path>, sdxl: bool) -> Result<PathBuf> {
-    let what = format!(
-        "a CLIP tokenizer folder (vocab.json + merges.txt or tokenizer.json) or a diffusers {} folder (its tokenizer/{} and configs are used)",
-        if sdxl { "SDXL" } else { "SD 1.5" },
-        if sdxl { ", tokenizer_2/" } else { "" }
-    );
-    let Some(comp) = tokenizer.map(Path::to_path_buf).or_else(|| {
-        path.parent()
-            .filter(|d| d.join("tokenizer").is_dir())
-            .map(Path::to_path_buf)
-    }) else {
-        return Err(JobError::Input(format!(
-            "{}: a single-file checkpoint holds no tokenizer: set model.tokenizer to {what}",
-            path.display()
-        )));
-    };
-    // the loader reads `<comp>/tokenizer` when it is a folder, else `<comp>` itself
-    let tok_dir = if comp.join("tokenizer").is_dir() {
-        comp.join("tokenizer")
-    } else {
-        comp.clone()
-    };
-    let holds_tokenizer = tok_dir.join("tokenizer.json").is_file()
-        || (tok_dir.join("vocab.json").is_file() && tok_dir.join("merges.txt").is_file());
-    if !holds_tokenizer {
-        return Err(JobError::Input(format!(
-            "{}: no tokenizer.json or vocab.json + merges.txt in {} ({}); set model.tokenizer to {what}",
-            path.display(),
-            tok_dir.display(),
-            if tokenizer.is_some() {
-                "model.tokenizer"
-            } else {
-                "the file's folder, as model.tokenizer is not set"
-            }
-        )));
-    }
-    Ok(comp)
+    lora_models::sd::single_file_companion(path, tokenizer, sdxl).map_err(|e| match e {
+        lora_models::Error::Unusable { .. } => JobError::Input(e.to_string()),
+        other => crate::recipes::sd::pipeline_err(other),
+    })
 }
 
 /// The checks `lora-train plan` and `lora-train train` share on an SD config, before anything

@@ -2,6 +2,11 @@
 //! family that recognises its own configs first, the causal-LM recipe (which takes any other
 //! model) last. Adding a family is its folder plus one line here.
 
+#[cfg(feature = "llm")]
+pub mod llm;
+#[cfg(feature = "sd")]
+pub mod sd;
+
 use crate::config::TrainConfig;
 use crate::job::recipe::Recipe;
 use std::path::Path;

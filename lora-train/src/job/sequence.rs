@@ -1,0 +1,559 @@
+//! The one sequence every recipe's run follows, written once:
+//!
+//! 1. device and thread settings, the counting CPU allocator;
+//! 2. the recipe's own checks ([`RunSteps::check`]), then the memory plan ([`RunSteps::plan`]):
+//!    a run predicted not to fit its budget (or this machine's RAM, on the CPU) is refused before
+//!    anything loads, unless forced; `memory.auto_fit`'s settings are applied to the run's copy
+//!    of the config;
+//! 3. the output folder's lock, the checkpoint to resume from (a finished run returns at once);
+//! 4. the training data read and checked ([`RunSteps::read_data`]) — before the model, so bad
+//!    data fails fast;
+//! 5. the base loaded and LoRA injected ([`RunSteps::load`]);
+//! 6. the batch source ([`LoadedRun::source`]), the step count (`train.max_steps` wins over
+//!    `train.epochs`, as kohya's `max_train_steps` and HF's `max_steps`);
+//! 7. the evaluation before training ([`LoadedRun::before`]);
+//! 8. training by the engine's [`Trainer`](crate::engine::Trainer) with the progress bar, the
+//!    metrics log, the recipe's callbacks and the app's, measuring memory;
+//! 9. the evaluation after training ([`LoadedRun::after`]), refusing to export a diverged adapter;
+//! 10. export ([`LoadedRun::export`]) without writing over files the run did not make, then
+//!     `summary.json` ([`LoadedRun::summary`]).
+//!
+//! A recipe implements [`RunSteps`] (before the model loads) and [`LoadedRun`] (after); its
+//! `run` function is one call of [`run`].
+
+use crate::config::TrainConfig;
+use crate::engine::{BatchSource, Callback, TrainReport, TrainStep};
+use crate::job::error::{During, JobError, Result};
+use crate::job::options::RunOptions;
+use crate::job::plan::{Plan, budget_source};
+use crate::job::run::{
+    ExportAside, MeasuredMemory, check_device, check_fits_this_machine, check_not_diverged,
+    check_output_dir, proc_rss, reset_peak_rss, resume_checkpoint,
+};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tch::Device;
+
+/// What a run knows about itself, handed to every step.
+#[derive(Debug)]
+pub struct RunContext<'o> {
+    /// How the run was called.
+    pub opts: &'o RunOptions,
+    /// The training device (`system.device`).
+    pub device: Device,
+    /// Whether it is a CUDA device.
+    pub cuda: bool,
+    /// `model.base_model` as written in the config.
+    pub base_written: String,
+    /// `model.base_model` resolved ([`crate::job::resolve_path`]).
+    pub base_path: PathBuf,
+    /// `train.output_dir`.
+    pub out_dir: PathBuf,
+    /// The checkpoint the run resumes from and its optimizer step.
+    pub resume_from: Option<(PathBuf, u64)>,
+    started: Instant,
+}
+
+impl RunContext<'_> {
+    /// Prints `s` to stderr with the seconds since the run started, when the run is verbose.
+    pub fn say(&self, s: &str) {
+        if self.opts.verbose {
+            eprintln!("[{:6.1} s] {s}", self.started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// The config file's folder (relative paths are also tried there).
+    pub fn config_dir(&self) -> Option<&Path> {
+        self.opts.config_dir.as_deref()
+    }
+
+    /// Seconds since the run started.
+    pub fn elapsed_seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// [`JobError::Interrupted`] for a stop request before training: at the resumed step and
+    /// checkpoint, or step 0 without one.
+    pub fn interrupted_before_training(&self) -> JobError {
+        JobError::Interrupted {
+            step: self.resume_from.as_ref().map(|r| r.1).unwrap_or(0),
+            checkpoint: self.resume_from.as_ref().map(|r| r.0.clone()),
+        }
+    }
+}
+
+/// What every run measures, handed to [`LoadedRun::summary`].
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// The plan the run started with (`None` when the recipe trains without one).
+    pub plan: Option<Plan>,
+    /// The engine's report of the training.
+    pub report: TrainReport,
+    /// Micro-batches per epoch ÷ `gradient_accumulation_steps`: optimizer steps per epoch.
+    pub steps_per_epoch: u64,
+    /// Seconds spent in the training steps.
+    pub train_seconds: f64,
+    /// Seconds for the whole run (up to the summary).
+    pub total_seconds: f64,
+    /// Memory measured around the training steps.
+    pub memory: MeasuredMemory,
+    /// Files written: the adapters, then `summary.json`.
+    pub outputs: Vec<PathBuf>,
+}
+
+/// A recipe's run before its model loads.
+pub trait RunSteps: Sized {
+    /// The run once the base is loaded and LoRA injected.
+    type Loaded: LoadedRun<Summary = Self::Summary>;
+    /// What the run returns and writes to `summary.json`.
+    type Summary: Serialize;
+
+    /// Checks the config as `lora-train plan` does, before anything is planned, loaded or
+    /// written. The default checks nothing.
+    ///
+    /// # Errors
+    /// [`JobError::Config`] / [`JobError::Input`] naming the key and what to do.
+    fn check(&mut self, _cfg: &TrainConfig, _ctx: &RunContext<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// The memory plan of `cfg` on the run's device (`Ok(None)`: the recipe trains without
+    /// one).
+    ///
+    /// # Errors
+    /// Header, config and budget errors.
+    fn plan(&self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<Option<Plan>>;
+
+    /// The summary of a run that finished and exported at `step` in the output folder (what
+    /// `--resume` of a finished run returns), or `None` to train (or re-export) as usual. The
+    /// default is `None`.
+    fn finished(_ctx: &RunContext<'_>, _step: u64, _plan: Option<&Plan>) -> Option<Self::Summary> {
+        None
+    }
+
+    /// Reads and checks the training data before the model loads.
+    ///
+    /// # Errors
+    /// [`JobError::Input`] naming the file and what to do; I/O and data errors.
+    fn read_data(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()>;
+
+    /// Loads the base on `ctx.device` and injects LoRA, its adapter variables in `vs`.
+    ///
+    /// # Errors
+    /// Model, LoRA and config errors naming the file or key.
+    fn load(
+        self,
+        cfg: &TrainConfig,
+        ctx: &RunContext<'_>,
+        vs: &tch::nn::VarStore,
+    ) -> Result<Self::Loaded>;
+}
+
+/// A recipe's run after its model loaded: data, evaluation, training step, export.
+pub trait LoadedRun: Sized {
+    /// A training batch.
+    type Batch;
+    /// The engine's training step over the loaded model (it may borrow it).
+    type Task<'a>: TrainStep<Batch = Self::Batch>
+    where
+        Self: 'a;
+    /// The engine's batch source.
+    type Source: BatchSource<Self::Batch>;
+    /// What the run returns and writes to `summary.json`.
+    type Summary: Serialize;
+
+    /// The batch source over the data read in [`RunSteps::read_data`] (caching what the
+    /// recipe caches before training).
+    ///
+    /// # Errors
+    /// [`JobError::Input`] for data too small to train on; data and model errors.
+    fn source(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<Self::Source>;
+
+    /// Says what the data gives (`total_steps` optimizer steps in all); the default says
+    /// nothing.
+    fn describe_data(&self, _cfg: &TrainConfig, _ctx: &RunContext<'_>, _total_steps: u64) {}
+
+    /// Evaluates before training.
+    ///
+    /// # Errors
+    /// Model errors.
+    fn before(
+        &mut self,
+        cfg: &TrainConfig,
+        ctx: &RunContext<'_>,
+        source: &mut Self::Source,
+    ) -> Result<()>;
+
+    /// The recipe's own engine callbacks (sample images, …), added after the progress bar and
+    /// the metrics log and before the app's. The default has none.
+    ///
+    /// # Errors
+    /// As the recipe's callbacks' set-up.
+    fn callbacks(
+        &mut self,
+        _cfg: &TrainConfig,
+        _ctx: &RunContext<'_>,
+    ) -> Result<Vec<Box<dyn Callback>>> {
+        Ok(Vec::new())
+    }
+
+    /// The training step over the adapter tensors `named` (VarStore names, sorted).
+    ///
+    /// # Errors
+    /// Model errors while building it.
+    fn task(&self, cfg: &TrainConfig, named: Vec<(String, tch::Tensor)>) -> Result<Self::Task<'_>>;
+
+    /// Evaluates after training (the source is handed back for what it counted). Returns what
+    /// was evaluated and its value when a non-finite value there means the run diverged.
+    ///
+    /// # Errors
+    /// Model errors.
+    fn after(
+        &mut self,
+        cfg: &TrainConfig,
+        ctx: &RunContext<'_>,
+        source: Self::Source,
+        report: &TrainReport,
+    ) -> Result<Option<(&'static str, f64)>>;
+
+    /// The dataset's entry of the run metadata ([`crate::export::RunMetadata::dataset`]).
+    fn dataset_metadata(&self) -> serde_json::Value;
+
+    /// The base model's sha256 for the run metadata; the default is none.
+    ///
+    /// # Errors
+    /// I/O errors while hashing.
+    fn base_sha256(&self, _ctx: &RunContext<'_>) -> Result<Option<String>> {
+        Ok(None)
+    }
+
+    /// Writes the adapter files under `out_dir` with `metadata`; returns their paths.
+    ///
+    /// # Errors
+    /// [`JobError::Export`] and I/O errors naming the file.
+    fn export(
+        &mut self,
+        cfg: &TrainConfig,
+        ctx: &RunContext<'_>,
+        metadata: std::collections::BTreeMap<String, String>,
+    ) -> Result<Vec<PathBuf>>;
+
+    /// The run's summary.
+    ///
+    /// # Errors
+    /// [`JobError::Internal`] when the outcome lacks what the summary needs.
+    fn summary(self, outcome: RunOutcome) -> Result<Self::Summary>;
+
+    /// The summary as printed at the end of a verbose run.
+    fn report(summary: &Self::Summary, ctx: &RunContext<'_>) -> String;
+}
+
+/// Writes a report to stdout, turning a failed write (a full disk) into an error instead of
+/// `print!`'s panic.
+///
+/// # Errors
+/// [`JobError::Io`].
+pub fn write_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut so = std::io::stdout().lock();
+    so.write_all(text.as_bytes())
+        .and_then(|()| so.flush())
+        .during("writing to stdout")
+}
+
+/// The training device `system.device` names (`cpu`, `cuda`, `cuda:N`, `auto`).
+pub fn device_of(cfg: &TrainConfig) -> Device {
+    match cfg.system.device.as_str() {
+        "cpu" => Device::Cpu,
+        "auto" => Device::cuda_if_available(),
+        d => Device::Cuda(
+            d.strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0),
+        ),
+    }
+}
+
+/// Optimizer steps per epoch and in all for `batches_per_epoch` micro-batches; with
+/// `train.max_steps` (which wins over `train.epochs`, as kohya's `max_train_steps` and HF
+/// Trainer's `max_steps`) `cfg.train.epochs` is raised to the epochs the steps need.
+pub fn step_counts(cfg: &mut TrainConfig, batches_per_epoch: u64) -> (u64, u64) {
+    let accum = u64::from(cfg.train.gradient_accumulation_steps.max(1));
+    let per_epoch = batches_per_epoch.div_ceil(accum);
+    let total = cfg
+        .train
+        .max_steps
+        .unwrap_or(per_epoch.saturating_mul(u64::from(cfg.train.epochs)))
+        .max(1);
+    if cfg.train.max_steps.is_some() {
+        let need = total.div_ceil(per_epoch.max(1));
+        cfg.train.epochs = u32::try_from(need)
+            .unwrap_or(u32::MAX)
+            .max(cfg.train.epochs);
+    }
+    (per_epoch, total)
+}
+
+/// Runs a recipe's steps in the one sequence (see the module docs), with the app's engine
+/// callbacks after the job's own.
+///
+/// # Errors
+/// [`JobError::DoesNotFit`] before loading anything; [`JobError::Interrupted`] after a stop
+/// request; config, file, data, model and engine errors.
+pub fn run<S: RunSteps>(
+    mut steps: S,
+    mut cfg: TrainConfig,
+    opts: &RunOptions,
+    callbacks: Vec<Box<dyn Callback>>,
+) -> Result<S::Summary> {
+    // Count tensor bytes from the start so the weights are in the allocator peak.
+    let _ = lora_core::sys::install_counting_cpu_allocator();
+    if let Some(n) = cfg.system.num_threads {
+        tch::set_num_threads(n as i32);
+    }
+    check_device(&cfg)?;
+    let device = device_of(&cfg);
+    let base_written = cfg.base_model()?.to_string();
+    let base_path = crate::job::resolve_path(
+        "model.base_model",
+        &base_written,
+        opts.config_dir.as_deref(),
+    )?;
+    let mut ctx = RunContext {
+        opts,
+        device,
+        cuda: device != Device::Cpu,
+        base_written,
+        base_path,
+        out_dir: PathBuf::from(&cfg.train.output_dir),
+        resume_from: None,
+        started: Instant::now(),
+    };
+    let forced = opts.force || cfg.memory.force;
+
+    // checks, then the plan
+    steps.check(&cfg, &ctx)?;
+    let plan = steps.plan(&cfg, &ctx)?;
+    if let Some(p) = &plan {
+        p.apply_to(&mut cfg);
+        if opts.verbose {
+            write_stdout(&p.report())?;
+        }
+        if p.fits == Some(false) {
+            if !forced && let Some(b) = &p.budget {
+                return Err(JobError::DoesNotFit {
+                    peak: p.estimate.peak,
+                    budget: b.bytes,
+                    source_desc: budget_source(b),
+                });
+            }
+            ctx.say("warning: predicted not to fit; starting anyway (forced)");
+        }
+        check_fits_this_machine(p, ctx.cuda, forced)?;
+    }
+    // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).
+    if !ctx.cuda
+        && cfg.memory.cpu_return_freed
+        && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+        && lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD)
+    {
+        ctx.say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
+    }
+
+    // the output folder, and where to resume
+    let mut lock = check_output_dir(&cfg, opts)?;
+    if let Some((path, counters)) = resume_checkpoint(&cfg, opts)? {
+        ctx.say(&format!(
+            "resuming from {} (step {}{})",
+            path.display(),
+            counters.step,
+            cfg.train
+                .max_steps
+                .map(|m| format!(" of {m}"))
+                .unwrap_or_default()
+        ));
+        ctx.resume_from = Some((path, counters.step));
+        if let Some(m) = cfg.train.max_steps
+            && counters.step >= m
+            && let Some(done) = S::finished(&ctx, counters.step, plan.as_ref())
+        {
+            ctx.say(&already_finished(counters.step, &ctx.out_dir));
+            return Ok(done);
+        }
+    }
+
+    // data first: bad data fails before the model loads
+    steps.read_data(&cfg, &ctx)?;
+
+    // load, inject
+    let vs = tch::nn::VarStore::new(device);
+    let mut loaded = steps.load(&cfg, &ctx, &vs)?;
+    if crate::engine::stop_requested() {
+        return Err(ctx.interrupted_before_training());
+    }
+
+    // the batch source and the step count
+    let mut source = loaded.source(&cfg, &ctx)?;
+    let (per_epoch, total_steps) = step_counts(&mut cfg, source.batches_per_epoch().unwrap_or(0));
+    loaded.describe_data(&cfg, &ctx, total_steps);
+    if let Some(step) = ctx.resume_from.as_ref().map(|r| r.1)
+        && step >= total_steps
+    {
+        if let Some(done) = S::finished(&ctx, step, plan.as_ref()) {
+            ctx.say(&already_finished(step, &ctx.out_dir));
+            return Ok(done);
+        }
+        ctx.say(&format!(
+            "training already finished at step {step} of {total_steps}, but the run was not exported; evaluating and exporting"
+        ));
+    }
+
+    // before
+    loaded.before(&cfg, &ctx, &mut source)?;
+    if crate::engine::stop_requested() {
+        return Err(ctx.interrupted_before_training());
+    }
+
+    // train
+    std::fs::create_dir_all(&ctx.out_dir).during(format!("creating {}", ctx.out_dir.display()))?;
+    let tcfg = crate::job::trainer_config(&cfg, device, &ctx.out_dir, total_steps)?;
+    let mut job_callbacks: Vec<Box<dyn Callback>> = Vec::new();
+    #[cfg(feature = "progress")]
+    if cfg.logging.progress && opts.verbose {
+        job_callbacks.push(Box::new(
+            crate::engine::progress::ProgressBar::new().every(cfg.logging.log_every_n_steps),
+        ));
+    }
+    // a previous run in this folder: its files go aside now that this run really starts
+    lock.set_aside_previous_run()?;
+    let log_dir = cfg
+        .logging
+        .logging_dir
+        .clone()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| ctx.out_dir.join("logs"));
+    // metrics.jsonl (appended on resume), TensorBoard event files when `logging.tensorboard`,
+    // and loss.png at the end
+    job_callbacks.push(Box::new(
+        crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
+            .during("the metrics log")?
+            .with_every(cfg.logging.log_every_n_steps),
+    ));
+    job_callbacks.extend(loaded.callbacks(&cfg, &ctx)?);
+    job_callbacks.extend(callbacks);
+    let resume = match &ctx.resume_from {
+        None => crate::engine::Resume::No,
+        Some((dir, _)) => crate::engine::Resume::From(dir.clone()),
+    };
+    let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let (rss_before_steps, hwm_process) = proc_rss();
+    let _ = reset_peak_rss();
+    let _ = lora_core::sys::cpu_reset_peak();
+    let t_train = Instant::now();
+    let fitted = {
+        let mut task = loaded.task(&cfg, named)?;
+        let mut trainer = crate::engine::Trainer::new(tcfg);
+        for cb in job_callbacks {
+            trainer.add_callback(cb);
+        }
+        trainer.fit(&mut task, &mut source, resume)
+    };
+    let report = fitted.map_err(|e| match e {
+        crate::engine::TrainError::NonFinite { .. }
+        | crate::engine::TrainError::OutOfMemory { .. } => JobError::Engine(e),
+        other => JobError::Train {
+            during: "training".into(),
+            source: other,
+        },
+    })?;
+    let train_seconds = t_train.elapsed().as_secs_f64();
+    let (_, hwm_steps) = proc_rss();
+    let memory = MeasuredMemory {
+        rss_before_steps,
+        rss_peak_steps: hwm_steps,
+        rss_step_delta: hwm_steps.saturating_sub(rss_before_steps),
+        tensor_peak: lora_core::sys::cpu_mem_stats()
+            .map(|s| s.peak_bytes)
+            .unwrap_or(0),
+        rss_peak_process: hwm_process.max(hwm_steps),
+    };
+    let interrupted = |report: &TrainReport| JobError::Interrupted {
+        step: report.steps,
+        checkpoint: report.last_checkpoint.clone(),
+    };
+    if report.interrupted || crate::engine::stop_requested() {
+        // Ctrl-C: the trainer saved a checkpoint; no evaluation or export of a half-trained
+        // adapter (the CLI prints how to resume)
+        return Err(interrupted(&report));
+    }
+    if let Some(from) = report.resumed_from {
+        ctx.say(&if report.steps > from {
+            format!(
+                "resumed at step {from}; trained steps {}–{}",
+                from + 1,
+                report.steps
+            )
+        } else {
+            format!("resumed at step {from}; no steps were left to train")
+        });
+    }
+    if report.oom_backoffs > 0 {
+        ctx.say(&format!(
+            "out-of-memory back-offs: {} (final micro-batch split {})",
+            report.oom_backoffs, report.micro_batch_split
+        ));
+    }
+
+    // after
+    let evaluated = loaded.after(&cfg, &ctx, source, &report)?;
+    if crate::engine::stop_requested() {
+        return Err(interrupted(&report));
+    }
+    match evaluated {
+        Some((what, value)) => check_not_diverged(&report, what, Some(value))?,
+        None => check_not_diverged(&report, "loss", None)?,
+    }
+
+    // export
+    let meta = crate::export::metadata_for(
+        &cfg,
+        &crate::export::RunMetadata {
+            base_model: ctx.base_written.clone(),
+            base_model_sha256: loaded.base_sha256(&ctx)?,
+            dataset: loaded.dataset_metadata(),
+            steps: report.steps,
+            epochs: 1 + report.steps.saturating_sub(1) / per_epoch.max(1),
+        },
+    );
+    let kept = ExportAside::take(&cfg, opts)?;
+    let mut outputs = loaded.export(&cfg, &ctx, meta)?;
+    kept.exported();
+    let summary_path = ctx.out_dir.join("summary.json");
+    outputs.push(summary_path.clone());
+    let summary = loaded.summary(RunOutcome {
+        plan,
+        report,
+        steps_per_epoch: per_epoch,
+        train_seconds,
+        total_seconds: ctx.elapsed_seconds(),
+        memory,
+        outputs,
+    })?;
+    let text = serde_json::to_string_pretty(&summary).during("serializing the summary")?;
+    std::fs::write(&summary_path, text).during(format!("writing {}", summary_path.display()))?;
+    if opts.verbose {
+        write_stdout(&S::Loaded::report(&summary, &ctx))?;
+    }
+    Ok(summary)
+}
+
+/// What a `--resume` of a run that already finished says.
+pub fn already_finished(step: u64, out_dir: &Path) -> String {
+    format!(
+        "run already finished at step {step}; nothing to do (its adapter and summary.json are in \
+         {}). To train further, raise train.max_steps (or train.epochs) and --resume again",
+        out_dir.display()
+    )
+}

@@ -1,0 +1,459 @@
+//! The SD batch source: images through the VAE (cached in memory and on disk), captions
+//! through the text encoders, and the caching done before training.
+
+use super::*;
+
+/// The trainer's batch source over an [`ImageDataset`]: the loader's seeded per-epoch plan
+/// (batches never mix buckets), each image encoded by the VAE once per (file content, bucket,
+/// crop, flip, VAE) and kept in memory (and on disk with a [`LatentCache`]), each caption
+/// tokenized and, when the text encoders are frozen, encoded once; SDXL time ids from each
+/// sample's original size, crop and bucket. The position (epoch, batch index) is checkpointed.
+pub struct ImageSource {
+    pipe: Rc<SdPipeline>,
+    loader: Loader<ImageDataset, ImageCollate>,
+    plan: Vec<Vec<usize>>,
+    epoch: u64,
+    next: usize,
+    seed: u64,
+    model_id: String,
+    disk: Option<LatentCache>,
+    latents: HashMap<String, Tensor>,
+    text: HashMap<String, TextCond>,
+    cache_text: bool,
+    bucket_batches: std::collections::BTreeMap<(u32, u32), u64>,
+    /// VAE encodings done (cache misses).
+    pub encoded: Rc<RefCell<u64>>,
+}
+
+impl ImageSource {
+    /// Wraps a loader; `model_id` names the VAE (and its dtype) in cache keys; `disk` adds an
+    /// on-disk cache; `cache_text` caches text-encoder outputs per caption (only valid while
+    /// the text encoders are frozen).
+    pub fn new(
+        pipe: Rc<SdPipeline>,
+        loader: Loader<ImageDataset, ImageCollate>,
+        seed: u64,
+        model_id: String,
+        disk: Option<LatentCache>,
+        cache_text: bool,
+    ) -> Self {
+        ImageSource {
+            pipe,
+            loader,
+            plan: Vec::new(),
+            epoch: 0,
+            next: 0,
+            seed,
+            model_id,
+            disk,
+            latents: HashMap::new(),
+            text: HashMap::new(),
+            cache_text,
+            bucket_batches: Default::default(),
+            encoded: Rc::new(RefCell::new(0)),
+        }
+    }
+
+    fn item_seed(&self, index: usize) -> u64 {
+        // splitmix64 of (seed, epoch, index): per-item caption shuffles / crops / flips
+        let mut z = self
+            .seed
+            .wrapping_add(self.epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .wrapping_add((index as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// The batch of dataset items `idx` with seed function `seed_of`.
+    fn build(&mut self, idx: &[usize], seeds: &[u64]) -> crate::engine::Result<SdBatch> {
+        let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+        let mut lats = Vec::with_capacity(idx.len());
+        let mut conds = Vec::with_capacity(idx.len());
+        let mut caps = Vec::with_capacity(idx.len());
+        let mut time_ids = Vec::with_capacity(6 * idx.len());
+        for (&i, &s) in idx.iter().zip(seeds) {
+            let sample = self.loader.dataset().get_seeded(i, s).map_err(data)?;
+            let key: CacheKey = sample.cache_key(&self.model_id).map_err(data)?;
+            let (lat, _) = cached_latents(
+                &self.pipe,
+                &sample.pixels,
+                &key,
+                &mut self.latents,
+                self.disk.as_ref(),
+                &mut self.encoded.borrow_mut(),
+            )?;
+            if self.cache_text {
+                conds.push(cached_text(&self.pipe, &sample.caption, &mut self.text)?);
+            }
+            time_ids.extend(sdxl_time_ids(
+                sample.original_size,
+                sample.crop,
+                sample.bucket,
+            ));
+            lats.push(lat);
+            caps.push(sample.caption);
+        }
+        let (ids, ids_2) = self.pipe.tokenize(&caps).map_err(model_err)?;
+        let time_ids = if self.pipe.is_sdxl() {
+            Some(Tensor::f_from_slice(&time_ids)?.f_view([idx.len() as i64, 6])?)
+        } else {
+            None
+        };
+        Ok(SdBatch {
+            latents: Tensor::f_stack(&lats, 0)?,
+            ids,
+            ids_2,
+            cond: if self.cache_text {
+                Some(TextCond::stack(&conds)?)
+            } else {
+                None
+            },
+            time_ids,
+            captions: caps,
+        })
+    }
+
+    /// Adds what [`precache`] computed to the in-memory caches (its VAE encodings to
+    /// [`Self::encoded`]).
+    pub fn preload(&mut self, p: Precached) {
+        self.latents.extend(p.latents);
+        self.text.extend(p.text);
+        *self.encoded.borrow_mut() += p.encoded;
+    }
+
+    /// The fixed evaluation set: `n` items spread evenly over the epoch's item list (so
+    /// repeats of one image are not picked twice when `n` ≤ the number of images), built with
+    /// seed 0 (centred crops, no flips, captions as seed 0 shuffles them), as one batch per
+    /// aspect bucket (latents of different buckets differ in shape and cannot be stacked),
+    /// buckets in the order their first item appears.
+    ///
+    /// # Errors
+    /// Data / model errors.
+    pub fn fixed_batches(&mut self, n: usize) -> crate::engine::Result<Vec<SdBatch>> {
+        let ds = self.loader.dataset();
+        let len = ds.len();
+        let k = n.min(len).max(1);
+        let mut groups: Vec<(Option<(u32, u32)>, Vec<usize>)> = Vec::new();
+        for i in (0..k).map(|j| j * len / k) {
+            let bucket = ds.bucket_of(i);
+            match groups.iter_mut().find(|(b, _)| *b == bucket) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((bucket, vec![i])),
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(_, idx)| self.build(&idx, &vec![0u64; idx.len()]))
+            .collect()
+    }
+
+    /// Training batches drawn so far in this process, per bucket `(width, height)`, in bucket
+    /// order.
+    pub fn bucket_batches(&self) -> Vec<((u32, u32), u64)> {
+        self.bucket_batches.iter().map(|(b, n)| (*b, *n)).collect()
+    }
+}
+
+/// The latents of the image `pixels` `[3, H, W]` under `key`: from `mem`, else from the disk
+/// cache, else encoded by the VAE (then written to the disk cache, atomically); kept in `mem`.
+/// Also says where they came from (`encoded` counts the VAE runs).
+fn cached_latents(
+    pipe: &SdPipeline,
+    pixels: &Tensor,
+    key: &CacheKey,
+    mem: &mut HashMap<String, Tensor>,
+    disk: Option<&LatentCache>,
+    encoded: &mut u64,
+) -> crate::engine::Result<(Tensor, LatentsFrom)> {
+    let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+    let digest = key.digest();
+    if let Some(t) = mem.get(&digest) {
+        return Ok((t.shallow_clone(), LatentsFrom::Memory));
+    }
+    let from_disk = match disk {
+        Some(c) => c.get(key).map_err(data)?,
+        None => None,
+    };
+    let (t, from) = match from_disk {
+        Some(t) => (t, LatentsFrom::Disk),
+        None => {
+            let t = pipe
+                .encode_images(&pixels.f_unsqueeze(0)?)
+                .map_err(model_err)?
+                .f_squeeze_dim(0)?;
+            *encoded += 1;
+            if let Some(c) = disk {
+                c.put(key, &t).map_err(data)?;
+            }
+            (t, LatentsFrom::Vae)
+        }
+    };
+    mem.insert(digest, t.shallow_clone());
+    Ok((t, from))
+}
+
+/// Where [`cached_latents`] found an image's latents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LatentsFrom {
+    /// Already in memory.
+    Memory,
+    /// Read from the disk cache.
+    Disk,
+    /// Encoded by the VAE.
+    Vae,
+}
+
+/// The text-encoder conditioning of one caption (`hidden` `[77, D]`, SDXL `pooled` `[P]`) from
+/// `mem`, else computed and kept there; held on the CPU (a step moves its batch to the device).
+fn cached_text(
+    pipe: &SdPipeline,
+    caption: &str,
+    mem: &mut HashMap<String, TextCond>,
+) -> crate::engine::Result<TextCond> {
+    if let Some(t) = mem.get(caption) {
+        return Ok(t.shallow_clone());
+    }
+    let t = pipe
+        .encode_prompts(&[caption])
+        .map_err(model_err)?
+        .row(0)?
+        .to_device(Device::Cpu)?;
+    mem.insert(caption.to_string(), t.shallow_clone());
+    Ok(t)
+}
+
+/// The random augmentations of a dataset's subsets, which decide what can be computed before
+/// training.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Augmentations {
+    /// Some subset crops at random (`random_crop`): latents differ per epoch.
+    pub random_crop: bool,
+    /// Some subset flips (`flip_aug`): both orientations of an image are cached.
+    pub flip: bool,
+    /// Some subset changes its captions between epochs (`shuffle_caption`,
+    /// `caption_dropout_rate`, `caption_tag_dropout_rate`, `random_caption_line`).
+    pub varying_captions: bool,
+}
+
+impl Augmentations {
+    /// The augmentations of every subset of `dc`.
+    pub fn of(dc: &DatasetConfig) -> Self {
+        let mut a = Augmentations::default();
+        for sub in dc.datasets.iter().flat_map(|d| &d.subsets) {
+            a.random_crop |= sub.random_crop;
+            a.flip |= sub.flip_aug;
+            a.varying_captions |= sub.shuffle_caption
+                || sub.caption_dropout_rate > 0.0
+                || sub.caption_tag_dropout_rate > 0.0
+                || sub.random_caption_line;
+        }
+        a
+    }
+}
+
+/// What the SD job computes before training and then moves off the device, as
+/// `(latents, text_encoder_outputs)`: with `data.cache_latents: true`, every latent unless
+/// crops are random, and the text-encoder outputs of every caption unless the text encoders are
+/// trained or the captions change between epochs. The VAE leaves the device when the first is
+/// true, the text encoders when the second is (kohya sd-scripts' `cache_latents` /
+/// `cache_text_encoder_outputs`).
+pub fn precomputed(cfg: &TrainConfig, aug: Augmentations) -> (bool, bool) {
+    let cache = cfg.data.cache_latents == Some(true);
+    (
+        cache && !aug.random_crop,
+        cache && !cfg.train.train_text_encoder && !aug.varying_captions,
+    )
+}
+
+/// Sets the lora-memory settings that say which frozen models the SD job keeps on the device
+/// during the training steps: `cache_latents` / `cache_text_encoder_outputs` as
+/// [`precomputed`] says, `random_crop` / `varying_captions` from the dataset's subsets
+/// (`aug`), and `keep_models_loaded` on a CPU run (`cuda` false), where moving them to the CPU
+/// keeps them in the same memory.
+pub fn frozen_model_settings(
+    s: &mut lora_memory::Settings,
+    cfg: &TrainConfig,
+    aug: Augmentations,
+    cuda: bool,
+) {
+    let cache = cfg.data.cache_latents == Some(true);
+    s.cache_latents = cache;
+    s.cache_text_encoder_outputs = cache && !cfg.train.train_text_encoder;
+    s.random_crop = aug.random_crop;
+    s.varying_captions = aug.varying_captions;
+    s.keep_models_loaded = !cuda;
+}
+
+/// The augmentations of the dataset `cfg` names (`data.train_data_dir`, relative paths against
+/// `config_dir`); the config's own `data.shuffle_caption` when the dataset cannot be read.
+pub fn augmentations_of(cfg: &TrainConfig, config_dir: Option<&Path>) -> Augmentations {
+    let read = || -> Option<Augmentations> {
+        let written = cfg.data.train_data_dir.as_deref()?;
+        let path = resolve_path("data.train_data_dir", written, config_dir).ok()?;
+        Some(Augmentations::of(&dataset_config(cfg, &path).ok()?))
+    };
+    read().unwrap_or(Augmentations {
+        varying_captions: cfg.data.shuffle_caption == Some(true),
+        ..Augmentations::default()
+    })
+}
+
+/// Latents and text-encoder outputs computed before training by [`precache`].
+#[derive(Debug, Default)]
+pub struct Precached {
+    /// Latents by [`CacheKey::digest`] (f32, CPU).
+    pub latents: HashMap<String, Tensor>,
+    /// Conditioning by caption (CPU).
+    pub text: HashMap<String, TextCond>,
+    /// VAE encodings done (the rest came from the disk cache).
+    pub encoded: u64,
+}
+
+/// Encodes, before training, the latents of every item of `ds` (`latents`; both orientations
+/// when a subset flips, which needs crops that are not random) and the text-encoder outputs of
+/// every caption (`text`; captions that do not change between epochs), reading and writing the
+/// disk cache `disk` as training would. Between images it checks
+/// [`crate::engine::stop_requested`] and returns `None` when a stop was asked for: what was
+/// encoded so far stays on disk as complete entries (each written atomically), nothing is
+/// marked as done, and a rerun encodes the rest. `progress` gets a line now and then (count /
+/// total).
+///
+/// # Errors
+/// Data, model and cache errors.
+pub fn precache(
+    pipe: &SdPipeline,
+    ds: &ImageDataset,
+    model_id: &str,
+    disk: Option<&LatentCache>,
+    (latents, text): (bool, bool),
+    progress: &dyn Fn(&str),
+) -> crate::engine::Result<Option<Precached>> {
+    let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+    let mut out = Precached::default();
+    if !latents && !text {
+        return Ok(Some(out));
+    }
+    let flip = latents && Augmentations::of(ds.config()).flip;
+    let total = ds.len();
+    let what = match (latents, text) {
+        (true, true) => "latents and text-encoder outputs",
+        (true, false) => "latents",
+        _ => "text-encoder outputs",
+    };
+    let started = std::time::Instant::now();
+    let mut last = started;
+    let mut from_disk = 0u64;
+    for i in 0..total {
+        if crate::engine::stop_requested() {
+            progress(&format!(
+                "caching {what}: stopped at {i}/{total} items ({} encoded, {from_disk} from disk); the cache holds only complete entries, a rerun encodes the rest",
+                out.encoded
+            ));
+            return Ok(None);
+        }
+        if i == 0 || last.elapsed().as_secs_f64() >= 2.0 {
+            last = std::time::Instant::now();
+            progress(&format!(
+                "caching {what}: {i}/{total} items ({} encoded, {from_disk} from disk, {} captions)",
+                out.encoded,
+                out.text.len()
+            ));
+        }
+        // seed 0: centred crop (no random crop here), the caption as every epoch has it
+        let sample = ds.get_seeded(i, 0).map_err(data)?;
+        if latents {
+            let key = sample.cache_key(model_id).map_err(data)?;
+            let (_, from) = cached_latents(
+                pipe,
+                &sample.pixels,
+                &key,
+                &mut out.latents,
+                disk,
+                &mut out.encoded,
+            )?;
+            from_disk += u64::from(from == LatentsFrom::Disk);
+            if flip {
+                // the other orientation: lora-data flips the cropped image, a pure permutation
+                let key = CacheKey {
+                    flip: !key.flip,
+                    ..key
+                };
+                let mirrored = sample.pixels.f_flip([2])?;
+                let (_, from) = cached_latents(
+                    pipe,
+                    &mirrored,
+                    &key,
+                    &mut out.latents,
+                    disk,
+                    &mut out.encoded,
+                )?;
+                from_disk += u64::from(from == LatentsFrom::Disk);
+            }
+        }
+        if text {
+            cached_text(pipe, &sample.caption, &mut out.text)?;
+        }
+    }
+    progress(&format!(
+        "caching {what}: {total}/{total} items in {:.1} s ({} latents, {} encoded; {} captions)",
+        started.elapsed().as_secs_f64(),
+        out.latents.len(),
+        out.encoded,
+        out.text.len()
+    ));
+    Ok(Some(out))
+}
+
+impl BatchSource<SdBatch> for ImageSource {
+    fn start_epoch(&mut self, epoch: u64) -> crate::engine::Result<()> {
+        self.plan = self.loader.plan(epoch);
+        self.epoch = epoch;
+        self.next = 0;
+        Ok(())
+    }
+
+    fn next_batch(&mut self) -> crate::engine::Result<Option<SdBatch>> {
+        let Some(idx) = self.plan.get(self.next).cloned() else {
+            return Ok(None);
+        };
+        self.next += 1;
+        if let Some(b) = idx
+            .first()
+            .and_then(|&i| self.loader.dataset().bucket_of(i))
+        {
+            *self.bucket_batches.entry(b).or_default() += 1;
+        }
+        let seeds: Vec<u64> = idx.iter().map(|&i| self.item_seed(i)).collect();
+        self.build(&idx, &seeds).map(Some)
+    }
+
+    fn batches_per_epoch(&self) -> Option<u64> {
+        Some(self.loader.batches_per_epoch() as u64)
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({"epoch": self.epoch, "next": self.next, "items": self.loader.dataset().len()})
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
+        let bad = |m: &str| TrainError::State {
+            what: "image loader position".into(),
+            message: m.into(),
+        };
+        let items = state["items"]
+            .as_u64()
+            .ok_or_else(|| bad("no item count"))?;
+        if items != self.loader.dataset().len() as u64 {
+            return Err(bad(&format!(
+                "the checkpoint was taken over {items} items, this dataset has {}; resume with the same images and repeats",
+                self.loader.dataset().len()
+            )));
+        }
+        let epoch = state["epoch"].as_u64().ok_or_else(|| bad("no epoch"))?;
+        let next = state["next"].as_u64().ok_or_else(|| bad("no position"))? as usize;
+        self.start_epoch(epoch)?;
+        self.next = next.min(self.plan.len());
+        Ok(())
+    }
+}
