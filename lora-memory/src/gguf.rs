@@ -525,7 +525,7 @@ impl<R: Read> Reader<'_, R> {
             let v = self.value(t, 0)?;
             metadata.insert(key, v);
         }
-        let mut tensors = Vec::with_capacity(tensor_count as usize);
+        let mut tensors = Vec::with_capacity(tensor_count.min(1 << 16) as usize);
         for _ in 0..tensor_count {
             let name = self.string()?;
             let n_dims = self.u32()?;
