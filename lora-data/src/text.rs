@@ -128,35 +128,96 @@ pub struct ChatMl {
     pub default_system: Option<String>,
 }
 
-impl ChatTemplate for ChatMl {
-    fn render(&self, messages: &[Message]) -> Result<Vec<Segment>> {
-        let mut out = Vec::with_capacity(messages.len() * 3 + 1);
+impl ChatMl {
+    /// The token string that ends a turn.
+    pub const END_OF_TURN: &'static str = "<|im_end|>";
+    /// The text that opens the assistant's turn: the end of a prompt to generate from.
+    pub const GENERATION_PROMPT: &'static str = "<|im_start|>assistant\n";
+
+    /// Recognises a Jinja chat template (e.g. `tokenizer.chat_template` of a GGUF file or
+    /// `tokenizer_config.json`): ChatML when it contains `<|im_start|>`; a literal default system
+    /// message (`'<|im_start|>system\n…<|im_end|>` in the template source) is extracted. `None`
+    /// for other templates.
+    pub fn from_jinja(src: &str) -> Option<ChatMl> {
+        if !src.contains("<|im_start|>") {
+            return None;
+        }
+        let marker = "<|im_start|>system\\n";
+        let default_system = src.find(marker).and_then(|at| {
+            let rest = &src[at + marker.len()..];
+            let end = rest.find(Self::END_OF_TURN)?;
+            let body = &rest[..end];
+            // a literal, not a Jinja expression such as `' + message['content'] + '`
+            (!body.contains('\'') && !body.contains('{')).then(|| body.replace("\\n", "\n"))
+        });
+        Some(ChatMl { default_system })
+    }
+
+    /// Renders turns given as `(role, content)` (any role name), in order. Assistant content and
+    /// its `<|im_end|>` are the trainable segments. With `add_generation_prompt` the assistant turn
+    /// is opened at the end ([`ChatMl::GENERATION_PROMPT`], not trainable).
+    pub fn render_turns<'a>(
+        &self,
+        turns: impl IntoIterator<Item = (&'a str, &'a str)>,
+        add_generation_prompt: bool,
+    ) -> Vec<Segment> {
         let fixed = |text: String| Segment {
             text,
             trainable: false,
         };
+        let mut turns = turns.into_iter().peekable();
+        let mut out = Vec::with_capacity(turns.size_hint().0 * 3 + 2);
         if let Some(sys) = &self.default_system
-            && messages.first().map(|m| m.role) != Some(Role::System)
+            && turns.peek().map(|&(role, _)| role) != Some(Role::System.as_str())
         {
-            out.push(fixed(format!("<|im_start|>system\n{sys}<|im_end|>\n")));
+            out.push(fixed(format!(
+                "<|im_start|>system\n{sys}{}\n",
+                Self::END_OF_TURN
+            )));
         }
-        for m in messages {
-            if m.role == Role::Assistant {
-                out.push(fixed("<|im_start|>assistant\n".to_string()));
+        for (role, content) in turns {
+            if role == Role::Assistant.as_str() {
+                out.push(fixed(Self::GENERATION_PROMPT.to_string()));
                 out.push(Segment {
-                    text: format!("{}<|im_end|>", m.content),
+                    text: format!("{content}{}", Self::END_OF_TURN),
                     trainable: true,
                 });
                 out.push(fixed("\n".to_string()));
             } else {
                 out.push(fixed(format!(
-                    "<|im_start|>{}\n{}<|im_end|>\n",
-                    m.role.as_str(),
-                    m.content
+                    "<|im_start|>{role}\n{content}{}\n",
+                    Self::END_OF_TURN
                 )));
             }
         }
-        Ok(out)
+        if add_generation_prompt {
+            out.push(fixed(Self::GENERATION_PROMPT.to_string()));
+        }
+        out
+    }
+
+    /// The text of [`ChatMl::render_turns`]: the prompt a model generates from when
+    /// `add_generation_prompt`.
+    pub fn prompt<'a>(
+        &self,
+        turns: impl IntoIterator<Item = (&'a str, &'a str)>,
+        add_generation_prompt: bool,
+    ) -> String {
+        self.render_turns(turns, add_generation_prompt)
+            .into_iter()
+            .map(|s| s.text)
+            .collect()
+    }
+}
+
+impl ChatTemplate for ChatMl {
+    fn render(&self, messages: &[Message]) -> Result<Vec<Segment>> {
+        Ok(self.render_turns(
+            messages
+                .iter()
+                .map(|m| (m.role.as_str(), m.content.as_str())),
+            false,
+        ))
     }
 }
 
@@ -1028,6 +1089,38 @@ mod tests {
             .map(|s| s.text.as_str())
             .collect();
         assert_eq!(trained, vec!["Hello<|im_end|>"]);
+    }
+
+    #[test]
+    fn chatml_prompts_open_the_assistant_turn_and_recognise_jinja() {
+        let t = ChatMl {
+            default_system: Some("Be brief.".into()),
+        };
+        let turns = [("user", "Hi"), ("assistant", "Hello"), ("user", "Again")];
+        let prompt = t.prompt(turns, true);
+        assert_eq!(
+            prompt,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        let segs = t.render_turns(turns, true);
+        assert!(!segs.last().unwrap().trainable);
+        assert_eq!(
+            t.prompt([("system", "S")], false),
+            "<|im_start|>system\nS<|im_end|>\n"
+        );
+        let jinja = "{{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}\
+                     {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'}}";
+        assert_eq!(
+            ChatMl::from_jinja(jinja),
+            Some(ChatMl {
+                default_system: Some("You are helpful".into())
+            })
+        );
+        let no_literal = "{{'<|im_start|>system\\n' + message['content'] + '<|im_end|>'}}";
+        assert_eq!(ChatMl::from_jinja(no_literal), Some(ChatMl::default()));
+        assert_eq!(ChatMl::from_jinja("{{ bos_token }}[INST]"), None);
     }
 
     #[test]

@@ -1,15 +1,9 @@
-//! A reader for GGUF v2/v3 files (llama.cpp's model container), memory-mapped.
+//! Memory-mapped GGUF files (llama.cpp's model container): zero-copy tensor bytes and their
+//! dequantisation to `f32`.
 //!
-//! Layout (from `ggml/docs/gguf.md` in the ggml repository), all little endian:
-//! ```text
-//! u32 magic "GGUF" | u32 version | u64 tensor_count | u64 metadata_kv_count
-//! metadata_kv_count × { string key | u32 value_type | value }
-//! tensor_count × { string name | u32 n_dims | u64 dims[n_dims] (innermost first) | u32 ggml_type | u64 offset }
-//! padding to `general.alignment` (default 32)
-//! tensor data; each tensor at data_start + offset
-//! ```
-//! A string is `u64 len | len bytes` (UTF-8, not NUL-terminated); an array is
-//! `u32 item_type | u64 n | n items`.
+//! The header (metadata, tensor table, data offset) is parsed by [`lora_memory::gguf`], the one
+//! GGUF header reader of the workspace, with arrays kept (the tokenizer's vocabulary and merges);
+//! its types are re-exported here. The layout is documented there.
 //!
 //! Dequantisation of the block formats (`F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_1`) follows
 //! `ggml/src/ggml-quants.c` (`dequantize_row_q8_0`, `_q4_0`, `_q4_1`).
@@ -22,329 +16,65 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
-/// The default tensor-data alignment when `general.alignment` is absent (gguf.md).
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+pub use lora_memory::gguf::{
+    DEFAULT_ALIGNMENT, GgmlType, GgufHeader, GgufTensorInfo, GgufValue, HeaderOptions,
+};
 
-/// A metadata value of a GGUF file.
-#[derive(Debug, Clone, PartialEq)]
-pub enum GgufValue {
-    /// type 0
-    U8(u8),
-    /// type 1
-    I8(i8),
-    /// type 2
-    U16(u16),
-    /// type 3
-    I16(i16),
-    /// type 4
-    U32(u32),
-    /// type 5
-    I32(i32),
-    /// type 6
-    F32(f32),
-    /// type 7
-    Bool(bool),
-    /// type 8
-    String(String),
-    /// type 9 (items all of one type)
-    Array(Vec<GgufValue>),
-    /// type 10
-    U64(u64),
-    /// type 11
-    I64(i64),
-    /// type 12
-    F64(f64),
-}
-
-impl GgufValue {
-    /// The value as a signed integer when it is any integer type (or a bool) that fits.
-    pub fn as_i64(&self) -> Option<i64> {
-        match *self {
-            GgufValue::U8(v) => Some(v.into()),
-            GgufValue::I8(v) => Some(v.into()),
-            GgufValue::U16(v) => Some(v.into()),
-            GgufValue::I16(v) => Some(v.into()),
-            GgufValue::U32(v) => Some(v.into()),
-            GgufValue::I32(v) => Some(v.into()),
-            GgufValue::U64(v) => i64::try_from(v).ok(),
-            GgufValue::I64(v) => Some(v),
-            GgufValue::Bool(v) => Some(v.into()),
-            _ => None,
-        }
-    }
-
-    /// The value as a float when it is any numeric type.
-    pub fn as_f64(&self) -> Option<f64> {
-        match *self {
-            GgufValue::F32(v) => Some(v.into()),
-            GgufValue::F64(v) => Some(v),
-            _ => self.as_i64().map(|v| v as f64),
-        }
-    }
-
-    /// The value as a string slice when it is a string.
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            GgufValue::String(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    /// The items when the value is an array.
-    pub fn as_array(&self) -> Option<&[GgufValue]> {
-        match self {
-            GgufValue::Array(a) => Some(a),
-            _ => None,
-        }
-    }
-}
-
-/// A tensor element / block type of ggml (`enum ggml_type` in `ggml.h`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GgmlType {
-    /// 0: f32
-    F32,
-    /// 1: IEEE f16
-    F16,
-    /// 2: blocks of 32: f16 scale `d` + 16 bytes of 4-bit codes; `w = d·(q − 8)`
-    Q4_0,
-    /// 3: blocks of 32: f16 `d`, f16 `m` + 16 bytes of 4-bit codes; `w = d·q + m`
-    Q4_1,
-    /// 6: blocks of 32 with a 5th bit plane (not dequantised here)
-    Q5_0,
-    /// 7: (not dequantised here)
-    Q5_1,
-    /// 8: blocks of 32: f16 `d` + 32 × i8; `w = d·q`
-    Q8_0,
-    /// 9: (not dequantised here)
-    Q8_1,
-    /// 10: k-quant super-blocks of 256 (not dequantised here)
-    Q2K,
-    /// 11
-    Q3K,
-    /// 12
-    Q4K,
-    /// 13
-    Q5K,
-    /// 14
-    Q6K,
-    /// 15
-    Q8K,
-    /// 30: bfloat16
-    BF16,
-    /// Any other id; its size is unknown to this reader.
-    Other(u32),
-}
-
-impl GgmlType {
-    /// Maps the numeric id stored in the file.
-    pub fn from_id(id: u32) -> Self {
-        match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            6 => GgmlType::Q5_0,
-            7 => GgmlType::Q5_1,
-            8 => GgmlType::Q8_0,
-            9 => GgmlType::Q8_1,
-            10 => GgmlType::Q2K,
-            11 => GgmlType::Q3K,
-            12 => GgmlType::Q4K,
-            13 => GgmlType::Q5K,
-            14 => GgmlType::Q6K,
-            15 => GgmlType::Q8K,
-            30 => GgmlType::BF16,
-            other => GgmlType::Other(other),
-        }
-    }
-
-    /// `(weights per block, bytes per block)` from `ggml.c`'s `type_traits`; `None` for unknown ids.
-    pub fn block_layout(self) -> Option<(u64, u64)> {
-        Some(match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::BF16 => (1, 2),
-            GgmlType::Q4_0 => (32, 18),
-            GgmlType::Q4_1 => (32, 20),
-            GgmlType::Q5_0 => (32, 22),
-            GgmlType::Q5_1 => (32, 24),
-            GgmlType::Q8_0 => (32, 34),
-            GgmlType::Q8_1 => (32, 36),
-            GgmlType::Q2K => (256, 84),
-            GgmlType::Q3K => (256, 110),
-            GgmlType::Q4K => (256, 144),
-            GgmlType::Q5K => (256, 176),
-            GgmlType::Q6K => (256, 210),
-            GgmlType::Q8K => (256, 292),
-            GgmlType::Other(_) => return None,
-        })
-    }
-
-    /// Whether [`dequantize`] handles this type.
-    pub fn is_supported(self) -> bool {
-        matches!(
-            self,
-            GgmlType::F32
-                | GgmlType::F16
-                | GgmlType::BF16
-                | GgmlType::Q8_0
-                | GgmlType::Q4_0
-                | GgmlType::Q4_1
-        )
-    }
-}
-
-/// One entry of the tensor-info table.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GgufTensorInfo {
-    /// The name, e.g. `blk.0.attn_q.weight`.
-    pub name: String,
-    /// Dimensions as stored: innermost (contiguous) first, so a linear weight is `[in, out]`.
-    pub dims: Vec<u64>,
-    /// Element / block type.
-    pub ggml_type: GgmlType,
-    /// Byte offset relative to the start of the data section.
-    pub offset: u64,
-}
-
-impl GgufTensorInfo {
-    /// The shape in torch order (outermost first): a linear weight is `[out, in]`.
-    pub fn torch_shape(&self) -> Vec<i64> {
-        self.dims.iter().rev().map(|&d| d as i64).collect()
-    }
-
-    /// Number of elements.
-    pub fn numel(&self) -> u64 {
-        self.dims.iter().product()
-    }
-
-    /// Size of the stored data in bytes; `None` for an unknown type or a row length that is not
-    /// a whole number of blocks.
-    pub fn nbytes(&self) -> Option<u64> {
-        let (block, bytes) = self.ggml_type.block_layout()?;
-        let inner = *self.dims.first().unwrap_or(&1);
-        if inner % block != 0 {
-            return None;
-        }
-        Some(self.numel() / block * bytes)
-    }
+/// Whether [`dequantize`] handles `ty`.
+pub fn is_dequantizable(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+    )
 }
 
 /// An open, memory-mapped GGUF file: metadata, tensor infos and zero-copy access to tensor bytes.
 pub struct GgufFile {
     path: PathBuf,
     mmap: Mmap,
-    version: u32,
-    metadata: BTreeMap<String, GgufValue>,
-    tensors: Vec<GgufTensorInfo>,
+    header: GgufHeader,
     index: BTreeMap<String, usize>,
-    data_start: u64,
 }
 
 impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufFile")
             .field("path", &self.path)
-            .field("version", &self.version)
-            .field("metadata_keys", &self.metadata.len())
-            .field("tensors", &self.tensors.len())
-            .field("data_start", &self.data_start)
+            .field("version", &self.header.version)
+            .field("metadata_keys", &self.header.metadata.len())
+            .field("tensors", &self.header.tensors.len())
+            .field("data_start", &self.header.data_start)
             .finish()
     }
 }
 
-struct Cursor<'a> {
-    buf: &'a [u8],
-    pos: usize,
-    path: &'a Path,
-}
-
-impl<'a> Cursor<'a> {
-    fn err(&self, msg: impl Into<String>) -> Error {
-        Error::Gguf {
-            path: self.path.to_path_buf(),
-            msg: format!("{} (at byte {})", msg.into(), self.pos),
-        }
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len());
-        match end {
-            Some(end) => {
-                let s = &self.buf[self.pos..end];
-                self.pos = end;
-                Ok(s)
-            }
-            None => Err(self.err(format!(
-                "truncated: need {n} more bytes, file has {}",
-                self.buf.len()
-            ))),
-        }
-    }
-
-    fn arr<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let s = self.take(N)?;
-        let mut a = [0u8; N];
-        a.copy_from_slice(s);
-        Ok(a)
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.arr()?))
-    }
-
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.arr()?))
-    }
-
-    fn len(&mut self, what: &str) -> Result<usize> {
-        let n = self.u64()?;
-        // Any count larger than the file cannot be honest.
-        if n > self.buf.len() as u64 {
-            return Err(self.err(format!("{what} {n} exceeds the file size")));
-        }
-        Ok(n as usize)
-    }
-
-    fn string(&mut self) -> Result<String> {
-        let n = self.len("string length")?;
-        let bytes = self.take(n)?;
-        String::from_utf8(bytes.to_vec()).map_err(|e| self.err(format!("string is not UTF-8: {e}")))
-    }
-
-    fn value(&mut self, ty: u32, depth: u32) -> Result<GgufValue> {
-        Ok(match ty {
-            0 => GgufValue::U8(self.arr::<1>()?[0]),
-            1 => GgufValue::I8(i8::from_le_bytes(self.arr()?)),
-            2 => GgufValue::U16(u16::from_le_bytes(self.arr()?)),
-            3 => GgufValue::I16(i16::from_le_bytes(self.arr()?)),
-            4 => GgufValue::U32(self.u32()?),
-            5 => GgufValue::I32(i32::from_le_bytes(self.arr()?)),
-            6 => GgufValue::F32(f32::from_le_bytes(self.arr()?)),
-            7 => GgufValue::Bool(self.arr::<1>()?[0] != 0),
-            8 => GgufValue::String(self.string()?),
-            9 => {
-                if depth > 4 {
-                    return Err(self.err("arrays nested deeper than 4 levels"));
-                }
-                let item_ty = self.u32()?;
-                let n = self.len("array length")?;
-                let mut items = Vec::with_capacity(n.min(1 << 20));
-                for _ in 0..n {
-                    items.push(self.value(item_ty, depth + 1)?);
-                }
-                GgufValue::Array(items)
-            }
-            10 => GgufValue::U64(self.u64()?),
-            11 => GgufValue::I64(i64::from_le_bytes(self.arr()?)),
-            12 => GgufValue::F64(f64::from_le_bytes(self.arr()?)),
-            other => return Err(self.err(format!("unknown metadata value type {other}"))),
-        })
+/// This crate's error for an error of the header reader.
+fn header_error(e: lora_memory::Error, path: &Path) -> Error {
+    match e {
+        lora_memory::Error::Gguf {
+            path,
+            offset,
+            reason,
+        } => Error::Gguf {
+            path,
+            msg: format!("{reason} (at byte {offset})"),
+        },
+        lora_memory::Error::Io { path, source } => Error::Io { path, source },
+        other => Error::Gguf {
+            path: path.into(),
+            msg: other.to_string(),
+        },
     }
 }
 
 impl GgufFile {
-    /// Opens and memory-maps `path`, parsing the header, the metadata and the tensor infos.
+    /// Opens and memory-maps `path`, parsing the header, the metadata (arrays kept) and the
+    /// tensor infos with [`lora_memory::gguf::parse_header`].
     ///
     /// # Errors
     /// [`Error::Io`] when the file cannot be opened or mapped; [`Error::Gguf`] when the magic is
@@ -362,93 +92,25 @@ impl GgufFile {
             path: path.clone(),
             source,
         })?;
-        Self::parse(path, mmap)
-    }
-
-    fn parse(path: PathBuf, mmap: Mmap) -> Result<Self> {
-        let mut c = Cursor {
-            buf: &mmap,
-            pos: 0,
-            path: &path,
-        };
-        let magic = c.arr::<4>()?;
-        if &magic != b"GGUF" {
-            return Err(c.err(format!("bad magic {magic:?}, expected \"GGUF\"")));
-        }
-        let version = c.u32()?;
-        if !(2..=3).contains(&version) {
-            return Err(c.err(format!(
-                "GGUF version {version} is not supported (2 and 3 are)"
-            )));
-        }
-        let n_tensors = c.len("tensor count")?;
-        let n_kv = c.len("metadata count")?;
-        let mut metadata = BTreeMap::new();
-        for _ in 0..n_kv {
-            let key = c.string()?;
-            let ty = c.u32()?;
-            let v = c.value(ty, 0)?;
-            metadata.insert(key, v);
-        }
-        let mut tensors = Vec::with_capacity(n_tensors);
-        let mut index = BTreeMap::new();
-        for _ in 0..n_tensors {
-            let name = c.string()?;
-            let n_dims = c.u32()?;
-            if n_dims > 8 {
-                return Err(c.err(format!("tensor `{name}` has {n_dims} dims")));
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                dims.push(c.u64()?);
-            }
-            let ggml_type = GgmlType::from_id(c.u32()?);
-            let offset = c.u64()?;
-            index.insert(name.clone(), tensors.len());
-            tensors.push(GgufTensorInfo {
-                name,
-                dims,
-                ggml_type,
-                offset,
-            });
-        }
-        let alignment = match metadata.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(v) => match v.as_i64() {
-                Some(a) if a > 0 => a as u64,
-                _ => {
-                    return Err(c.err(format!("general.alignment {v:?} is not a positive integer")));
-                }
-            },
-        };
-        let pos = c.pos as u64;
-        let data_start = pos.div_ceil(alignment) * alignment;
-        let file_len = mmap.len() as u64;
-        for t in &tensors {
-            if let Some(n) = t.nbytes() {
-                let end = data_start
-                    .checked_add(t.offset)
-                    .and_then(|s| s.checked_add(n));
-                if end.is_none_or(|e| e > file_len) {
-                    return Err(Error::Gguf {
-                        path: path.clone(),
-                        msg: format!(
-                            "tensor `{}` ({} bytes at offset {}) lies outside the file ({file_len} bytes)",
-                            t.name, n, t.offset
-                        ),
-                    });
-                }
-            }
-        }
+        let header = lora_memory::gguf::parse_header(&mmap, &path, HeaderOptions::full())
+            .map_err(|e| header_error(e, &path))?;
+        let index = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
         Ok(Self {
             path,
             mmap,
-            version,
-            metadata,
-            tensors,
+            header,
             index,
-            data_start,
         })
+    }
+
+    /// The parsed header.
+    pub fn header(&self) -> &GgufHeader {
+        &self.header
     }
 
     /// The file's path.
@@ -458,32 +120,34 @@ impl GgufFile {
 
     /// The format version (2 or 3).
     pub fn version(&self) -> u32 {
-        self.version
+        self.header.version
     }
 
     /// All metadata, by key.
     pub fn metadata(&self) -> &BTreeMap<String, GgufValue> {
-        &self.metadata
+        &self.header.metadata
     }
 
     /// The tensor infos in file order.
     pub fn tensors(&self) -> &[GgufTensorInfo] {
-        &self.tensors
+        &self.header.tensors
     }
 
     /// Byte offset of the data section from the start of the file.
     pub fn data_start(&self) -> u64 {
-        self.data_start
+        self.header.data_start
     }
 
     /// The info of the tensor called `name`, if present.
     pub fn tensor_info(&self, name: &str) -> Option<&GgufTensorInfo> {
-        self.index.get(name).map(|&i| &self.tensors[i])
+        self.index
+            .get(name)
+            .and_then(|&i| self.header.tensors.get(i))
     }
 
     /// One metadata value, if present.
     pub fn get(&self, key: &str) -> Option<&GgufValue> {
-        self.metadata.get(key)
+        self.header.metadata.get(key)
     }
 
     fn meta_err(&self, key: &str, msg: impl Into<String>) -> Error {
@@ -567,7 +231,7 @@ impl GgufFile {
             name: name.to_string(),
             path: self.path.clone(),
         })?;
-        let n = info.nbytes().ok_or_else(|| Error::Unsupported {
+        let n = info.stored_bytes().ok_or_else(|| Error::Unsupported {
             what: "GGUF tensor type",
             value: format!(
                 "{:?} (tensor `{name}`, dims {:?})",
@@ -575,9 +239,16 @@ impl GgufFile {
             ),
             hint: "its block size is unknown to this reader".into(),
         })?;
-        // Bounds were checked in `parse`.
-        let start = (self.data_start + info.offset) as usize;
-        Ok((info, &self.mmap[start..start + n as usize]))
+        // Extents were checked when the header was parsed.
+        let start = self.header.data_start + info.offset;
+        let bytes = usize::try_from(start)
+            .ok()
+            .and_then(|s| self.mmap.get(s..s.checked_add(n as usize)?))
+            .ok_or_else(|| Error::Gguf {
+                path: self.path.clone(),
+                msg: format!("tensor `{name}` ({n} bytes at byte {start}) lies outside the file"),
+            })?;
+        Ok((info, bytes))
     }
 
     /// Tensor `name` dequantised to `f32`, in row-major torch order (shape [`GgufTensorInfo::torch_shape`]).

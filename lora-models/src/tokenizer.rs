@@ -18,6 +18,8 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 
+use lora_data::text::ChatMl;
+
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
@@ -259,7 +261,8 @@ impl ChatMessage {
     }
 }
 
-/// A chat template, rendered in Rust (no Jinja engine).
+/// A chat template for generation prompts, rendered in Rust (no Jinja engine) by `lora-data`'s
+/// [`ChatMl`], the renderer of the training data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChatTemplate {
     /// ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message and, for generation,
@@ -288,49 +291,37 @@ impl ChatTemplate {
 
     /// Recognises a Jinja chat template: ChatML (it contains `<|im_start|>`); a literal default
     /// system message (`'<|im_start|>system\n…<|im_end|>` in the template source) is extracted.
+    /// The recognition is [`lora_data::text::ChatMl::from_jinja`].
     pub fn from_jinja(src: &str) -> Option<Self> {
-        if !src.contains("<|im_start|>") {
-            return None;
-        }
-        let marker = "<|im_start|>system\\n";
-        let default_system = src.find(marker).and_then(|at| {
-            let rest = &src[at + marker.len()..];
-            let end = rest.find("<|im_end|>")?;
-            let body = &rest[..end];
-            // a literal, not a Jinja expression such as `' + message['content'] + '`
-            (!body.contains('\'') && !body.contains('{')).then(|| body.replace("\\n", "\n"))
-        });
-        Some(ChatTemplate::ChatMl { default_system })
+        ChatMl::from_jinja(src).map(|t| ChatTemplate::ChatMl {
+            default_system: t.default_system,
+        })
     }
 
-    /// Renders `messages`; with `add_generation_prompt` the assistant turn is opened.
-    pub fn apply(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
+    /// The template as `lora-data`'s ChatML renderer, the one that renders training data.
+    pub fn to_chatml(&self) -> ChatMl {
         match self {
-            ChatTemplate::ChatMl { default_system } => {
-                let mut s = String::new();
-                if let Some(sys) = default_system {
-                    if messages.first().is_none_or(|m| m.role != "system") {
-                        s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
-                    }
-                }
-                for m in messages {
-                    s.push_str(&format!(
-                        "<|im_start|>{}\n{}<|im_end|>\n",
-                        m.role, m.content
-                    ));
-                }
-                if add_generation_prompt {
-                    s.push_str("<|im_start|>assistant\n");
-                }
-                s
-            }
+            ChatTemplate::ChatMl { default_system } => ChatMl {
+                default_system: default_system.clone(),
+            },
         }
+    }
+
+    /// Renders `messages`; with `add_generation_prompt` the assistant turn is opened. The text is
+    /// that of [`lora_data::text::ChatMl::prompt`], so a model is prompted exactly as it was trained.
+    pub fn apply(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
+        self.to_chatml().prompt(
+            messages
+                .iter()
+                .map(|m| (m.role.as_str(), m.content.as_str())),
+            add_generation_prompt,
+        )
     }
 
     /// The token string that ends an assistant turn (`<|im_end|>` for ChatML).
     pub fn end_of_turn(&self) -> &'static str {
         match self {
-            ChatTemplate::ChatMl { .. } => "<|im_end|>",
+            ChatTemplate::ChatMl { .. } => ChatMl::END_OF_TURN,
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use lora_data::rng::Rng;
 use tch::{Kind, Tensor};
 
 use super::model::{KvCache, Llama};
@@ -61,22 +62,15 @@ pub struct Generation {
     pub stop_reason: StopReason,
 }
 
-/// SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", 2014).
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Picks the next token from one row of logits.
-fn sample(logits: &[f32], opts: &GenerateOptions, rng: &mut SplitMix64) -> Result<i64> {
+/// Picks the next token from one row of logits `[vocab]`: argmax when `opts.temperature <= 0`;
+/// otherwise a draw from `softmax(logits / temperature)` restricted to the `top_k` most likely
+/// tokens, then to the smallest set whose probability reaches `top_p` (nucleus sampling,
+/// Holtzman et al., arXiv:1904.09751). `rng` is the seeded SplitMix64 of `lora-data`, so a seed
+/// gives the same draws on every platform. Only the sampling fields of `opts` are read.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for empty logits.
+pub fn sample_token(logits: &[f32], opts: &GenerateOptions, rng: &mut Rng) -> Result<i64> {
     if logits.is_empty() {
         return Err(Error::InvalidArgument("empty logits".into()));
     }
@@ -179,7 +173,7 @@ impl Llama {
             )));
         }
         let _guard = tch::no_grad_guard();
-        let mut rng = SplitMix64(opts.seed);
+        let mut rng = Rng::new(opts.seed);
         let mut cache = KvCache::new(self.num_layers());
         let max_ctx = self.config().max_position_embeddings;
         let mut stops = opts.stop_tokens.clone();
@@ -206,7 +200,7 @@ impl Llama {
                 .f_to_kind(Kind::Float)?
                 .f_to_device(tch::Device::Cpu)?;
             let row = Vec::<f32>::try_from(&last)?;
-            let next = sample(&row, opts, &mut rng)?;
+            let next = sample_token(&row, opts, &mut rng)?;
             if stops.contains(&next) {
                 return Ok(Generation {
                     tokens,
@@ -331,9 +325,9 @@ mod tests {
     #[test]
     fn sampler_greedy_top_k_top_p_and_seed() {
         let logits = [0.0f32, 3.0, 1.0, 2.9];
-        let mut rng = SplitMix64(1);
+        let mut rng = Rng::new(1);
         let greedy = GenerateOptions::default();
-        assert_eq!(sample(&logits, &greedy, &mut rng).unwrap(), 1);
+        assert_eq!(sample_token(&logits, &greedy, &mut rng).unwrap(), 1);
         // top_k = 1 is greedy whatever the temperature
         let k1 = GenerateOptions {
             temperature: 5.0,
@@ -341,7 +335,7 @@ mod tests {
             ..Default::default()
         };
         for _ in 0..20 {
-            assert_eq!(sample(&logits, &k1, &mut rng).unwrap(), 1);
+            assert_eq!(sample_token(&logits, &k1, &mut rng).unwrap(), 1);
         }
         // top_p small enough keeps only the best two (p ≈ 0.45, 0.41 at T = 1)
         let p = GenerateOptions {
@@ -351,7 +345,7 @@ mod tests {
         };
         let mut seen = [0usize; 4];
         for _ in 0..400 {
-            seen[sample(&logits, &p, &mut rng).unwrap() as usize] += 1;
+            seen[sample_token(&logits, &p, &mut rng).unwrap() as usize] += 1;
         }
         assert_eq!(seen[0] + seen[2], 0, "{seen:?}");
         assert!(seen[1] > 100 && seen[3] > 100, "{seen:?}");
@@ -361,9 +355,9 @@ mod tests {
             ..Default::default()
         };
         let draw = |seed| {
-            let mut r = SplitMix64(seed);
+            let mut r = Rng::new(seed);
             (0..32)
-                .map(|_| sample(&logits, &hot, &mut r).unwrap())
+                .map(|_| sample_token(&logits, &hot, &mut r).unwrap())
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));

@@ -7,6 +7,8 @@ mod model;
 mod weights;
 
 pub use config::{LlamaConfig, RopeScaling};
-pub use generate::{GenerateOptions, Generation, PerplexityOptions, PerplexityReport, StopReason};
+pub use generate::{
+    GenerateOptions, Generation, PerplexityOptions, PerplexityReport, StopReason, sample_token,
+};
 pub use model::{IGNORE_INDEX, KvCache, Llama};
 pub use weights::WeightMode;

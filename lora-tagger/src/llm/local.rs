@@ -9,8 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
+use lora_data::rng::Rng;
 use lora_models::gguf::GgufFile;
-use lora_models::llama::{KvCache, Llama, WeightMode};
+use lora_models::llama::{GenerateOptions, KvCache, Llama, WeightMode, sample_token};
 use lora_models::tokenizer::{ChatTemplate, Tokenizer, load_tokenizer, tokenizer_from_gguf};
 use tch::{Device, Kind, Tensor};
 
@@ -100,55 +101,16 @@ pub struct LocalLlmTagger {
     micro_batch: usize,
 }
 
-/// SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", 2014):
-/// the sampler's own generator, so seeded runs repeat.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Samples a token id from one row of logits with temperature, top-k and top-p (nucleus,
-/// Holtzman et al., arXiv:1904.09751).
-fn sample_row(logits: &[f32], opts: &LocalLlmOptions, rng: &mut SplitMix64) -> i64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let mut p: Vec<(usize, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i, ((l as f64 - max) / opts.temperature).exp()))
-        .collect();
-    p.sort_by(|a, b| b.1.total_cmp(&a.1));
-    if opts.top_k > 0 {
-        p.truncate(opts.top_k);
-    }
-    if opts.top_p < 1.0 {
-        let total: f64 = p.iter().map(|x| x.1).sum();
-        let mut acc = 0.0;
-        let keep = p
-            .iter()
-            .position(|x| {
-                acc += x.1 / total;
-                acc >= opts.top_p
-            })
-            .map_or(p.len(), |n| n + 1);
-        p.truncate(keep.max(1));
-    }
-    let total: f64 = p.iter().map(|x| x.1).sum();
-    let mut u = rng.next_f64() * total;
-    for &(i, w) in &p {
-        if u < w {
-            return i as i64;
-        }
-        u -= w;
-    }
-    p.last().map_or(0, |x| x.0 as i64)
+/// Samples a token id from one row of logits with temperature, top-k and top-p: the sampler of
+/// [`Llama::generate`] ([`sample_token`]) with this tagger's settings.
+fn sample_row(logits: &[f32], opts: &LocalLlmOptions, rng: &mut Rng) -> Result<i64> {
+    let sampling = GenerateOptions {
+        temperature: opts.temperature,
+        top_p: opts.top_p,
+        top_k: opts.top_k,
+        ..GenerateOptions::default()
+    };
+    Ok(sample_token(logits, &sampling, rng)?)
 }
 
 impl LocalLlmTagger {
@@ -303,7 +265,7 @@ impl LocalLlmTagger {
         let max_ctx = self.model.config().max_position_embeddings;
         let mut out: Vec<Vec<i64>> = vec![Vec::new(); rows.len()];
         let mut done = vec![false; rows.len()];
-        let mut rngs: Vec<SplitMix64> = seeds.iter().map(|&s| SplitMix64(s)).collect();
+        let mut rngs: Vec<Rng> = seeds.iter().map(|&s| Rng::new(s)).collect();
         let filler = self.stop_ids.first().copied().unwrap_or(0);
         for _ in 0..self.opts.max_new_tokens {
             if cache.seq_len() + input.size()[1] > max_ctx {
@@ -322,7 +284,7 @@ impl LocalLlmTagger {
                 all.chunks(v)
                     .zip(rngs.iter_mut())
                     .map(|(row, rng)| sample_row(row, &self.opts, rng))
-                    .collect()
+                    .collect::<Result<_>>()?
             };
             let mut fed = Vec::with_capacity(rows.len());
             for (r, &t) in next.iter().enumerate() {
@@ -479,9 +441,9 @@ mod tests {
             ..Default::default()
         };
         let draw = |seed| {
-            let mut rng = SplitMix64(seed);
+            let mut rng = Rng::new(seed);
             (0..50)
-                .map(|_| sample_row(&logits, &opts, &mut rng))
+                .map(|_| sample_row(&logits, &opts, &mut rng).unwrap())
                 .collect::<Vec<_>>()
         };
         let a = draw(7);

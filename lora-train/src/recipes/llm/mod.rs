@@ -51,7 +51,7 @@ pub fn read_descriptor(
             .tensors
             .iter()
             .find(|t| t.name.ends_with("attn_q.weight"))
-            .and_then(|t| match t.ggml_type {
+            .and_then(|t| match t.ggml_type.id() {
                 2 => Some(BaseDtype::Q4_0),
                 3 => Some(BaseDtype::Q4_1),
                 8 => Some(BaseDtype::Q8_0),
