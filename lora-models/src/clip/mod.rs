@@ -24,7 +24,6 @@
 mod config;
 mod model;
 mod tokenizer;
-mod weights;
 
 pub use config::{ClipActivation, ClipTextConfig};
 pub use model::{

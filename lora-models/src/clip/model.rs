@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use lora_core::base::BaseWeight;
 use lora_core::formats::AdapterWeights;
 use lora_core::inject::{Adaptable, SiteMut};
 use lora_core::layer::LoraLayer;
@@ -15,9 +14,8 @@ use lora_core::linear::LoraLinear;
 use tch::{Device, Kind, Tensor};
 
 use super::config::{ClipActivation, ClipTextConfig};
-use super::weights::Tensors;
 use crate::error::{Error, Result};
-use crate::sd::load::SafetensorsFiles;
+use crate::weights::{SafetensorsFiles, TensorMap, TensorSource, WeightPath};
 
 use lora_core::sys::tensor_bytes;
 
@@ -30,10 +28,10 @@ struct LayerNorm {
 }
 
 impl LayerNorm {
-    fn load(src: &Tensors<'_>, p: &str, d: i64, eps: f64, kind: Kind, dev: Device) -> Result<Self> {
+    fn load(p: &WeightPath<'_>, d: i64, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: src.require(&format!("{p}.weight"), &[d], kind, dev)?,
-            bias: src.require(&format!("{p}.bias"), &[d], kind, dev)?,
+            weight: p.get("weight", &[d])?,
+            bias: p.get("bias", &[d])?,
             eps,
         })
     }
@@ -50,24 +48,6 @@ impl LayerNorm {
     fn numel(&self) -> i64 {
         (self.weight.numel() + self.bias.numel()) as i64
     }
-}
-
-fn linear(
-    src: &Tensors<'_>,
-    p: &str,
-    out: i64,
-    inp: i64,
-    bias: bool,
-    kind: Kind,
-    dev: Device,
-) -> Result<LoraLinear> {
-    let w = src.require(&format!("{p}.weight"), &[out, inp], kind, dev)?;
-    let b = if bias {
-        Some(src.require(&format!("{p}.bias"), &[out], kind, dev)?)
-    } else {
-        None
-    };
-    Ok(LoraLinear::new(BaseWeight::Dense(w), b)?)
 }
 
 fn linear_bytes(l: &LoraLinear) -> u64 {
@@ -249,7 +229,7 @@ impl ClipTextModel {
     pub fn from_pretrained(dir: impl AsRef<Path>, kind: Kind, device: Device) -> Result<Self> {
         let dir = dir.as_ref();
         let config = ClipTextConfig::from_file(dir.join("config.json"))?;
-        let src = Tensors::open_dir(dir, "model")?;
+        let src = SafetensorsFiles::open_dir(dir, "model", device)?;
         Self::build(config, &src, "", kind, device)
     }
 
@@ -266,12 +246,18 @@ impl ClipTextModel {
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
-        Self::build(config, &Tensors::Map(tensors), prefix, kind, device)
+        Self::build(
+            config,
+            &TensorMap::new(tensors, device),
+            prefix,
+            kind,
+            device,
+        )
     }
 
     pub(crate) fn build(
         config: ClipTextConfig,
-        src: &Tensors<'_>,
+        src: &dyn TensorSource,
         prefix: &str,
         kind: Kind,
         device: Device,
@@ -283,74 +269,45 @@ impl ClipTextModel {
         );
         // transformers < 5 (and every SD checkpoint) writes `text_model.…`; transformers 5
         // writes a bare `CLIPTextModel` without that level (both load in transformers 5).
-        let p = if src.has(&format!(
+        let p = if src.contains(&format!(
             "{prefix}text_model.embeddings.token_embedding.weight"
-        )) || !src.has(&format!("{prefix}embeddings.token_embedding.weight"))
+        )) || !src.contains(&format!("{prefix}embeddings.token_embedding.weight"))
         {
             format!("{prefix}text_model")
         } else {
             prefix.trim_end_matches('.').to_string()
         };
-        let p = p.as_str();
-        let key = |rest: &str| {
-            if p.is_empty() {
-                rest.to_string()
-            } else {
-                format!("{p}.{rest}")
-            }
-        };
-        let token_embedding = src.require(
-            &key("embeddings.token_embedding.weight"),
-            &[config.vocab_size, d],
-            kind,
-            device,
-        )?;
-        let position_embedding = src.require(
-            &key("embeddings.position_embedding.weight"),
-            &[config.max_position_embeddings, d],
-            kind,
-            device,
-        )?;
+        let root = WeightPath::new(src, &p, kind);
+        let emb = root.pp("embeddings");
+        let token_embedding = emb
+            .pp("token_embedding")
+            .get("weight", &[config.vocab_size, d])?;
+        let position_embedding = emb
+            .pp("position_embedding")
+            .get("weight", &[config.max_position_embeddings, d])?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
         for i in 0..config.num_hidden_layers {
-            let l = key(&format!("encoder.layers.{i}"));
-            let lin = |name: &str, out: i64, inp: i64| {
-                linear(src, &format!("{l}.{name}"), out, inp, true, kind, device)
-            };
+            let l = root.pp("encoder").pp("layers").pp(i);
+            let (a, m) = (l.pp("self_attn"), l.pp("mlp"));
             layers.push(EncoderLayer {
                 self_attn: Attention {
-                    q_proj: lin("self_attn.q_proj", d, d)?,
-                    k_proj: lin("self_attn.k_proj", d, d)?,
-                    v_proj: lin("self_attn.v_proj", d, d)?,
-                    out_proj: lin("self_attn.out_proj", d, d)?,
+                    q_proj: a.pp("q_proj").linear(d, d, true)?,
+                    k_proj: a.pp("k_proj").linear(d, d, true)?,
+                    v_proj: a.pp("v_proj").linear(d, d, true)?,
+                    out_proj: a.pp("out_proj").linear(d, d, true)?,
                     n_head: config.num_attention_heads,
                     head_dim: config.head_dim(),
                 },
-                layer_norm1: LayerNorm::load(
-                    src,
-                    &format!("{l}.layer_norm1"),
-                    d,
-                    eps,
-                    kind,
-                    device,
-                )?,
+                layer_norm1: LayerNorm::load(&l.pp("layer_norm1"), d, eps)?,
                 mlp: Mlp {
-                    fc1: lin("mlp.fc1", ff, d)?,
-                    fc2: lin("mlp.fc2", d, ff)?,
+                    fc1: m.pp("fc1").linear(d, ff, true)?,
+                    fc2: m.pp("fc2").linear(ff, d, true)?,
                     act: config.hidden_act,
                 },
-                layer_norm2: LayerNorm::load(
-                    src,
-                    &format!("{l}.layer_norm2"),
-                    d,
-                    eps,
-                    kind,
-                    device,
-                )?,
+                layer_norm2: LayerNorm::load(&l.pp("layer_norm2"), d, eps)?,
             });
         }
-        let final_layer_norm =
-            LayerNorm::load(src, &key("final_layer_norm"), d, eps, kind, device)?;
+        let final_layer_norm = LayerNorm::load(&root.pp("final_layer_norm"), d, eps)?;
         Ok(Self {
             config,
             token_embedding,
@@ -607,7 +564,7 @@ impl ClipTextModelWithProjection {
     pub fn from_pretrained(dir: impl AsRef<Path>, kind: Kind, device: Device) -> Result<Self> {
         let dir = dir.as_ref();
         let config = ClipTextConfig::from_file(dir.join("config.json"))?;
-        let src = Tensors::open_dir(dir, "model")?;
+        let src = SafetensorsFiles::open_dir(dir, "model", device)?;
         Self::build(config, &src, "", kind, device)
     }
 
@@ -623,27 +580,26 @@ impl ClipTextModelWithProjection {
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
-        Self::build(config, &Tensors::Map(tensors), prefix, kind, device)
+        Self::build(
+            config,
+            &TensorMap::new(tensors, device),
+            prefix,
+            kind,
+            device,
+        )
     }
 
     fn build(
         config: ClipTextConfig,
-        src: &Tensors<'_>,
+        src: &dyn TensorSource,
         prefix: &str,
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
         let d = config.hidden_size;
         let pd = config.projection_dim.unwrap_or(d);
-        let text_projection = linear(
-            src,
-            &format!("{prefix}text_projection"),
-            pd,
-            d,
-            false,
-            kind,
-            device,
-        )?;
+        let text_projection =
+            WeightPath::new(src, &format!("{prefix}text_projection"), kind).linear(d, pd, false)?;
         let text_model = ClipTextModel::build(config, src, prefix, kind, device)?;
         Ok(Self {
             text_model,
@@ -827,7 +783,7 @@ impl ClipTextModel {
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
-        let src = SafetensorsFiles::open(&[path.to_path_buf()], path, Device::Cpu)?;
+        let src = SafetensorsFiles::open(&[path.to_path_buf()], path, device)?;
         let p = if src.contains(&format!(
             "{prefix}text_model.embeddings.token_embedding.weight"
         )) {
@@ -851,7 +807,7 @@ impl ClipTextModel {
                 path,
             )?,
         };
-        Self::build(config, &Tensors::Files(src), prefix, kind, device)
+        Self::build(config, &src, prefix, kind, device)
     }
 }
 
@@ -878,7 +834,6 @@ impl ClipTextModelWithProjection {
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
-        use crate::sd::load::TensorSource;
         let src = SafetensorsFiles::open(&[path.to_path_buf()], path, Device::Cpu)?;
         let key = |rest: &str| format!("{prefix}{rest}");
         let layers = count_layers(&src, &key("transformer.resblocks."));
@@ -958,7 +913,7 @@ impl ClipTextModelWithProjection {
             }
         }
         drop(src);
-        Self::build(config, &Tensors::Map(&map), "", kind, device)
+        Self::build(config, &TensorMap::new(&map, device), "", kind, device)
     }
 }
 

@@ -35,8 +35,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use super::blocks::{
-    Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding, Transformer2DModel, Upsample2D, Vb,
-    Visitor, join, timestep_embedding,
+    Downsample2D, GroupNorm, NormLayers, ResnetBlock2D, TimestepEmbedding, Transformer2DModel,
+    Upsample2D, Vb, Visitor, join, timestep_embedding,
 };
 use super::load::{
     LoadOptions, SafetensorsFiles, TensorSource, UnetLayout, component_dir, diffusers_weight_files,

@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use super::blocks::{
-    Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D, Vb, Visitor, join,
-    site_params,
+    Downsample2D, GroupNorm, NormLayers, ResnetBlock2D, SpatialAttention, Upsample2D, Vb, Visitor,
+    join, site_params,
 };
 use super::load::{
     LoadOptions, SafetensorsFiles, TensorSource, component_dir, diffusers_weight_files,
