@@ -22,6 +22,7 @@
 
 pub mod attention;
 pub mod blocks;
+pub mod config;
 pub mod load;
 pub mod unet;
 pub mod vae;
