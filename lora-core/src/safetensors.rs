@@ -63,6 +63,9 @@ pub fn dtype_of(kind: Kind) -> Option<Dtype> {
     })
 }
 
+/// A stored tensor's dtype, shape and little-endian bytes, borrowed from the map.
+pub type RawTensor<'a> = (Dtype, Vec<usize>, &'a [u8]);
+
 /// A memory-mapped safetensors file with its parsed header.
 ///
 /// The map is read-only; the file must not be modified while it is open (the contract of every
@@ -171,7 +174,7 @@ impl SafetensorsFile {
     ///
     /// # Errors
     /// [`Error::Format`] when the header points outside the file.
-    pub fn bytes(&self, name: &str) -> Result<Option<(Dtype, Vec<usize>, &[u8])>> {
+    pub fn bytes(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
         Ok(self
             .info_and_bytes(name)?
             .map(|(i, b)| (i.dtype, i.shape.clone(), b)))
@@ -231,7 +234,7 @@ impl SafetensorsFile {
                 ),
             });
         }
-        let aligned = numel > 0 && (bytes.as_ptr() as usize) % elt == 0;
+        let aligned = numel > 0 && (bytes.as_ptr() as usize).is_multiple_of(elt);
         if !aligned {
             // `from_data_size` copies (memcpy), so any alignment is fine.
             let t = Tensor::f_from_data_size(bytes, &shape, src_kind).ctx(ctx)?;
@@ -303,7 +306,7 @@ mod tests {
         data.extend(c.iter().flat_map(|v| v.to_le_bytes()));
         let header = r#"{"__metadata__":{"k":"v"},"u":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[1,17]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[17,23]},"p":{"dtype":"U8","shape":[1],"data_offsets":[23,24]},"c":{"dtype":"F32","shape":[2],"data_offsets":[24,32]}}"#;
         let mut header = header.as_bytes().to_vec();
-        while header.len() % 8 != 0 {
+        while !header.len().is_multiple_of(8) {
             header.push(b' ');
         }
         let mut file = (header.len() as u64).to_le_bytes().to_vec();
