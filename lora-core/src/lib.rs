@@ -10,7 +10,8 @@
 //! - [`layer::LoraLayer`]: merge / unmerge (safe merge), enable / disable, adapter weights;
 //!   [`inject::param_groups`] for LoRA+.
 //! - [`formats`]: PEFT / kohya / diffusers files through a format-neutral
-//!   [`formats::AdapterWeights`].
+//!   [`formats::AdapterWeights`]; [`safetensors::SafetensorsFile`]: the workspace's one
+//!   memory-mapped safetensors reader.
 //!
 //! Base weights and adapters live in separate VarStores: only adapter tensors reach the optimizer.
 //!
@@ -64,6 +65,7 @@ pub mod layer;
 pub mod linear;
 pub mod oom;
 pub mod quant;
+pub mod safetensors;
 pub mod sys;
 
 pub use error::{Error, Result};

@@ -34,6 +34,9 @@
 //! - [`gguf`]: a memory-mapped GGUF v2/v3 reader and the reference dequantisation of its block
 //!   formats.
 //! - [`tokenizer`]: tokenizers from `tokenizer.json` or GGUF metadata; chat templates.
+//! - [`weights`]: the one weights layer every model loads through: a [`weights::TensorSource`]
+//!   over safetensors files (single or sharded), GGUF or an in-memory map, and the
+//!   [`weights::WeightPath`] builder that writes each weight name once.
 //! - [`checkpoint`]: activation checkpointing by segment recomputation.
 //! - [`llama`]: the LLaMA family (Llama 2/3, Mistral, Qwen2/3, SmolLM2).
 //! - [`sd`]: Stable Diffusion 1.x / 2.x / SDXL UNet and VAE (diffusers folders, single files).
@@ -51,5 +54,6 @@ pub mod gguf;
 pub mod llama;
 pub mod sd;
 pub mod tokenizer;
+pub mod weights;
 
 pub use error::{Error, Result};

@@ -4,8 +4,9 @@
 //! magnitude)`; conversions between formats preserve the adapter's strength (the product
 //! `scaling · B·A`), whatever alpha, rank and rsLoRA setting were used.
 //!
-//! safetensors I/O uses the `safetensors` crate over a `memmap2` map (tch's own reader loads whole
-//! files and ignores `__metadata__`); [`read_header`] parses only the header.
+//! safetensors files are read through the crate's one reader, [`crate::safetensors`] (a `memmap2`
+//! map parsed by the `safetensors` crate; tch's own reader loads whole files and ignores
+//! `__metadata__`); [`read_header`] parses only the header.
 
 pub mod diffusers;
 pub mod kohya;
@@ -15,7 +16,8 @@ use crate::config::{AdapterSpec, scaling};
 use crate::error::{Error, Result, TchContext};
 use crate::inject::{Adaptable, InjectionReport, count_params};
 use crate::layer::SiteKind;
-use safetensors::{Dtype, SafeTensors, View};
+use crate::safetensors::{SafetensorsFile, dtype_of};
+use ::safetensors::{Dtype, View};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -256,18 +258,11 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
-fn st_err(path: &Path) -> impl FnOnce(safetensors::SafeTensorError) -> Error + '_ {
+fn st_err(path: &Path) -> impl FnOnce(::safetensors::SafeTensorError) -> Error + '_ {
     move |source| Error::SafeTensors {
         path: path.to_path_buf(),
         source,
     }
-}
-
-fn map_file(path: &Path) -> Result<memmap2::Mmap> {
-    let f = std::fs::File::open(path).map_err(io_err(path))?;
-    // SAFETY: the map is read-only and lives only while we read it; files are not expected to be
-    // modified concurrently (the same contract as every mmap-based safetensors reader).
-    unsafe { memmap2::Mmap::map(&f) }.map_err(io_err(path))
 }
 
 /// Reads a safetensors file's header (names, dtypes, shapes, `__metadata__`) through a memory map,
@@ -276,14 +271,15 @@ fn map_file(path: &Path) -> Result<memmap2::Mmap> {
 /// # Errors
 /// [`Error::Io`] / [`Error::SafeTensors`] with the path.
 pub fn read_header(path: &Path) -> Result<SafetensorsHeader> {
-    let map = map_file(path)?;
-    let (_, meta) = SafeTensors::read_metadata(&map).map_err(st_err(path))?;
-    let mut h = SafetensorsHeader::default();
-    if let Some(m) = meta.metadata() {
-        h.metadata = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    }
-    for (name, info) in meta.tensors() {
-        h.tensors.insert(name, (info.dtype, info.shape.clone()));
+    let file = SafetensorsFile::open(path)?;
+    let mut h = SafetensorsHeader {
+        metadata: file.metadata(),
+        ..SafetensorsHeader::default()
+    };
+    for name in file.names() {
+        if let Some(info) = file.info(name) {
+            h.tensors.insert(name.to_string(), info);
+        }
     }
     Ok(h)
 }
@@ -293,34 +289,6 @@ pub(crate) struct Loaded {
     pub tensors: BTreeMap<String, Tensor>,
     pub metadata: BTreeMap<String, String>,
     pub path: PathBuf,
-}
-
-fn kind_of(dtype: Dtype) -> Option<Kind> {
-    Some(match dtype {
-        Dtype::F32 => Kind::Float,
-        Dtype::F16 => Kind::Half,
-        Dtype::BF16 => Kind::BFloat16,
-        Dtype::F64 => Kind::Double,
-        Dtype::I64 => Kind::Int64,
-        Dtype::I32 => Kind::Int,
-        Dtype::I16 => Kind::Int16,
-        Dtype::I8 => Kind::Int8,
-        Dtype::U8 => Kind::Uint8,
-        Dtype::BOOL => Kind::Bool,
-        _ => return None,
-    })
-}
-
-fn dtype_of(kind: Kind) -> Option<Dtype> {
-    Some(match kind {
-        Kind::Float => Dtype::F32,
-        Kind::Half => Dtype::F16,
-        Kind::BFloat16 => Dtype::BF16,
-        Kind::Double => Dtype::F64,
-        Kind::Int64 => Dtype::I64,
-        Kind::Int => Dtype::I32,
-        _ => return None,
-    })
 }
 
 /// Reads a whole safetensors file (through a memory map) into CPU tensors plus its `__metadata__`.
@@ -335,30 +303,10 @@ pub fn read_safetensors(
 }
 
 pub(crate) fn load_safetensors(path: &Path) -> Result<Loaded> {
-    let map = map_file(path)?;
-    let st = SafeTensors::deserialize(&map).map_err(st_err(path))?;
-    let (_, meta) = SafeTensors::read_metadata(&map).map_err(st_err(path))?;
-    let metadata = meta
-        .metadata()
-        .as_ref()
-        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .unwrap_or_default();
-    let mut tensors = BTreeMap::new();
-    for (name, view) in st.iter() {
-        let kind = kind_of(view.dtype()).ok_or_else(|| Error::Dtype {
-            key: name.to_string(),
-            found: format!("{:?}", view.dtype()),
-            what: "expected a float or integer dtype".into(),
-        })?;
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        // from_data_size copies (memcpy), so safetensors' unaligned offsets are fine.
-        let t = Tensor::f_from_data_size(view.data(), &shape, kind)
-            .ctx(|| format!("reading {name} from {}", path.display()))?;
-        tensors.insert(name.to_string(), t);
-    }
+    let file = SafetensorsFile::open(path)?;
     Ok(Loaded {
-        tensors,
-        metadata,
+        tensors: file.tensors()?,
+        metadata: file.metadata(),
         path: path.to_path_buf(),
     })
 }
@@ -486,7 +434,7 @@ pub fn write_safetensors(
     }
     std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
     let staged = staging.join(&name);
-    safetensors::serialize_to_file(
+    ::safetensors::serialize_to_file(
         views.iter().map(|(k, v)| (k.as_str(), v)),
         if meta.is_empty() { None } else { Some(meta) },
         &staged,

@@ -22,13 +22,11 @@
 //! ```
 
 mod config;
+mod convert;
 mod model;
 mod tokenizer;
-mod weights;
 
 pub use config::{ClipActivation, ClipTextConfig};
-pub use model::{
-    ClipTextModel, ClipTextModelWithProjection, ClipTextOutput, canonical_module_path,
-    canonicalize_adapter, sdxl_conditioning,
-};
+pub use convert::{canonical_module_path, canonicalize_adapter};
+pub use model::{ClipTextModel, ClipTextModelWithProjection, ClipTextOutput, sdxl_conditioning};
 pub use tokenizer::{BOS_TOKEN, CLIP_MAX_LENGTH, CLIP_SPLIT_REGEX, ClipTokenizer, EOS_TOKEN};

@@ -6,9 +6,9 @@ mod generate;
 mod model;
 mod weights;
 
+pub use crate::weights::WeightMode;
 pub use config::{LlamaConfig, RopeScaling};
 pub use generate::{
     GenerateOptions, Generation, PerplexityOptions, PerplexityReport, StopReason, sample_token,
 };
 pub use model::{IGNORE_INDEX, KvCache, Llama};
-pub use weights::WeightMode;

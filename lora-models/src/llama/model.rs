@@ -16,10 +16,13 @@ use lora_core::linear::LoraLinear;
 use tch::{Device, Kind, Tensor};
 
 use super::config::LlamaConfig;
-use super::weights::{GgufSource, MapSource, SafetensorsSource, WeightMode, WeightSource};
+use super::weights::hf_to_gguf_name;
 use crate::checkpoint::SegmentTape;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::weights::{
+    GgufSource, SafetensorsFiles, TensorMap, TensorSource, WeightMode, WeightPath,
+};
 
 /// The label value that [`Llama::loss`] ignores (PyTorch's `ignore_index` default, HF's
 /// convention for prompt and padding positions).
@@ -55,6 +58,22 @@ impl RmsNorm {
 }
 
 use lora_core::sys::tensor_bytes;
+
+/// A LoRA site and its module path: the path it was loaded from (its weight is
+/// `<path>.weight`), so that the names visited for injection are the names the weights were
+/// read under.
+#[derive(Debug)]
+struct Site<T> {
+    path: String,
+    layer: T,
+}
+
+impl<T> std::ops::Deref for Site<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.layer
+    }
+}
 
 /// `[x1, x2] → [−x2, x1]` on the last dim (HF `rotate_half`).
 fn rotate_half(x: &Tensor) -> Result<Tensor> {
@@ -107,10 +126,10 @@ impl KvCache {
 
 #[derive(Debug)]
 struct Attention {
-    q_proj: LoraLinear,
-    k_proj: LoraLinear,
-    v_proj: LoraLinear,
-    o_proj: LoraLinear,
+    q_proj: Site<LoraLinear>,
+    k_proj: Site<LoraLinear>,
+    v_proj: Site<LoraLinear>,
+    o_proj: Site<LoraLinear>,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     n_head: i64,
@@ -183,9 +202,9 @@ impl Attention {
 
 #[derive(Debug)]
 struct Mlp {
-    gate_proj: LoraLinear,
-    up_proj: LoraLinear,
-    down_proj: LoraLinear,
+    gate_proj: Site<LoraLinear>,
+    up_proj: Site<LoraLinear>,
+    down_proj: Site<LoraLinear>,
 }
 
 impl Mlp {
@@ -205,6 +224,34 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// The linear sites in visiting order: q, k, v, o, gate, up, down.
+    fn linears(&self) -> [&Site<LoraLinear>; 7] {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ]
+    }
+
+    /// As [`DecoderLayer::linears`], mutably.
+    fn linears_mut(&mut self) -> [&mut Site<LoraLinear>; 7] {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        [
+            &mut a.q_proj,
+            &mut a.k_proj,
+            &mut a.v_proj,
+            &mut a.o_proj,
+            &mut m.gate_proj,
+            &mut m.up_proj,
+            &mut m.down_proj,
+        ]
+    }
+
     fn forward(
         &self,
         x: &Tensor,
@@ -265,10 +312,10 @@ struct Prepared {
 #[derive(Debug)]
 pub struct Llama {
     config: LlamaConfig,
-    embed_tokens: LoraEmbedding,
+    embed_tokens: Site<LoraEmbedding>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Option<LoraLinear>,
+    lm_head: Option<Site<LoraLinear>>,
     inv_freq: Tensor,
     kind: Kind,
     device: Device,
@@ -298,12 +345,9 @@ impl Llama {
     /// As [`Llama::from_gguf`].
     pub fn from_gguf_file(file: &GgufFile, mode: WeightMode, device: Device) -> Result<Self> {
         let config = LlamaConfig::from_gguf(file)?;
-        let src = GgufSource {
-            file,
-            mode,
-            device,
-            permute_qk: config.model_type == "llama",
-        };
+        let src = GgufSource::new(file, mode, device)
+            .with_key_map(hf_to_gguf_name)
+            .with_permuted_qk(config.model_type == "llama");
         Self::build(config, &src, mode.compute_kind(), device)
     }
 
@@ -321,7 +365,7 @@ impl Llama {
     ) -> Result<Self> {
         let dir = dir.as_ref();
         let config = LlamaConfig::from_hf_json(dir.join("config.json"))?;
-        let src = SafetensorsSource::open(dir, mode, device)?;
+        let src = SafetensorsFiles::open_dir(dir, "model", device)?;
         Self::build(config, &src, mode.compute_kind(), device)
     }
 
@@ -337,17 +381,14 @@ impl Llama {
         device: Device,
     ) -> Result<Self> {
         config.validate()?;
-        let src = MapSource {
-            map: tensors,
-            kind,
-            device,
-        };
-        Self::build(config, &src, kind, device)
+        Self::build(config, &TensorMap::new(tensors, device), kind, device)
     }
 
+    /// Reads every weight through one [`WeightPath`] per module, so each name is written once
+    /// and a site's name is the path its weight was read under.
     fn build(
         config: LlamaConfig,
-        src: &dyn WeightSource,
+        src: &dyn TensorSource,
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
@@ -358,43 +399,55 @@ impl Llama {
             config.n_kv_heads(),
             config.intermediate_size,
         );
-        let missing = |name: &str| Error::MissingTensor {
-            name: name.to_string(),
-            path: src.origin(),
-        };
-        let norm = |name: &str| -> Result<RmsNorm> {
-            let w = src.dense(name, kind)?.ok_or_else(|| missing(name))?;
+        let norm = |p: &WeightPath<'_>| -> Result<RmsNorm> {
             Ok(RmsNorm {
-                weight: w,
+                weight: p.get("weight", &[d])?,
                 eps: config.rms_norm_eps,
             })
         };
-        let linear = |p: &str, out: i64, inp: i64, bias: bool, qk: bool| -> Result<LoraLinear> {
-            let base = src.base(&format!("{p}.weight"), [out, inp], qk.then_some(hd))?;
+        let head_norm = |p: &WeightPath<'_>| -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                weight: p.get("weight", &[hd])?,
+                eps: config.rms_norm_eps,
+            })
+        };
+        // `rope`: a query/key projection (rows possibly permuted by llama.cpp's converter).
+        let linear = |p: &WeightPath<'_>,
+                      out: i64,
+                      inp: i64,
+                      bias: bool,
+                      rope: bool|
+         -> Result<Site<LoraLinear>> {
+            let base = p.base("weight", [out, inp], rope.then_some(hd))?;
             let b = if bias {
-                let name = format!("{p}.bias");
-                Some(src.dense(&name, kind)?.ok_or_else(|| missing(&name))?)
+                Some(p.get("bias", &[out])?)
             } else {
                 None
             };
-            Ok(LoraLinear::new(base, b)?)
+            Ok(Site {
+                path: p.path().to_string(),
+                layer: LoraLinear::new(base, b)?,
+            })
         };
+        let root = WeightPath::new(src, "", kind);
+        let model = root.pp("model");
         let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
         for i in 0..config.num_hidden_layers {
-            let p = format!("model.layers.{i}");
+            let p = model.pp("layers").pp(i);
             let (qkv_b, o_b, mlp_b) = (config.qkv_bias(), config.o_bias(), config.mlp_bias);
+            let a = p.pp("self_attn");
             let self_attn = Attention {
-                q_proj: linear(&format!("{p}.self_attn.q_proj"), nh * hd, d, qkv_b, true)?,
-                k_proj: linear(&format!("{p}.self_attn.k_proj"), nkv * hd, d, qkv_b, true)?,
-                v_proj: linear(&format!("{p}.self_attn.v_proj"), nkv * hd, d, qkv_b, false)?,
-                o_proj: linear(&format!("{p}.self_attn.o_proj"), d, nh * hd, o_b, false)?,
+                q_proj: linear(&a.pp("q_proj"), nh * hd, d, qkv_b, true)?,
+                k_proj: linear(&a.pp("k_proj"), nkv * hd, d, qkv_b, true)?,
+                v_proj: linear(&a.pp("v_proj"), nkv * hd, d, qkv_b, false)?,
+                o_proj: linear(&a.pp("o_proj"), d, nh * hd, o_b, false)?,
                 q_norm: if config.qk_norm() {
-                    Some(norm(&format!("{p}.self_attn.q_norm.weight"))?)
+                    Some(head_norm(&a.pp("q_norm"))?)
                 } else {
                     None
                 },
                 k_norm: if config.qk_norm() {
-                    Some(norm(&format!("{p}.self_attn.k_norm.weight"))?)
+                    Some(head_norm(&a.pp("k_norm"))?)
                 } else {
                     None
                 },
@@ -402,30 +455,42 @@ impl Llama {
                 n_kv: nkv,
                 head_dim: hd,
             };
+            let m = p.pp("mlp");
             let mlp = Mlp {
-                gate_proj: linear(&format!("{p}.mlp.gate_proj"), ff, d, mlp_b, false)?,
-                up_proj: linear(&format!("{p}.mlp.up_proj"), ff, d, mlp_b, false)?,
-                down_proj: linear(&format!("{p}.mlp.down_proj"), d, ff, mlp_b, false)?,
+                gate_proj: linear(&m.pp("gate_proj"), ff, d, mlp_b, false)?,
+                up_proj: linear(&m.pp("up_proj"), ff, d, mlp_b, false)?,
+                down_proj: linear(&m.pp("down_proj"), d, ff, mlp_b, false)?,
             };
             layers.push(DecoderLayer {
-                input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
+                input_layernorm: norm(&p.pp("input_layernorm"))?,
                 self_attn,
-                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                post_attention_layernorm: norm(&p.pp("post_attention_layernorm"))?,
                 mlp,
             });
         }
-        let embed_base = src.base("model.embed_tokens.weight", [config.vocab_size, d], None)?;
-        let embed_tokens = LoraEmbedding::new(embed_base)?.with_output_kind(kind);
-        let tied = config.tie_word_embeddings || !src.has("lm_head.weight");
+        let embed = model.pp("embed_tokens");
+        let embed_tokens = Site {
+            path: embed.path().to_string(),
+            layer: LoraEmbedding::new(embed.base("weight", [config.vocab_size, d], None)?)?
+                .with_output_kind(kind),
+        };
+        let head = root.pp("lm_head");
+        let tied = config.tie_word_embeddings || !head.contains("weight");
         let lm_head = if tied {
             None
         } else {
-            Some(linear("lm_head", config.vocab_size, d, false, false)?)
+            Some(linear(&head, config.vocab_size, d, false, false)?)
         };
-        let final_norm = norm("model.norm.weight")?;
+        let final_norm = norm(&model.pp("norm"))?;
         let mut config = config;
         config.tie_word_embeddings = tied;
-        let factors = src.rope_freq_factors()?;
+        // llama.cpp's Llama 3 RoPE frequency factors (GGUF only)
+        let factors: Option<Vec<f32>> = match src.tensor("rope_freqs.weight", Kind::Float)? {
+            Some(t) => Some(Vec::<f32>::try_from(
+                &t.f_to_device(Device::Cpu)?.f_flatten(0, -1)?,
+            )?),
+            None => None,
+        };
         let inv: Vec<f32> = config
             .inv_freq(factors.as_deref())
             .into_iter()
@@ -487,18 +552,7 @@ impl Llama {
         }
         for l in &self.layers {
             let a = &l.self_attn;
-            total += [
-                &a.q_proj,
-                &a.k_proj,
-                &a.v_proj,
-                &a.o_proj,
-                &l.mlp.gate_proj,
-                &l.mlp.up_proj,
-                &l.mlp.down_proj,
-            ]
-            .into_iter()
-            .map(lin)
-            .sum::<u64>();
+            total += l.linears().into_iter().map(|s| lin(s)).sum::<u64>();
             total += l.input_layernorm.bytes() + l.post_attention_layernorm.bytes();
             total += a.q_norm.as_ref().map_or(0, RmsNorm::bytes)
                 + a.k_norm.as_ref().map_or(0, RmsNorm::bytes);
@@ -515,18 +569,7 @@ impl Llama {
         }
         for l in &self.layers {
             let a = &l.self_attn;
-            n += [
-                &a.q_proj,
-                &a.k_proj,
-                &a.v_proj,
-                &a.o_proj,
-                &l.mlp.gate_proj,
-                &l.mlp.up_proj,
-                &l.mlp.down_proj,
-            ]
-            .into_iter()
-            .map(lin)
-            .sum::<i64>();
+            n += l.linears().into_iter().map(|s| lin(s)).sum::<i64>();
             n += (l.input_layernorm.weight.numel() + l.post_attention_layernorm.weight.numel())
                 as i64;
             n += a.q_norm.as_ref().map_or(0, |x| x.weight.numel() as i64);
@@ -1008,44 +1051,15 @@ impl Adaptable for Llama {
         &mut self,
         f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
     ) -> lora_core::Result<()> {
-        f(
-            "model.embed_tokens",
-            SiteMut::Embedding(&mut self.embed_tokens),
-        )?;
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            let a = &mut l.self_attn;
-            f(
-                &format!("model.layers.{i}.self_attn.q_proj"),
-                SiteMut::Linear(&mut a.q_proj),
-            )?;
-            f(
-                &format!("model.layers.{i}.self_attn.k_proj"),
-                SiteMut::Linear(&mut a.k_proj),
-            )?;
-            f(
-                &format!("model.layers.{i}.self_attn.v_proj"),
-                SiteMut::Linear(&mut a.v_proj),
-            )?;
-            f(
-                &format!("model.layers.{i}.self_attn.o_proj"),
-                SiteMut::Linear(&mut a.o_proj),
-            )?;
-            let m = &mut l.mlp;
-            f(
-                &format!("model.layers.{i}.mlp.gate_proj"),
-                SiteMut::Linear(&mut m.gate_proj),
-            )?;
-            f(
-                &format!("model.layers.{i}.mlp.up_proj"),
-                SiteMut::Linear(&mut m.up_proj),
-            )?;
-            f(
-                &format!("model.layers.{i}.mlp.down_proj"),
-                SiteMut::Linear(&mut m.down_proj),
-            )?;
+        let e = &mut self.embed_tokens;
+        f(&e.path, SiteMut::Embedding(&mut e.layer))?;
+        for l in &mut self.layers {
+            for s in l.linears_mut() {
+                f(&s.path, SiteMut::Linear(&mut s.layer))?;
+            }
         }
         if let Some(h) = &mut self.lm_head {
-            f("lm_head", SiteMut::Linear(h))?;
+            f(&h.path, SiteMut::Linear(&mut h.layer))?;
         }
         Ok(())
     }

@@ -8,15 +8,14 @@
 //! Activation shapes use `B` batch, `C` channels, `H×W` spatial size, `L` sequence length
 //! (`L = H·W` for image tokens), `D` the cross-attention context width.
 
-use lora_core::base::BaseWeight;
-use lora_core::conv::{Conv2dParams, LoraConv2d};
+use lora_core::conv::LoraConv2d;
 use lora_core::inject::SiteMut;
 use lora_core::linear::LoraLinear;
 use tch::{Kind, Tensor};
 
 use super::attention::{AttentionBackend, multi_head_attention};
-use super::load::TensorSource;
 use crate::error::{Error, Result};
+use crate::weights::WeightPath;
 
 /// The visitor type of [`lora_core::inject::Adaptable::visit_sites`].
 pub(crate) type Visitor<'a> = dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()> + 'a;
@@ -36,116 +35,26 @@ pub(crate) fn site_params(model: &mut dyn lora_core::inject::Adaptable) -> i64 {
     n
 }
 
-/// Joins a module prefix and a child name with a dot.
-pub(crate) fn join(prefix: &str, name: &str) -> String {
-    if prefix.is_empty() {
-        name.to_string()
-    } else {
-        format!("{prefix}.{name}")
-    }
-}
+pub(crate) use crate::weights::join;
 
 /// Reads weights under a module prefix (diffusers names), checking shapes.
-pub(crate) struct Vb<'a> {
-    pub(crate) src: &'a dyn TensorSource,
-    pub(crate) prefix: String,
-    pub(crate) kind: Kind,
+pub(crate) type Vb<'a> = WeightPath<'a>;
+
+/// The normalisation layers of SD's blocks, built at a [`WeightPath`].
+pub(crate) trait NormLayers {
+    /// `nn.GroupNorm(groups, c, eps, affine=True)` at this path.
+    fn group_norm(&self, groups: i64, c: i64, eps: f64) -> Result<GroupNorm>;
+    /// `nn.LayerNorm(c, eps, elementwise_affine=True)` at this path.
+    fn layer_norm(&self, c: i64, eps: f64) -> Result<LayerNorm>;
 }
 
-impl<'a> Vb<'a> {
-    pub(crate) fn new(src: &'a dyn TensorSource, prefix: &str, kind: Kind) -> Self {
-        Self {
-            src,
-            prefix: prefix.to_string(),
-            kind,
-        }
-    }
-
-    /// A child prefix.
-    pub(crate) fn pp(&self, name: impl std::fmt::Display) -> Vb<'a> {
-        Vb {
-            src: self.src,
-            prefix: join(&self.prefix, &name.to_string()),
-            kind: self.kind,
-        }
-    }
-
-    /// The full name of a tensor under this prefix.
-    pub(crate) fn name(&self, leaf: &str) -> String {
-        join(&self.prefix, leaf)
-    }
-
-    /// A tensor that may be absent, checked against `shape`. A stored `[o, i, 1, 1]` tensor is
-    /// accepted for an expected `[o, i]` (the original VAE checkpoints keep the mid-block
-    /// attention projections as 1×1 convolutions).
-    pub(crate) fn get_opt(&self, leaf: &str, shape: &[i64]) -> Result<Option<Tensor>> {
-        let name = self.name(leaf);
-        let Some(t) = self.src.tensor(&name, self.kind)? else {
-            return Ok(None);
-        };
-        let found = t.size();
-        if found == shape {
-            return Ok(Some(t));
-        }
-        if found.len() == shape.len() + 2
-            && found[..shape.len()] == *shape
-            && found[shape.len()..] == [1, 1]
-        {
-            return Ok(Some(t.f_reshape(shape)?));
-        }
-        Err(Error::Shape {
-            name,
-            expected: shape.to_vec(),
-            found,
-        })
-    }
-
-    /// A tensor that must be present, checked against `shape`.
-    pub(crate) fn get(&self, leaf: &str, shape: &[i64]) -> Result<Tensor> {
-        self.get_opt(leaf, shape)?
-            .ok_or_else(|| Error::MissingTensor {
-                name: self.name(leaf),
-                path: self.src.origin(),
-            })
-    }
-
-    /// `nn.Linear(i, o, bias)` at this prefix.
-    pub(crate) fn linear(&self, i: i64, o: i64, bias: bool) -> Result<LoraLinear> {
-        let w = self.get("weight", &[o, i])?;
-        let b = if bias {
-            Some(self.get("bias", &[o])?)
-        } else {
-            None
-        };
-        Ok(LoraLinear::new(BaseWeight::Dense(w), b)?)
-    }
-
-    /// `nn.Conv2d(i, o, k, stride, padding)` with bias at this prefix.
-    pub(crate) fn conv(
-        &self,
-        i: i64,
-        o: i64,
-        k: i64,
-        stride: i64,
-        padding: i64,
-    ) -> Result<LoraConv2d> {
-        let w = self.get("weight", &[o, i, k, k])?;
-        let b = self.get("bias", &[o])?;
-        let params = Conv2dParams {
-            stride: [stride, stride],
-            padding: [padding, padding],
-            ..Conv2dParams::default()
-        };
-        Ok(LoraConv2d::new(BaseWeight::Dense(w), Some(b), params)?)
-    }
-
-    /// `nn.GroupNorm(groups, c, eps, affine=True)` at this prefix.
-    pub(crate) fn group_norm(&self, groups: i64, c: i64, eps: f64) -> Result<GroupNorm> {
+impl NormLayers for WeightPath<'_> {
+    fn group_norm(&self, groups: i64, c: i64, eps: f64) -> Result<GroupNorm> {
         if groups <= 0 || c % groups != 0 {
             return Err(Error::InvalidArgument(format!(
                 "{}: GroupNorm over {c} channels needs a group count that divides it, got {groups} \
                  (check `norm_num_groups` against `block_out_channels`)",
-                self.prefix
+                self.path()
             )));
         }
         Ok(GroupNorm {
@@ -156,8 +65,7 @@ impl<'a> Vb<'a> {
         })
     }
 
-    /// `nn.LayerNorm(c, eps, elementwise_affine=True)` at this prefix.
-    pub(crate) fn layer_norm(&self, c: i64, eps: f64) -> Result<LayerNorm> {
+    fn layer_norm(&self, c: i64, eps: f64) -> Result<LayerNorm> {
         Ok(LayerNorm {
             weight: self.get("weight", &[c])?,
             bias: self.get("bias", &[c])?,

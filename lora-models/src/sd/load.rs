@@ -16,18 +16,18 @@
 //!   `diffusers/loaders/single_file_utils.py`), and [`ldm_text_encoder_key`] maps the SD 1.x
 //!   text-encoder keys to transformers' `text_model.…` names.
 //!
-//! Tensors are copied out of the map once at load (converted to the requested dtype), so the
-//! map need not outlive the model and unaligned data is fine.
+//! The files are read through the crate's weights layer ([`crate::weights`]); this module holds
+//! only what is SD's own: the diffusers folder layout and the original ↔ diffusers key maps.
 
-use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 use crate::error::{Error, Result};
+pub(crate) use crate::weights::read_config_json;
+use crate::weights::weight_files;
+/// The crate's weights layer, re-exported under the paths SD code has used.
+pub use crate::weights::{SafetensorsFiles, TensorMap, TensorSource};
 
 /// Options for loading a UNet or VAE.
 #[derive(Debug, Clone)]
@@ -52,180 +52,6 @@ impl Default for LoadOptions {
             attention: super::attention::AttentionBackend::Sdpa,
             variant: None,
         }
-    }
-}
-
-/// A provider of tensors by diffusers name.
-pub trait TensorSource {
-    /// The tensor called `name` (diffusers naming) in dtype `kind` on the source's device, or
-    /// `None` when absent.
-    ///
-    /// # Errors
-    /// [`Error::Safetensors`] / [`Error::Unsupported`] for unreadable data or dtypes;
-    /// [`Error::Torch`] when the conversion fails.
-    fn tensor(&self, name: &str, kind: Kind) -> Result<Option<Tensor>>;
-    /// Where the tensors come from (for messages).
-    fn origin(&self) -> PathBuf;
-}
-
-/// A mapped file: path, map, header length, parsed header.
-type MappedFile = (PathBuf, Mmap, usize, safetensors::tensor::Metadata);
-
-type KeyMap = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
-
-/// Memory-mapped safetensors files, optionally with a name translation (diffusers name → stored
-/// name) for single-file checkpoints.
-pub struct SafetensorsFiles {
-    origin: PathBuf,
-    files: Vec<MappedFile>,
-    index: HashMap<String, usize>,
-    key_map: Option<KeyMap>,
-    device: Device,
-}
-
-impl std::fmt::Debug for SafetensorsFiles {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SafetensorsFiles")
-            .field("origin", &self.origin)
-            .field("tensors", &self.index.len())
-            .field("key_map", &self.key_map.is_some())
-            .finish()
-    }
-}
-
-impl SafetensorsFiles {
-    /// Maps `paths` (the shards of one model); `origin` names the whole for messages.
-    ///
-    /// # Errors
-    /// [`Error::Io`] when a file cannot be opened or mapped; [`Error::Safetensors`] for a bad header.
-    pub fn open(paths: &[PathBuf], origin: &Path, device: Device) -> Result<Self> {
-        let mut files = Vec::new();
-        let mut index = HashMap::new();
-        for path in paths {
-            let f = File::open(path).map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            // SAFETY: read-only map; the file must not change while the model loads.
-            let mmap = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
-                path: path.clone(),
-                msg: e.to_string(),
-            })?;
-            for name in meta.tensors().keys() {
-                index.insert(name.clone(), files.len());
-            }
-            files.push((path.clone(), mmap, n, meta));
-        }
-        Ok(Self {
-            origin: origin.to_path_buf(),
-            files,
-            index,
-            key_map: None,
-            device,
-        })
-    }
-
-    /// Translates every requested diffusers name with `map` before the lookup (a `None` from
-    /// `map` reads as an absent tensor).
-    pub fn with_key_map(
-        mut self,
-        map: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        self.key_map = Some(Box::new(map));
-        self
-    }
-
-    /// The stored tensor names.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.index.keys().map(String::as_str)
-    }
-
-    /// Whether a tensor is stored under `name` (no key translation).
-    pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
-    }
-
-    /// The shape of the stored tensor `name` (no key translation; nothing is read), or `None`
-    /// when absent.
-    pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
-        let &fi = self.index.get(name)?;
-        let info = self.files[fi].3.info(name)?;
-        Some(info.shape.iter().map(|&d| d as i64).collect())
-    }
-
-    fn load_stored(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
-        let Some(&fi) = self.index.get(name) else {
-            return Ok(None);
-        };
-        let (path, mmap, n, meta) = &self.files[fi];
-        let info = meta.info(name).ok_or_else(|| Error::MissingTensor {
-            name: name.into(),
-            path: path.clone(),
-        })?;
-        let src_kind = match info.dtype {
-            Dtype::F32 => Kind::Float,
-            Dtype::F16 => Kind::Half,
-            Dtype::BF16 => Kind::BFloat16,
-            Dtype::F64 => Kind::Double,
-            Dtype::I64 => Kind::Int64,
-            other => {
-                return Err(Error::Unsupported {
-                    what: "safetensors dtype",
-                    value: format!("{other:?} (tensor `{name}` in {})", path.display()),
-                    hint: "supported: F32, F16, BF16, F64, I64".into(),
-                });
-            }
-        };
-        let start = 8 + n + info.data_offsets.0;
-        let end = 8 + n + info.data_offsets.1;
-        let bytes = mmap.get(start..end).ok_or_else(|| Error::Safetensors {
-            path: path.clone(),
-            msg: format!("tensor `{name}` data {start}..{end} lies outside the file"),
-        })?;
-        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
-        // `from_data_size` copies (bf16 built from bytes, tch-rs #995).
-        let t = Tensor::f_from_data_size(bytes, &shape, src_kind)?;
-        Ok(Some(t.f_to_kind(kind)?.f_to_device(self.device)?))
-    }
-}
-
-impl TensorSource for SafetensorsFiles {
-    fn tensor(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
-        match &self.key_map {
-            None => self.load_stored(name, kind),
-            Some(m) => match m(name) {
-                None => Ok(None),
-                Some(stored) => self.load_stored(&stored, kind),
-            },
-        }
-    }
-
-    fn origin(&self) -> PathBuf {
-        self.origin.clone()
-    }
-}
-
-/// In-memory tensors by diffusers name.
-#[derive(Debug)]
-pub struct TensorMap {
-    /// The tensors.
-    pub map: HashMap<String, Tensor>,
-}
-
-impl TensorSource for TensorMap {
-    fn tensor(&self, name: &str, kind: Kind) -> Result<Option<Tensor>> {
-        match self.map.get(name) {
-            None => Ok(None),
-            Some(t) => Ok(Some(t.f_detach()?.f_to_kind(kind)?)),
-        }
-    }
-
-    fn origin(&self) -> PathBuf {
-        "<tensor map>".into()
     }
 }
 
@@ -270,75 +96,6 @@ pub fn diffusers_weight_files(dir: &Path, variant: Option<&str>) -> Result<Vec<P
         ],
     };
     weight_files(dir, &stems)
-}
-
-/// The first of `names` (e.g. `model.safetensors`) that exists in `dir`, or the shards listed by
-/// its `<name>.index.json` (`weight_map`), in file-name order.
-///
-/// # Errors
-/// [`Error::Io`] when none exists (the message lists what was looked for); [`Error::Config`] for
-/// an index without `weight_map`.
-pub(crate) fn weight_files(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
-    let stems = names;
-    for stem in stems {
-        let single = dir.join(stem);
-        if single.exists() {
-            return Ok(vec![single]);
-        }
-        let index_path = dir.join(format!("{stem}.index.json"));
-        if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|source| Error::Io {
-                path: index_path.clone(),
-                source,
-            })?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
-                path: index_path.clone(),
-                msg: e.to_string(),
-            })?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::Config {
-                    path: index_path.clone(),
-                    msg: "no `weight_map` object".into(),
-                })?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect();
-            files.sort();
-            files.dedup();
-            return Ok(files.into_iter().map(|f| dir.join(f)).collect());
-        }
-    }
-    Err(Error::Io {
-        path: dir.join(&stems[0]),
-        source: std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!(
-                "none of {stems:?} (or their .index.json) in the folder; .bin weights are not read, convert them to safetensors"
-            ),
-        ),
-    })
-}
-
-/// Reads a `config.json` into a JSON object.
-pub(crate) fn read_config_json(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => Ok(m),
-        Ok(_) => Err(Error::Config {
-            path: path.to_path_buf(),
-            msg: "not a JSON object".into(),
-        }),
-        Err(e) => Err(Error::Config {
-            path: path.to_path_buf(),
-            msg: e.to_string(),
-        }),
-    }
 }
 
 /// Prefix of the UNet in an original single-file checkpoint.

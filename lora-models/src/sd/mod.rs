@@ -23,6 +23,7 @@
 
 pub mod attention;
 pub mod blocks;
+pub mod config;
 pub mod load;
 pub mod pipeline;
 pub mod unet;

@@ -21,169 +21,17 @@ use std::path::Path;
 
 use lora_core::conv::LoraConv2d;
 use lora_core::inject::{Adaptable, SiteMut};
-use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use super::blocks::{
-    Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D, Vb, Visitor, join,
-    site_params,
+    Downsample2D, GroupNorm, NormLayers, ResnetBlock2D, SpatialAttention, Upsample2D, Vb, Visitor,
+    join, site_params,
 };
-use super::load::{
-    LoadOptions, SafetensorsFiles, TensorSource, component_dir, diffusers_weight_files,
-    ldm_vae_key, read_config_json,
-};
+use super::load::{LoadOptions, component_dir, diffusers_weight_files, ldm_vae_key};
 use crate::error::{Error, Result};
+use crate::weights::{SafetensorsFiles, TensorSource};
 
-/// A diffusers `AutoencoderKL` `config.json` (all keys of 0.42.1; defaults are the constructor's).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct VaeConfig {
-    pub in_channels: i64,
-    pub out_channels: i64,
-    pub down_block_types: Vec<String>,
-    pub up_block_types: Vec<String>,
-    pub block_out_channels: Vec<i64>,
-    pub layers_per_block: i64,
-    pub act_fn: String,
-    pub latent_channels: i64,
-    pub norm_num_groups: i64,
-    pub sample_size: Option<serde_json::Value>,
-    pub scaling_factor: f64,
-    pub shift_factor: Option<f64>,
-    pub latents_mean: Option<serde_json::Value>,
-    pub latents_std: Option<serde_json::Value>,
-    pub force_upcast: bool,
-    pub use_quant_conv: bool,
-    pub use_post_quant_conv: bool,
-    pub mid_block_add_attention: bool,
-}
-
-impl Default for VaeConfig {
-    fn default() -> Self {
-        Self {
-            in_channels: 3,
-            out_channels: 3,
-            down_block_types: vec!["DownEncoderBlock2D".into()],
-            up_block_types: vec!["UpDecoderBlock2D".into()],
-            block_out_channels: vec![64],
-            layers_per_block: 1,
-            act_fn: "silu".into(),
-            latent_channels: 4,
-            norm_num_groups: 32,
-            sample_size: None,
-            scaling_factor: 0.18215,
-            shift_factor: None,
-            latents_mean: None,
-            latents_std: None,
-            force_upcast: true,
-            use_quant_conv: true,
-            use_post_quant_conv: true,
-            mid_block_add_attention: true,
-        }
-    }
-}
-
-impl VaeConfig {
-    /// The SD 1.x / 2.x VAE (`runwayml/stable-diffusion-v1-5/vae/config.json`): block channels
-    /// `[128, 256, 512, 512]`, `layers_per_block` 2, 4 latent channels, `scaling_factor` 0.18215,
-    /// `sample_size` 512.
-    pub fn sd15() -> Self {
-        Self {
-            down_block_types: vec!["DownEncoderBlock2D".into(); 4],
-            up_block_types: vec!["UpDecoderBlock2D".into(); 4],
-            block_out_channels: vec![128, 256, 512, 512],
-            layers_per_block: 2,
-            sample_size: Some(512.into()),
-            ..Self::default()
-        }
-    }
-
-    /// The SDXL VAE: the SD 1.x architecture with `scaling_factor` 0.13025 and `sample_size` 1024.
-    pub fn sdxl() -> Self {
-        Self {
-            scaling_factor: 0.13025,
-            sample_size: Some(1024.into()),
-            ..Self::sd15()
-        }
-    }
-
-    /// Parses a `config.json` object (`_`-prefixed keys dropped; unknown keys are an error).
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the file and key.
-    pub fn from_json(
-        path: &Path,
-        mut obj: serde_json::Map<String, serde_json::Value>,
-    ) -> Result<Self> {
-        obj.retain(|k, _| !k.starts_with('_'));
-        serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| Error::Config {
-            path: path.to_path_buf(),
-            msg: format!("{e} (AutoencoderKL keys of diffusers 0.42.1 are accepted)"),
-        })
-    }
-
-    /// Reads a `config.json`.
-    ///
-    /// # Errors
-    /// [`Error::Io`] / [`Error::Config`].
-    pub fn from_file(path: &Path) -> Result<Self> {
-        Self::from_json(path, read_config_json(path)?)
-    }
-
-    fn validate(&self) -> Result<()> {
-        let n = self.block_out_channels.len();
-        let unsupported = |key: &str, value: String, hint: &str| Error::Unsupported {
-            what: "AutoencoderKL config value",
-            value: format!("{key} = {value}"),
-            hint: hint.into(),
-        };
-        if n == 0 || self.down_block_types.len() != n || self.up_block_types.len() != n {
-            return Err(Error::InvalidArgument(format!(
-                "VAE config: `down_block_types`, `up_block_types` and `block_out_channels` must have the same non-zero length ({n})"
-            )));
-        }
-        if let Some(t) = self
-            .down_block_types
-            .iter()
-            .find(|t| *t != "DownEncoderBlock2D")
-        {
-            return Err(unsupported(
-                "down_block_types",
-                t.clone(),
-                "supported: DownEncoderBlock2D",
-            ));
-        }
-        if let Some(t) = self
-            .up_block_types
-            .iter()
-            .find(|t| *t != "UpDecoderBlock2D")
-        {
-            return Err(unsupported(
-                "up_block_types",
-                t.clone(),
-                "supported: UpDecoderBlock2D",
-            ));
-        }
-        if self.act_fn != "silu" {
-            return Err(unsupported(
-                "act_fn",
-                self.act_fn.clone(),
-                "supported: silu",
-            ));
-        }
-        if self.latents_mean.as_ref().is_some_and(|v| !v.is_null())
-            || self.latents_std.as_ref().is_some_and(|v| !v.is_null())
-        {
-            return Err(unsupported(
-                "latents_mean/latents_std",
-                "set".into(),
-                "per-channel latent statistics are not implemented (SD 1.x / SDXL VAEs have none)",
-            ));
-        }
-        Ok(())
-    }
-}
+pub use super::config::VaeConfig;
 
 /// A diagonal Gaussian over latents (`DiagonalGaussianDistribution` of diffusers / ldm).
 ///

@@ -1,4 +1,4 @@
-"""Reference data for `tests/sd_clip.rs`: a small CLIP BPE vocabulary, tiny CLIP text encoders
+"""Reference data for `tests/sd/clip.rs`: a small CLIP BPE vocabulary, tiny CLIP text encoders
 with random weights, a PEFT LoRA on one of them, and transformers' outputs for all of it.
 
 No real CLIP vocabulary or weights are available offline, so everything is built here with a

@@ -1,4 +1,4 @@
-"""Reference data for `tests/sd_diffusion.rs` from diffusers' schedulers and training utilities.
+"""Reference data for `tests/sd/diffusion.rs` from diffusers' schedulers and training utilities.
 
 On fixed inputs (seeded tensors written to the output), records:
 - `alphas_cumprod` of `DDPMScheduler` for scaled_linear (SD), linear, squaredcos_cap_v2 and

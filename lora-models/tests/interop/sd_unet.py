@@ -1,4 +1,4 @@
-"""Reference outputs of diffusers' UNet2DConditionModel for the `sd_unet` test.
+"""Reference outputs of diffusers' UNet2DConditionModel for `tests/sd/unet.rs`.
 
 Builds two tiny UNets with random weights (fixed seed) and writes, under --out:
 

@@ -1,4 +1,4 @@
-"""Reference outputs of diffusers' AutoencoderKL for the `sd_vae` test.
+"""Reference outputs of diffusers' AutoencoderKL for `tests/sd/vae.rs`.
 
 Builds a tiny VAE with random weights (fixed seed) and writes, under --out:
 

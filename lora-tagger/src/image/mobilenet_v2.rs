@@ -14,6 +14,7 @@
 
 use std::path::Path;
 
+use lora_core::safetensors::SafetensorsFile;
 use tch::{Device, Kind, Tensor};
 
 use super::Backbone;
@@ -77,70 +78,61 @@ struct Block {
 }
 
 /// Reads tensors by name from a safetensors file (memory-mapped; each tensor copied once).
-struct Weights {
-    mmap: memmap2::Mmap,
-    path: std::path::PathBuf,
-}
+struct Weights(SafetensorsFile);
 
 impl Weights {
     fn open(path: &Path) -> Result<Self> {
-        let f = std::fs::File::open(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        // SAFETY: the file is opened read-only and not modified while mapped; every tensor is
-        // copied out of the map before it is dropped.
-        let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Ok(Weights {
-            mmap,
-            path: path.to_path_buf(),
-        })
+        SafetensorsFile::open(path)
+            .map(Weights)
+            .map_err(|e| match e {
+                lora_core::Error::Io { path, source } => Error::Io { path, source },
+                e => Error::Format {
+                    path: path.to_path_buf(),
+                    msg: format!("not a safetensors file: {e}"),
+                },
+            })
     }
 
-    fn names(&self) -> Result<Vec<String>> {
-        let st = self.parse()?;
-        Ok(st.names().into_iter().map(|s| s.to_string()).collect())
-    }
-
-    fn parse(&self) -> Result<safetensors::SafeTensors<'_>> {
-        safetensors::SafeTensors::deserialize(&self.mmap).map_err(|e| Error::Format {
-            path: self.path.clone(),
-            msg: format!("not a safetensors file: {e}"),
-        })
+    fn names(&self) -> Vec<String> {
+        self.0.names().map(str::to_string).collect()
     }
 
     /// The tensor `name` as f32 on the CPU, checked against `shape`.
     fn get(&self, name: &str, shape: &[i64]) -> Result<Tensor> {
-        let st = self.parse()?;
         let fmt = |msg: String| Error::Format {
-            path: self.path.clone(),
+            path: self.0.path().to_path_buf(),
             msg,
         };
-        let view = st.tensor(name).map_err(|_| {
-            fmt(format!(
+        let Some(got) = self.0.shape(name) else {
+            return Err(fmt(format!(
                 "missing tensor `{name}` (expected shape {shape:?})"
-            ))
-        })?;
-        let got: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            )));
+        };
         if got != shape {
             return Err(fmt(format!(
                 "tensor `{name}` has shape {got:?}, expected {shape:?} (MobileNetV2 width 1.0)"
             )));
         }
-        let kind = match view.dtype() {
-            safetensors::Dtype::F32 => Kind::Float,
-            safetensors::Dtype::F16 => Kind::Half,
-            safetensors::Dtype::BF16 => Kind::BFloat16,
+        match self.0.info(name).map(|(dtype, _)| dtype) {
+            Some(safetensors::Dtype::F32 | safetensors::Dtype::F16 | safetensors::Dtype::BF16) => {}
             other => {
                 return Err(fmt(format!(
                     "tensor `{name}` has dtype {other:?}; expected F32, F16 or BF16"
                 )));
             }
-        };
-        Ok(Tensor::f_from_data_size(view.data(), &got, kind)?.f_to_kind(Kind::Float)?)
+        }
+        self.0
+            .tensor_as(name, Kind::Float, Device::Cpu)
+            .map_err(|e| match e {
+                // out of memory and other libtorch failures stay what they are
+                lora_core::Error::Torch { source, .. } => Error::Torch(source),
+                e => fmt(e.to_string()),
+            })?
+            .ok_or_else(|| {
+                fmt(format!(
+                    "missing tensor `{name}` (expected shape {shape:?})"
+                ))
+            })
     }
 }
 
@@ -199,14 +191,14 @@ impl MobileNetV2 {
     /// [`Error::Torch`] when a copy to the device fails.
     pub fn load(path: &Path, device: Device, kind: Kind) -> Result<Self> {
         let w = Weights::open(path)?;
-        let st = w.parse()?;
-        let fc = st
-            .tensor("classifier.1.weight")
-            .map_err(|_| Error::Format {
+        let fc = w
+            .0
+            .shape("classifier.1.weight")
+            .ok_or_else(|| Error::Format {
                 path: path.to_path_buf(),
                 msg: "missing tensor `classifier.1.weight`; not a torchvision MobileNetV2".into(),
             })?;
-        let num_classes = fc.shape().first().copied().unwrap_or(0) as i64;
+        let num_classes = fc.first().copied().unwrap_or(0);
         let stem = conv_bn(
             &w,
             "features.0.0",
@@ -308,7 +300,7 @@ impl MobileNetV2 {
     /// # Errors
     /// As [`MobileNetV2::load`].
     pub fn tensor_names(path: &Path) -> Result<Vec<String>> {
-        Weights::open(path)?.names()
+        Ok(Weights::open(path)?.names())
     }
 }
 

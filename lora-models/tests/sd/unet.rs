@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use crate::rng_lock;
 use lora_core::inject::{Adaptable, site_names};
 use lora_core::layer::SiteKind;
 use lora_models::sd::{AttentionBackend, LoadOptions, UNet2DConditionModel, UNetConfig};
@@ -104,14 +105,6 @@ fn run(unet: &UNet2DConditionModel, case: &str) -> Tensor {
 }
 
 const TOL_F32: f64 = 1e-4;
-
-/// libtorch's generator is process-wide: tests that seed it or draw from it (adapter
-/// initialisation, dropout) must not interleave.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 #[test]
 fn sd1_unet_matches_diffusers() {

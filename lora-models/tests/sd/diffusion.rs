@@ -281,6 +281,7 @@ fn samplers_match_diffusers() {
 
 #[test]
 fn loss_sampling_respects_options_and_backpropagates() {
+    let _lock = crate::rng_lock();
     tch::manual_seed(7);
     let cfg = LossConfig {
         min_timestep: 100,

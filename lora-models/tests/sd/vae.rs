@@ -63,11 +63,8 @@ fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
 
 const TOL_F32: f64 = 1e-4;
 
-/// libtorch's generator is process-wide: the seeded draws of parallel tests must not interleave.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 fn check(vae: &AutoencoderKL, label: &str) {
-    let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = crate::rng_lock();
     let _g = tch::no_grad_guard();
     let dist = vae.encode(&r("image")).unwrap();
     for (name, ours) in [

@@ -1,0 +1,19 @@
+//! The Stable Diffusion tests of this crate in one test executable (one link instead of four):
+//! the CLIP tokenizer and text encoders ([`clip`]), the noise schedule, loss and samplers
+//! ([`diffusion`]), the UNet ([`unet`]) and the VAE ([`vae`]), each against its Python
+//! reference.
+
+mod clip;
+mod diffusion;
+mod unet;
+mod vae;
+
+/// libtorch's generator is process-wide: tests that seed it or draw from it (seeded sampling,
+/// adapter initialisation, dropout) must not interleave, across all modules of this executable.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds the generator for the calling test (a test that panicked while holding it does not
+/// poison it for the others).
+fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
