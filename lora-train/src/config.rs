@@ -492,7 +492,7 @@ pub struct TrainSection {
     pub weight_decay: f64,
     /// SGD momentum μ. Unset: 0 for `SGD` (`torch.optim.SGD`'s and kohya's default) and 0.9 for
     /// `SGDNesterov` (kohya's), as the engine's optimizer names give them
-    /// ([`crate::job::lower::sgd_momentum`]).
+    /// ([`OptimizerName::default_momentum`]).
     pub momentum: Option<f64>,
     /// LoRA+ ratio `lr_B / lr_A` (arXiv:2402.12354); `None` = plain LoRA.
     pub loraplus_lr_ratio: Option<f64>,

@@ -314,6 +314,12 @@ pub fn consumer(root: &Path, env: &Env) -> Result<()> {
     // docs.rs: no libtorch, no network, nightly rustdoc features through RUSTC_BOOTSTRAP.
     let t_docs = Instant::now();
     let docs_target = root.join("target/docsrs");
+    // The offline builds below need every package of the lock file, including the optional ones
+    // of non-default features (NVML's libloading) that no build of the repository downloaded on
+    // a fresh machine: fetch them first (the registry is reachable; the builds stay offline).
+    let mut fetch = consumer_cargo(&work, &docs_target);
+    fetch.args(["fetch", "--quiet"]);
+    util::run(&mut fetch, "cargo fetch for the packaged crates")?;
     // the binary package has no library to document; it is compiled below
     for p in packed.iter().filter(|p| p.name != "lora-train-cli") {
         let features = docs_rs_features(&p.dir.join("Cargo.toml"))?;

@@ -14,7 +14,8 @@
 //! 7. the evaluation before training ([`LoadedRun::before`]);
 //! 8. training by the engine's [`Trainer`](crate::engine::Trainer) with the progress bar, the
 //!    metrics log, the recipe's callbacks and the app's, measuring memory;
-//! 9. the evaluation after training ([`LoadedRun::after`]), refusing to export a diverged adapter;
+//! 9. the evaluation after training ([`LoadedRun::after`]), refusing to export a diverged adapter,
+//!    then what a finished run adds ([`LoadedRun::finish`]: sample images, generations);
 //! 10. export ([`LoadedRun::export`]) without writing over files the run did not make, then
 //!     `summary.json` ([`LoadedRun::summary`]).
 //!
@@ -46,8 +47,6 @@ pub struct RunContext<'o> {
     pub cuda: bool,
     /// `model.base_model` as written in the config.
     pub base_written: String,
-    /// `model.base_model` resolved ([`crate::job::resolve_path`]).
-    pub base_path: PathBuf,
     /// `train.output_dir`.
     pub out_dir: PathBuf,
     /// The checkpoint the run resumes from and its optimizer step.
@@ -61,6 +60,16 @@ impl RunContext<'_> {
         if self.opts.verbose {
             eprintln!("[{:6.1} s] {s}", self.started.elapsed().as_secs_f64());
         }
+    }
+
+    /// `model.base_model` resolved ([`crate::job::resolve_path`]: as written, else next to the
+    /// config file).
+    ///
+    /// # Errors
+    /// [`JobError::MissingFile`] naming the key and the places looked (a planning preset has
+    /// no file: the plan reads it, loading it fails here).
+    pub fn base_path(&self) -> Result<PathBuf> {
+        crate::job::resolve_path("model.base_model", &self.base_written, self.config_dir())
     }
 
     /// The config file's folder (relative paths are also tried there).
@@ -217,6 +226,20 @@ pub trait LoadedRun: Sized {
         report: &TrainReport,
     ) -> Result<Option<(&'static str, f64)>>;
 
+    /// What comes after a run that did not diverge and before export (final sample images,
+    /// sample generations); the default does nothing.
+    ///
+    /// # Errors
+    /// Model errors.
+    fn finish(
+        &mut self,
+        _cfg: &TrainConfig,
+        _ctx: &RunContext<'_>,
+        _report: &TrainReport,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// The dataset's entry of the run metadata ([`crate::export::RunMetadata::dataset`]).
     fn dataset_metadata(&self) -> serde_json::Value;
 
@@ -315,17 +338,11 @@ pub fn run<S: RunSteps>(
     check_device(&cfg)?;
     let device = device_of(&cfg);
     let base_written = cfg.base_model()?.to_string();
-    let base_path = crate::job::resolve_path(
-        "model.base_model",
-        &base_written,
-        opts.config_dir.as_deref(),
-    )?;
     let mut ctx = RunContext {
         opts,
         device,
         cuda: device != Device::Cpu,
         base_written,
-        base_path,
         out_dir: PathBuf::from(&cfg.train.output_dir),
         resume_from: None,
         started: Instant::now(),
@@ -405,7 +422,7 @@ pub fn run<S: RunSteps>(
             return Ok(done);
         }
         ctx.say(&format!(
-            "training already finished at step {step} of {total_steps}, but the run was not exported; evaluating and exporting"
+            "training already finished at step {step} of {total_steps}; evaluating and exporting"
         ));
     }
 
@@ -448,17 +465,23 @@ pub fn run<S: RunSteps>(
     };
     let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let (rss_before_steps, hwm_process) = proc_rss();
-    let _ = reset_peak_rss();
-    let _ = lora_core::sys::cpu_reset_peak();
-    let t_train = Instant::now();
-    let fitted = {
+    let (fitted, rss_before_steps, hwm_process, train_seconds) = {
         let mut task = loaded.task(&cfg, named)?;
         let mut trainer = crate::engine::Trainer::new(tcfg);
         for cb in job_callbacks {
             trainer.add_callback(cb);
         }
-        trainer.fit(&mut task, &mut source, resume)
+        let (rss_before_steps, hwm_process) = proc_rss();
+        let _ = reset_peak_rss();
+        let _ = lora_core::sys::cpu_reset_peak();
+        let t_train = Instant::now();
+        let fitted = trainer.fit(&mut task, &mut source, resume);
+        (
+            fitted,
+            rss_before_steps,
+            hwm_process,
+            t_train.elapsed().as_secs_f64(),
+        )
     };
     let report = fitted.map_err(|e| match e {
         crate::engine::TrainError::NonFinite { .. }
@@ -468,7 +491,6 @@ pub fn run<S: RunSteps>(
             source: other,
         },
     })?;
-    let train_seconds = t_train.elapsed().as_secs_f64();
     let (_, hwm_steps) = proc_rss();
     let memory = MeasuredMemory {
         rss_before_steps,
@@ -514,6 +536,10 @@ pub fn run<S: RunSteps>(
     match evaluated {
         Some((what, value)) => check_not_diverged(&report, what, Some(value))?,
         None => check_not_diverged(&report, "loss", None)?,
+    }
+    loaded.finish(&cfg, &ctx, &report)?;
+    if crate::engine::stop_requested() {
+        return Err(interrupted(&report));
     }
 
     // export

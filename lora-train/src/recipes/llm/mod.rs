@@ -407,19 +407,16 @@ impl RunSteps for LlmSteps {
         let (data_written, data_path) = self
             .data
             .ok_or(JobError::Internal("the training data was not read"))?;
+        let base_path = ctx.base_path()?;
         ctx.say(&format!(
             "loading {} ({:?}, {:?}) on {:?}",
-            ctx.base_path.display(),
+            base_path.display(),
             cfg.model.weights,
             cfg.model.dtype,
             ctx.device
         ));
-        let (mut model, tok) = load_base(
-            &ctx.base_path,
-            cfg.model.weights,
-            cfg.model.dtype,
-            ctx.device,
-        )?;
+        let (mut model, tok) =
+            load_base(&base_path, cfg.model.weights, cfg.model.dtype, ctx.device)?;
         if crate::engine::stop_requested() {
             return Err(ctx.interrupted_before_training());
         }
@@ -683,6 +680,15 @@ impl LoadedRun for LlmRun {
             ctx.say("evaluating held-out perplexity after training");
         }
         self.eval_after = evaluate(&self.model, &self.eval_ids, cfg.data.seq_len as usize)?;
+        Ok(self.eval_after.map(|a| ("held-out loss", a.mean_nll)))
+    }
+
+    fn finish(
+        &mut self,
+        cfg: &TrainConfig,
+        _ctx: &RunContext<'_>,
+        _report: &crate::engine::TrainReport,
+    ) -> Result<()> {
         self.sample_after = match &cfg.logging.sample_prompt {
             Some(p) => Some(sample(
                 &self.model,
@@ -692,7 +698,7 @@ impl LoadedRun for LlmRun {
             )?),
             None => None,
         };
-        Ok(self.eval_after.map(|a| ("held-out loss", a.mean_nll)))
+        Ok(())
     }
 
     fn dataset_metadata(&self) -> serde_json::Value {
@@ -700,9 +706,10 @@ impl LoadedRun for LlmRun {
     }
 
     fn base_sha256(&self, ctx: &RunContext<'_>) -> Result<Option<String>> {
-        if ctx.base_path.is_file() {
+        let base_path = ctx.base_path()?;
+        if base_path.is_file() {
             Ok(Some(
-                crate::export::sha256_file(&ctx.base_path).during("hashing the base model")?,
+                crate::export::sha256_file(&base_path).during("hashing the base model")?,
             ))
         } else {
             Ok(None)

@@ -247,12 +247,13 @@ impl RunSteps for SdSteps {
     fn check(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()> {
         // the checks `lora-train plan` makes (resolution, target_modules, model.kind, a single
         // file's tokenizer), before anything loads or is written
-        let desc = crate::sd_plan::descriptor_of_path(&ctx.base_path, &ctx.base_written).ok();
-        crate::sd_plan::check_sd_config(cfg, Some(&ctx.base_path), desc.as_ref(), ctx.config_dir())
+        let base_path = ctx.base_path()?;
+        let desc = crate::sd_plan::descriptor_of_path(&base_path, &ctx.base_written).ok();
+        crate::sd_plan::check_sd_config(cfg, Some(&base_path), desc.as_ref(), ctx.config_dir())
     }
 
     fn plan(&self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<Option<Plan>> {
-        match sd_plan(cfg, &ctx.base_path, ctx.cuda) {
+        match sd_plan(cfg, &ctx.base_path()?, ctx.cuda) {
             Ok(p) => Ok(Some(p)),
             Err(e) => {
                 ctx.say(&format!("memory plan unavailable: {e}"));
@@ -319,7 +320,7 @@ impl RunSteps for SdSteps {
             Dtype::Bf16 => Kind::BFloat16,
             Dtype::F16 => Kind::Half,
         };
-        let base_path = &ctx.base_path;
+        let base_path = &ctx.base_path()?;
         ctx.say(&format!(
             "loading {} ({kind:?}) on {:?}",
             base_path.display(),
@@ -501,6 +502,7 @@ impl LoadedRun for SdRun {
                 persistent_workers: false,
             })
             .during("building the image loader")?;
+        let base_path = ctx.base_path()?;
         let out_dir = &ctx.out_dir;
         std::fs::create_dir_all(out_dir).during(format!("creating {}", out_dir.display()))?;
         let disk = if cfg.data.cache_latents == Some(true) {
@@ -514,8 +516,8 @@ impl LoadedRun for SdRun {
         // the VAE (its file or folder) and the dtype it encodes in name the cached latents
         let model_id = format!(
             "vae:{}:{:?}",
-            std::fs::canonicalize(&ctx.base_path)
-                .unwrap_or_else(|_| ctx.base_path.clone())
+            std::fs::canonicalize(&base_path)
+                .unwrap_or_else(|_| base_path.clone())
                 .display(),
             self.kind
         );
@@ -654,7 +656,7 @@ impl LoadedRun for SdRun {
         cfg: &TrainConfig,
         ctx: &RunContext<'_>,
         source: ImageSource,
-        report: &crate::engine::TrainReport,
+        _report: &crate::engine::TrainReport,
     ) -> Result<Option<(&'static str, f64)>> {
         self.bucket_batches = source.bucket_batches();
         drop(source);
@@ -677,6 +679,15 @@ impl LoadedRun for SdRun {
             "fixed-noise loss: {:.5} → {:.5}",
             self.eval_loss_before, self.eval_loss_after
         ));
+        Ok(Some(("fixed-noise loss", self.eval_loss_after)))
+    }
+
+    fn finish(
+        &mut self,
+        cfg: &TrainConfig,
+        ctx: &RunContext<'_>,
+        report: &crate::engine::TrainReport,
+    ) -> Result<()> {
         if !self.prompts.is_empty()
             && !self
                 .written
@@ -697,7 +708,7 @@ impl LoadedRun for SdRun {
                 .during("writing the final sample grid")?;
             self.written.borrow_mut().push(p);
         }
-        Ok(Some(("fixed-noise loss", self.eval_loss_after)))
+        Ok(())
     }
 
     fn dataset_metadata(&self) -> serde_json::Value {
