@@ -349,14 +349,15 @@ pub fn consumer(root: &Path, env: &Env) -> Result<()> {
             bail!("rustdoc wrote no {}", index.display());
         }
     }
-    // doc_cfg: feature-gated items are marked (the recipe modules of lora-train)
-    let llm_page = docs_target.join("doc/lora_train/llm/index.html");
-    let page = std::fs::read_to_string(&llm_page)
-        .with_context(|| format!("rustdoc wrote no {}", llm_page.display()))?;
-    if !page.contains("crate feature <code>llm</code>") {
+    // doc_cfg: feature-gated items are marked (the recipe modules of lora-train, listed on the
+    // page of `lora_train::recipes`)
+    let recipes_page = docs_target.join("doc/lora_train/recipes/index.html");
+    let page = std::fs::read_to_string(&recipes_page)
+        .with_context(|| format!("rustdoc wrote no {}", recipes_page.display()))?;
+    if !page.contains("crate feature `llm`") || !page.contains("crate feature `sd`") {
         bail!(
-            "{} does not say that `llm` needs its feature: is `#![cfg_attr(docsrs, feature(doc_cfg))]` still in lora-train's lib.rs?",
-            llm_page.display()
+            "{} does not say that `llm` and `sd` need their features: is `#![cfg_attr(docsrs, feature(doc_cfg))]` still in lora-train's lib.rs?",
+            recipes_page.display()
         );
     }
     let docs_s = t_docs.elapsed().as_secs_f64();

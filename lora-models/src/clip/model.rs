@@ -176,7 +176,7 @@ pub struct ClipTextOutput {
 /// exactly these, `TEXT_ENCODER_TARGET_REPLACE_MODULE = ["CLIPAttention", "CLIPMLP"]`).
 /// Embeddings and LayerNorms are frozen plain tensors without grad. A PEFT adapter saved from a
 /// transformers 5.x `CLIPTextModel` names its modules without `text_model.`
-/// (`base_model.model.encoder.layers.0.self_attn.q_proj`); [`canonicalize_adapter`] renames
+/// (`base_model.model.encoder.layers.0.self_attn.q_proj`); [`canonicalize_adapter`](crate::clip::canonicalize_adapter) renames
 /// them before loading.
 ///
 /// # Shapes
