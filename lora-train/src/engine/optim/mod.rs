@@ -20,7 +20,9 @@ pub use adafactor::{Adafactor, AdafactorConfig};
 pub use adamw::{AdamW, AdamWConfig};
 pub use adamw8bit::{AdamW8bit, DynamicMap, QuantizedState};
 pub(crate) use optimizer::CpuStepThreads;
-pub use optimizer::{Optimizer, OptimizerState, ParamGroup, lora_plus_groups, tensor_bytes};
+pub use optimizer::{
+    Optimizer, OptimizerState, ParamGroup, adapter_groups, lora_plus_groups, tensor_bytes,
+};
 pub use sgd::{Sgd, SgdConfig};
 
 use serde::{Deserialize, Serialize};

@@ -44,6 +44,21 @@ impl ParamGroup {
     }
 }
 
+/// The parameter groups of named adapter tensors: [`lora_plus_groups`] with a LoRA+ ratio,
+/// else one group `"adapters"` at the base learning rate.
+pub fn adapter_groups(
+    named: Vec<(String, Tensor)>,
+    loraplus_ratio: Option<f64>,
+) -> Vec<ParamGroup> {
+    match loraplus_ratio {
+        Some(r) => lora_plus_groups(named, r),
+        None => vec![ParamGroup::new(
+            "adapters",
+            named.into_iter().map(|(_, t)| t).collect(),
+        )],
+    }
+}
+
 /// Splits named adapter tensors into two groups for LoRA+ (Hayou et al., arXiv:2402.12354):
 /// names containing `lora_B` or `lora_up` go to a group with `lr_scale = ratio`, all others to a
 /// group with `lr_scale = 1`. Empty groups are dropped.

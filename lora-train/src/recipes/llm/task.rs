@@ -74,13 +74,6 @@ pub struct LlamaTask<'a> {
     pub loraplus_lr_ratio: Option<f64>,
 }
 
-fn model_err(e: lora_models::Error) -> crate::engine::TrainError {
-    match e {
-        lora_models::Error::Torch(t) => crate::engine::TrainError::Torch(t),
-        other => crate::engine::TrainError::App(other.to_string()),
-    }
-}
-
 impl crate::engine::TrainStep for LlamaTask<'_> {
     type Batch = lora_data::text::TextBatch;
 
@@ -92,7 +85,7 @@ impl crate::engine::TrainStep for LlamaTask<'_> {
         let pos = b.position_ids.f_to_device(d)?;
         self.model
             .loss(&ids, &labels, Some(&mask), Some(&pos), train)
-            .map_err(model_err)
+            .map_err(crate::job::error::model_step_err)
     }
 
     /// With gradient checkpointing on, the model recomputes each decoder layer during backward
@@ -114,7 +107,7 @@ impl crate::engine::TrainStep for LlamaTask<'_> {
         self.model
             .loss_backward(&ids, &labels, Some(&mask), Some(&pos), true, scale)
             .map(Some)
-            .map_err(model_err)
+            .map_err(crate::job::error::model_step_err)
     }
 
     fn named_trainable(&self) -> Vec<(String, tch::Tensor)> {
@@ -125,13 +118,7 @@ impl crate::engine::TrainStep for LlamaTask<'_> {
     }
 
     fn param_groups(&self) -> Vec<crate::engine::optim::ParamGroup> {
-        match self.loraplus_lr_ratio {
-            Some(r) => crate::engine::optim::lora_plus_groups(self.named_trainable(), r),
-            None => vec![crate::engine::optim::ParamGroup::new(
-                "adapters",
-                self.named.iter().map(|(_, t)| t.shallow_clone()).collect(),
-            )],
-        }
+        crate::engine::optim::adapter_groups(self.named_trainable(), self.loraplus_lr_ratio)
     }
 
     fn micro_batch_len(&self, b: &Self::Batch) -> usize {

@@ -104,13 +104,7 @@ pub fn pipeline_err(e: lora_models::Error) -> JobError {
     }
 }
 
-/// A model error inside a training step, as the engine reports it.
-pub(crate) fn model_err(e: lora_models::Error) -> TrainError {
-    match e {
-        lora_models::Error::Torch(t) => TrainError::Torch(t),
-        other => TrainError::App(other.to_string()),
-    }
-}
+pub(crate) use crate::job::error::model_step_err as model_err;
 
 /// The text-encoder modules adapted with `train.train_text_encoder`: CLIP's attention
 /// projections, as diffusers' `train_text_to_image_lora.py` / `train_dreambooth_lora.py`

@@ -109,13 +109,7 @@ impl TrainStep for SdTask {
     }
 
     fn param_groups(&self) -> Vec<crate::engine::optim::ParamGroup> {
-        match self.loraplus_lr_ratio {
-            Some(r) => crate::engine::optim::lora_plus_groups(self.named_trainable(), r),
-            None => vec![crate::engine::optim::ParamGroup::new(
-                "adapters",
-                self.named.iter().map(|(_, t)| t.shallow_clone()).collect(),
-            )],
-        }
+        crate::engine::optim::adapter_groups(self.named_trainable(), self.loraplus_lr_ratio)
     }
 
     fn micro_batch_len(&self, b: &SdBatch) -> usize {
