@@ -186,17 +186,11 @@ pub fn metadata_for(cfg: &TrainConfig, run: &RunMetadata) -> BTreeMap<String, St
     m.insert("ss_optimizer".into(), format!("{:?}", cfg.train.optimizer));
     m.insert(
         "ss_lr_scheduler".into(),
-        serde_json::to_value(cfg.train.lr_scheduler)
-            .ok()
-            .and_then(|v| v.as_str().map(String::from))
-            .unwrap_or_default(),
+        cfg.train.lr_scheduler.name().to_string(),
     );
     m.insert(
         "ss_mixed_precision".into(),
-        serde_json::to_value(cfg.train.mixed_precision)
-            .ok()
-            .and_then(|v| v.as_str().map(String::from))
-            .unwrap_or_default(),
+        cfg.train.mixed_precision.name().to_string(),
     );
     m.insert(
         "ss_gradient_checkpointing".into(),

@@ -36,7 +36,10 @@ fn demo_yaml_reads_as_written() {
     assert_eq!(c.data.max_bytes, Some(60_000));
     assert_eq!(c.train.max_steps, Some(16));
     assert_eq!(c.train.learning_rate, 1e-3);
-    assert_eq!(c.train.lr_scheduler, SchedulerKind::Cosine);
+    assert_eq!(
+        c.train.lr_scheduler,
+        SchedulerKind::Cosine { num_cycles: 0.5 }
+    );
     assert_eq!(
         c.train.export_formats,
         vec![ExportFormat::Peft, ExportFormat::Kohya]
@@ -63,9 +66,12 @@ fn kohya_toml_maps_flat_names_onto_the_model() {
         "optimizer_type"
     );
     assert_eq!(c.train.learning_rate, 5e-4);
-    assert_eq!(c.train.lr_scheduler, SchedulerKind::CosineWithRestarts);
+    assert_eq!(
+        c.train.lr_scheduler,
+        SchedulerKind::CosineWithRestarts { num_cycles: 2.0 },
+        "lr_scheduler with lr_scheduler_num_cycles"
+    );
     assert_eq!(c.train.warmup_steps, 10);
-    assert_eq!(c.train.num_cycles, 2);
     assert_eq!(c.train.batch_size, 2, "train_batch_size");
     assert_eq!(c.train.epochs, 1, "max_train_epochs");
     assert_eq!(c.train.max_steps, Some(40), "max_train_steps");

@@ -18,8 +18,10 @@ use crate::engine::error::{Result, TrainError};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
-    /// Everything fp32 (`mixed_precision: "no"`).
+    /// Everything fp32 (`mixed_precision: "no"`, accelerate's and kohya's name, which is also
+    /// how it is written; `"fp32"` reads as this too).
     #[default]
+    #[serde(rename = "no", alias = "fp32")]
     Fp32,
     /// bf16 autocast for matmuls/convs; fp32 adapters, gradients and optimizer (CPU and CUDA).
     Bf16,
@@ -48,6 +50,17 @@ impl Precision {
                 });
             }
         })
+    }
+
+    /// The `mixed_precision` name (accelerate's and kohya's: `no`, `bf16`, `fp16`; kohya's
+    /// `full_bf16`), as serialized.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fp32 => "no",
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+            Self::FullBf16 => "full_bf16",
+        }
     }
 
     /// The dtype trainable adapter tensors should have (`Float`, or `BFloat16` for full-bf16).

@@ -79,10 +79,25 @@ impl SchedulerKind {
                 return Err(TrainError::Invalid {
                     what: "lr_scheduler".into(),
                     value: name.into(),
-                    hint: "use one of constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial".into(),
+                    hint: "use one of \"constant\", \"constant_with_warmup\", \"linear\", \"cosine\", \"cosine_with_restarts\", \"polynomial\"".into(),
                 });
             }
         })
+    }
+}
+
+impl SchedulerKind {
+    /// The schedule's `lr_scheduler` name (kohya's `ss_lr_scheduler` metadata, transformers'
+    /// `SchedulerType`), without its arguments.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Constant => "constant",
+            Self::ConstantWithWarmup => "constant_with_warmup",
+            Self::Linear => "linear",
+            Self::Cosine { .. } => "cosine",
+            Self::CosineWithRestarts { .. } => "cosine_with_restarts",
+            Self::Polynomial { .. } => "polynomial",
+        }
     }
 }
 
@@ -220,6 +235,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("onecycle") && e.contains("polynomial"), "{e}");
+        for name in [
+            "constant",
+            "constant_with_warmup",
+            "linear",
+            "cosine",
+            "cosine_with_restarts",
+            "polynomial",
+        ] {
+            assert_eq!(SchedulerKind::from_name(name).unwrap().name(), name);
+        }
         assert!(
             Scheduler::new(
                 SchedulerKind::Polynomial {

@@ -127,6 +127,41 @@ pub enum NonFinitePolicy {
     Stop,
 }
 
+impl NonFinitePolicy {
+    /// The learning-rate factor of `lower_lr` when a name gives none (halve it).
+    pub const LOWER_LR_FACTOR: f64 = 0.5;
+
+    /// The policy's `nan_policy` name (`skip`, `lower_lr`, `stop`), without its factor.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Skip => "skip",
+            Self::LowerLr { .. } => "lower_lr",
+            Self::Stop => "stop",
+        }
+    }
+
+    /// Parses `nan_policy` names: `skip`, `lower_lr` (factor [`Self::LOWER_LR_FACTOR`]), `stop`.
+    ///
+    /// # Errors
+    /// [`TrainError::Invalid`] for another name, listing the accepted ones.
+    pub fn from_name(name: &str) -> Result<Self> {
+        Ok(match name.to_ascii_lowercase().replace('-', "_").as_str() {
+            "skip" => Self::Skip,
+            "lower_lr" => Self::LowerLr {
+                factor: Self::LOWER_LR_FACTOR,
+            },
+            "stop" => Self::Stop,
+            _ => {
+                return Err(TrainError::Invalid {
+                    what: "nan_policy".into(),
+                    value: name.into(),
+                    hint: "use one of \"skip\", \"lower_lr\", \"stop\"".into(),
+                });
+            }
+        })
+    }
+}
+
 impl Default for NonFinitePolicy {
     /// [`NonFinitePolicy::Skip`], the config's `train.nan_policy` default.
     fn default() -> Self {
@@ -924,11 +959,7 @@ impl<S: TrainStep> Trainer<S> {
         what: &'static str,
         value: f64,
     ) -> Result<()> {
-        let action = match run.cfg.non_finite {
-            NonFinitePolicy::Skip => "skip",
-            NonFinitePolicy::LowerLr { .. } => "lower_lr",
-            NonFinitePolicy::Stop => "stop",
-        };
+        let action = run.cfg.non_finite.name();
         emit(
             &mut self.callbacks,
             &TrainEvent::NonFinite {

@@ -1,7 +1,7 @@
 //! One lowering of a [`TrainConfig`] to the settings of the layers below it: the engine's
 //! [`crate::engine::TrainerConfig`] and lora-core's [`lora_core::config::LoraConfig`].
 
-use crate::config::{Precision, TrainConfig};
+use crate::config::TrainConfig;
 use crate::job::error::{During, Result};
 use std::path::Path;
 
@@ -16,48 +16,23 @@ pub fn trainer_config(
     out_dir: &Path,
     total_steps: u64,
 ) -> Result<crate::engine::TrainerConfig> {
-    use crate::config::{NanPolicy, SchedulerKind as S};
-    use crate::engine::sched::SchedulerKind as E;
     let t = &cfg.train;
     let optimizer = t.optimizer.with(&crate::engine::optim::OptimizerArgs {
         weight_decay: t.weight_decay,
         momentum: t.momentum,
     });
-    let scheduler = match t.lr_scheduler {
-        S::Constant => E::Constant,
-        S::ConstantWithWarmup => E::ConstantWithWarmup,
-        S::Linear => E::Linear,
-        S::Cosine => E::Cosine { num_cycles: 0.5 },
-        S::CosineWithRestarts => E::CosineWithRestarts {
-            num_cycles: f64::from(t.num_cycles.max(1)),
-        },
-        S::Polynomial => E::Polynomial {
-            lr_end: 1e-7,
-            power: t.power,
-        },
-    };
-    let precision = match t.mixed_precision {
-        Precision::No => crate::engine::precision::Precision::Fp32,
-        Precision::Bf16 => crate::engine::precision::Precision::Bf16,
-        Precision::Fp16 => crate::engine::precision::Precision::Fp16,
-        Precision::FullBf16 => crate::engine::precision::Precision::FullBf16,
-    };
     Ok(crate::engine::TrainerConfig {
         lr: t.learning_rate,
         optimizer,
-        scheduler,
+        scheduler: t.lr_scheduler.clone(),
         warmup_steps: t.warmup_steps,
         epochs: u64::from(t.epochs),
         max_steps: Some(total_steps),
         gradient_accumulation_steps: t.gradient_accumulation_steps.max(1) as usize,
         max_grad_norm: (t.max_grad_norm > 0.0).then_some(t.max_grad_norm),
-        precision,
+        precision: t.mixed_precision,
         device,
-        non_finite: match t.nan_policy {
-            NanPolicy::Skip => crate::engine::NonFinitePolicy::Skip,
-            NanPolicy::LowerLr => crate::engine::NonFinitePolicy::LowerLr { factor: 0.5 },
-            NanPolicy::Stop => crate::engine::NonFinitePolicy::Stop,
-        },
+        non_finite: t.nan_policy,
         checkpoint_dir: Some(out_dir.join("checkpoints")),
         save_every_n_steps: t.save_every_n_steps,
         save_every_n_epochs: t.save_every_n_epochs.map(u64::from),

@@ -172,7 +172,7 @@ pub fn settings_for(
         },
     };
     let mixed_precision = match cfg.train.mixed_precision {
-        Precision::No => MixedPrecision::No,
+        Precision::Fp32 => MixedPrecision::No,
         Precision::Fp16 => MixedPrecision::Fp16,
         Precision::Bf16 => MixedPrecision::Bf16,
         Precision::FullBf16 => MixedPrecision::FullBf16,
@@ -243,7 +243,7 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
     cfg.lora.rank = s.lora.rank;
     cfg.lora.alpha = f64::from(s.lora.alpha);
     cfg.train.mixed_precision = match s.mixed_precision {
-        MixedPrecision::No => Precision::No,
+        MixedPrecision::No => Precision::Fp32,
         MixedPrecision::Fp16 => Precision::Fp16,
         MixedPrecision::Bf16 => Precision::Bf16,
         MixedPrecision::FullBf16 => Precision::FullBf16,

@@ -1,0 +1,365 @@
+use super::*;
+use keys::edit_distance;
+
+#[test]
+fn non_finite_numbers_are_errors_not_defaults() {
+    for text in [
+        "train:\n  learning_rate: .nan\n",
+        "train:\n  learning_rate: .inf\n",
+    ] {
+        let e = TrainConfig::from_yaml_str(text).unwrap_err().to_string();
+        assert!(e.contains("train.learning_rate"), "{e}");
+    }
+    let e = TrainConfig::from_toml_str("[train]\nlearning_rate = nan\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.learning_rate"), "{e}");
+}
+
+#[test]
+fn edit_distance_counts_single_edits() {
+    assert_eq!(edit_distance("learnig_rate", "learning_rate"), 1);
+    assert_eq!(edit_distance("", "abc"), 3);
+    assert_eq!(edit_distance("kitten", "sitting"), 3);
+}
+
+#[test]
+fn aliases_agreeing_are_accepted_and_disagreeing_conflict() {
+    let c =
+        TrainConfig::from_yaml_str("train:\n  batch_size: 4\ndata:\n  batch_size: 4\n").unwrap();
+    assert_eq!(c.train.batch_size, 4);
+    let e = TrainConfig::from_yaml_str("train:\n  batch_size: 4\ndata:\n  batch_size: 2\n")
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, ConfigError::Conflict { .. }), "{msg}");
+    assert!(
+        msg.contains("train.batch_size") && msg.contains("data.batch_size"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_known_spelling_under_the_wrong_section_points_at_the_settings_own_key() {
+    let e = TrainConfig::from_yaml_str("lora:\n  network_dim: 16\n").unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("did you mean `lora.rank`"), "{msg}");
+}
+
+#[test]
+fn unknown_key_gets_a_hint() {
+    let e = TrainConfig::from_yaml_str("train:\n  learnig_rate: 0.001\n").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("train.learnig_rate") && msg.contains("did you mean `train.learning_rate`"),
+        "{msg}"
+    );
+    assert!(msg.contains("0.001"), "{msg}");
+}
+
+#[test]
+fn choices_report_allowed_values() {
+    let e = TrainConfig::from_yaml_str("train:\n  mixed_precision: fp8\n").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("\"fp8\"")
+            && msg.contains("\"bf16\"")
+            && msg.contains("train.mixed_precision"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn canonical_yaml_round_trips() {
+    let mut c = TrainConfig::default();
+    c.lora.rank = 16;
+    c.lora.target_modules = TargetModules::Regex(".*proj".into());
+    c.memory.budget = Some(parse_size_key("memory.budget", "6GB").unwrap());
+    c.train.export_formats = vec![ExportFormat::Peft, ExportFormat::Kohya];
+    let y = c.to_yaml().unwrap();
+    let back = TrainConfig::from_yaml_str(&y).unwrap();
+    assert_eq!(back, c, "{y}");
+}
+
+/// A config with every documented key set to a value other than its default, built in code
+/// (the Rust builder of the round-trip test below).
+fn every_key_set() -> TrainConfig {
+    let mut c = TrainConfig::default();
+    let size = |t: &str| parse_size_key("size", t).unwrap();
+    c.model.base_model = Some("models/base.gguf".into());
+    c.model.weights = BaseWeights::Quantized;
+    c.model.dtype = Dtype::Bf16;
+    c.model.kind = ModelKind::Llm;
+    c.model.tokenizer = Some("tok".into());
+    c.lora.rank = 16;
+    c.lora.alpha = 32.0;
+    c.lora.dropout = 0.1;
+    c.lora.target_modules = TargetModules::list(&["q_proj", "k_proj", "v_proj", "o_proj"]);
+    c.lora.exclude_modules = Some(TargetModules::list(&["lm_head"]));
+    c.lora.use_rslora = true;
+    c.lora.use_dora = true;
+    c.lora.init_lora_weights = InitLoraWeights::Gaussian;
+    c.lora.rank_pattern = [("q_proj".to_string(), 4)].into();
+    c.lora.alpha_pattern = [("q_proj".to_string(), 8.0)].into();
+    c.lora.network_module = Some("networks.lora".into());
+    c.data.train_data_dir = Some("data/train.txt".into());
+    c.data.format = DataFormat::Jsonl;
+    c.data.eval_file = Some("data/eval.txt".into());
+    c.data.eval_fraction = 0.2;
+    c.data.max_bytes = Some(1000);
+    c.data.seq_len = 512;
+    c.data.resolution = Some([768, 512]);
+    c.data.caption_extension = Some(".txt".into());
+    c.data.keep_tokens = Some(1);
+    c.data.shuffle_caption = Some(true);
+    c.data.enable_bucket = Some(true);
+    c.data.min_bucket_reso = Some(256);
+    c.data.max_bucket_reso = Some(1024);
+    c.data.bucket_reso_steps = Some(64);
+    c.data.cache_latents = Some(true);
+    c.data.bad_images = BadImages::Stop;
+    c.train.batch_size = 4;
+    c.train.gradient_accumulation_steps = 2;
+    c.train.epochs = 3;
+    c.train.max_steps = Some(100);
+    c.train.learning_rate = 2e-4;
+    c.train.optimizer = OptimizerName::SgdNesterov;
+    c.train.weight_decay = 0.01;
+    c.train.momentum = Some(0.8);
+    c.train.loraplus_lr_ratio = Some(16.0);
+    c.train.lr_scheduler = SchedulerKind::CosineWithRestarts { num_cycles: 2.0 };
+    c.train.warmup_steps = 10;
+    c.train.mixed_precision = Precision::Bf16;
+    c.train.gradient_checkpointing = true;
+    c.train.max_grad_norm = 0.5;
+    c.train.nan_policy = NonFinitePolicy::LowerLr {
+        factor: NonFinitePolicy::LOWER_LR_FACTOR,
+    };
+    c.train.save_every_n_steps = Some(50);
+    c.train.save_every_n_epochs = Some(1);
+    c.train.keep_last_checkpoints = 5;
+    c.train.eval_every_n_steps = 25;
+    c.train.output_dir = "out/run".into();
+    c.train.output_name = "run".into();
+    c.train.export_formats = vec![ExportFormat::Kohya];
+    c.train.noise_offset = 0.05;
+    c.train.min_snr_gamma = Some(5.0);
+    c.train.prediction_type = Some("v_prediction".into());
+    c.train.clip_skip = Some(2);
+    c.train.train_text_encoder = true;
+    c.memory.budget = Some(size("12GiB")); // `memory.gpu` is the alternative: see below
+    c.memory.auto_fit = true;
+    c.memory.force = true;
+    c.memory.cpu_return_freed = !MemorySection::default().cpu_return_freed;
+    c.logging.log_every_n_steps = 7;
+    c.logging.logging_dir = Some("logs".into());
+    c.logging.progress = !LoggingSection::default().progress;
+    c.logging.tensorboard = !LoggingSection::default().tensorboard;
+    c.logging.sample_prompt = Some("Once".into());
+    c.logging.sample_max_new_tokens = 12;
+    c.logging.sample_every_n_steps = 30;
+    c.logging.sample_prompts = vec!["a cat".into(), "a dog".into()];
+    c.logging.sample_sampler = "euler".into();
+    c.logging.sample_steps = 12;
+    c.logging.sample_guidance_scale = 3.5;
+    c.system.seed = 7;
+    c.system.device = "cuda:1".into();
+    c.system.num_threads = Some(3);
+    c.data_loader.num_workers = 3;
+    c.data_loader.persistent_workers = !DataLoaderSection::default().persistent_workers;
+    c.data_loader.prefetch_factor = 4;
+    c.data_loader.shuffle = !DataLoaderSection::default().shuffle;
+    let mut t = TaggerSection::default();
+    t.model_settings.precision = Some("bf16".into());
+    t.model_settings.device = Some("cpu".into());
+    t.model_settings.device_map = Some("auto".into());
+    t.model_settings.low_cpu_mem_usage = Some(true);
+    t.model_settings.max_memory.cuda = Some(size("6GB"));
+    t.model_settings.max_memory.cpu = Some(size("16GB"));
+    t.generation_settings.max_batch_size = Some(8);
+    t.generation_settings.timeout = Some(30.0);
+    t.generation_settings.retry_attempts = Some(2);
+    t.memory_management.auto_clear_interval = Some(10);
+    t.memory_management.cache_size = Some(100);
+    c.tagger = Some(t);
+    c
+}
+
+/// The value at a dotted key path of a serialized config.
+fn at<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    key.split('.').try_fold(v, |v, k| v.get(k))
+}
+
+#[test]
+fn every_documented_key_reaches_the_engine_alike_from_yaml_toml_and_code() {
+    // two settings that exclude each other (a budget, or a GPU to take it from) are set in
+    // a second variant
+    // (and the engine's settings with arguments other than their names' defaults)
+    let mut with_gpu = every_key_set();
+    with_gpu.memory.budget = None;
+    with_gpu.memory.gpu = Some("RTX 3060 12GB".into());
+    with_gpu.train.lr_scheduler = SchedulerKind::Polynomial {
+        lr_end: 1e-6,
+        power: 2.0,
+    };
+    with_gpu.train.nan_policy = NonFinitePolicy::LowerLr { factor: 0.25 };
+    let variants = [every_key_set(), with_gpu];
+    let specs = TrainConfig::key_specs();
+    let field_keys: Vec<&KeySpec> = specs.iter().filter(|k| k.field).collect();
+    let as_json: Vec<Value> = variants
+        .iter()
+        .map(|c| serde_json::to_value(c).unwrap())
+        .collect();
+    let defaults = serde_json::to_value(TrainConfig::default()).unwrap();
+    // every documented key is a field of the config, and the test gives it a value of its own
+    for spec in &field_keys {
+        let key = spec.canonical();
+        let values: Vec<&Value> = as_json.iter().filter_map(|v| at(v, key)).collect();
+        assert!(!values.is_empty(), "{key}: not a config field");
+        assert!(
+            values.iter().any(|v| Some(*v) != at(&defaults, key)),
+            "{key} is left at its default by the test"
+        );
+    }
+    // ... and every field of the config is documented
+    fn leaves(v: &Value, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
+        match v {
+            Value::Object(m)
+                if !TrainConfig::key_specs()
+                    .iter()
+                    .any(|k| k.mapping && k.canonical() == prefix) =>
+            {
+                for (k, v) in m {
+                    let p = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    leaves(v, &p, out);
+                }
+            }
+            _ => {
+                out.insert(prefix.to_string());
+            }
+        }
+    }
+    let mut fields = std::collections::BTreeSet::new();
+    for v in &as_json {
+        leaves(v, "", &mut fields);
+    }
+    for f in &fields {
+        assert!(
+            field_keys.iter().any(|k| k.canonical() == f),
+            "{f}: a config field without a declared key"
+        );
+    }
+    assert_eq!(fields.len(), field_keys.len());
+    // every alias spelling sets its key's field to the same value
+    for spec in &field_keys {
+        let (key, names) = (spec.canonical(), spec.spellings);
+        let Some(value) = as_json
+            .iter()
+            .filter_map(|v| at(v, key))
+            .find(|v| Some(*v) != at(&defaults, key))
+        else {
+            continue;
+        };
+        for alias in &names[1..] {
+            let mut doc = serde_json::Map::new();
+            let parts: Vec<&str> = alias.split('.').collect();
+            let mut leaf = value.clone();
+            for p in parts.iter().skip(1).rev() {
+                leaf = serde_json::json!({ *p: leaf });
+            }
+            doc.insert(parts[0].to_string(), leaf);
+            let yaml = serde_yaml_ng::to_string(&Value::Object(doc)).unwrap();
+            let cfg = TrainConfig::from_yaml_str(&yaml)
+                .unwrap_or_else(|e| panic!("{alias} (for {key}): {e}\n{yaml}"));
+            let got = serde_json::to_value(&cfg).unwrap();
+            assert_eq!(
+                at(&got, key),
+                Some(value),
+                "{alias} does not set {key}:\n{yaml}"
+            );
+        }
+    }
+    // the keys that set an argument of another field (kohya's flat scheduler arguments) set
+    // it from every spelling
+    for spec in specs.iter().filter(|k| !k.field) {
+        let (schedule, expected) = match spec.canonical() {
+            "train.num_cycles" => (
+                "cosine_with_restarts",
+                SchedulerKind::CosineWithRestarts { num_cycles: 3.0 },
+            ),
+            "train.power" => (
+                "polynomial",
+                SchedulerKind::Polynomial {
+                    lr_end: 1e-7,
+                    power: 3.0,
+                },
+            ),
+            other => panic!("{other}: a key that sets no field of its own, unknown to this test"),
+        };
+        for spelling in spec.spellings {
+            let (section, leaf) = spelling.rsplit_once('.').unwrap_or(("", spelling));
+            let yaml = if section.is_empty() {
+                format!("lr_scheduler: {schedule}\n{leaf}: 3\n")
+            } else {
+                format!("lr_scheduler: {schedule}\n{section}:\n  {leaf}: 3\n")
+            };
+            let cfg = TrainConfig::from_yaml_str(&yaml)
+                .unwrap_or_else(|e| panic!("{spelling}: {e}\n{yaml}"));
+            assert_eq!(cfg.train.lr_scheduler, expected, "{yaml}");
+            // ... and nothing for another schedule, as in kohya
+            let other = TrainConfig::from_yaml_str(&yaml.replace(schedule, "linear")).unwrap();
+            assert_eq!(other.train.lr_scheduler, SchedulerKind::Linear);
+        }
+    }
+    for built in &variants {
+        round_trip_and_lower(built);
+    }
+    // the values the engine gets are the ones set
+    let t =
+        crate::job::trainer_config(&variants[0], tch::Device::Cpu, Path::new("out"), 100).unwrap();
+    assert_eq!(
+        t.optimizer,
+        crate::engine::optim::OptimizerKind::Sgd(crate::engine::optim::SgdConfig {
+            momentum: 0.8,
+            weight_decay: 0.01,
+            nesterov: true,
+            ..Default::default()
+        })
+    );
+    assert_eq!(
+        (t.lr, t.warmup_steps, t.gradient_accumulation_steps),
+        (2e-4, 10, 2)
+    );
+    assert_eq!(
+        t.scheduler,
+        SchedulerKind::CosineWithRestarts { num_cycles: 2.0 }
+    );
+    assert_eq!(t.precision, Precision::Bf16);
+    assert_eq!(t.non_finite, NonFinitePolicy::LowerLr { factor: 0.5 });
+}
+
+/// `built` read back from YAML (canonical keys) and TOML is equal, and lowers to the same
+/// engine, lora-core and lora-memory settings.
+fn round_trip_and_lower(built: &TrainConfig) {
+    // the same config from YAML (canonical keys), TOML and code
+    let yaml = built.to_yaml().unwrap();
+    let from_yaml = TrainConfig::from_yaml_str(&yaml).unwrap();
+    assert_eq!(&from_yaml, built, "YAML:\n{yaml}");
+    let toml_text = toml::to_string(built).unwrap();
+    let from_toml = TrainConfig::from_toml_str(&toml_text).unwrap();
+    assert_eq!(&from_toml, built, "TOML:\n{toml_text}");
+
+    // ... lowered to the engine, lora-core and lora-memory alike
+    for cfg in [&from_yaml, &from_toml] {
+        let lower = |c: &TrainConfig| {
+            let t = crate::job::trainer_config(c, tch::Device::Cpu, Path::new("out"), 100).unwrap();
+            let l = crate::job::lora_config(c, "base").unwrap();
+            let (s, _) = crate::job::settings_for(c, None, true);
+            format!("{t:?}\n{l:?}\n{s:?}")
+        };
+        assert_eq!(lower(cfg), lower(built));
+    }
+}
