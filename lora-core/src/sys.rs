@@ -821,7 +821,8 @@ mod tests {
 
     // The counting allocator is process-global and other tests in this crate allocate in parallel,
     // so only monotone totals are checked here; exact current/peak bytes and the limit are tested
-    // in a dedicated process (lora-train/tests/engine_sys.rs).
+    // where no other test allocates meanwhile (lora-train/tests/train/engine_sys.rs, under that
+    // executable's one lock).
     #[test]
     fn counting_cpu_allocator_counts_tensor_bytes() {
         install_counting_cpu_allocator().unwrap();

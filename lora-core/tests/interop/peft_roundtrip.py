@@ -1,4 +1,4 @@
-"""Interop check between lora-core and Python PEFT (run by lora-core/tests/interop_peft.rs).
+"""Interop check between lora-core and Python PEFT (run by lora-core/tests/core/interop_peft.rs).
 
 Usage: peft_roundtrip.py WORKDIR
 

@@ -1,4 +1,4 @@
-"""Interop half of `tests/sd_job.rs`: diffusers 0.42.1 + PEFT on the tiny pipeline of
+"""Interop half of `tests/train/sd_job.rs`: diffusers 0.42.1 + PEFT on the tiny pipeline of
 `make_pipeline.py`.
 
 1. Fixed UNet inputs (seeded): `sample` [2, 4, 16, 16], `timesteps` [2] int64 (10, 500),

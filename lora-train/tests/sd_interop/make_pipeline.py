@@ -1,4 +1,4 @@
-"""Fixture of `tests/sd_job.rs`: a tiny Stable Diffusion 1.x pipeline with random weights, saved by
+"""Fixture of `tests/train/sd_job.rs`: a tiny Stable Diffusion 1.x pipeline with random weights, saved by
 diffusers' `StableDiffusionPipeline.save_pretrained`, and a kohya-style image folder of real emoji.
 
 No SD checkpoint is available offline, so the pipeline is built from small configs with a fixed seed:

@@ -1,6 +1,6 @@
 //! Image datasets: generated fixtures for every bad-input case, and the real emoji and photo sets.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;

@@ -1,6 +1,6 @@
 //! Text datasets on real Shakespeare text and on generated JSONL/chat fixtures.
 
-mod common;
+use crate::common;
 
 use common::{asset_dir, decode, tokenizer};
 use lora_data::Error;

@@ -60,6 +60,7 @@ fn config(dir: &Path, out: &str, resolution: u32, batch: u32, checkpointing: boo
 
 #[test]
 fn the_sd_plan_predicts_the_tiny_runs_tensor_peak_within_5_percent() {
+    let _serial = crate::serial();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sd_plan_measured");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -3,7 +3,7 @@
 //! save → load is bit-identical; an optimizer step changes only adapter tensors; the parameter count
 //! equals the formula; dropout only in training; disable gives the base output.
 
-mod common;
+use crate::common;
 
 use common::{dense, max_abs_diff};
 use lora_core::base::BaseWeight;

@@ -1,10 +1,17 @@
-//! The Stable Diffusion tests of this crate in one test executable (one link instead of four):
-//! the CLIP tokenizer and text encoders ([`clip`]), the noise schedule, loss and samplers
+//! lora-models' integration tests in one test executable (one link against libtorch): the
+//! real SmolLM2 GGUF ([`smollm2`]) and its logits against transformers ([`interop`]), tiny
+//! random-weight LLaMA-family models ([`tiny`], [`gguf_tiny`]), and Stable Diffusion: the CLIP
+//! tokenizer and text encoders ([`clip`]), the noise schedule, loss and samplers
 //! ([`diffusion`]), the UNet ([`unet`]) and the VAE ([`vae`]), each against its Python
 //! reference.
 
 mod clip;
+mod common;
 mod diffusion;
+mod gguf_tiny;
+mod interop;
+mod smollm2;
+mod tiny;
 mod unet;
 mod vae;
 

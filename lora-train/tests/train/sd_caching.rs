@@ -72,11 +72,7 @@ fn fixture(sdxl: bool) -> &'static Path {
     })
 }
 
-/// One test at a time: runs share the process-wide stop request and torch's generator.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::serial;
 
 /// Clears the stop request when a test ends, passed or failed.
 struct ClearStop;

@@ -55,11 +55,7 @@ const PEFT_MODULES: usize = 8 * 2 * 4;
 /// Text-encoder modules per encoder (`train_text_encoder: true`): 2 layers × q/k/v/out_proj.
 const TE_MODULES: usize = 2 * 4;
 
-/// Training runs and model loads draw from torch's process-wide generator.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::serial;
 
 struct Run {
     dir: PathBuf,

@@ -2,7 +2,7 @@
 //! rsLoRA), adapters written by other tools (alpha as bf16 / f16 / int64, missing alpha), header-only
 //! reads, and refusals that name the key.
 
-mod common;
+use crate::common;
 
 use common::{SITES, Tiny, ids, image, max_abs_diff};
 use lora_core::Error;

@@ -51,13 +51,7 @@ const MODULES: usize = 4 * (2 * 4 + 2);
 /// Text-encoder modules (`train_text_encoder: true`): 2 layers × `q/k/v/out_proj`.
 const TE_MODULES: usize = 2 * 4;
 
-/// Training runs and model loads draw from torch's process-wide generator: tests that do
-/// either in this binary take this lock, so the resumed run sees exactly the numbers of the
-/// uninterrupted one.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::serial;
 
 struct Run {
     dir: PathBuf,

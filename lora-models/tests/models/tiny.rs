@@ -2,16 +2,12 @@
 //! checkpointing, KV cache, and the safetensors loaders.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use lora_core::config::LoraConfig;
 use lora_core::inject::{inject, site_names};
 use lora_models::llama::{KvCache, Llama, LlamaConfig, WeightMode};
 use safetensors::tensor::TensorView;
 use tch::{Device, Kind, Tensor, nn};
-
-/// libtorch's generator is process-wide: tests that draw from it take this lock.
-static RNG: Mutex<()> = Mutex::new(());
 
 fn tiny_config(model_type: &str) -> LlamaConfig {
     LlamaConfig {
@@ -114,7 +110,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn sites_have_hf_names_and_peft_targets_map_one_to_one() {
-    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = crate::rng_lock();
     let c = tiny_config("llama");
     let mut m =
         Llama::from_tensors(c.clone(), &random_weights(&c, 0), Kind::Float, Device::Cpu).unwrap();
@@ -204,7 +200,7 @@ fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 
 #[test]
 fn checkpointed_gradients_equal_plain_gradients() {
-    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = crate::rng_lock();
     let c = tiny_config("llama");
     let mut m =
         Llama::from_tensors(c.clone(), &random_weights(&c, 1), Kind::Float, Device::Cpu).unwrap();
@@ -277,7 +273,7 @@ fn checkpointed_gradients_equal_plain_gradients() {
 
 #[test]
 fn kv_cache_and_variants() {
-    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = crate::rng_lock();
     for ty in ["llama", "qwen2", "qwen3"] {
         let c = tiny_config(ty);
         let w = random_weights(&c, 2);
@@ -341,7 +337,7 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(&String, &Tensor)], kin
 
 #[test]
 fn loads_single_and_sharded_safetensors() {
-    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = crate::rng_lock();
     let mut c = tiny_config("llama");
     c.rope_scaling = Some(lora_models::llama::RopeScaling::Llama3 {
         factor: 8.0,
@@ -424,7 +420,7 @@ fn loads_single_and_sharded_safetensors() {
 /// hold 27 rows, so the 2 × 40 tokens run as several chunks that straddle batch rows.
 #[test]
 fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
-    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = crate::rng_lock();
     for tied in [false, true] {
         let mut c = tiny_config("llama");
         c.vocab_size = 300_000;

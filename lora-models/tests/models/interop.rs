@@ -1,7 +1,7 @@
 //! Numerics against Python transformers loading the same GGUF file
 //! (`tests/interop/hf_logits.py` writes the reference logits and token ids).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

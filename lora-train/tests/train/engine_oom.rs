@@ -3,7 +3,7 @@
 //! allocate memory"; the trainer drops the step's tensors, halves the micro-batch, doubles the
 //! accumulation and retries the same step. One test per process: the limit is process-wide.
 
-mod engine_common;
+use crate::engine_common;
 
 use std::sync::{Arc, Mutex};
 
@@ -58,12 +58,9 @@ fn run_with(
     (task, report, events)
 }
 
-/// The allocation limit is process-wide: the tests of this file take turns.
-static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 #[test]
 fn cpu_oom_halves_the_micro_batch_and_retries_the_same_step() {
-    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _l = crate::serial();
     sys::install_counting_cpu_allocator().unwrap();
     let (free, free_report, _) = run(None);
     assert_eq!(free_report.oom_backoffs, 0);
@@ -106,7 +103,7 @@ fn cpu_oom_halves_the_micro_batch_and_retries_the_same_step() {
 fn oom_inside_an_op_taking_a_scalar_backs_off_too() {
     // tch reports a failure inside such an op (here `f_full`) as a panic, not an Err; the trainer
     // turns it back into an out-of-memory error and takes the same back-off path.
-    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _l = crate::serial();
     sys::install_counting_cpu_allocator().unwrap();
     let (_, report, events) = run_with(Some(12 << 20), true);
     assert_eq!(report.oom_backoffs, 1, "{events:?}");

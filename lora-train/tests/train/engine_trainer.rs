@@ -1,7 +1,7 @@
 //! The training loop on a tiny LoRA task: learning, exact resume (bit-identical adapters and the
 //! same learning rates), NaN/Inf policies, schedulers against transformers.
 
-mod engine_common;
+use crate::engine_common;
 
 use std::sync::{Arc, Mutex};
 
@@ -247,8 +247,9 @@ fn nan_loss_stop_policy_stops_with_an_error() {
 
 #[test]
 fn schedulers_match_transformers() {
+    let _serial = crate::serial();
     let f: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/sched_ref.json")).unwrap();
+        serde_json::from_str(include_str!("../fixtures/sched_ref.json")).unwrap();
     for case in f["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let mut kind = SchedulerKind::from_name(name).unwrap();

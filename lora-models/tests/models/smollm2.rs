@@ -1,7 +1,7 @@
 //! The real SmolLM2-135M-Instruct GGUF against the golden values of `ASSETS.md`
 //! (an f32 reference forward on the dequantised weights).
 
-mod common;
+use crate::common;
 
 use common::{FOX, ONCE, dense_f32, quantized, tokenizer};
 use lora_models::gguf::GgufFile;

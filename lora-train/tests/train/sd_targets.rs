@@ -69,6 +69,7 @@ fn peft_matches(module: &str, target: &str) -> bool {
 
 #[test]
 fn the_names_accepted_before_loading_are_the_names_real_unets_have() {
+    let _serial = crate::serial();
     let dir = tempfile::tempdir().unwrap();
     let sd1 = unet_sites(dir.path(), false);
     let sdxl = unet_sites(dir.path(), true);

@@ -10,7 +10,7 @@ use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
 fn fixture() -> Value {
-    let text = include_str!("fixtures/optim_ref.json");
+    let text = include_str!("../fixtures/optim_ref.json");
     serde_json::from_str(text).unwrap()
 }
 
@@ -159,6 +159,7 @@ fn roundtrip(st: &OptimizerState) -> OptimizerState {
 
 #[test]
 fn optimizers_match_reference_implementations() {
+    let _serial = crate::serial();
     let f = fixture();
     let mut report = Vec::new();
     for case in f["cases"].as_array().unwrap() {
@@ -175,6 +176,7 @@ fn optimizers_match_reference_implementations() {
 
 #[test]
 fn optimizer_state_roundtrip_resumes_bit_identically() {
+    let _serial = crate::serial();
     let f = fixture();
     for case in f["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
@@ -191,6 +193,7 @@ fn optimizer_state_roundtrip_resumes_bit_identically() {
 
 #[test]
 fn state_from_another_optimizer_is_rejected() {
+    let _serial = crate::serial();
     let p = Tensor::zeros([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let adam = AdamW::new(
         vec![ParamGroup::new("a", vec![p.shallow_clone()])],
@@ -209,6 +212,7 @@ fn state_from_another_optimizer_is_rejected() {
 
 #[test]
 fn dynamic_maps_have_256_sorted_codes() {
+    let _serial = crate::serial();
     for signed in [true, false] {
         let v = DynamicMap::values(signed);
         assert_eq!(v.len(), 256);
@@ -232,6 +236,7 @@ fn dynamic_maps_have_256_sorted_codes() {
 
 #[test]
 fn blockwise_quantization_error_is_small_relative_to_block_absmax() {
+    let _serial = crate::serial();
     tch::manual_seed(3);
     let x = Tensor::randn([5000], (Kind::Float, Device::Cpu));
     let map = DynamicMap::new(true, Device::Cpu).unwrap();
@@ -250,6 +255,7 @@ fn blockwise_quantization_error_is_small_relative_to_block_absmax() {
 
 #[test]
 fn adamw8bit_tracks_fp32_adamw_and_uses_quarter_memory() {
+    let _serial = crate::serial();
     tch::manual_seed(11);
     let w0 = Tensor::randn([64, 128], (Kind::Float, Device::Cpu)) * 0.1;
     let small0 = Tensor::randn([100], (Kind::Float, Device::Cpu)) * 0.1;
@@ -329,6 +335,7 @@ fn adamw8bit_tracks_fp32_adamw_and_uses_quarter_memory() {
 
 #[test]
 fn invalid_hyper_parameters_are_errors() {
+    let _serial = crate::serial();
     let p = || {
         vec![ParamGroup::new(
             "a",

@@ -6,6 +6,7 @@ use tch::{Device, Kind, Tensor};
 
 #[test]
 fn shim_global_state() {
+    let _serial = crate::serial();
     // Counting allocator: exact bytes for a fresh tensor, back to the same count after drop.
     sys::install_counting_cpu_allocator().unwrap();
     let s0 = sys::cpu_mem_stats().unwrap();

@@ -130,6 +130,7 @@ fn dequant_q8_0(raw: &[u8]) -> Vec<f32> {
 
 #[test]
 fn permuted_quantized_qk_rows_load_as_the_hf_model() {
+    let _g = crate::rng_lock();
     tch::manual_seed(5);
     let c = config();
     let o = (Kind::Float, Device::Cpu);

@@ -2,7 +2,7 @@
 //! bit-identical to an uninterrupted run's. The child is this test binary re-run with the
 //! ignored `child_train` test selected (so no extra binary ships with the crate).
 
-mod engine_common;
+use crate::engine_common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -32,6 +32,7 @@ impl Callback for Announce {
 #[test]
 #[ignore = "run by kill_and_resume_is_bit_identical as a child process"]
 fn child_train() {
+    let _serial = crate::serial();
     let Ok(dir) = std::env::var("LORA_TRAIN_KILL_DIR") else {
         return;
     };
@@ -61,7 +62,7 @@ fn child_train() {
 fn child(dir: &Path) -> std::process::Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
-            "child_train",
+            "engine_kill::child_train",
             "--exact",
             "--ignored",
             "--nocapture",
@@ -117,6 +118,7 @@ fn final_adapter(dir: &Path) -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn kill_and_resume_is_bit_identical() {
+    let _serial = crate::serial();
     let straight = tempfile::tempdir().unwrap();
     assert!(run_to_end(straight.path()));
     let want = final_adapter(straight.path());

@@ -79,6 +79,7 @@ fn adapter(out: &Path) -> Vec<(String, Vec<f32>)> {
 
 #[test]
 fn checkpointed_run_trains_the_same_adapter() {
+    let _serial = crate::serial();
     let plain_dir = tempfile::tempdir().unwrap();
     let ckpt_dir = tempfile::tempdir().unwrap();
     let plain = train(plain_dir.path(), false);

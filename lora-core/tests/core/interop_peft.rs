@@ -6,7 +6,7 @@
 //! The Python side is `tests/interop/peft_roundtrip.py`. This test fails (it never skips) when the
 //! venv or `peft` is missing: run `cargo xtask setup`.
 
-mod common;
+use crate::common;
 
 use common::{dense, max_abs_diff};
 use lora_core::Result;

@@ -4,15 +4,8 @@
 #![allow(dead_code)]
 
 use std::cell::Cell;
-use std::sync::{Mutex, MutexGuard};
 
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// libtorch's CPU generator is process-global: tests that draw random numbers (dropout) and
-/// compare bits hold this lock so that parallel tests do not interleave their draws.
-pub fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub use crate::serial;
 
 use lora_train::engine::{BatchSource, Result, TrainStep};
 use tch::{Device, Kind, Tensor};
