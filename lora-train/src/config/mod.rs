@@ -422,7 +422,10 @@ section! {
             aka ["learning_rate"],
             check |lr| *lr > 0.0 && lr.is_finite() => "a number > 0";
         /// Optimizer (`train.use_8bit_adam: true` → AdamW8bit; kohya `optimizer_type`).
-        optimizer: OptimizerName = OptimizerName::AdamW, Choice(OptimizerName::SPELLINGS),
+        optimizer: OptimizerName = OptimizerName::default(), parse(|k, v| match v {
+            Value::String(s) => OptimizerName::parse(s).map_err(|e| invalid(k, v, engine_name_error(e))),
+            _ => Err(invalid(k, v, "an optimizer name such as \"AdamW8bit\"")),
+        }),
             aka ["optimizer_type"];
         /// Decoupled weight decay (default 0).
         weight_decay: f64 = 0.0, Typed("a number >= 0"),

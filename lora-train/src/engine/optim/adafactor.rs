@@ -364,3 +364,20 @@ impl Optimizer for Adafactor {
         "Adafactor"
     }
 }
+
+impl super::Registered for Adafactor {
+    type Config = AdafactorConfig;
+
+    fn build(groups: Vec<ParamGroup>, lr: f64, config: AdafactorConfig) -> Result<Self> {
+        Self::new(groups, lr, config)
+    }
+
+    /// Adafactor's defaults; a config's weight decay and momentum do not apply to it.
+    fn config(_name: &str, _args: &super::OptimizerArgs) -> AdafactorConfig {
+        AdafactorConfig::default()
+    }
+
+    fn memory_term(_config: &AdafactorConfig) -> lora_memory::Optimizer {
+        lora_memory::Optimizer::Adafactor
+    }
+}

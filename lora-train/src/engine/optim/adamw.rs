@@ -343,3 +343,24 @@ impl Optimizer for AdamW {
         "AdamW"
     }
 }
+
+impl super::Registered for AdamW {
+    type Config = AdamWConfig;
+    const ALIASES: &'static [(&'static str, &'static str)] =
+        &[("adam", "AdamW"), ("adamw_torch", "AdamW")];
+
+    fn build(groups: Vec<ParamGroup>, lr: f64, config: AdamWConfig) -> Result<Self> {
+        Self::new(groups, lr, config)
+    }
+
+    fn config(_name: &str, args: &super::OptimizerArgs) -> AdamWConfig {
+        AdamWConfig {
+            weight_decay: args.weight_decay,
+            ..AdamWConfig::default()
+        }
+    }
+
+    fn memory_term(_config: &AdamWConfig) -> lora_memory::Optimizer {
+        lora_memory::Optimizer::AdamW
+    }
+}

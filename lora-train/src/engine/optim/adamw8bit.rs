@@ -529,6 +529,32 @@ impl Optimizer for AdamW8bit {
     }
 }
 
+impl super::Registered for AdamW8bit {
+    type Config = AdamWConfig;
+    const ALIASES: &'static [(&'static str, &'static str)] = &[
+        ("adamw_8bit", "AdamW8bit"),
+        ("adam8bit", "AdamW8bit"),
+        ("adamw_bnb_8bit", "AdamW8bit"),
+        ("PagedAdamW8bit", "AdamW8bit"),
+        ("bitsandbytes.optim.AdamW8bit", "AdamW8bit"),
+    ];
+
+    fn build(groups: Vec<ParamGroup>, lr: f64, config: AdamWConfig) -> Result<Self> {
+        Self::new(groups, lr, config)
+    }
+
+    fn config(_name: &str, args: &super::OptimizerArgs) -> AdamWConfig {
+        AdamWConfig {
+            weight_decay: args.weight_decay,
+            ..AdamWConfig::default()
+        }
+    }
+
+    fn memory_term(_config: &AdamWConfig) -> lora_memory::Optimizer {
+        lora_memory::Optimizer::AdamW8bit
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

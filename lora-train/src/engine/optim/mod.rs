@@ -20,39 +20,140 @@ pub use adafactor::{Adafactor, AdafactorConfig};
 pub use adamw::{AdamW, AdamWConfig};
 pub use adamw8bit::{AdamW8bit, DynamicMap, QuantizedState};
 pub(crate) use optimizer::CpuStepThreads;
+pub use optimizer::Registered;
 pub use optimizer::{
     Optimizer, OptimizerState, ParamGroup, adapter_groups, lora_plus_groups, tensor_bytes,
 };
-pub use sgd::{Sgd, SgdConfig};
+pub use sgd::{NESTEROV_MOMENTUM, Sgd, SgdConfig};
 
 use serde::{Deserialize, Serialize};
 
 use crate::engine::error::{Result, TrainError};
 
-/// Which optimizer to build, with its hyper-parameters (serde: `{"type": "AdamW", ...}`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", deny_unknown_fields)]
-pub enum OptimizerKind {
+/// The factory's table: one entry per optimizer type, with the names it goes by. Generates
+/// [`OptimizerKind`] (a variant per type, holding its [`Registered::Config`]) and
+/// [`OptimizerName`] (a variant per name, serialized as its canonical name) with everything
+/// they do, from what each optimizer's file says through [`Registered`].
+macro_rules! optimizers {
+    ($(
+        $(#[$kind_attr:meta])*
+        $kind:ident($ty:ty) {
+            $( $(#[$name_attr:meta])* $name:ident = $canonical:literal ),+ $(,)?
+        }
+    ),+ $(,)?) => {
+        /// Which optimizer to build, with its hyper-parameters (serde: `{"type": "AdamW", ...}`).
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(tag = "type", deny_unknown_fields)]
+        pub enum OptimizerKind {
+            $( $(#[$kind_attr])* $kind(<$ty as Registered>::Config), )+
+        }
+
+        impl OptimizerKind {
+            /// Builds the optimizer over `groups` with base learning rate `lr`.
+            ///
+            /// # Errors
+            /// Invalid hyper-parameters (negative lr, betas outside [0, 1), …) or a libtorch
+            /// error.
+            pub fn build(&self, groups: Vec<ParamGroup>, lr: f64) -> Result<Box<dyn Optimizer>> {
+                Ok(match self {
+                    $( Self::$kind(c) => Box::new(<$ty as Registered>::build(groups, lr, c.clone())?), )+
+                })
+            }
+
+            /// The planner's optimizer-state term for this optimizer and its hyper-parameters
+            /// (see [`lora_memory::Optimizer`] for the bytes per parameter of each).
+            pub fn memory_term(&self) -> lora_memory::Optimizer {
+                match self {
+                    $( Self::$kind(c) => <$ty as Registered>::memory_term(c), )+
+                }
+            }
+        }
+
+        /// An optimizer by name, without its hyper-parameters: what a config's
+        /// `optimizer_type` says. [`OptimizerName::with`] builds the [`OptimizerKind`] the
+        /// trainer takes and [`OptimizerName::memory_term`] names the planner's state term.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum OptimizerName {
+            $($( $(#[$name_attr])* #[serde(rename = $canonical)] $name, )+)+
+        }
+
+        impl OptimizerName {
+            /// Every name, in the factory's order.
+            pub const ALL: &'static [OptimizerName] = &[$($(Self::$name,)+)+];
+
+            /// The canonical name (`"AdamW"`, `"SGDNesterov"`, …): kohya's `optimizer_type`.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($( Self::$name => $canonical, )+)+
+                }
+            }
+
+            /// The optimizer to build: this name's defaults with `args` applied.
+            pub fn with(self, args: &OptimizerArgs) -> OptimizerKind {
+                match self {
+                    $($( Self::$name => OptimizerKind::$kind(
+                        <$ty as Registered>::config($canonical, args),
+                    ), )+)+
+                }
+            }
+
+            /// Every accepted spelling with the name it means: the canonical names, then each
+            /// optimizer's [`Registered::ALIASES`].
+            pub fn spellings() -> Vec<(&'static str, OptimizerName)> {
+                let mut out: Vec<(&'static str, OptimizerName)> =
+                    Self::ALL.iter().map(|n| (n.as_str(), *n)).collect();
+                $(
+                    for (alias, canonical) in <$ty as Registered>::ALIASES {
+                        if let Some(n) = Self::ALL.iter().find(|n| n.as_str() == *canonical) {
+                            out.push((alias, *n));
+                        }
+                    }
+                )+
+                out
+            }
+        }
+    };
+}
+
+optimizers! {
     /// [`AdamW`].
-    AdamW(AdamWConfig),
+    AdamW(AdamW) {
+        /// [`AdamW`] (Loshchilov & Hutter, arXiv:1711.05101).
+        AdamW = "AdamW",
+    },
     /// [`AdamW8bit`].
-    AdamW8bit(AdamWConfig),
+    AdamW8bit(AdamW8bit) {
+        /// [`AdamW8bit`]: block-wise 8-bit AdamW (Dettmers et al., arXiv:2110.02861).
+        AdamW8bit = "AdamW8bit",
+    },
     /// [`Adafactor`].
-    Adafactor(AdafactorConfig),
+    Adafactor(Adafactor) {
+        /// [`Adafactor`] (Shazeer & Stern, arXiv:1804.04235).
+        Adafactor = "Adafactor",
+    },
     /// [`Sgd`].
     #[serde(rename = "SGD")]
-    Sgd(SgdConfig),
+    Sgd(Sgd) {
+        /// [`Sgd`], momentum as set (0 unless set, as `torch.optim.SGD`).
+        Sgd = "SGD",
+        /// [`Sgd`] with Nesterov momentum (kohya's `SGDNesterov`:
+        /// `torch.optim.SGD(nesterov=True)`), momentum as set, [`NESTEROV_MOMENTUM`] by default.
+        SgdNesterov = "SGDNesterov",
+    },
 }
 
 impl Default for OptimizerKind {
     fn default() -> Self {
-        OptimizerKind::AdamW(AdamWConfig::default())
+        OptimizerName::default().with(&OptimizerArgs::default())
     }
 }
 
-/// The momentum of `SGDNesterov` when none is given: 0.9, kohya sd-scripts' default for it
-/// (`torch.optim.SGD` itself defaults to 0, which Nesterov momentum does not allow).
-pub const NESTEROV_MOMENTUM: f64 = 0.9;
+impl Default for OptimizerName {
+    /// `AdamW`, the default of kohya, transformers and diffusers' scripts.
+    fn default() -> Self {
+        OptimizerName::AdamW
+    }
+}
 
 impl OptimizerKind {
     /// Parses an optimizer name ([`OptimizerName::parse`]) with default hyper-parameters.
@@ -62,43 +163,6 @@ impl OptimizerKind {
     pub fn from_name(name: &str) -> Result<Self> {
         Ok(OptimizerName::parse(name)?.with(&OptimizerArgs::default()))
     }
-
-    /// Builds the optimizer over `groups` with base learning rate `lr`.
-    ///
-    /// # Errors
-    /// Invalid hyper-parameters (negative lr, betas outside [0, 1), …) or a libtorch error.
-    pub fn build(&self, groups: Vec<ParamGroup>, lr: f64) -> Result<Box<dyn Optimizer>> {
-        Ok(match self {
-            Self::AdamW(c) => Box::new(AdamW::new(groups, lr, c.clone())?),
-            Self::AdamW8bit(c) => Box::new(AdamW8bit::new(groups, lr, c.clone())?),
-            Self::Adafactor(c) => Box::new(Adafactor::new(groups, lr, c.clone())?),
-            Self::Sgd(c) => Box::new(Sgd::new(groups, lr, c.clone())?),
-        })
-    }
-}
-
-/// An optimizer by name, without its hyper-parameters: what a config's `optimizer_type` says.
-///
-/// This is the factory's one table of optimizers: [`OptimizerName::with`] builds the
-/// [`OptimizerKind`] the trainer takes, and [`OptimizerName::memory_term`] names the planner's
-/// state term for it. Adding an optimizer is its file, a variant of both enums here and its
-/// lora-memory term.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-pub enum OptimizerName {
-    /// [`AdamW`] (Loshchilov & Hutter, arXiv:1711.05101).
-    #[default]
-    AdamW,
-    /// [`AdamW8bit`]: block-wise 8-bit AdamW (Dettmers et al., arXiv:2110.02861).
-    AdamW8bit,
-    /// [`Adafactor`] (Shazeer & Stern, arXiv:1804.04235).
-    Adafactor,
-    /// [`Sgd`], momentum as set (0 unless set, as `torch.optim.SGD`).
-    #[serde(rename = "SGD")]
-    Sgd,
-    /// [`Sgd`] with Nesterov momentum (kohya's `SGDNesterov`: `torch.optim.SGD(nesterov=True)`),
-    /// momentum as set, [`NESTEROV_MOMENTUM`] by default.
-    #[serde(rename = "SGDNesterov")]
-    SgdNesterov,
 }
 
 /// The hyper-parameters a config sets on top of an [`OptimizerName`]'s defaults.
@@ -111,33 +175,7 @@ pub struct OptimizerArgs {
 }
 
 impl OptimizerName {
-    /// The names accepted for each optimizer, first the canonical one (kohya's
-    /// `optimizer_type`), then spellings seen in kohya, transformers (`optim`) and bitsandbytes
-    /// configs. [`OptimizerName::parse`] compares them ignoring case, `_`, `-`, `.` and spaces.
-    pub const SPELLINGS: &'static [(&'static str, OptimizerName)] = &[
-        ("AdamW", Self::AdamW),
-        ("AdamW8bit", Self::AdamW8bit),
-        ("Adafactor", Self::Adafactor),
-        ("SGD", Self::Sgd),
-        ("SGDNesterov", Self::SgdNesterov),
-        ("adam", Self::AdamW),
-        ("adamw_torch", Self::AdamW),
-        ("adamw_8bit", Self::AdamW8bit),
-        ("adam8bit", Self::AdamW8bit),
-        ("adamw_bnb_8bit", Self::AdamW8bit),
-        ("PagedAdamW8bit", Self::AdamW8bit),
-        ("bitsandbytes.optim.AdamW8bit", Self::AdamW8bit),
-    ];
-
-    /// The canonical name (`"AdamW"`, `"SGDNesterov"`, …).
-    pub fn as_str(self) -> &'static str {
-        match Self::SPELLINGS.iter().find(|(_, n)| *n == self) {
-            Some((s, _)) => s,
-            None => "AdamW",
-        }
-    }
-
-    /// Parses one of [`OptimizerName::SPELLINGS`] (case, `_`, `-`, `.` and spaces ignored).
+    /// Parses one of [`OptimizerName::spellings`] (case, `_`, `-`, `.` and spaces ignored).
     ///
     /// # Errors
     /// [`TrainError::Invalid`] for an unknown name, listing the canonical ones.
@@ -149,70 +187,57 @@ impl OptimizerName {
                 .collect()
         };
         let n = norm(name);
-        Self::SPELLINGS
-            .iter()
+        Self::spellings()
+            .into_iter()
             .find(|(s, _)| norm(s) == n)
-            .map(|(_, o)| *o)
+            .map(|(_, o)| o)
             .ok_or_else(|| TrainError::Invalid {
                 what: "optimizer_type".into(),
                 value: name.into(),
-                hint: "use one of AdamW, AdamW8bit, Adafactor, SGD, SGDNesterov".into(),
+                hint: format!(
+                    "use one of {}",
+                    Self::ALL
+                        .iter()
+                        .map(|n| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
             })
     }
 
-    /// The SGD momentum when none is set: [`NESTEROV_MOMENTUM`] for `SGDNesterov`, else
-    /// `SgdConfig::default().momentum` (0, as `torch.optim.SGD`).
+    /// The SGD momentum this name trains with when none is set ([`NESTEROV_MOMENTUM`] for
+    /// `SGDNesterov`, 0 for `SGD` as `torch.optim.SGD`); 0 for optimizers without momentum.
     pub fn default_momentum(self) -> f64 {
-        match self {
-            Self::SgdNesterov => NESTEROV_MOMENTUM,
+        match self.with(&OptimizerArgs::default()) {
+            OptimizerKind::Sgd(c) => c.momentum,
             _ => SgdConfig::default().momentum,
-        }
-    }
-
-    /// The optimizer to build: this name's defaults with `args` applied.
-    pub fn with(self, args: &OptimizerArgs) -> OptimizerKind {
-        let adamw = AdamWConfig {
-            weight_decay: args.weight_decay,
-            ..AdamWConfig::default()
-        };
-        let sgd = |nesterov: bool| SgdConfig {
-            momentum: args.momentum.unwrap_or(self.default_momentum()),
-            weight_decay: args.weight_decay,
-            nesterov,
-            ..SgdConfig::default()
-        };
-        match self {
-            Self::AdamW => OptimizerKind::AdamW(adamw),
-            Self::AdamW8bit => OptimizerKind::AdamW8bit(adamw),
-            Self::Adafactor => OptimizerKind::Adafactor(AdafactorConfig::default()),
-            Self::Sgd => OptimizerKind::Sgd(sgd(false)),
-            Self::SgdNesterov => OptimizerKind::Sgd(sgd(true)),
         }
     }
 
     /// The planner's optimizer-state term for this optimizer with SGD momentum `momentum`
     /// (see [`lora_memory::Optimizer`] for the bytes per parameter of each).
     pub fn memory_term(self, momentum: f64) -> lora_memory::Optimizer {
-        match self {
-            Self::AdamW => lora_memory::Optimizer::AdamW,
-            Self::AdamW8bit => lora_memory::Optimizer::AdamW8bit,
-            Self::Adafactor => lora_memory::Optimizer::Adafactor,
-            Self::Sgd | Self::SgdNesterov => lora_memory::Optimizer::Sgd {
-                momentum: momentum as f32,
-            },
-        }
+        self.with(&OptimizerArgs {
+            momentum: Some(momentum),
+            ..OptimizerArgs::default()
+        })
+        .memory_term()
     }
 
-    /// The name for a planner term that `auto_fit` chose; `current` is kept when the term
-    /// does not tell it apart (plain SGD from Nesterov's).
+    /// The name for a planner term that `auto_fit` chose: `current` when its term is of the
+    /// same kind (so Nesterov's SGD stays Nesterov's), else the first name with that kind of
+    /// term.
     pub fn of_memory_term(term: lora_memory::Optimizer, current: Self) -> Self {
-        match term {
-            lora_memory::Optimizer::AdamW => Self::AdamW,
-            lora_memory::Optimizer::AdamW8bit => Self::AdamW8bit,
-            lora_memory::Optimizer::Adafactor => Self::Adafactor,
-            lora_memory::Optimizer::Sgd { .. } if current == Self::SgdNesterov => Self::SgdNesterov,
-            lora_memory::Optimizer::Sgd { .. } => Self::Sgd,
+        let same =
+            |n: Self| std::mem::discriminant(&n.memory_term(0.0)) == std::mem::discriminant(&term);
+        if same(current) {
+            return current;
         }
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|n| same(*n))
+            .unwrap_or(current)
     }
 }
 

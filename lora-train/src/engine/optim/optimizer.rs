@@ -7,6 +7,36 @@ use tch::{Kind, Tensor};
 
 use crate::engine::error::{Result, TrainError};
 
+/// What the factory ([`super::OptimizerKind`], [`super::OptimizerName`]) needs of an optimizer,
+/// written in the optimizer's own file: its hyper-parameters, the ones each of its names gives
+/// with a config's arguments on top, the other spellings of its names, and the planner's state
+/// term. Registering the optimizer is then one entry of the factory's table.
+pub trait Registered: Optimizer + Sized + 'static {
+    /// The hyper-parameters (serde: the fields of `{"type": <name>, ...}`).
+    type Config: Clone
+        + PartialEq
+        + std::fmt::Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned;
+
+    /// Other spellings of this optimizer's names, as `(spelling, canonical name)`: the names
+    /// kohya, transformers (`optim`) and bitsandbytes configs use.
+    const ALIASES: &'static [(&'static str, &'static str)] = &[];
+
+    /// Builds the optimizer over `groups` with base learning rate `lr`.
+    ///
+    /// # Errors
+    /// Invalid hyper-parameters or a libtorch error.
+    fn build(groups: Vec<ParamGroup>, lr: f64, config: Self::Config) -> Result<Self>;
+
+    /// The hyper-parameters that the canonical name `name` (one of this optimizer's entry in the
+    /// factory) gives, with `args` applied.
+    fn config(name: &str, args: &super::OptimizerArgs) -> Self::Config;
+
+    /// The planner's optimizer-state term for `config` ([`lora_memory::Optimizer`]).
+    fn memory_term(config: &Self::Config) -> lora_memory::Optimizer;
+}
+
 /// A set of parameters sharing hyper-parameters.
 #[derive(Debug)]
 pub struct ParamGroup {

@@ -207,3 +207,38 @@ impl Optimizer for Sgd {
         "SGD"
     }
 }
+
+/// The momentum of `SGDNesterov` when none is given: 0.9, kohya sd-scripts' default for it
+/// (`torch.optim.SGD` itself defaults to 0, which Nesterov momentum does not allow).
+pub const NESTEROV_MOMENTUM: f64 = 0.9;
+
+impl super::Registered for Sgd {
+    type Config = SgdConfig;
+
+    fn build(groups: Vec<ParamGroup>, lr: f64, config: SgdConfig) -> Result<Self> {
+        Self::new(groups, lr, config)
+    }
+
+    /// `SGD`: momentum as set (0 unless set, as `torch.optim.SGD`); `SGDNesterov`: Nesterov
+    /// momentum, [`NESTEROV_MOMENTUM`] unless set. Weight decay as set (L2).
+    fn config(name: &str, args: &super::OptimizerArgs) -> SgdConfig {
+        let nesterov = name == "SGDNesterov";
+        let default_momentum = if nesterov {
+            NESTEROV_MOMENTUM
+        } else {
+            SgdConfig::default().momentum
+        };
+        SgdConfig {
+            momentum: args.momentum.unwrap_or(default_momentum),
+            weight_decay: args.weight_decay,
+            nesterov,
+            ..SgdConfig::default()
+        }
+    }
+
+    fn memory_term(config: &SgdConfig) -> lora_memory::Optimizer {
+        lora_memory::Optimizer::Sgd {
+            momentum: config.momentum as f32,
+        }
+    }
+}
