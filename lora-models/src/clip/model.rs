@@ -4,6 +4,7 @@
 //! token + learned position embeddings, pre-LayerNorm encoder layers with causal multi-head
 //! attention and a 2-layer MLP, a final LayerNorm, and pooling at the end-of-text token.
 
+use crate::weights::{Site, Visitor};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -60,10 +61,10 @@ fn linear_numel(l: &LoraLinear) -> i64 {
 /// `CLIPAttention`: q/k/v/out projections with bias, scale `head_dim^-0.5`, causal mask.
 #[derive(Debug)]
 struct Attention {
-    q_proj: LoraLinear,
-    k_proj: LoraLinear,
-    v_proj: LoraLinear,
-    out_proj: LoraLinear,
+    q_proj: Site<LoraLinear>,
+    k_proj: Site<LoraLinear>,
+    v_proj: Site<LoraLinear>,
+    out_proj: Site<LoraLinear>,
     n_head: i64,
     head_dim: i64,
 }
@@ -100,8 +101,8 @@ impl Attention {
 /// `CLIPMLP`: `fc2(act(fc1(x)))`.
 #[derive(Debug)]
 struct Mlp {
-    fc1: LoraLinear,
-    fc2: LoraLinear,
+    fc1: Site<LoraLinear>,
+    fc2: Site<LoraLinear>,
     act: ClipActivation,
 }
 
@@ -253,7 +254,9 @@ impl ClipTextModel {
         } else {
             prefix.trim_end_matches('.').to_string()
         };
-        let root = WeightPath::new(src, &p, kind);
+        // sites are named as transformers' modules (`text_model.encoder.layers.0.…`), PEFT's and
+        // kohya's names, whatever prefix the keys carry
+        let root = WeightPath::new(src, &p, kind).with_module("text_model");
         let emb = root.pp("embeddings");
         let token_embedding = emb
             .pp("token_embedding")
@@ -331,7 +334,7 @@ impl ClipTextModel {
                 &l.mlp.fc2,
             ]
             .into_iter()
-            .map(linear_bytes)
+            .map(|l| linear_bytes(l))
             .sum::<u64>();
             n += l.layer_norm1.bytes() + l.layer_norm2.bytes();
         }
@@ -353,7 +356,7 @@ impl ClipTextModel {
                 &l.mlp.fc2,
             ]
             .into_iter()
-            .map(linear_numel)
+            .map(|l| linear_numel(l))
             .sum::<i64>();
             n += l.layer_norm1.numel() + l.layer_norm2.numel();
         }
@@ -477,31 +480,15 @@ impl ClipTextModel {
         }
     }
 
-    fn visit(
-        &mut self,
-        f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
-    ) -> lora_core::Result<()> {
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            let p = format!("text_model.encoder.layers.{i}");
+    fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        for l in &mut self.layers {
             let a = &mut l.self_attn;
-            f(
-                &format!("{p}.self_attn.q_proj"),
-                SiteMut::Linear(&mut a.q_proj),
-            )?;
-            f(
-                &format!("{p}.self_attn.k_proj"),
-                SiteMut::Linear(&mut a.k_proj),
-            )?;
-            f(
-                &format!("{p}.self_attn.v_proj"),
-                SiteMut::Linear(&mut a.v_proj),
-            )?;
-            f(
-                &format!("{p}.self_attn.out_proj"),
-                SiteMut::Linear(&mut a.out_proj),
-            )?;
-            f(&format!("{p}.mlp.fc1"), SiteMut::Linear(&mut l.mlp.fc1))?;
-            f(&format!("{p}.mlp.fc2"), SiteMut::Linear(&mut l.mlp.fc2))?;
+            a.q_proj.visit(f)?;
+            a.k_proj.visit(f)?;
+            a.v_proj.visit(f)?;
+            a.out_proj.visit(f)?;
+            l.mlp.fc1.visit(f)?;
+            l.mlp.fc2.visit(f)?;
         }
         Ok(())
     }
@@ -528,7 +515,7 @@ impl Adaptable for ClipTextModel {
 #[derive(Debug)]
 pub struct ClipTextModelWithProjection {
     text_model: ClipTextModel,
-    text_projection: LoraLinear,
+    text_projection: Site<LoraLinear>,
 }
 
 impl ClipTextModelWithProjection {
@@ -574,8 +561,9 @@ impl ClipTextModelWithProjection {
     ) -> Result<Self> {
         let d = config.hidden_size;
         let pd = config.projection_dim.unwrap_or(d);
-        let text_projection =
-            WeightPath::new(src, &format!("{prefix}text_projection"), kind).linear(d, pd, false)?;
+        let text_projection = WeightPath::new(src, &format!("{prefix}text_projection"), kind)
+            .with_module("text_projection")
+            .linear(d, pd, false)?;
         let text_model = ClipTextModel::build(config, src, prefix, kind, device)?;
         Ok(Self {
             text_model,
@@ -671,10 +659,7 @@ impl Adaptable for ClipTextModelWithProjection {
         f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
     ) -> lora_core::Result<()> {
         self.text_model.visit(f)?;
-        f(
-            "text_projection",
-            SiteMut::Linear(&mut self.text_projection),
-        )
+        self.text_projection.visit(f)
     }
 
     fn frozen_param_count(&self) -> Option<i64> {

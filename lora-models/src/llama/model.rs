@@ -59,21 +59,7 @@ impl RmsNorm {
 
 use lora_core::sys::tensor_bytes;
 
-/// A LoRA site and its module path: the path it was loaded from (its weight is
-/// `<path>.weight`), so that the names visited for injection are the names the weights were
-/// read under.
-#[derive(Debug)]
-struct Site<T> {
-    path: String,
-    layer: T,
-}
-
-impl<T> std::ops::Deref for Site<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.layer
-    }
-}
+use crate::weights::Site;
 
 /// `[x1, x2] → [−x2, x1]` on the last dim (HF `rotate_half`).
 fn rotate_half(x: &Tensor) -> Result<Tensor> {
@@ -424,10 +410,7 @@ impl Llama {
             } else {
                 None
             };
-            Ok(Site {
-                path: p.path().to_string(),
-                layer: LoraLinear::new(base, b)?,
-            })
+            Ok(p.site(LoraLinear::new(base, b)?))
         };
         let root = WeightPath::new(src, "", kind);
         let model = root.pp("model");
@@ -469,11 +452,10 @@ impl Llama {
             });
         }
         let embed = model.pp("embed_tokens");
-        let embed_tokens = Site {
-            path: embed.path().to_string(),
-            layer: LoraEmbedding::new(embed.base("weight", [config.vocab_size, d], None)?)?
+        let embed_tokens = embed.site(
+            LoraEmbedding::new(embed.base("weight", [config.vocab_size, d], None)?)?
                 .with_output_kind(kind),
-        };
+        );
         let head = root.pp("lm_head");
         let tied = config.tie_word_embeddings || !head.contains("weight");
         let lm_head = if tied {
@@ -1051,15 +1033,14 @@ impl Adaptable for Llama {
         &mut self,
         f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
     ) -> lora_core::Result<()> {
-        let e = &mut self.embed_tokens;
-        f(&e.path, SiteMut::Embedding(&mut e.layer))?;
+        self.embed_tokens.visit(f)?;
         for l in &mut self.layers {
             for s in l.linears_mut() {
-                f(&s.path, SiteMut::Linear(&mut s.layer))?;
+                s.visit(f)?;
             }
         }
         if let Some(h) = &mut self.lm_head {
-            f(&h.path, SiteMut::Linear(&mut h.layer))?;
+            h.visit(f)?;
         }
         Ok(())
     }

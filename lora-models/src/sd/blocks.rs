@@ -8,6 +8,7 @@
 //! Activation shapes use `B` batch, `C` channels, `H×W` spatial size, `L` sequence length
 //! (`L = H·W` for image tokens), `D` the cross-attention context width.
 
+use crate::weights::Site;
 use lora_core::conv::LoraConv2d;
 use lora_core::inject::SiteMut;
 use lora_core::linear::LoraLinear;
@@ -17,8 +18,7 @@ use super::attention::{AttentionBackend, multi_head_attention};
 use crate::error::{Error, Result};
 use crate::weights::WeightPath;
 
-/// The visitor type of [`lora_core::inject::Adaptable::visit_sites`].
-pub(crate) type Visitor<'a> = dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()> + 'a;
+pub(crate) use crate::weights::Visitor;
 
 /// Weights and biases of all sites of `model` (adapters excluded).
 pub(crate) fn site_params(model: &mut dyn lora_core::inject::Adaptable) -> i64 {
@@ -34,8 +34,6 @@ pub(crate) fn site_params(model: &mut dyn lora_core::inject::Adaptable) -> i64 {
     });
     n
 }
-
-pub(crate) use crate::weights::join;
 
 /// Reads weights under a module prefix (diffusers names), checking shapes.
 pub(crate) type Vb<'a> = WeightPath<'a>;
@@ -183,8 +181,8 @@ pub fn timestep_embedding(
 /// `[B, in]` → `[B, time_embed_dim]`.
 #[derive(Debug)]
 pub struct TimestepEmbedding {
-    pub(crate) linear_1: LoraLinear,
-    pub(crate) linear_2: LoraLinear,
+    pub(crate) linear_1: Site<LoraLinear>,
+    pub(crate) linear_2: Site<LoraLinear>,
 }
 
 impl TimestepEmbedding {
@@ -204,9 +202,9 @@ impl TimestepEmbedding {
         Ok(self.linear_2.forward_t(&h, train)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f(&join(p, "linear_1"), SiteMut::Linear(&mut self.linear_1))?;
-        f(&join(p, "linear_2"), SiteMut::Linear(&mut self.linear_2))
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.linear_1.visit(f)?;
+        self.linear_2.visit(f)
     }
 }
 
@@ -224,11 +222,11 @@ impl TimestepEmbedding {
 #[derive(Debug)]
 pub struct ResnetBlock2D {
     norm1: GroupNorm,
-    conv1: LoraConv2d,
-    time_emb_proj: Option<LoraLinear>,
+    conv1: Site<LoraConv2d>,
+    time_emb_proj: Option<Site<LoraLinear>>,
     norm2: GroupNorm,
-    conv2: LoraConv2d,
-    conv_shortcut: Option<LoraConv2d>,
+    conv2: Site<LoraConv2d>,
+    conv_shortcut: Option<Site<LoraConv2d>>,
     output_scale_factor: f64,
 }
 
@@ -294,14 +292,14 @@ impl ResnetBlock2D {
         }
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f(&join(p, "conv1"), SiteMut::Conv2d(&mut self.conv1))?;
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.conv1.visit(f)?;
         if let Some(t) = &mut self.time_emb_proj {
-            f(&join(p, "time_emb_proj"), SiteMut::Linear(t))?;
+            t.visit(f)?;
         }
-        f(&join(p, "conv2"), SiteMut::Conv2d(&mut self.conv2))?;
+        self.conv2.visit(f)?;
         if let Some(c) = &mut self.conv_shortcut {
-            f(&join(p, "conv_shortcut"), SiteMut::Conv2d(c))?;
+            c.visit(f)?;
         }
         Ok(())
     }
@@ -323,7 +321,7 @@ pub enum Downsample2D {
     /// Stride-2 convolution; `pad_right_bottom` is the VAE's `padding=0` variant.
     Conv {
         /// The convolution (`downsamplers.0.conv`).
-        conv: LoraConv2d,
+        conv: Site<LoraConv2d>,
         /// Pads one zero column/row on the right/bottom first.
         pad_right_bottom: bool,
     },
@@ -362,9 +360,9 @@ impl Downsample2D {
         }
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
         match self {
-            Downsample2D::Conv { conv, .. } => f(&join(p, "conv"), SiteMut::Conv2d(conv)),
+            Downsample2D::Conv { conv, .. } => conv.visit(f),
             Downsample2D::AvgPool => Ok(()),
         }
     }
@@ -378,7 +376,7 @@ impl Downsample2D {
 /// `[B, C, H, W]` → `[B, C, 2H, 2W]` (or `[B, C, size…]`).
 #[derive(Debug)]
 pub struct Upsample2D {
-    conv: LoraConv2d,
+    conv: Site<LoraConv2d>,
 }
 
 impl Upsample2D {
@@ -399,8 +397,8 @@ impl Upsample2D {
         Ok(self.conv.forward_t(&up, train)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f(&join(p, "conv"), SiteMut::Conv2d(&mut self.conv))
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.conv.visit(f)
     }
 }
 
@@ -413,10 +411,10 @@ impl Upsample2D {
 /// `x` `[B, L, C]`, context `[B, Lk, D]` → `[B, L, C]`; inner width `heads · head_dim`.
 #[derive(Debug)]
 pub struct Attention {
-    to_q: LoraLinear,
-    to_k: LoraLinear,
-    to_v: LoraLinear,
-    to_out: LoraLinear,
+    to_q: Site<LoraLinear>,
+    to_k: Site<LoraLinear>,
+    to_v: Site<LoraLinear>,
+    to_out: Site<LoraLinear>,
     heads: i64,
     backend: AttentionBackend,
 }
@@ -457,10 +455,16 @@ impl Attention {
     ) -> Result<Self> {
         let inner = heads * head_dim;
         Ok(Self {
-            to_q: vb.pp(names[0]).linear(query_dim, inner, bias)?,
-            to_k: vb.pp(names[1]).linear(context_dim, inner, bias)?,
-            to_v: vb.pp(names[2]).linear(context_dim, inner, bias)?,
-            to_out: vb.pp(names[3]).linear(inner, query_dim, true)?,
+            to_q: vb.pp_as(names[0], "to_q").linear(query_dim, inner, bias)?,
+            to_k: vb
+                .pp_as(names[1], "to_k")
+                .linear(context_dim, inner, bias)?,
+            to_v: vb
+                .pp_as(names[2], "to_v")
+                .linear(context_dim, inner, bias)?,
+            to_out: vb
+                .pp_as(names[3], "to_out.0")
+                .linear(inner, query_dim, true)?,
             heads,
             backend,
         })
@@ -479,11 +483,11 @@ impl Attention {
         Ok(self.to_out.forward_t(&o, train)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f(&join(p, "to_q"), SiteMut::Linear(&mut self.to_q))?;
-        f(&join(p, "to_k"), SiteMut::Linear(&mut self.to_k))?;
-        f(&join(p, "to_v"), SiteMut::Linear(&mut self.to_v))?;
-        f(&join(p, "to_out.0"), SiteMut::Linear(&mut self.to_out))
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.to_q.visit(f)?;
+        self.to_k.visit(f)?;
+        self.to_v.visit(f)?;
+        self.to_out.visit(f)
     }
 }
 
@@ -537,8 +541,8 @@ impl SpatialAttention {
         Ok(o.f_add(x)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        self.attn.visit(p, f)
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.attn.visit(f)
     }
 
     pub(crate) fn norm_params(&self) -> i64 {
@@ -554,8 +558,8 @@ impl SpatialAttention {
 /// `[B, L, C]` → `[B, L, C]`.
 #[derive(Debug)]
 pub struct FeedForward {
-    proj: LoraLinear,
-    out: LoraLinear,
+    proj: Site<LoraLinear>,
+    out: Site<LoraLinear>,
 }
 
 impl FeedForward {
@@ -578,9 +582,9 @@ impl FeedForward {
         Ok(self.out.forward_t(&h, train)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f(&join(p, "net.0.proj"), SiteMut::Linear(&mut self.proj))?;
-        f(&join(p, "net.2"), SiteMut::Linear(&mut self.out))
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.proj.visit(f)?;
+        self.out.visit(f)
     }
 }
 
@@ -640,10 +644,10 @@ impl BasicTransformerBlock {
         Ok(x.f_add(&self.ff.forward(&self.norm3.forward(&x)?, train)?)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        self.attn1.visit(&join(p, "attn1"), f)?;
-        self.attn2.visit(&join(p, "attn2"), f)?;
-        self.ff.visit(&join(p, "ff"), f)
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.attn1.visit(f)?;
+        self.attn2.visit(f)?;
+        self.ff.visit(f)
     }
 
     pub(crate) fn norm_params(&self) -> i64 {
@@ -655,15 +659,15 @@ impl BasicTransformerBlock {
 /// layer (`use_linear_projection`, SD 2.x / SDXL).
 #[derive(Debug)]
 enum Proj {
-    Conv(LoraConv2d),
-    Linear(LoraLinear),
+    Conv(Site<LoraConv2d>),
+    Linear(Site<LoraLinear>),
 }
 
 impl Proj {
-    fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+    fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
         match self {
-            Proj::Conv(c) => f(p, SiteMut::Conv2d(c)),
-            Proj::Linear(l) => f(p, SiteMut::Linear(l)),
+            Proj::Conv(c) => c.visit(f),
+            Proj::Linear(l) => l.visit(f),
         }
     }
 }
@@ -773,12 +777,12 @@ impl Transformer2DModel {
         Ok(out.f_add(x)?)
     }
 
-    pub(crate) fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        self.proj_in.visit(&join(p, "proj_in"), f)?;
-        for (i, b) in self.blocks.iter_mut().enumerate() {
-            b.visit(&join(p, &format!("transformer_blocks.{i}")), f)?;
+    pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.proj_in.visit(f)?;
+        for b in &mut self.blocks {
+            b.visit(f)?;
         }
-        self.proj_out.visit(&join(p, "proj_out"), f)
+        self.proj_out.visit(f)
     }
 
     pub(crate) fn norm_params(&self) -> i64 {

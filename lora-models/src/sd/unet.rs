@@ -27,15 +27,16 @@
 //! first level); self-attention scores `[B, heads, H·W, H·W]` when the math path is used;
 //! `encoder_hidden_states` `[B, 77, 768]` (SDXL `[B, 77, 2048]`).
 
+use crate::weights::Site;
 use std::path::Path;
 
 use lora_core::conv::LoraConv2d;
-use lora_core::inject::{Adaptable, SiteMut};
+use lora_core::inject::Adaptable;
 use tch::{Kind, Tensor};
 
 use super::blocks::{
     Downsample2D, GroupNorm, NormLayers, ResnetBlock2D, TimestepEmbedding, Transformer2DModel,
-    Upsample2D, Vb, Visitor, join, timestep_embedding,
+    Upsample2D, Vb, Visitor, timestep_embedding,
 };
 use super::load::{LoadOptions, UnetLayout, component_dir, diffusers_weight_files, ldm_unet_key};
 use crate::error::{Error, Result};
@@ -82,14 +83,14 @@ pub struct UNet2DConditionModel {
     config: UNetConfig,
     plan: UNetPlan,
     kind: Kind,
-    conv_in: LoraConv2d,
+    conv_in: Site<LoraConv2d>,
     time_embedding: TimestepEmbedding,
     text_time: Option<TextTime>,
     down_blocks: Vec<DownBlock>,
     mid_block: MidBlock,
     up_blocks: Vec<UpBlock>,
     conv_norm_out: GroupNorm,
-    conv_out: LoraConv2d,
+    conv_out: Site<LoraConv2d>,
     param_count: i64,
     gradient_checkpointing: bool,
 }
@@ -750,16 +751,15 @@ impl UNet2DConditionModel {
 }
 
 fn visit_level(
-    p: &str,
     resnets: &mut [ResnetBlock2D],
     attentions: &mut [Transformer2DModel],
     f: &mut Visitor<'_>,
 ) -> lora_core::Result<()> {
-    for (j, r) in resnets.iter_mut().enumerate() {
-        r.visit(&join(p, &format!("resnets.{j}")), f)?;
+    for r in resnets {
+        r.visit(f)?;
     }
-    for (j, a) in attentions.iter_mut().enumerate() {
-        a.visit(&join(p, &format!("attentions.{j}")), f)?;
+    for a in attentions {
+        a.visit(f)?;
     }
     Ok(())
 }
@@ -772,32 +772,29 @@ impl Adaptable for UNet2DConditionModel {
     /// `….ff.net.2`, `down_blocks.{i}.downsamplers.0.conv`, `mid_block.…`, `up_blocks.{i}.…`,
     /// `up_blocks.{i}.upsamplers.0.conv`, `conv_out`.
     fn visit_sites(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f("conv_in", SiteMut::Conv2d(&mut self.conv_in))?;
-        self.time_embedding.visit("time_embedding", f)?;
+        self.conv_in.visit(f)?;
+        self.time_embedding.visit(f)?;
         if let Some(tt) = &mut self.text_time {
-            tt.add_embedding.visit("add_embedding", f)?;
+            tt.add_embedding.visit(f)?;
         }
-        for (i, b) in self.down_blocks.iter_mut().enumerate() {
-            let p = format!("down_blocks.{i}");
-            visit_level(&p, &mut b.resnets, &mut b.attentions, f)?;
+        for b in &mut self.down_blocks {
+            visit_level(&mut b.resnets, &mut b.attentions, f)?;
             if let Some(d) = &mut b.downsampler {
-                d.visit(&join(&p, "downsamplers.0"), f)?;
+                d.visit(f)?;
             }
         }
         visit_level(
-            "mid_block",
             &mut self.mid_block.resnets,
             &mut self.mid_block.attentions,
             f,
         )?;
-        for (i, b) in self.up_blocks.iter_mut().enumerate() {
-            let p = format!("up_blocks.{i}");
-            visit_level(&p, &mut b.resnets, &mut b.attentions, f)?;
+        for b in &mut self.up_blocks {
+            visit_level(&mut b.resnets, &mut b.attentions, f)?;
             if let Some(u) = &mut b.upsampler {
-                u.visit(&join(&p, "upsamplers.0"), f)?;
+                u.visit(f)?;
             }
         }
-        f("conv_out", SiteMut::Conv2d(&mut self.conv_out))
+        self.conv_out.visit(f)
     }
 
     fn frozen_param_count(&self) -> Option<i64> {

@@ -17,15 +17,16 @@
 //! one head over `64·64 = 4096` positions of width 512 (score matrix `[B, 1, 4096, 4096]` on the
 //! math path); latents `[B, 4, 64, 64]`.
 
+use crate::weights::Site;
 use std::path::Path;
 
 use lora_core::conv::LoraConv2d;
-use lora_core::inject::{Adaptable, SiteMut};
+use lora_core::inject::Adaptable;
 use tch::{Kind, Tensor};
 
 use super::blocks::{
     Downsample2D, GroupNorm, NormLayers, ResnetBlock2D, SpatialAttention, Upsample2D, Vb, Visitor,
-    join, site_params,
+    site_params,
 };
 use super::load::{LoadOptions, component_dir, diffusers_weight_files, ldm_vae_key};
 use crate::error::{Error, Result};
@@ -138,12 +139,12 @@ impl Mid {
         self.resnets[1].forward(&h, None, train)
     }
 
-    fn visit(&mut self, p: &str, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        for (j, r) in self.resnets.iter_mut().enumerate() {
-            r.visit(&join(p, &format!("resnets.{j}")), f)?;
+    fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        for r in &mut self.resnets {
+            r.visit(f)?;
         }
         if let Some(a) = &mut self.attention {
-            a.visit(&join(p, "attentions.0"), f)?;
+            a.visit(f)?;
         }
         Ok(())
     }
@@ -169,11 +170,11 @@ struct Level {
 
 #[derive(Debug)]
 struct Coder {
-    conv_in: LoraConv2d,
+    conv_in: Site<LoraConv2d>,
     levels: Vec<Level>,
     mid: Mid,
     conv_norm_out: GroupNorm,
-    conv_out: LoraConv2d,
+    conv_out: Site<LoraConv2d>,
 }
 
 impl Coder {
@@ -296,28 +297,28 @@ impl Coder {
         Ok(self.conv_out.forward_t(&h, train)?)
     }
 
-    fn visit(&mut self, p: &str, encoder: bool, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        f(&join(p, "conv_in"), SiteMut::Conv2d(&mut self.conv_in))?;
-        let blocks = if encoder { "down_blocks" } else { "up_blocks" };
+    /// Visits the sites in diffusers' module order (the encoder's mid-block after its levels,
+    /// the decoder's before).
+    fn visit(&mut self, encoder: bool, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        self.conv_in.visit(f)?;
         if !encoder {
-            self.mid.visit(&join(p, "mid_block"), f)?;
+            self.mid.visit(f)?;
         }
-        for (i, lv) in self.levels.iter_mut().enumerate() {
-            let bp = join(p, &format!("{blocks}.{i}"));
-            for (j, r) in lv.resnets.iter_mut().enumerate() {
-                r.visit(&join(&bp, &format!("resnets.{j}")), f)?;
+        for lv in &mut self.levels {
+            for r in &mut lv.resnets {
+                r.visit(f)?;
             }
             if let Some(d) = &mut lv.down {
-                d.visit(&join(&bp, "downsamplers.0"), f)?;
+                d.visit(f)?;
             }
             if let Some(u) = &mut lv.up {
-                u.visit(&join(&bp, "upsamplers.0"), f)?;
+                u.visit(f)?;
             }
         }
         if encoder {
-            self.mid.visit(&join(p, "mid_block"), f)?;
+            self.mid.visit(f)?;
         }
-        f(&join(p, "conv_out"), SiteMut::Conv2d(&mut self.conv_out))
+        self.conv_out.visit(f)
     }
 
     fn norm_params(&self) -> i64 {
@@ -341,8 +342,8 @@ pub struct AutoencoderKL {
     kind: Kind,
     encoder: Coder,
     decoder: Coder,
-    quant_conv: Option<LoraConv2d>,
-    post_quant_conv: Option<LoraConv2d>,
+    quant_conv: Option<Site<LoraConv2d>>,
+    post_quant_conv: Option<Site<LoraConv2d>>,
     param_count: i64,
 }
 
@@ -489,14 +490,14 @@ impl AutoencoderKL {
 
 impl Adaptable for AutoencoderKL {
     fn visit_sites(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
-        self.encoder.visit("encoder", true, f)?;
+        self.encoder.visit(true, f)?;
         if let Some(q) = &mut self.quant_conv {
-            f("quant_conv", SiteMut::Conv2d(q))?;
+            q.visit(f)?;
         }
         if let Some(q) = &mut self.post_quant_conv {
-            f("post_quant_conv", SiteMut::Conv2d(q))?;
+            q.visit(f)?;
         }
-        self.decoder.visit("decoder", false, f)
+        self.decoder.visit(false, f)
     }
 
     fn frozen_param_count(&self) -> Option<i64> {

@@ -39,6 +39,8 @@ use std::path::PathBuf;
 
 use lora_core::base::BaseWeight;
 use lora_core::conv::{Conv2dParams, LoraConv2d};
+use lora_core::embedding::LoraEmbedding;
+use lora_core::inject::SiteMut;
 use lora_core::linear::LoraLinear;
 use tch::{Device, Kind, Tensor};
 
@@ -153,10 +155,16 @@ pub fn join(prefix: &str, name: &str) -> String {
 /// key: `root.pp("model").pp("layers").pp(0).pp("mlp").pp("up_proj").get("weight", …)` reads
 /// `model.layers.0.mlp.up_proj.weight`. Tensors are read in the path's dtype (`kind`) on the
 /// source's device.
+///
+/// Beside the key path it keeps the module path, the name a layer built here is visited under
+/// for injection ([`Site`]). The two are equal unless a layout stores a module under other
+/// keys: [`WeightPath::with_module`] (a checkpoint whose keys carry a prefix of their own) and
+/// [`WeightPath::pp_as`] (a legacy key for a module) set it apart.
 #[derive(Clone)]
 pub struct WeightPath<'a> {
     src: &'a dyn TensorSource,
     prefix: String,
+    module: String,
     kind: Kind,
 }
 
@@ -165,6 +173,7 @@ impl std::fmt::Debug for WeightPath<'_> {
         f.debug_struct("WeightPath")
             .field("origin", &self.src.origin())
             .field("prefix", &self.prefix)
+            .field("module", &self.module)
             .field("kind", &self.kind)
             .finish()
     }
@@ -176,22 +185,50 @@ impl<'a> WeightPath<'a> {
         Self {
             src,
             prefix: prefix.to_string(),
+            module: prefix.to_string(),
             kind,
         }
     }
 
-    /// The child path `<path>.<name>` (`name` may be an index).
+    /// This path with module path `module` (the keys stay where they are): for a model whose
+    /// checkpoint keys carry a prefix its module names do not (CLIP's `text_model` read from a
+    /// layout without that level, a single-file checkpoint's own prefix).
+    pub fn with_module(mut self, module: &str) -> Self {
+        self.module = module.to_string();
+        self
+    }
+
+    /// The child path `<path>.<name>` (`name` may be an index), in keys and module path alike.
     pub fn pp(&self, name: impl std::fmt::Display) -> WeightPath<'a> {
+        let name = name.to_string();
+        self.pp_as(&name, &name)
+    }
+
+    /// The child module `module` stored under key name `key` (a legacy layout's name for it:
+    /// the original SD VAE's `query` for diffusers' `to_q`).
+    pub fn pp_as(&self, key: &str, module: &str) -> WeightPath<'a> {
         WeightPath {
             src: self.src,
-            prefix: join(&self.prefix, &name.to_string()),
+            prefix: join(&self.prefix, key),
+            module: join(&self.module, module),
             kind: self.kind,
         }
     }
 
-    /// The module path (`model.layers.0.mlp.up_proj`): the site name of a layer built here.
+    /// The key path (`model.layers.0.mlp.up_proj`): tensor names under it are `<path>.<leaf>`.
     pub fn path(&self) -> &str {
         &self.prefix
+    }
+
+    /// The module path: the site name of a layer built here (equal to [`WeightPath::path`]
+    /// unless set apart, see the type's docs).
+    pub fn module_path(&self) -> &str {
+        &self.module
+    }
+
+    /// `layer`, built at this path, as a [`Site`] named by the module path.
+    pub fn site<T>(&self, layer: T) -> Site<T> {
+        Site::new(self.module.clone(), layer)
     }
 
     /// The dtype tensors are read in.
@@ -269,26 +306,34 @@ impl<'a> WeightPath<'a> {
             .base(&self.name(leaf), shape, self.kind, rope_head_dim)
     }
 
-    /// `nn.Linear(i, o, bias)` at this path: `weight` `[o, i]`, `bias` `[o]`, dense.
+    /// `nn.Linear(i, o, bias)` at this path: `weight` `[o, i]`, `bias` `[o]`, dense; a LoRA site
+    /// named by the module path.
     ///
     /// # Errors
     /// As [`WeightPath::get`].
-    pub fn linear(&self, i: i64, o: i64, bias: bool) -> Result<LoraLinear> {
+    pub fn linear(&self, i: i64, o: i64, bias: bool) -> Result<Site<LoraLinear>> {
         let w = self.get("weight", &[o, i])?;
         let b = if bias {
             Some(self.get("bias", &[o])?)
         } else {
             None
         };
-        Ok(LoraLinear::new(BaseWeight::Dense(w), b)?)
+        Ok(self.site(LoraLinear::new(BaseWeight::Dense(w), b)?))
     }
 
     /// `nn.Conv2d(i, o, k, stride, padding)` with bias at this path: `weight` `[o, i, k, k]`,
-    /// `bias` `[o]`.
+    /// `bias` `[o]`; a LoRA site named by the module path.
     ///
     /// # Errors
     /// As [`WeightPath::get`].
-    pub fn conv(&self, i: i64, o: i64, k: i64, stride: i64, padding: i64) -> Result<LoraConv2d> {
+    pub fn conv(
+        &self,
+        i: i64,
+        o: i64,
+        k: i64,
+        stride: i64,
+        padding: i64,
+    ) -> Result<Site<LoraConv2d>> {
         let w = self.get("weight", &[o, i, k, k])?;
         let b = self.get("bias", &[o])?;
         let params = Conv2dParams {
@@ -296,6 +341,85 @@ impl<'a> WeightPath<'a> {
             padding: [padding, padding],
             ..Conv2dParams::default()
         };
-        Ok(LoraConv2d::new(BaseWeight::Dense(w), Some(b), params)?)
+        Ok(self.site(LoraConv2d::new(BaseWeight::Dense(w), Some(b), params)?))
+    }
+}
+
+/// A LoRA site: a layer and the module path it was built at, the name it is visited under for
+/// injection ([`lora_core::inject::Adaptable::visit_sites`]), so that a model spells each module
+/// name once, when it loads the layer. Dereferences to the layer.
+#[derive(Debug)]
+pub struct Site<T> {
+    path: String,
+    layer: T,
+}
+
+impl<T> Site<T> {
+    /// `layer` named `path`.
+    pub fn new(path: impl Into<String>, layer: T) -> Self {
+        Self {
+            path: path.into(),
+            layer,
+        }
+    }
+
+    /// The module path (`down_blocks.0.resnets.1.conv1`).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The layer.
+    pub fn into_inner(self) -> T {
+        self.layer
+    }
+}
+
+impl<T> std::ops::Deref for Site<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.layer
+    }
+}
+
+impl<T> std::ops::DerefMut for Site<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.layer
+    }
+}
+
+/// A layer kind that can be a LoRA site ([`SiteMut`]'s kinds).
+pub trait SiteLayer {
+    /// The layer as lora-core's mutable site.
+    fn site_mut(&mut self) -> SiteMut<'_>;
+}
+
+impl SiteLayer for LoraLinear {
+    fn site_mut(&mut self) -> SiteMut<'_> {
+        SiteMut::Linear(self)
+    }
+}
+
+impl SiteLayer for LoraConv2d {
+    fn site_mut(&mut self) -> SiteMut<'_> {
+        SiteMut::Conv2d(self)
+    }
+}
+
+impl SiteLayer for LoraEmbedding {
+    fn site_mut(&mut self) -> SiteMut<'_> {
+        SiteMut::Embedding(self)
+    }
+}
+
+/// The visitor of [`lora_core::inject::Adaptable::visit_sites`].
+pub type Visitor<'a> = dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()> + 'a;
+
+impl<T: SiteLayer> Site<T> {
+    /// Visits this site under its module path.
+    ///
+    /// # Errors
+    /// What `f` returns.
+    pub fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
+        f(&self.path, self.layer.site_mut())
     }
 }
