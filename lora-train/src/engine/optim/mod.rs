@@ -198,7 +198,7 @@ impl OptimizerName {
                     "use one of {}",
                     Self::ALL
                         .iter()
-                        .map(|n| n.as_str())
+                        .map(|n| format!("\"{n}\""))
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
