@@ -162,12 +162,9 @@ impl SegmentTape {
 mod tests {
     use super::*;
 
-    /// libtorch's generator is process-wide: tests that seed it must not interleave.
-    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
     #[test]
     fn checkpointed_gradients_equal_plain_ones() {
-        let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _lock = crate::test_rng_lock();
         tch::manual_seed(0);
         let opts = (Kind::Double, Device::Cpu);
         let ws: Vec<Tensor> = (0..4)
@@ -221,7 +218,7 @@ mod tests {
 
     #[test]
     fn undefined_output_gradient_is_an_error() {
-        let _lock = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _lock = crate::test_rng_lock();
         let x0 = Tensor::ones([2], (Kind::Float, Device::Cpu));
         let seg = |_: usize, x: &Tensor| -> Result<Tensor> { Ok(x.f_mul_scalar(2.0)?) };
         let (_h, tape) = SegmentTape::forward(&x0, 2, seg).unwrap();

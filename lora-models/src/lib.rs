@@ -56,4 +56,12 @@ pub mod sd;
 pub mod tokenizer;
 pub mod weights;
 
+/// libtorch's generator is process-wide: the unit tests that seed it or draw from it hold this
+/// lock, so that parallel tests do not interleave their draws.
+#[cfg(test)]
+pub(crate) fn test_rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub use error::{Error, Result};

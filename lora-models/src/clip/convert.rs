@@ -256,6 +256,7 @@ mod tests {
     /// positions, projection 16) written in OpenCLIP's layout, and the same weights in
     /// transformers' layout, built independently of `from_open_clip`.
     fn open_clip_pair(prefix: &str) -> (Vec<(String, Tensor)>, HashMap<String, Tensor>) {
+        let _lock = crate::test_rng_lock();
         tch::manual_seed(5);
         let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu)) * 0.2;
         let (d, ff) = (64, 128);

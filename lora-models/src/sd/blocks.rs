@@ -826,6 +826,7 @@ mod tests {
 
     #[test]
     fn sdpa_and_math_attention_agree() {
+        let _lock = crate::test_rng_lock();
         tch::manual_seed(0);
         let q = Tensor::randn([2, 5, 8], (Kind::Float, tch::Device::Cpu));
         let k = Tensor::randn([2, 3, 8], (Kind::Float, tch::Device::Cpu));

@@ -73,6 +73,12 @@ pub fn read_descriptor(
             path.display().to_string(),
             None,
         ))
+    } else if path.is_file() && !lower.ends_with(".safetensors") {
+        Err(JobError::Input(format!(
+            "model.base_model = {written:?}: {} is not a model file this recipe reads; give a \
+             .gguf file, a .safetensors file, a model folder with config.json, or a preset name",
+            path.display()
+        )))
     } else {
         Ok((
             ModelDescriptor::from_safetensors(&path)?,
@@ -790,6 +796,22 @@ impl crate::job::Recipe for LlmRecipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_that_is_no_model_is_named_with_what_to_give() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("notes.txt");
+        std::fs::write(&f, "not a model\n").unwrap();
+        let mut cfg = TrainConfig::default();
+        cfg.model.base_model = Some(f.display().to_string());
+        let e = read_descriptor(&cfg, None).unwrap_err();
+        assert!(matches!(e, JobError::Input(_)), "{e:?}");
+        let m = e.to_string();
+        assert!(
+            m.contains("model.base_model") && m.contains("notes.txt") && m.contains(".gguf"),
+            "{m}"
+        );
+    }
 
     #[test]
     fn preset_plan_against_a_small_gpu_does_not_fit_and_auto_fit_fixes_it() {

@@ -15,7 +15,7 @@
 //! `lora.target_modules` against the UNet's module names, `model.kind` against the model, and a
 //! single-file checkpoint's tokenizer.
 
-use crate::config::{ModelKind, TargetModules, TrainConfig};
+use crate::config::{DataFormat, ModelKind, TargetModules, TrainConfig};
 use crate::job::{JobError, Plan, Result, resolve_path};
 use lora_memory::model::DiffusionFamily;
 use lora_memory::{Budget, FitError, ModelDescriptor, Settings};
@@ -434,6 +434,7 @@ pub fn check_sd_config(
     desc: Option<&ModelDescriptor>,
     config_dir: Option<&Path>,
 ) -> Result<()> {
+    check_data_format(cfg.data.format)?;
     check_resolution(cfg)?;
     bucket_config(cfg)
         .check()
@@ -455,6 +456,22 @@ pub fn check_sd_config(
         single_file_companion(p, tok.as_deref(), sdxl)?;
     }
     Ok(())
+}
+
+/// `data.format` of an image run: `images` (or unset); a text layout is an error naming it.
+///
+/// # Errors
+/// [`JobError::Input`] for `jsonl`, `alpaca` or `chat`.
+fn check_data_format(format: DataFormat) -> Result<()> {
+    match format {
+        DataFormat::Images | DataFormat::Text => Ok(()),
+        other => Err(JobError::Input(format!(
+            "data.format = {:?} is a text layout, but this is a Stable Diffusion run, which reads \
+             kohya image folders (images with caption sidecars); set data.format: images or \
+             remove the key",
+            format!("{other:?}").to_lowercase()
+        ))),
+    }
 }
 
 /// The aspect-bucket settings of `cfg`'s data section (`data.resolution`, `enable_bucket`,
@@ -723,6 +740,18 @@ pub fn plan_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_layout_in_an_image_run_is_an_error_naming_it() {
+        let cfg = TrainConfig::from_yaml_str("model: {base_model: sd15}\ndata: {format: chat}\n")
+            .unwrap();
+        let e = check_sd_config(&cfg, None, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("data.format") && e.contains("\"chat\""), "{e}");
+        let ok = TrainConfig::from_yaml_str("data: {format: images}\n").unwrap();
+        assert!(check_data_format(ok.data.format).is_ok());
+    }
     use crate::job::diffusion_report as report;
     use lora_memory::Bytes;
 
