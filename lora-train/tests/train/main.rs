@@ -16,6 +16,7 @@ mod engine_sys;
 mod engine_trainer;
 mod job_checkpointing;
 mod sd_caching;
+mod sd_fixture;
 mod sd_job;
 mod sd_plan_measured;
 mod sd_targets;

@@ -23,9 +23,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use crate::sd_fixture::{make_pipeline, python, root};
 
 /// Writes the tiny pipeline (folder and single file) and the emoji folder once per kind.
 fn fixture(sdxl: bool) -> &'static Path {
@@ -40,34 +38,12 @@ fn fixture(sdxl: bool) -> &'static Path {
         });
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let assets = root().join("assets");
-        assert!(
-            assets.join("emoji/openmoji.csv").is_file(),
-            "assets/emoji is missing: run `cargo xtask setup`"
-        );
-        let py = root().join(".venv/bin/python");
-        assert!(
-            py.exists(),
-            "{} is missing: run `cargo xtask setup`",
-            py.display()
-        );
-        let mut cmd = Command::new(py);
-        cmd.arg(root().join("lora-train/tests/sd_interop/make_pipeline.py"))
-            .arg("--assets")
-            .arg(&assets)
-            .arg("--out")
-            .arg(&dir)
-            .arg("--single-file")
-            .env("OMP_NUM_THREADS", "1");
-        if sdxl {
-            cmd.arg("--sdxl");
-        }
-        let res = cmd.output().unwrap();
-        assert!(
-            res.status.success(),
-            "make_pipeline.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
+        let extra: &[&str] = if sdxl {
+            &["--single-file", "--sdxl"]
+        } else {
+            &["--single-file"]
+        };
+        make_pipeline(&dir, extra);
         dir
     })
 }
@@ -487,7 +463,7 @@ fn a_dirty_dataset_trains_on_its_usable_images_and_stop_names_every_bad_file() {
     clear_stop_request();
     let data = dir.join("dirty");
     let _ = std::fs::remove_dir_all(&data);
-    let res = Command::new(root().join(".venv/bin/python"))
+    let res = Command::new(python())
         .arg(root().join("lora-data/tests/fixtures/make_dirty_dataset.py"))
         .arg("--assets")
         .arg(root().join("assets"))

@@ -10,40 +10,10 @@ use lora_train::config::TrainConfig;
 use lora_train::job::RunOptions;
 use lora_train::sd::{self, SdRunSummary};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Kind, Tensor};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> PathBuf {
-    let py = root().join(".venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} is missing: run `cargo xtask setup` (it creates the interop venv)",
-        py.display()
-    );
-    py
-}
-
-fn script(name: &str, args: &[&std::ffi::OsStr]) {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/sd_interop")
-        .join(name);
-    let res = Command::new(python())
-        .arg(&path)
-        .args(args)
-        .env("OMP_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(
-        res.status.success(),
-        "{name} failed:\n{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
-}
+use crate::sd_fixture::{make_pipeline, root, script};
 
 /// UNet modules adapted by the example config: 4 transformers (down 0, mid, up 1 twice) ×
 /// (2 attentions × 4 projections + `proj_in` + `proj_out`).
@@ -75,21 +45,7 @@ fn run() -> &'static Run {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sd_job");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let assets = root().join("assets");
-        assert!(
-            assets.join("emoji/openmoji.csv").is_file(),
-            "assets/emoji is missing: run `cargo xtask setup`"
-        );
-        script(
-            "make_pipeline.py",
-            &[
-                "--assets".as_ref(),
-                assets.as_os_str(),
-                "--out".as_ref(),
-                dir.as_os_str(),
-                "--single-file".as_ref(),
-            ],
-        );
+        make_pipeline(&dir, &["--single-file"]);
         let summary = sd::run(
             config(&dir, "out"),
             &RunOptions {

@@ -8,38 +8,11 @@ use lora_train::config::TrainConfig;
 use lora_train::job::RunOptions;
 use lora_train::sd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use crate::sd_fixture::{make_pipeline, root};
 
 fn fixture(dir: &Path) {
-    let py = root().join(".venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} is missing: run `cargo xtask setup`",
-        py.display()
-    );
-    let assets = root().join("assets");
-    assert!(
-        assets.join("emoji/openmoji.csv").is_file(),
-        "assets/emoji is missing: run `cargo xtask setup`"
-    );
-    let res = Command::new(py)
-        .arg(root().join("lora-train/tests/sd_interop/make_pipeline.py"))
-        .arg("--assets")
-        .arg(&assets)
-        .arg("--out")
-        .arg(dir)
-        .env("OMP_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(
-        res.status.success(),
-        "make_pipeline.py failed:\n{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    make_pipeline(dir, &[]);
 }
 
 fn config(dir: &Path, out: &str, resolution: u32, batch: u32, checkpointing: bool) -> TrainConfig {

@@ -9,39 +9,18 @@ use lora_core::inject::site_names;
 use lora_models::sd::{LoadOptions, UNet2DConditionModel};
 use lora_train::config::TrainConfig;
 use lora_train::sd_plan;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use crate::sd_fixture::make_pipeline;
 
 /// The UNet module names of the tiny pipeline `make_pipeline.py` writes (`--sdxl` for SDXL).
 fn unet_sites(out: &Path, sdxl: bool) -> Vec<String> {
-    let py = root().join(".venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} is missing: run `cargo xtask setup`",
-        py.display()
-    );
-    let assets = root().join("assets");
-    let mut cmd = Command::new(&py);
-    cmd.arg(root().join("lora-train/tests/sd_interop/make_pipeline.py"))
-        .arg("--assets")
-        .arg(&assets)
-        .arg("--out")
-        .arg(out)
-        .args(["--n", "1"])
-        .env("OMP_NUM_THREADS", "1");
-    if sdxl {
-        cmd.arg("--sdxl");
-    }
-    let res = cmd.output().unwrap();
-    assert!(
-        res.status.success(),
-        "make_pipeline.py failed:\n{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    let extra: &[&str] = if sdxl {
+        &["--n", "1", "--sdxl"]
+    } else {
+        &["--n", "1"]
+    };
+    make_pipeline(out, extra);
     let dir = out.join(if sdxl { "pipeline_xl" } else { "pipeline" });
     let mut unet = UNet2DConditionModel::from_diffusers(&dir, &LoadOptions::default()).unwrap();
     site_names(&mut unet)
