@@ -19,7 +19,7 @@ pub mod own_model {
     use lora_train::core::linear::LoraLinear;
     use lora_train::engine::optim::{AdamWConfig, OptimizerKind};
     use lora_train::engine::{
-        BatchSource, Result, Resume, TrainError, TrainReport, TrainStep, Trainer, TrainerConfig,
+        BatchSource, Result, Resume, TrainReport, TrainStep, Trainer, TrainerConfig,
     };
     use lora_train::tch::{self, Device, Kind, Tensor, nn};
 
@@ -29,11 +29,6 @@ pub mod own_model {
     pub const HIDDEN: i64 = 64;
     /// Output features.
     pub const OUT: i64 = 8;
-
-    /// A lora-core error as the engine's (the model is the app's side, [`TrainError::App`]).
-    fn core(e: lora_train::core::Error) -> TrainError {
-        TrainError::App(e.to_string())
-    }
 
     /// A frozen MLP `y = W₂·gelu(W₁·x)` with a LoRA adapter on both layers.
     #[derive(Debug)]
@@ -48,22 +43,20 @@ pub mod own_model {
         /// Random frozen weights (seeded), adapters of rank `rank` and alpha `2·rank`.
         ///
         /// # Errors
-        /// lora-core errors (a bad rank), as [`TrainError::App`].
+        /// lora-core errors (a bad rank), as [`lora_train::engine::TrainError::Lora`].
         pub fn new(rank: i64) -> Result<Self> {
             tch::manual_seed(7);
             let w1 =
                 Tensor::f_randn([HIDDEN, IN], (Kind::Float, Device::Cpu))? / (IN as f64).sqrt();
             let w2 = Tensor::f_randn([OUT, HIDDEN], (Kind::Float, Device::Cpu))?
                 / (HIDDEN as f64).sqrt();
-            let mut fc1 = LoraLinear::new(BaseWeight::Dense(w1), None).map_err(core)?;
-            let mut fc2 = LoraLinear::new(BaseWeight::Dense(w2), None).map_err(core)?;
+            let mut fc1 = LoraLinear::new(BaseWeight::Dense(w1), None)?;
+            let mut fc2 = LoraLinear::new(BaseWeight::Dense(w2), None)?;
             let adapters = nn::VarStore::new(Device::Cpu);
             let spec = AdapterSpec::new(rank, 2.0 * rank as f64);
             let root = adapters.root();
-            fc1.add_adapter("fc1", "default", &spec, &root)
-                .map_err(core)?;
-            fc2.add_adapter("fc2", "default", &spec, &root)
-                .map_err(core)?;
+            fc1.add_adapter("fc1", "default", &spec, &root)?;
+            fc2.add_adapter("fc2", "default", &spec, &root)?;
             Ok(Self { fc1, fc2, adapters })
         }
 
@@ -72,8 +65,8 @@ pub mod own_model {
         /// # Errors
         /// lora-core and libtorch errors.
         pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-            let h = self.fc1.forward_t(x, train).map_err(core)?.f_gelu("none")?;
-            self.fc2.forward_t(&h, train).map_err(core)
+            let h = self.fc1.forward_t(x, train)?.f_gelu("none")?;
+            Ok(self.fc2.forward_t(&h, train)?)
         }
     }
 

@@ -79,6 +79,9 @@ pub use lora_data as data;
 pub use lora_memory as memory;
 #[cfg(feature = "jobs")]
 pub use lora_models as models;
+/// serde_json, whose `Value` is the state of a [`engine::BatchSource`] and of a checkpoint's run
+/// record: an app implementing the engine's traits needs no dependency of its own on it.
+pub use serde_json;
 pub use tch;
 
 #[cfg(feature = "jobs")]

@@ -220,6 +220,10 @@ pub(super) trait Named:
     fn name(&self) -> &'static str;
     /// The setting a name gives (its arguments at their defaults), or what is expected.
     fn from_name(name: &str) -> std::result::Result<Self, String>;
+    /// Checks the setting's arguments (a mapping can give any), or says what is expected.
+    fn check(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
     /// The setting, as written, is its name alone (its arguments are the name's defaults).
     fn is_plain(&self) -> bool {
         Self::from_name(self.name()).as_ref() == Ok(self)
@@ -228,12 +232,28 @@ pub(super) trait Named:
 
 /// Reads a [`Named`] engine setting: a name or the engine's mapping.
 pub(super) fn named<T: Named>(key: &str, v: &Value) -> Result<T> {
-    match v {
-        Value::String(s) => T::from_name(s).map_err(|e| invalid(key, v, e)),
+    let t: T = match v {
+        Value::String(s) => T::from_name(s).map_err(|e| invalid(key, v, e))?,
         Value::Object(_) => serde_json::from_value(v.clone())
-            .map_err(|e| invalid(key, v, format!("a name or the engine's settings ({e})"))),
-        _ => Err(invalid(key, v, "a name")),
+            .map_err(|e| invalid(key, v, format!("a name or the engine's settings ({e})")))?,
+        _ => return Err(invalid(key, v, "a name")),
+    };
+    t.check().map_err(|e| invalid(key, v, e))?;
+    // an argument the setting does not take (serde lets a tagged unit variant ignore it)
+    if let (Value::Object(written), Ok(Value::Object(read))) = (v, serde_json::to_value(&t)) {
+        if let Some(extra) = written.keys().find(|k| !read.contains_key(*k)) {
+            return Err(invalid(
+                key,
+                v,
+                format!(
+                    "the arguments of {}: `{extra}` is not one of them ({})",
+                    t.name(),
+                    read.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
     }
+    Ok(t)
 }
 
 /// Serde for a [`Named`] field: its name when [`Named::is_plain`], else the engine's mapping;
@@ -315,6 +335,15 @@ impl Doc {
         key: Spellings,
         conv: impl Fn(&str, &Value) -> Result<T>,
     ) -> Result<Option<T>> {
+        Ok(self.get_written(key, conv)?.map(|(t, _)| t))
+    }
+
+    /// [`Doc::get_with`], with the spelling the value was first written under.
+    pub fn get_written<T: PartialEq + fmt::Debug>(
+        &mut self,
+        key: Spellings,
+        conv: impl Fn(&str, &Value) -> Result<T>,
+    ) -> Result<Option<(T, String)>> {
         let mut found: Option<(T, String, Value)> = None;
         for e in self.entries.iter_mut() {
             if !key.contains(&e.path.as_str()) {
@@ -337,7 +366,7 @@ impl Doc {
                 }
             }
         }
-        Ok(found.map(|(t, _, _)| t))
+        Ok(found.map(|(t, path, _)| (t, path)))
     }
 }
 

@@ -460,7 +460,8 @@ section! {
             aka ["gradient_checkpointing"];
         /// Gradient clipping by global norm (default 1.0, as transformers and kohya; 0 = off).
         max_grad_norm: f64 = 1.0, Typed("a number >= 0 (0 = no clipping)"),
-            aka ["max_grad_norm"];
+            aka ["max_grad_norm"],
+            check |m| *m >= 0.0 && m.is_finite() => "a number >= 0 (0 = no clipping)";
         /// Non-finite loss policy: `skip` (default), `lower_lr` (halve the learning rate) or
         /// `stop`; or the engine's mapping (`{policy: lower_lr, factor: 0.25}`).
         #[serde(with = "keys::by_name")]
@@ -766,6 +767,9 @@ impl Named for SchedulerKind {
     fn from_name(name: &str) -> std::result::Result<Self, String> {
         SchedulerKind::from_name(name).map_err(engine_name_error)
     }
+    fn check(&self) -> std::result::Result<(), String> {
+        self.validate().map_err(|e| e.to_string())
+    }
 }
 
 impl Named for Precision {
@@ -784,6 +788,9 @@ impl Named for NonFinitePolicy {
     fn from_name(name: &str) -> std::result::Result<Self, String> {
         NonFinitePolicy::from_name(name).map_err(engine_name_error)
     }
+    fn check(&self) -> std::result::Result<(), String> {
+        self.validate().map_err(|e| e.to_string())
+    }
 }
 
 /// Reads `train.lr_scheduler` (a name or the engine's mapping) and then kohya's flat scheduler
@@ -794,27 +801,61 @@ struct Schedule {
     power: Spellings,
 }
 
+/// A schedule mapping's argument and a flat spelling of it that disagree.
+fn argument_conflict(key: &str, arg: &str, in_mapping: f64, flat: &str, given: f64) -> ConfigError {
+    ConfigError::Conflict {
+        canonical: format!("the {arg} of {key}"),
+        first_key: format!("{key}.{arg}"),
+        first_value: in_mapping.to_string(),
+        second_key: flat.to_string(),
+        second_value: given.to_string(),
+    }
+}
+
 impl Reader<SchedulerKind> for Schedule {
     fn fill(&self, doc: &mut Doc, key: Spellings, slot: &mut SchedulerKind) -> Result<()> {
         ByName.fill(doc, key, slot)?;
-        let cycles = doc.get_with(self.num_cycles, |k, v| {
+        let cycles = doc.get_written(self.num_cycles, |k, v| {
             let n: u32 = typed(k, v, "a positive integer")?;
             if n == 0 {
                 return Err(invalid(k, v, "an integer >= 1"));
             }
             Ok(n)
         })?;
-        if let (Some(n), SchedulerKind::CosineWithRestarts { num_cycles }) = (cycles, &mut *slot) {
-            *num_cycles = f64::from(n);
+        if let (Some((n, written)), SchedulerKind::CosineWithRestarts { num_cycles }) =
+            (cycles, &mut *slot)
+        {
+            let (default, given) = (
+                SchedulerKind::from_name("cosine_with_restarts"),
+                f64::from(n),
+            );
+            if *num_cycles != given
+                && !matches!(default, Ok(SchedulerKind::CosineWithRestarts { num_cycles: d }) if d == *num_cycles)
+            {
+                return Err(argument_conflict(
+                    key[0],
+                    "num_cycles",
+                    *num_cycles,
+                    &written,
+                    given,
+                ));
+            }
+            *num_cycles = given;
         }
-        let power = doc.get_with(self.power, |k, v| {
+        let power = doc.get_written(self.power, |k, v| {
             let p: f64 = typed(k, v, "a number > 0")?;
             if !(p > 0.0 && p.is_finite()) {
                 return Err(invalid(k, v, "a number > 0"));
             }
             Ok(p)
         })?;
-        if let (Some(p), SchedulerKind::Polynomial { power, .. }) = (power, &mut *slot) {
+        if let (Some((p, written)), SchedulerKind::Polynomial { power, .. }) = (power, &mut *slot) {
+            let default = SchedulerKind::from_name("polynomial");
+            if *power != p
+                && !matches!(default, Ok(SchedulerKind::Polynomial { power: d, .. }) if d == *power)
+            {
+                return Err(argument_conflict(key[0], "power", *power, &written, p));
+            }
             *power = p;
         }
         Ok(())
@@ -1108,6 +1149,20 @@ impl TrainConfig {
                     c.train.optimizer = OptimizerName::AdamW8bit;
                 }
             }
+        }
+
+        // a polynomial schedule ends below the learning rate it starts from
+        if let SchedulerKind::Polynomial { lr_end, .. } = c.train.lr_scheduler
+            && lr_end > c.train.learning_rate
+        {
+            return Err(ConfigError::InvalidValue {
+                key: "train.lr_scheduler".into(),
+                value: format!("lr_end {lr_end}"),
+                expected: format!(
+                    "an lr_end at or below train.learning_rate ({})",
+                    c.train.learning_rate
+                ),
+            });
         }
 
         // memory: a budget or a GPU, not both

@@ -363,3 +363,60 @@ fn round_trip_and_lower(built: &TrainConfig) {
         assert_eq!(lower(cfg), lower(built));
     }
 }
+
+#[test]
+fn engine_settings_written_as_mappings_are_checked_like_names() {
+    let err = |y: &str| TrainConfig::from_yaml_str(y).unwrap_err().to_string();
+    // arguments outside their range name the key and the argument
+    let e = err("train:\n  lr_scheduler: {type: polynomial, power: -2.0}\n");
+    assert!(
+        e.contains("train.lr_scheduler") && e.contains("power"),
+        "{e}"
+    );
+    let e = err("train:\n  lr_scheduler: {type: cosine_with_restarts, num_cycles: 0}\n");
+    assert!(
+        e.contains("train.lr_scheduler") && e.contains("num_cycles"),
+        "{e}"
+    );
+    let e =
+        err("train:\n  learning_rate: 1.0e-4\n  lr_scheduler: {type: polynomial, lr_end: 1.0}\n");
+    assert!(
+        e.contains("lr_end") && e.contains("train.learning_rate"),
+        "{e}"
+    );
+    let e = err("train:\n  nan_policy: {policy: lower_lr, factor: 2}\n");
+    assert!(
+        e.contains("train.nan_policy") && e.contains("(0, 1)"),
+        "{e}"
+    );
+    // unknown arguments are errors; a missing factor is the name's default
+    let e = err("train:\n  nan_policy: {policy: skip, factor: 0.3}\n");
+    assert!(e.contains("train.nan_policy"), "{e}");
+    let c = TrainConfig::from_yaml_str("train:\n  nan_policy: {policy: lower_lr}\n").unwrap();
+    assert_eq!(
+        c.train.nan_policy,
+        NonFinitePolicy::LowerLr {
+            factor: NonFinitePolicy::LOWER_LR_FACTOR
+        }
+    );
+    // a mapping's argument and its flat kohya spelling must agree
+    let e = err("train:\n  lr_scheduler: {type: polynomial, power: 2.0}\nlr_scheduler_power: 3\n");
+    assert!(
+        e.contains("train.lr_scheduler.power") && e.contains("lr_scheduler_power"),
+        "{e}"
+    );
+    let agree = TrainConfig::from_yaml_str(
+        "train:\n  lr_scheduler: {type: polynomial, power: 3.0}\nlr_scheduler_power: 3\n",
+    )
+    .unwrap();
+    assert_eq!(
+        agree.train.lr_scheduler,
+        SchedulerKind::Polynomial {
+            lr_end: 1e-7,
+            power: 3.0
+        }
+    );
+    // a negative clipping norm is no longer read as "off"
+    let e = err("train:\n  max_grad_norm: -1\n");
+    assert!(e.contains("train.max_grad_norm"), "{e}");
+}

@@ -70,6 +70,11 @@ pub enum TrainError {
     /// An error raised by the application's [`crate::engine::TrainStep`] or a callback.
     #[error("{0}")]
     App(String),
+    /// A LoRA layer failed inside a step (`?` on lora-core's results in a
+    /// [`crate::engine::TrainStep`]); an out-of-memory inside it is recognised as one
+    /// ([`TrainError::is_oom`]), so the trainer backs off.
+    #[error(transparent)]
+    Lora(#[from] lora_core::Error),
 }
 
 /// `Result` with a [`TrainError`].
@@ -83,6 +88,9 @@ impl TrainError {
             TrainError::Torch(e) => is_oom_message(&e.to_string()),
             TrainError::Shim(e) => is_oom_message(&e.message),
             TrainError::OutOfMemory { .. } => true,
+            TrainError::Lora(lora_core::Error::Torch { source, .. }) => {
+                is_oom_message(&source.to_string())
+            }
             _ => false,
         }
     }
@@ -91,4 +99,26 @@ impl TrainError {
 /// True when a libtorch error message reports an allocation failure.
 pub fn is_oom_message(msg: &str) -> bool {
     lora_core::oom::is_oom_message(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_out_of_memory_inside_a_lora_layer_is_one() {
+        let oom = lora_core::Error::Torch {
+            context: "lora forward".into(),
+            source: tch::TchError::Torch(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes".into(),
+            ),
+        };
+        let e: TrainError = oom.into();
+        assert!(e.is_oom(), "{e}");
+        let shape = lora_core::Error::Torch {
+            context: "lora forward".into(),
+            source: tch::TchError::Torch("mat1 and mat2 shapes cannot be multiplied".into()),
+        };
+        assert!(!TrainError::from(shape).is_oom());
+    }
 }

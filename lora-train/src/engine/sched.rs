@@ -87,6 +87,42 @@ impl SchedulerKind {
 }
 
 impl SchedulerKind {
+    /// Checks the schedule's arguments: `num_cycles` > 0 (`cosine`) or a whole number >= 1
+    /// (`cosine_with_restarts`), `power` > 0 and `lr_end` >= 0 (`polynomial`), all finite.
+    ///
+    /// # Errors
+    /// [`TrainError::Invalid`] naming the argument.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, value: f64, hint: &str| {
+            Err(TrainError::Invalid {
+                what: format!("{} {what}", self.name()),
+                value: value.to_string(),
+                hint: hint.into(),
+            })
+        };
+        match *self {
+            Self::Cosine { num_cycles } if !(num_cycles > 0.0 && num_cycles.is_finite()) => bad(
+                "num_cycles",
+                num_cycles,
+                "use a number > 0 (0.5 decays to 0 once)",
+            ),
+            Self::CosineWithRestarts { num_cycles }
+                if !(num_cycles >= 1.0 && num_cycles.fract() == 0.0 && num_cycles.is_finite()) =>
+            {
+                bad("num_cycles", num_cycles, "use a whole number >= 1")
+            }
+            Self::Polynomial { power, .. } if !(power > 0.0 && power.is_finite()) => {
+                bad("power", power, "use a number > 0 (1 is linear decay)")
+            }
+            Self::Polynomial { lr_end, .. } if !(lr_end >= 0.0 && lr_end.is_finite()) => bad(
+                "lr_end",
+                lr_end,
+                "use a number >= 0 below the learning rate",
+            ),
+            _ => Ok(()),
+        }
+    }
+
     /// The schedule's `lr_scheduler` name (kohya's `ss_lr_scheduler` metadata, transformers'
     /// `SchedulerType`), without its arguments.
     pub fn name(&self) -> &'static str {
@@ -132,6 +168,7 @@ impl Scheduler {
                 hint: "use a finite value >= 0".into(),
             });
         }
+        kind.validate()?;
         if let SchedulerKind::Polynomial { lr_end, .. } = kind
             && lr_end > base_lr
         {

@@ -114,17 +114,22 @@ pub trait BatchSource<B> {
 
 /// What to do when the loss or the gradient norm is NaN/Inf.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "policy")]
+#[serde(rename_all = "snake_case", tag = "policy", deny_unknown_fields)]
 pub enum NonFinitePolicy {
     /// Skip the update (the step still counts).
     Skip,
     /// Skip the update and multiply the learning rate by `factor` for the rest of the run.
     LowerLr {
-        /// Multiplier, in (0, 1).
+        /// Multiplier, in (0, 1) ([`NonFinitePolicy::LOWER_LR_FACTOR`] when not written).
+        #[serde(default = "lower_lr_factor")]
         factor: f64,
     },
     /// Stop with [`TrainError::NonFinite`].
     Stop,
+}
+
+fn lower_lr_factor() -> f64 {
+    NonFinitePolicy::LOWER_LR_FACTOR
 }
 
 impl NonFinitePolicy {
@@ -137,6 +142,23 @@ impl NonFinitePolicy {
             Self::Skip => "skip",
             Self::LowerLr { .. } => "lower_lr",
             Self::Stop => "stop",
+        }
+    }
+
+    /// Checks the policy's arguments: a `lower_lr` factor in (0, 1).
+    ///
+    /// # Errors
+    /// [`TrainError::Invalid`] naming the factor.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Self::LowerLr { factor } if !(*factor > 0.0 && *factor < 1.0) => {
+                Err(TrainError::Invalid {
+                    what: "nan_policy lower_lr factor".into(),
+                    value: factor.to_string(),
+                    hint: "use a value in (0, 1), e.g. 0.5".into(),
+                })
+            }
+            _ => Ok(()),
         }
     }
 
@@ -193,9 +215,13 @@ pub struct TrainerConfig {
     pub scheduler: SchedulerKind,
     /// Warm-up steps of the schedule (`lr_warmup_steps`).
     pub warmup_steps: u64,
-    /// Epochs (`max_train_epochs`); ignored once `max_steps` is reached.
+    /// Epochs (`max_train_epochs`). With `max_steps` too, the run ends at whichever comes
+    /// first: `max_steps: Some(80)` over an 8-step epoch trains 8 steps unless `epochs` is at
+    /// least 10 (the config's `train.max_steps` wins because the recipes raise `epochs` to
+    /// cover it). With a loader of unknown length only `max_steps` counts.
     pub epochs: u64,
-    /// Stop after this many optimizer steps (`max_train_steps`).
+    /// Stop after this many optimizer steps (`max_train_steps`), or earlier when `epochs` run
+    /// out (see [`TrainerConfig::epochs`]).
     pub max_steps: Option<u64>,
     /// Loader batches per optimizer step (`gradient_accumulation_steps`).
     pub gradient_accumulation_steps: usize,
@@ -280,15 +306,8 @@ impl TrainerConfig {
                 "use a positive value or leave it unset",
             );
         }
-        if let NonFinitePolicy::LowerLr { factor } = self.non_finite
-            && !(factor > 0.0 && factor < 1.0)
-        {
-            return bad(
-                "non_finite lower_lr factor",
-                factor.to_string(),
-                "use a value in (0, 1), e.g. 0.5",
-            );
-        }
+        self.non_finite.validate()?;
+        self.scheduler.validate()?;
         if self.epochs == 0 && self.max_steps.is_none() {
             return bad("epochs", "0".into(), "set epochs >= 1 or max_steps");
         }

@@ -11,7 +11,7 @@ use lora_train::core::formats::peft;
 use lora_train::core::inject::{Adaptable, SiteMut, inject};
 use lora_train::core::linear::LoraLinear;
 use lora_train::engine::optim::{AdamWConfig, OptimizerKind};
-use lora_train::engine::{BatchSource, Resume, TrainError, TrainStep, Trainer, TrainerConfig};
+use lora_train::engine::{BatchSource, Resume, TrainStep, Trainer, TrainerConfig};
 use lora_train::job::RunOptions;
 use lora_train::tch::{Device, Kind, Tensor, nn};
 use std::path::{Path, PathBuf};
@@ -43,10 +43,8 @@ impl TrainStep for Probe {
     type Batch = (Tensor, Tensor);
 
     fn loss(&mut self, (x, y): &Self::Batch, train: bool) -> lora_train::engine::Result<Tensor> {
-        let out = self
-            .proj
-            .forward_t(x, train)
-            .map_err(|e| TrainError::App(e.to_string()))?;
+        // lora-core's errors convert with `?`; an out-of-memory inside stays one
+        let out = self.proj.forward_t(x, train)?;
         Ok(out.f_mse_loss(y, lora_train::tch::Reduction::Mean)?)
     }
 
