@@ -801,13 +801,19 @@ struct Schedule {
     power: Spellings,
 }
 
-/// A schedule mapping's argument and a flat spelling of it that disagree.
-fn argument_conflict(key: &str, arg: &str, in_mapping: f64, flat: &str, given: f64) -> ConfigError {
+/// A schedule mapping's argument and a flat spelling of it (`written`) that disagree.
+fn argument_conflict(
+    key: &str,
+    arg: &str,
+    in_mapping: f64,
+    written: &str,
+    given: f64,
+) -> ConfigError {
     ConfigError::Conflict {
         canonical: format!("the {arg} of {key}"),
         first_key: format!("{key}.{arg}"),
         first_value: in_mapping.to_string(),
-        second_key: flat.to_string(),
+        second_key: written.to_string(),
         second_value: given.to_string(),
     }
 }
@@ -815,33 +821,15 @@ fn argument_conflict(key: &str, arg: &str, in_mapping: f64, flat: &str, given: f
 impl Reader<SchedulerKind> for Schedule {
     fn fill(&self, doc: &mut Doc, key: Spellings, slot: &mut SchedulerKind) -> Result<()> {
         ByName.fill(doc, key, slot)?;
+        // a mapping that set the argument itself must agree with a flat spelling of it
+        let from_mapping = !slot.is_plain();
         let cycles = doc.get_written(self.num_cycles, |k, v| {
             let n: u32 = typed(k, v, "a positive integer")?;
             if n == 0 {
                 return Err(invalid(k, v, "an integer >= 1"));
             }
-            Ok(n)
+            Ok(f64::from(n))
         })?;
-        if let (Some((n, written)), SchedulerKind::CosineWithRestarts { num_cycles }) =
-            (cycles, &mut *slot)
-        {
-            let (default, given) = (
-                SchedulerKind::from_name("cosine_with_restarts"),
-                f64::from(n),
-            );
-            if *num_cycles != given
-                && !matches!(default, Ok(SchedulerKind::CosineWithRestarts { num_cycles: d }) if d == *num_cycles)
-            {
-                return Err(argument_conflict(
-                    key[0],
-                    "num_cycles",
-                    *num_cycles,
-                    &written,
-                    given,
-                ));
-            }
-            *num_cycles = given;
-        }
         let power = doc.get_written(self.power, |k, v| {
             let p: f64 = typed(k, v, "a number > 0")?;
             if !(p > 0.0 && p.is_finite()) {
@@ -849,14 +837,16 @@ impl Reader<SchedulerKind> for Schedule {
             }
             Ok(p)
         })?;
-        if let (Some((p, written)), SchedulerKind::Polynomial { power, .. }) = (power, &mut *slot) {
-            let default = SchedulerKind::from_name("polynomial");
-            if *power != p
-                && !matches!(default, Ok(SchedulerKind::Polynomial { power: d, .. }) if d == *power)
-            {
-                return Err(argument_conflict(key[0], "power", *power, &written, p));
+        let (name, arg, flat) = match &mut *slot {
+            SchedulerKind::CosineWithRestarts { num_cycles } => ("num_cycles", num_cycles, cycles),
+            SchedulerKind::Polynomial { power: p, .. } => ("power", p, power),
+            _ => return Ok(()),
+        };
+        if let Some((given, written)) = flat {
+            if from_mapping && *arg != given {
+                return Err(argument_conflict(key[0], name, *arg, &written, given));
             }
-            *power = p;
+            *arg = given;
         }
         Ok(())
     }

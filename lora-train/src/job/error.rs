@@ -206,11 +206,13 @@ during_for!(serde_json::Error, Json);
 during_for!(crate::export::ExportError, Export);
 
 /// A model error inside a training step, as the engine reports it: libtorch's errors stay
-/// [`crate::engine::TrainError::Torch`] (so out-of-memory is recognised and backed off), the
-/// rest become [`crate::engine::TrainError::App`].
+/// [`crate::engine::TrainError::Torch`] and a LoRA layer's stay
+/// [`crate::engine::TrainError::Lora`] (so an out-of-memory in either is recognised and backed
+/// off), the rest become [`crate::engine::TrainError::App`].
 pub(crate) fn model_step_err(e: lora_models::Error) -> crate::engine::TrainError {
     match e {
         lora_models::Error::Torch(t) => crate::engine::TrainError::Torch(t),
+        lora_models::Error::Core(c) => crate::engine::TrainError::Lora(c),
         other => crate::engine::TrainError::App(other.to_string()),
     }
 }
