@@ -90,6 +90,16 @@ pub enum Error {
         /// What is supported.
         hint: String,
     },
+    /// A model descriptor built in code has an impossible shape.
+    #[error("model {name:?}: invalid {field}: {reason}")]
+    InvalidDescriptor {
+        /// The descriptor's display name.
+        name: String,
+        /// The field (`hidden`, `kv_heads`, …).
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// A setting is out of range or does not apply to the model.
     #[error("invalid setting {key}: {reason}")]
     InvalidSetting {

@@ -639,7 +639,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
 
     // Base weights.
     let linear = d.layer_linear_params() as f64;
-    let rest = (d.params as f64 - linear).max(0.0);
+    let rest = (d.params() as f64 - linear).max(0.0);
     let rest_bytes = if s.base_dtype == BaseDtype::F32 {
         4.0
     } else {
@@ -654,7 +654,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
 
     // Trainable parameters.
     let (trainable, adapter_bytes, grad_bytes, state_bytes) = if s.method == Method::Full {
-        let p = d.params;
+        let p = d.params();
         let largest = d.vocab * d.hidden;
         let t = Trainable {
             params: p,
@@ -1329,7 +1329,7 @@ mod tests {
         });
         let e = estimate(&m, &s).unwrap();
         let want = d.layer_linear_params() as f64 * 0.5625
-            + (d.params - d.layer_linear_params()) as f64 * 2.0;
+            + (d.params() - d.layer_linear_params()) as f64 * 2.0;
         assert!((e.breakdown.base_weights.as_f64() - want).abs() < 2.0);
     }
 

@@ -711,23 +711,28 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
         .and_then(GgufValue::as_str)
         .unwrap_or(arch.as_str())
         .to_string();
-    let mut d = DecoderDescriptor::new(
-        &name,
-        hidden,
-        get("feed_forward_length")?,
-        get("block_count")?,
-        heads,
-        kv_heads,
-        head_dim,
-        vocab,
-        tied,
-    );
-    d.attention_bias = h.tensors.iter().any(|t| t.name.ends_with("attn_q.bias"));
-    d.qk_norm = h
-        .tensors
-        .iter()
-        .any(|t| t.name.ends_with("attn_q_norm.weight"));
-    d.params = h.tensors.iter().map(GgufTensorInfo::numel).sum();
+    let d = DecoderDescriptor::builder(&name)
+        .hidden(hidden)
+        .intermediate(get("feed_forward_length")?)
+        .layers(get("block_count")?)
+        .heads(heads)
+        .kv_heads(kv_heads)
+        .head_dim(head_dim)
+        .vocab(vocab)
+        .tied_embeddings(tied)
+        .attention_bias(h.tensors.iter().any(|t| t.name.ends_with("attn_q.bias")))
+        .qk_norm(
+            h.tensors
+                .iter()
+                .any(|t| t.name.ends_with("attn_q_norm.weight")),
+        )
+        .exact_params(h.tensors.iter().map(GgufTensorInfo::numel).sum())
+        .build()
+        .map_err(|e| Error::Config {
+            path: path.into(),
+            key: format!("{arch}.attention.head_count_kv"),
+            reason: e.to_string(),
+        })?;
     Ok(ModelDescriptor::Decoder(d))
 }
 
@@ -901,7 +906,7 @@ mod tests {
             (64, 4, 2, 16, 100)
         );
         assert!(d.tied_embeddings);
-        assert_eq!(d.params, 6400 + 4096 + 64);
+        assert_eq!(d.params(), 6400 + 4096 + 64);
     }
 
     #[test]

@@ -42,7 +42,10 @@ pub use budget::{Budget, BudgetSource, GPU_PRESETS};
 pub use error::{Error, Result};
 pub use estimate::{Breakdown, Estimate, Metric, Term, estimate};
 pub use fit::{Change, Fit, FitError, fit, max_micro_batch};
-pub use model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor};
+pub use model::{
+    DecoderBuilder, DecoderDescriptor, DiffusionDescriptor, DiffusionFamily, GENERIC_DECODER,
+    LinearSite, ModelDescriptor, NormKind, SUPPORTED_MODEL_TYPES, TextEncoderDescriptor, UnetLevel,
+};
 pub use settings::{
     Attention, BaseDtype, Device, Framework, LoraSettings, Method, MixedPrecision, Optimizer,
     Profile, Settings,

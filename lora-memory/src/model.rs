@@ -31,7 +31,13 @@ pub enum NormKind {
 /// A LLaMA-family decoder block stack.
 ///
 /// Linear sites per layer use HF module names: `self_attn.{q,k,v,o}_proj`,
-/// `mlp.{gate,up,down}_proj` (`mlp.{up,down}_proj` when `gated_mlp` is false).
+/// `mlp.{gate,up,down}_proj` (`mlp.{up,down}_proj` when `gated_mlp` is false; Phi-3's fused
+/// `self_attn.qkv_proj` and `mlp.gate_up_proj` when `fused_qkv` / `fused_gate_up` are set).
+///
+/// Build one with [`DecoderDescriptor::builder`]; change one with
+/// [`DecoderDescriptor::to_builder`]. The parameter count is derived from the shapes
+/// ([`DecoderDescriptor::params`]) unless a file gave the exact number (`exact_params`), and a
+/// builder that changes a shape drops that number, so the count never goes stale.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecoderDescriptor {
     /// Display name.
@@ -58,12 +64,158 @@ pub struct DecoderDescriptor {
     pub attention_bias: bool,
     /// SwiGLU MLP (gate, up, down) vs. a plain two-matrix MLP.
     pub gated_mlp: bool,
+    /// q, k and v are one `self_attn.qkv_proj` linear `[q + 2·kv, h]` (Phi-3).
+    #[serde(default)]
+    pub fused_qkv: bool,
+    /// gate and up are one `mlp.gate_up_proj` linear `[2·f, h]` (Phi-3).
+    #[serde(default)]
+    pub fused_gate_up: bool,
     /// Norm kind.
     pub norm: NormKind,
     /// Learned absolute position embeddings (rows), 0 for RoPE models.
     pub position_embeddings: u64,
-    /// Total parameter count; computed from the shapes unless a file gave the exact number.
-    pub params: u64,
+    /// The exact parameter count when a file stated it (the sum of a checkpoint's tensor
+    /// sizes); `None` = derived from the shapes ([`DecoderDescriptor::computed_params`]).
+    #[serde(default, alias = "params", skip_serializing_if = "Option::is_none")]
+    pub exact_params: Option<u64>,
+}
+
+/// Builds a [`DecoderDescriptor`], deriving what the shapes imply: `kv_heads` defaults to
+/// `heads`, `head_dim` to `hidden / heads`, `intermediate` to `4·hidden` for a plain MLP.
+///
+/// ```
+/// use lora_memory::DecoderDescriptor;
+/// // SmolLM2-135M's config.json
+/// let d = DecoderDescriptor::builder("SmolLM2-135M")
+///     .hidden(576).intermediate(1536).layers(30).heads(9).kv_heads(3).vocab(49152)
+///     .tied_embeddings(true)
+///     .build()
+///     .unwrap();
+/// assert_eq!(d.params(), 134_515_008);
+/// // Changing a shape recomputes the count.
+/// let deeper = d.to_builder().layers(31).build().unwrap();
+/// assert!(deeper.params() > d.params());
+/// ```
+#[derive(Debug, Clone)]
+pub struct DecoderBuilder {
+    d: DecoderDescriptor,
+    kv_heads: Option<u64>,
+    head_dim: Option<u64>,
+    intermediate: Option<u64>,
+}
+
+macro_rules! builder_setter {
+    ($(#[$m:meta])* $name:ident : $ty:ty => $($field:ident).+) => {
+        $(#[$m])*
+        pub fn $name(mut self, v: $ty) -> Self {
+            self.$($field).+ = v;
+            self.d.exact_params = None;
+            self
+        }
+    };
+}
+
+impl DecoderBuilder {
+    builder_setter!(/// `hidden_size`.
+        hidden: u64 => d.hidden);
+    builder_setter!(/// `num_hidden_layers`.
+        layers: u64 => d.layers);
+    builder_setter!(/// `num_attention_heads`.
+        heads: u64 => d.heads);
+    builder_setter!(/// `vocab_size`.
+        vocab: u64 => d.vocab);
+    builder_setter!(/// `tie_word_embeddings`.
+        tied_embeddings: bool => d.tied_embeddings);
+    builder_setter!(/// q/k norms (Qwen3).
+        qk_norm: bool => d.qk_norm);
+    builder_setter!(/// q/k/v biases (Qwen2).
+        attention_bias: bool => d.attention_bias);
+    builder_setter!(/// SwiGLU (`true`, the default) or a plain two-matrix MLP.
+        gated_mlp: bool => d.gated_mlp);
+    builder_setter!(/// One fused `qkv_proj` (Phi-3).
+        fused_qkv: bool => d.fused_qkv);
+    builder_setter!(/// One fused `gate_up_proj` (Phi-3).
+        fused_gate_up: bool => d.fused_gate_up);
+    builder_setter!(/// Norm kind (default RMSNorm).
+        norm: NormKind => d.norm);
+    builder_setter!(/// Learned absolute position embeddings (rows; 0 for RoPE, the default).
+        position_embeddings: u64 => d.position_embeddings);
+
+    /// `num_key_value_heads` (default: `heads`).
+    pub fn kv_heads(mut self, v: u64) -> Self {
+        self.kv_heads = Some(v);
+        self.d.exact_params = None;
+        self
+    }
+
+    /// `head_dim` (default: `hidden / heads`).
+    pub fn head_dim(mut self, v: u64) -> Self {
+        self.head_dim = Some(v);
+        self.d.exact_params = None;
+        self
+    }
+
+    /// `intermediate_size` (default `4·hidden`).
+    pub fn intermediate(mut self, v: u64) -> Self {
+        self.intermediate = Some(v);
+        self.d.exact_params = None;
+        self
+    }
+
+    /// The display name (does not change the count).
+    pub fn name(mut self, name: &str) -> Self {
+        self.d.name = name.to_string();
+        self
+    }
+
+    /// The exact parameter count a file stated (set it after the shapes: a later shape change
+    /// drops it).
+    pub fn exact_params(mut self, params: u64) -> Self {
+        self.d.exact_params = Some(params);
+        self
+    }
+
+    /// The descriptor.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDescriptor`] naming the field when `hidden`, `layers`, `heads`, `vocab`,
+    /// `kv_heads` or `head_dim` is 0, or `heads` is not a multiple of `kv_heads`.
+    pub fn build(self) -> Result<DecoderDescriptor> {
+        let mut d = self.d;
+        let bad = |field: &'static str, reason: String| {
+            Err(Error::InvalidDescriptor {
+                name: d.name.clone(),
+                field,
+                reason,
+            })
+        };
+        for (field, v) in [
+            ("hidden", d.hidden),
+            ("layers", d.layers),
+            ("heads", d.heads),
+            ("vocab", d.vocab),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
+        d.kv_heads = self.kv_heads.unwrap_or(d.heads);
+        d.head_dim = self.head_dim.unwrap_or(d.hidden / d.heads);
+        d.intermediate = self.intermediate.unwrap_or(4 * d.hidden);
+        if d.kv_heads == 0 || d.heads % d.kv_heads != 0 {
+            return bad(
+                "kv_heads",
+                format!(
+                    "{} key/value heads do not divide {} attention heads",
+                    d.kv_heads, d.heads
+                ),
+            );
+        }
+        if d.head_dim == 0 {
+            return bad("head_dim", "must be at least 1".into());
+        }
+        Ok(d)
+    }
 }
 
 /// One kind of LoRA-targetable layer, repeated `count` times in the model.
@@ -110,38 +262,50 @@ impl LinearSite {
 }
 
 impl DecoderDescriptor {
-    /// Builds a descriptor and computes `params` from the shapes.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        name: &str,
-        hidden: u64,
-        intermediate: u64,
-        layers: u64,
-        heads: u64,
-        kv_heads: u64,
-        head_dim: u64,
-        vocab: u64,
-        tied_embeddings: bool,
-    ) -> DecoderDescriptor {
-        let mut d = DecoderDescriptor {
-            name: name.to_string(),
-            hidden,
-            intermediate,
-            layers,
-            heads,
-            kv_heads,
-            head_dim,
-            vocab,
-            tied_embeddings,
-            qk_norm: false,
-            attention_bias: false,
-            gated_mlp: true,
-            norm: NormKind::RmsNorm,
-            position_embeddings: 0,
-            params: 0,
-        };
-        d.params = d.computed_params();
-        d
+    /// A builder with the given display name; set the shapes, then [`DecoderBuilder::build`].
+    pub fn builder(name: &str) -> DecoderBuilder {
+        DecoderBuilder {
+            d: DecoderDescriptor {
+                name: name.to_string(),
+                hidden: 0,
+                intermediate: 0,
+                layers: 0,
+                heads: 0,
+                kv_heads: 0,
+                head_dim: 0,
+                vocab: 0,
+                tied_embeddings: false,
+                qk_norm: false,
+                attention_bias: false,
+                gated_mlp: true,
+                fused_qkv: false,
+                fused_gate_up: false,
+                norm: NormKind::RmsNorm,
+                position_embeddings: 0,
+                exact_params: None,
+            },
+            kv_heads: None,
+            head_dim: None,
+            intermediate: None,
+        }
+    }
+
+    /// A builder holding this descriptor's values, to change some of them (a shape change drops
+    /// `exact_params`).
+    pub fn to_builder(&self) -> DecoderBuilder {
+        DecoderBuilder {
+            d: self.clone(),
+            kv_heads: Some(self.kv_heads),
+            head_dim: Some(self.head_dim),
+            intermediate: Some(self.intermediate),
+        }
+    }
+
+    /// Total parameters: `exact_params` when a file stated it, else
+    /// [`DecoderDescriptor::computed_params`].
+    pub fn params(&self) -> u64 {
+        self.exact_params
+            .unwrap_or_else(|| self.computed_params())
     }
 
     /// Parameter count from the shapes: embeddings `V·h` (+ `V·h` untied `lm_head`), per layer the
@@ -179,16 +343,24 @@ impl DecoderDescriptor {
             count: self.layers,
             conv: false,
         };
-        let mut v = vec![
-            mk("self_attn.q_proj", h, q),
-            mk("self_attn.k_proj", h, kv),
-            mk("self_attn.v_proj", h, kv),
-            mk("self_attn.o_proj", q, h),
-        ];
-        if self.gated_mlp {
-            v.push(mk("mlp.gate_proj", h, f));
+        let mut v = if self.fused_qkv {
+            vec![mk("self_attn.qkv_proj", h, q + 2 * kv)]
+        } else {
+            vec![
+                mk("self_attn.q_proj", h, q),
+                mk("self_attn.k_proj", h, kv),
+                mk("self_attn.v_proj", h, kv),
+            ]
+        };
+        v.push(mk("self_attn.o_proj", q, h));
+        if self.gated_mlp && self.fused_gate_up {
+            v.push(mk("mlp.gate_up_proj", h, 2 * f));
+        } else {
+            if self.gated_mlp {
+                v.push(mk("mlp.gate_proj", h, f));
+            }
+            v.push(mk("mlp.up_proj", h, f));
         }
-        v.push(mk("mlp.up_proj", h, f));
         v.push(mk("mlp.down_proj", f, h));
         v
     }
@@ -524,43 +696,65 @@ impl ModelDescriptor {
     /// assert_eq!(m.params(), 134_515_008);
     /// ```
     pub fn preset(name: &str) -> Result<ModelDescriptor> {
-        let d = DecoderDescriptor::new;
+        #[allow(clippy::too_many_arguments)]
+        fn d(
+            name: &str,
+            hidden: u64,
+            intermediate: u64,
+            layers: u64,
+            heads: u64,
+            kv_heads: u64,
+            head_dim: u64,
+            vocab: u64,
+            tied: bool,
+        ) -> Result<DecoderDescriptor> {
+            DecoderDescriptor::builder(name)
+                .hidden(hidden)
+                .intermediate(intermediate)
+                .layers(layers)
+                .heads(heads)
+                .kv_heads(kv_heads)
+                .head_dim(head_dim)
+                .vocab(vocab)
+                .tied_embeddings(tied)
+                .build()
+        }
         let key = normalize(name);
         let m = match key.as_str() {
             "smollm2135m" | "smollm2135minstruct" => {
-                d("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, true)
+                d("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, true)?
             }
             "smollm2360m" | "smollm2360minstruct" => {
-                d("SmolLM2-360M", 960, 2560, 32, 15, 5, 64, 49152, true)
+                d("SmolLM2-360M", 960, 2560, 32, 15, 5, 64, 49152, true)?
             }
             "smollm217b" | "smollm217binstruct" => {
-                d("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 64, 49152, true)
+                d("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 64, 49152, true)?
             }
             "llama27b" | "llama27bhf" => {
-                d("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, false)
+                d("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, false)?
             }
             "llama213b" | "llama213bhf" => {
-                d("Llama-2-13B", 5120, 13824, 40, 40, 40, 128, 32000, false)
+                d("Llama-2-13B", 5120, 13824, 40, 40, 40, 128, 32000, false)?
             }
             "llama318b" | "metallama318b" | "llama318binstruct" => {
-                d("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, false)
+                d("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, false)?
             }
             "llama321b" | "metallama321b" => {
-                d("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, 128256, true)
+                d("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, 128256, true)?
             }
             "llama323b" | "metallama323b" => {
-                d("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, 128256, true)
+                d("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, 128256, true)?
             }
             "mistral7b" | "mistral7bv01" => {
-                d("Mistral-7B", 4096, 14336, 32, 32, 8, 128, 32000, false)
+                d("Mistral-7B", 4096, 14336, 32, 32, 8, 128, 32000, false)?
             }
-            "qwen2505b" => with_bias(d("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, true)),
-            "qwen257b" => with_bias(d("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 128, 152064, false)),
-            "qwen2514b" => with_bias(d("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 128, 152064, false)),
-            "qwen38b" => with_qk_norm(d("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, false)),
-            "qwen332b" => with_qk_norm(d("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, false)),
+            "qwen2505b" => with_bias(d("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, true)?),
+            "qwen257b" => with_bias(d("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 128, 152064, false)?),
+            "qwen2514b" => with_bias(d("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 128, 152064, false)?),
+            "qwen38b" => with_qk_norm(d("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, false)?),
+            "qwen332b" => with_qk_norm(d("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, false)?),
             // Qwen (v1) 14B: hidden 5120, intermediate 27392/2 per SwiGLU half, 40 layers, c_attn bias.
-            "qwen14b" => with_bias(d("Qwen-14B", 5120, 13696, 40, 40, 40, 128, 152064, false)),
+            "qwen14b" => with_bias(d("Qwen-14B", 5120, 13696, 40, 40, 40, 128, 152064, false)?),
             "bertlargeuncased" | "bertlarge" => {
                 let mut b = d(
                     "bert-large-uncased",
@@ -572,12 +766,12 @@ impl ModelDescriptor {
                     64,
                     30522,
                     true,
-                );
+                )?;
                 b.gated_mlp = false;
                 b.norm = NormKind::LayerNorm;
                 b.attention_bias = true;
                 b.position_embeddings = 512 + 2;
-                b.params = 335_141_888;
+                b.exact_params = Some(335_141_888);
                 b
             }
             "sd15" | "sdv15" | "stablediffusion15" | "stablediffusionv15" | "sd1" | "sdv14"
@@ -612,7 +806,7 @@ impl ModelDescriptor {
     /// Total parameters (decoder; or UNet + text encoders + VAE).
     pub fn params(&self) -> u64 {
         match self {
-            ModelDescriptor::Decoder(d) => d.params,
+            ModelDescriptor::Decoder(d) => d.params(),
             ModelDescriptor::Diffusion(d) => d.unet_params + d.text_encoder_params() + d.vae_params,
         }
     }
@@ -625,17 +819,34 @@ impl ModelDescriptor {
         }
     }
 
-    /// Reads a LLaMA-family HF `config.json` (keys `hidden_size`, `intermediate_size`,
-    /// `num_hidden_layers`, `num_attention_heads`, optional `num_key_value_heads`, `head_dim`,
-    /// `vocab_size`, `tie_word_embeddings`, `attention_bias`, `model_type`). A diffusers
-    /// `UNet2DConditionModel` config maps to the SD1.5 or SDXL preset by its
-    /// `cross_attention_dim`.
+    /// Reads a LLaMA-family HF `config.json` (keys `model_type` — one of
+    /// [`SUPPORTED_MODEL_TYPES`] —, `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+    /// `num_attention_heads`, optional `num_key_value_heads`, `head_dim`, `vocab_size`,
+    /// `tie_word_embeddings`, `attention_bias`). A diffusers `UNet2DConditionModel` config maps
+    /// to the SD1.5 or SDXL preset by its `cross_attention_dim`.
     ///
     /// # Errors
-    /// [`Error::Io`], [`Error::Json`], [`Error::Config`] naming the missing key,
-    /// [`Error::UnsupportedArchitecture`].
+    /// [`Error::Io`], [`Error::Json`], [`Error::Config`] naming the missing key (a missing
+    /// `model_type` included: the error lists the supported types and the explicit generic
+    /// choice), [`Error::UnsupportedArchitecture`] for other model types.
     pub fn from_hf_config_json(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
-        let path = path.as_ref();
+        Self::read_hf_config(path.as_ref(), None)
+    }
+
+    /// [`ModelDescriptor::from_hf_config_json`] with the model type chosen by the caller: one of
+    /// [`SUPPORTED_MODEL_TYPES`], or [`GENERIC_DECODER`] to read any LLaMA-shaped decoder. It
+    /// replaces the file's `model_type`.
+    ///
+    /// # Errors
+    /// As [`ModelDescriptor::from_hf_config_json`].
+    pub fn from_hf_config_json_as(
+        path: impl AsRef<Path>,
+        model_type: &str,
+    ) -> Result<ModelDescriptor> {
+        Self::read_hf_config(path.as_ref(), Some(model_type))
+    }
+
+    fn read_hf_config(path: &Path, as_type: Option<&str>) -> Result<ModelDescriptor> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
             path: path.into(),
             source,
@@ -644,23 +855,35 @@ impl ModelDescriptor {
             path: path.into(),
             source,
         })?;
-        from_config_value(path, &v)
+        from_config_value(path, &v, as_type)
     }
 }
 
 fn with_bias(mut d: DecoderDescriptor) -> DecoderDescriptor {
     d.attention_bias = true;
-    d.params = d.computed_params();
     d
 }
 
 fn with_qk_norm(mut d: DecoderDescriptor) -> DecoderDescriptor {
     d.qk_norm = true;
-    d.params = d.computed_params();
     d
 }
 
-pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<ModelDescriptor> {
+/// The HF `model_type` values read as LLaMA-family decoders.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "gemma", "phi3", "olmo",
+];
+
+/// The model type that reads any LLaMA-shaped `config.json` (RMSNorm, RoPE, SwiGLU, separate
+/// q/k/v/o and gate/up/down linears) — only when chosen explicitly with
+/// [`ModelDescriptor::from_hf_config_json_as`], never as a fallback.
+pub const GENERIC_DECODER: &str = "generic";
+
+pub(crate) fn from_config_value(
+    path: &Path,
+    v: &serde_json::Value,
+    as_type: Option<&str>,
+) -> Result<ModelDescriptor> {
     let get = |key: &str| -> Result<u64> {
         v.get(key)
             .and_then(|x| x.as_u64())
@@ -687,21 +910,31 @@ pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<Mo
             }),
         };
     }
-    let model_type = v
-        .get("model_type")
-        .and_then(|x| x.as_str())
-        .unwrap_or("")
-        .to_string();
-    const DECODERS: &[&str] = &[
-        "llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "gemma", "phi3", "olmo",
-    ];
-    if !model_type.is_empty() && !DECODERS.iter().any(|m| model_type == *m) {
+    let found = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
+    let model_type = match (found, as_type) {
+        (_, Some(t)) => t.to_string(),
+        ("", None) => {
+            return Err(Error::Config {
+                path: path.into(),
+                key: "model_type".into(),
+                reason: format!(
+                    "missing, so the architecture is unknown; supported: {}. If this is a \
+                     LLaMA-shaped decoder (RMSNorm, RoPE, SwiGLU q/k/v/o + gate/up/down), choose \
+                     the generic decoder explicitly (model type {GENERIC_DECODER:?})",
+                    SUPPORTED_MODEL_TYPES.join(", ")
+                ),
+            });
+        }
+        (t, None) => t.to_string(),
+    };
+    if model_type != GENERIC_DECODER && !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
         return Err(Error::UnsupportedArchitecture {
             path: path.into(),
             arch: model_type,
             hint: format!(
-                "LLaMA-family decoders ({}) are described",
-                DECODERS.join(", ")
+                "LLaMA-family decoders ({}) are described, and any LLaMA-shaped decoder as the \
+                 generic decoder ({GENERIC_DECODER:?}) when chosen explicitly",
+                SUPPORTED_MODEL_TYPES.join(", ")
             ),
         });
     }
@@ -714,40 +947,46 @@ pub(crate) fn from_config_value(path: &Path, v: &serde_json::Value) -> Result<Mo
             reason: "must be positive".into(),
         });
     }
-    let kv_heads = v
-        .get("num_key_value_heads")
-        .and_then(|x| x.as_u64())
-        .unwrap_or(heads);
-    let head_dim = v
-        .get("head_dim")
-        .and_then(|x| x.as_u64())
-        .unwrap_or(hidden / heads);
     let name = v
         .get("_name_or_path")
         .and_then(|x| x.as_str())
         .filter(|s| !s.is_empty())
         .map(str::to_string)
         .unwrap_or_else(|| path.display().to_string());
-    let mut d = DecoderDescriptor::new(
-        &name,
-        hidden,
-        get("intermediate_size")?,
-        get("num_hidden_layers")?,
-        heads,
-        kv_heads,
-        head_dim,
-        get("vocab_size")?,
-        v.get("tie_word_embeddings")
-            .and_then(|x| x.as_bool())
-            .unwrap_or(false),
-    );
-    d.attention_bias = v
-        .get("attention_bias")
-        .and_then(|x| x.as_bool())
-        .unwrap_or(model_type == "qwen2");
-    d.qk_norm = model_type == "qwen3";
-    d.params = d.computed_params();
-    Ok(ModelDescriptor::Decoder(d))
+    let mut b = DecoderDescriptor::builder(&name)
+        .hidden(hidden)
+        .intermediate(get("intermediate_size")?)
+        .layers(get("num_hidden_layers")?)
+        .heads(heads)
+        .vocab(get("vocab_size")?)
+        .tied_embeddings(
+            v.get("tie_word_embeddings")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+        )
+        .attention_bias(
+            v.get("attention_bias")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(model_type == "qwen2"),
+        )
+        .qk_norm(model_type == "qwen3")
+        // Phi-3 keeps q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj`
+        // (transformers `modeling_phi3.py`).
+        .fused_qkv(model_type == "phi3")
+        .fused_gate_up(model_type == "phi3");
+    if let Some(kv) = v.get("num_key_value_heads").and_then(|x| x.as_u64()) {
+        b = b.kv_heads(kv);
+    }
+    if let Some(hd) = v.get("head_dim").and_then(|x| x.as_u64()) {
+        b = b.head_dim(hd);
+    }
+    b.build()
+        .map(ModelDescriptor::Decoder)
+        .map_err(|e| Error::Config {
+            path: path.into(),
+            key: "num_key_value_heads".into(),
+            reason: e.to_string(),
+        })
 }
 
 #[cfg(test)]
@@ -782,11 +1021,11 @@ mod tests {
             ("Qwen-14B", 14_167_290_880),
         ];
         for (name, want) in cases {
-            let got = dec(name).params;
+            let got = dec(name).params();
             let rel = (got as f64 - *want as f64).abs() / *want as f64;
             assert!(rel < 0.005, "{name}: {got} vs {want} ({rel})");
         }
-        assert_eq!(dec("smollm2_135m").params, 134_515_008);
+        assert_eq!(dec("smollm2_135m").params(), 134_515_008);
     }
 
     #[test]
@@ -867,5 +1106,86 @@ mod tests {
             ModelDescriptor::from_hf_config_json(&p),
             Err(Error::UnsupportedArchitecture { .. })
         ));
+    }
+
+    #[test]
+    fn a_config_without_model_type_is_refused_unless_the_generic_decoder_is_chosen() {
+        // phi-1.5's shapes (1.42B params: LayerNorm, a two-matrix MLP): read as LLaMA they would
+        // become 1.82B, so a missing model_type is an error naming what is supported.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.json");
+        std::fs::write(
+            &p,
+            r#"{"hidden_size":2048,"intermediate_size":8192,"num_hidden_layers":24,
+               "num_attention_heads":32,"vocab_size":51200}"#,
+        )
+        .unwrap();
+        let e = ModelDescriptor::from_hf_config_json(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model_type") && e.contains("llama") && e.contains(GENERIC_DECODER),
+            "{e}"
+        );
+        let g = ModelDescriptor::from_hf_config_json_as(&p, GENERIC_DECODER).unwrap();
+        assert_eq!(
+            g.params(),
+            2 * 51200 * 2048 + 24 * (4 * 2048 * 2048 + 3 * 2048 * 8192 + 2 * 2048) + 2048
+        );
+        let e = ModelDescriptor::from_hf_config_json_as(&p, "phi")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"phi\"") && e.contains("mistral"), "{e}");
+    }
+
+    #[test]
+    fn phi3_configs_have_fused_projections() {
+        // Phi-3-mini-4k-instruct config.json: 3.82B parameters.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.json");
+        std::fs::write(
+            &p,
+            r#"{"model_type":"phi3","hidden_size":3072,"intermediate_size":8192,
+               "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":32,
+               "vocab_size":32064,"tie_word_embeddings":false}"#,
+        )
+        .unwrap();
+        let ModelDescriptor::Decoder(d) = ModelDescriptor::from_hf_config_json(&p).unwrap() else {
+            panic!("a decoder")
+        };
+        assert_eq!(d.params(), 3_821_079_552);
+        let names: Vec<String> = d.layer_sites().into_iter().map(|s| s.name).collect();
+        assert_eq!(
+            names,
+            ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+        );
+        let qkv = &d.layer_sites()[0];
+        assert_eq!((qkv.in_features, qkv.out_features), (3072, 3 * 3072));
+    }
+
+    #[test]
+    fn the_builder_derives_defaults_recomputes_and_validates() {
+        let d = dec("Llama-2-7B");
+        assert_eq!(d.params(), d.computed_params());
+        let wider = d.to_builder().intermediate(2 * d.intermediate).build().unwrap();
+        let mlp = 3 * d.hidden * d.intermediate * d.layers;
+        assert_eq!(wider.params(), d.params() + mlp);
+        // A count a file stated survives a rename but not a shape change.
+        let exact = d.to_builder().exact_params(7).name("x").build().unwrap();
+        assert_eq!(exact.params(), 7);
+        assert_eq!(exact.to_builder().layers(2).build().unwrap().exact_params, None);
+        let m = DecoderDescriptor::builder("m").hidden(64).layers(2).heads(4).vocab(10);
+        let built = m.clone().build().unwrap();
+        assert_eq!((built.kv_heads, built.head_dim, built.intermediate), (4, 16, 256));
+        let e = m.clone().kv_heads(3).build().unwrap_err().to_string();
+        assert!(e.contains("kv_heads") && e.contains("\"m\""), "{e}");
+        let e = DecoderDescriptor::builder("z").hidden(8).heads(2).vocab(4).build();
+        assert!(e.unwrap_err().to_string().contains("layers"));
+        // Old JSON (with `params`) still reads; the count is kept as the exact one.
+        let mut j = serde_json::to_value(&d).unwrap();
+        j.as_object_mut().unwrap().remove("fused_qkv");
+        j["params"] = serde_json::json!(123);
+        let back: DecoderDescriptor = serde_json::from_value(j).unwrap();
+        assert_eq!(back.params(), 123);
     }
 }

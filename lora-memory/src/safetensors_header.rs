@@ -218,7 +218,7 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
     if cfg.is_file() {
         let mut m = ModelDescriptor::from_hf_config_json(&cfg)?;
         if let ModelDescriptor::Decoder(d) = &mut m {
-            d.params = all.values().map(TensorEntry::elements).sum();
+            d.exact_params = Some(all.values().map(TensorEntry::elements).sum());
         }
         return Ok(m);
     }
@@ -250,21 +250,24 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
         } else {
             64
         });
-    let mut d = DecoderDescriptor::new(
-        &path.display().to_string(),
-        hidden,
-        up[0],
-        layers,
-        q[0] / head_dim,
-        k[0] / head_dim,
-        head_dim,
-        vocab,
-        !all.contains_key("lm_head.weight"),
-    );
-    d.attention_bias = all.contains_key("model.layers.0.self_attn.q_proj.bias");
-    d.qk_norm = all.contains_key("model.layers.0.self_attn.q_norm.weight");
-    d.gated_mlp = all.contains_key("model.layers.0.mlp.gate_proj.weight");
-    d.params = all.values().map(TensorEntry::elements).sum();
+    let d = DecoderDescriptor::builder(&path.display().to_string())
+        .hidden(hidden)
+        .intermediate(up[0])
+        .layers(layers)
+        .heads(q[0] / head_dim)
+        .kv_heads(k[0] / head_dim)
+        .head_dim(head_dim)
+        .vocab(vocab)
+        .tied_embeddings(!all.contains_key("lm_head.weight"))
+        .attention_bias(all.contains_key("model.layers.0.self_attn.q_proj.bias"))
+        .qk_norm(all.contains_key("model.layers.0.self_attn.q_norm.weight"))
+        .gated_mlp(all.contains_key("model.layers.0.mlp.gate_proj.weight"))
+        .exact_params(all.values().map(TensorEntry::elements).sum())
+        .build()
+        .map_err(|e| Error::Safetensors {
+            path: path.into(),
+            reason: e.to_string(),
+        })?;
     Ok(ModelDescriptor::Decoder(d))
 }
 
@@ -335,7 +338,7 @@ mod tests {
         assert_eq!((d.heads, d.kv_heads, d.head_dim), (4, 2, 64));
         assert!(d.tied_embeddings);
         assert_eq!(
-            d.params,
+            d.params(),
             256_000 + 2 * (256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3)
         );
         // The folder form reads the same.
