@@ -153,7 +153,7 @@ impl Breakdown {
             Term {
                 name: "allocator margin",
                 bytes: self.allocator_margin,
-                formula: "caching allocator: reserved − allocated",
+                formula: "caching allocator: block rounding + cache of transients",
             },
         ]
     }
@@ -413,6 +413,24 @@ fn lora_trainable(sites: &[&LinearSite], s: &Settings) -> Trainable {
     t
 }
 
+/// `(elements, count)` of each trainable LoRA tensor (A, B, DoRA magnitude) of the sites.
+fn trainable_tensors(sites: &[&LinearSite], s: &Settings) -> Vec<(u64, u64)> {
+    let mut v = Vec::new();
+    for site in sites {
+        let rank = u64::from(if site.conv {
+            s.lora.conv_rank.unwrap_or(0)
+        } else {
+            s.lora.rank
+        });
+        v.push((rank * site.in_features * site.kernel_area, site.count));
+        v.push((rank * site.out_features, site.count));
+        if s.method == Method::Dora {
+            v.push((site.out_features, site.count));
+        }
+    }
+    v
+}
+
 fn targeted<'a>(sites: &'a [LinearSite], s: &Settings) -> Vec<&'a LinearSite> {
     sites
         .iter()
@@ -568,11 +586,16 @@ fn decoder_layer(
     // out (o), norm2 out (gate, up), MLP product (down).
     let groups: [(&[&str], f64); 4] = [
         (
-            &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            &[
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.qkv_proj",
+            ],
             h,
         ),
         (&["self_attn.o_proj"], q),
-        (&["mlp.gate_proj", "mlp.up_proj"], h),
+        (&["mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"], h),
         (&["mlp.down_proj"], f),
     ];
     let bnb = p.bnb_saves_4bit_inputs && matches!(s.base_dtype, BaseDtype::Nf4 { .. });
@@ -624,12 +647,64 @@ fn decoder_layer(
     LayerCost { saved, working }
 }
 
+/// The modules PEFT's `modules_to_save` can name on a decoder.
+pub const DECODER_MODULES_TO_SAVE: &[&str] = &["embed_tokens", "lm_head"];
+
+/// Bytes the CUDA caching allocator sets aside for one request of `size` bytes, minus `size`
+/// (PyTorch `c10/cuda/CUDACachingAllocator.cpp`: requests are rounded up to 512 B; up to 1 MiB
+/// they share 2 MiB small-pool segments; up to 10 MiB they are split out of 20 MiB segments,
+/// whose tail is counted pro rata; larger requests get their own segment rounded up to 2 MiB).
+pub fn cuda_block_overhead(size: f64) -> f64 {
+    const MIB: f64 = 1_048_576.0;
+    if size <= 0.0 {
+        return 0.0;
+    }
+    let rounded = (size / 512.0).ceil() * 512.0;
+    if rounded <= MIB {
+        rounded - size
+    } else if rounded < 10.0 * MIB {
+        let per_segment = (20.0 * MIB / rounded).floor().max(1.0);
+        20.0 * MIB / per_segment - size
+    } else {
+        (rounded / (2.0 * MIB)).ceil() * 2.0 * MIB - size
+    }
+}
+
 fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
-    let c = ctx(s);
+    // PEFT's prepare_model_for_kbit_training: non-quantized weights fp32, and so the residual
+    // stream (the embedding output) too.
+    let kbit = s.profile.kbit_fp32_cast && matches!(s.base_dtype, BaseDtype::Nf4 { .. });
+    let c = {
+        let c = ctx(s);
+        Ctx {
+            r: if kbit { 4.0 } else { c.r },
+            ..c
+        }
+    };
     let all_sites = d.sites();
     let sites = targeted(&all_sites, s);
     if s.method != Method::Full && sites.is_empty() {
         return Err(no_target_error(&all_sites, s));
+    }
+    for m in &s.modules_to_save {
+        if !DECODER_MODULES_TO_SAVE.contains(&m.as_str()) {
+            return Err(Error::InvalidSetting {
+                key: "modules_to_save",
+                reason: format!(
+                    "{m:?} is not a module of a decoder that can be trained in full; use {}",
+                    DECODER_MODULES_TO_SAVE.join(" or ")
+                ),
+            });
+        }
+    }
+    if s.quantize_lm_head && !s.base_dtype.is_quantized() {
+        return Err(Error::InvalidSetting {
+            key: "quantize_lm_head",
+            reason: format!(
+                "the base is {:?}, not quantized: there is no quantized format for lm_head",
+                s.base_dtype
+            ),
+        });
     }
     let notes = Vec::new();
     let tokens = f64::from(s.micro_batch) * f64::from(s.seq_len);
@@ -640,14 +715,36 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // Base weights.
     let linear = d.layer_linear_params() as f64;
     let rest = (d.params() as f64 - linear).max(0.0);
-    let rest_bytes = if s.base_dtype == BaseDtype::F32 {
+    let rest_bytes = if s.base_dtype == BaseDtype::F32 || kbit {
         4.0
     } else {
         2.0
     };
-    let base_weights = linear * s.base_dtype.bytes_per_param() + rest * rest_bytes;
+    // The head matrix (the embedding itself when tied) in the quantized format when asked.
+    let head = v * h;
+    let head_quantized = if s.quantize_lm_head {
+        head.min(rest)
+    } else {
+        0.0
+    };
+    let base_weights = linear * s.base_dtype.bytes_per_param()
+        + (rest - head_quantized) * rest_bytes
+        + head_quantized * s.base_dtype.bytes_per_param();
+    // Persistent tensors as the caching allocator lays them out (see `cuda_block_overhead`).
+    let mut rounding: f64 = d
+        .layer_sites()
+        .iter()
+        .map(|x| {
+            x.count as f64
+                * cuda_block_overhead(x.weight_params() as f64 * s.base_dtype.bytes_per_param())
+        })
+        .sum::<f64>()
+        + cuda_block_overhead(head * rest_bytes) * if d.tied_embeddings { 1.0 } else { 2.0 };
     let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 {
         2.0 * (linear + d.vocab as f64 * h.max(0.0))
+    } else if c.autocast && kbit && !s.quantize_lm_head {
+        // the fp32 head's 16-bit cast, saved for the backward of the logits matmul
+        2.0 * head
     } else {
         0.0
     };
@@ -697,9 +794,48 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             },
         )
     };
-    let gradients = trainable.params as f64 * grad_bytes;
-    let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
-    let step_tmp = step_temporaries(&trainable, s, foreach_tmp, state_bytes);
+    let mut gradients = trainable.params as f64 * grad_bytes;
+    let (mut states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
+    let mut step_tmp = step_temporaries(&trainable, s, foreach_tmp, state_bytes);
+    let mut trainable_params = trainable.params;
+    let mut adapter_bytes = adapter_bytes;
+    let mut largest_trainable = trainable.largest;
+    if s.method != Method::Full {
+        // adapter, gradient and optimizer-state tensors of each LoRA matrix
+        for (elements, count) in trainable_tensors(&sites, s) {
+            let n = elements as f64;
+            rounding += count as f64
+                * (cuda_block_overhead(n * c.ad)
+                    + cuda_block_overhead(n * grad_bytes)
+                    + 2.0 * cuda_block_overhead(n * state_bytes));
+        }
+    }
+    // PEFT `modules_to_save`: a trainable copy of each listed `[V, h]` module beside the
+    // original, in the module's dtype (this SDK's trainer would keep it fp32, as its adapters).
+    let mts = s.modules_to_save.len() as f64;
+    if mts > 0.0 && s.method != Method::Full {
+        let pb = match s.profile.framework {
+            Framework::Ours => 4.0,
+            _ => rest_bytes,
+        };
+        let n = d.vocab * d.hidden;
+        let k = s.modules_to_save.len() as u64;
+        let t = Trainable {
+            params: n * k,
+            factored: (d.vocab + d.hidden) * k,
+            small: 0,
+            largest: n,
+        };
+        let (st, tmp) = optimizer_bytes(&t, s.optimizer, pb);
+        adapter_bytes += mts * head * pb;
+        gradients += mts * head * pb;
+        states += st;
+        step_tmp = step_tmp.max(step_temporaries(&t, s, tmp, pb));
+        trainable_params += t.params;
+        largest_trainable = largest_trainable.max(n);
+        rounding += mts * 4.0 * cuda_block_overhead(head * pb);
+    }
+    let head_trained = s.modules_to_save.iter().any(|m| m == "lm_head");
 
     // Activations.
     let layer = decoder_layer(d, s, &c, &sites, seq);
@@ -711,6 +847,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // fp32 at most) plus the gradient rows in the weight dtype; one chunk of logits at a time.
     let fused_ce = s.profile.framework == Framework::Ours
         && !lm_lora
+        && !head_trained
         && !s.profile.compiled_loss
         && !s.profile.chunked_cross_entropy;
     let ce_chunk = if fused_ce {
@@ -761,13 +898,35 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         (layers * layer.saved, 0.0)
     };
-    let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk;
-    let layer_branch = (logits_kept + recompute + layer.working) * tokens;
+    // A quantized linear computes with a dense copy of its weight in the compute dtype, made
+    // per call in the forward and again in the backward (bitsandbytes `MatMul4Bit`:
+    // `dequantize_4bit(W).to(A.dtype)`; this SDK's `QuantWeight::dequantize`, whose decode keeps
+    // the codes' float values beside the scaled output): one such matrix is alive at the peak.
+    let dq_bytes = match s.profile.framework {
+        Framework::Ours => 2.0 * c.e,
+        _ => c.e,
+    };
+    let dequant = |params: f64| {
+        if s.base_dtype.is_quantized() {
+            params * dq_bytes
+        } else {
+            0.0
+        }
+    };
+    let largest_linear = d
+        .layer_sites()
+        .iter()
+        .map(|x| x.weight_params() as f64)
+        .fold(0.0, f64::max);
+    let head_dq = dequant(head_quantized);
+    let layer_dq = dequant(largest_linear);
+    let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk + head_dq;
+    let layer_branch = (logits_kept + recompute + layer.working) * tokens + layer_dq;
     let (activations, logits_loss) = if loss_branch >= layer_branch {
-        (stored * tokens, loss_branch)
+        (stored * tokens + head_dq, loss_branch - head_dq)
     } else {
         (
-            (stored + recompute + layer.working) * tokens,
+            (stored + recompute + layer.working) * tokens + layer_dq,
             logits_kept * tokens,
         )
     };
@@ -776,17 +935,18 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     finish(FinishArgs {
         model: d.name.clone(),
         s,
-        trainable: trainable.params,
+        trainable: trainable_params,
         base_weights,
         autocast_copies,
         adapter_bytes,
         gradients,
         states,
         step_tmp,
-        step_tmp_small_pool: trainable.largest as f64 * state_bytes <= 1_048_576.0,
+        step_tmp_small_pool: largest_trainable as f64 * state_bytes <= 1_048_576.0,
         activations,
         logits_loss,
         batch,
+        rounding,
         notes,
         diffusion: None,
     })
@@ -807,6 +967,8 @@ struct FinishArgs<'a> {
     activations: f64,
     logits_loss: f64,
     batch: f64,
+    /// caching-allocator rounding of the persistent tensors (CUDA only)
+    rounding: f64,
     notes: Vec<String>,
     diffusion: Option<DiffusionDetail>,
 }
@@ -854,7 +1016,8 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     } else {
         0.0
     };
-    let reserved = (backward + small_tmp).max(allocated) + margin;
+    let rounding = if s.device.is_cuda() { a.rounding } else { 0.0 };
+    let reserved = (backward + small_tmp).max(allocated) + margin + rounding;
     let margin = reserved - allocated;
     let process = reserved + context;
     // CPU RSS delta: everything the steps add on top of weights + adapters (optimizer states are
@@ -1308,6 +1471,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         activations,
         logits_loss: 0.0,
         batch,
+        rounding: 0.0,
         notes,
         diffusion: Some(detail),
     })

@@ -1,10 +1,13 @@
-//! `fit()`: walk the ladder users know until a run fits a budget; `max_micro_batch()`.
+//! `fit()`: walk the ladder users know until a run fits a budget; the frontier
+//! (`max_seq_len()`, `max_micro_batch()`, `frontier()`): the longest sequence and the largest
+//! batch that fit a card. "Fits" is always the safe verdict of [`Check`], margin included.
 
 use crate::error::Error;
 use crate::estimate::{Estimate, estimate};
 use crate::model::ModelDescriptor;
 use crate::settings::{BaseDtype, MixedPrecision, Optimizer, Settings};
-use crate::units::Bytes;
+use crate::units::{Bytes, GIB};
+use crate::verdict::Check;
 use serde::{Deserialize, Serialize};
 
 /// One change `fit` made, with why and what it bought.
@@ -33,6 +36,8 @@ pub struct Fit {
     pub estimate: Estimate,
     /// Budget − predicted peak.
     pub headroom: Bytes,
+    /// The verdict of `estimate` against the budget (always [`crate::Verdict::Fits`]).
+    pub check: Check,
 }
 
 /// Why `fit` failed.
@@ -289,13 +294,15 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
     let mut cur = settings.clone();
     let mut est = estimate(model, &cur)?;
     let mut changes = Vec::new();
+    let fits = |e: &Estimate| Check::new(e, budget, Bytes::ZERO).fits();
     let done = |s: Settings, e: Estimate, changes: Vec<Change>| Fit {
         headroom: budget - e.peak,
+        check: Check::new(&e, budget, Bytes::ZERO),
         settings: s,
         estimate: e,
         changes,
     };
-    if est.peak <= budget {
+    if fits(&est) {
         return Ok(done(cur, est, changes));
     }
     let is_decoder = matches!(model, ModelDescriptor::Decoder(_));
@@ -313,7 +320,7 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
             // A change that saves under 1% of the peak costs speed or quality for nothing,
             // unless it is exactly what makes the config fit.
             let saving = est.peak.0.saturating_sub(e.peak.0);
-            if e.peak >= est.peak || (saving < est.peak.0 / MIN_SAVING_DIVISOR && e.peak > budget) {
+            if e.peak >= est.peak || (saving < est.peak.0 / MIN_SAVING_DIVISOR && !fits(&e)) {
                 break;
             }
             changes.push(Change {
@@ -325,7 +332,7 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
             });
             cur = next;
             est = e;
-            if est.peak <= budget {
+            if fits(&est) {
                 return Ok(done(cur, est, changes));
             }
         }
@@ -338,8 +345,29 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
     })
 }
 
-/// The largest micro-batch (≤ 4096) whose predicted peak fits in `free`, all else equal; 0 when
-/// even one sample does not fit. The peak grows with the batch, so a binary search suffices.
+/// The largest value in `1..=hi` for which `fits(value)` holds, assuming it holds for every
+/// smaller value (the peak grows with the batch and the sequence); 0 when it fails at 1.
+fn largest_fitting(hi: u32, fits: impl Fn(u32) -> Result<bool, Error>) -> Result<u32, Error> {
+    if !fits(1)? {
+        return Ok(0);
+    }
+    if fits(hi)? {
+        return Ok(hi);
+    }
+    let (mut lo, mut hi) = (1u32, hi);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
+/// The largest micro-batch (≤ 4096) that *fits* `free` bytes (the safe verdict of [`Check`],
+/// margin included), all else equal; 0 when even one sample does not.
 ///
 /// # Errors
 /// [`Error`] from [`estimate`] for invalid settings.
@@ -348,25 +376,101 @@ pub fn max_micro_batch(
     settings: &Settings,
     free: Bytes,
 ) -> Result<u32, Error> {
-    let peak = |b: u32| -> Result<Bytes, Error> {
-        Ok(estimate(model, &settings.clone().with_micro_batch(b))?.peak)
-    };
-    if peak(1)? > free {
-        return Ok(0);
+    largest_fitting(4096, |b| {
+        let e = estimate(model, &settings.clone().with_micro_batch(b))?;
+        Ok(Check::new(&e, free, Bytes::ZERO).fits())
+    })
+}
+
+/// The longest sequence (tokens per sample, ≤ [`MAX_FRONTIER_SEQ_LEN`]) that *fits* `budget`
+/// bytes at the settings' micro-batch (the safe verdict of [`Check`]); 0 when even one token
+/// does not.
+///
+/// # Errors
+/// [`Error::InvalidSetting`] for a diffusion model (no sequence length: see
+/// [`max_micro_batch`]); [`Error`] from [`estimate`] for invalid settings.
+///
+/// ```
+/// use lora_memory::{fit::max_seq_len, Bytes, ModelDescriptor, Settings};
+/// let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+/// let s = Settings::default().with_gradient_checkpointing(true);
+/// let on_24 = max_seq_len(&m, &s, Bytes::from_gib(24.0)).unwrap();
+/// let on_80 = max_seq_len(&m, &s, Bytes::from_gib(80.0)).unwrap();
+/// assert!(on_24 > 1024 && on_80 > 2 * on_24);
+/// ```
+pub fn max_seq_len(
+    model: &ModelDescriptor,
+    settings: &Settings,
+    budget: Bytes,
+) -> Result<u32, Error> {
+    if !matches!(model, ModelDescriptor::Decoder(_)) {
+        return Err(Error::InvalidSetting {
+            key: "seq_len",
+            reason: format!(
+                "{} is a diffusion model: it has no sequence length (use max_micro_batch)",
+                model.name()
+            ),
+        });
     }
-    let (mut lo, mut hi) = (1u32, 4096u32);
-    if peak(hi)? <= free {
-        return Ok(hi);
-    }
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if peak(mid)? <= free {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    Ok(lo)
+    largest_fitting(MAX_FRONTIER_SEQ_LEN, |n| {
+        let e = estimate(model, &settings.clone().with_seq_len(n))?;
+        Ok(Check::new(&e, budget, Bytes::ZERO).fits())
+    })
+}
+
+/// The longest sequence [`max_seq_len`] searches: 1 Mi tokens.
+pub const MAX_FRONTIER_SEQ_LEN: u32 = 1 << 20;
+
+/// The card sizes of `lora-train plan --frontier`, in GiB as printed on the boxes (NVIDIA's "GB"
+/// are GiB): 8, 12, 16, 24, 40, 48 and 80.
+pub const FRONTIER_CARDS_GIB: [u32; 7] = [8, 12, 16, 24, 40, 48, 80];
+
+/// One card of the frontier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrontierRow {
+    /// The card's memory.
+    pub budget: Bytes,
+    /// The longest sequence that fits at the settings' micro-batch ([`max_seq_len`]); `None` for
+    /// diffusion models.
+    pub max_seq_len: Option<u32>,
+    /// The largest micro-batch that fits at the settings' sequence length or resolution
+    /// ([`max_micro_batch`]).
+    pub max_micro_batch: u32,
+}
+
+/// The frontier of `settings` on each card of `budgets` (e.g. [`FRONTIER_CARDS_GIB`]): what
+/// Unsloth publishes as "maximum context length" per card, computed for this config.
+///
+/// # Errors
+/// [`Error`] from [`estimate`] for invalid settings.
+pub fn frontier(
+    model: &ModelDescriptor,
+    settings: &Settings,
+    budgets: &[Bytes],
+) -> Result<Vec<FrontierRow>, Error> {
+    let decoder = matches!(model, ModelDescriptor::Decoder(_));
+    budgets
+        .iter()
+        .map(|&budget| {
+            Ok(FrontierRow {
+                budget,
+                max_seq_len: if decoder {
+                    Some(max_seq_len(model, settings, budget)?)
+                } else {
+                    None
+                },
+                max_micro_batch: max_micro_batch(model, settings, budget)?,
+            })
+        })
+        .collect()
+}
+
+/// [`FRONTIER_CARDS_GIB`] as byte budgets.
+pub fn frontier_cards() -> Vec<Bytes> {
+    FRONTIER_CARDS_GIB
+        .iter()
+        .map(|&g| Bytes(u64::from(g) * GIB))
+        .collect()
 }
 
 #[cfg(test)]
@@ -549,12 +653,16 @@ mod tests {
             Ok(f) => f,
             Err(FitError::DoesNotFit {
                 changes, settings, ..
-            }) => Fit {
-                estimate: estimate(&m, &settings).unwrap(),
-                settings: *settings,
-                changes,
-                headroom: Bytes(0),
-            },
+            }) => {
+                let e = estimate(&m, &settings).unwrap();
+                Fit {
+                    check: Check::new(&e, Bytes(5 * GIB), Bytes::ZERO),
+                    estimate: e,
+                    settings: *settings,
+                    changes,
+                    headroom: Bytes(0),
+                }
+            }
             Err(e) => panic!("{e}"),
         };
         let names: Vec<&str> = f.changes.iter().map(|c| c.setting.as_str()).collect();
@@ -577,13 +685,62 @@ mod tests {
         let free = Bytes(8 * GIB);
         let b = max_micro_batch(&m, &s, free).unwrap();
         assert!(b >= 1);
-        assert!(estimate(&m, &s.clone().with_micro_batch(b)).unwrap().peak <= free);
-        assert!(
-            estimate(&m, &s.clone().with_micro_batch(b + 1))
-                .unwrap()
-                .peak
-                > free
-        );
+        let check = |b: u32| {
+            Check::new(
+                &estimate(&m, &s.clone().with_micro_batch(b)).unwrap(),
+                free,
+                Bytes::ZERO,
+            )
+        };
+        assert!(check(b).fits());
+        // one more is tight or does not fit: the margin counts
+        assert!(!check(b + 1).fits());
+        assert!(check(b).need + check(b).margin <= free);
         assert_eq!(max_micro_batch(&m, &s, Bytes(1 << 20)).unwrap(), 0);
+    }
+
+    #[test]
+    fn max_seq_len_is_the_boundary_and_grows_with_the_card() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let s = Settings::default()
+            .with_gradient_checkpointing(true)
+            .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
+            .with_mixed_precision(MixedPrecision::Bf16);
+        let rows = frontier(&m, &s, &frontier_cards()).unwrap();
+        assert_eq!(rows.len(), 7);
+        for w in rows.windows(2) {
+            assert!(w[1].max_seq_len >= w[0].max_seq_len, "{rows:?}");
+            assert!(w[1].max_micro_batch >= w[0].max_micro_batch, "{rows:?}");
+        }
+        let card = Bytes(24 * GIB);
+        let n = max_seq_len(&m, &s, card).unwrap();
+        let check = |n: u32| {
+            Check::new(
+                &estimate(&m, &s.clone().with_seq_len(n)).unwrap(),
+                card,
+                Bytes::ZERO,
+            )
+        };
+        assert!(n > 1024 && check(n).fits() && !check(n + 1).fits(), "{n}");
+        assert_eq!(rows[3].max_seq_len, Some(n));
+        // an 8B QLoRA base alone does not fit a 4 GiB card
+        assert_eq!(max_seq_len(&m, &s, Bytes(4 * GIB)).unwrap(), 0);
+        let sd = ModelDescriptor::preset("SD1.5").unwrap();
+        assert!(
+            max_seq_len(&sd, &s, card)
+                .unwrap_err()
+                .to_string()
+                .contains("max_micro_batch")
+        );
+        assert_eq!(
+            frontier(
+                &sd,
+                &Settings::default().with_target_modules(&["to_q", "to_v"]),
+                &[card]
+            )
+            .unwrap()[0]
+                .max_seq_len,
+            None
+        );
     }
 }

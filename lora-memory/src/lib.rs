@@ -7,7 +7,10 @@
 //! - [`Settings`]: everything about the run that changes memory;
 //! - [`estimate()`]: the peak, term by term ([`Breakdown`]), for a stated [`Metric`];
 //! - [`fit()`]: walk the usual ladder of changes until the run fits a [`Budget`];
-//! - [`max_micro_batch`]: the largest micro-batch that fits the memory free right now.
+//! - [`Check`]: the safe verdict — fits / tight / does not fit — on the memory that runs out
+//!   (reserved + CUDA context + other processes, with a stated margin);
+//! - [`max_seq_len`], [`max_micro_batch`], [`frontier`]: the longest sequence and the largest
+//!   batch that fit a card.
 //!
 //! ```
 //! use lora_memory::{estimate, fit, Budget, ModelDescriptor, Settings};
@@ -37,11 +40,14 @@ pub mod safetensors_header;
 pub mod sd_header;
 pub mod settings;
 pub mod units;
+pub mod verdict;
 
 pub use budget::{Budget, BudgetSource, GPU_PRESETS};
 pub use error::{Error, Result};
 pub use estimate::{Breakdown, Estimate, Metric, Term, estimate};
-pub use fit::{Change, Fit, FitError, fit, max_micro_batch};
+pub use fit::{
+    Change, Fit, FitError, FrontierRow, fit, frontier, frontier_cards, max_micro_batch, max_seq_len,
+};
 pub use model::{
     DecoderBuilder, DecoderDescriptor, DiffusionDescriptor, DiffusionFamily, GENERIC_DECODER,
     LinearSite, ModelDescriptor, NormKind, SUPPORTED_MODEL_TYPES, TextEncoderDescriptor, UnetLevel,
@@ -51,3 +57,4 @@ pub use settings::{
     Profile, Settings,
 };
 pub use units::{Bytes, ParsedSize, Size, parse_size};
+pub use verdict::{Check, Verdict};

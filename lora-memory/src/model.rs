@@ -304,8 +304,7 @@ impl DecoderDescriptor {
     /// Total parameters: `exact_params` when a file stated it, else
     /// [`DecoderDescriptor::computed_params`].
     pub fn params(&self) -> u64 {
-        self.exact_params
-            .unwrap_or_else(|| self.computed_params())
+        self.exact_params.unwrap_or_else(|| self.computed_params())
     }
 
     /// Parameter count from the shapes: embeddings `V·h` (+ `V·h` untied `lm_head`), per layer the
@@ -750,7 +749,17 @@ impl ModelDescriptor {
             }
             "qwen2505b" => with_bias(d("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, true)?),
             "qwen257b" => with_bias(d("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 128, 152064, false)?),
-            "qwen2514b" => with_bias(d("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 128, 152064, false)?),
+            "qwen2514b" => with_bias(d(
+                "Qwen2.5-14B",
+                5120,
+                13824,
+                48,
+                40,
+                8,
+                128,
+                152064,
+                false,
+            )?),
             "qwen38b" => with_qk_norm(d("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, false)?),
             "qwen332b" => with_qk_norm(d("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, false)?),
             // Qwen (v1) 14B: hidden 5120, intermediate 27392/2 per SwiGLU half, 40 layers, c_attn bias.
@@ -1157,7 +1166,12 @@ mod tests {
         let names: Vec<String> = d.layer_sites().into_iter().map(|s| s.name).collect();
         assert_eq!(
             names,
-            ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+            [
+                "self_attn.qkv_proj",
+                "self_attn.o_proj",
+                "mlp.gate_up_proj",
+                "mlp.down_proj"
+            ]
         );
         let qkv = &d.layer_sites()[0];
         assert_eq!((qkv.in_features, qkv.out_features), (3072, 3 * 3072));
@@ -1167,19 +1181,37 @@ mod tests {
     fn the_builder_derives_defaults_recomputes_and_validates() {
         let d = dec("Llama-2-7B");
         assert_eq!(d.params(), d.computed_params());
-        let wider = d.to_builder().intermediate(2 * d.intermediate).build().unwrap();
+        let wider = d
+            .to_builder()
+            .intermediate(2 * d.intermediate)
+            .build()
+            .unwrap();
         let mlp = 3 * d.hidden * d.intermediate * d.layers;
         assert_eq!(wider.params(), d.params() + mlp);
         // A count a file stated survives a rename but not a shape change.
         let exact = d.to_builder().exact_params(7).name("x").build().unwrap();
         assert_eq!(exact.params(), 7);
-        assert_eq!(exact.to_builder().layers(2).build().unwrap().exact_params, None);
-        let m = DecoderDescriptor::builder("m").hidden(64).layers(2).heads(4).vocab(10);
+        assert_eq!(
+            exact.to_builder().layers(2).build().unwrap().exact_params,
+            None
+        );
+        let m = DecoderDescriptor::builder("m")
+            .hidden(64)
+            .layers(2)
+            .heads(4)
+            .vocab(10);
         let built = m.clone().build().unwrap();
-        assert_eq!((built.kv_heads, built.head_dim, built.intermediate), (4, 16, 256));
+        assert_eq!(
+            (built.kv_heads, built.head_dim, built.intermediate),
+            (4, 16, 256)
+        );
         let e = m.clone().kv_heads(3).build().unwrap_err().to_string();
         assert!(e.contains("kv_heads") && e.contains("\"m\""), "{e}");
-        let e = DecoderDescriptor::builder("z").hidden(8).heads(2).vocab(4).build();
+        let e = DecoderDescriptor::builder("z")
+            .hidden(8)
+            .heads(2)
+            .vocab(4)
+            .build();
         assert!(e.unwrap_err().to_string().contains("layers"));
         // Old JSON (with `params`) still reads; the count is kept as the exact one.
         let mut j = serde_json::to_value(&d).unwrap();

@@ -243,6 +243,14 @@ pub struct Profile {
     /// torchtune `enable_activation_offloading`: checkpointed layer inputs live in host memory;
     /// the device keeps only the layers in flight.
     pub activation_offloading: bool,
+    /// PEFT's `prepare_model_for_kbit_training` (called by TRL's `SFTTrainer` and the PEFT
+    /// QLoRA guides for a 4/8-bit base; `peft/utils/other.py`): every parameter that is not
+    /// quantized — embeddings, norms, `lm_head` — is cast to fp32. Only with a bitsandbytes
+    /// (NF4) base: PEFT skips the cast for GPTQ bases.
+    /// The fp32 embedding makes the residual stream fp32 (4 B per element instead of 2), and
+    /// under autocast the head's 16-bit cast of its weight (`2·V·h` bytes) is saved for the
+    /// backward of the logits matmul.
+    pub kbit_fp32_cast: bool,
 }
 
 impl Default for Profile {
@@ -266,13 +274,16 @@ impl Profile {
             activation_offloading: false,
             compiled_loss: false,
             zero_grad_keeps_buffers: false,
+            kbit_fp32_cast: false,
         }
     }
 
-    /// PEFT + transformers (current releases).
+    /// PEFT + transformers (current releases). A quantized base is prepared the way PEFT's
+    /// QLoRA guides and TRL do it ([`Profile::kbit_fp32_cast`]).
     pub fn peft_transformers() -> Profile {
         Profile {
             framework: Framework::PeftTransformers,
+            kbit_fp32_cast: true,
             ..Profile::ours()
         }
     }
@@ -350,6 +361,16 @@ pub struct Settings {
     pub varying_captions: bool,
     /// Attention kernel.
     pub attention: Attention,
+    /// PEFT `modules_to_save`: whole modules trained in full next to the adapters — for
+    /// decoders `embed_tokens` and/or `lm_head` (e.g. when new tokens are added). PEFT keeps
+    /// the original module and a trainable copy in the module's dtype; each adds `V·h`
+    /// parameters with their gradients and optimizer states (a dense `[V, h]` gradient for the
+    /// embedding too).
+    pub modules_to_save: Vec<String>,
+    /// The output head `lm_head` is stored in the quantized base format too (llama.cpp's GGUF
+    /// files quantize `output.weight`; bitsandbytes when `lm_head` is not in
+    /// `llm_int8_skip_modules`). Default: the head stays 16-bit, as QLoRA does.
+    pub quantize_lm_head: bool,
     /// Device.
     pub device: Device,
     /// Reference framework.
@@ -378,6 +399,8 @@ impl Default for Settings {
             random_crop: false,
             varying_captions: false,
             attention: Attention::Sdpa,
+            modules_to_save: Vec::new(),
+            quantize_lm_head: false,
             device: Device::cuda(),
             profile: Profile::ours(),
         }
@@ -431,6 +454,8 @@ impl Settings {
         with_varying_captions, varying_captions: bool);
     setter!(/// Sets `attention`.
         with_attention, attention: Attention);
+    setter!(/// Sets `quantize_lm_head`.
+        with_quantize_lm_head, quantize_lm_head: bool);
     setter!(/// Sets `device`.
         with_device, device: Device);
     setter!(/// Sets `profile`.
@@ -457,6 +482,12 @@ impl Settings {
     /// Sets the conv LoRA rank.
     pub fn with_conv_rank(mut self, rank: Option<u32>) -> Self {
         self.lora.conv_rank = rank;
+        self
+    }
+
+    /// Sets `modules_to_save` (`embed_tokens`, `lm_head`).
+    pub fn with_modules_to_save<S: AsRef<str>>(mut self, modules: &[S]) -> Self {
+        self.modules_to_save = modules.iter().map(|s| s.as_ref().to_string()).collect();
         self
     }
 

@@ -100,7 +100,7 @@ fn smollm2_gguf_header_matches_the_published_facts() {
     });
     // Q4_1 base weights: linears at 20 B / 32 weights + the rest 16-bit.
     let e = estimate(&m, &Settings::default().with_base_dtype(BaseDtype::Q4_1)).unwrap();
-    let want =
-        d.layer_linear_params() as f64 * 0.625 + (d.params() - d.layer_linear_params()) as f64 * 2.0;
+    let want = d.layer_linear_params() as f64 * 0.625
+        + (d.params() - d.layer_linear_params()) as f64 * 2.0;
     assert!((e.breakdown.base_weights.as_f64() - want).abs() < 2.0);
 }

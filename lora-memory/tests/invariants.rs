@@ -1,8 +1,8 @@
 //! proptest invariants of `estimate` and `fit`.
 
 use lora_memory::{
-    Attention, BaseDtype, Bytes, MixedPrecision, ModelDescriptor, Optimizer, Profile, Settings,
-    estimate, fit, max_micro_batch,
+    Attention, BaseDtype, Bytes, Check, MixedPrecision, ModelDescriptor, Optimizer, Profile,
+    Settings, estimate, fit, max_micro_batch,
 };
 use proptest::prelude::*;
 
@@ -120,11 +120,12 @@ proptest! {
     fn max_micro_batch_fits_and_the_next_does_not(m in decoder(), s in settings(), gib in 1u64..64) {
         let free = Bytes(gib << 30);
         let b = max_micro_batch(&m, &s, free).unwrap();
+        let fits = |b: u32| Check::new(&estimate(&m, &s.clone().with_micro_batch(b)).unwrap(), free, Bytes::ZERO).fits();
         if b > 0 {
-            prop_assert!(peak(&m, &s.clone().with_micro_batch(b)) <= free);
+            prop_assert!(fits(b) && peak(&m, &s.clone().with_micro_batch(b)) <= free);
         }
         if b < 4096 {
-            prop_assert!(peak(&m, &s.clone().with_micro_batch(b + 1)) > free);
+            prop_assert!(!fits(b + 1));
         }
     }
 }
