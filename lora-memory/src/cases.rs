@@ -4,6 +4,7 @@
 //! metric that was measured and its value in bytes, and a tolerance. `cargo run -p lora-memory
 //! --example cases` prints predicted vs measured, MAPE and the worst underprediction.
 
+use crate::budget::Budget;
 use crate::error::Result;
 use crate::estimate::{Metric, estimate};
 use crate::model::ModelDescriptor;
@@ -11,6 +12,7 @@ use crate::settings::{
     Attention, BaseDtype, Device, Method, MixedPrecision, Optimizer, Profile, Settings,
 };
 use crate::units::Bytes;
+use crate::verdict::{Check, Verdict};
 
 /// Which summary a case belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -568,5 +570,304 @@ pub fn report(results: &[CaseResult]) -> String {
             100.0 * worst
         );
     }
+    out
+}
+
+/// What happened when a published run was tried on a card.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// It ran.
+    Fit,
+    /// It ran out of memory.
+    OutOfMemory,
+}
+
+/// A published fits / out-of-memory outcome on a fixed card, with the run's settings.
+#[derive(Debug, Clone)]
+pub struct BoundaryCase {
+    /// Short id (`U8-80`, …).
+    pub id: &'static str,
+    /// Model preset.
+    pub model: &'static str,
+    /// Settings (with the reference-framework profile).
+    pub settings: Settings,
+    /// The card ([`Budget::gpu`] name).
+    pub card: &'static str,
+    /// What happened.
+    pub outcome: Outcome,
+    /// `'A'` the source states it; `'B'` one or two settings inferred from the source's defaults
+    /// or, for an out-of-memory just above a published maximum, implied by that maximum.
+    pub confidence: char,
+    /// Source and assumptions.
+    pub note: &'static str,
+}
+
+/// A boundary case's verdict.
+#[derive(Debug, Clone)]
+pub struct BoundaryResult {
+    /// The case.
+    pub case: BoundaryCase,
+    /// The verdict and its numbers.
+    pub check: Check,
+}
+
+impl BoundaryResult {
+    /// The unsafe miss: "fits" for a run that ran out of memory.
+    pub fn unsafe_miss(&self) -> bool {
+        self.case.outcome == Outcome::OutOfMemory && self.check.verdict == Verdict::Fits
+    }
+
+    /// A run that fit was not called "fits" (tight or does not fit).
+    pub fn refused_a_fitting_run(&self) -> bool {
+        self.case.outcome == Outcome::Fit && self.check.verdict != Verdict::Fits
+    }
+
+    /// For a run that fit: the fraction of the card the verdict would need beyond it,
+    /// `max(0, need + margin − card) / card` (0 when it was called "fits"; 0 for an
+    /// out-of-memory outcome).
+    pub fn card_given_up(&self) -> f64 {
+        if self.case.outcome != Outcome::Fit {
+            return 0.0;
+        }
+        let over =
+            (self.check.need.as_f64() + self.check.margin.as_f64()) - self.check.available.as_f64();
+        over.max(0.0) / self.check.budget.as_f64()
+    }
+}
+
+/// The published fits / out-of-memory outcomes on fixed cards.
+pub fn boundary_cases() -> Vec<BoundaryCase> {
+    let all_linear = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
+    // Unsloth's long-context comparison (unsloth.ai/blog/llama3-3, Dec 2024): Hugging Face +
+    // FA2 + PEFT, 4-bit QLoRA on all linear layers, rank 32, batch 1, sequences padded to the
+    // length tried, on an 80 GB A100 (and the smaller cards of its table). Assumed from their
+    // notebooks' defaults: bitsandbytes NF4 with double quantization, bf16, gradient
+    // checkpointing, AdamW 8-bit, TRL's SFTTrainer (prepare_model_for_kbit_training).
+    let hf_qlora = |seq: u32| {
+        lora(&all_linear, 32, 32.0)
+            .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
+            .with_mixed_precision(MixedPrecision::Bf16)
+            .with_micro_batch(1)
+            .with_seq_len(seq)
+            .with_gradient_checkpointing(true)
+            .with_optimizer(Optimizer::AdamW8bit)
+            .with_profile(Profile::peft_transformers())
+    };
+    let unsloth = "unsloth.ai/blog/llama3-3: HF+FA2 QLoRA r32 all linear, batch 1, padded";
+    let implied = "unsloth.ai/blog/llama3-3: 1.25x the published HF+FA2 maximum context; out of memory implied by that maximum";
+    let mut v = vec![
+        BoundaryCase {
+            id: "U8-80",
+            model: "Llama-3.1-8B",
+            settings: hf_qlora(28_000),
+            card: "A100 80GB",
+            outcome: Outcome::Fit,
+            confidence: 'B',
+            note: unsloth,
+        },
+        BoundaryCase {
+            id: "U8-80-over",
+            model: "Llama-3.1-8B",
+            settings: hf_qlora(35_000),
+            card: "A100 80GB",
+            outcome: Outcome::OutOfMemory,
+            confidence: 'B',
+            note: implied,
+        },
+        BoundaryCase {
+            id: "U8-8",
+            model: "Llama-3.1-8B",
+            settings: hf_qlora(512),
+            card: "RTX 4060 8GB",
+            outcome: Outcome::OutOfMemory,
+            confidence: 'B',
+            note: "unsloth.ai/blog/llama3-3: HF+FA2 goes out of memory on 8 GB GPUs (the shortest length assumed 512)",
+        },
+        BoundaryCase {
+            id: "U70-80",
+            model: "Llama-3.1-70B",
+            settings: hf_qlora(6_916),
+            card: "A100 80GB",
+            outcome: Outcome::Fit,
+            confidence: 'B',
+            note: unsloth,
+        },
+        BoundaryCase {
+            id: "U70-80-over",
+            model: "Llama-3.1-70B",
+            settings: hf_qlora(8_645),
+            card: "A100 80GB",
+            outcome: Outcome::OutOfMemory,
+            confidence: 'B',
+            note: implied,
+        },
+        BoundaryCase {
+            id: "U70-48",
+            model: "Llama-3.1-70B",
+            settings: hf_qlora(512),
+            card: "RTX A6000 48GB",
+            outcome: Outcome::OutOfMemory,
+            confidence: 'B',
+            note: "unsloth.ai/blog/llama3-3: HF+FA2 out of memory on a 48 GB card (the shortest length assumed 512)",
+        },
+        BoundaryCase {
+            id: "U70-7k",
+            model: "Llama-3.1-70B",
+            settings: hf_qlora(7_168),
+            card: "A100 80GB",
+            outcome: Outcome::Fit,
+            confidence: 'B',
+            note: "unsloth.ai/blog/llama3-1: on one A100 80GB, HF+FA2 fits about 7K tokens of Llama 3.1 70B (7,168 assumed)",
+        },
+        // fsdp_qlora README (Answer.AI): a 70B QLoRA needs two 24 GB cards; one is not enough.
+        BoundaryCase {
+            id: "FQ70-24",
+            model: "Llama-2-70B",
+            settings: lora(&all_linear, 64, 16.0)
+                .with_base_dtype(BaseDtype::Nf4 {
+                    double_quant: false,
+                })
+                .with_mixed_precision(MixedPrecision::FullBf16)
+                .with_micro_batch(1)
+                .with_seq_len(512)
+                .with_gradient_checkpointing(true)
+                .with_profile(Profile {
+                    kbit_fp32_cast: false,
+                    ..Profile::peft_transformers()
+                }),
+            card: "RTX 3090 24GB",
+            outcome: Outcome::OutOfMemory,
+            confidence: 'B',
+            note: "AnswerDotAI/fsdp_qlora README: 70B QLoRA takes two 24 GB GPUs (one card, batch 1 × 512 assumed)",
+        },
+    ];
+    // PEFT README, "Use cases" table (A100 80GB): bigscience/bloomz-7b1 full fine-tuning runs out
+    // of GPU memory; LoRA fits (32 GB). Twitter-complaints CLM example, fp32, batch 8 × 64 tokens
+    // assumed; LoRA r8 on the fused query_key_value.
+    let bloom = |s: Settings| {
+        s.with_base_dtype(BaseDtype::F32)
+            .with_micro_batch(8)
+            .with_seq_len(64)
+            .with_profile(Profile::peft_transformers())
+    };
+    v.push(BoundaryCase {
+        id: "PB7-full",
+        model: "bloomz-7b1",
+        settings: bloom(Settings::default().with_method(Method::Full)),
+        card: "A100 80GB",
+        outcome: Outcome::OutOfMemory,
+        confidence: 'B',
+        note: "huggingface/peft README: bloomz-7b1 full fine-tuning, OOM on an A100 80GB",
+    });
+    v.push(BoundaryCase {
+        id: "PB7-lora",
+        model: "bloomz-7b1",
+        settings: bloom(lora(&["qkv_proj"], 8, 32.0)),
+        card: "A100 80GB",
+        outcome: Outcome::Fit,
+        confidence: 'B',
+        note: "huggingface/peft README: bloomz-7b1 LoRA, 32 GB of an A100 80GB",
+    });
+    // transformers docs, model_memory_anatomy.md: bert-large full fine-tune fp32, batch 4 × 512,
+    // AdamW, 14,949 MB by nvidia-smi on a V100 16 GB.
+    v.push(BoundaryCase {
+        id: "H6",
+        model: "bert-large-uncased",
+        settings: Settings::default()
+            .with_method(Method::Full)
+            .with_base_dtype(BaseDtype::F32)
+            .with_micro_batch(4)
+            .with_seq_len(512)
+            .with_attention(Attention::Math)
+            .with_device(Device::Cuda {
+                context: Bytes(1_343_000_000),
+                workspace: Bytes(0),
+            })
+            .with_profile(Profile {
+                repeat_kv: false,
+                ..Profile::peft_transformers()
+            }),
+        card: "V100 16GB",
+        outcome: Outcome::Fit,
+        confidence: 'A',
+        note: "transformers docs model_memory_anatomy.md: 14,949 MB of a V100 16GB (CUDA context 1,343 MB as measured there)",
+    });
+    v
+}
+
+/// The verdict of every boundary case on its card (nothing else held on the card).
+///
+/// # Errors
+/// From [`ModelDescriptor::preset`], [`Budget::gpu`] or [`estimate`] (a table inconsistency).
+pub fn evaluate_boundaries(cases: &[BoundaryCase]) -> Result<Vec<BoundaryResult>> {
+    cases
+        .iter()
+        .map(|c| {
+            let m = ModelDescriptor::preset(c.model)?;
+            let e = estimate(&m, &c.settings)?;
+            let card = Budget::gpu(c.card)?;
+            Ok(BoundaryResult {
+                case: c.clone(),
+                check: Check::new(&e, card.bytes, Bytes::ZERO),
+            })
+        })
+        .collect()
+}
+
+/// A printable table of boundary verdicts, with the count of unsafe misses and the card memory
+/// given up on runs that fit.
+pub fn boundary_report(results: &[BoundaryResult]) -> String {
+    let mut out = format!(
+        "{:<12} {:<14} {:<16} {:>9} {:>9} {:>8}  {:<13} {:<13} {}\n",
+        "case", "model", "card", "card GB", "need GB", "margin", "published", "verdict", "status"
+    );
+    for r in results {
+        let status = if r.unsafe_miss() {
+            "UNSAFE (fits for an OOM run)"
+        } else if r.refused_a_fitting_run() {
+            "gave up a fitting run"
+        } else {
+            "ok"
+        };
+        out += &format!(
+            "{:<12} {:<14} {:<16} {:>9.2} {:>9.2} {:>8.2}  {:<13} {:<13} {}\n",
+            r.case.id,
+            r.case.model,
+            r.case.card,
+            r.check.budget.gb(),
+            r.check.need.gb(),
+            r.check.margin.gb(),
+            match r.case.outcome {
+                Outcome::Fit => "fit",
+                Outcome::OutOfMemory => "out of memory",
+            },
+            r.check.verdict.as_str(),
+            status
+        );
+    }
+    let unsafe_misses = results.iter().filter(|r| r.unsafe_miss()).count();
+    let fitting: Vec<&BoundaryResult> = results
+        .iter()
+        .filter(|r| r.case.outcome == Outcome::Fit)
+        .collect();
+    let refused = fitting.iter().filter(|r| r.refused_a_fitting_run()).count();
+    let given_up = fitting
+        .iter()
+        .map(|r| r.card_given_up())
+        .fold(0.0f64, f64::max);
+    out += &format!(
+        "{} cases: {unsafe_misses} unsafe (fits for an out-of-memory run); {refused} of {} runs that fit called tight (at most {:.1}% of the card short)\n",
+        results.len(),
+        fitting.len(),
+        100.0 * given_up
+    );
     out
 }

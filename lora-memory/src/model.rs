@@ -575,13 +575,16 @@ pub const PRESET_NAMES: &[&str] = &[
     "SmolLM2-1.7B",
     "Llama-2-7B",
     "Llama-2-13B",
+    "Llama-2-70B",
     "Llama-3.1-8B",
+    "Llama-3.1-70B",
     "Llama-3.2-1B",
     "Llama-3.2-3B",
     "Mistral-7B",
     "Qwen2.5-0.5B",
     "Qwen2.5-7B",
     "Qwen2.5-14B",
+    "bloomz-7b1",
     "Qwen3-8B",
     "Qwen3-32B",
     "Qwen-14B",
@@ -764,6 +767,27 @@ impl ModelDescriptor {
             "qwen332b" => with_qk_norm(d("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, false)?),
             // Qwen (v1) 14B: hidden 5120, intermediate 27392/2 per SwiGLU half, 40 layers, c_attn bias.
             "qwen14b" => with_bias(d("Qwen-14B", 5120, 13696, 40, 40, 40, 128, 152064, false)?),
+            "llama270b" | "llama270bhf" => {
+                d("Llama-2-70B", 8192, 28672, 80, 64, 8, 128, 32000, false)?
+            }
+            // Llama 3.3 70B has the same shapes as 3.1.
+            "llama3170b" | "metallama3170b" | "llama3370b" | "metallama3370b" => {
+                d("Llama-3.1-70B", 8192, 28672, 80, 64, 8, 128, 128256, false)?
+            }
+            // BLOOM: one fused query_key_value with bias, LayerNorm, a 4h GELU MLP, ALiBi (no
+            // position embeddings), tied embeddings.
+            "bloomz7b1" | "bloom7b1" => DecoderDescriptor::builder("bloomz-7b1")
+                .hidden(4096)
+                .intermediate(16384)
+                .layers(30)
+                .heads(32)
+                .vocab(250880)
+                .tied_embeddings(true)
+                .attention_bias(true)
+                .gated_mlp(false)
+                .fused_qkv(true)
+                .norm(NormKind::LayerNorm)
+                .build()?,
             "bertlargeuncased" | "bertlarge" => {
                 let mut b = d(
                     "bert-large-uncased",
@@ -1028,6 +1052,10 @@ mod tests {
             ("Qwen3-8B", 8_190_735_360),
             ("Qwen3-32B", 32_762_123_264),
             ("Qwen-14B", 14_167_290_880),
+            ("Llama-2-70B", 68_976_648_192),
+            ("Llama-3.1-70B", 70_553_706_496),
+            ("Llama-3.3-70B", 70_553_706_496),
+            ("bloomz-7b1", 7_069_016_064),
         ];
         for (name, want) in cases {
             let got = dec(name).params();

@@ -131,3 +131,45 @@ impl Check {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ModelDescriptor, Settings, estimate};
+
+    #[test]
+    fn the_verdict_moves_from_fits_to_tight_to_does_not_fit() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let e = estimate(&m, &Settings::default()).unwrap();
+        let need = e.peak_process;
+        let margin = Bytes::from_f64(SAFETY_MARGIN * need.as_f64()).max(MIN_SAFETY_MARGIN);
+        let at = |budget: Bytes, others: Bytes| Check::new(&e, budget, others);
+        assert_eq!(at(need + margin, Bytes::ZERO).verdict, Verdict::Fits);
+        assert_eq!(at(need + margin, Bytes::ZERO).headroom, 0);
+        assert_eq!(
+            at(need + margin - Bytes(1), Bytes::ZERO).verdict,
+            Verdict::Tight
+        );
+        assert_eq!(at(need, Bytes::ZERO).verdict, Verdict::Tight);
+        let short = at(need - Bytes(1), Bytes::ZERO);
+        assert_eq!(short.verdict, Verdict::DoesNotFit);
+        assert_eq!(short.headroom, -1 - margin.0 as i64);
+        // memory other processes hold counts against the card
+        let big = need + margin + Bytes(1 << 30);
+        assert_eq!(at(big, Bytes(1 << 30)).verdict, Verdict::Fits);
+        let half_margin_more = Bytes((1 << 30) + margin.0 / 2);
+        assert_eq!(at(big, half_margin_more).verdict, Verdict::Tight);
+        let line = at(big, half_margin_more).summary();
+        assert!(
+            line.starts_with("tight") && line.contains("held by other processes"),
+            "{line}"
+        );
+        // a tiny run keeps the minimum margin
+        let small = ModelDescriptor::preset("SmolLM2-135M").unwrap();
+        let e = estimate(&small, &Settings::default()).unwrap();
+        assert_eq!(
+            Check::new(&e, Bytes::from_gib(80.0), Bytes::ZERO).margin,
+            MIN_SAFETY_MARGIN.max(Bytes::from_f64(SAFETY_MARGIN * e.peak_process.as_f64()))
+        );
+    }
+}

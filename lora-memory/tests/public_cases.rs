@@ -102,3 +102,38 @@ fn alloc_reserved_mape_and_worst_underprediction_meet_the_target() {
     let (_, worst_p99, _) = summary(&results, CaseGroup::Percentile);
     assert!(worst_p99 >= 0.0);
 }
+
+/// The published fits / out-of-memory outcomes: the verdict never says "fits" for a run that ran
+/// out of memory, and a run that fit is never short of more than 10% of its card.
+#[test]
+fn boundary_verdicts_are_never_unsafe() {
+    use lora_memory::Verdict;
+    use lora_memory::cases::{Outcome, boundary_cases, boundary_report, evaluate_boundaries};
+    let results = evaluate_boundaries(&boundary_cases()).unwrap();
+    let report = boundary_report(&results);
+    assert!(results.len() >= 10, "{report}");
+    assert!(
+        results
+            .iter()
+            .any(|r| r.case.outcome == Outcome::OutOfMemory)
+            && results.iter().any(|r| r.case.outcome == Outcome::Fit),
+        "{report}"
+    );
+    for r in &results {
+        assert!(
+            !r.unsafe_miss(),
+            "unsafe verdict on {}:\n{report}",
+            r.case.id
+        );
+        assert!(r.card_given_up() <= 0.10, "{}:\n{report}", r.case.id);
+        if r.case.outcome == Outcome::Fit {
+            // a run that fit is at worst tight, never "does not fit"
+            assert_ne!(
+                r.check.verdict,
+                Verdict::DoesNotFit,
+                "{}:\n{report}",
+                r.case.id
+            );
+        }
+    }
+}
