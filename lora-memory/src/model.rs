@@ -879,7 +879,7 @@ impl ModelDescriptor {
         Self::read_hf_config(path.as_ref(), Some(model_type))
     }
 
-    fn read_hf_config(path: &Path, as_type: Option<&str>) -> Result<ModelDescriptor> {
+    pub(crate) fn read_hf_config(path: &Path, as_type: Option<&str>) -> Result<ModelDescriptor> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
             path: path.into(),
             source,

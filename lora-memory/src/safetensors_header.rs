@@ -119,11 +119,26 @@ impl ModelDescriptor {
     /// # Errors
     /// [`Error::Io`], [`Error::Safetensors`], [`Error::UnsupportedArchitecture`].
     pub fn from_safetensors(path: impl AsRef<Path>) -> Result<ModelDescriptor> {
-        descriptor_from_safetensors(path.as_ref())
+        descriptor_from_safetensors(path.as_ref(), None)
+    }
+
+    /// [`ModelDescriptor::from_safetensors`] reading the `config.json` beside the weights as
+    /// `model_type` (see [`ModelDescriptor::from_hf_config_json_as`]).
+    ///
+    /// # Errors
+    /// As [`ModelDescriptor::from_safetensors`].
+    pub fn from_safetensors_as(
+        path: impl AsRef<Path>,
+        model_type: &str,
+    ) -> Result<ModelDescriptor> {
+        descriptor_from_safetensors(path.as_ref(), Some(model_type))
     }
 }
 
-pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor> {
+pub(crate) fn descriptor_from_safetensors(
+    path: &Path,
+    as_type: Option<&str>,
+) -> Result<ModelDescriptor> {
     let mut all = BTreeMap::new();
     for f in files_of(path)? {
         all.extend(read_header(&f)?);
@@ -216,7 +231,7 @@ pub(crate) fn descriptor_from_safetensors(path: &Path) -> Result<ModelDescriptor
         path.with_file_name("config.json")
     };
     if cfg.is_file() {
-        let mut m = ModelDescriptor::from_hf_config_json(&cfg)?;
+        let mut m = ModelDescriptor::read_hf_config(&cfg, as_type)?;
         if let ModelDescriptor::Decoder(d) = &mut m {
             d.exact_params = Some(all.values().map(TensorEntry::elements).sum());
         }

@@ -81,6 +81,10 @@ pub enum Command {
         /// Print the plan as JSON.
         #[arg(long)]
         json: bool,
+        /// Also print the frontier: the longest sequence and the largest micro-batch that fit
+        /// 8, 12, 16, 24, 40, 48 and 80 GB cards, for this trainer and for HF + PEFT.
+        #[arg(long)]
+        frontier: bool,
     },
     /// Report libtorch, CUDA/GPU, CPU, RAM and disk.
     Doctor,
@@ -323,7 +327,8 @@ pub fn main() -> i32 {
             gpu,
             budget,
             json,
-        } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json),
+            frontier,
+        } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json, frontier),
         Command::Doctor => doctor::run(),
         Command::Convert {
             input,

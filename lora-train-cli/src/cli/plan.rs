@@ -13,6 +13,7 @@ pub fn run(
     gpu: Option<&str>,
     budget: Option<&str>,
     json: bool,
+    frontier: bool,
 ) -> Result<i32, CliError> {
     let cfg = TrainConfig::from_file(config)?;
     let override_budget = match (gpu, budget) {
@@ -55,12 +56,23 @@ pub fn run(
     let mut p = recipe.plan(&cfg, config.parent(), override_budget, cuda)?;
     p.notes.extend(overridden);
     if json {
+        let mut v = serde_json::to_value(&p).map_err(CliError::runtime)?;
+        if frontier {
+            let ours = p.frontier(p.settings.profile).map_err(CliError::runtime)?;
+            let peft = p
+                .frontier(lora_memory::Profile::peft_transformers())
+                .map_err(CliError::runtime)?;
+            v["frontier"] = serde_json::json!({ "ours": ours, "peft_transformers": peft });
+        }
         println!(
             "{}",
-            serde_json::to_string_pretty(&p).map_err(CliError::runtime)?
+            serde_json::to_string_pretty(&v).map_err(CliError::runtime)?
         );
     } else {
         print!("{}", p.report());
+        if frontier {
+            print!("{}", p.frontier_report().map_err(CliError::runtime)?);
+        }
     }
     Ok(if p.fits == Some(false) {
         EXIT_DOES_NOT_FIT

@@ -284,6 +284,12 @@ section! {
         dtype: Dtype = Dtype::F32, Choice(DTYPES);
         /// `auto` (default), `llm`, `sd15`, `sdxl`: which job trains the model.
         kind: ModelKind = ModelKind::Auto, Choice(MODEL_KINDS);
+        /// The HF `model_type` to read the base's `config.json` as, for the plan (default: the
+        /// file's own `model_type`, which must then be present). `generic` reads any
+        /// LLaMA-shaped decoder (RMSNorm, RoPE, SwiGLU) whose `config.json` lacks one.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        model_type: Option<String> = None,
+            Typed("an HF model_type (llama, mistral, qwen2, qwen3, …) or \"generic\"");
         /// For a single-file Stable Diffusion base (which holds no tokenizer): a CLIP tokenizer
         /// folder, or a diffusers pipeline folder whose `tokenizer/` (SDXL: and `tokenizer_2/`)
         /// and component `config.json` files are used. Default: the base file's folder when it

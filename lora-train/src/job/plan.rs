@@ -4,7 +4,10 @@
 
 use crate::config::{BaseWeights, Dtype, Precision, TargetModules, TrainConfig};
 use crate::job::error::Result;
-use lora_memory::{BaseDtype, Budget, Bytes, Change, Device, Estimate, MixedPrecision, Settings};
+use lora_memory::{
+    BaseDtype, Budget, Bytes, Change, Check, Device, Estimate, MixedPrecision, ModelDescriptor,
+    Profile, Settings, Verdict,
+};
 use serde::Serialize;
 
 /// The memory plan of a run.
@@ -14,14 +17,20 @@ pub struct Plan {
     pub model: String,
     /// Where the descriptor came from (file path or preset).
     pub model_source: String,
+    /// The shapes the plan was made from (read from the header or a preset).
+    pub descriptor: ModelDescriptor,
     /// Settings estimated (after `auto_fit`, if applied).
     pub settings: Settings,
     /// The estimate for `settings`.
     pub estimate: Estimate,
     /// The budget, when one is known.
     pub budget: Option<Budget>,
-    /// `Some(true/false)` when a budget is known.
+    /// `Some(false)` when a budget is known and the run does not fit it ([`Verdict::DoesNotFit`]:
+    /// a run refuses to start); `Some(true)` when it fits or is tight (it starts; a tight plan
+    /// warns). Kept in step with `check` by [`Plan::judge`].
     pub fits: Option<bool>,
+    /// The safe verdict against the budget, with its numbers ([`Check`]), when a budget is known.
+    pub check: Option<Check>,
     /// Changes made by `auto_fit`.
     pub changes: Vec<Change>,
     /// Notes (assumed units, approximations).
@@ -32,6 +41,113 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A plan of `estimate` for `settings` against `budget` (judged, no changes, no notes).
+    pub fn new(
+        descriptor: ModelDescriptor,
+        model_source: String,
+        settings: Settings,
+        estimate: Estimate,
+        budget: Option<Budget>,
+    ) -> Plan {
+        let mut p = Plan {
+            model: descriptor.name().to_string(),
+            model_source,
+            descriptor,
+            settings,
+            estimate,
+            budget,
+            fits: None,
+            check: None,
+            changes: Vec::new(),
+            notes: Vec::new(),
+            suggestion: Vec::new(),
+        };
+        p.judge();
+        p
+    }
+
+    /// Recomputes [`Plan::check`] and [`Plan::fits`] from the estimate and the budget (after
+    /// either changed). The budget is what the run may use: a size or a card's memory, or the
+    /// memory free right now (NVML), which already leaves out what other processes hold.
+    pub fn judge(&mut self) {
+        self.check = self
+            .budget
+            .as_ref()
+            .map(|b| Check::new(&self.estimate, b.bytes, Bytes::ZERO));
+        self.fits = self
+            .check
+            .as_ref()
+            .map(|c| c.verdict != Verdict::DoesNotFit);
+    }
+
+    /// The verdict, when a budget is known.
+    pub fn verdict_kind(&self) -> Option<Verdict> {
+        self.check.as_ref().map(|c| c.verdict)
+    }
+
+    /// The frontier rows of [`Plan::frontier_report`] for one reference profile (on CUDA, the
+    /// plan's other settings as they are).
+    ///
+    /// # Errors
+    /// An estimate error for settings the estimator refuses.
+    pub fn frontier(
+        &self,
+        profile: Profile,
+    ) -> std::result::Result<Vec<lora_memory::FrontierRow>, lora_memory::Error> {
+        let mut s = self.settings.clone().with_profile(profile);
+        if !s.device.is_cuda() {
+            s.device = Device::cuda();
+        }
+        lora_memory::frontier(&self.descriptor, &s, &lora_memory::frontier_cards())
+    }
+
+    /// The frontier of this plan's settings on CUDA cards of 8, 12, 16, 24, 40, 48 and 80 GB
+    /// ([`lora_memory::fit::FRONTIER_CARDS_GIB`]): the longest sequence at the plan's
+    /// micro-batch and the largest micro-batch at its sequence length (diffusion: at its
+    /// resolution) that *fit* — the safe verdict, margin included, nothing else on the card —
+    /// for this SDK's trainer and, with the same settings, for HF transformers + PEFT
+    /// ([`Profile::peft_transformers`]).
+    ///
+    /// # Errors
+    /// An estimate error for settings the estimator refuses.
+    pub fn frontier_report(&self) -> std::result::Result<String, lora_memory::Error> {
+        let a = self.frontier(Profile::ours())?;
+        let b = self.frontier(Profile::peft_transformers())?;
+        let decoder = matches!(self.descriptor, ModelDescriptor::Decoder(_));
+        let s = &self.settings;
+        let mut out = if decoder {
+            format!(
+                "frontier of {} on CUDA cards: longest sequence at micro_batch {}, largest micro_batch at seq_len {} (\"fits\" with the safety margin, nothing else on the card)\n",
+                self.model, s.micro_batch, s.seq_len
+            )
+        } else {
+            format!(
+                "frontier of {} on CUDA cards: largest micro_batch at this resolution (\"fits\" with the safety margin, nothing else on the card)\n",
+                self.model
+            )
+        };
+        let shown = |n: Option<u32>| match n {
+            Some(0) => "does not fit".to_string(),
+            Some(n) => n.to_string(),
+            None => "—".to_string(),
+        };
+        out += &format!(
+            "{:>6}  {:>14}  {:>14}  {:>12}  {:>12}\n",
+            "card", "seq (ours)", "seq (HF+PEFT)", "batch (ours)", "batch (HF+PEFT)"
+        );
+        for ((card, x), y) in lora_memory::fit::FRONTIER_CARDS_GIB.iter().zip(&a).zip(&b) {
+            out += &format!(
+                "{:>4}GB  {:>14}  {:>14}  {:>12}  {:>12}\n",
+                card,
+                shown(x.max_seq_len),
+                shown(y.max_seq_len),
+                shown(Some(x.max_micro_batch)),
+                shown(Some(y.max_micro_batch))
+            );
+        }
+        Ok(out)
+    }
+
     /// Writes the settings `auto_fit` chose ([`Plan::changes`]) into `cfg` (micro-batch and
     /// accumulation, precision, checkpointing, optimizer, rank, …; see [`apply_settings`]).
     /// Planning itself never edits a config: a run applies its plan to its own copy, and an app
@@ -114,20 +230,30 @@ impl Plan {
     /// [`Budget::unit_hint`] on a `hint:` line.
     pub fn verdict(&self) -> String {
         let peak = self.estimate.peak;
-        let mut out = match (&self.budget, self.fits) {
-            (Some(b), Some(true)) => format!(
-                "verdict: fits — predicted peak {peak} of budget {} ({}), headroom {}\n",
-                b.amount(),
-                budget_source(b),
-                b.bytes.saturating_sub(peak)
-            ),
-            (Some(b), _) => format!(
-                "verdict: DOES NOT FIT — predicted peak {peak} exceeds budget {} ({}) by {}\n",
-                b.amount(),
-                budget_source(b),
-                peak.saturating_sub(b.bytes)
-            ),
-            (None, _) => format!("verdict: predicted peak {peak} (no budget given)\n"),
+        let mut out = match (&self.budget, &self.check) {
+            (Some(b), Some(c)) => match c.verdict {
+                Verdict::Fits => format!(
+                    "verdict: fits — predicted peak {peak} + safety margin {} within budget {} ({}), headroom {}\n",
+                    c.margin,
+                    b.amount(),
+                    budget_source(b),
+                    Bytes(u64::try_from(c.headroom).unwrap_or(0))
+                ),
+                Verdict::Tight => format!(
+                    "verdict: TIGHT — predicted peak {peak} is within budget {} ({}) but inside the safety margin of {} (the estimate's spread, allocator splits, CUDA context): the run may go out of memory; free {} more to be safe\n",
+                    b.amount(),
+                    budget_source(b),
+                    c.margin,
+                    Bytes(c.headroom.unsigned_abs())
+                ),
+                Verdict::DoesNotFit => format!(
+                    "verdict: DOES NOT FIT — predicted peak {peak} exceeds budget {} ({}) by {}\n",
+                    b.amount(),
+                    budget_source(b),
+                    peak.saturating_sub(b.bytes)
+                ),
+            },
+            _ => format!("verdict: predicted peak {peak} (no budget given)\n"),
         };
         if self.settings.device.is_cuda()
             && let Some(h) = self.budget.as_ref().and_then(Budget::unit_hint)

@@ -367,6 +367,14 @@ pub fn run<S: RunSteps>(
             }
             ctx.say("warning: predicted not to fit; starting anyway (forced)");
         }
+        if p.verdict_kind() == Some(lora_memory::Verdict::Tight)
+            && let Some(c) = &p.check
+        {
+            ctx.say(&format!(
+                "warning: the plan is tight — {}; on out-of-memory the trainer splits the micro-batch and retries the step",
+                c.summary()
+            ));
+        }
         check_fits_this_machine(p, ctx.cuda, forced)?;
     }
     // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).

@@ -19,7 +19,7 @@ use crate::job::{
     JobError, MeasuredMemory, Plan, Result, RunOptions, budget_for, lora_config, resolve_path,
     settings_for,
 };
-use lora_memory::{BaseDtype, Budget, FitError, ModelDescriptor};
+use lora_memory::{BaseDtype, Budget, FitError, ModelDescriptor, Verdict};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -34,6 +34,7 @@ pub fn read_descriptor(
     config_dir: Option<&Path>,
 ) -> Result<(ModelDescriptor, String, Option<BaseDtype>)> {
     let written = cfg.base_model()?;
+    let as_type = cfg.model.model_type.as_deref();
     let path = match resolve_path("model.base_model", written, config_dir) {
         Ok(p) => p,
         Err(e) => {
@@ -63,16 +64,12 @@ pub fn read_descriptor(
         Ok((desc, path.display().to_string(), q))
     } else if path.is_dir() && path.join("config.json").is_file() && !has_safetensors(&path) {
         Ok((
-            ModelDescriptor::from_hf_config_json(path.join("config.json"))?,
+            hf_config(&path.join("config.json"), as_type)?,
             path.display().to_string(),
             None,
         ))
     } else if lower.ends_with("config.json") {
-        Ok((
-            ModelDescriptor::from_hf_config_json(&path)?,
-            path.display().to_string(),
-            None,
-        ))
+        Ok((hf_config(&path, as_type)?, path.display().to_string(), None))
     } else if path.is_file() && !lower.ends_with(".safetensors") {
         Err(JobError::Input(format!(
             "model.base_model = {written:?}: {} is not a model file this recipe reads; give a \
@@ -81,10 +78,26 @@ pub fn read_descriptor(
         )))
     } else {
         Ok((
-            ModelDescriptor::from_safetensors(&path)?,
+            match as_type {
+                Some(t) => ModelDescriptor::from_safetensors_as(&path, t)?,
+                None => ModelDescriptor::from_safetensors(&path)?,
+            },
             path.display().to_string(),
             None,
         ))
+    }
+}
+
+/// Reads a `config.json`, as `model.model_type` says when set.
+fn hf_config(path: &Path, as_type: Option<&str>) -> Result<ModelDescriptor> {
+    match as_type {
+        Some(t) => Ok(ModelDescriptor::from_hf_config_json_as(path, t)?),
+        None => ModelDescriptor::from_hf_config_json(path).map_err(|e| match &e {
+            lora_memory::Error::Config { key, .. } if key == "model_type" => JobError::Input(
+                format!("{e}: set model.model_type in the run config (e.g. model_type: generic)"),
+            ),
+            _ => e.into(),
+        }),
     }
 }
 
@@ -115,39 +128,31 @@ pub fn plan(
     notes.extend(cfg.notes());
     let budget = budget_for(cfg, override_budget)?;
     let estimate = lora_memory::estimate(&desc, &settings)?;
-    let mut plan = Plan {
-        model: desc.name().to_string(),
-        model_source,
-        settings,
-        fits: budget.as_ref().map(|b| estimate.peak <= b.bytes),
-        estimate,
-        budget,
-        changes: Vec::new(),
-        notes,
-        suggestion: Vec::new(),
-    };
+    let mut plan = Plan::new(desc.clone(), model_source, settings, estimate, budget);
+    plan.notes = notes;
+    let unsure = |p: &Plan| matches!(p.verdict_kind(), Some(Verdict::Tight | Verdict::DoesNotFit));
     if !cfg.memory.auto_fit
         && let Some(b) = plan.budget.clone()
-        && plan.fits == Some(false)
+        && unsure(&plan)
     {
         match lora_memory::fit(&desc, &plan.settings, b.bytes) {
             Ok(f) => plan.suggestion = f.changes,
             Err(FitError::DoesNotFit { smallest_peak, .. }) => plan.notes.push(format!(
-                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, quantized base, sequence length) fits this budget; the smallest peak reachable is {smallest_peak}"
+                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, quantized base, sequence length) fits this budget with its safety margin; the smallest peak reachable is {smallest_peak}"
             )),
             Err(_) => {}
         }
     }
     if cfg.memory.auto_fit
         && let Some(b) = plan.budget.clone()
-        && plan.fits == Some(false)
+        && unsure(&plan)
     {
         match lora_memory::fit(&desc, &plan.settings, b.bytes) {
             Ok(f) => {
-                plan.fits = Some(f.estimate.peak <= b.bytes);
                 plan.settings = f.settings;
                 plan.estimate = f.estimate;
                 plan.changes = f.changes;
+                plan.judge();
             }
             Err(FitError::DoesNotFit {
                 smallest_peak,
@@ -155,7 +160,7 @@ pub fn plan(
                 ..
             }) => {
                 plan.notes.push(format!(
-                    "auto_fit: nothing on the ladder fits; the smallest peak reached is {smallest_peak} after {} changes",
+                    "auto_fit: nothing on the ladder fits with the safety margin; the smallest peak reached is {smallest_peak} after {} changes",
                     changes.len()
                 ));
             }

@@ -18,7 +18,7 @@
 use crate::config::{DataFormat, ModelKind, TargetModules, TrainConfig};
 use crate::job::{JobError, Plan, Result, resolve_path};
 use lora_memory::model::DiffusionFamily;
-use lora_memory::{Budget, FitError, ModelDescriptor, Settings};
+use lora_memory::{Budget, FitError, ModelDescriptor, Settings, Verdict};
 use std::path::{Path, PathBuf};
 
 /// The UNet modules adapted when `lora.target_modules` is left at its default: the attention
@@ -705,30 +705,24 @@ pub fn plan_with(
     });
     let budget = crate::job::budget_for(cfg, override_budget)?;
     let estimate = lora_memory::estimate(desc, &settings)?;
-    let mut plan = Plan {
-        model: desc.name().to_string(),
-        model_source: source,
-        settings,
-        fits: budget.as_ref().map(|b| estimate.peak <= b.bytes),
-        estimate,
-        budget,
-        changes: Vec::new(),
-        notes,
-        suggestion: Vec::new(),
-    };
+    let mut plan = Plan::new(desc.clone(), source, settings, estimate, budget);
+    plan.notes = notes;
     if let Some(b) = plan.budget.clone()
-        && plan.fits == Some(false)
+        && matches!(
+            plan.verdict_kind(),
+            Some(Verdict::Tight | Verdict::DoesNotFit)
+        )
     {
         match lora_memory::fit(desc, &plan.settings, b.bytes) {
             Ok(f) if cfg.memory.auto_fit => {
-                plan.fits = Some(f.estimate.peak <= b.bytes);
                 plan.settings = f.settings;
                 plan.estimate = f.estimate;
                 plan.changes = f.changes;
+                plan.judge();
             }
             Ok(f) => plan.suggestion = f.changes,
             Err(FitError::DoesNotFit { smallest_peak, .. }) => plan.notes.push(format!(
-                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, resolution) fits this budget; the smallest peak reachable is {smallest_peak}"
+                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, resolution) fits this budget with its safety margin; the smallest peak reachable is {smallest_peak}"
             )),
             Err(FitError::Estimate(e)) => return Err(e.into()),
             Err(other) => return Err(JobError::Fit(other)),
