@@ -90,6 +90,7 @@ fn every_key_set() -> TrainConfig {
     c.model.dtype = Dtype::Bf16;
     c.model.kind = ModelKind::Llm;
     c.model.tokenizer = Some("tok".into());
+    c.model.model_type = Some("generic".into());
     c.lora.rank = 16;
     c.lora.alpha = 32.0;
     c.lora.dropout = 0.1;
