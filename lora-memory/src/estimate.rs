@@ -316,7 +316,7 @@ struct Ctx {
 }
 
 fn ctx(s: &Settings) -> Ctx {
-    let base32 = s.base_dtype == BaseDtype::F32;
+    let base32 = s.computes_in_f32();
     let (e, r, autocast) = match s.mixed_precision {
         MixedPrecision::No => {
             if base32 {
@@ -715,7 +715,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // Base weights.
     let linear = d.layer_linear_params() as f64;
     let rest = (d.params() as f64 - linear).max(0.0);
-    let rest_bytes = if s.base_dtype == BaseDtype::F32 || kbit {
+    let rest_bytes = if s.computes_in_f32() || kbit {
         4.0
     } else {
         2.0
@@ -920,16 +920,34 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         .fold(0.0, f64::max);
     let head_dq = dequant(head_quantized);
     let layer_dq = dequant(largest_linear);
-    let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk + head_dq;
-    let layer_branch = (logits_kept + recompute + layer.working) * tokens + layer_dq;
+    // This SDK's quantized linears multiply by the dequantized weight with an ordinary matmul,
+    // so autograd keeps that dense weight (compute dtype) for the input gradient: every layer
+    // linear the forward ran with grad — all of them without checkpointing, the recomputed
+    // layer's with it. (The fused loss dequantizes a quantized head under no-grad and holds it
+    // through the chunks: `head_dq`, the two copies of its decode, covers it.)
+    let kept_dense = if s.profile.framework == Framework::Ours && s.base_dtype.is_quantized() {
+        c.e * if s.gradient_checkpointing {
+            linear / layers.max(1.0)
+        } else {
+            linear
+        }
+    } else {
+        0.0
+    };
+    let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk + head_dq + kept_dense;
+    let layer_branch = (logits_kept + recompute + layer.working) * tokens + layer_dq + kept_dense;
     let (activations, logits_loss) = if loss_branch >= layer_branch {
-        (stored * tokens + head_dq, loss_branch - head_dq)
+        (
+            stored * tokens + head_dq + kept_dense,
+            loss_branch - head_dq - kept_dense,
+        )
     } else {
         (
-            (stored + recompute + layer.working) * tokens + layer_dq,
+            (stored + recompute + layer.working) * tokens + layer_dq + kept_dense,
             logits_kept * tokens,
         )
     };
+
     let batch = 32.0 * tokens;
 
     finish(FinishArgs {

@@ -371,6 +371,11 @@ pub struct Settings {
     /// files quantize `output.weight`; bitsandbytes when `lm_head` is not in
     /// `llm_int8_skip_modules`). Default: the head stays 16-bit, as QLoRA does.
     pub quantize_lm_head: bool,
+    /// A quantized base computes in fp32: its blocks are dequantized to fp32 and the
+    /// non-quantized weights (norms, embeddings) are fp32 (this SDK with `model.dtype: f32`, its
+    /// CPU default). `false`: 16-bit compute (bitsandbytes' `bnb_4bit_compute_dtype`). No
+    /// effect on a dense base.
+    pub quantized_compute_f32: bool,
     /// Device.
     pub device: Device,
     /// Reference framework.
@@ -401,6 +406,7 @@ impl Default for Settings {
             attention: Attention::Sdpa,
             modules_to_save: Vec::new(),
             quantize_lm_head: false,
+            quantized_compute_f32: false,
             device: Device::cuda(),
             profile: Profile::ours(),
         }
@@ -456,6 +462,8 @@ impl Settings {
         with_attention, attention: Attention);
     setter!(/// Sets `quantize_lm_head`.
         with_quantize_lm_head, quantize_lm_head: bool);
+    setter!(/// Sets `quantized_compute_f32`.
+        with_quantized_compute_f32, quantized_compute_f32: bool);
     setter!(/// Sets `device`.
         with_device, device: Device);
     setter!(/// Sets `profile`.
@@ -495,6 +503,13 @@ impl Settings {
     pub fn with_lora_dropout(mut self, p: f32) -> Self {
         self.lora.dropout = p;
         self
+    }
+
+    /// True for an fp32 base, or a quantized one computing in fp32
+    /// ([`Settings::quantized_compute_f32`]).
+    pub fn computes_in_f32(&self) -> bool {
+        self.base_dtype == BaseDtype::F32
+            || (self.base_dtype.is_quantized() && self.quantized_compute_f32)
     }
 
     /// `micro_batch × gradient_accumulation_steps`.

@@ -335,7 +335,8 @@ pub fn settings_for(
         .with_seq_len(cfg.data.seq_len)
         .with_gradient_checkpointing(cfg.train.gradient_checkpointing)
         .with_optimizer(optimizer)
-        .with_device(if cuda { Device::cuda() } else { Device::cpu() });
+        .with_device(if cuda { Device::cuda() } else { Device::cpu() })
+        .with_quantized_compute_f32(cfg.model.dtype == Dtype::F32);
     if let Some([w, h]) = cfg.data.resolution {
         s = s.with_resolution(w.max(h));
     }

