@@ -5,7 +5,9 @@
 // needs no libtorch.
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use lora_memory::{Bytes, ModelDescriptor, Settings, estimate, fit, max_micro_batch};
+use lora_memory::{
+    Bytes, ModelDescriptor, Settings, estimate, fit, frontier, frontier_cards, max_micro_batch,
+};
 use std::hint::black_box;
 
 fn benches(c: &mut Criterion) {
@@ -31,6 +33,11 @@ fn benches(c: &mut Criterion) {
     });
     c.bench_function("max_micro_batch/llama-3.1-8b-80GiB", |b| {
         b.iter(|| max_micro_batch(black_box(&llama), black_box(&s), Bytes(80 << 30)))
+    });
+    // `plan --frontier`: longest sequence and largest batch on seven cards.
+    let cards = frontier_cards();
+    c.bench_function("frontier/llama-3.1-8b-7-cards", |b| {
+        b.iter(|| frontier(black_box(&llama), black_box(&s), black_box(&cards)))
     });
 }
 

@@ -833,7 +833,7 @@ pub fn boundary_report(results: &[BoundaryResult]) -> String {
         let status = if r.unsafe_miss() {
             "UNSAFE (fits for an OOM run)"
         } else if r.refused_a_fitting_run() {
-            "gave up a fitting run"
+            "called tight, ran"
         } else {
             "ok"
         };
