@@ -637,15 +637,8 @@ impl BoundaryResult {
 
 /// The published fits / out-of-memory outcomes on fixed cards.
 pub fn boundary_cases() -> Vec<BoundaryCase> {
-    let all_linear = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ];
+    // q, k, v, o, gate, up, down
+    let all_linear = ["all-linear"];
     // Unsloth's long-context comparison (unsloth.ai/blog/llama3-3, Dec 2024): Hugging Face +
     // FA2 + PEFT, 4-bit QLoRA on all linear layers, rank 32, batch 1, sequences padded to the
     // length tried, on an 80 GB A100 (and the smaller cards of its table). Assumed from their
