@@ -825,8 +825,10 @@ pub fn boundary_report(results: &[BoundaryResult]) -> String {
     for r in results {
         let status = if r.unsafe_miss() {
             "UNSAFE (fits for an OOM run)"
-        } else if r.refused_a_fitting_run() {
+        } else if r.refused_a_fitting_run() && r.check.verdict == Verdict::Tight {
             "called tight, ran"
+        } else if r.refused_a_fitting_run() {
+            "called does not fit, ran"
         } else {
             "ok"
         };

@@ -349,6 +349,15 @@ fn validate(s: &Settings) -> Result<()> {
     if s.gradient_accumulation_steps == 0 {
         return bad("gradient_accumulation_steps", "must be at least 1");
     }
+    if s.seq_len == 0 {
+        return bad("seq_len", "must be at least 1 token");
+    }
+    if s.resolution < 8 || s.largest_bucket.is_some_and(|[w, h]| w < 8 || h < 8) {
+        return bad(
+            "resolution",
+            "must be at least 8 pixels (one latent pixel) on each side",
+        );
+    }
     if s.method != Method::Full && s.lora.rank == 0 {
         return bad("lora.rank", "must be at least 1");
     }
@@ -686,8 +695,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     if s.method != Method::Full && sites.is_empty() {
         return Err(no_target_error(&all_sites, s));
     }
+    // PEFT matches `modules_to_save` entries as names or `.`-suffixes of module paths
+    let mut saved_modules: Vec<&str> = Vec::new();
     for m in &s.modules_to_save {
-        if !DECODER_MODULES_TO_SAVE.contains(&m.as_str()) {
+        let name = m.rsplit('.').next().unwrap_or(m);
+        if !DECODER_MODULES_TO_SAVE.contains(&name) {
             return Err(Error::InvalidSetting {
                 key: "modules_to_save",
                 reason: format!(
@@ -695,6 +707,9 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
                     DECODER_MODULES_TO_SAVE.join(" or ")
                 ),
             });
+        }
+        if !saved_modules.contains(&name) {
+            saved_modules.push(name);
         }
     }
     if s.quantize_lm_head && !s.base_dtype.is_quantized() {
@@ -706,7 +721,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             ),
         });
     }
-    let notes = Vec::new();
+    let mut notes = Vec::new();
     let tokens = f64::from(s.micro_batch) * f64::from(s.seq_len);
     let seq = f64::from(s.seq_len);
     let h = d.hidden as f64;
@@ -812,14 +827,14 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     }
     // PEFT `modules_to_save`: a trainable copy of each listed `[V, h]` module beside the
     // original, in the module's dtype (this SDK's trainer would keep it fp32, as its adapters).
-    let mts = s.modules_to_save.len() as f64;
+    let mts = saved_modules.len() as f64;
     if mts > 0.0 && s.method != Method::Full {
         let pb = match s.profile.framework {
             Framework::Ours => 4.0,
             _ => rest_bytes,
         };
         let n = d.vocab * d.hidden;
-        let k = s.modules_to_save.len() as u64;
+        let k = saved_modules.len() as u64;
         let t = Trainable {
             params: n * k,
             factored: (d.vocab + d.hidden) * k,
@@ -835,7 +850,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         largest_trainable = largest_trainable.max(n);
         rounding += mts * 4.0 * cuda_block_overhead(head * pb);
     }
-    let head_trained = s.modules_to_save.iter().any(|m| m == "lm_head");
+    let head_trained = saved_modules.contains(&"lm_head");
 
     // Activations.
     let layer = decoder_layer(d, s, &c, &sites, seq);
@@ -934,6 +949,22 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         0.0
     };
+    if kept_dense > 0.0 {
+        notes.push(format!(
+            "activations include {:.2} GB of dequantized weights this trainer keeps for the backward pass ({}); {}",
+            kept_dense / 1e9,
+            if s.gradient_checkpointing {
+                "one layer's, with gradient checkpointing"
+            } else {
+                "every layer's"
+            },
+            if s.gradient_checkpointing {
+                "a 16-bit compute dtype halves them"
+            } else {
+                "gradient checkpointing keeps only one layer's"
+            }
+        ));
+    }
     let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk + head_dq + kept_dense;
     let layer_branch = (logits_kept + recompute + layer.working) * tokens + layer_dq + kept_dense;
     let (activations, logits_loss) = if loss_branch >= layer_branch {
@@ -1127,6 +1158,19 @@ fn frozen_models_on_device(s: &Settings) -> (bool, bool) {
 }
 
 fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate> {
+    if !s.modules_to_save.is_empty() || s.quantize_lm_head {
+        return Err(Error::InvalidSetting {
+            key: if s.quantize_lm_head {
+                "quantize_lm_head"
+            } else {
+                "modules_to_save"
+            },
+            reason: format!(
+                "{} is a diffusion model: modules_to_save and quantize_lm_head apply to decoders",
+                d.name
+            ),
+        });
+    }
     let c = ctx(s);
     if s.train_text_encoder && s.cache_text_encoder_outputs {
         return Err(Error::InvalidSetting {
@@ -1559,6 +1603,128 @@ mod tests {
             .with_train_text_encoder(true)
             .with_cache_text_encoder_outputs(true);
         assert!(estimate(&sd, &s).is_err());
+    }
+
+    #[test]
+    fn modules_to_save_train_the_embedding_and_head_in_full() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let peft = Settings::default().with_profile(Profile::peft_transformers());
+        let plain = estimate(&m, &peft).unwrap();
+        let both = estimate(
+            &m,
+            &peft
+                .clone()
+                .with_modules_to_save(&["embed_tokens", "lm_head"]),
+        )
+        .unwrap();
+        let vh = d.vocab * d.hidden;
+        assert_eq!(both.trainable_params, plain.trainable_params + 2 * vh);
+        // bf16 copies + bf16 gradients + two bf16 AdamW states (torch.optim: the param dtype)
+        assert_eq!(
+            both.breakdown.adapter_params.0 - plain.breakdown.adapter_params.0,
+            2 * vh * 2
+        );
+        assert_eq!(
+            both.breakdown.optimizer_states.0 - plain.breakdown.optimizer_states.0,
+            2 * vh * 4
+        );
+        // PEFT's suffix matching; a repeat counts once
+        let same = estimate(
+            &m,
+            &peft
+                .clone()
+                .with_modules_to_save(&["model.embed_tokens", "lm_head", "lm_head"]),
+        )
+        .unwrap();
+        assert_eq!(same.trainable_params, both.trainable_params);
+        let e = estimate(&m, &peft.clone().with_modules_to_save(&["norm"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("embed_tokens") && e.contains("\"norm\""), "{e}");
+        let sd = ModelDescriptor::preset("SD1.5").unwrap();
+        let s = Settings::default()
+            .with_target_modules(&["to_q"])
+            .with_modules_to_save(&["lm_head"]);
+        assert!(
+            estimate(&sd, &s)
+                .unwrap_err()
+                .to_string()
+                .contains("decoders")
+        );
+        // a quantized head: stored in the base format
+        let q = Settings::default().with_base_dtype(BaseDtype::Q4_0);
+        let dense_head = estimate(&m, &q).unwrap();
+        let q_head = estimate(&m, &q.clone().with_quantize_lm_head(true)).unwrap();
+        let saved = (2.0 - 18.0 / 32.0) * vh as f64;
+        let got =
+            dense_head.breakdown.base_weights.as_f64() - q_head.breakdown.base_weights.as_f64();
+        assert!((got - saved).abs() < 2.0, "{got} vs {saved}");
+        assert!(estimate(&m, &Settings::default().with_quantize_lm_head(true)).is_err());
+        assert!(estimate(&m, &Settings::default().with_seq_len(0)).is_err());
+    }
+
+    #[test]
+    fn prepare_model_for_kbit_training_costs_fp32_embeddings_and_head() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let nf4 = Settings::default()
+            .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
+            .with_mixed_precision(MixedPrecision::Bf16);
+        let cast = estimate(&m, &nf4.clone().with_profile(Profile::peft_transformers())).unwrap();
+        let kept = estimate(
+            &m,
+            &nf4.clone().with_profile(Profile {
+                kbit_fp32_cast: false,
+                ..Profile::peft_transformers()
+            }),
+        )
+        .unwrap();
+        let rest = (d.params() - d.layer_linear_params()) as f64;
+        let diff = cast.breakdown.base_weights.as_f64() - kept.breakdown.base_weights.as_f64();
+        assert!((diff - 2.0 * rest).abs() < 2.0, "{diff} vs {}", 2.0 * rest);
+        // and the head's bf16 cast is kept for the backward
+        assert_eq!(
+            cast.breakdown.autocast_weight_copies.0,
+            2 * d.vocab * d.hidden
+        );
+        // not for a GPTQ base (PEFT skips the cast there)
+        let gptq = Settings::default()
+            .with_base_dtype(BaseDtype::Gptq4 { group_size: 128 })
+            .with_profile(Profile::peft_transformers());
+        let a = estimate(&m, &gptq).unwrap();
+        let b = estimate(
+            &m,
+            &gptq.clone().with_profile(Profile {
+                kbit_fp32_cast: false,
+                ..Profile::peft_transformers()
+            }),
+        )
+        .unwrap();
+        assert_eq!(a.peak_allocated, b.peak_allocated);
+    }
+
+    #[test]
+    fn block_rounding_adds_to_reserved_on_cuda_only() {
+        assert_eq!(cuda_block_overhead(512.0), 0.0);
+        assert_eq!(cuda_block_overhead(100.0), 412.0);
+        // 8 MiB: two per 20 MiB segment
+        let mib = 1_048_576.0;
+        assert_eq!(cuda_block_overhead(8.0 * mib), 2.0 * mib);
+        assert_eq!(cuda_block_overhead(11.0 * mib), mib);
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let s = Settings::default().with_base_dtype(BaseDtype::Nf4 {
+            double_quant: false,
+        });
+        let cuda = estimate(&m, &s).unwrap();
+        let cpu = estimate(&m, &s.clone().with_device(Device::cpu())).unwrap();
+        assert_eq!(cuda.peak_allocated, cpu.peak_allocated);
+        assert!(cuda.peak_reserved.0 > cuda.peak_allocated.0 + (100 << 20));
+        assert_eq!(cpu.peak_reserved, cpu.peak_allocated);
     }
 
     #[test]

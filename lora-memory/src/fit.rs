@@ -73,9 +73,16 @@ fn halve_batch(s: &Settings) -> Option<(Settings, String, String, String)> {
     }
     let eff = s.effective_batch();
     let mut n = s.clone();
-    n.micro_batch = s.micro_batch / 2;
-    n.gradient_accumulation_steps =
-        u32::try_from(eff.div_ceil(u64::from(n.micro_batch))).unwrap_or(u32::MAX);
+    // the largest micro-batch ≤ half that divides the effective batch, so that micro-batch ×
+    // accumulation is the effective batch exactly (a prime batch goes to 1 × batch)
+    let half = u64::from(s.micro_batch / 2);
+    let micro = (half.saturating_sub(1 << 16).max(1)..=half)
+        .rev()
+        .find(|d| eff % d == 0)
+        .unwrap_or(1);
+    let accumulation = u32::try_from(eff / micro).ok()?;
+    n.micro_batch = u32::try_from(micro).ok()?;
+    n.gradient_accumulation_steps = accumulation;
     Some((
         n.clone(),
         format!("{} × {}", s.micro_batch, s.gradient_accumulation_steps),
@@ -88,6 +95,20 @@ fn halve_batch(s: &Settings) -> Option<(Settings, String, String, String)> {
 }
 
 fn mixed_precision(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.base_dtype.is_quantized() && s.quantized_compute_f32 {
+        // a quantized base dequantized to fp32: dequantize to bf16 and compute in bf16
+        let mut n = s.clone();
+        n.quantized_compute_f32 = false;
+        if n.mixed_precision == MixedPrecision::No {
+            n.mixed_precision = MixedPrecision::Bf16;
+        }
+        return Some((
+            n,
+            format!("{} base computing in fp32", s.base_dtype.name()),
+            format!("{} base computing in bf16", s.base_dtype.name()),
+            "dequantized weights and activations in 16 bit halve their bytes".into(),
+        ));
+    }
     if s.base_dtype != BaseDtype::F32 || s.mixed_precision != MixedPrecision::No {
         return None;
     }
@@ -189,12 +210,14 @@ fn quantize(s: &Settings) -> Option<(Settings, String, String, String)> {
     }
     let mut n = s.clone();
     n.base_dtype = BaseDtype::Nf4 { double_quant: true };
+    // QLoRA computes in 16 bit
+    n.quantized_compute_f32 = false;
     if n.mixed_precision == MixedPrecision::No {
         n.mixed_precision = MixedPrecision::Bf16;
     }
     Some((
         n,
-        format!("{:?}", s.base_dtype),
+        s.base_dtype.name(),
         "NF4 (double quant)".into(),
         "QLoRA: 4-bit NormalFloat base ≈ 0.52 B per linear parameter".into(),
     ))
@@ -279,8 +302,8 @@ const LADDER: &[Step] = &[
     ("resolution", Applies::Diffusion, smaller_resolution),
 ];
 
-/// Finds a config that fits `budget` (compared with [`Estimate::peak`], the whole-process peak
-/// on the device), walking the ladder: micro-batch down keeping the effective batch via gradient
+/// Finds a config that *fits* `budget` — the safe verdict of [`Check`]: the whole-process peak
+/// on the device ([`Estimate::peak`]) plus the safety margin —, walking the ladder: micro-batch down keeping the effective batch via gradient
 /// accumulation → mixed precision → gradient checkpointing → 8-bit then factored optimizer →
 /// cached latents / text-encoder outputs (diffusion) → lower rank (down to 4) → NF4 base
 /// (decoders) → shorter sequences (decoders) / smaller resolution (diffusion). Each rung is
@@ -376,7 +399,7 @@ pub fn max_micro_batch(
     settings: &Settings,
     free: Bytes,
 ) -> Result<u32, Error> {
-    largest_fitting(4096, |b| {
+    largest_fitting(MAX_FRONTIER_MICRO_BATCH, |b| {
         let e = estimate(model, &settings.clone().with_micro_batch(b))?;
         Ok(Check::new(&e, free, Bytes::ZERO).fits())
     })
@@ -417,6 +440,9 @@ pub fn max_seq_len(
         Ok(Check::new(&e, budget, Bytes::ZERO).fits())
     })
 }
+
+/// The largest micro-batch [`max_micro_batch`] searches: 4096.
+pub const MAX_FRONTIER_MICRO_BATCH: u32 = 4096;
 
 /// The longest sequence [`max_seq_len`] searches: 1 Mi tokens.
 pub const MAX_FRONTIER_SEQ_LEN: u32 = 1 << 20;
@@ -676,6 +702,34 @@ mod tests {
             "{names:?}"
         );
         assert!(names[..first].contains(&"cache_latents / cache_text_encoder_outputs"));
+    }
+
+    #[test]
+    fn halving_the_batch_keeps_the_effective_batch_exactly() {
+        let s = Settings::default().with_micro_batch(7);
+        let (n, from, to, _) = halve_batch(&s).unwrap();
+        assert_eq!((n.micro_batch, n.gradient_accumulation_steps), (1, 7));
+        assert_eq!((from.as_str(), to.as_str()), ("7 × 1", "1 × 7"));
+        let s = Settings::default()
+            .with_micro_batch(12)
+            .with_gradient_accumulation_steps(2);
+        let (n, _, _, _) = halve_batch(&s).unwrap();
+        assert_eq!((n.micro_batch, n.gradient_accumulation_steps), (6, 4));
+        let s = Settings::default().with_micro_batch(1_000_000_000);
+        let (n, _, _, _) = halve_batch(&s).unwrap();
+        assert_eq!(n.effective_batch(), 1_000_000_000);
+    }
+
+    #[test]
+    fn a_quantized_base_computing_in_fp32_is_offered_16_bit_compute() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let s = Settings::default()
+            .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
+            .with_quantized_compute_f32(true)
+            .with_gradient_checkpointing(true);
+        let f = fit(&m, &s, Bytes(8 * GIB)).unwrap();
+        assert_eq!(f.changes[0].setting, "mixed_precision");
+        assert!(!f.settings.quantized_compute_f32);
     }
 
     #[test]

@@ -80,6 +80,12 @@ pub struct DecoderDescriptor {
     pub exact_params: Option<u64>,
 }
 
+/// The largest value [`DecoderBuilder::build`] accepts for one shape field: 2^31.
+pub const MAX_SHAPE: u64 = 1 << 31;
+
+/// The most parameters [`DecoderBuilder::build`] accepts: 2^50 (about 10^15).
+pub const MAX_PARAMS: u64 = 1 << 50;
+
 /// Builds a [`DecoderDescriptor`], deriving what the shapes imply: `kv_heads` defaults to
 /// `heads`, `head_dim` to `hidden / heads`, `intermediate` to `4·hidden` for a plain MLP.
 ///
@@ -178,8 +184,9 @@ impl DecoderBuilder {
     /// The descriptor.
     ///
     /// # Errors
-    /// [`Error::InvalidDescriptor`] naming the field when `hidden`, `layers`, `heads`, `vocab`,
-    /// `kv_heads` or `head_dim` is 0, or `heads` is not a multiple of `kv_heads`.
+    /// [`Error::InvalidDescriptor`] naming the field when `hidden`, `intermediate`, `layers`,
+    /// `heads`, `vocab`, `kv_heads` or `head_dim` is 0, a field exceeds [`MAX_SHAPE`], the
+    /// parameter count exceeds [`MAX_PARAMS`], or `heads` is not a multiple of `kv_heads`.
     pub fn build(self) -> Result<DecoderDescriptor> {
         let mut d = self.d;
         let bad = |field: &'static str, reason: String| {
@@ -201,7 +208,27 @@ impl DecoderBuilder {
         }
         d.kv_heads = self.kv_heads.unwrap_or(d.heads);
         d.head_dim = self.head_dim.unwrap_or(d.hidden / d.heads);
-        d.intermediate = self.intermediate.unwrap_or(4 * d.hidden);
+        d.intermediate = self.intermediate.unwrap_or(d.hidden.saturating_mul(4));
+        for (field, v) in [
+            ("hidden", d.hidden),
+            ("intermediate", d.intermediate),
+            ("layers", d.layers),
+            ("heads", d.heads),
+            ("kv_heads", d.kv_heads),
+            ("head_dim", d.head_dim),
+            ("vocab", d.vocab),
+            ("position_embeddings", d.position_embeddings),
+        ] {
+            if v > MAX_SHAPE {
+                return bad(
+                    field,
+                    format!("{v} is implausibly large (the limit is {MAX_SHAPE})"),
+                );
+            }
+        }
+        if d.intermediate == 0 {
+            return bad("intermediate", "must be at least 1".into());
+        }
         if d.kv_heads == 0 || d.heads % d.kv_heads != 0 {
             return bad(
                 "kv_heads",
@@ -213,6 +240,15 @@ impl DecoderBuilder {
         }
         if d.head_dim == 0 {
             return bad("head_dim", "must be at least 1".into());
+        }
+        if d.params() > MAX_PARAMS {
+            return bad(
+                "hidden",
+                format!(
+                    "the shapes give {} parameters, more than {MAX_PARAMS}",
+                    d.params()
+                ),
+            );
         }
         Ok(d)
     }
@@ -241,14 +277,20 @@ pub struct LinearSite {
 impl LinearSite {
     /// Weight parameters of one such layer: `in · out · k²`.
     pub fn weight_params(&self) -> u64 {
-        self.in_features * self.out_features * self.kernel_area
+        self.in_features
+            .saturating_mul(self.out_features)
+            .saturating_mul(self.kernel_area)
     }
 
     /// LoRA parameters of one such layer at rank `r`: `r · (in · k² + out)`
     /// (lora_A / lora_down `[r, in, k, k]`, lora_B / lora_up `[out, r, 1, 1]`; LoRA,
     /// arXiv:2106.09685; kohya LoCon for convs).
     pub fn lora_params(&self, rank: u64) -> u64 {
-        rank * (self.in_features * self.kernel_area + self.out_features)
+        rank.saturating_mul(
+            self.in_features
+                .saturating_mul(self.kernel_area)
+                .saturating_add(self.out_features),
+        )
     }
 
     /// PEFT-style target matching: a target equals the site name or the site name ends with
@@ -291,7 +333,8 @@ impl DecoderDescriptor {
     }
 
     /// A builder holding this descriptor's values, to change some of them (a shape change drops
-    /// `exact_params`).
+    /// `exact_params`). `kv_heads`, `head_dim` and `intermediate` are kept as they are, not
+    /// derived again: set them too when changing `heads` or `hidden`.
     pub fn to_builder(&self) -> DecoderBuilder {
         DecoderBuilder {
             d: self.clone(),
@@ -310,28 +353,41 @@ impl DecoderDescriptor {
     /// Parameter count from the shapes: embeddings `V·h` (+ `V·h` untied `lm_head`), per layer the
     /// linear sites, q/k/v biases, 2 norms (+ q/k norms), plus the final norm.
     pub fn computed_params(&self) -> u64 {
-        let h = self.hidden;
-        let per_layer_linear: u64 = self.layer_sites().iter().map(|s| s.weight_params()).sum();
-        let q = self.heads * self.head_dim;
-        let kv = self.kv_heads * self.head_dim;
+        // u128: absurd shapes saturate at u64::MAX instead of overflowing
+        let w = |x: u64| u128::from(x);
+        let h = w(self.hidden);
+        let per_layer_linear: u128 = self
+            .layer_sites()
+            .iter()
+            .map(|s| w(s.in_features) * w(s.out_features) * w(s.kernel_area))
+            .sum();
+        let q = w(self.heads) * w(self.head_dim);
+        let kv = w(self.kv_heads) * w(self.head_dim);
         let bias = if self.attention_bias { q + 2 * kv } else { 0 };
         let norm_w = if self.norm == NormKind::LayerNorm {
             2
         } else {
             1
         };
-        let norms = 2 * h * norm_w + if self.qk_norm { 2 * self.head_dim } else { 0 };
-        let emb = self.vocab * h * if self.tied_embeddings { 1 } else { 2 };
-        emb + self.position_embeddings * h
-            + self.layers * (per_layer_linear + bias + norms)
-            + h * norm_w
+        let norms = 2 * h * norm_w
+            + if self.qk_norm {
+                2 * w(self.head_dim)
+            } else {
+                0
+            };
+        let emb = w(self.vocab) * h * if self.tied_embeddings { 1 } else { 2 };
+        let total = emb
+            + w(self.position_embeddings) * h
+            + w(self.layers) * (per_layer_linear + bias + norms)
+            + h * norm_w;
+        u64::try_from(total).unwrap_or(u64::MAX)
     }
 
     /// The linear sites of one transformer layer (each `count` = number of layers).
     pub fn layer_sites(&self) -> Vec<LinearSite> {
         let h = self.hidden;
-        let q = self.heads * self.head_dim;
-        let kv = self.kv_heads * self.head_dim;
+        let q = self.heads.saturating_mul(self.head_dim);
+        let kv = self.kv_heads.saturating_mul(self.head_dim);
         let f = self.intermediate;
         let mk = |name: &str, i: u64, o: u64| LinearSite {
             name: name.to_string(),
@@ -866,12 +922,13 @@ impl ModelDescriptor {
         Self::read_hf_config(path.as_ref(), None)
     }
 
-    /// [`ModelDescriptor::from_hf_config_json`] with the model type chosen by the caller: one of
-    /// [`SUPPORTED_MODEL_TYPES`], or [`GENERIC_DECODER`] to read any LLaMA-shaped decoder. It
-    /// replaces the file's `model_type`.
+    /// [`ModelDescriptor::from_hf_config_json`] for a `config.json` without `model_type`, read as
+    /// the type the caller chooses: one of [`SUPPORTED_MODEL_TYPES`], or [`GENERIC_DECODER`] for
+    /// any LLaMA-shaped decoder. A file that states its type must state this one.
     ///
     /// # Errors
-    /// As [`ModelDescriptor::from_hf_config_json`].
+    /// As [`ModelDescriptor::from_hf_config_json`]; [`Error::Config`] when the file states another
+    /// `model_type`.
     pub fn from_hf_config_json_as(
         path: impl AsRef<Path>,
         model_type: &str,
@@ -945,6 +1002,16 @@ pub(crate) fn from_config_value(
     }
     let found = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
     let model_type = match (found, as_type) {
+        (f, Some(t)) if !f.is_empty() && f != t => {
+            return Err(Error::Config {
+                path: path.into(),
+                key: "model_type".into(),
+                reason: format!(
+                    "the file says {f:?} but {t:?} was asked for; a model type is chosen only \
+                     for a config.json without one"
+                ),
+            });
+        }
         (_, Some(t)) => t.to_string(),
         ("", None) => {
             return Err(Error::Config {
@@ -995,7 +1062,8 @@ pub(crate) fn from_config_value(
         .tied_embeddings(
             v.get("tie_word_embeddings")
                 .and_then(|x| x.as_bool())
-                .unwrap_or(false),
+                // transformers' GemmaConfig ties by default, the others do not
+                .unwrap_or(model_type == "gemma"),
         )
         .attention_bias(
             v.get("attention_bias")
@@ -1007,19 +1075,52 @@ pub(crate) fn from_config_value(
         // (transformers `modeling_phi3.py`).
         .fused_qkv(model_type == "phi3")
         .fused_gate_up(model_type == "phi3");
-    if let Some(kv) = v.get("num_key_value_heads").and_then(|x| x.as_u64()) {
+    // optional keys: absent (or null) = derived; anything but a non-negative integer is an error
+    let opt = |key: &str| -> Result<Option<u64>> {
+        match v.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(x) => x.as_u64().map(Some).ok_or_else(|| Error::Config {
+                path: path.into(),
+                key: key.into(),
+                reason: format!("{x} is not a non-negative integer"),
+            }),
+        }
+    };
+    if let Some(kv) = opt("num_key_value_heads")? {
         b = b.kv_heads(kv);
     }
-    if let Some(hd) = v.get("head_dim").and_then(|x| x.as_u64()) {
+    let head_dim = opt("head_dim")?;
+    if let Some(hd) = head_dim {
         b = b.head_dim(hd);
     }
-    b.build()
-        .map(ModelDescriptor::Decoder)
-        .map_err(|e| Error::Config {
-            path: path.into(),
-            key: "num_key_value_heads".into(),
-            reason: e.to_string(),
-        })
+    b.build().map(ModelDescriptor::Decoder).map_err(|e| match e {
+        Error::InvalidDescriptor { field, reason, .. } => {
+            let key = match field {
+                "hidden" => "hidden_size",
+                "intermediate" => "intermediate_size",
+                "layers" => "num_hidden_layers",
+                "heads" => "num_attention_heads",
+                "kv_heads" => "num_key_value_heads",
+                "vocab" => "vocab_size",
+                "head_dim" if head_dim.is_none() => {
+                    return Error::Config {
+                        path: path.into(),
+                        key: "num_attention_heads".into(),
+                        reason: format!(
+                            "hidden_size {hidden} / num_attention_heads {heads} gives a head_dim of 0"
+                        ),
+                    };
+                }
+                other => other,
+            };
+            Error::Config {
+                path: path.into(),
+                key: key.into(),
+                reason,
+            }
+        }
+        other => other,
+    })
 }
 
 #[cfg(test)]
@@ -1173,6 +1274,71 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("\"phi\"") && e.contains("mistral"), "{e}");
+        // a file that states its type keeps it
+        std::fs::write(
+            &p,
+            r#"{"model_type":"t5","hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+               "num_attention_heads":1,"vocab_size":8}"#,
+        )
+        .unwrap();
+        let e = ModelDescriptor::from_hf_config_json_as(&p, GENERIC_DECODER)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"t5\"") && e.contains("without one"), "{e}");
+    }
+
+    #[test]
+    fn bad_config_numbers_are_errors_naming_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.json");
+        let base = r#""model_type":"llama","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100"#;
+        for (extra, key) in [
+            (r#","num_key_value_heads":-8"#, "num_key_value_heads"),
+            (r#","num_key_value_heads":8.0"#, "num_key_value_heads"),
+            (r#","head_dim":"64""#, "head_dim"),
+            (r#","num_key_value_heads":3"#, "num_key_value_heads"),
+            (r#","head_dim":0"#, "head_dim"),
+        ] {
+            std::fs::write(&p, format!("{{{base}{extra}}}")).unwrap();
+            let e = ModelDescriptor::from_hf_config_json(&p)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{key:?}")), "{extra}: {e}");
+        }
+        std::fs::write(
+            &p,
+            format!(
+                "{{{}}}",
+                base.replace(r#""num_hidden_layers":2"#, r#""num_hidden_layers":0"#)
+            ),
+        )
+        .unwrap();
+        let e = ModelDescriptor::from_hf_config_json(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"num_hidden_layers\""), "{e}");
+        // shapes whose count overflows are refused, never a panic
+        let huge = r#"{"model_type":"llama","hidden_size":4294967296,"intermediate_size":8,"num_hidden_layers":4294967296,"num_attention_heads":1,"vocab_size":4294967296}"#;
+        std::fs::write(&p, huge).unwrap();
+        let e = ModelDescriptor::from_hf_config_json(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("implausibly large"), "{e}");
+        let e = DecoderDescriptor::builder("big")
+            .hidden(1 << 30)
+            .intermediate(8)
+            .layers(1 << 20)
+            .heads(1)
+            .vocab(1 << 30)
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parameters"), "{e}");
+        let raw = DecoderDescriptor {
+            layers: u64::MAX,
+            ..dec("SmolLM2-135M")
+        };
+        assert_eq!(raw.computed_params(), u64::MAX);
     }
 
     #[test]

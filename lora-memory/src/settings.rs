@@ -52,6 +52,24 @@ impl BaseDtype {
         }
     }
 
+    /// The name users write: `fp32`, `fp16`, `bf16`, `nf4`, `nf4 + double quant`, `Q8_0`,
+    /// `Q4_0`, `Q4_1`, `GPTQ int4 (group 128)`.
+    pub fn name(self) -> String {
+        match self {
+            BaseDtype::F32 => "fp32".into(),
+            BaseDtype::F16 => "fp16".into(),
+            BaseDtype::Bf16 => "bf16".into(),
+            BaseDtype::Nf4 {
+                double_quant: false,
+            } => "nf4".into(),
+            BaseDtype::Nf4 { double_quant: true } => "nf4 + double quant".into(),
+            BaseDtype::Q8_0 => "Q8_0".into(),
+            BaseDtype::Q4_0 => "Q4_0".into(),
+            BaseDtype::Q4_1 => "Q4_1".into(),
+            BaseDtype::Gptq4 { group_size } => format!("GPTQ int4 (group {group_size})"),
+        }
+    }
+
     /// True for the block-quantized types.
     pub fn is_quantized(self) -> bool {
         !matches!(self, BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16)

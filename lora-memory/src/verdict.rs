@@ -73,7 +73,8 @@ pub struct Check {
     pub need: Bytes,
     /// The safety margin kept above `need`: `max(SAFETY_MARGIN · need, MIN_SAFETY_MARGIN)`.
     pub margin: Bytes,
-    /// `available − need − margin` in bytes: negative when the run is tight or does not fit.
+    /// `available − need − margin` in bytes (clamped to the `i64` range): negative when the run
+    /// is tight or does not fit.
     pub headroom: i64,
 }
 
@@ -99,9 +100,8 @@ impl Check {
         } else {
             Verdict::Fits
         };
-        let headroom =
-            i64::try_from(i128::from(available.0) - i128::from(need.0) - i128::from(margin.0))
-                .unwrap_or(i64::MIN);
+        let headroom = (i128::from(available.0) - i128::from(need.0) - i128::from(margin.0))
+            .clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
         Check {
             verdict,
             budget,

@@ -112,7 +112,7 @@ proptest! {
             prop_assert!(again.peak <= budget);
             prop_assert_eq!(again.peak, f.estimate.peak);
             prop_assert_eq!(f.headroom, budget - again.peak);
-            prop_assert_eq!(f.settings.effective_batch() >= s.effective_batch(), true);
+            prop_assert_eq!(f.settings.effective_batch(), s.effective_batch());
         }
     }
 

@@ -126,23 +126,31 @@ impl Plan {
                 self.model
             )
         };
-        let shown = |n: Option<u32>| match n {
+        let shown = |n: Option<u32>, cap: u32| match n {
             Some(0) => "does not fit".to_string(),
+            Some(n) if n >= cap => format!("≥ {n}"),
             Some(n) => n.to_string(),
             None => "—".to_string(),
         };
+        let seq_cap = lora_memory::fit::MAX_FRONTIER_SEQ_LEN;
+        let batch_cap = lora_memory::fit::MAX_FRONTIER_MICRO_BATCH;
+        let peer = if decoder { "HF+PEFT" } else { "diffusers+PEFT" };
         out += &format!(
             "{:>6}  {:>14}  {:>14}  {:>12}  {:>12}\n",
-            "card", "seq (ours)", "seq (HF+PEFT)", "batch (ours)", "batch (HF+PEFT)"
+            "card",
+            "seq (ours)",
+            format!("seq ({peer})"),
+            "batch (ours)",
+            format!("batch ({peer})")
         );
         for ((card, x), y) in lora_memory::fit::FRONTIER_CARDS_GIB.iter().zip(&a).zip(&b) {
             out += &format!(
                 "{:>4}GB  {:>14}  {:>14}  {:>12}  {:>12}\n",
                 card,
-                shown(x.max_seq_len),
-                shown(y.max_seq_len),
-                shown(Some(x.max_micro_batch)),
-                shown(Some(y.max_micro_batch))
+                shown(x.max_seq_len, seq_cap),
+                shown(y.max_seq_len, seq_cap),
+                shown(Some(x.max_micro_batch), batch_cap),
+                shown(Some(y.max_micro_batch), batch_cap)
             );
         }
         Ok(out)
@@ -179,9 +187,9 @@ impl Plan {
             self.model, self.model_source, e.trainable_params
         );
         out += &format!(
-            "  device {}  base {:?}  mixed precision {:?}  LoRA r{} α{} on {:?}\n",
+            "  device {}  base {}  mixed precision {:?}  LoRA r{} α{} on {:?}\n",
             if s.device.is_cuda() { "cuda" } else { "cpu" },
-            s.base_dtype,
+            s.base_dtype.name(),
             s.mixed_precision,
             s.lora.rank,
             s.lora.alpha,
@@ -271,7 +279,9 @@ pub fn budget_source(b: &Budget) -> String {
             Some(a) => format!("{input:?}, {a}"),
             None => format!("{input:?}"),
         },
-        lora_memory::BudgetSource::Gpu { name } => format!("GPU preset {name}"),
+        lora_memory::BudgetSource::Gpu { name } => {
+            format!("GPU preset {name}, assuming nothing else holds the card")
+        }
         lora_memory::BudgetSource::NvmlFree { device_index } => {
             format!("free memory of cuda:{device_index} (NVML)")
         }
@@ -381,7 +391,12 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
         BaseDtype::F32 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F32),
         BaseDtype::Bf16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::Bf16),
         BaseDtype::F16 => (cfg.model.weights, cfg.model.dtype) = (BaseWeights::Dense, Dtype::F16),
-        _ => cfg.model.weights = BaseWeights::Quantized,
+        _ => {
+            cfg.model.weights = BaseWeights::Quantized;
+            if !s.quantized_compute_f32 && cfg.model.dtype == Dtype::F32 {
+                cfg.model.dtype = Dtype::Bf16;
+            }
+        }
     }
 }
 
@@ -425,9 +440,9 @@ pub fn diffusion_report(p: &Plan) -> String {
         p.model, p.model_source
     );
     out += &format!(
-        "  device {}  UNet {:?}  mixed precision {:?}  LoRA r{} α{} on {:?}{}\n",
+        "  device {}  UNet {}  mixed precision {:?}  LoRA r{} α{} on {:?}{}\n",
         if cuda { "cuda" } else { "cpu" },
-        s.base_dtype,
+        s.base_dtype.name(),
         s.mixed_precision,
         s.lora.rank,
         s.lora.alpha,

@@ -102,19 +102,98 @@ pub fn read_descriptor(
             path.display()
         )))
     } else {
-        Ok((
-            match as_type {
-                Some(t) => ModelDescriptor::from_safetensors_as(&path, t)?,
-                None => ModelDescriptor::from_safetensors(&path)?,
-            },
-            path.display().to_string(),
-            FileStorage::default(),
-        ))
+        let desc = match as_type {
+            Some(t) => ModelDescriptor::from_safetensors_as(&path, t)?,
+            None => ModelDescriptor::from_safetensors(&path)?,
+        };
+        let beside = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.with_file_name("config.json")
+        };
+        if beside.is_file() {
+            loadable(&beside)?;
+        }
+        Ok((desc, path.display().to_string(), FileStorage::default()))
     }
+}
+
+/// The decoder's site names (`self_attn.q_proj`, …, `lm_head`) that `lora.target_modules` and
+/// `lora.exclude_modules` select, matched against each site's module path in layer 0
+/// (`model.layers.0.self_attn.q_proj`; `lm_head`) with the injection's matcher; and the list
+/// entries that select nothing. A diffusion descriptor keeps the targets as written.
+///
+/// # Errors
+/// An invalid regex; [`JobError::Input`] when nothing is selected, listing the layers.
+fn decoder_targets(
+    desc: &ModelDescriptor,
+    cfg: &TrainConfig,
+) -> Result<(Vec<String>, Vec<String>)> {
+    use lora_core::config::{LoraConfig, TargetMatcher, TargetModules};
+    let ModelDescriptor::Decoder(d) = desc else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    let lora = LoraConfig {
+        target_modules: Some(cfg.lora.target_modules.clone()),
+        exclude_modules: cfg.lora.exclude_modules.clone(),
+        ..LoraConfig::default()
+    };
+    let matcher = TargetMatcher::new(&lora).during("planning lora.target_modules")?;
+    let path = |site: &str| {
+        if site == "lm_head" {
+            site.to_string()
+        } else {
+            format!("model.layers.0.{site}")
+        }
+    };
+    let sites: Vec<String> = d.sites().into_iter().map(|x| x.name).collect();
+    let chosen: Vec<String> = sites
+        .iter()
+        .filter(|x| matcher.matches(&path(x), true))
+        .cloned()
+        .collect();
+    let unmatched = match &cfg.lora.target_modules {
+        TargetModules::List(l) => l
+            .iter()
+            .filter(|e| {
+                !sites
+                    .iter()
+                    .any(|x| *x == **e || path(x).ends_with(&format!(".{e}")) || path(x) == **e)
+            })
+            .cloned()
+            .collect(),
+        TargetModules::Regex(_) => Vec::new(),
+    };
+    if chosen.is_empty() {
+        return Err(JobError::Input(format!(
+            "lora.target_modules {} selects no layer of {}; its layers are {} (paths like model.layers.0.self_attn.q_proj)",
+            cfg.lora.target_modules,
+            desc.name(),
+            sites.join(", ")
+        )));
+    }
+    Ok((chosen, unmatched))
 }
 
 /// Reads a `config.json`, as `model.model_type` says when set.
 fn hf_config(path: &Path, as_type: Option<&str>) -> Result<ModelDescriptor> {
+    let desc = planner_config(path, as_type)?;
+    loadable(path)?;
+    Ok(desc)
+}
+
+/// What `train` would refuse when loading a `config.json`, refused when planning too: the
+/// model loader's own check (architecture, activation, rope type).
+fn loadable(config_json: &Path) -> Result<()> {
+    lora_models::llama::LlamaConfig::from_hf_json(config_json)
+        .map(|_| ())
+        .during(format!(
+            "{}: this recipe loads LLaMA-family decoders",
+            config_json.display()
+        ))
+}
+
+fn planner_config(path: &Path, as_type: Option<&str>) -> Result<ModelDescriptor> {
     match as_type {
         Some(t) => Ok(ModelDescriptor::from_hf_config_json_as(path, t)?),
         None => ModelDescriptor::from_hf_config_json(path).map_err(|e| match &e {
@@ -150,6 +229,17 @@ pub fn plan(
 ) -> Result<Plan> {
     let (desc, model_source, storage) = read_descriptor(cfg, config_dir)?;
     let (mut settings, mut notes) = settings_for(cfg, storage.layers, cuda);
+    // the layers `lora.target_modules` / `exclude_modules` reach, matched as the injection
+    // matches them (PEFT semantics: list entries, a regex over the whole module path)
+    notes.retain(|n| !n.starts_with("lora.target_modules is a regex"));
+    let (targets, unmatched) = decoder_targets(&desc, cfg)?;
+    if !unmatched.is_empty() {
+        notes.push(format!(
+            "lora.target_modules entries {unmatched:?} match no layer of {}; LoRA goes on the others",
+            desc.name()
+        ));
+    }
+    settings.lora.target_modules = targets;
     // a quantized base keeps a quantized head quantized (GGUF files quantize it)
     settings.quantize_lm_head =
         cfg.model.weights == BaseWeights::Quantized && storage.head_quantized;
@@ -829,6 +919,70 @@ impl crate::job::Recipe for LlmRecipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn target_modules_are_planned_as_the_injection_matches_them() {
+        let cfg = |targets: &str| {
+            TrainConfig::from_yaml_str(&format!(
+                "model: {{base_model: SmolLM2-135M}}\nlora: {{target_modules: {targets}}}\n"
+            ))
+            .unwrap()
+        };
+        // a regex over the whole module path, as PEFT's re.fullmatch
+        let p = plan(&cfg("'.*(q|v)_proj'"), None, None, false).unwrap();
+        assert_eq!(
+            p.settings.lora.target_modules,
+            ["self_attn.q_proj", "self_attn.v_proj"]
+        );
+        assert!(
+            !p.notes.iter().any(|n| n.contains("regex")),
+            "{:?}",
+            p.notes
+        );
+        // an entry that matches nothing is named; nothing matched at all is an error
+        let p = plan(&cfg("[q_proj, bogus]"), None, None, false).unwrap();
+        assert_eq!(p.settings.lora.target_modules, ["self_attn.q_proj"]);
+        assert!(
+            p.notes.iter().any(|n| n.contains("\"bogus\"")),
+            "{:?}",
+            p.notes
+        );
+        let e = plan(&cfg("[bogus]"), None, None, false).unwrap_err();
+        assert!(
+            matches!(e, JobError::Input(_)) && e.to_string().contains("self_attn.q_proj"),
+            "{e}"
+        );
+        // exclusions apply
+        let mut c = cfg("all-linear");
+        c.lora.exclude_modules = Some(crate::config::TargetModules::list(&["mlp.down_proj"]));
+        let p = plan(&c, None, None, false).unwrap();
+        assert_eq!(p.settings.lora.target_modules.len(), 6);
+        assert!(
+            !p.settings
+                .lora
+                .target_modules
+                .contains(&"mlp.down_proj".to_string())
+        );
+    }
+
+    #[test]
+    fn a_config_json_this_recipe_cannot_load_is_refused_when_planning() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type":"phi3","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+               "num_attention_heads":4,"vocab_size":100,"hidden_act":"silu"}"#,
+        )
+        .unwrap();
+        let mut cfg = TrainConfig::default();
+        cfg.model.base_model = Some(dir.path().display().to_string());
+        let e = plan(&cfg, None, None, false).unwrap_err().to_string();
+        assert!(e.contains("phi3") && e.contains("llama"), "{e}");
+        // a file that states its type is not overridden
+        cfg.model.model_type = Some("generic".into());
+        let e = plan(&cfg, None, None, false).unwrap_err().to_string();
+        assert!(e.contains("model_type") && e.contains("\"phi3\""), "{e}");
+    }
 
     #[test]
     fn a_file_that_is_no_model_is_named_with_what_to_give() {

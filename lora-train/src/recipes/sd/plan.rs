@@ -15,7 +15,7 @@
 //! `lora.target_modules` against the UNet's module names, `model.kind` against the model, and a
 //! single-file checkpoint's tokenizer.
 
-use crate::config::{DataFormat, ModelKind, TargetModules, TrainConfig};
+use crate::config::{BaseWeights, DataFormat, ModelKind, TargetModules, TrainConfig};
 use crate::job::{JobError, Plan, Result, resolve_path};
 use lora_memory::model::DiffusionFamily;
 use lora_memory::{Budget, FitError, ModelDescriptor, Settings, Verdict};
@@ -435,6 +435,14 @@ pub fn check_sd_config(
     config_dir: Option<&Path>,
 ) -> Result<()> {
     check_data_format(cfg.data.format)?;
+    if cfg.model.weights == BaseWeights::Quantized {
+        return Err(JobError::Input(
+            "model.weights: quantized is not supported by the Stable Diffusion recipe (its UNet \
+             and text encoders load dense); remove it, or set model.weights: dense and choose \
+             model.dtype (f16 / bf16 halves the weights)"
+                .into(),
+        ));
+    }
     check_resolution(cfg)?;
     bucket_config(cfg)
         .check()
@@ -734,6 +742,14 @@ pub fn plan_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_quantized_base_is_refused_by_the_sd_recipe() {
+        let cfg =
+            TrainConfig::from_yaml_str("model: {base_model: sd15, weights: quantized}\n").unwrap();
+        let e = plan(&cfg, None, None, true).unwrap_err().to_string();
+        assert!(e.contains("model.weights: quantized"), "{e}");
+    }
 
     #[test]
     fn a_text_layout_in_an_image_run_is_an_error_naming_it() {
