@@ -27,7 +27,9 @@ pub enum Error {
         known: String,
     },
     /// A GPU name is not in the preset table.
-    #[error("unknown GPU {name:?}; known GPUs: {known} (or give a size such as \"6GB\")")]
+    #[error(
+        "unknown GPU {name:?}; known GPUs: {known} (for a size such as \"6GB\", give a budget instead: `--budget` / `memory.budget`)"
+    )]
     UnknownGpu {
         /// The name as given.
         name: String,

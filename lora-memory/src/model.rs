@@ -1000,7 +1000,20 @@ pub(crate) fn from_config_value(
             }),
         };
     }
-    let found = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
+    let found = match v.get("model_type") {
+        None | Some(serde_json::Value::Null) => "",
+        Some(serde_json::Value::String(t)) => t.as_str(),
+        Some(other) => {
+            return Err(Error::Config {
+                path: path.into(),
+                key: "model_type".into(),
+                reason: format!("{other} is not a string (e.g. \"llama\")"),
+            });
+        }
+    };
+    // HF writes model types in lower case; a chosen type is read the same way
+    let as_type = as_type.map(str::to_ascii_lowercase);
+    let as_type = as_type.as_deref();
     let model_type = match (found, as_type) {
         (f, Some(t)) if !f.is_empty() && f != t => {
             return Err(Error::Config {
@@ -1266,6 +1279,11 @@ mod tests {
             "{e}"
         );
         let g = ModelDescriptor::from_hf_config_json_as(&p, GENERIC_DECODER).unwrap();
+        // a chosen type is read in lower case, as HF writes them
+        assert_eq!(
+            ModelDescriptor::from_hf_config_json_as(&p, "Generic").unwrap(),
+            g
+        );
         assert_eq!(
             g.params(),
             2 * 51200 * 2048 + 24 * (4 * 2048 * 2048 + 3 * 2048 * 8192 + 2 * 2048) + 2048
@@ -1274,6 +1292,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("\"phi\"") && e.contains("mistral"), "{e}");
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, text.replacen('{', r#"{"model_type":3,"#, 1)).unwrap();
+        let e = ModelDescriptor::from_hf_config_json(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a string"), "{e}");
         // a file that states its type keeps it
         std::fs::write(
             &p,
