@@ -70,6 +70,21 @@ impl BaseDtype {
         }
     }
 
+    /// The storage type of a GGUF tensor type, for the types the estimator describes (`None` for
+    /// the others: k-quants, Q5_x, integers).
+    pub fn from_ggml(t: crate::gguf::GgmlType) -> Option<BaseDtype> {
+        use crate::gguf::GgmlType;
+        match t {
+            GgmlType::F32 => Some(BaseDtype::F32),
+            GgmlType::F16 => Some(BaseDtype::F16),
+            GgmlType::BF16 => Some(BaseDtype::Bf16),
+            GgmlType::Q8_0 => Some(BaseDtype::Q8_0),
+            GgmlType::Q4_0 => Some(BaseDtype::Q4_0),
+            GgmlType::Q4_1 => Some(BaseDtype::Q4_1),
+            _ => None,
+        }
+    }
+
     /// True for the block-quantized types.
     pub fn is_quantized(self) -> bool {
         !matches!(self, BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16)

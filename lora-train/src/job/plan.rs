@@ -85,6 +85,50 @@ impl Plan {
         self.check.as_ref().map(|c| c.verdict)
     }
 
+    /// When the plan is tight or does not fit its budget: walks `lora_memory::fit`'s ladder
+    /// (`ladder` names its rungs for the notes) and, with `auto_fit`, takes the settings that
+    /// fit ([`Plan::changes`]), else keeps them as the suggestion ([`Plan::suggestion`]); when
+    /// nothing on the ladder fits, a note says the smallest peak reached.
+    ///
+    /// # Errors
+    /// Estimate errors of the ladder's settings.
+    pub fn fit_to_budget(&mut self, auto_fit: bool, ladder: &str) -> Result<()> {
+        let Some(b) = self.budget.clone() else {
+            return Ok(());
+        };
+        if !matches!(
+            self.verdict_kind(),
+            Some(Verdict::Tight | Verdict::DoesNotFit)
+        ) {
+            return Ok(());
+        }
+        match lora_memory::fit(&self.descriptor, &self.settings, b.bytes) {
+            Ok(f) if auto_fit => {
+                self.settings = f.settings;
+                self.estimate = f.estimate;
+                self.changes = f.changes;
+                self.judge();
+            }
+            Ok(f) => self.suggestion = f.changes,
+            Err(lora_memory::FitError::DoesNotFit {
+                smallest_peak,
+                changes,
+                ..
+            }) => self.notes.push(format!(
+                "{}nothing on the fitting ladder ({ladder}) fits this budget with its safety margin; the smallest peak reachable is {smallest_peak}{}",
+                if auto_fit { "auto_fit: " } else { "" },
+                if auto_fit {
+                    format!(", after {} changes", changes.len())
+                } else {
+                    String::new()
+                }
+            )),
+            Err(lora_memory::FitError::Estimate(e)) => return Err(e.into()),
+            Err(other) => return Err(crate::job::JobError::Fit(other)),
+        }
+        Ok(())
+    }
+
     /// The frontier rows of [`Plan::frontier_report`] for one reference profile (on CUDA, the
     /// plan's other settings as they are).
     ///

@@ -19,7 +19,7 @@ use crate::job::{
     JobError, MeasuredMemory, Plan, Result, RunOptions, budget_for, lora_config, resolve_path,
     settings_for,
 };
-use lora_memory::{BaseDtype, Budget, FitError, ModelDescriptor, Verdict};
+use lora_memory::{BaseDtype, Budget, ModelDescriptor};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -30,19 +30,6 @@ pub struct FileStorage {
     pub layers: Option<BaseDtype>,
     /// The output head (`output.weight`, or the tied `token_embd.weight`) is block-quantized.
     pub head_quantized: bool,
-}
-
-/// The lora-memory storage type of a GGUF tensor type, for the types the planner describes.
-fn base_dtype_of(ggml: u32) -> Option<BaseDtype> {
-    match ggml {
-        2 => Some(BaseDtype::Q4_0),
-        3 => Some(BaseDtype::Q4_1),
-        8 => Some(BaseDtype::Q8_0),
-        1 => Some(BaseDtype::F16),
-        30 => Some(BaseDtype::Bf16),
-        0 => Some(BaseDtype::F32),
-        _ => None,
-    }
 }
 
 /// Reads the base model's header (no tensor data): GGUF, safetensors file/folder, `config.json`,
@@ -75,12 +62,15 @@ pub fn read_descriptor(
                 .tensors
                 .iter()
                 .find(|t| t.name.ends_with(name))
-                .map(|t| t.ggml_type.id())
+                .map(|t| t.ggml_type)
         };
         let head = type_of("output.weight").or_else(|| type_of("token_embd.weight"));
         let storage = FileStorage {
-            layers: type_of("attn_q.weight").and_then(base_dtype_of),
-            head_quantized: head.is_some_and(|t| !matches!(t, 0 | 1 | 30)),
+            layers: type_of("attn_q.weight").and_then(BaseDtype::from_ggml),
+            // blocks of more than one element: a quantized type
+            head_quantized: head
+                .and_then(|t| t.block_layout())
+                .is_some_and(|(n, _)| n > 1),
         };
         Ok((desc, path.display().to_string(), storage))
     } else if path.is_dir() && path.join("config.json").is_file() && !has_safetensors(&path) {
@@ -248,44 +238,10 @@ pub fn plan(
     let estimate = lora_memory::estimate(&desc, &settings)?;
     let mut plan = Plan::new(desc.clone(), model_source, settings, estimate, budget);
     plan.notes = notes;
-    let unsure = |p: &Plan| matches!(p.verdict_kind(), Some(Verdict::Tight | Verdict::DoesNotFit));
-    if !cfg.memory.auto_fit
-        && let Some(b) = plan.budget.clone()
-        && unsure(&plan)
-    {
-        match lora_memory::fit(&desc, &plan.settings, b.bytes) {
-            Ok(f) => plan.suggestion = f.changes,
-            Err(FitError::DoesNotFit { smallest_peak, .. }) => plan.notes.push(format!(
-                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, quantized base, sequence length) fits this budget with its safety margin; the smallest peak reachable is {smallest_peak}"
-            )),
-            Err(_) => {}
-        }
-    }
-    if cfg.memory.auto_fit
-        && let Some(b) = plan.budget.clone()
-        && unsure(&plan)
-    {
-        match lora_memory::fit(&desc, &plan.settings, b.bytes) {
-            Ok(f) => {
-                plan.settings = f.settings;
-                plan.estimate = f.estimate;
-                plan.changes = f.changes;
-                plan.judge();
-            }
-            Err(FitError::DoesNotFit {
-                smallest_peak,
-                changes,
-                ..
-            }) => {
-                plan.notes.push(format!(
-                    "auto_fit: nothing on the ladder fits with the safety margin; the smallest peak reached is {smallest_peak} after {} changes",
-                    changes.len()
-                ));
-            }
-            Err(FitError::Estimate(e)) => return Err(e.into()),
-            Err(other) => return Err(JobError::Fit(other)),
-        }
-    }
+    plan.fit_to_budget(
+        cfg.memory.auto_fit,
+        "micro-batch, precision, checkpointing, optimizer, rank, quantized base, sequence length",
+    )?;
     Ok(plan)
 }
 

@@ -18,7 +18,7 @@
 use crate::config::{BaseWeights, DataFormat, ModelKind, TargetModules, TrainConfig};
 use crate::job::{JobError, Plan, Result, resolve_path};
 use lora_memory::model::DiffusionFamily;
-use lora_memory::{Budget, FitError, ModelDescriptor, Settings, Verdict};
+use lora_memory::{Budget, ModelDescriptor, Settings};
 use std::path::{Path, PathBuf};
 
 /// The UNet modules adapted when `lora.target_modules` is left at its default: the attention
@@ -715,27 +715,10 @@ pub fn plan_with(
     let estimate = lora_memory::estimate(desc, &settings)?;
     let mut plan = Plan::new(desc.clone(), source, settings, estimate, budget);
     plan.notes = notes;
-    if let Some(b) = plan.budget.clone()
-        && matches!(
-            plan.verdict_kind(),
-            Some(Verdict::Tight | Verdict::DoesNotFit)
-        )
-    {
-        match lora_memory::fit(desc, &plan.settings, b.bytes) {
-            Ok(f) if cfg.memory.auto_fit => {
-                plan.settings = f.settings;
-                plan.estimate = f.estimate;
-                plan.changes = f.changes;
-                plan.judge();
-            }
-            Ok(f) => plan.suggestion = f.changes,
-            Err(FitError::DoesNotFit { smallest_peak, .. }) => plan.notes.push(format!(
-                "nothing on the fitting ladder (micro-batch, precision, checkpointing, optimizer, rank, resolution) fits this budget with its safety margin; the smallest peak reachable is {smallest_peak}"
-            )),
-            Err(FitError::Estimate(e)) => return Err(e.into()),
-            Err(other) => return Err(JobError::Fit(other)),
-        }
-    }
+    plan.fit_to_budget(
+        cfg.memory.auto_fit,
+        "micro-batch, precision, checkpointing, optimizer, rank, resolution",
+    )?;
     Ok(plan)
 }
 
