@@ -20,10 +20,17 @@ pub enum BudgetSource {
         /// Canonical card name.
         name: String,
     },
-    /// Free memory reported by the driver right now.
+    /// Free memory of a local card reported by the driver right now (the budget's bytes); what
+    /// is not free is held by other processes.
     NvmlFree {
         /// CUDA device index.
         device_index: u32,
+        /// The card's name as the driver reports it.
+        #[serde(default)]
+        name: String,
+        /// The card's total memory.
+        #[serde(default)]
+        total: Bytes,
     },
 }
 
@@ -496,14 +503,21 @@ impl Budget {
     /// NVIDIA / GeForce / RTX / GTX / Tesla; a size picks the variant (`"3060 8GB"`); without one
     /// the common variant is used (`"A100"` = 40 GB, `"3060"` = 12 GB).
     ///
+    /// `"local"` (or `"local:1"`, `"cuda:1"`) is this machine's card: its free memory right now
+    /// ([`Budget::local`]).
+    ///
     /// # Errors
-    /// [`Error::UnknownGpu`] listing the known names.
+    /// [`Error::UnknownGpu`] listing the known names; for `"local"`, [`Error::NoGpu`] when
+    /// there is no card, no driver, or this build has no NVML (feature `nvml`).
     ///
     /// ```
     /// let b = lora_memory::Budget::gpu("nvidia geforce rtx 3060").unwrap();
     /// assert_eq!(b.bytes, lora_memory::Bytes(12 << 30));
     /// ```
     pub fn gpu(name: &str) -> Result<Budget> {
+        if let Some(index) = local_index(name)? {
+            return Budget::local(index);
+        }
         let (model, mem) = split_name(name);
         let hit = GPU_PRESETS
             .iter()
@@ -606,13 +620,76 @@ impl Budget {
         let no = |e: &dyn std::fmt::Display| Error::NoGpu {
             reason: e.to_string(),
         };
-        let nvml = nvml_wrapper::Nvml::init().map_err(|e| no(&e))?;
+        let nvml = nvml_wrapper::Nvml::init().map_err(|e| Error::NoGpu {
+            reason: format!(
+                "the NVIDIA driver cannot be asked about cuda:{device_index} ({e}); on a machine without one, name the card (e.g. \"RTX 4090\") or give a size"
+            ),
+        })?;
         let dev = nvml.device_by_index(device_index).map_err(|e| no(&e))?;
         let info = dev.memory_info().map_err(|e| no(&e))?;
         Ok(Budget {
             bytes: Bytes(info.free),
-            source: BudgetSource::NvmlFree { device_index },
+            source: BudgetSource::NvmlFree {
+                device_index,
+                name: dev.name().unwrap_or_default(),
+                total: Bytes(info.total),
+            },
         })
+    }
+
+    /// This machine's CUDA device `device_index`: its free memory right now, from the driver
+    /// (NVML). What is not free is held by other processes ([`Budget::held_by_others`]); the
+    /// run itself has not started, so none of it is this run's.
+    ///
+    /// # Errors
+    /// [`Error::NoGpu`] when the driver library is absent (a normal answer on CPU machines), the
+    /// index does not exist, the query fails, or this build has no NVML (feature `nvml`).
+    pub fn local(device_index: u32) -> Result<Budget> {
+        #[cfg(feature = "nvml")]
+        {
+            Budget::nvml_free(device_index)
+        }
+        #[cfg(not(feature = "nvml"))]
+        {
+            Err(Error::NoGpu {
+                reason: format!(
+                    "cuda:{device_index} cannot be queried: this build has no NVML (build with the `nvml` feature); name the card instead (e.g. \"RTX 4090\") or give a size"
+                ),
+            })
+        }
+    }
+
+    /// Memory of the card the budget is for: a local card's total, else the budget itself.
+    pub fn card_bytes(&self) -> Bytes {
+        match &self.source {
+            BudgetSource::NvmlFree { total, .. } if total.0 >= self.bytes.0 => *total,
+            _ => self.bytes,
+        }
+    }
+
+    /// Memory other processes hold on a local card (total − free when the budget was read);
+    /// zero for a size or a preset, which assume nothing else holds the card.
+    pub fn held_by_others(&self) -> Bytes {
+        self.card_bytes().saturating_sub(self.bytes)
+    }
+}
+
+/// `Some(index)` for the names of this machine's card: `local`, `local:N`, `cuda`, `cuda:N`.
+fn local_index(name: &str) -> Result<Option<u32>> {
+    let n = name.trim().to_ascii_lowercase();
+    let rest = match ["local", "cuda"].iter().find_map(|p| n.strip_prefix(p)) {
+        Some(r) => r.trim(),
+        None => return Ok(None),
+    };
+    if rest.is_empty() {
+        return Ok(Some(0));
+    }
+    match rest.strip_prefix(':').map(|i| i.trim().parse::<u32>()) {
+        Some(Ok(i)) => Ok(Some(i)),
+        _ => Err(Error::UnknownGpu {
+            name: name.to_string(),
+            known: "local, local:N, cuda:N (this machine's card N), or a card name such as \"RTX 4090\"".into(),
+        }),
     }
 }
 
@@ -744,5 +821,41 @@ mod tests {
             Budget::nvml_free(10_000),
             Err(Error::NoGpu { .. })
         ));
+        assert!(matches!(
+            Budget::gpu("local:10000"),
+            Err(Error::NoGpu { .. })
+        ));
+    }
+
+    #[test]
+    fn local_names_this_machines_card() {
+        assert_eq!(local_index("local").unwrap(), Some(0));
+        assert_eq!(local_index("cuda:1").unwrap(), Some(1));
+        assert_eq!(local_index(" Local : 2 ").unwrap(), Some(2));
+        assert_eq!(local_index("RTX 4090").unwrap(), None);
+        let e = local_index("local:x").unwrap_err().to_string();
+        assert!(e.contains("local:x") && e.contains("local:N"), "{e}");
+        // without a card (or without NVML in the build) a clear answer, never a guess
+        match Budget::gpu("local") {
+            Ok(b) => assert!(b.card_bytes() >= b.bytes && b.bytes.0 > 0),
+            Err(e) => assert!(matches!(e, Error::NoGpu { .. }), "{e}"),
+        }
+    }
+
+    #[test]
+    fn a_local_card_reports_what_others_hold() {
+        let b = Budget {
+            bytes: Bytes(20 << 30),
+            source: BudgetSource::NvmlFree {
+                device_index: 0,
+                name: "NVIDIA GeForce RTX 4090".into(),
+                total: Bytes(24 << 30),
+            },
+        };
+        assert_eq!(b.card_bytes(), Bytes(24 << 30));
+        assert_eq!(b.held_by_others(), Bytes(4 << 30));
+        let preset = Budget::gpu("RTX 4090").unwrap();
+        assert_eq!(preset.held_by_others(), Bytes(0));
+        assert_eq!(preset.card_bytes(), preset.bytes);
     }
 }

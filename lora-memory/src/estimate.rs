@@ -74,11 +74,18 @@ pub struct Breakdown {
     /// the recomputed layer and its gradient working set).
     pub activations: Bytes,
     /// Logits and loss at their peak: HF keeps the 16-bit logits, the fp32 `log_softmax` output
-    /// and, in the backward, two fp32 gradients: `b·s·V·(e + 12)` bytes. lora-train's fused head
-    /// + cross-entropy holds one chunk of [`OURS_CE_CHUNK_BYTES`] plus `(8 + e)·d` per token.
+    /// and, in the backward, two fp32 gradients: `b·s·V·(e + 12)` bytes; a loss on 16-bit logits
+    /// without autocast ([`crate::settings::Profile::model_dtype_loss`]) `3·e·b·s·V`. lora-train's
+    /// fused head + cross-entropy holds one chunk of [`OURS_CE_CHUNK_BYTES`] plus `(8 + e)·d` per
+    /// token.
     pub logits_loss: Bytes,
     /// Token ids, labels, masks (int64) or latents + noise + conditioning for diffusion.
     pub batch_data: Bytes,
+    /// Buffers a framework or kernel sets aside: a GPTQ base's ExLlama scratch
+    /// ([`crate::settings::GptqKernel`]), and during the backward pass DeepSpeed's gradient
+    /// buckets ([`crate::settings::DeepSpeedZero`]).
+    #[serde(default)]
+    pub framework_buffers: Bytes,
     /// CUDA context and cuBLAS/cuDNN workspaces (CPU: runtime baseline).
     pub context_workspace: Bytes,
     /// Caching-allocator cache above the live tensors (reserved − allocated).
@@ -144,6 +151,11 @@ impl Breakdown {
                 name: "batch data",
                 bytes: self.batch_data,
                 formula: "ids/labels/mask int64",
+            },
+            Term {
+                name: "framework buffers",
+                bytes: self.framework_buffers,
+                formula: "GPTQ ExLlama scratch; DeepSpeed gradient buckets",
             },
             Term {
                 name: "context / workspace",
@@ -326,10 +338,10 @@ fn ctx(s: &Settings) -> Ctx {
             }
         }
         MixedPrecision::Fp16 | MixedPrecision::Bf16 => (2.0, if base32 { 4.0 } else { 2.0 }, true),
-        MixedPrecision::FullBf16 => (2.0, 2.0, false),
+        MixedPrecision::FullBf16 | MixedPrecision::FullFp16 => (2.0, 2.0, false),
     };
     let ad = match (s.profile.framework, s.mixed_precision) {
-        (_, MixedPrecision::FullBf16) => 2.0,
+        (_, MixedPrecision::FullBf16 | MixedPrecision::FullFp16) => 2.0,
         (Framework::Torchtune, _) => r,
         _ => 4.0,
     };
@@ -368,6 +380,26 @@ fn validate(s: &Settings) -> Result<()> {
         && !(momentum >= 0.0 && momentum.is_finite())
     {
         return bad("optimizer.momentum", "must be a finite non-negative number");
+    }
+    if s.profile.deepspeed.is_some() {
+        if !s.mixed_precision.is_full_16bit() {
+            return bad(
+                "profile.deepspeed",
+                "DeepSpeed's engine runs the model in fp16 or bf16 without autocast: set mixed_precision to full_fp16 or full_bf16",
+            );
+        }
+        if !s.device.is_cuda() {
+            return bad(
+                "profile.deepspeed",
+                "DeepSpeed ZeRO is modelled on CUDA only",
+            );
+        }
+        if s.optimizer != Optimizer::AdamW {
+            return bad(
+                "profile.deepspeed",
+                "only DeepSpeed's fused AdamW is modelled; use optimizer adamw",
+            );
+        }
     }
     Ok(())
 }
@@ -809,9 +841,22 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             },
         )
     };
+    // DeepSpeed ZeRO-1/2: fp32 optimizer states and an fp32 master copy of the 16-bit
+    // trainable parameters; its fused Adam has no foreach temporaries, but the step makes an
+    // fp32 copy of the 16-bit gradients for the master weights.
+    let deepspeed = s.profile.deepspeed;
+    let state_bytes = if deepspeed.is_some() {
+        4.0
+    } else {
+        state_bytes
+    };
     let mut gradients = trainable.params as f64 * grad_bytes;
     let (mut states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
     let mut step_tmp = step_temporaries(&trainable, s, foreach_tmp, state_bytes);
+    if deepspeed.is_some() {
+        states += 4.0 * trainable.params as f64;
+        step_tmp = 4.0 * trainable.params as f64;
+    }
     let mut trainable_params = trainable.params;
     let mut adapter_bytes = adapter_bytes;
     let mut largest_trainable = trainable.largest;
@@ -895,6 +940,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         (e_logits * v + grad, e_logits * v)
     } else if s.profile.chunked_cross_entropy {
         (e_logits * v + 4.0 * v + 8.0 * v / 8.0, e_logits * v)
+    } else if s.profile.model_dtype_loss && !c.autocast && c.e < 4.0 {
+        // 16-bit logits, their shifted contiguous copy and `log_softmax`'s 16-bit output in the
+        // forward; in the backward the output, its gradient and the logits' gradient.
+        (3.0 * e_logits * v, e_logits * v)
     } else {
         match s.profile.framework {
             _ if s.profile.legacy_fp32_logits => (20.0 * v, 4.0 * v),
@@ -917,7 +966,13 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // per call in the forward and again in the backward (bitsandbytes `MatMul4Bit`:
     // `dequantize_4bit(W).to(A.dtype)`; this SDK's `QuantWeight::dequantize`, whose decode keeps
     // the codes' float values beside the scaled output): one such matrix is alive at the peak.
+    // AutoGPTQ's training path (`QuantLinear` of `qlinear_cuda` / `qlinear_cuda_old` for inputs
+    // of ≥ 128 rows) unpacks the codes to int16, gathers the per-group scales and zeros to the
+    // full `[in, out]` shape and multiplies: 8 B per weight alive at once before the fp16 result.
+    let gptq_dequantize = matches!(s.base_dtype, BaseDtype::Gptq4 { .. })
+        && s.profile.gptq_kernel == crate::settings::GptqKernel::Dequantize;
     let dq_bytes = match s.profile.framework {
+        _ if gptq_dequantize => 8.0,
         Framework::Ours => 2.0 * c.e,
         _ => c.e,
     };
@@ -940,7 +995,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // linear the forward ran with grad — all of them without checkpointing, the recomputed
     // layer's with it. (The fused loss dequantizes a quantized head under no-grad and holds it
     // through the chunks: `head_dq`, the two copies of its decode, covers it.)
-    let kept_dense = if s.profile.framework == Framework::Ours && s.base_dtype.is_quantized() {
+    // AutoGPTQ's dequantize path multiplies with `torch.matmul(x, weights)` too, so autograd keeps
+    // its fp16 `weights` the same way (bitsandbytes' `MatMul4Bit` dequantizes again instead).
+    let kept_dense = if (s.profile.framework == Framework::Ours && s.base_dtype.is_quantized())
+        || gptq_dequantize
+    {
         c.e * if s.gradient_checkpointing {
             linear / layers.max(1.0)
         } else {
@@ -965,19 +1024,43 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             }
         ));
     }
+    // The additive attention mask `[b, 1, s, s]` in the compute dtype, built once per forward
+    // and shared by every layer (kept through the backward as an input of each layer): this
+    // SDK's model always builds it for packed rows (document boundaries; `Llama::mask`);
+    // transformers builds it for eager attention, and for SDPA when a batch has padding
+    // (`_prepare_4d_causal_attention_mask_for_sdpa` drops it only for plain causal batches).
+    let mask = if s.profile.framework == Framework::Ours
+        || s.attention == Attention::Math
+        || s.profile.variable_length
+    {
+        c.e * f64::from(s.micro_batch) * seq * seq
+    } else {
+        0.0
+    };
     let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk + head_dq + kept_dense;
     let layer_branch = (logits_kept + recompute + layer.working) * tokens + layer_dq + kept_dense;
     let (activations, logits_loss) = if loss_branch >= layer_branch {
         (
-            stored * tokens + head_dq + kept_dense,
+            stored * tokens + head_dq + kept_dense + mask,
             loss_branch - head_dq - kept_dense,
         )
     } else {
         (
-            (stored + recompute + layer.working) * tokens + layer_dq + kept_dense,
+            (stored + recompute + layer.working) * tokens + layer_dq + kept_dense + mask,
             logits_kept * tokens,
         )
     };
+    // A GPTQ base's kernel scratch (per device, for the model's largest linear).
+    let buffers_persistent = if matches!(s.base_dtype, BaseDtype::Gptq4 { .. }) {
+        s.profile.gptq_kernel.scratch_bytes(
+            d.layer_sites()
+                .iter()
+                .map(|x| (x.in_features, x.out_features)),
+        )
+    } else {
+        0.0
+    };
+    let buffers_backward = deepspeed.map_or(0.0, |z| z.bucket_bytes());
 
     let batch = 32.0 * tokens;
 
@@ -998,6 +1081,8 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         rounding,
         notes,
         diffusion: None,
+        buffers_persistent,
+        buffers_backward,
     })
 }
 
@@ -1020,11 +1105,15 @@ struct FinishArgs<'a> {
     rounding: f64,
     notes: Vec<String>,
     diffusion: Option<DiffusionDetail>,
+    /// buffers alive for the whole run (GPTQ kernel scratch)
+    buffers_persistent: f64,
+    /// buffers alive during the backward pass only (DeepSpeed gradient buckets)
+    buffers_backward: f64,
 }
 
 fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     let s = a.s;
-    let persistent = a.base_weights + a.adapter_bytes + a.states;
+    let persistent = a.base_weights + a.adapter_bytes + a.states + a.buffers_persistent;
     // Gradients exist during the backward peak when they persist across micro-batches, when
     // zero_grad keeps the buffers, or when they are small (LoRA: counted, conservative). A full
     // fine-tune with set_to_none produces them layer by layer while that layer's activations are
@@ -1042,7 +1131,8 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         + a.autocast_copies
         + a.activations
         + a.logits_loss
-        + a.batch;
+        + a.batch
+        + a.buffers_backward;
     let step = persistent + a.gradients + a.step_tmp;
     let allocated = backward.max(step);
     let transient = a.activations + a.logits_loss + a.autocast_copies;
@@ -1101,6 +1191,14 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         activations: Bytes::from_f64(if backward >= step { a.activations } else { 0.0 }),
         logits_loss: Bytes::from_f64(if backward >= step { a.logits_loss } else { 0.0 }),
         batch_data: Bytes::from_f64(if backward >= step { a.batch } else { 0.0 }),
+        framework_buffers: Bytes::from_f64(
+            a.buffers_persistent
+                + if backward >= step {
+                    a.buffers_backward
+                } else {
+                    0.0
+                },
+        ),
         context_workspace: Bytes::from_f64(context),
         allocator_margin: Bytes::from_f64(margin),
     };
@@ -1536,13 +1634,15 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         rounding: 0.0,
         notes,
         diffusion: Some(detail),
+        buffers_persistent: 0.0,
+        buffers_backward: 0.0,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::Profile;
+    use crate::settings::{DeepSpeedZero, GptqKernel, Profile};
 
     #[test]
     fn qlora_weights_follow_the_nf4_formula() {
@@ -1603,6 +1703,153 @@ mod tests {
             .with_train_text_encoder(true)
             .with_cache_text_encoder_outputs(true);
         assert!(estimate(&sd, &s).is_err());
+    }
+
+    #[test]
+    fn a_loss_on_16bit_logits_holds_three_16bit_copies_per_token() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let base = Settings::default()
+            .with_seq_len(4096)
+            .with_gradient_checkpointing(true)
+            .with_mixed_precision(MixedPrecision::FullBf16);
+        let hf = |p: Profile| estimate(&m, &base.clone().with_profile(p)).unwrap();
+        let upcast = hf(Profile::peft_transformers());
+        let own = hf(Profile {
+            model_dtype_loss: true,
+            ..Profile::peft_transformers()
+        });
+        // (2 + 12)·V per token with the fp32 upcast, 3·2·V on 16-bit logits
+        let tokens = 4096.0;
+        let diff = upcast.breakdown.logits_loss.as_f64() - own.breakdown.logits_loss.as_f64();
+        assert!((diff - 8.0 * d.vocab as f64 * tokens).abs() < 1e3, "{diff}");
+        // under autocast log_softmax runs in fp32 whatever the model's code does
+        let auto = |p: Profile| {
+            estimate(
+                &m,
+                &base
+                    .clone()
+                    .with_mixed_precision(MixedPrecision::Bf16)
+                    .with_profile(p),
+            )
+            .unwrap()
+            .peak_allocated
+        };
+        assert_eq!(
+            auto(Profile::peft_transformers()),
+            auto(Profile {
+                model_dtype_loss: true,
+                ..Profile::peft_transformers()
+            })
+        );
+    }
+
+    #[test]
+    fn deepspeed_zero2_holds_master_weights_and_gradient_buckets() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let z = DeepSpeedZero {
+            reduce_bucket_size: 200_000_000,
+            overlap_comm: true,
+        };
+        let s = Settings::default()
+            .with_mixed_precision(MixedPrecision::FullFp16)
+            .with_profile(Profile {
+                deepspeed: Some(z),
+                ..Profile::peft_transformers()
+            });
+        let e = estimate(&m, &s).unwrap();
+        let p = e.trainable_params;
+        // fp16 adapters and gradients; fp32 master + two fp32 Adam states
+        assert_eq!(e.breakdown.adapter_params.0, 2 * p);
+        assert_eq!(e.breakdown.optimizer_states.0, 12 * p);
+        // two 2e8-element fp16 buckets during the backward pass
+        assert_eq!(z.bucket_bytes(), 800_000_000.0);
+        assert_eq!(e.breakdown.framework_buffers.0, 800_000_000);
+        // without overlap_comm one bucket
+        let one = DeepSpeedZero {
+            overlap_comm: false,
+            ..z
+        };
+        assert_eq!(one.bucket_bytes(), 400_000_000.0);
+        // DeepSpeed's engine needs the model in 16 bit without autocast
+        let err = estimate(&m, &s.clone().with_mixed_precision(MixedPrecision::Fp16))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("profile.deepspeed") && err.contains("full_fp16"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn gptq_kernels_cost_their_scratch_or_the_dequantized_weights() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let gptq = |k: GptqKernel| {
+            estimate(
+                &m,
+                &Settings::default()
+                    .with_base_dtype(BaseDtype::Gptq4 { group_size: 128 })
+                    .with_gradient_checkpointing(true)
+                    .with_profile(Profile {
+                        gptq_kernel: k,
+                        ..Profile::peft_transformers()
+                    }),
+            )
+            .unwrap()
+        };
+        // Llama-2-7B: the largest linear is 4096 × 11008 (gate/up in, down out is 11008 → 4096)
+        let v2 = gptq(GptqKernel::ExllamaV2 {
+            max_input_len: 2048,
+            max_batch_size: 8,
+        });
+        let expect = 2.0 * 4096.0 * 11008.0 + 4.0 * 11008.0 * 2048.0 * 8.0;
+        assert_eq!(v2.breakdown.framework_buffers.0, expect as u64);
+        let v1 = gptq(GptqKernel::ExllamaV1 {
+            max_input_len: 2048,
+        });
+        let expect = 2.0 * (2048.0 * 11008.0 + 4096.0 * 11008.0);
+        assert_eq!(v1.breakdown.framework_buffers.0, expect as u64);
+        // the training path: no scratch, but one layer's fp16 weights kept for the backward
+        let dq = gptq(GptqKernel::Dequantize);
+        assert_eq!(dq.breakdown.framework_buffers.0, 0);
+        let layer = d.layer_linear_params() as f64 / d.layers as f64;
+        assert!(dq.breakdown.activations.as_f64() > 2.0 * layer);
+        // the scratch is for GPTQ bases only
+        let nf4 = estimate(
+            &m,
+            &Settings::default().with_base_dtype(BaseDtype::Nf4 { double_quant: true }),
+        )
+        .unwrap();
+        assert_eq!(nf4.breakdown.framework_buffers.0, 0);
+    }
+
+    #[test]
+    fn the_attention_mask_is_one_shared_tensor_when_it_exists() {
+        let m = ModelDescriptor::preset("Llama-3.2-1B").unwrap();
+        let s = Settings::default()
+            .with_micro_batch(2)
+            .with_seq_len(2048)
+            .with_gradient_checkpointing(true);
+        let acts = |s: &Settings| estimate(&m, s).unwrap().breakdown.activations.as_f64();
+        let mask = 2.0 * 2.0 * 2048.0 * 2048.0;
+        // transformers with SDPA drops the mask for unpadded batches, keeps one with padding
+        let packed = s.clone().with_profile(Profile::peft_transformers());
+        let padded = s.clone().with_profile(Profile {
+            variable_length: true,
+            ..Profile::peft_transformers()
+        });
+        assert!((acts(&padded) - acts(&packed) - mask).abs() < 1.0);
+        // this SDK always builds one for packed rows (document boundaries): the only term of
+        // its activations that is not linear in the tokens
+        let ours = |seq: u32| acts(&s.clone().with_seq_len(seq).with_profile(Profile::ours()));
+        let quadratic = ours(2048) - 2.0 * ours(1024);
+        let expect = mask - 2.0 * (2.0 * 2.0 * 1024.0 * 1024.0);
+        assert!((quadratic - expect).abs() < 1.0, "{quadratic} vs {expect}");
     }
 
     #[test]

@@ -53,8 +53,8 @@ pub use model::{
     LinearSite, ModelDescriptor, NormKind, SUPPORTED_MODEL_TYPES, TextEncoderDescriptor, UnetLevel,
 };
 pub use settings::{
-    Attention, BaseDtype, Device, Framework, LoraSettings, Method, MixedPrecision, Optimizer,
-    Profile, Settings,
+    Attention, BaseDtype, DeepSpeedZero, Device, Framework, GptqKernel, LoraSettings, Method,
+    MixedPrecision, Optimizer, Profile, Settings,
 };
 pub use units::{Bytes, ParsedSize, Size, parse_size};
 pub use verdict::{Check, Verdict};

@@ -103,6 +103,17 @@ pub enum MixedPrecision {
     Bf16,
     /// Everything bf16, no autocast (torchtune's `dtype: bf16`, kohya `--full_bf16`).
     FullBf16,
+    /// Everything fp16, no autocast: kohya `--full_fp16`, and DeepSpeed's fp16 engine, which
+    /// casts the whole model (adapters included) to fp16 and keeps the fp32 master weights in its
+    /// optimizer ([`Profile::deepspeed`]).
+    FullFp16,
+}
+
+impl MixedPrecision {
+    /// True for the modes that run the whole model in 16 bit without autocast.
+    pub fn is_full_16bit(self) -> bool {
+        matches!(self, MixedPrecision::FullBf16 | MixedPrecision::FullFp16)
+    }
 }
 
 /// What is trained.
@@ -239,6 +250,98 @@ pub enum Framework {
     Torchtune,
 }
 
+/// DeepSpeed ZeRO stage 1 or 2 on one GPU (HF Trainer `--deepspeed ds_config.json`), with its
+/// fp16/bf16 engine ([`MixedPrecision::FullFp16`] / [`MixedPrecision::FullBf16`]).
+///
+/// What it holds, from `deepspeed/runtime/zero/stage_1_and_2.py` (`DeepSpeedZeroOptimizer`):
+/// - the trainable parameters in the 16-bit model dtype, their fp32 master copy
+///   (`single_partition_of_fp32_groups`) and fp32 optimizer states (its fused Adam: no
+///   `foreach` temporaries);
+/// - the 16-bit gradients in one flat buffer (`contiguous_gradients`), and at the step an fp32
+///   copy of them for the master weights;
+/// - during the backward pass, the gradient bucket buffers (`ipg_buffer`):
+///   `reduce_bucket_size` elements of the 16-bit dtype each, two of them with `overlap_comm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DeepSpeedZero {
+    /// `zero_optimization.reduce_bucket_size`, in elements (DeepSpeed's default 5e8; the HF
+    /// Trainer's `"auto"` sets `hidden_size²`).
+    pub reduce_bucket_size: u64,
+    /// `zero_optimization.overlap_comm`: a second bucket buffer.
+    pub overlap_comm: bool,
+}
+
+impl Default for DeepSpeedZero {
+    fn default() -> Self {
+        DeepSpeedZero {
+            reduce_bucket_size: 500_000_000,
+            overlap_comm: false,
+        }
+    }
+}
+
+impl DeepSpeedZero {
+    /// Bytes of the gradient bucket buffers during the backward pass (16-bit elements).
+    pub fn bucket_bytes(&self) -> f64 {
+        let buffers = if self.overlap_comm { 2.0 } else { 1.0 };
+        buffers * 2.0 * self.reduce_bucket_size as f64
+    }
+}
+
+/// The kernel a GPTQ base multiplies with (AutoGPTQ / optimum `QuantLinear` backends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GptqKernel {
+    /// The `cuda_old` / Triton path training uses (`GPTQConfig(disable_exllama=True)` /
+    /// `use_exllama=False`; the exllama kernels have no backward pass): the weight is
+    /// dequantized to fp16 per call, no scratch buffer.
+    Dequantize,
+    /// ExLlama v1: one scratch of `max_input_len × max(in, out)` fp16 (`temp_state`) plus the
+    /// largest `in × out` fp16 (`temp_dq`) per device (`exllama_set_max_input_length`,
+    /// default 2048 tokens).
+    ExllamaV1 {
+        /// `max_input_length` the buffers are sized for.
+        max_input_len: u32,
+    },
+    /// ExLlama v2: one scratch per device of the largest layer's
+    /// `in·out·2 + out·max_input_len·max_batch_size·4` bytes (`QuantLinear.scratch_space_fixed`,
+    /// defaults 2048 tokens × 8 sequences).
+    ExllamaV2 {
+        /// Tokens per sequence the scratch is sized for.
+        max_input_len: u32,
+        /// Sequences the scratch is sized for.
+        max_batch_size: u32,
+    },
+}
+
+impl GptqKernel {
+    /// Scratch bytes for a model whose linears are `(in, out)` pairs.
+    pub fn scratch_bytes(&self, linears: impl Iterator<Item = (u64, u64)>) -> f64 {
+        let mut largest_area = 0.0f64;
+        let mut widest = 0.0f64;
+        let mut widest_out = 0.0f64;
+        for (i, o) in linears {
+            let (i, o) = (i as f64, o as f64);
+            largest_area = largest_area.max(i * o);
+            widest = widest.max(i.max(o));
+            widest_out = widest_out.max(o);
+        }
+        match *self {
+            GptqKernel::Dequantize => 0.0,
+            GptqKernel::ExllamaV1 { max_input_len } => {
+                2.0 * (f64::from(max_input_len) * widest + largest_area)
+            }
+            GptqKernel::ExllamaV2 {
+                max_input_len,
+                max_batch_size,
+            } => {
+                2.0 * largest_area
+                    + 4.0 * widest_out * f64::from(max_input_len) * f64::from(max_batch_size)
+            }
+        }
+    }
+}
+
 /// Reference-framework profile: the framework plus optional behaviours that change memory.
 ///
 /// The profiles, the releases they describe and the public measurements each was checked on
@@ -251,6 +354,19 @@ pub enum Framework {
 /// | `legacy_fp32_logits` | transformers < 4.45 (`.float()` logits and the shifted copy) | T1–T4, F1 |
 /// | [`Profile::bitsandbytes_old`] | bitsandbytes < 0.43.2 (`MatMul4Bit` saves the input of every 4-bit linear) | F1 (bitsandbytes 0.43.0) |
 /// | [`Profile::torchtune`] | torchtune single-device recipes (model-dtype adapters, chunked loss, activation offloading, `torch.compile` as options) | T1–T12 |
+/// | `model_dtype_loss` + `deepspeed` + `gptq_kernel: dequantize` | a model whose own code computes the loss on 16-bit logits (Qwen's `modeling_qwen.py`) trained by the HF Trainer under DeepSpeed ZeRO-2 fp16 on an AutoGPTQ base with ExLlama off (QwenLM/Qwen `finetune_qlora_single_gpu.sh`) | Q4q-256 … Q4q-8192 |
+///
+/// The sequence-length terms, per token unless said (`e` = compute-dtype bytes, `V` = vocab):
+/// - loss: `(e + 12)·V` with the fp32 upcast (transformers ≥ 4.45, or any autocast run),
+///   `20·V` for `legacy_fp32_logits`, `3·e·V` for `model_dtype_loss` without autocast, one
+///   chunk for `chunked_cross_entropy` and for this SDK's fused head + loss;
+/// - attention: SDPA (flash / memory-efficient) keeps q, k, v, out and a logsumexp per head;
+///   [`Attention::Math`] adds the `heads × s` probabilities (fp32 softmax + its cast);
+/// - the `[b, 1, s, s]` additive mask, `e·b·s²` once (shared by the layers): always for this
+///   SDK (packed rows carry document boundaries), for transformers with eager attention or
+///   padded batches (`variable_length`); none for transformers' SDPA on unpadded batches;
+/// - checkpointing keeps the layer inputs and recomputes one layer; without it every layer's
+///   saved tensors stay.
 ///
 /// litgpt and Unsloth have no profile: no public measurement with a full configuration was
 /// found to check one against (Unsloth's published context limits are used for the HF+FA2
@@ -299,6 +415,17 @@ pub struct Profile {
     /// under autocast the head's 16-bit cast of its weight (`2·V·h` bytes) is saved for the
     /// backward of the logits matmul.
     pub kbit_fp32_cast: bool,
+    /// The model's own code computes the loss on its 16-bit logits (no `.float()`; Qwen's
+    /// remote `modeling_qwen.py`, GPT-2-era heads) and, without autocast
+    /// ([`MixedPrecision::is_full_16bit`], or a 16-bit base with no mixed precision), nothing
+    /// lifts `log_softmax` to fp32: the loss holds the logits, their shifted copy and
+    /// `log_softmax`'s output, all 16-bit (`3·e·V` bytes per token; `(e + 12)·V` otherwise).
+    /// Under autocast `log_softmax` / `cross_entropy` run in fp32 whatever the code does.
+    pub model_dtype_loss: bool,
+    /// DeepSpeed ZeRO-1/2 on one GPU, see [`DeepSpeedZero`].
+    pub deepspeed: Option<DeepSpeedZero>,
+    /// The kernel of a GPTQ base (ignored for other bases).
+    pub gptq_kernel: GptqKernel,
 }
 
 impl Default for Profile {
@@ -323,6 +450,12 @@ impl Profile {
             compiled_loss: false,
             zero_grad_keeps_buffers: false,
             kbit_fp32_cast: false,
+            model_dtype_loss: false,
+            deepspeed: None,
+            gptq_kernel: GptqKernel::ExllamaV2 {
+                max_input_len: 2048,
+                max_batch_size: 8,
+            },
         }
     }
 

@@ -124,8 +124,9 @@ struct Attention {
 }
 
 impl Attention {
-    /// `x` `[b, s, d]`; `cos`/`sin` `[b, 1, s, hd]`; `mask` bool `[b, 1, s, past + s]` (true =
-    /// attend), or `None` for plain causal attention without a cache (SDPA's `is_causal`).
+    /// `x` `[b, s, d]`; `cos`/`sin` `[b, 1, s, hd]`; `mask` additive `[b, 1, s, past + s]` (0 =
+    /// attend, −∞ = masked; see [`Llama::mask`]), or `None` for plain causal attention without a
+    /// cache (SDPA's `is_causal`).
     fn forward(
         &self,
         x: &Tensor,
@@ -169,6 +170,20 @@ impl Attention {
                 .f_reshape([sz[0], sz[1] * rep, sz[2], sz[3]])?)
         };
         let (k, v) = (repeat(&k)?, repeat(&v)?);
+        // SDPA wants a float mask in the dtype it computes in: under autocast (which lists SDPA)
+        // the autocast dtype, the mask's already, so autocast leaves it as it is; otherwise the
+        // query's. The model builds it in that dtype, so this cast (a copy per layer, kept for
+        // the backward) only happens if they differ.
+        let cast;
+        let mask = match mask {
+            Some(m)
+                if m.kind() != q.kind() && !lora_core::sys::autocast_state(q.device())?.enabled =>
+            {
+                cast = m.f_to_kind(q.kind())?;
+                Some(&cast)
+            }
+            m => m,
+        };
         let y = Tensor::f_scaled_dot_product_attention(
             &q,
             &k,
@@ -588,12 +603,17 @@ impl Llama {
         Ok((cos, sin))
     }
 
-    /// Boolean attention mask `[b, 1, s, past + s]` (true = attend): causal, padding (keys whose
-    /// `attn_mask` is 0), documents (keys of another document, for packed rows), and always the
-    /// diagonal so that no row is empty (a padded query attends to itself only; its output is
-    /// never used, and this keeps it finite). `None` when that mask would be the plain causal
+    /// Additive attention mask `[b, 1, s, past + s]` (0 = attend, −∞ = masked) in the compute
+    /// dtype (the autocast dtype when autocast is on, else the model's): causal, padding (keys
+    /// whose `attn_mask` is 0), documents (keys of another document, for packed rows), and always
+    /// the diagonal so that no row is empty (a padded query attends to itself only; its output
+    /// is never used, and this keeps it finite). `None` when that mask would be the plain causal
     /// triangle (no cache, no padding, one document per row): attention then runs with
     /// `is_causal`, as transformers' SDPA path does when it can drop the mask.
+    ///
+    /// Built once per forward and shared by every layer: SDPA would turn a boolean mask into
+    /// this float form on each call, and its backward keeps each layer's copy (`b·s·(past + s)`
+    /// elements per layer); one shared mask is what `lora_memory` plans for.
     fn mask(
         &self,
         b: i64,
@@ -644,7 +664,17 @@ impl Llama {
             m = m.f_logical_and(&same)?;
         }
         let diag = k.f_eq_tensor(&q)?.f_view([1, 1, s, t])?;
-        Ok(Some(m.f_logical_or(&diag)?))
+        let blocked = m.f_logical_or(&diag)?.f_logical_not()?;
+        drop(m);
+        let autocast = lora_core::sys::autocast_state(dev)?;
+        let kind = match (autocast.enabled, autocast.dtype) {
+            (true, Some(k)) => k,
+            _ => self.kind,
+        };
+        Ok(Some(
+            Tensor::f_zeros(blocked.size(), (kind, dev))?
+                .f_masked_fill(&blocked, f64::NEG_INFINITY)?,
+        ))
     }
 
     /// Document ids `[b, s]` from position ids: a new document starts wherever a position is not

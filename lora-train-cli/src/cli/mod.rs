@@ -69,8 +69,10 @@ pub enum Command {
         /// Config file (.yaml, .yml or .toml).
         #[arg(long, short)]
         config: PathBuf,
-        /// Budget: a GPU by name (e.g. "RTX 3060", "A100 80GB"); plans for CUDA. Wins over
-        /// memory.gpu / memory.budget and system.device in the config.
+        /// Budget: a GPU by name (e.g. "RTX 3060", "A100 80GB"), or "local" / "local:N" for
+        /// this machine's card as it is now (free memory from the driver; what other processes
+        /// hold is left out); plans for CUDA. Wins over memory.gpu / memory.budget and
+        /// system.device in the config.
         #[arg(long, conflicts_with = "budget")]
         gpu: Option<String>,
         /// Budget: a size ("12GB" = 12·10^9 bytes, "8GiB" = 8·2^30, as cards sold as "8 GB" have;

@@ -519,7 +519,8 @@ section! {
     pub struct MemorySection at "memory" {
         /// Budget as a size (`"6GB"`; alias `memory.max_memory`).
         budget: Option<Size> = None, some(size_of), aka ["memory.max_memory"];
-        /// Budget as a GPU name (`"RTX 3060"`), from lora-memory's preset table.
+        /// Budget as a GPU name (`"RTX 3060"`), from lora-memory's preset table, or `local` /
+        /// `local:N` for this machine's card as it is now (its free memory from the driver).
         gpu: Option<String> = None, Typed("a GPU name such as \"RTX 3060\"");
         /// Apply lora-memory's `fit()` to the settings before starting.
         auto_fit: bool = false, Typed("true or false");

@@ -73,7 +73,7 @@ impl Plan {
         self.check = self
             .budget
             .as_ref()
-            .map(|b| Check::new(&self.estimate, b.bytes, Bytes::ZERO));
+            .map(|b| Check::new(&self.estimate, b.card_bytes(), b.held_by_others()));
         self.fits = self
             .check
             .as_ref()
@@ -326,8 +326,20 @@ pub fn budget_source(b: &Budget) -> String {
         lora_memory::BudgetSource::Gpu { name } => {
             format!("GPU preset {name}, assuming nothing else holds the card")
         }
-        lora_memory::BudgetSource::NvmlFree { device_index } => {
-            format!("free memory of cuda:{device_index} (NVML)")
+        lora_memory::BudgetSource::NvmlFree {
+            device_index,
+            name,
+            total,
+        } => {
+            let name = if name.is_empty() {
+                String::new()
+            } else {
+                format!(" {name},")
+            };
+            format!(
+                "cuda:{device_index}{name} {total} of which {} free now (NVML)",
+                b.bytes
+            )
         }
     }
 }
@@ -428,6 +440,9 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
         MixedPrecision::Fp16 => Precision::Fp16,
         MixedPrecision::Bf16 => Precision::Bf16,
         MixedPrecision::FullBf16 => Precision::FullBf16,
+        // Not a mode of this trainer, and the fit ladder never proposes it (it only moves fp32
+        // to bf16 autocast); the nearest mode if settings from elsewhere carry it.
+        MixedPrecision::FullFp16 => Precision::Fp16,
     };
     cfg.train.optimizer =
         crate::engine::optim::OptimizerName::of_memory_term(s.optimizer, cfg.train.optimizer);
@@ -445,10 +460,12 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
 }
 
 /// The budget for a run: an explicit override, else `memory.gpu` / `memory.budget` from the
-/// config, else none.
+/// config (`memory.gpu: local` is this machine's card, read from the driver), else, for a run
+/// on `system.device: cuda[:N]`, that card's free memory when the driver can be asked (NVML,
+/// feature `nvml`), else none.
 ///
 /// # Errors
-/// Unknown GPU names (with the list of known ones).
+/// Unknown GPU names (with the list of known ones); `local` without a card or NVML.
 pub fn budget_for(cfg: &TrainConfig, override_budget: Option<Budget>) -> Result<Option<Budget>> {
     if override_budget.is_some() {
         return Ok(override_budget);
@@ -458,6 +475,11 @@ pub fn budget_for(cfg: &TrainConfig, override_budget: Option<Budget>) -> Result<
     }
     if let Some(b) = &cfg.memory.budget {
         return Ok(Some(Budget::parse(&b.text)?));
+    }
+    let device = cfg.system.device.trim().to_ascii_lowercase();
+    if device.starts_with("cuda") {
+        // the card the run will use; no driver to ask is not an error, just no budget
+        return Ok(Budget::gpu(&device).ok());
     }
     Ok(None)
 }
