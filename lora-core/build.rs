@@ -1,8 +1,11 @@
-/// Compiles `shim/shim.cpp` (bf16 autocast, allocator statistics, RNG state) against the libtorch
+/// Compiles `shim/shim.cpp` (bf16 autocast, allocator statistics, RNG state) and
+/// `shim/qlinear.cpp` (linear layers over quantized weights) against the libtorch
 /// that torch-sys found. torch-sys publishes its library folder as `DEP_TCH_LIBTORCH_LIB`; the
 /// headers sit next to it in `../include`.
 fn build_shim() {
-    println!("cargo:rerun-if-changed=shim/shim.cpp");
+    for f in ["shim/shim.cpp", "shim/qlinear.cpp", "shim/guard.h"] {
+        println!("cargo:rerun-if-changed={f}");
+    }
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         // doc-only builds link nothing, so there is nothing to compile against.
         return;
@@ -13,6 +16,9 @@ fn build_shim() {
     cc::Build::new()
         .cpp(true)
         .file("shim/shim.cpp")
+        .file("shim/qlinear.cpp")
+        // the quantized-linear kernels are hot loops: optimized in every profile
+        .opt_level(3)
         .include(&include)
         .include(
             include

@@ -3,8 +3,9 @@
 //
 // - `lora_linear`: forward + backward of the frozen 576→1536 linear (gate/up_proj) over 512 tokens
 //   alone vs with a rank-8 LoRA adapter (gradients for A and B) — the LoRA overhead;
-// - `quant_linear`: forward of the same linear with its base kept quantized (dequantize to f32,
-//   then matmul) for Q8_0, Q4_1 and NF4, vs the dense f32 base;
+// - `quant_linear`: forward, and forward + input gradient, of the same linear with its base kept
+//   quantized (Q8_0, Q4_0, Q4_1, NF4): the shim's tiled kernel (`_tiled`, the layers' path) and
+//   dequantize-with-tensor-ops-then-matmul (`_dequant_matmul`), vs the dense f32 base;
 // - `optimizer_step`: one step of AdamW, AdamW8bit and Adafactor over the SmolLM2 adapter
 //   (rank 8 on q,k,v,o,gate,up,down × 30 layers: 4.88 M parameters);
 // - `quantize_8bit`: AdamW8bit's nearest-code search over 4.88 M block-normalized moment values
@@ -93,23 +94,52 @@ fn quant_linear(c: &mut Criterion) {
     tch::manual_seed(1);
     let w = Tensor::randn([INTER, HIDDEN], (Kind::Float, Device::Cpu)) * 0.02;
     let x = Tensor::randn([TOKENS, HIDDEN], (Kind::Float, Device::Cpu));
-    let mut g = c.benchmark_group("quant_linear");
+    let g = Tensor::randn([TOKENS, INTER], (Kind::Float, Device::Cpu));
+    let mut group = c.benchmark_group("quant_linear");
     let dense = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
-    g.bench_function("dense_f32", |b| {
+    group.bench_function("dense_f32", |b| {
         b.iter(|| black_box(dense.forward_t(&x, false).unwrap()))
+    });
+    // forward + input gradient (what a frozen base costs a training step)
+    let fwd_bwd = |f: &dyn Fn(&Tensor) -> Tensor| {
+        let xg = x.detach().set_requires_grad(true);
+        (f(&xg) * &g).sum(Kind::Float).backward();
+        xg.grad()
+    };
+    group.bench_function("dense_f32_fwd_bwd", |b| {
+        b.iter(|| black_box(fwd_bwd(&|x| dense.forward_t(x, false).unwrap())))
     });
     for (name, kind) in [
         ("q8_0", QuantKind::Q8_0),
+        ("q4_0", QuantKind::Q4_0),
         ("q4_1", QuantKind::Q4_1),
         ("nf4", QuantKind::Nf4 { double_quant: true }),
     ] {
         let q = QuantWeight::quantize(&w, kind).unwrap();
+        // the layer's path: the shim's tiled kernel
         let layer = LoraLinear::new(BaseWeight::Quant(q), None).unwrap();
-        g.bench_function(format!("{name}_dequant_matmul"), |b| {
+        group.bench_function(format!("{name}_tiled"), |b| {
             b.iter(|| black_box(layer.forward_t(&x, false).unwrap()))
         });
+        group.bench_function(format!("{name}_tiled_fwd_bwd"), |b| {
+            b.iter(|| black_box(fwd_bwd(&|x| layer.forward_t(x, false).unwrap())))
+        });
+        // the reference: dequantize with tensor ops, then matmul
+        let BaseWeight::Quant(q) = layer.base() else {
+            unreachable!()
+        };
+        group.bench_function(format!("{name}_dequant_matmul"), |b| {
+            b.iter(|| black_box(x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)))
+        });
+        group.bench_function(format!("{name}_dequant_matmul_fwd_bwd"), |b| {
+            b.iter(|| {
+                black_box(fwd_bwd(&|x| {
+                    x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)
+                }))
+            })
+        });
     }
-    g.finish();
+    group.finish();
 }
 
 /// The SmolLM2-135M adapter: rank 8 on every block linear of 30 layers, with fixed gradients.

@@ -26,6 +26,8 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
+#include "guard.h"
+
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -38,29 +40,7 @@
 
 namespace {
 
-char* dup_message(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out == nullptr) {
-    return nullptr;
-  }
-  std::memcpy(out, s.data(), s.size());
-  out[s.size()] = '\0';
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return dup_message(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return dup_message(e.what());
-  } catch (...) {
-    return dup_message("unknown C++ exception in the libtorch shim");
-  }
-}
+using lsdk::guarded;
 
 c10::DeviceType device_type_of(int32_t device) {
   return device == 1 ? c10::DeviceType::CUDA : c10::DeviceType::CPU;

@@ -85,8 +85,14 @@ impl LoraLinear {
                 x.size()
             )
         };
-        let w = self.base.weight(x.kind())?;
-        let base_out = x.f_linear::<Tensor>(&w, None).ctx(ctx)?;
+        let base_out = match &self.base {
+            // the tiled kernel on the CPU: no dense copy of the weight kept for the backward
+            BaseWeight::Quant(q) => q.linear(x)?,
+            _ => {
+                let w = self.base.weight(x.kind())?;
+                x.f_linear::<Tensor>(&w, None).ctx(ctx)?
+            }
+        };
         let y = if self.plain_branches(x, &base_out) {
             self.add_plain_branches(x, base_out, train).ctx(ctx)?
         } else {

@@ -805,6 +805,143 @@ impl QuantWeight {
     }
 }
 
+impl QuantWeight {
+    /// `x · Wᵀ` (`x` `[..., in]` → `[..., out]`), the frozen product of a linear layer.
+    ///
+    /// On the CPU, for f32 and bf16 computation, this is the shim's tiled kernel
+    /// ([`crate::sys::qlinear`]): no dense copy of `W` is kept, in the forward pass or for the
+    /// backward one, and at most [`crate::sys::QLINEAR_TILE_ELEMENTS`] weights are decoded at a
+    /// time. Elsewhere (CUDA, f16, f64) it multiplies by [`QuantWeight::dequantize`]'s dense
+    /// matrix. Under autocast the product is computed in the autocast dtype, as a plain matmul
+    /// would be.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x`'s last dimension is not `in`; [`Error::Torch`] when an op fails.
+    pub fn linear(&self, x: &Tensor) -> Result<Tensor> {
+        let ctx = || {
+            format!(
+                "{:?} linear {:?} on input {:?}",
+                self.kind,
+                self.shape,
+                x.size()
+            )
+        };
+        let size = x.size();
+        let [out, inn] = self.shape;
+        if size.last() != Some(&inn) {
+            return Err(Error::Shape {
+                key: format!("input of a {:?} linear {:?}", self.kind, self.shape),
+                expected: vec![-1, inn],
+                found: size,
+            });
+        }
+        let device = x.device();
+        let autocast = crate::sys::autocast_state(device).map_err(|e| Error::Torch {
+            context: ctx(),
+            source: tch::TchError::Torch(e.to_string()),
+        })?;
+        let kind = match (autocast.enabled, autocast.dtype) {
+            (true, Some(k)) => k,
+            _ => x.kind(),
+        };
+        if device != Device::Cpu || !self.has_kernel(kind) {
+            let w = self.dequantize(x.kind())?;
+            return x.f_linear::<Tensor>(&w, None).ctx(ctx);
+        }
+        let x2 = (|| {
+            let x = if x.kind() == kind {
+                x.shallow_clone()
+            } else {
+                x.f_to_kind(kind)?
+            };
+            x.f_reshape([-1, inn])
+        })()
+        .ctx(ctx)?;
+        let parts = self.parts();
+        let y = crate::sys::qlinear(&x2, &parts).map_err(|e| Error::Torch {
+            context: ctx(),
+            source: tch::TchError::Torch(e.to_string()),
+        })?;
+        let mut shape = size;
+        if let Some(last) = shape.last_mut() {
+            *last = out;
+        }
+        y.f_reshape(shape.as_slice()).ctx(ctx)
+    }
+}
+
+impl QuantWeight {
+    /// The tensors the shim's kernels read.
+    fn parts(&self) -> crate::sys::QuantParts<'_> {
+        let [out, inn] = self.shape;
+        crate::sys::QuantParts {
+            kind: match self.kind {
+                QuantKind::Q8_0 => 0,
+                QuantKind::Q4_0 => 1,
+                QuantKind::Q4_1 => 2,
+                QuantKind::Nf4 {
+                    double_quant: false,
+                } => 3,
+                QuantKind::Nf4 { double_quant: true } => 4,
+            },
+            out,
+            inn,
+            codes: &self.codes,
+            scales: &self.scales,
+            mins: self.mins.as_ref(),
+            dq_scales: self.dq_scales.as_ref(),
+            table: self.table.as_ref(),
+            dq_offset: self.dq_offset,
+        }
+    }
+
+    /// True when the tiled CPU kernels take a product in `kind` (f32 or bf16, on the CPU).
+    pub fn has_kernel(&self, kind: Kind) -> bool {
+        self.device() == Device::Cpu && matches!(kind, Kind::Float | Kind::BFloat16)
+    }
+
+    /// `x · Wᵀ` (`x` `[n, in]` → `[n, out]`) or, with `transposed`, `x · W` (`x` `[n, out]` →
+    /// `[n, in]`), without autograd, in `x`'s dtype: the tiled CPU kernel
+    /// ([`crate::sys::qmatmul`]) when [`QuantWeight::has_kernel`], else a product with the
+    /// dense [`QuantWeight::dequantize`]. For a frozen head evaluated in chunks.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a mismatched `x`; [`Error::Torch`] when an op fails.
+    pub fn matmul(&self, x: &Tensor, transposed: bool) -> Result<Tensor> {
+        let [out, inn] = self.shape;
+        let width = if transposed { out } else { inn };
+        let ctx = || {
+            format!(
+                "{:?} product {:?} with {:?}",
+                self.kind,
+                self.shape,
+                x.size()
+            )
+        };
+        if x.dim() != 2 || x.size()[1] != width {
+            return Err(Error::Shape {
+                key: format!("input of a {:?} product {:?}", self.kind, self.shape),
+                expected: vec![-1, width],
+                found: x.size(),
+            });
+        }
+        if !self.has_kernel(x.kind()) || x.device() != Device::Cpu {
+            let _ng = tch::no_grad_guard();
+            let w = self.dequantize(x.kind())?;
+            return if transposed {
+                x.f_mm(&w)
+            } else {
+                x.f_mm(&w.f_tr().ctx(ctx)?)
+            }
+            .ctx(ctx);
+        }
+        crate::sys::qmatmul(x, &self.parts(), transposed).map_err(|e| Error::Torch {
+            context: ctx(),
+            source: tch::TchError::Torch(e.to_string()),
+        })
+    }
+}
+
 /// The dtype dequantization computes in for a requested output dtype. Q4_1 → bf16 goes through f32:
 /// rounding the f16 min `m` to bf16 first would cost up to 2⁻⁸·|m| where `m + q·d` cancels.
 fn compute_kind(quant: QuantKind, kind: Kind) -> Kind {

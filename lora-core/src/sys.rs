@@ -1,7 +1,9 @@
 //! Bindings to the small C++ shim over libtorch (`lora-core/shim/shim.cpp`): bf16/fp16 autocast,
 //! CUDA caching-allocator statistics, a counting CPU allocator with exact tensor bytes and an
-//! optional limit, RNG generator state and the deterministic-algorithms switch; plus glibc's
-//! mmap threshold ([`set_malloc_mmap_threshold`]) so CPU RSS tracks live tensors.
+//! optional limit, RNG generator state and the deterministic-algorithms switch, and linear
+//! products over quantized weights computed tile by tile from the blocks ([`qlinear`],
+//! [`qmatmul`]); plus glibc's mmap threshold ([`set_malloc_mmap_threshold`]) so CPU RSS tracks
+//! live tensors.
 //!
 //! tch 0.26 exposes none of these (its `autocast` is fp16-only and a no-op on CPU). Every call
 //! returns a [`ShimError`] instead of panicking: C++ exceptions are caught inside the shim and come
@@ -67,6 +69,37 @@ mod ffi {
             beta2: f64,
             one_minus_beta2: f64,
             eps: f64,
+        ) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn lsdk_qlinear(
+            x: *const torch_sys::C_tensor,
+            kind: i32,
+            out: i64,
+            inn: i64,
+            codes: *const torch_sys::C_tensor,
+            scales: *const torch_sys::C_tensor,
+            mins: *const torch_sys::C_tensor,
+            dq_scales: *const torch_sys::C_tensor,
+            table: *const torch_sys::C_tensor,
+            dq_offset: f64,
+            tile_elements: i64,
+            y: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn lsdk_qmatmul(
+            x: *const torch_sys::C_tensor,
+            transposed: i32,
+            kind: i32,
+            out: i64,
+            inn: i64,
+            codes: *const torch_sys::C_tensor,
+            scales: *const torch_sys::C_tensor,
+            mins: *const torch_sys::C_tensor,
+            dq_scales: *const torch_sys::C_tensor,
+            table: *const torch_sys::C_tensor,
+            dq_offset: f64,
+            tile_elements: i64,
+            y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
     }
 }
@@ -765,6 +798,125 @@ pub fn set_malloc_mmap_threshold(bytes: usize) -> bool {
         let _ = bytes;
         false
     }
+}
+
+/// Weights decoded at once by [`qlinear`]: one tile of output rows holds at most this many
+/// values (4 MiB as f32; plus its bf16 copy for a bf16 product) — the memory planner's transient
+/// for this SDK's quantized linears, whose value it is
+/// ([`lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS`]).
+pub const QLINEAR_TILE_ELEMENTS: u64 = lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS;
+
+/// The quantized tensors of one frozen `[out, in]` weight, as [`qlinear`] reads them (layouts:
+/// `lora_core::quant::QuantWeight`'s docs; the shim checks every size).
+#[derive(Debug, Clone, Copy)]
+pub struct QuantParts<'a> {
+    /// 0 `Q8_0`, 1 `Q4_0`, 2 `Q4_1`, 3 NF4, 4 NF4 with double quantization.
+    pub kind: i32,
+    /// Output features (rows of the weight).
+    pub out: i64,
+    /// Input features.
+    pub inn: i64,
+    /// Codes: i8 `[out, in/32, 32]` (`Q8_0`), u8 `[out, in/32, 16]` (4-bit GGUF) or u8
+    /// `[out·in/64, 32]` (NF4).
+    pub codes: &'a Tensor,
+    /// f16 block scales `[out, in/32]`, or NF4 absmax (f32, or i8 with double quantization).
+    pub scales: &'a Tensor,
+    /// `Q4_1` f16 block minimums.
+    pub mins: Option<&'a Tensor>,
+    /// NF4 double quantization: f32 scale per 256 absmax values.
+    pub dq_scales: Option<&'a Tensor>,
+    /// f32 `[256, 2]`: a byte's two code values (4-bit kinds).
+    pub table: Option<&'a Tensor>,
+    /// NF4 double quantization: the offset added back to every absmax.
+    pub dq_offset: f32,
+}
+
+/// `x · Wᵀ` for a quantized frozen weight `W` on the CPU, computed one tile of output rows at a
+/// time from the quantized blocks (at most [`QLINEAR_TILE_ELEMENTS`] weights decoded at once),
+/// as an autograd op: its backward gives `g · W` for `x` by decoding the tiles again, so no
+/// dense copy of `W` outlives the call. The decoding loops are compiled for AVX-512, AVX2 and
+/// baseline x86-64 (chosen at run time) and threaded with libtorch's intra-op pool; the products
+/// are libtorch GEMMs. Autocast does not apply: the product is in `x`'s dtype.
+///
+/// `x`: `[n, in]` f32 or bf16 on the CPU. Returns `[n, out]` of `x`'s dtype. Each value equals
+/// `x.matmul(dequantize(W)ᵀ)` up to the GEMM's summation order.
+///
+/// # Errors
+/// A shape, dtype or device the kernel does not take, sizes that do not match `parts.kind`'s
+/// layout, or a libtorch error (e.g. out of memory).
+pub fn qlinear(x: &Tensor, parts: &QuantParts<'_>) -> ShimResult<Tensor> {
+    quant_call("qlinear", x, parts, None)
+}
+
+/// The products of a quantized weight `W` `[out, in]` without autograd, tile by tile as
+/// [`qlinear`]: `x · Wᵀ` (`x` `[n, in]` → `[n, out]`) or, with `transposed`, `x · W` (`x`
+/// `[n, out]` → `[n, in]`, what an input gradient needs). In `x`'s dtype (f32 or bf16, CPU).
+///
+/// # Errors
+/// As [`qlinear`].
+pub fn qmatmul(x: &Tensor, parts: &QuantParts<'_>, transposed: bool) -> ShimResult<Tensor> {
+    quant_call("qmatmul", x, parts, Some(transposed))
+}
+
+/// Calls `lsdk_qlinear` (`transposed` `None`) or `lsdk_qmatmul`.
+fn quant_call(
+    op: &'static str,
+    x: &Tensor,
+    parts: &QuantParts<'_>,
+    transposed: Option<bool>,
+) -> ShimResult<Tensor> {
+    let opt = |t: Option<&Tensor>| {
+        t.map_or(std::ptr::null(), |t| {
+            t.as_ptr() as *const torch_sys::C_tensor
+        })
+    };
+    let ptr = |t: &Tensor| t.as_ptr() as *const torch_sys::C_tensor;
+    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: every pointer is a live `torch::Tensor*` owned by a borrowed `Tensor` (or null
+    // where the shim accepts null) for the whole call; on success the shim stores a new heap
+    // `torch::Tensor*` in `y`, whose ownership `Tensor::from_ptr` takes.
+    let ret = unsafe {
+        match transposed {
+            None => ffi::lsdk_qlinear(
+                ptr(x),
+                parts.kind,
+                parts.out,
+                parts.inn,
+                ptr(parts.codes),
+                ptr(parts.scales),
+                opt(parts.mins),
+                opt(parts.dq_scales),
+                opt(parts.table),
+                f64::from(parts.dq_offset),
+                QLINEAR_TILE_ELEMENTS as i64,
+                &mut y,
+            ),
+            Some(t) => ffi::lsdk_qmatmul(
+                ptr(x),
+                i32::from(t),
+                parts.kind,
+                parts.out,
+                parts.inn,
+                ptr(parts.codes),
+                ptr(parts.scales),
+                opt(parts.mins),
+                opt(parts.dq_scales),
+                opt(parts.table),
+                f64::from(parts.dq_offset),
+                QLINEAR_TILE_ELEMENTS as i64,
+                &mut y,
+            ),
+        }
+    };
+    check(op, ret)?;
+    if y.is_null() {
+        return Err(ShimError {
+            op,
+            message: "the shim returned no tensor".into(),
+        });
+    }
+    // SAFETY: see above; `y` is non-null and owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(y) })
 }
 
 #[cfg(test)]

@@ -490,6 +490,11 @@ fn targeted<'a>(sites: &'a [LinearSite], s: &Settings) -> Vec<&'a LinearSite> {
 /// elements, about 16 MiB, whatever the adapter's size.
 pub const OURS_FOREACH_CHUNK_ELEMENTS: u64 = 4 << 20;
 
+/// Weights of a quantized linear decoded at once by lora-core's tiled CPU kernel
+/// (`lora_core::sys::QLINEAR_TILE_ELEMENTS`): the transient of this SDK's quantized linears on
+/// the CPU, which keep no dense weight for the backward pass.
+pub const OURS_QLINEAR_TILE_ELEMENTS: u64 = 1 << 20;
+
 /// Bytes of fp32 logits per chunk of lora-train's fused LM head + cross-entropy
 /// (`lora_models::llama::Llama::loss`): 32 MiB, at least 16 rows.
 pub const OURS_CE_CHUNK_BYTES: u64 = 32 << 20;
@@ -655,7 +660,19 @@ fn decoder_layer(
                 _ if c.ad != c.e => c.ad,
                 _ => 0.0,
             };
-            if per_module > 0.0 {
+            if s.lora.dropout > 0.0 {
+                // Each adapted module drops its own copy of the input (cast to the adapter dtype
+                // first): lora_A keeps the dropped copy (its autocast cast under autocast), and
+                // dropout keeps its mask — a bool on CUDA (`native_dropout`), a noise tensor of the
+                // input's dtype on the CPU (ATen's `_dropout`: `input * bernoulli(1 − p)/(1 − p)`).
+                // The undropped input is no branch's to keep.
+                let kept = if c.autocast { c.e } else { c.ad };
+                let mask = if s.device.is_cuda() { 1.0 } else { c.ad };
+                saved += (kept + mask) * width * adapted.len() as f64;
+                if bnb {
+                    saved += c.e * width;
+                }
+            } else if per_module > 0.0 {
                 saved += per_module * width * adapted.len() as f64;
                 if bnb {
                     saved += c.e * width;
@@ -671,9 +688,6 @@ fn decoder_layer(
                     .unwrap_or(0.0);
                 // lora_A output (input of lora_B).
                 saved += c.ad * f64::from(s.lora.rank);
-                if s.lora.dropout > 0.0 {
-                    saved += (c.ad + 1.0) * width;
-                }
                 if s.method == Method::Dora {
                     // PEFT DoRA keeps the base output and the LoRA output for the magnitude grad.
                     saved += (c.e + c.ad) * out;
@@ -988,26 +1002,45 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         .iter()
         .map(|x| x.weight_params() as f64)
         .fold(0.0, f64::max);
-    let head_dq = dequant(head_quantized);
-    let layer_dq = dequant(largest_linear);
-    // This SDK's quantized linears multiply by the dequantized weight with an ordinary matmul,
-    // so autograd keeps that dense weight (compute dtype) for the input gradient: every layer
-    // linear the forward ran with grad — all of them without checkpointing, the recomputed
-    // layer's with it. (The fused loss dequantizes a quantized head under no-grad and holds it
-    // through the chunks: `head_dq`, the two copies of its decode, covers it.)
+    // This SDK's quantized linears on the CPU run the shim's tiled kernel
+    // (`lora_core::sys::qlinear`): one tile of at most `OURS_QLINEAR_TILE_ELEMENTS` weights
+    // decoded at a time (f32, plus its bf16 copy for a bf16 product), none kept for the backward.
+    let ours_tiled = s.profile.framework == Framework::Ours
+        && s.base_dtype.is_quantized()
+        && !s.device.is_cuda();
+    let tile = |params: f64| {
+        params.min(OURS_QLINEAR_TILE_ELEMENTS as f64) * if c.e < 4.0 { 4.0 + c.e } else { 4.0 }
+    };
+    // (the fused loss multiplies a quantized head the same way, chunk by chunk)
+    let head_dq = if ours_tiled {
+        tile(head_quantized)
+    } else {
+        dequant(head_quantized)
+    };
+    let layer_dq = if ours_tiled {
+        tile(largest_linear)
+    } else {
+        dequant(largest_linear)
+    };
+    // On CUDA this SDK's quantized linears multiply by the dequantized weight with an ordinary
+    // matmul, so autograd keeps that dense weight (compute dtype) for the input gradient: every
+    // layer linear the forward ran with grad — all of them without checkpointing, the recomputed
+    // layer's with it. (There the fused loss dequantizes a quantized head under no-grad and holds
+    // it through the chunks: `head_dq`, the two copies of its decode, covers it.)
     // AutoGPTQ's dequantize path multiplies with `torch.matmul(x, weights)` too, so autograd keeps
     // its fp16 `weights` the same way (bitsandbytes' `MatMul4Bit` dequantizes again instead).
-    let kept_dense = if (s.profile.framework == Framework::Ours && s.base_dtype.is_quantized())
-        || gptq_dequantize
-    {
-        c.e * if s.gradient_checkpointing {
-            linear / layers.max(1.0)
+    let kept_dense =
+        if (s.profile.framework == Framework::Ours && s.base_dtype.is_quantized() && !ours_tiled)
+            || gptq_dequantize
+        {
+            c.e * if s.gradient_checkpointing {
+                linear / layers.max(1.0)
+            } else {
+                linear
+            }
         } else {
-            linear
-        }
-    } else {
-        0.0
-    };
+            0.0
+        };
     if kept_dense > 0.0 {
         notes.push(format!(
             "activations include {:.2} GB of dequantized weights this trainer keeps for the backward pass ({}); {}",
@@ -1964,14 +1997,38 @@ mod tests {
         assert_eq!(cuda_block_overhead(8.0 * mib), 2.0 * mib);
         assert_eq!(cuda_block_overhead(11.0 * mib), mib);
         let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
-        let s = Settings::default().with_base_dtype(BaseDtype::Nf4 {
-            double_quant: false,
-        });
+        let s = Settings::default()
+            .with_base_dtype(BaseDtype::Nf4 {
+                double_quant: false,
+            })
+            .with_profile(Profile::peft_transformers());
         let cuda = estimate(&m, &s).unwrap();
         let cpu = estimate(&m, &s.clone().with_device(Device::cpu())).unwrap();
         assert_eq!(cuda.peak_allocated, cpu.peak_allocated);
         assert!(cuda.peak_reserved.0 > cuda.peak_allocated.0 + (100 << 20));
         assert_eq!(cpu.peak_reserved, cpu.peak_allocated);
+    }
+
+    #[test]
+    fn this_sdks_quantized_linears_keep_no_dense_weight_on_the_cpu() {
+        let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let s = Settings::default().with_base_dtype(BaseDtype::Q4_0);
+        let cuda = estimate(&m, &s).unwrap();
+        let cpu = estimate(&m, &s.clone().with_device(Device::cpu())).unwrap();
+        // on CUDA autograd keeps every layer linear's dense bf16 weight (no checkpointing); the
+        // CPU kernel decodes one tile of at most 1 Mi weights at a time instead
+        let kept = 2.0 * d.layer_linear_params() as f64;
+        let diff = cuda.peak_allocated.as_f64() - cpu.peak_allocated.as_f64();
+        // (plus at most the CUDA decode of the largest linear, 2 copies of 2 B per weight,
+        // depending on which backward phase is the peak)
+        let cuda_transient = 2.0 * 2.0 * 4096.0 * 11008.0;
+        assert!(
+            diff >= kept && diff <= kept + cuda_transient,
+            "{diff} vs {kept} + ≤ {cuda_transient}"
+        );
     }
 
     #[test]

@@ -7,3 +7,4 @@ mod common;
 mod formats;
 mod interop_peft;
 mod invariants;
+mod qlinear;

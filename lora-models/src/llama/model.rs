@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use lora_core::base::BaseWeight;
 use lora_core::embedding::LoraEmbedding;
 use lora_core::inject::{Adaptable, SiteMut};
 use lora_core::layer::LoraLayer;
@@ -58,6 +59,13 @@ impl RmsNorm {
 }
 
 use lora_core::sys::tensor_bytes;
+
+/// The frozen head of [`Llama::head_loss`]: dense `w` `[V, d]` with its transpose, or a
+/// quantized weight multiplied tile by tile (`QuantWeight::matmul`).
+enum HeadWeight<'a> {
+    Dense { w: Tensor, wt: Tensor },
+    Quant(&'a lora_core::quant::QuantWeight),
+}
 
 use crate::weights::Site;
 
@@ -856,24 +864,31 @@ impl Llama {
         Ok(lg.f_cross_entropy_loss::<Tensor>(&lb, None, tch::Reduction::Mean, IGNORE_INDEX, 0.0)?)
     }
 
-    /// The frozen LM-head weight `[V, d]` in the model dtype, when the head adds nothing to a plain
-    /// `h·Wᵀ` (tied to the embedding, or an untied head with no active LoRA adapter and no bias);
+    /// The frozen LM-head weight `[V, d]` when the head adds nothing to a plain `h·Wᵀ` (tied to
+    /// the embedding, or an untied head with no active LoRA adapter and no bias): a quantized
+    /// one as it is when the tiled kernels take products in `mm_kind`, else dense in `mm_kind`;
     /// `None` otherwise.
-    fn plain_head_weight(&self) -> Result<Option<Tensor>> {
-        match &self.lm_head {
-            None => Ok(Some(self.embed_tokens.base().weight(self.kind)?)),
+    fn plain_head_weight(&self, mm_kind: Kind) -> Result<Option<HeadWeight<'_>>> {
+        let base = match &self.lm_head {
+            None => self.embed_tokens.base(),
             Some(l) => {
                 let active = !l.adapters_disabled()
                     && l.adapters()
                         .iter()
                         .any(|a| a.is_enabled() && !a.is_merged());
                 if active || l.bias().is_some() {
-                    Ok(None)
-                } else {
-                    Ok(Some(l.base().weight(self.kind)?))
+                    return Ok(None);
                 }
+                l.base()
             }
-        }
+        };
+        Ok(Some(match base {
+            BaseWeight::Quant(q) if q.has_kernel(mm_kind) => HeadWeight::Quant(q),
+            b => {
+                let w = b.weight(self.kind)?.f_to_kind(mm_kind)?;
+                HeadWeight::Dense { wt: w.f_tr()?, w }
+            }
+        }))
     }
 
     /// Final norm, LM head and shifted cross-entropy of hidden states `h` `[b, s, d]` against
@@ -900,7 +915,15 @@ impl Llama {
                 labels.size()
             )));
         }
-        let Some(w) = self.plain_head_weight()? else {
+        // The head's matmuls run in the dtype the plain path would use: the autocast dtype when
+        // autocast is on (one cast of W for all chunks, as autocast itself would keep for the
+        // backward), else the model dtype.
+        let autocast = lora_core::sys::autocast_state(h.device())?;
+        let mm_kind = match (autocast.enabled, autocast.dtype) {
+            (true, Some(k)) => k,
+            _ => self.kind,
+        };
+        let Some(w) = self.plain_head_weight(mm_kind)? else {
             return Self::shifted_ce(&self.head(h)?, labels);
         };
         let lb = labels
@@ -916,22 +939,16 @@ impl Llama {
         }
         let hn = self.norm.forward(h)?;
         let want_grad = hn.requires_grad();
-        let v = w.size()[0];
+        let v = match &w {
+            HeadWeight::Dense { w, .. } => w.size()[0],
+            HeadWeight::Quant(q) => q.shape()[0],
+        };
         let rows = hn.f_narrow(1, 0, s - 1)?.f_reshape([-1, d])?.f_detach()?;
         let n = rows.size()[0];
         let idx = lb.f_clamp_min(0)?.f_unsqueeze(1)?;
         let validf = valid.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
-        // The head's matmuls run in the dtype the plain path would use: the autocast dtype when
-        // autocast is on (one cast of W for all chunks, as autocast itself would keep for the
-        // backward), else the model dtype.
-        let autocast = lora_core::sys::autocast_state(h.device())?;
-        let mm_kind = match (autocast.enabled, autocast.dtype) {
-            (true, Some(k)) => k,
-            _ => self.kind,
-        };
-        let w = w.f_to_kind(mm_kind)?;
-        let wt = w.f_tr()?;
-        let reuse = mm_kind == Kind::Float;
+        // A dense fp32 head writes each chunk into one reused buffer.
+        let reuse = mm_kind == Kind::Float && matches!(w, HeadWeight::Dense { .. });
         let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1)))
             .clamp(16, n.max(16))
             .min(n);
@@ -953,12 +970,13 @@ impl Llama {
         while start < n {
             let r = chunk.min(n - start);
             let x = rows.f_narrow(0, start, r)?.f_to_kind(mm_kind)?;
-            let mut lg = match &buf {
-                Some(bf) => {
+            let mut lg = match (&w, &buf) {
+                (HeadWeight::Dense { wt, .. }, Some(bf)) => {
                     let out = bf.f_narrow(0, 0, r)?;
-                    x.f_mm_out(&out, &wt)?
+                    x.f_mm_out(&out, wt)?
                 }
-                None => x.f_mm(&wt)?.f_to_kind(Kind::Float)?,
+                (HeadWeight::Dense { wt, .. }, None) => x.f_mm(wt)?.f_to_kind(Kind::Float)?,
+                (HeadWeight::Quant(q), _) => q.matmul(&x, false)?.f_to_kind(Kind::Float)?,
             };
             let lse = lg.f_logsumexp([-1i64].as_slice(), true)?;
             let ix = idx.f_narrow(0, start, r)?;
@@ -971,10 +989,16 @@ impl Llama {
                 let _ = lg.f_scatter_add_(1, &ix, &vf.f_neg()?)?;
                 let _ = lg.f_mul_(&vf.f_mul_scalar(inv)?)?;
                 let mut gx = g.f_narrow(0, start, r)?;
-                if reuse {
-                    let _ = lg.f_mm_out(&gx, &w)?;
-                } else {
-                    let _ = gx.f_copy_(&lg.f_to_kind(mm_kind)?.f_mm(&w)?)?;
+                match &w {
+                    HeadWeight::Dense { w, .. } if reuse => {
+                        let _ = lg.f_mm_out(&gx, w)?;
+                    }
+                    HeadWeight::Dense { w, .. } => {
+                        let _ = gx.f_copy_(&lg.f_to_kind(mm_kind)?.f_mm(w)?)?;
+                    }
+                    HeadWeight::Quant(q) => {
+                        let _ = gx.f_copy_(&q.matmul(&lg.f_to_kind(mm_kind)?, true)?)?;
+                    }
                 }
             }
             start += r;

@@ -1,7 +1,8 @@
 //! The causal-LM job on a base kept quantized (`model.weights: quantized`, SmolLM2-135M's Q4_1
-//! GGUF with its Q8_0 tied head): the plan describes what this SDK's quantized linears hold —
-//! the dense weight each keeps for its input gradient, the dequantized head of the fused loss —
-//! so the predicted tensor peak matches the counting allocator's.
+//! GGUF with its Q8_0 tied head): the plan describes what this SDK's quantized linears hold on
+//! the CPU — one decoded tile at a time, no dense weight kept for the backward pass, the fused
+//! loss multiplying the quantized head tile by tile too — so the predicted tensor peak matches
+//! the counting allocator's.
 
 use std::path::PathBuf;
 
@@ -60,11 +61,9 @@ fn the_plan_of_a_quantized_base_matches_the_measured_tensor_peak() {
             predicted / 1e6,
             100.0 * err
         );
-        // Never under by more than 3%. Over: +4.0% at batch 1 and +7.4% at batch 3 when written
-        // — per sample the quantized run holds ~15% less than the dense one the per-token terms
-        // were fitted on, a difference not yet modelled (the safe side).
+        // +0.8% at batch 1 (246 MB) and +3.1% at batch 3 (477 MB) when written.
         assert!(
-            (-0.03..=0.10).contains(&err),
+            (-0.03..=0.06).contains(&err),
             "batch {batch}: {:+.1}%",
             100.0 * err
         );

@@ -15,6 +15,7 @@ mod engine_optim;
 mod engine_sys;
 mod engine_trainer;
 mod job_checkpointing;
+mod job_long_sequence_plan;
 mod job_quantized_plan;
 mod sd_caching;
 mod sd_fixture;

@@ -1,0 +1,378 @@
+// Linear layers over a frozen quantized weight on the CPU, computed from the quantized blocks one
+// tile of output rows at a time: `y = x · Wᵀ` forward and `∂x = g · W` backward, W never held
+// dense beyond one tile (at most `tile_elements` values, the caller's bound).
+//
+// Each tile is decoded into a float buffer by the loops below (compiled for AVX-512, AVX2 and
+// baseline x86-64 and picked at run time by the loader, GCC `target_clones`; threaded over rows
+// with libtorch's intra-op pool) and multiplied with libtorch's GEMM. The autograd function saves
+// only the quantized tensors, so a backward pass decodes the tiles again instead of keeping each
+// layer's dense weight alive from the forward pass.
+//
+// Layouts (lora-core `quant.rs`, `QuantWeight`):
+// - GGUF Q8_0 / Q4_0 / Q4_1: `codes` `[out, in/32, 32]` i8 (Q8_0) or `[out, in/32, 16]` u8, two
+//   4-bit codes per byte in weight order (high nibble first); `scales` (and Q4_1 `mins`) f16
+//   `[out, in/32]`; `table` f32 `[256, 2]` maps a byte to its two code values (q − 8 for Q4_0,
+//   q for Q4_1). Q8_0: w = d·q; Q4_0: w = d·table; Q4_1: w = m + d·table (llama.cpp
+//   `dequantize_row_q8_0/q4_0/q4_1`).
+// - NF4 (QLoRA): `codes` `[out·in/64, 32]` u8 over the row-major flattened matrix, `table` the
+//   NF4 values per byte; absmax per 64 weights is `scales` f32, or with double quantization
+//   `scales` i8 · `dq_scales[block / 256]` + `dq_offset`.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "guard.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+enum QKind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kNf4 = 3, kNf4Dq = 4 };
+
+struct QWeight {
+  int32_t kind;
+  int64_t out;
+  int64_t in;
+  int64_t tile_elements;  // most weights decoded at once
+  double dq_offset;
+  at::Tensor codes, scales, mins, dq_scales, table;
+};
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LSDK_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LSDK_CLONES
+#endif
+
+// Rows [r0, r1) of a GGUF weight into `dst` (row-major, `in` per row).
+LSDK_CLONES void decode_gguf_rows(
+    int32_t kind,
+    int64_t in,
+    int64_t r0,
+    int64_t r1,
+    const uint8_t* codes,
+    const c10::Half* scales,
+    const c10::Half* mins,
+    const float* table,
+    float* dst) {
+  const int64_t nb = in / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* out = dst + (r - r0) * in;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t blk = r * nb + b;
+      const float d = static_cast<float>(scales[blk]);
+      float* o = out + b * 32;
+      if (kind == kQ8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(codes) + blk * 32;
+        for (int j = 0; j < 32; ++j) {
+          o[j] = d * static_cast<float>(q[j]);
+        }
+      } else {
+        const uint8_t* q = codes + blk * 16;
+        const float m = kind == kQ4_1 ? static_cast<float>(mins[blk]) : 0.0f;
+        for (int k = 0; k < 16; ++k) {
+          const float* pair = table + 2 * static_cast<int>(q[k]);
+          o[2 * k] = m + d * pair[0];
+          o[2 * k + 1] = m + d * pair[1];
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, r1) of an NF4 weight into `dst`; blocks of 64 run over the flattened matrix, so a
+// block may span two rows when `in` is not a multiple of 64.
+LSDK_CLONES void decode_nf4_rows(
+    bool double_quant,
+    int64_t in,
+    int64_t r0,
+    int64_t r1,
+    const uint8_t* codes,
+    const void* scales,
+    const float* dq_scales,
+    float dq_offset,
+    const float* table,
+    float* dst) {
+  const int64_t first = r0 * in;
+  const int64_t last = r1 * in;
+  int64_t f = first;
+  while (f < last) {
+    const int64_t blk = f / 64;
+    const float absmax = double_quant
+        ? static_cast<float>(static_cast<const int8_t*>(scales)[blk]) * dq_scales[blk / 256] + dq_offset
+        : static_cast<const float*>(scales)[blk];
+    const int64_t end = std::min(last, (blk + 1) * 64);
+    // whole byte pairs when aligned; a block starts on an even index (64 is even)
+    for (; f < end; ++f) {
+      const uint8_t byte = codes[f / 2];
+      const float v = table[2 * static_cast<int>(byte) + (f & 1)];
+      dst[f - first] = absmax * v;
+    }
+  }
+}
+
+// Decodes output rows [r0, r1) into the float tile `dst` `[r1 − r0, in]`, threaded over rows.
+void decode_rows(const QWeight& w, int64_t r0, int64_t r1, float* dst) {
+  const int64_t in = w.in;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
+  const float* table = w.table.defined() ? w.table.data_ptr<float>() : nullptr;
+  // about 16 Ki weights per task
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(in, 1));
+  if (w.kind == kNf4 || w.kind == kNf4Dq) {
+    const bool dq = w.kind == kNf4Dq;
+    const void* scales = w.scales.data_ptr();
+    const float* dqs = dq ? w.dq_scales.data_ptr<float>() : nullptr;
+    const float off = static_cast<float>(w.dq_offset);
+    at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
+      decode_nf4_rows(dq, in, b, e, codes, scales, dqs, off, table, dst + (b - r0) * in);
+    });
+  } else {
+    const c10::Half* scales = w.scales.data_ptr<c10::Half>();
+    const c10::Half* mins = w.kind == kQ4_1 ? w.mins.data_ptr<c10::Half>() : nullptr;
+    at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
+      decode_gguf_rows(w.kind, in, b, e, codes, scales, mins, table, dst + (b - r0) * in);
+    });
+  }
+}
+
+// Output rows per tile.
+int64_t tile_rows(const QWeight& w) {
+  return std::max<int64_t>(1, std::min(w.out, w.tile_elements / std::max<int64_t>(w.in, 1)));
+}
+
+// Calls `f(r0, rows, tile)` for each tile of output rows, `tile` `[rows, in]` in `kind`.
+template <typename F>
+void for_each_tile(const QWeight& w, at::ScalarType kind, F&& f) {
+  const int64_t t = tile_rows(w);
+  auto fbuf = at::empty({t, w.in}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor kbuf;
+  if (kind != at::kFloat) {
+    kbuf = at::empty({t, w.in}, at::TensorOptions().dtype(kind));
+  }
+  for (int64_t r0 = 0; r0 < w.out; r0 += t) {
+    const int64_t rows = std::min(t, w.out - r0);
+    decode_rows(w, r0, r0 + rows, fbuf.data_ptr<float>());
+    at::Tensor tile = fbuf.narrow(0, 0, rows);
+    if (kind != at::kFloat) {
+      at::Tensor k = kbuf.narrow(0, 0, rows);
+      k.copy_(tile);
+      tile = k;
+    }
+    f(r0, rows, tile);
+  }
+}
+
+// y `[n, out]` = x `[n, in]` · Wᵀ in x's dtype.
+at::Tensor qlinear_forward(const QWeight& w, const at::Tensor& x) {
+  const int64_t n = x.size(0);
+  if (tile_rows(w) >= w.out) {
+    at::Tensor y;
+    for_each_tile(w, x.scalar_type(), [&](int64_t, int64_t, const at::Tensor& tile) {
+      y = at::mm(x, tile.t());
+    });
+    return y;
+  }
+  auto y = at::empty({n, w.out}, x.options());
+  for_each_tile(w, x.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+    y.narrow(1, r0, rows).copy_(at::mm(x, tile.t()));
+  });
+  return y;
+}
+
+// ∂x `[n, in]` = g `[n, out]` · W in g's dtype.
+at::Tensor qlinear_input_grad(const QWeight& w, const at::Tensor& g) {
+  at::Tensor gx;
+  for_each_tile(w, g.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+    auto gs = g.narrow(1, r0, rows);
+    if (gx.defined()) {
+      gx.addmm_(gs, tile);
+    } else {
+      gx = at::mm(gs, tile);
+    }
+  });
+  return gx;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+QWeight saved_weight(AutogradContext* ctx) {
+  const auto& d = ctx->saved_data;
+  QWeight w;
+  w.kind = static_cast<int32_t>(d.at("kind").toInt());
+  w.out = d.at("out").toInt();
+  w.in = d.at("in").toInt();
+  w.tile_elements = d.at("tile_elements").toInt();
+  w.dq_offset = d.at("dq_offset").toDouble();
+  w.codes = d.at("codes").toTensor();
+  w.scales = d.at("scales").toTensor();
+  w.mins = d.at("mins").toTensor();
+  w.dq_scales = d.at("dq_scales").toTensor();
+  w.table = d.at("table").toTensor();
+  return w;
+}
+
+// The autograd function: only `x` takes a gradient; the quantized tensors are saved as they are.
+struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const QWeight& w) {
+    ctx->saved_data["kind"] = static_cast<int64_t>(w.kind);
+    ctx->saved_data["out"] = w.out;
+    ctx->saved_data["in"] = w.in;
+    ctx->saved_data["tile_elements"] = w.tile_elements;
+    ctx->saved_data["dq_offset"] = w.dq_offset;
+    ctx->saved_data["codes"] = w.codes;
+    ctx->saved_data["scales"] = w.scales;
+    ctx->saved_data["mins"] = w.mins;
+    ctx->saved_data["dq_scales"] = w.dq_scales;
+    ctx->saved_data["table"] = w.table;
+    return qlinear_forward(w, x);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const QWeight w = saved_weight(ctx);
+    auto g = grads[0].contiguous();
+    return {qlinear_input_grad(w, g), at::Tensor()};
+  }
+};
+
+// The weight's tensors, checked against `kind`'s layout for an `[out, in]` matrix.
+QWeight make_weight(
+    int32_t kind,
+    int64_t out,
+    int64_t in,
+    const at::Tensor* codes,
+    const at::Tensor* scales,
+    const at::Tensor* mins,
+    const at::Tensor* dq_scales,
+    const at::Tensor* table,
+    double dq_offset,
+    int64_t tile_elements) {
+  TORCH_CHECK(codes != nullptr && scales != nullptr, "null weight tensor");
+  TORCH_CHECK(tile_elements > 0, "the tile bound must be positive");
+  TORCH_CHECK(kind >= kQ8_0 && kind <= kNf4Dq, "unknown quantization kind ", kind);
+  TORCH_CHECK(out > 0 && in > 0, "shape [", out, ", ", in, "] must be positive");
+  QWeight w;
+  w.kind = kind;
+  w.out = out;
+  w.in = in;
+  w.tile_elements = tile_elements;
+  w.dq_offset = dq_offset;
+  w.codes = codes->contiguous();
+  w.scales = scales->contiguous();
+  w.mins = mins != nullptr ? mins->contiguous() : at::Tensor();
+  w.dq_scales = dq_scales != nullptr ? dq_scales->contiguous() : at::Tensor();
+  w.table = table != nullptr ? table->contiguous() : at::Tensor();
+  const int64_t numel = out * in;
+  if (kind == kNf4 || kind == kNf4Dq) {
+    TORCH_CHECK(numel % 64 == 0, "NF4 needs out·in divisible by 64");
+    TORCH_CHECK(w.codes.numel() == numel / 2, "NF4 codes: expected ", numel / 2, " bytes");
+    TORCH_CHECK(w.table.defined() && w.table.numel() == 512, "NF4 needs its [256, 2] table");
+    TORCH_CHECK(w.scales.numel() == numel / 64, "NF4 absmax: expected ", numel / 64, " values");
+    if (kind == kNf4Dq) {
+      TORCH_CHECK(w.scales.scalar_type() == at::kChar, "double-quantized absmax must be int8");
+      TORCH_CHECK(
+          w.dq_scales.defined() && w.dq_scales.scalar_type() == at::kFloat &&
+              w.dq_scales.numel() * 256 >= numel / 64,
+          "double quantization needs one f32 scale per 256 blocks");
+    } else {
+      TORCH_CHECK(w.scales.scalar_type() == at::kFloat, "NF4 absmax must be float32");
+    }
+  } else {
+    TORCH_CHECK(in % 32 == 0, "GGUF blocks need in divisible by 32");
+    const int64_t per_block = kind == kQ8_0 ? 32 : 16;
+    TORCH_CHECK(w.codes.numel() == numel / 32 * per_block, "GGUF codes: wrong byte count");
+    TORCH_CHECK(
+        w.scales.scalar_type() == at::kHalf && w.scales.numel() == numel / 32,
+        "GGUF scales must be f16, one per block");
+    if (kind == kQ4_1) {
+      TORCH_CHECK(
+          w.mins.defined() && w.mins.scalar_type() == at::kHalf && w.mins.numel() == numel / 32,
+          "Q4_1 needs f16 mins, one per block");
+    }
+    if (kind != kQ8_0) {
+      TORCH_CHECK(w.table.defined() && w.table.numel() == 512, "4-bit kinds need their [256, 2] table");
+    }
+  }
+  TORCH_CHECK(w.codes.device().is_cpu(), "the quantized weight must be on the CPU");
+  return w;
+}
+
+// Checks an input `[n, width]` of the kernel's dtypes on the CPU.
+void check_input(const at::Tensor* x, int64_t width, const char* what) {
+  TORCH_CHECK(x != nullptr, "null ", what);
+  TORCH_CHECK(x->dim() == 2 && x->size(1) == width, what, " must be [n, ", width, "], got ", x->sizes());
+  TORCH_CHECK(x->device().is_cpu(), "the quantized kernels run on the CPU; ", what, " is on ", x->device());
+  TORCH_CHECK(
+      x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16,
+      what,
+      " must be float32 or bfloat16, got ",
+      x->scalar_type());
+}
+
+}  // namespace
+
+extern "C" {
+
+// `*y = x · dequant(W)ᵀ` for x `[n, in]` (f32 or bf16 on the CPU), as an autograd op whose
+// backward gives `g · dequant(W)` for x. `kind`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 NF4, 4 NF4 with double
+// quantization; absent tensors (mins, dq_scales, table) may be null; at most `tile_elements`
+// weights are decoded at once.
+char* lsdk_qlinear(
+    const at::Tensor* x,
+    int32_t kind,
+    int64_t out,
+    int64_t in,
+    const at::Tensor* codes,
+    const at::Tensor* scales,
+    const at::Tensor* mins,
+    const at::Tensor* dq_scales,
+    const at::Tensor* table,
+    double dq_offset,
+    int64_t tile_elements,
+    at::Tensor** y) {
+  return lsdk::guarded([&] {
+    TORCH_CHECK(y != nullptr, "null output");
+    check_input(x, in, "input");
+    QWeight w = make_weight(kind, out, in, codes, scales, mins, dq_scales, table, dq_offset, tile_elements);
+    // The kernel picks its own dtypes: autocast must not recast the tiles or the GEMM.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    *y = new at::Tensor(QLinearFunction::apply(x->contiguous(), w));
+  });
+}
+
+// The two products without autograd: `transposed` = 0 gives `x · dequant(W)ᵀ` (x `[n, in]`),
+// 1 gives `x · dequant(W)` (x `[n, out]`, an input gradient), in x's dtype.
+char* lsdk_qmatmul(
+    const at::Tensor* x,
+    int32_t transposed,
+    int32_t kind,
+    int64_t out,
+    int64_t in,
+    const at::Tensor* codes,
+    const at::Tensor* scales,
+    const at::Tensor* mins,
+    const at::Tensor* dq_scales,
+    const at::Tensor* table,
+    double dq_offset,
+    int64_t tile_elements,
+    at::Tensor** y) {
+  return lsdk::guarded([&] {
+    TORCH_CHECK(y != nullptr, "null output");
+    check_input(x, transposed != 0 ? out : in, "input");
+    QWeight w = make_weight(kind, out, in, codes, scales, mins, dq_scales, table, dq_offset, tile_elements);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    at::NoGradGuard no_grad;
+    auto xc = x->contiguous();
+    *y = new at::Tensor(transposed != 0 ? qlinear_input_grad(w, xc) : qlinear_forward(w, xc));
+  });
+}
+
+}  // extern "C"
