@@ -11,12 +11,12 @@
 // Layouts (lora-core `quant.rs`, `QuantWeight`):
 // - GGUF Q8_0 / Q4_0 / Q4_1: `codes` `[out, in/32, 32]` i8 (Q8_0) or `[out, in/32, 16]` u8, two
 //   4-bit codes per byte in weight order (high nibble first); `scales` (and Q4_1 `mins`) f16
-//   `[out, in/32]`; `table` f32 `[256, 2]` maps a byte to its two code values (q − 8 for Q4_0,
-//   q for Q4_1). Q8_0: w = d·q; Q4_0: w = d·table; Q4_1: w = m + d·table (llama.cpp
+//   `[out, in/32]`. Q8_0: w = d·q; Q4_0: w = d·(q − 8); Q4_1: w = m + d·q (llama.cpp
 //   `dequantize_row_q8_0/q4_0/q4_1`).
-// - NF4 (QLoRA): `codes` `[out·in/64, 32]` u8 over the row-major flattened matrix, `table` the
-//   NF4 values per byte; absmax per 64 weights is `scales` f32, or with double quantization
-//   `scales` i8 · `dq_scales[block / 256]` + `dq_offset`.
+// - NF4 (QLoRA): `codes` `[out·in/64, 32]` u8 over the row-major flattened matrix (high nibble
+//   first), `table` f32 `[256, 2]` the two NF4 values of each byte; absmax per 64 weights is
+//   `scales` f32, or with double quantization `scales` i8 · `dq_scales[block / 256]` +
+//   `dq_offset`.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,7 +51,8 @@ struct QWeight {
 #define LSDK_CLONES
 #endif
 
-// Rows [r0, r1) of a GGUF weight into `dst` (row-major, `in` per row).
+// Rows [r0, r1) of a GGUF weight into `dst` (row-major, `in` per row). Each block's codes are
+// first unpacked to 32 small integers, then scaled in one straight loop of 32 (vectorized).
 LSDK_CLONES void decode_gguf_rows(
     int32_t kind,
     int64_t in,
@@ -60,35 +61,42 @@ LSDK_CLONES void decode_gguf_rows(
     const uint8_t* codes,
     const c10::Half* scales,
     const c10::Half* mins,
-    const float* table,
     float* dst) {
   const int64_t nb = in / 32;
+  float q[32];
   for (int64_t r = r0; r < r1; ++r) {
     float* out = dst + (r - r0) * in;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = r * nb + b;
       const float d = static_cast<float>(scales[blk]);
       float* o = out + b * 32;
+      float m = 0.0f;
       if (kind == kQ8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(codes) + blk * 32;
+        const int8_t* c = reinterpret_cast<const int8_t*>(codes) + blk * 32;
         for (int j = 0; j < 32; ++j) {
-          o[j] = d * static_cast<float>(q[j]);
+          q[j] = static_cast<float>(c[j]);
         }
       } else {
-        const uint8_t* q = codes + blk * 16;
-        const float m = kind == kQ4_1 ? static_cast<float>(mins[blk]) : 0.0f;
+        // two codes per byte in weight order, high nibble first; Q4_0 stores q + 8
+        const uint8_t* c = codes + blk * 16;
+        const float offset = kind == kQ4_0 ? 8.0f : 0.0f;
         for (int k = 0; k < 16; ++k) {
-          const float* pair = table + 2 * static_cast<int>(q[k]);
-          o[2 * k] = m + d * pair[0];
-          o[2 * k + 1] = m + d * pair[1];
+          q[2 * k] = static_cast<float>(c[k] >> 4) - offset;
+          q[2 * k + 1] = static_cast<float>(c[k] & 0x0F) - offset;
         }
+        if (kind == kQ4_1) {
+          m = static_cast<float>(mins[blk]);
+        }
+      }
+      for (int j = 0; j < 32; ++j) {
+        o[j] = m + d * q[j];
       }
     }
   }
 }
 
 // Rows [r0, r1) of an NF4 weight into `dst`; blocks of 64 run over the flattened matrix, so a
-// block may span two rows when `in` is not a multiple of 64.
+// block may span two rows when `in` is not a multiple of 64. `lut` holds the 16 NF4 values.
 LSDK_CLONES void decode_nf4_rows(
     bool double_quant,
     int64_t in,
@@ -98,23 +106,36 @@ LSDK_CLONES void decode_nf4_rows(
     const void* scales,
     const float* dq_scales,
     float dq_offset,
-    const float* table,
+    const float* lut,
     float* dst) {
   const int64_t first = r0 * in;
   const int64_t last = r1 * in;
-  int64_t f = first;
-  while (f < last) {
-    const int64_t blk = f / 64;
-    const float absmax = double_quant
+  auto absmax_of = [&](int64_t blk) {
+    return double_quant
         ? static_cast<float>(static_cast<const int8_t*>(scales)[blk]) * dq_scales[blk / 256] + dq_offset
         : static_cast<const float*>(scales)[blk];
-    const int64_t end = std::min(last, (blk + 1) * 64);
-    // whole byte pairs when aligned; a block starts on an even index (64 is even)
-    for (; f < end; ++f) {
-      const uint8_t byte = codes[f / 2];
-      const float v = table[2 * static_cast<int>(byte) + (f & 1)];
-      dst[f - first] = absmax * v;
+  };
+  if (first % 64 == 0 && last % 64 == 0) {
+    // whole blocks: unpack 64 indices, then one straight loop of 64
+    int32_t idx[64];
+    for (int64_t blk = first / 64; blk < last / 64; ++blk) {
+      const uint8_t* c = codes + blk * 32;
+      for (int k = 0; k < 32; ++k) {
+        idx[2 * k] = c[k] >> 4;
+        idx[2 * k + 1] = c[k] & 0x0F;
+      }
+      const float a = absmax_of(blk);
+      float* o = dst + (blk * 64 - first);
+      for (int j = 0; j < 64; ++j) {
+        o[j] = a * lut[idx[j]];
+      }
     }
+    return;
+  }
+  for (int64_t f = first; f < last; ++f) {
+    const uint8_t byte = codes[f / 2];
+    const int v = (f & 1) != 0 ? (byte & 0x0F) : (byte >> 4);
+    dst[f - first] = absmax_of(f / 64) * lut[v];
   }
 }
 
@@ -122,7 +143,14 @@ LSDK_CLONES void decode_nf4_rows(
 void decode_rows(const QWeight& w, int64_t r0, int64_t r1, float* dst) {
   const int64_t in = w.in;
   const uint8_t* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
-  const float* table = w.table.defined() ? w.table.data_ptr<float>() : nullptr;
+  // NF4 code values: the table maps byte b to (value(b >> 4), value(b & 15))
+  float lut[16] = {};
+  if (w.table.defined()) {
+    const float* table = w.table.data_ptr<float>();
+    for (int v = 0; v < 16; ++v) {
+      lut[v] = table[2 * (v << 4)];
+    }
+  }
   // about 16 Ki weights per task
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(in, 1));
   if (w.kind == kNf4 || w.kind == kNf4Dq) {
@@ -131,13 +159,13 @@ void decode_rows(const QWeight& w, int64_t r0, int64_t r1, float* dst) {
     const float* dqs = dq ? w.dq_scales.data_ptr<float>() : nullptr;
     const float off = static_cast<float>(w.dq_offset);
     at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
-      decode_nf4_rows(dq, in, b, e, codes, scales, dqs, off, table, dst + (b - r0) * in);
+      decode_nf4_rows(dq, in, b, e, codes, scales, dqs, off, lut, dst + (b - r0) * in);
     });
   } else {
     const c10::Half* scales = w.scales.data_ptr<c10::Half>();
     const c10::Half* mins = w.kind == kQ4_1 ? w.mins.data_ptr<c10::Half>() : nullptr;
     at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
-      decode_gguf_rows(w.kind, in, b, e, codes, scales, mins, table, dst + (b - r0) * in);
+      decode_gguf_rows(w.kind, in, b, e, codes, scales, mins, dst + (b - r0) * in);
     });
   }
 }
@@ -147,14 +175,26 @@ int64_t tile_rows(const QWeight& w) {
   return std::max<int64_t>(1, std::min(w.out, w.tile_elements / std::max<int64_t>(w.in, 1)));
 }
 
+// A `[rows, cols]` buffer of `kind` for this thread, reused from call to call: a fresh tile per
+// call would be a fresh mapping (large allocations are mmap'ed) whose pages fault in on every
+// decode. It grows to the largest tile asked for (at most `tile_elements` values).
+at::Tensor tile_buffer(int slot, at::ScalarType kind, int64_t rows, int64_t cols) {
+  thread_local at::Tensor buffers[2];
+  at::Tensor& b = buffers[slot];
+  if (!b.defined() || b.scalar_type() != kind || b.numel() < rows * cols) {
+    b = at::empty({rows * cols}, at::TensorOptions().dtype(kind));
+  }
+  return b.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
 // Calls `f(r0, rows, tile)` for each tile of output rows, `tile` `[rows, in]` in `kind`.
 template <typename F>
 void for_each_tile(const QWeight& w, at::ScalarType kind, F&& f) {
   const int64_t t = tile_rows(w);
-  auto fbuf = at::empty({t, w.in}, at::TensorOptions().dtype(at::kFloat));
+  auto fbuf = tile_buffer(0, at::kFloat, t, w.in);
   at::Tensor kbuf;
   if (kind != at::kFloat) {
-    kbuf = at::empty({t, w.in}, at::TensorOptions().dtype(kind));
+    kbuf = tile_buffer(1, kind, t, w.in);
   }
   for (int64_t r0 = 0; r0 < w.out; r0 += t) {
     const int64_t rows = std::min(t, w.out - r0);
@@ -296,9 +336,6 @@ QWeight make_weight(
       TORCH_CHECK(
           w.mins.defined() && w.mins.scalar_type() == at::kHalf && w.mins.numel() == numel / 32,
           "Q4_1 needs f16 mins, one per block");
-    }
-    if (kind != kQ8_0) {
-      TORCH_CHECK(w.table.defined() && w.table.numel() == 512, "4-bit kinds need their [256, 2] table");
     }
   }
   TORCH_CHECK(w.codes.device().is_cpu(), "the quantized weight must be on the CPU");

@@ -622,7 +622,7 @@ impl Budget {
         };
         let nvml = nvml_wrapper::Nvml::init().map_err(|e| Error::NoGpu {
             reason: format!(
-                "the NVIDIA driver cannot be asked about cuda:{device_index} ({e}); on a machine without one, name the card (e.g. \"RTX 4090\") or give a size"
+                "the NVIDIA driver cannot be asked about cuda:{device_index} ({e}); on a machine without one, name the card (--gpu / memory.gpu, e.g. \"RTX 4090\") or give a size (--budget / memory.budget, e.g. 24GB)"
             ),
         })?;
         let dev = nvml.device_by_index(device_index).map_err(|e| no(&e))?;
@@ -653,7 +653,7 @@ impl Budget {
         {
             Err(Error::NoGpu {
                 reason: format!(
-                    "cuda:{device_index} cannot be queried: this build has no NVML (build with the `nvml` feature); name the card instead (e.g. \"RTX 4090\") or give a size"
+                    "cuda:{device_index} cannot be queried: this build has no NVML (build with the `nvml` feature); name the card instead (--gpu / memory.gpu, e.g. \"RTX 4090\") or give a size (--budget / memory.budget, e.g. 24GB)"
                 ),
             })
         }

@@ -381,7 +381,31 @@ fn validate(s: &Settings) -> Result<()> {
     {
         return bad("optimizer.momentum", "must be a finite non-negative number");
     }
-    if s.profile.deepspeed.is_some() {
+    if let BaseDtype::Gptq4 { group_size: 0 } = s.base_dtype {
+        return bad(
+            "base_dtype",
+            "GPTQ group_size must be at least 1 (128 is the usual one)",
+        );
+    }
+    if s.mixed_precision == MixedPrecision::FullFp16 && !s.device.is_cuda() {
+        return bad(
+            "mixed_precision",
+            "full_fp16 runs on CUDA only; on the CPU use full_bf16 or bf16",
+        );
+    }
+    if let Some(z) = s.profile.deepspeed {
+        if s.profile.framework != Framework::PeftTransformers {
+            return bad(
+                "profile.deepspeed",
+                "DeepSpeed is modelled under the HF Trainer (Profile::peft_transformers()); this SDK's trainer and torchtune do not use it",
+            );
+        }
+        if z.reduce_bucket_size == 0 {
+            return bad(
+                "profile.deepspeed.reduce_bucket_size",
+                "must be at least 1 element (DeepSpeed's default is 500000000)",
+            );
+        }
         if !s.mixed_precision.is_full_16bit() {
             return bad(
                 "profile.deepspeed",
@@ -490,6 +514,9 @@ fn targeted<'a>(sites: &'a [LinearSite], s: &Settings) -> Vec<&'a LinearSite> {
 /// elements, about 16 MiB, whatever the adapter's size.
 pub const OURS_FOREACH_CHUNK_ELEMENTS: u64 = 4 << 20;
 
+/// Largest peak [`estimate`] answers with a number: 2^60 bytes (1 EiB); above it, an error.
+pub const MAX_ESTIMATE_BYTES: u64 = 1 << 60;
+
 /// Weights of a quantized linear decoded at once by lora-core's tiled CPU kernel
 /// (`lora_core::sys::QLINEAR_TILE_ELEMENTS`): the transient of this SDK's quantized linears on
 /// the CPU, which keep no dense weight for the backward pass.
@@ -551,10 +578,38 @@ fn optimizer_bytes(t: &Trainable, opt: Optimizer, state_bytes: f64) -> (f64, f64
 /// ```
 pub fn estimate(model: &ModelDescriptor, settings: &Settings) -> Result<Estimate> {
     validate(settings)?;
-    match model {
+    // Full 16-bit modes cast a 32-bit base to their dtype before training.
+    let cast;
+    let settings =
+        if settings.mixed_precision.is_full_16bit() && settings.base_dtype == BaseDtype::F32 {
+            cast = Settings {
+                base_dtype: if settings.mixed_precision == MixedPrecision::FullFp16 {
+                    BaseDtype::F16
+                } else {
+                    BaseDtype::Bf16
+                },
+                ..settings.clone()
+            };
+            &cast
+        } else {
+            settings
+        };
+    let e = match model {
         ModelDescriptor::Decoder(d) => estimate_decoder(d, settings),
         ModelDescriptor::Diffusion(d) => estimate_diffusion(d, settings),
+    }?;
+    // Beyond any machine (and beyond what the byte counts hold exactly): an error, never a
+    // saturated number a huge budget could call "fits".
+    if e.peak_process.0 >= MAX_ESTIMATE_BYTES {
+        return Err(Error::InvalidSetting {
+            key: "settings",
+            reason: format!(
+                "the run would need more than {} bytes (seq_len {}, micro_batch {}): lower them",
+                MAX_ESTIMATE_BYTES, settings.seq_len, settings.micro_batch
+            ),
+        });
     }
+    Ok(e)
 }
 
 fn no_target_error(sites: &[LinearSite], s: &Settings) -> Error {
@@ -1043,8 +1098,13 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         };
     if kept_dense > 0.0 {
         notes.push(format!(
-            "activations include {:.2} GB of dequantized weights this trainer keeps for the backward pass ({}); {}",
+            "activations include {:.2} GB of dequantized weights {} keeps for the backward pass ({}); {}",
             kept_dense / 1e9,
+            if gptq_dequantize {
+                "AutoGPTQ's training path"
+            } else {
+                "this trainer (on CUDA)"
+            },
             if s.gradient_checkpointing {
                 "one layer's, with gradient checkpointing"
             } else {
@@ -1084,15 +1144,16 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         )
     };
     // A GPTQ base's kernel scratch (per device, for the model's largest linear).
-    let buffers_persistent = if matches!(s.base_dtype, BaseDtype::Gptq4 { .. }) {
-        s.profile.gptq_kernel.scratch_bytes(
-            d.layer_sites()
-                .iter()
-                .map(|x| (x.in_features, x.out_features)),
-        )
-    } else {
-        0.0
-    };
+    let buffers_persistent =
+        if matches!(s.base_dtype, BaseDtype::Gptq4 { .. }) && s.device.is_cuda() {
+            s.profile.gptq_kernel.scratch_bytes(
+                d.layer_sites()
+                    .iter()
+                    .map(|x| (x.in_features, x.out_features)),
+            )
+        } else {
+            0.0
+        };
     let buffers_backward = deepspeed.map_or(0.0, |z| z.bucket_bytes());
 
     let batch = 32.0 * tokens;
@@ -1817,6 +1878,64 @@ mod tests {
     }
 
     #[test]
+    fn settings_that_cannot_run_are_errors_naming_them() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let err = |s: Settings| estimate(&m, &s).unwrap_err().to_string();
+        let ds = |z: DeepSpeedZero, p: Profile| {
+            Settings::default()
+                .with_mixed_precision(MixedPrecision::FullFp16)
+                .with_profile(Profile {
+                    deepspeed: Some(z),
+                    ..p
+                })
+        };
+        let e = err(ds(
+            DeepSpeedZero {
+                reduce_bucket_size: 0,
+                overlap_comm: false,
+            },
+            Profile::peft_transformers(),
+        ));
+        assert!(e.contains("reduce_bucket_size"), "{e}");
+        let e = err(ds(DeepSpeedZero::default(), Profile::ours()));
+        assert!(
+            e.contains("profile.deepspeed") && e.contains("HF Trainer"),
+            "{e}"
+        );
+        let e = err(Settings::default().with_base_dtype(BaseDtype::Gptq4 { group_size: 0 }));
+        assert!(e.contains("group_size"), "{e}");
+        let e = err(Settings::default()
+            .with_mixed_precision(MixedPrecision::FullFp16)
+            .with_device(Device::cpu()));
+        assert!(e.contains("full_fp16") && e.contains("CUDA"), "{e}");
+        // beyond any machine: an error, never a saturated number a huge budget calls "fits"
+        let e = err(Settings::default()
+            .with_seq_len(u32::MAX)
+            .with_micro_batch(u32::MAX));
+        assert!(e.contains("seq_len") && e.contains("lower"), "{e}");
+        // the fit ladder leaves DeepSpeed's optimizer alone instead of failing on it
+        let s = ds(DeepSpeedZero::default(), Profile::peft_transformers()).with_seq_len(8192);
+        let f = crate::fit::fit(&m, &s, Bytes::from_gib(24.0)).unwrap();
+        assert_eq!(f.settings.optimizer, Optimizer::AdamW);
+        // a 32-bit base under a full 16-bit mode is cast: counted at 2 B per weight
+        let f32_full = estimate(
+            &m,
+            &Settings::default()
+                .with_base_dtype(BaseDtype::F32)
+                .with_mixed_precision(MixedPrecision::FullFp16),
+        )
+        .unwrap();
+        let bf16_full = estimate(
+            &m,
+            &Settings::default()
+                .with_base_dtype(BaseDtype::F16)
+                .with_mixed_precision(MixedPrecision::FullFp16),
+        )
+        .unwrap();
+        assert_eq!(f32_full.peak_allocated, bf16_full.peak_allocated);
+    }
+
+    #[test]
     fn gptq_kernels_cost_their_scratch_or_the_dequantized_weights() {
         let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
         let ModelDescriptor::Decoder(d) = &m else {
@@ -1852,6 +1971,23 @@ mod tests {
         assert_eq!(dq.breakdown.framework_buffers.0, 0);
         let layer = d.layer_linear_params() as f64 / d.layers as f64;
         assert!(dq.breakdown.activations.as_f64() > 2.0 * layer);
+        // the default is the training path; the ExLlama scratch is a CUDA buffer
+        assert_eq!(Profile::default().gptq_kernel, GptqKernel::Dequantize);
+        let on_cpu = estimate(
+            &m,
+            &Settings::default()
+                .with_base_dtype(BaseDtype::Gptq4 { group_size: 128 })
+                .with_device(Device::cpu())
+                .with_profile(Profile {
+                    gptq_kernel: GptqKernel::ExllamaV2 {
+                        max_input_len: 2048,
+                        max_batch_size: 8,
+                    },
+                    ..Profile::peft_transformers()
+                }),
+        )
+        .unwrap();
+        assert_eq!(on_cpu.breakdown.framework_buffers.0, 0);
         // the scratch is for GPTQ bases only
         let nf4 = estimate(
             &m,

@@ -139,6 +139,10 @@ fn checkpointing(s: &Settings) -> Option<(Settings, String, String, String)> {
 }
 
 fn optimizer(s: &Settings) -> Option<(Settings, String, String, String)> {
+    // DeepSpeed's engine brings its own (fused) AdamW
+    if s.profile.deepspeed.is_some() {
+        return None;
+    }
     let (to, why) = match s.optimizer {
         Optimizer::AdamW => (
             Optimizer::AdamW8bit,

@@ -105,7 +105,8 @@ pub enum MixedPrecision {
     FullBf16,
     /// Everything fp16, no autocast: kohya `--full_fp16`, and DeepSpeed's fp16 engine, which
     /// casts the whole model (adapters included) to fp16 and keeps the fp32 master weights in its
-    /// optimizer ([`Profile::deepspeed`]).
+    /// optimizer ([`Profile::deepspeed`]). CUDA only. A 32-bit base is counted as cast to
+    /// 16 bit, as with `FullBf16`.
     FullFp16,
 }
 
@@ -294,7 +295,8 @@ impl DeepSpeedZero {
 pub enum GptqKernel {
     /// The `cuda_old` / Triton path training uses (`GPTQConfig(disable_exllama=True)` /
     /// `use_exllama=False`; the exllama kernels have no backward pass): the weight is
-    /// dequantized to fp16 per call, no scratch buffer.
+    /// dequantized to fp16 per call (8 B per weight while decoding) and autograd keeps the fp16
+    /// weight for the input gradient; no scratch buffer. The default.
     Dequantize,
     /// ExLlama v1: one scratch of `max_input_len × max(in, out)` fp16 (`temp_state`) plus the
     /// largest `in × out` fp16 (`temp_dq`) per device (`exllama_set_max_input_length`,
@@ -424,7 +426,8 @@ pub struct Profile {
     pub model_dtype_loss: bool,
     /// DeepSpeed ZeRO-1/2 on one GPU, see [`DeepSpeedZero`].
     pub deepspeed: Option<DeepSpeedZero>,
-    /// The kernel of a GPTQ base (ignored for other bases).
+    /// The kernel of a GPTQ base on CUDA (ignored for other bases, and on the CPU, where the
+    /// ExLlama kernels do not run). Default [`GptqKernel::Dequantize`], the one training uses.
     pub gptq_kernel: GptqKernel,
 }
 
@@ -452,10 +455,7 @@ impl Profile {
             kbit_fp32_cast: false,
             model_dtype_loss: false,
             deepspeed: None,
-            gptq_kernel: GptqKernel::ExllamaV2 {
-                max_input_len: 2048,
-                max_batch_size: 8,
-            },
+            gptq_kernel: GptqKernel::Dequantize,
         }
     }
 

@@ -14,6 +14,7 @@
 //! public boundary outcomes of [`crate::cases::boundary_cases`] — never "fits" for a run that
 //! ran out of memory — while giving up at most that fraction of the card on runs that fit.
 
+use crate::budget::Budget;
 use crate::estimate::Estimate;
 use crate::units::Bytes;
 use serde::{Deserialize, Serialize};
@@ -111,6 +112,26 @@ impl Check {
             margin,
             headroom,
         }
+    }
+
+    /// The verdict of `estimate` against a [`Budget`]: a card's total with what other
+    /// processes hold on it for a local card ([`Budget::card_bytes`],
+    /// [`Budget::held_by_others`]), else the budget itself with nothing held. Use this rather
+    /// than `Check::new(e, b.bytes, …)`: a local budget's `bytes` is already its free memory.
+    ///
+    /// ```
+    /// use lora_memory::{estimate, Budget, Check, ModelDescriptor, Settings, Verdict};
+    /// let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+    /// let e = estimate(&m, &Settings::default()).unwrap();
+    /// let card = Budget::gpu("RTX 4090").unwrap();
+    /// assert_eq!(Check::for_budget(&e, &card).verdict, Verdict::Fits);
+    /// // this machine's card, when it has one (`Budget::gpu("local")`, feature `nvml`)
+    /// if let Ok(local) = Budget::gpu("local") {
+    ///     println!("{}", Check::for_budget(&e, &local).held_by_others);
+    /// }
+    /// ```
+    pub fn for_budget(estimate: &Estimate, budget: &Budget) -> Check {
+        Check::new(estimate, budget.card_bytes(), budget.held_by_others())
     }
 
     /// True only for [`Verdict::Fits`].

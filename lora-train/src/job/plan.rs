@@ -73,7 +73,7 @@ impl Plan {
         self.check = self
             .budget
             .as_ref()
-            .map(|b| Check::new(&self.estimate, b.card_bytes(), b.held_by_others()));
+            .map(|b| Check::for_budget(&self.estimate, b));
         self.fits = self
             .check
             .as_ref()
@@ -464,24 +464,38 @@ pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
 /// on `system.device: cuda[:N]`, that card's free memory when the driver can be asked (NVML,
 /// feature `nvml`), else none.
 ///
+/// The second value is a note for the plan when a `cuda` run's card could not be read (the
+/// plan then has no budget, and says why).
+///
 /// # Errors
 /// Unknown GPU names (with the list of known ones); `local` without a card or NVML.
-pub fn budget_for(cfg: &TrainConfig, override_budget: Option<Budget>) -> Result<Option<Budget>> {
+pub fn budget_for(
+    cfg: &TrainConfig,
+    override_budget: Option<Budget>,
+) -> Result<(Option<Budget>, Option<String>)> {
     if override_budget.is_some() {
-        return Ok(override_budget);
+        return Ok((override_budget, None));
     }
     if let Some(g) = &cfg.memory.gpu {
-        return Ok(Some(Budget::gpu(g)?));
+        return Ok((Some(Budget::gpu(g)?), None));
     }
     if let Some(b) = &cfg.memory.budget {
-        return Ok(Some(Budget::parse(&b.text)?));
+        return Ok((Some(Budget::parse(&b.text)?), None));
     }
     let device = cfg.system.device.trim().to_ascii_lowercase();
     if device.starts_with("cuda") {
         // the card the run will use; no driver to ask is not an error, just no budget
-        return Ok(Budget::gpu(&device).ok());
+        return Ok(match Budget::gpu(&device) {
+            Ok(b) => (Some(b), None),
+            Err(e) => (
+                None,
+                Some(format!(
+                    "no memory check: system.device is {device:?} but its free memory could not be read ({e})"
+                )),
+            ),
+        });
     }
-    Ok(None)
+    Ok((None, None))
 }
 
 fn yes_no(b: bool) -> &'static str {

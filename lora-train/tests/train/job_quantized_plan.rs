@@ -61,7 +61,7 @@ fn the_plan_of_a_quantized_base_matches_the_measured_tensor_peak() {
             predicted / 1e6,
             100.0 * err
         );
-        // +0.8% at batch 1 (246 MB) and +3.1% at batch 3 (477 MB) when written.
+        // −0.9% at batch 1 (250 MB) and +2.2% at batch 3 (481 MB) when written.
         assert!(
             (-0.03..=0.06).contains(&err),
             "batch {batch}: {:+.1}%",

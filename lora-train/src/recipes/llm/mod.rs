@@ -234,7 +234,8 @@ pub fn plan(
     settings.quantize_lm_head =
         cfg.model.weights == BaseWeights::Quantized && storage.head_quantized;
     notes.extend(cfg.notes());
-    let budget = budget_for(cfg, override_budget)?;
+    let (budget, budget_note) = budget_for(cfg, override_budget)?;
+    notes.extend(budget_note);
     let estimate = lora_memory::estimate(&desc, &settings)?;
     let mut plan = Plan::new(desc.clone(), model_source, settings, estimate, budget);
     plan.notes = notes;

@@ -711,7 +711,8 @@ pub fn plan_with(
     } else {
         "the text encoder is frozen: its outputs are cached per caption".into()
     });
-    let budget = crate::job::budget_for(cfg, override_budget)?;
+    let (budget, budget_note) = crate::job::budget_for(cfg, override_budget)?;
+    notes.extend(budget_note);
     let estimate = lora_memory::estimate(desc, &settings)?;
     let mut plan = Plan::new(desc.clone(), source, settings, estimate, budget);
     plan.notes = notes;
