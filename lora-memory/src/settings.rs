@@ -161,6 +161,11 @@ impl Default for LoraSettings {
 }
 
 /// Optimizer.
+///
+/// bitsandbytes' paged variants (`paged_adamw_32bit`, `paged_adamw_8bit`, the QLoRA default) are
+/// planned as their unpaged twins: their states live in CUDA unified memory, on the card until
+/// it runs short, when pages move to host memory instead of failing. Counting them as resident
+/// is the upper bound, so a plan never leans on paging (which stalls each step it happens in).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Optimizer {
