@@ -338,7 +338,14 @@ QWeight make_weight(
           "Q4_1 needs f16 mins, one per block");
     }
   }
-  TORCH_CHECK(w.codes.device().is_cpu(), "the quantized weight must be on the CPU");
+  for (const at::Tensor* t : {&w.codes, &w.scales, &w.mins, &w.dq_scales, &w.table}) {
+    TORCH_CHECK(!t->defined() || t->device().is_cpu(), "every tensor of the quantized weight must be on the CPU");
+  }
+  TORCH_CHECK(
+      w.codes.scalar_type() == at::kByte || w.codes.scalar_type() == at::kChar,
+      "codes must be uint8 or int8, got ",
+      w.codes.scalar_type());
+  TORCH_CHECK(!w.table.defined() || w.table.scalar_type() == at::kFloat, "the code table must be float32");
   return w;
 }
 

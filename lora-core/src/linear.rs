@@ -93,6 +93,23 @@ impl LoraLinear {
                 x.f_linear::<Tensor>(&w, None).ctx(ctx)?
             }
         };
+        self.forward_from_base(x, base_out, train)
+    }
+
+    /// [`LoraLinear::forward_t`] given the frozen product `base_out` = `x·Wᵀ` (`[..., out]`,
+    /// without the bias), computed by the caller — e.g. one GEMM for sibling projections that
+    /// share their input, split into views: adds the adapters' branches and the bias.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when a shape does not fit or an op fails.
+    pub fn forward_from_base(&self, x: &Tensor, base_out: Tensor, train: bool) -> Result<Tensor> {
+        let ctx = || {
+            format!(
+                "linear forward {:?} on input {:?}",
+                self.base.shape(),
+                x.size()
+            )
+        };
         let y = if self.plain_branches(x, &base_out) {
             self.add_plain_branches(x, base_out, train).ctx(ctx)?
         } else {

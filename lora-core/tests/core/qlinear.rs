@@ -139,6 +139,50 @@ fn bad_inputs_are_errors_not_aborts() {
     let x = randn(&[4, 64], 10).to_kind(Kind::Double);
     let y = q.linear(&x).unwrap();
     assert_eq!(y.kind(), Kind::Double);
+    // the raw entry point checks every tensor it is handed
+    let codes = Tensor::zeros([8, 2, 16], (Kind::Uint8, Device::Cpu));
+    let scales = Tensor::ones([8, 2], (Kind::Half, Device::Cpu));
+    let table = Tensor::zeros([256, 2], (Kind::Float, Device::Cpu));
+    let x = randn(&[3, 64], 11);
+    let parts = |codes: &Tensor, scales: &Tensor, table: Option<&Tensor>| {
+        let p = sys::QuantParts {
+            kind: 1,
+            out: 8,
+            inn: 64,
+            codes,
+            scales,
+            mins: None,
+            dq_scales: None,
+            table,
+            dq_offset: 0.0,
+        };
+        sys::qlinear(&x, &p).map(|y| y.size())
+    };
+    assert_eq!(parts(&codes, &scales, Some(&table)).unwrap(), [3, 8]);
+    let e = parts(&codes.to_kind(Kind::Float), &scales, Some(&table)).unwrap_err();
+    assert!(e.to_string().contains("codes"), "{e}");
+    let e = parts(&codes, &scales.to_kind(Kind::Float), Some(&table)).unwrap_err();
+    assert!(e.to_string().contains("f16"), "{e}");
+    let e = parts(&codes.narrow(0, 0, 4), &scales, Some(&table)).unwrap_err();
+    assert!(e.to_string().contains("byte count"), "{e}");
+    let e = parts(&codes, &scales, Some(&table.to_kind(Kind::Double))).unwrap_err();
+    assert!(e.to_string().contains("table"), "{e}");
+    let e = sys::qlinear(
+        &randn(&[3, 32], 12),
+        &sys::QuantParts {
+            kind: 9,
+            out: 8,
+            inn: 32,
+            codes: &codes,
+            scales: &scales,
+            mins: None,
+            dq_scales: None,
+            table: None,
+            dq_offset: 0.0,
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("unknown quantization kind 9"), "{e}");
 }
 
 proptest! {

@@ -123,6 +123,9 @@ struct Attention {
     q_proj: Site<LoraLinear>,
     k_proj: Site<LoraLinear>,
     v_proj: Site<LoraLinear>,
+    /// q, k and v's dense weights in one `[q + 2·kv, d]` tensor, the three bases being views of
+    /// it: their frozen products are one GEMM ([`fused_products`]).
+    qkv: Option<Tensor>,
     o_proj: Site<LoraLinear>,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -153,9 +156,22 @@ impl Attention {
             };
             Ok(t.f_transpose(1, 2)?)
         };
-        let q = heads(self.q_proj.forward_t(x, train)?, self.n_head, &self.q_norm)?;
-        let k = heads(self.k_proj.forward_t(x, train)?, self.n_kv, &self.k_norm)?;
-        let v = heads(self.v_proj.forward_t(x, train)?, self.n_kv, &None)?;
+        let sites = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let [q, k, v] = match fused_products(self.qkv.as_ref(), &sites, x)? {
+            Some([qb, kb, vb]) => [
+                self.q_proj.forward_from_base(x, qb, train)?,
+                self.k_proj.forward_from_base(x, kb, train)?,
+                self.v_proj.forward_from_base(x, vb, train)?,
+            ],
+            None => [
+                self.q_proj.forward_t(x, train)?,
+                self.k_proj.forward_t(x, train)?,
+                self.v_proj.forward_t(x, train)?,
+            ],
+        };
+        let q = heads(q, self.n_head, &self.q_norm)?;
+        let k = heads(k, self.n_kv, &self.k_norm)?;
+        let v = heads(v, self.n_kv, &None)?;
         let q = apply_rope(&q, cos, sin)?;
         let mut k = apply_rope(&k, cos, sin)?;
         let mut v = v;
@@ -213,15 +229,101 @@ impl Attention {
 struct Mlp {
     gate_proj: Site<LoraLinear>,
     up_proj: Site<LoraLinear>,
+    /// gate and up's dense weights in one `[2·ff, d]` tensor (see [`Attention::qkv`]).
+    gate_up: Option<Tensor>,
     down_proj: Site<LoraLinear>,
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let g = self.gate_proj.forward_t(x, train)?.f_silu()?;
-        let u = self.up_proj.forward_t(x, train)?;
-        Ok(self.down_proj.forward_t(&g.f_mul(&u)?, train)?)
+        let sites = [&self.gate_proj, &self.up_proj];
+        let [g, u] = match fused_products(self.gate_up.as_ref(), &sites, x)? {
+            Some([gb, ub]) => [
+                self.gate_proj.forward_from_base(x, gb, train)?,
+                self.up_proj.forward_from_base(x, ub, train)?,
+            ],
+            None => [
+                self.gate_proj.forward_t(x, train)?,
+                self.up_proj.forward_t(x, train)?,
+            ],
+        };
+        Ok(self.down_proj.forward_t(&g.f_silu()?.f_mul(&u)?, train)?)
     }
+}
+
+/// Dense weights of sibling projections that read the same input, concatenated along their
+/// outputs, and each sibling's base as a view of the result (same values, one storage): `None`
+/// when a base is not dense (quantized bases keep their own kernel) or the shapes differ.
+fn fuse_bases(bases: Vec<BaseWeight>) -> Result<(Vec<BaseWeight>, Option<Tensor>)> {
+    let dense: Vec<&Tensor> = bases
+        .iter()
+        .filter_map(|b| match b {
+            BaseWeight::Dense(t) => Some(t),
+            BaseWeight::Quant(_) => None,
+        })
+        .collect();
+    let same = dense.len() == bases.len()
+        && dense.windows(2).all(|w| {
+            w[0].kind() == w[1].kind()
+                && w[0].device() == w[1].device()
+                && w[0].size().get(1) == w[1].size().get(1)
+        });
+    if !same || dense.len() < 2 {
+        return Ok((bases, None));
+    }
+    let fused = Tensor::f_cat(&dense, 0)?;
+    drop(dense);
+    let mut views = Vec::with_capacity(bases.len());
+    let mut at = 0;
+    for b in &bases {
+        let rows = b.shape()[0];
+        views.push(BaseWeight::Dense(fused.f_narrow(0, at, rows)?));
+        at += rows;
+    }
+    Ok((views, Some(fused)))
+}
+
+/// The frozen products `x·Wᵢᵀ` of sibling sites in one GEMM with their `fused` weight, split
+/// into views `[..., outᵢ]`; `None` (each site then multiplies on its own) unless every site's
+/// base is still the view of `fused` that [`fuse_bases`] made — a base replaced since (merged
+/// into a new tensor, moved, quantized) takes the plain path.
+fn fused_products<const N: usize>(
+    fused: Option<&Tensor>,
+    sites: &[&Site<LoraLinear>; N],
+    x: &Tensor,
+) -> Result<Option<[Tensor; N]>> {
+    let Some(f) = fused else {
+        return Ok(None);
+    };
+    let row_bytes = f.size()[1] as usize * f.kind().elt_size_in_bytes();
+    let base = f.data_ptr() as usize;
+    let mut at = 0usize;
+    let mut sizes = [0i64; N];
+    for (i, s) in sites.iter().enumerate() {
+        let BaseWeight::Dense(w) = s.base() else {
+            return Ok(None);
+        };
+        let rows = w.size()[0];
+        if w.kind() != f.kind()
+            || w.device() != f.device()
+            || w.data_ptr() as usize != base + at * row_bytes
+        {
+            return Ok(None);
+        }
+        sizes[i] = rows;
+        at += rows as usize;
+    }
+    if at as i64 != f.size()[0] {
+        return Ok(None);
+    }
+    let w = if f.kind() == x.kind() {
+        f.shallow_clone()
+    } else {
+        f.f_to_kind(x.kind())?
+    };
+    let y = x.f_linear::<Tensor>(&w, None)?;
+    let parts = y.f_split_with_sizes(sizes.as_slice(), -1)?;
+    Ok(parts.try_into().ok())
 }
 
 #[derive(Debug)]
@@ -421,13 +523,11 @@ impl Llama {
             })
         };
         // `rope`: a query/key projection (rows possibly permuted by llama.cpp's converter).
-        let linear = |p: &WeightPath<'_>,
-                      out: i64,
-                      inp: i64,
-                      bias: bool,
-                      rope: bool|
-         -> Result<Site<LoraLinear>> {
-            let base = p.base("weight", [out, inp], rope.then_some(hd))?;
+        let base = |p: &WeightPath<'_>, out: i64, inp: i64, rope: bool| -> Result<BaseWeight> {
+            p.base("weight", [out, inp], rope.then_some(hd))
+        };
+        let site = |p: &WeightPath<'_>, base: BaseWeight, bias: bool| -> Result<Site<LoraLinear>> {
+            let out = base.shape()[0];
             let b = if bias {
                 Some(p.get("bias", &[out])?)
             } else {
@@ -435,6 +535,13 @@ impl Llama {
             };
             Ok(p.site(LoraLinear::new(base, b)?))
         };
+        let linear =
+            |p: &WeightPath<'_>,
+             out: i64,
+             inp: i64,
+             bias: bool,
+             rope: bool|
+             -> Result<Site<LoraLinear>> { site(p, base(p, out, inp, rope)?, bias) };
         let root = WeightPath::new(src, "", kind);
         let model = root.pp("model");
         let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
@@ -442,10 +549,20 @@ impl Llama {
             let p = model.pp("layers").pp(i);
             let (qkv_b, o_b, mlp_b) = (config.qkv_bias(), config.o_bias(), config.mlp_bias);
             let a = p.pp("self_attn");
+            let (qp, kp, vp) = (a.pp("q_proj"), a.pp("k_proj"), a.pp("v_proj"));
+            let (bases, qkv) = fuse_bases(vec![
+                base(&qp, nh * hd, d, true)?,
+                base(&kp, nkv * hd, d, true)?,
+                base(&vp, nkv * hd, d, false)?,
+            ])?;
+            let [qb, kb, vb]: [BaseWeight; 3] = bases
+                .try_into()
+                .map_err(|_| Error::InvalidArgument("q/k/v bases".into()))?;
             let self_attn = Attention {
-                q_proj: linear(&a.pp("q_proj"), nh * hd, d, qkv_b, true)?,
-                k_proj: linear(&a.pp("k_proj"), nkv * hd, d, qkv_b, true)?,
-                v_proj: linear(&a.pp("v_proj"), nkv * hd, d, qkv_b, false)?,
+                q_proj: site(&qp, qb, qkv_b)?,
+                k_proj: site(&kp, kb, qkv_b)?,
+                v_proj: site(&vp, vb, qkv_b)?,
+                qkv,
                 o_proj: linear(&a.pp("o_proj"), d, nh * hd, o_b, false)?,
                 q_norm: if config.qk_norm() {
                     Some(head_norm(&a.pp("q_norm"))?)
@@ -462,9 +579,16 @@ impl Llama {
                 head_dim: hd,
             };
             let m = p.pp("mlp");
+            let (gp, up) = (m.pp("gate_proj"), m.pp("up_proj"));
+            let (bases, gate_up) =
+                fuse_bases(vec![base(&gp, ff, d, false)?, base(&up, ff, d, false)?])?;
+            let [gb, ub]: [BaseWeight; 2] = bases
+                .try_into()
+                .map_err(|_| Error::InvalidArgument("gate/up bases".into()))?;
             let mlp = Mlp {
-                gate_proj: linear(&m.pp("gate_proj"), ff, d, mlp_b, false)?,
-                up_proj: linear(&m.pp("up_proj"), ff, d, mlp_b, false)?,
+                gate_proj: site(&gp, gb, mlp_b)?,
+                up_proj: site(&up, ub, mlp_b)?,
+                gate_up,
                 down_proj: linear(&m.pp("down_proj"), d, ff, mlp_b, false)?,
             };
             layers.push(DecoderLayer {
@@ -1107,6 +1231,46 @@ impl Adaptable for Llama {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sibling_products_in_one_gemm_equal_each_sites_own() {
+        tch::manual_seed(3);
+        let ws: Vec<Tensor> = [8i64, 4, 4]
+            .iter()
+            .map(|&o| Tensor::randn([o, 32], (Kind::Float, Device::Cpu)))
+            .collect();
+        let dense = |w: &Tensor| BaseWeight::Dense(w.copy());
+        let (bases, fused) = fuse_bases(ws.iter().map(dense).collect()).unwrap();
+        let fused = fused.expect("dense siblings fuse");
+        assert_eq!(fused.size(), [16, 32]);
+        let sites: Vec<Site<LoraLinear>> = bases
+            .into_iter()
+            .map(|b| Site::new("p", LoraLinear::new(b, None).unwrap()))
+            .collect();
+        let x = Tensor::randn([2, 3, 32], (Kind::Float, Device::Cpu));
+        let refs = [&sites[0], &sites[1], &sites[2]];
+        let parts = fused_products(Some(&fused), &refs, &x)
+            .unwrap()
+            .expect("views of the fused weight");
+        for (p, (site, w)) in parts.iter().zip(sites.iter().zip(&ws)) {
+            let own = site.forward_t(&x, false).unwrap();
+            assert_eq!(p.size(), own.size());
+            let plain = x.linear::<Tensor>(w, None);
+            assert!(f64::try_from((p - &plain).abs().max()).unwrap() < 1e-5);
+        }
+        // a base that is no longer the fused weight's view: each site multiplies on its own
+        let other = Site::new("p", LoraLinear::new(dense(&ws[1]), None).unwrap());
+        assert!(
+            fused_products(Some(&fused), &[&sites[0], &other, &sites[2]], &x)
+                .unwrap()
+                .is_none()
+        );
+        // a quantized sibling keeps every base as it was
+        let q = lora_core::quant::QuantWeight::quantize(&ws[0], lora_core::quant::QuantKind::Q8_0)
+            .unwrap();
+        let (kept, none) = fuse_bases(vec![BaseWeight::Quant(q), dense(&ws[1])]).unwrap();
+        assert!(none.is_none() && matches!(kept[0], BaseWeight::Quant(_)));
+    }
 
     #[test]
     fn rotate_half_and_documents() {
