@@ -365,12 +365,16 @@ void check_input(const at::Tensor* x, int64_t width, const char* what) {
 
 extern "C" {
 
-// `*y = x · dequant(W)ᵀ` for x `[n, in]` (f32 or bf16 on the CPU), as an autograd op whose
-// backward gives `g · dequant(W)` for x. `kind`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 NF4, 4 NF4 with double
-// quantization; absent tensors (mins, dq_scales, table) may be null; at most `tile_elements`
-// weights are decoded at once.
+// A product of x (f32 or bf16 on the CPU) with a quantized weight W `[out, in]`, in x's dtype:
+// - `mode` 0: `x · dequant(W)ᵀ` for x `[n, in]` as an autograd op, whose backward gives
+//   `g · dequant(W)` for x;
+// - `mode` 1: the same product without autograd;
+// - `mode` 2: `x · dequant(W)` for x `[n, out]` (an input gradient), without autograd.
+// `kind`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 NF4, 4 NF4 with double quantization; absent tensors (mins,
+// dq_scales, table) may be null; at most `tile_elements` weights are decoded at once.
 char* lsdk_qlinear(
     const at::Tensor* x,
+    int32_t mode,
     int32_t kind,
     int64_t out,
     int64_t in,
@@ -384,38 +388,18 @@ char* lsdk_qlinear(
     at::Tensor** y) {
   return lsdk::guarded([&] {
     TORCH_CHECK(y != nullptr, "null output");
-    check_input(x, in, "input");
+    TORCH_CHECK(mode >= 0 && mode <= 2, "unknown mode ", mode);
+    check_input(x, mode == 2 ? out : in, "input");
     QWeight w = make_weight(kind, out, in, codes, scales, mins, dq_scales, table, dq_offset, tile_elements);
     // The kernel picks its own dtypes: autocast must not recast the tiles or the GEMM.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    *y = new at::Tensor(QLinearFunction::apply(x->contiguous(), w));
-  });
-}
-
-// The two products without autograd: `transposed` = 0 gives `x · dequant(W)ᵀ` (x `[n, in]`),
-// 1 gives `x · dequant(W)` (x `[n, out]`, an input gradient), in x's dtype.
-char* lsdk_qmatmul(
-    const at::Tensor* x,
-    int32_t transposed,
-    int32_t kind,
-    int64_t out,
-    int64_t in,
-    const at::Tensor* codes,
-    const at::Tensor* scales,
-    const at::Tensor* mins,
-    const at::Tensor* dq_scales,
-    const at::Tensor* table,
-    double dq_offset,
-    int64_t tile_elements,
-    at::Tensor** y) {
-  return lsdk::guarded([&] {
-    TORCH_CHECK(y != nullptr, "null output");
-    check_input(x, transposed != 0 ? out : in, "input");
-    QWeight w = make_weight(kind, out, in, codes, scales, mins, dq_scales, table, dq_offset, tile_elements);
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    at::NoGradGuard no_grad;
     auto xc = x->contiguous();
-    *y = new at::Tensor(transposed != 0 ? qlinear_input_grad(w, xc) : qlinear_forward(w, xc));
+    if (mode == 0) {
+      *y = new at::Tensor(QLinearFunction::apply(xc, w));
+      return;
+    }
+    at::NoGradGuard no_grad;
+    *y = new at::Tensor(mode == 2 ? qlinear_input_grad(w, xc) : qlinear_forward(w, xc));
   });
 }
 

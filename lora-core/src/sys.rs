@@ -73,22 +73,7 @@ mod ffi {
         #[allow(clippy::too_many_arguments)]
         pub fn lsdk_qlinear(
             x: *const torch_sys::C_tensor,
-            kind: i32,
-            out: i64,
-            inn: i64,
-            codes: *const torch_sys::C_tensor,
-            scales: *const torch_sys::C_tensor,
-            mins: *const torch_sys::C_tensor,
-            dq_scales: *const torch_sys::C_tensor,
-            table: *const torch_sys::C_tensor,
-            dq_offset: f64,
-            tile_elements: i64,
-            y: *mut *mut torch_sys::C_tensor,
-        ) -> *mut c_char;
-        #[allow(clippy::too_many_arguments)]
-        pub fn lsdk_qmatmul(
-            x: *const torch_sys::C_tensor,
-            transposed: i32,
+            mode: i32,
             kind: i32,
             out: i64,
             inn: i64,
@@ -858,7 +843,7 @@ pub fn qmatmul(x: &Tensor, parts: &QuantParts<'_>, transposed: bool) -> ShimResu
     quant_call("qmatmul", x, parts, Some(transposed))
 }
 
-/// Calls `lsdk_qlinear` (`transposed` `None`) or `lsdk_qmatmul`.
+/// Calls `lsdk_qlinear`: the autograd op (`transposed` `None`) or a plain product.
 fn quant_call(
     op: &'static str,
     x: &Tensor,
@@ -872,41 +857,30 @@ fn quant_call(
     };
     let ptr = |t: &Tensor| t.as_ptr() as *const torch_sys::C_tensor;
     let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    let mode = match transposed {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
     // SAFETY: every pointer is a live `torch::Tensor*` owned by a borrowed `Tensor` (or null
     // where the shim accepts null) for the whole call; on success the shim stores a new heap
     // `torch::Tensor*` in `y`, whose ownership `Tensor::from_ptr` takes.
     let ret = unsafe {
-        match transposed {
-            None => ffi::lsdk_qlinear(
-                ptr(x),
-                parts.kind,
-                parts.out,
-                parts.inn,
-                ptr(parts.codes),
-                ptr(parts.scales),
-                opt(parts.mins),
-                opt(parts.dq_scales),
-                opt(parts.table),
-                f64::from(parts.dq_offset),
-                QLINEAR_TILE_ELEMENTS as i64,
-                &mut y,
-            ),
-            Some(t) => ffi::lsdk_qmatmul(
-                ptr(x),
-                i32::from(t),
-                parts.kind,
-                parts.out,
-                parts.inn,
-                ptr(parts.codes),
-                ptr(parts.scales),
-                opt(parts.mins),
-                opt(parts.dq_scales),
-                opt(parts.table),
-                f64::from(parts.dq_offset),
-                QLINEAR_TILE_ELEMENTS as i64,
-                &mut y,
-            ),
-        }
+        ffi::lsdk_qlinear(
+            ptr(x),
+            mode,
+            parts.kind,
+            parts.out,
+            parts.inn,
+            ptr(parts.codes),
+            ptr(parts.scales),
+            opt(parts.mins),
+            opt(parts.dq_scales),
+            opt(parts.table),
+            f64::from(parts.dq_offset),
+            QLINEAR_TILE_ELEMENTS as i64,
+            &mut y,
+        )
     };
     check(op, ret)?;
     if y.is_null() {
