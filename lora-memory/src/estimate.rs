@@ -857,7 +857,16 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         .sum::<f64>()
         + cuda_block_overhead(head * rest_bytes) * if d.tied_embeddings { 1.0 } else { 2.0 };
     let autocast_copies = if c.autocast && s.base_dtype == BaseDtype::F32 {
-        2.0 * (linear + d.vocab as f64 * h.max(0.0))
+        // Autocast caches casts only of leaf tensors that require grad: a frozen base's 16-bit
+        // copies are made per call and live as long as the matmul that saved them — every
+        // layer's without checkpointing, the recomputed layer's with it. Trained weights (a full
+        // fine-tune) stay in the cache for the whole step.
+        let kept = if s.gradient_checkpointing && s.method != Method::Full {
+            linear / (d.layers as f64).max(1.0)
+        } else {
+            linear
+        };
+        2.0 * (kept + d.vocab as f64 * h.max(0.0))
     } else if c.autocast && kbit && !s.quantize_lm_head {
         // the fp32 head's 16-bit cast, saved for the backward of the logits matmul
         2.0 * head
@@ -1875,6 +1884,31 @@ mod tests {
             err.contains("profile.deepspeed") && err.contains("full_fp16"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn autocast_keeps_a_frozen_layers_cast_only_while_its_matmul_needs_it() {
+        let m = ModelDescriptor::preset("SmolLM2-135M").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let s = Settings::default()
+            .with_base_dtype(BaseDtype::F32)
+            .with_mixed_precision(MixedPrecision::Bf16)
+            .with_device(Device::cpu());
+        let copies = |s: &Settings| {
+            estimate(&m, s)
+                .unwrap()
+                .breakdown
+                .autocast_weight_copies
+                .as_f64()
+        };
+        let linear = d.layer_linear_params() as f64;
+        let head = (d.vocab * d.hidden) as f64;
+        assert_eq!(copies(&s), 2.0 * (linear + head));
+        // with checkpointing only the recomputed layer's casts are alive
+        let ckpt = s.clone().with_gradient_checkpointing(true);
+        assert_eq!(copies(&ckpt), 2.0 * (linear / d.layers as f64 + head));
     }
 
     #[test]
