@@ -803,9 +803,7 @@ impl QuantWeight {
             w.f_to_kind(kind).ctx(ctx)
         }
     }
-}
 
-impl QuantWeight {
     /// `x · Wᵀ` (`x` `[..., in]` → `[..., out]`), the frozen product of a linear layer.
     ///
     /// On the CPU, for f32 and bf16 computation, this is the shim's tiled kernel
@@ -836,10 +834,9 @@ impl QuantWeight {
             });
         }
         let device = x.device();
-        let autocast = crate::sys::autocast_state(device).map_err(|e| Error::Torch {
-            context: ctx(),
-            source: tch::TchError::Torch(e.to_string()),
-        })?;
+        let autocast = crate::sys::autocast_state(device)
+            .map_err(tch::TchError::from)
+            .ctx(ctx)?;
         let kind = match (autocast.enabled, autocast.dtype) {
             (true, Some(k)) => k,
             _ => x.kind(),
@@ -858,19 +855,16 @@ impl QuantWeight {
         })()
         .ctx(ctx)?;
         let parts = self.parts();
-        let y = crate::sys::qlinear(&x2, &parts).map_err(|e| Error::Torch {
-            context: ctx(),
-            source: tch::TchError::Torch(e.to_string()),
-        })?;
+        let y = crate::sys::qlinear(&x2, &parts)
+            .map_err(tch::TchError::from)
+            .ctx(ctx)?;
         let mut shape = size;
         if let Some(last) = shape.last_mut() {
             *last = out;
         }
         y.f_reshape(shape.as_slice()).ctx(ctx)
     }
-}
 
-impl QuantWeight {
     /// The tensors the shim's kernels read.
     fn parts(&self) -> crate::sys::QuantParts<'_> {
         let [out, inn] = self.shape;
@@ -935,10 +929,9 @@ impl QuantWeight {
             }
             .ctx(ctx);
         }
-        crate::sys::qmatmul(x, &self.parts(), transposed).map_err(|e| Error::Torch {
-            context: ctx(),
-            source: tch::TchError::Torch(e.to_string()),
-        })
+        crate::sys::qmatmul(x, &self.parts(), transposed)
+            .map_err(tch::TchError::from)
+            .ctx(ctx)
     }
 }
 

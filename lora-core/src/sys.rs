@@ -103,6 +103,14 @@ pub struct ShimError {
 pub type ShimResult<T> = std::result::Result<T, ShimError>;
 
 /// Turns a shim return value (NULL or an owned message) into a `Result`.
+impl From<ShimError> for tch::TchError {
+    /// A shim failure as libtorch's own error kind, so it takes the crates' `Torch` error
+    /// context like any other op.
+    fn from(e: ShimError) -> Self {
+        tch::TchError::Torch(e.to_string())
+    }
+}
+
 fn check(op: &'static str, ret: *mut c_char) -> ShimResult<()> {
     if ret.is_null() {
         return Ok(());
