@@ -637,3 +637,109 @@ impl<T: Named> Reader<T> for ByName {
         });
     }
 }
+
+/// kohya's `name=value` argument lists (`optimizer_args`, `lr_scheduler_args`, `network_args`):
+/// a list of `name=value` strings, one string of them separated by spaces (what the kohya_ss
+/// GUI stores), or a mapping. Values are read as Python literals, as kohya's `ast.literal_eval`
+/// does ([`python_literal`]).
+pub(super) struct Listed;
+
+impl Reader<std::collections::BTreeMap<String, Value>> for Listed {
+    fn fill(
+        &self,
+        doc: &mut Doc,
+        key: Spellings,
+        slot: &mut std::collections::BTreeMap<String, Value>,
+    ) -> Result<()> {
+        if let Some(v) = doc.get_with(key, kwargs)? {
+            *slot = v;
+        }
+        Ok(())
+    }
+
+    fn keys(&self, key: Spellings, out: &mut Vec<KeySpec>) {
+        out.push(KeySpec {
+            spellings: key,
+            mapping: true,
+            field: true,
+        });
+    }
+}
+
+/// Reads a `name=value` list (see [`Listed`]) written at `key`.
+///
+/// # Errors
+/// [`ConfigError::InvalidValue`] for an item without `=` or an empty name.
+pub(super) fn kwargs(key: &str, v: &Value) -> Result<std::collections::BTreeMap<String, Value>> {
+    let expected = "a list of name=value strings (e.g. [\"weight_decay=0.01\", \"betas=0.9,0.99\"]) or a mapping";
+    let mut out = std::collections::BTreeMap::new();
+    let items: Vec<String> = match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                out.insert(k.clone(), x.clone());
+            }
+            return Ok(out);
+        }
+        Value::Array(a) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| invalid(key, v, expected))?,
+        Value::String(s) => s.split_whitespace().map(str::to_string).collect(),
+        _ => return Err(invalid(key, v, expected)),
+    };
+    for item in items {
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| invalid(key, v, format!("{expected}; `{item}` has no `=`")))?;
+        let name = name.trim();
+        if name.is_empty() {
+            return Err(invalid(key, v, format!("{expected}; `{item}` has no name")));
+        }
+        out.insert(name.to_string(), python_literal(value.trim()));
+    }
+    Ok(out)
+}
+
+/// A Python literal as kohya reads `name=value` arguments: `True`/`False`/`None`, numbers,
+/// tuples or lists (`(0.9,0.99)`, `0.9,0.99`), quoted strings; anything else stays a string.
+pub(super) fn python_literal(s: &str) -> Value {
+    let s = s.trim();
+    match s {
+        "True" | "true" => return Value::Bool(true),
+        "False" | "false" => return Value::Bool(false),
+        "None" => return Value::Null,
+        _ => {}
+    }
+    let inner = s
+        .strip_prefix('(')
+        .and_then(|r| r.strip_suffix(')'))
+        .or_else(|| s.strip_prefix('[').and_then(|r| r.strip_suffix(']')));
+    if let Some(inner) = inner {
+        return Value::Array(
+            inner
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(python_literal)
+                .collect(),
+        );
+    }
+    if s.contains(',') {
+        return Value::Array(s.split(',').map(python_literal).collect());
+    }
+    for q in ['"', '\''] {
+        if let Some(inner) = s.strip_prefix(q).and_then(|r| r.strip_suffix(q)) {
+            return Value::String(inner.to_string());
+        }
+    }
+    if let Ok(i) = s.parse::<i64>() {
+        return Value::from(i);
+    }
+    if let Ok(f) = s.parse::<f64>()
+        && let Some(n) = serde_json::Number::from_f64(f)
+    {
+        return Value::Number(n);
+    }
+    Value::String(s.to_string())
+}

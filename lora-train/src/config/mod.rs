@@ -24,11 +24,15 @@
 //! allowed ([`ConfigError::InvalidValue`]). Sizes (`"6GB"`, `"12GiB"`) are parsed by
 //! [`lora_memory::parse_size`] and the assumed unit, if any, is kept in [`Size::assumed`].
 
+mod gui;
 mod keys;
+mod kohya;
+
+pub use kohya::{ConfigWarning, ConfigWarnings};
 
 use keys::{
-    ByName, Choice, Doc, KeySpec, Mapping, Named, Reader, Section, Spellings, Sub, Typed, invalid,
-    parse, parse_toml, parse_yaml, render, section, some, typed,
+    ByName, Choice, Doc, KeySpec, Listed, Mapping, Named, Reader, Section, Spellings, Sub, Typed,
+    invalid, parse, parse_toml, parse_yaml, render, section, some, typed,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -65,13 +69,15 @@ pub enum ConfigError {
     Syntax {
         /// The file.
         path: PathBuf,
-        /// `"YAML"` or `"TOML"`.
+        /// `"YAML"`, `"TOML"` or `"JSON"`.
         format: &'static str,
         /// The parser's message (with line/column).
         message: String,
     },
     /// The file extension is neither YAML nor TOML.
-    #[error("{path}: unknown config extension; use .yaml, .yml or .toml")]
+    #[error(
+        "{path}: unknown config extension; use .yaml, .yml, .toml, or .json (a kohya_ss GUI config)"
+    )]
     Extension {
         /// The file.
         path: PathBuf,
@@ -260,6 +266,18 @@ pub enum BadImages {
     Stop,
 }
 
+/// dtype of the adapter files (`train.save_precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SavePrecision {
+    /// 32-bit float (kohya `float`).
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
 /// Export formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
@@ -340,13 +358,25 @@ section! {
             Mapping("a mapping module pattern -> alpha");
         /// kohya `network_module` (only `networks.lora` is LoRA; kept for the kohya metadata).
         network_module: Option<String> = None, some(|k, v| match v.as_str() {
-            Some("networks.lora") => Ok("networks.lora".to_string()),
+            Some(m @ ("networks.lora" | "lycoris.kohya")) => Ok(m.to_string()),
             _ => Err(invalid(
                 k,
                 v,
-                "\"networks.lora\" (other kohya network modules, e.g. LyCORIS, are not supported)",
+                "\"networks.lora\", or \"lycoris.kohya\" with `algo=locon` in network_args \
+                 (other network modules — DyLoRA, OFT, LoHa, LoKr, IA3 — are not supported yet)",
             )),
         }), aka ["network_module"];
+        /// LoCon: the rank of the LoRA on the UNet's 3×3 convolutions (ResNet blocks,
+        /// down/upsamplers); unset = linear layers and 1×1 convolutions only (kohya
+        /// `network_args = ["conv_dim=N"]`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        conv_rank: Option<u32> = None, Typed("a positive integer (the LoCon rank)"),
+            check |r| r.is_none_or(|r| r >= 1) => "an integer >= 1";
+        /// LoCon alpha of the 3×3 convolutions (kohya `conv_alpha`; default: `conv_rank`, as
+        /// kohya, so the scaling is 1).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        conv_alpha: Option<f64> = None, Typed("a positive number"),
+            check |a| a.is_none_or(|a| a > 0.0 && a.is_finite()) => "a number > 0";
     }
 }
 
@@ -382,7 +412,37 @@ section! {
         resolution: Option<[u32; 2]> = None, some(resolution), aka ["resolution"];
         /// kohya `caption_extension` (default `.caption`).
         caption_extension: Option<String> = None,
-            Typed("a file extension such as \".txt\""), aka ["caption_extension"];
+            Typed("a file extension such as \".txt\""),
+            aka ["caption_extension", "caption_extention"];
+        /// kohya `reg_data_dir`: regularization images (DreamBooth prior preservation), in the
+        /// same `<repeats>_<name>` folder layout.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reg_data_dir: Option<String> = None, Typed("a folder"), aka ["reg_data_dir"];
+        /// kohya `flip_aug`: mirror images at random.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        flip_aug: Option<bool> = None, Typed("true or false"), aka ["flip_aug"];
+        /// kohya `random_crop`: crop at a random place instead of the centre.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        random_crop: Option<bool> = None, Typed("true or false"), aka ["random_crop"];
+        /// kohya `caption_dropout_rate`: probability of training a step on an empty caption.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        caption_dropout_rate: Option<f64> = None, Typed("a probability in [0, 1]"),
+            aka ["caption_dropout_rate"],
+            check |p| p.is_none_or(|p| (0.0..=1.0).contains(&p)) => "a probability in [0, 1]";
+        /// kohya `caption_tag_dropout_rate`: probability of dropping each tag of a caption.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        caption_tag_dropout_rate: Option<f64> = None, Typed("a probability in [0, 1]"),
+            aka ["caption_tag_dropout_rate"],
+            check |p| p.is_none_or(|p| (0.0..=1.0).contains(&p)) => "a probability in [0, 1]";
+        /// kohya `caption_prefix`: text put before every caption.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        caption_prefix: Option<String> = None, Typed("a string"), aka ["caption_prefix"];
+        /// kohya `caption_suffix`: text put after every caption.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        caption_suffix: Option<String> = None, Typed("a string"), aka ["caption_suffix"];
+        /// kohya `caption_separator` between tags (default `,`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        caption_separator: Option<String> = None, Typed("a string"), aka ["caption_separator"];
         /// kohya `keep_tokens`.
         keep_tokens: Option<u32> = None, Typed("a non-negative integer"), aka ["keep_tokens"];
         /// kohya `shuffle_caption`.
@@ -457,8 +517,60 @@ section! {
             },
             aka ["lr_scheduler"];
         /// Warmup steps (kohya `lr_warmup_steps`).
-        warmup_steps: u64 = 0, Typed("a non-negative integer"),
-            aka ["train.lr_warmup_steps", "lr_warmup_steps"];
+        warmup_steps: u64 = 0, Typed("a non-negative integer");
+        /// Warmup as a fraction of the optimizer steps (transformers' `warmup_ratio`; kohya
+        /// `lr_warmup_steps` below 1, e.g. `0.1`); wins over `warmup_steps` when set.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        warmup_ratio: Option<f64> = None, Typed("a fraction in [0, 1)"),
+            check |r| r.is_none_or(|r| (0.0..1.0).contains(&r)) => "a fraction in [0, 1)";
+        /// Diffusion: learning rate of the UNet's adapter (kohya `unet_lr`; default
+        /// `learning_rate`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        unet_lr: Option<f64> = None, Typed("a number > 0"), aka ["unet_lr"],
+            check |x| x.is_none_or(|x| x >= 0.0 && x.is_finite()) => "a number >= 0";
+        /// Diffusion: learning rate of the text encoders' adapters (kohya `text_encoder_lr`;
+        /// one number, or one per text encoder for SDXL; default `learning_rate`). A value
+        /// above 0 in a kohya config trains the text encoders too, as kohya does unless
+        /// `network_train_unet_only` is set.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        text_encoder_lr: Vec<f64> = Vec::new(), parse(numbers), aka ["text_encoder_lr"];
+        /// Optimizer arguments on top of the name's defaults (kohya `optimizer_args`: a list
+        /// of `name=value`, or a mapping): `betas`, `eps`, `weight_decay`, `momentum`,
+        /// `scale_parameter`, `relative_step`, … — the names of the optimizer's own
+        /// settings; another name is an error listing them.
+        #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+        optimizer_args: BTreeMap<String, Value> = BTreeMap::new(), Listed,
+            aka ["optimizer_args"];
+        /// Schedule arguments on top of `lr_scheduler` (kohya `lr_scheduler_args`: a list of
+        /// `name=value`, or a mapping), e.g. `num_cycles=2`, `power=2`.
+        #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+        lr_scheduler_args: BTreeMap<String, Value> = BTreeMap::new(),
+            Listed, aka ["lr_scheduler_args"];
+        /// dtype of the adapter files written at each save and at the end (kohya
+        /// `save_precision`: `float`, `fp16`, `bf16`; default: the training dtype, fp32).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        save_precision: Option<SavePrecision> = None, some(|k, v| keys::choose(k, v, SAVE_PRECISIONS)),
+            aka ["save_precision"];
+        /// Adapter files kept from the saves: those of the last N steps (kohya
+        /// `save_last_n_steps`; the final adapter is always kept).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        save_last_n_steps: Option<u64> = None, Typed("a positive integer"),
+            aka ["save_last_n_steps"];
+        /// Adapter files kept from the saves: those of the last N epochs (kohya
+        /// `save_last_n_epochs`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        save_last_n_epochs: Option<u32> = None, Typed("a positive integer"),
+            aka ["save_last_n_epochs"];
+        /// Diffusion: multi-resolution (pyramid) noise iterations (kohya
+        /// `multires_noise_iterations`; typical 6–10; unset = off).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        multires_noise_iterations: Option<u32> = None, Typed("a positive integer"),
+            aka ["multires_noise_iterations"];
+        /// Diffusion: weight of each coarser level of the pyramid noise (kohya
+        /// `multires_noise_discount`, default 0.3).
+        multires_noise_discount: f64 = 0.3, Typed("a number in (0, 1]"),
+            aka ["multires_noise_discount"],
+            check |d| *d > 0.0 && *d <= 1.0 => "a number in (0, 1]";
         /// Mixed precision (`no`, `bf16`, `fp16`, `full_bf16`; `use_fp16: true` → fp16).
         mixed_precision: Precision = Precision::default(), ByName, aka ["mixed_precision"];
         /// Recompute each block in the backward pass.
@@ -545,8 +657,27 @@ section! {
         logging_dir: Option<String> = None, Typed("a folder"), aka ["logging_dir"];
         /// Show a progress bar (default true).
         progress: bool = true, Typed("true or false");
-        /// Write TensorBoard event files.
+        /// Write TensorBoard event files (also on whenever kohya's `logging_dir` or `log_with`
+        /// is written).
         tensorboard: bool = false, Typed("true or false");
+        /// kohya `log_with`: `tensorboard` (the only tracker here), `wandb` or `all` (both
+        /// write TensorBoard files, with a warning that W&B is not available).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        log_with: Option<String> = None, some(|k, v| {
+            match v.as_str().map(|s| s.trim().to_ascii_lowercase()).as_deref() {
+                Some(s @ ("tensorboard" | "wandb" | "all")) => Ok(s.to_string()),
+                _ => Err(invalid(k, v, "\"tensorboard\", \"wandb\" or \"all\"")),
+            }
+        }), aka ["log_with"];
+        /// kohya `log_prefix`: put before the run's folder name under `logging_dir`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        log_prefix: Option<String> = None, Typed("a string"), aka ["log_prefix"];
+        /// Diffusion: a kohya prompt file (kohya `sample_prompts`): one prompt per line with
+        /// `--n` negative prompt, `--w`/`--h` size, `--d` seed, `--l` guidance scale, `--s`
+        /// steps; `#` lines are comments.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        sample_prompts_file: Option<String> = None, Typed("a path to a prompt file"),
+            aka ["sample_prompts"];
         /// Prompt sampled before and after training.
         sample_prompt: Option<String> = None, Typed("a string");
         /// Tokens generated for the sample.
@@ -741,6 +872,14 @@ const MODEL_KINDS: &[(&str, ModelKind)] = &[
     ("sdxl", ModelKind::Sdxl),
 ];
 
+/// `train.save_precision` names (kohya's `float` is fp32).
+const SAVE_PRECISIONS: &[(&str, SavePrecision)] = &[
+    ("float", SavePrecision::F32),
+    ("fp32", SavePrecision::F32),
+    ("fp16", SavePrecision::F16),
+    ("bf16", SavePrecision::Bf16),
+];
+
 const EXPORTS: &[(&str, ExportFormat)] =
     &[("peft", ExportFormat::Peft), ("kohya", ExportFormat::Kohya)];
 
@@ -929,6 +1068,28 @@ fn targets(key: &str, v: &Value) -> Result<TargetModules> {
     }
 }
 
+/// One number or a list of numbers (kohya `nargs="*"` float arguments such as
+/// `text_encoder_lr`).
+fn numbers(k: &str, v: &Value) -> Result<Vec<f64>> {
+    let one = |x: &Value| -> Result<f64> {
+        let n: f64 = typed(k, x, "a number >= 0")?;
+        if n >= 0.0 && n.is_finite() {
+            Ok(n)
+        } else {
+            Err(invalid(k, v, "numbers >= 0"))
+        }
+    };
+    match v {
+        Value::Array(a) => a.iter().map(one).collect(),
+        Value::String(s) if s.contains([',', ' ']) => s
+            .split([',', ' '])
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| one(&Value::String(p.trim().to_string())))
+            .collect(),
+        _ => Ok(vec![one(v)?]),
+    }
+}
+
 fn export_formats(k: &str, v: &Value) -> Result<Vec<ExportFormat>> {
     let items: Vec<Value> = match v {
         Value::Array(a) => a.clone(),
@@ -973,6 +1134,10 @@ pub struct TrainConfig {
     /// Tagger settings, when present.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tagger: Option<TaggerSection>,
+    /// kohya keys read without effect here, with why (printed with [`TrainConfig::notes`];
+    /// not part of the settings: `==` ignores them and they are not serialized).
+    #[serde(skip)]
+    pub warnings: ConfigWarnings,
 }
 
 impl TrainConfig {
@@ -1000,6 +1165,11 @@ impl TrainConfig {
                 path: path.to_path_buf(),
                 format: "TOML",
                 message: m,
+            })?,
+            Some("json") => serde_json::from_str(&text).map_err(|e| ConfigError::Syntax {
+                path: path.to_path_buf(),
+                format: "JSON",
+                message: e.to_string(),
             })?,
             _ => {
                 return Err(ConfigError::Extension {
@@ -1036,6 +1206,22 @@ impl TrainConfig {
         TrainConfig::from_value(&v)
     }
 
+    /// Reads a JSON document: a kohya_ss GUI config (what its "Save config" writes: fields
+    /// such as `LoRA_type`, `epoch`, `max_resolution`, numbers as strings, `""` for unset),
+    /// mapped onto kohya's argument names as the GUI maps them; or this SDK's own keys.
+    ///
+    /// # Errors
+    /// As [`TrainConfig::from_file`]; a GUI `LoRA_type` this SDK does not train is
+    /// [`ConfigError::InvalidValue`] naming the value.
+    pub fn from_json_str(text: &str) -> Result<TrainConfig> {
+        let v: Value = serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: PathBuf::from("<string>"),
+            format: "JSON",
+            message: e.to_string(),
+        })?;
+        TrainConfig::from_value(&v)
+    }
+
     /// Canonical YAML.
     ///
     /// # Errors
@@ -1049,7 +1235,9 @@ impl TrainConfig {
     /// # Errors
     /// As [`TrainConfig::from_file`].
     pub fn from_value(root: &Value) -> Result<TrainConfig> {
+        let mut warnings = ConfigWarnings::default();
         let map = match root {
+            Value::Object(m) if gui::is_gui_config(m) => gui::to_kohya(m, &mut warnings)?,
             Value::Object(m) => m.clone(),
             Value::Null => Map::new(),
             other => {
@@ -1060,6 +1248,7 @@ impl TrainConfig {
         };
         let keys = TrainConfig::key_specs();
         let mut doc = Doc::new(&map, &keys);
+        kohya::rewrite(&mut doc, &mut warnings)?;
         let mut c = TrainConfig::default();
         c.model.read(&mut doc)?;
         c.lora.read(&mut doc)?;
@@ -1132,8 +1321,9 @@ impl TrainConfig {
                 e.used = true;
                 let on: bool = typed(key, &e.value, "true or false")?;
                 if opt_written {
+                    // `false` asks for nothing (kohya's store_true flag left off)
                     let is8 = c.train.optimizer == OptimizerName::AdamW8bit;
-                    if on != is8 && (on || is8) {
+                    if on && !is8 {
                         return Err(ConfigError::Conflict {
                             canonical: "train.optimizer".into(),
                             first_key: "train.optimizer".into(),
@@ -1146,6 +1336,32 @@ impl TrainConfig {
                     c.train.optimizer = OptimizerName::AdamW8bit;
                 }
             }
+        }
+
+        kohya::apply(&mut doc, &mut c, &mut warnings, |doc, canonical| {
+            doc.has(spellings(canonical))
+        })?;
+        c.warnings = warnings;
+
+        // optimizer and schedule arguments name settings the engine has
+        if let Err(e) = c.optimizer_and_schedule() {
+            let (key, value, expected) = match e {
+                crate::engine::TrainError::Invalid { what, value, hint } => (what, value, hint),
+                other => (
+                    "train.optimizer_args".to_string(),
+                    String::new(),
+                    other.to_string(),
+                ),
+            };
+            return Err(ConfigError::InvalidValue {
+                key: if key.starts_with("lr_scheduler") || key.starts_with("optimizer") {
+                    format!("train.{key}")
+                } else {
+                    key
+                },
+                value,
+                expected,
+            });
         }
 
         // a polynomial schedule ends below the learning rate it starts from
@@ -1199,7 +1415,9 @@ impl TrainConfig {
                 let suggestion = if hint.is_some() {
                     Some(format!("tagger.{}", e.path))
                 } else {
-                    keys::suggest(&e.path, &keys, SPECIAL_KEYS)
+                    let extra: Vec<&str> =
+                        SPECIAL_KEYS.iter().chain(kohya::SPECIAL).copied().collect();
+                    keys::suggest(&e.path, &keys, &extra)
                 };
                 UnknownKey {
                     key: e.path.clone(),
@@ -1230,6 +1448,35 @@ impl TrainConfig {
         out
     }
 
+    /// The optimizer and schedule this config trains with: `train.optimizer` with
+    /// `weight_decay`, `momentum` and then `optimizer_args` applied, and `train.lr_scheduler`
+    /// with `lr_scheduler_args` applied.
+    ///
+    /// # Errors
+    /// [`crate::engine::TrainError::Invalid`] for an argument the optimizer or schedule does
+    /// not take, or a value of the wrong type.
+    pub fn optimizer_and_schedule(
+        &self,
+    ) -> std::result::Result<
+        (crate::engine::optim::OptimizerKind, SchedulerKind),
+        crate::engine::TrainError,
+    > {
+        let t = &self.train;
+        let base = t.optimizer.with(&crate::engine::optim::OptimizerArgs {
+            weight_decay: t.weight_decay,
+            momentum: t.momentum,
+        });
+        let optimizer =
+            crate::engine::error::with_named_args(&base, "optimizer_args", &t.optimizer_args)?;
+        let scheduler = crate::engine::error::with_named_args(
+            &t.lr_scheduler,
+            "lr_scheduler_args",
+            &t.lr_scheduler_args,
+        )?;
+        scheduler.validate()?;
+        Ok((optimizer, scheduler))
+    }
+
     /// The path of the base model, or an error saying what to write.
     ///
     /// # Errors
@@ -1253,6 +1500,7 @@ impl TrainConfig {
         {
             out.push(format!("memory.budget {:?}: {a}", b.text));
         }
+        out.extend(self.warnings.0.iter().map(ToString::to_string));
         out
     }
 }

@@ -122,3 +122,54 @@ mod tests {
         assert!(!TrainError::from(shape).is_oom());
     }
 }
+
+/// Sets named arguments of a serde-tagged engine setting (`{"type": …, name: value, …}`): the
+/// optimizer's hyper-parameters from kohya's `optimizer_args`, a schedule's from
+/// `lr_scheduler_args`. `what` names the setting in errors.
+///
+/// # Errors
+/// [`TrainError::Invalid`] for a name the setting does not have (listing those it has) or a
+/// value of the wrong type.
+pub fn with_named_args<T: serde::Serialize + serde::de::DeserializeOwned>(
+    setting: &T,
+    what: &str,
+    args: &std::collections::BTreeMap<String, serde_json::Value>,
+) -> Result<T> {
+    let invalid = |value: String, hint: String| TrainError::Invalid {
+        what: what.to_string(),
+        value,
+        hint,
+    };
+    let mut doc = match serde_json::to_value(setting) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => return Err(invalid(String::new(), "a setting with arguments".into())),
+    };
+    let kind = doc
+        .get("type")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("this setting")
+        .to_string();
+    let names: Vec<String> = doc.keys().filter(|k| *k != "type").cloned().collect();
+    for (name, value) in args {
+        if name == "type" || !doc.contains_key(name) {
+            return Err(invalid(
+                format!("{name}={value}"),
+                if names.is_empty() {
+                    format!("{kind} takes no arguments")
+                } else {
+                    format!("use an argument of {kind}: {}", names.join(", "))
+                },
+            ));
+        }
+        doc.insert(name.clone(), value.clone());
+    }
+    serde_json::from_value(serde_json::Value::Object(doc.clone())).map_err(|e| {
+        invalid(
+            args.iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            format!("values of the right type for {kind} ({e})"),
+        )
+    })
+}

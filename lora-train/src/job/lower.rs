@@ -17,15 +17,12 @@ pub fn trainer_config(
     total_steps: u64,
 ) -> Result<crate::engine::TrainerConfig> {
     let t = &cfg.train;
-    let optimizer = t.optimizer.with(&crate::engine::optim::OptimizerArgs {
-        weight_decay: t.weight_decay,
-        momentum: t.momentum,
-    });
+    let (optimizer, scheduler) = cfg.optimizer_and_schedule().during("reading the config")?;
     Ok(crate::engine::TrainerConfig {
         lr: t.learning_rate,
         optimizer,
-        scheduler: t.lr_scheduler.clone(),
-        warmup_steps: t.warmup_steps,
+        scheduler,
+        warmup_steps: warmup_steps(t, total_steps),
         epochs: u64::from(t.epochs),
         max_steps: Some(total_steps),
         gradient_accumulation_steps: t.gradient_accumulation_steps.max(1) as usize,
@@ -42,6 +39,16 @@ pub fn trainer_config(
         run_config: serde_json::to_value(cfg).during("serializing the config")?,
         ..crate::engine::TrainerConfig::default()
     })
+}
+
+/// The warmup steps of a run of `total_steps` optimizer steps: `ceil(warmup_ratio · total)`
+/// when `train.warmup_ratio` is set (transformers' `TrainingArguments.get_warmup_steps`), else
+/// `train.warmup_steps`.
+pub fn warmup_steps(t: &crate::config::TrainSection, total_steps: u64) -> u64 {
+    match t.warmup_ratio {
+        Some(r) => (r * total_steps as f64).ceil() as u64,
+        None => t.warmup_steps,
+    }
 }
 
 /// The PEFT `LoraConfig` of a run.

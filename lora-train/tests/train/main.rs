@@ -8,6 +8,7 @@
 //! measures holds [`serial`] while it does.
 
 mod config_files;
+mod config_kohya;
 mod engine_common;
 mod engine_kill;
 mod engine_oom;
