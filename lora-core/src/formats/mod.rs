@@ -57,6 +57,44 @@ pub struct AdapterWeights {
 }
 
 impl AdapterWeights {
+    /// The same adapter with every floating-point tensor (`lora_A`, `lora_B`, DoRA magnitudes)
+    /// in `kind` — the dtype a file is written in (kohya's `save_precision`). `alpha` stays a
+    /// number (the formats write it as f32).
+    ///
+    /// # Errors
+    /// [`crate::Error::Torch`] when a conversion fails.
+    pub fn to_kind(&self, kind: Kind) -> Result<AdapterWeights> {
+        let mut modules = BTreeMap::new();
+        for (name, m) in &self.modules {
+            modules.insert(
+                name.clone(),
+                ModuleLora {
+                    kind: m.kind,
+                    lora_a: m
+                        .lora_a
+                        .f_to_kind(kind)
+                        .ctx(|| format!("{name}: lora_A to {kind:?}"))?,
+                    lora_b: m
+                        .lora_b
+                        .f_to_kind(kind)
+                        .ctx(|| format!("{name}: lora_B to {kind:?}"))?,
+                    alpha: m.alpha,
+                    magnitude: m
+                        .magnitude
+                        .as_ref()
+                        .map(|t| t.f_to_kind(kind))
+                        .transpose()
+                        .ctx(|| format!("{name}: magnitude to {kind:?}"))?,
+                },
+            );
+        }
+        Ok(AdapterWeights {
+            modules,
+            use_rslora: self.use_rslora,
+            metadata: self.metadata.clone(),
+        })
+    }
+
     /// The scaling of `module`'s adapter, if present.
     pub fn scaling(&self, module: &str) -> Option<f64> {
         self.modules

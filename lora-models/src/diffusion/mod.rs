@@ -32,7 +32,7 @@ mod sampler;
 mod schedule;
 
 pub use grid::{make_grid, save_grid, to_rgb_images};
-pub use objective::{DiffusionLoss, LossConfig, NoisedBatch};
+pub use objective::{DiffusionLoss, LossConfig, MultiresNoise, NoisedBatch, multires_noise};
 pub use sampler::{
     DdimOptions, DdimSampler, EulerOptions, EulerSampler, Sampler, StepOutput, TimestepSpacing,
     sample,

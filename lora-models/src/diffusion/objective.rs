@@ -4,7 +4,7 @@
 //! sample t uniformly, sample ε (plus kohya's noise offset), noise the latents, predict, take the
 //! per-sample MSE against ε or v in float32, weight it by min-SNR-γ, and average.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::schedule::{NoiseSchedule, PredictionType};
 use crate::error::{Error, Result};
@@ -24,6 +24,23 @@ pub struct LossConfig {
     /// `min(SNR, γ)/(SNR + 1)` for v-prediction (as diffusers' training scripts and kohya
     /// `apply_snr_weight`); the paper recommends γ = 5. `None` = unweighted.
     pub min_snr_gamma: Option<f64>,
+    /// Multi-resolution ("pyramid") noise, applied after the offset: see [`MultiresNoise`].
+    /// `None` = off.
+    pub multires_noise: Option<MultiresNoise>,
+}
+
+/// Multi-resolution noise (J. Whitaker, "Multi-Resolution Noise for Diffusion Model Training",
+/// 2023; kohya `multires_noise_iterations` / `multires_noise_discount`): for level
+/// `i = 0, 1, …, iterations − 1`, a random factor `r ∈ [2, 4)` is drawn, white noise of size
+/// `(⌊H / rⁱ⌋, ⌊W / rⁱ⌋)` (at least 1) is upsampled bilinearly to `(H, W)` and added with
+/// weight `discountⁱ`; the levels stop after the first that is 1 pixel wide or high, and the
+/// sum is divided by its standard deviation (so ε keeps unit variance).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MultiresNoise {
+    /// Levels (kohya's typical 6–10).
+    pub iterations: u32,
+    /// Weight ratio between consecutive levels, in (0, 1] (kohya default 0.3).
+    pub discount: f64,
 }
 
 impl Default for LossConfig {
@@ -33,6 +50,7 @@ impl Default for LossConfig {
             max_timestep: None,
             noise_offset: 0.0,
             min_snr_gamma: None,
+            multires_noise: None,
         }
     }
 }
@@ -79,6 +97,14 @@ impl DiffusionLoss {
                 "min_snr_gamma must be positive, got {g}"
             )));
         }
+        if let Some(m) = config.multires_noise
+            && !(m.iterations >= 1 && m.discount > 0.0 && m.discount <= 1.0)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "multires noise needs iterations >= 1 and a discount in (0, 1], got {} and {}",
+                m.iterations, m.discount
+            )));
+        }
         if !(config.noise_offset.is_finite() && config.noise_offset >= 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "noise_offset must be ≥ 0, got {}",
@@ -123,18 +149,24 @@ impl DiffusionLoss {
     /// [`Error::InvalidArgument`] for latents that are not 4-D when an offset is set;
     /// [`Error::Torch`].
     pub fn sample_noise(&self, latents: &Tensor) -> Result<Tensor> {
-        let noise = latents.f_randn_like()?;
-        if self.config.noise_offset == 0.0 {
+        let mut noise = latents.f_randn_like()?;
+        if self.config.noise_offset == 0.0 && self.config.multires_noise.is_none() {
             return Ok(noise);
         }
         let s = latents.size();
         if s.len() != 4 {
             return Err(Error::InvalidArgument(format!(
-                "noise_offset needs latents [batch, C, H, W], got {s:?}"
+                "noise_offset and multires noise need latents [batch, C, H, W], got {s:?}"
             )));
         }
-        let off = Tensor::f_randn([s[0], s[1], 1, 1], (latents.kind(), latents.device()))?;
-        Ok(noise.f_add(&off.f_mul_scalar(self.config.noise_offset)?)?)
+        if self.config.noise_offset != 0.0 {
+            let off = Tensor::f_randn([s[0], s[1], 1, 1], (latents.kind(), latents.device()))?;
+            noise = noise.f_add(&off.f_mul_scalar(self.config.noise_offset)?)?;
+        }
+        if let Some(m) = self.config.multires_noise {
+            noise = multires_noise(noise, m)?;
+        }
+        Ok(noise)
     }
 
     /// `x_t` and the target for given noise and timesteps.
@@ -240,4 +272,32 @@ impl DiffusionLoss {
         let noise = self.sample_noise(latents)?;
         self.loss_with(latents, noise, t, model)
     }
+}
+
+/// Adds the coarser levels of [`MultiresNoise`] to `noise` `[batch, C, H, W]` and rescales the
+/// sum to unit standard deviation; works in float32 and returns `noise`'s dtype.
+///
+/// # Errors
+/// [`Error::Torch`].
+pub fn multires_noise(noise: Tensor, m: MultiresNoise) -> Result<Tensor> {
+    let s = noise.size();
+    let (h, w) = (s[2], s[3]);
+    let kind = noise.kind();
+    let dev = noise.device();
+    let mut sum = noise.f_to_kind(Kind::Float)?;
+    // level 0's factor r⁰ = 1: one more full-size noise, as in the reference loop
+    for level in 0..m.iterations.min(64) as i32 {
+        let r = 2.0 + 2.0 * Tensor::f_rand([], (Kind::Double, Device::Cpu))?.f_double_value(&[])?;
+        let scale = r.powi(level);
+        let hn = ((h as f64 / scale) as i64).max(1);
+        let wn = ((w as f64 / scale) as i64).max(1);
+        let coarse = Tensor::f_randn([s[0], s[1], hn, wn], (Kind::Float, dev))?;
+        let up = coarse.f_upsample_bilinear2d([h, w], false, None, None)?;
+        sum = sum.f_add(&up.f_mul_scalar(m.discount.powi(level))?)?;
+        if hn == 1 || wn == 1 {
+            break;
+        }
+    }
+    let std = sum.f_std(true)?;
+    Ok(sum.f_div(&std)?.f_to_kind(kind)?)
 }

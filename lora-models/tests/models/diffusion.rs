@@ -371,3 +371,45 @@ fn grid_png_holds_the_mapped_pixels() {
         "2 channels refused"
     );
 }
+
+#[test]
+fn multires_noise_has_unit_variance_and_spatial_correlation() {
+    use lora_models::diffusion::{MultiresNoise, multires_noise};
+    tch::manual_seed(3);
+    let white = Tensor::randn([4, 4, 64, 64], (Kind::Float, Device::Cpu));
+    let neighbour_corr = |t: &Tensor| -> f64 {
+        let a = t.narrow(3, 0, 63).flatten(0, -1);
+        let b = t.narrow(3, 1, 63).flatten(0, -1);
+        let a = &a - a.mean(Kind::Float);
+        let b = &b - b.mean(Kind::Float);
+        ((&a * &b).mean(Kind::Float) / (a.std(true) * b.std(true))).double_value(&[])
+    };
+    let plain = neighbour_corr(&white);
+    let m = multires_noise(
+        white.shallow_clone(),
+        MultiresNoise {
+            iterations: 6,
+            discount: 0.3,
+        },
+    )
+    .unwrap();
+    assert_eq!(m.size(), white.size());
+    assert_eq!(m.kind(), Kind::Float);
+    let std = m.std(true).double_value(&[]);
+    assert!((std - 1.0).abs() < 1e-5, "std {std}");
+    assert!(m.mean(Kind::Float).double_value(&[]).abs() < 0.1);
+    let corr = neighbour_corr(&m);
+    // white noise: no correlation between neighbours; the coarse levels add some
+    assert!(plain.abs() < 0.02, "white {plain}");
+    assert!(corr > 0.05, "multires {corr}");
+    // one level is two full-size white noises, rescaled: still uncorrelated
+    let one = multires_noise(
+        white.shallow_clone(),
+        MultiresNoise {
+            iterations: 1,
+            discount: 0.3,
+        },
+    )
+    .unwrap();
+    assert!(neighbour_corr(&one).abs() < 0.02);
+}

@@ -222,6 +222,16 @@ pub(super) const NO_EFFECT: &[(&str, &str)] = &[
         "the final adapter is written at the end; resume checkpoints are written at every save",
     ),
     (
+        "save_last_n_steps",
+        "the adapter file is written at the end of training (adapter files at each save are \
+         not written yet); resume checkpoints kept: `train.keep_last_checkpoints`",
+    ),
+    (
+        "save_last_n_epochs",
+        "the adapter file is written at the end of training (adapter files at each save are \
+         not written yet); resume checkpoints kept: `train.keep_last_checkpoints`",
+    ),
+    (
         "save_last_n_epochs_state",
         "resume checkpoints kept: `train.keep_last_checkpoints` (default 3)",
     ),
@@ -280,8 +290,6 @@ pub(super) const NO_EFFECT: &[(&str, &str)] = &[
     ("ip_noise_gamma_random_strength", NOT_YET),
     ("adaptive_noise_scale", NOT_YET),
     ("zero_terminal_snr", NOT_YET),
-    ("min_timestep", NOT_YET),
-    ("max_timestep", NOT_YET),
     (
         "loss_type",
         "the loss is the mean squared error (kohya's l2); l1 / huber / smooth_l1 are not implemented",

@@ -551,16 +551,14 @@ section! {
         #[serde(skip_serializing_if = "Option::is_none")]
         save_precision: Option<SavePrecision> = None, some(|k, v| keys::choose(k, v, SAVE_PRECISIONS)),
             aka ["save_precision"];
-        /// Adapter files kept from the saves: those of the last N steps (kohya
-        /// `save_last_n_steps`; the final adapter is always kept).
+        /// Diffusion: smallest timestep trained on (kohya `min_timestep`; default 0).
         #[serde(skip_serializing_if = "Option::is_none")]
-        save_last_n_steps: Option<u64> = None, Typed("a positive integer"),
-            aka ["save_last_n_steps"];
-        /// Adapter files kept from the saves: those of the last N epochs (kohya
-        /// `save_last_n_epochs`).
+        min_timestep: Option<u32> = None, Typed("a timestep >= 0"), aka ["min_timestep"];
+        /// Diffusion: one past the largest timestep trained on (kohya `max_timestep`; default
+        /// the schedule's 1000).
         #[serde(skip_serializing_if = "Option::is_none")]
-        save_last_n_epochs: Option<u32> = None, Typed("a positive integer"),
-            aka ["save_last_n_epochs"];
+        max_timestep: Option<u32> = None, Typed("a timestep >= 1"), aka ["max_timestep"],
+            check |t| t.is_none_or(|t| t >= 1) => "a timestep >= 1";
         /// Diffusion: multi-resolution (pyramid) noise iterations (kohya
         /// `multires_noise_iterations`; typical 6–10; unset = off).
         #[serde(skip_serializing_if = "Option::is_none")]

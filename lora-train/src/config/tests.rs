@@ -142,12 +142,12 @@ fn every_key_set() -> TrainConfig {
     c.train.warmup_ratio = Some(0.05);
     c.train.unet_lr = Some(3e-4);
     c.train.text_encoder_lr = vec![5e-5, 4e-5];
-    c.train.optimizer_args = [("dampening".to_string(), Value::from(0.1))].into();
+    c.train.optimizer_args = [("weight_decay".to_string(), Value::from(0.01))].into();
     c.train.lr_scheduler_args = [("num_cycles".to_string(), Value::from(2.0))].into();
     c.train.save_precision = Some(SavePrecision::Bf16);
-    c.train.save_last_n_steps = Some(200);
-    c.train.save_last_n_epochs = Some(2);
     c.train.multires_noise_iterations = Some(6);
+    c.train.min_timestep = Some(100);
+    c.train.max_timestep = Some(900);
     c.train.multires_noise_discount = 0.25;
     c.train.mixed_precision = Precision::Bf16;
     c.train.gradient_checkpointing = true;
@@ -225,6 +225,7 @@ fn every_documented_key_reaches_the_engine_alike_from_yaml_toml_and_code() {
         lr_end: 1e-6,
         power: 2.0,
     };
+    with_gpu.train.lr_scheduler_args = [("power".to_string(), Value::from(2.0))].into();
     with_gpu.train.nan_policy = NonFinitePolicy::LowerLr { factor: 0.25 };
     let variants = [every_key_set(), with_gpu];
     let specs = TrainConfig::key_specs();
@@ -295,6 +296,10 @@ fn every_documented_key_reaches_the_engine_alike_from_yaml_toml_and_code() {
                 leaf = serde_json::json!({ *p: leaf });
             }
             doc.insert(parts[0].to_string(), leaf);
+            if key == "train.lr_scheduler_args" {
+                // schedule arguments need a schedule that takes them
+                doc.insert("lr_scheduler".into(), Value::from("cosine_with_restarts"));
+            }
             let yaml = serde_yaml_ng::to_string(&Value::Object(doc)).unwrap();
             let cfg = TrainConfig::from_yaml_str(&yaml)
                 .unwrap_or_else(|e| panic!("{alias} (for {key}): {e}\n{yaml}"));
@@ -353,9 +358,10 @@ fn every_documented_key_reaches_the_engine_alike_from_yaml_toml_and_code() {
             ..Default::default()
         })
     );
+    // warmup_ratio 0.05 of the 100 steps wins over warmup_steps 10
     assert_eq!(
         (t.lr, t.warmup_steps, t.gradient_accumulation_steps),
-        (2e-4, 10, 2)
+        (2e-4, 5, 2)
     );
     assert_eq!(
         t.scheduler,

@@ -452,12 +452,16 @@ pub fn run<S: RunSteps>(
     }
     // a previous run in this folder: its files go aside now that this run really starts
     lock.set_aside_previous_run()?;
-    let log_dir = cfg
+    let mut log_dir = cfg
         .logging
         .logging_dir
         .clone()
         .map(PathBuf::from)
         .unwrap_or_else(|| ctx.out_dir.join("logs"));
+    // kohya `log_prefix`: the run's own folder under logging_dir, named by prefix and run
+    if let Some(prefix) = &cfg.logging.log_prefix {
+        log_dir = log_dir.join(format!("{prefix}{}", cfg.train.output_name));
+    }
     // metrics.jsonl (appended on resume), TensorBoard event files when `logging.tensorboard`,
     // and loss.png at the end
     job_callbacks.push(Box::new(

@@ -140,8 +140,6 @@ fn every_kohya_argument_is_honored_or_warned_never_an_error() {
         "save_precision",
         "save_every_n_epochs",
         "save_every_n_steps",
-        "save_last_n_epochs",
-        "save_last_n_steps",
         "v_parameterization",
         "clip_skip",
         "min_snr_gamma",

@@ -14,6 +14,7 @@ mod engine_kill;
 mod engine_oom;
 mod engine_optim;
 mod engine_sys;
+mod engine_tensorboard;
 mod engine_trainer;
 mod job_checkpointing;
 mod job_long_sequence_plan;

@@ -61,6 +61,21 @@ pub fn sd_metadata(
 fn pipeline_weights(
     pipe: &mut SdPipeline,
     adapter_name: &str,
+    kind: Option<tch::Kind>,
+) -> lora_core::Result<Vec<(&'static str, AdapterWeights)>> {
+    let parts = pipeline_weights_as_trained(pipe, adapter_name)?;
+    match kind {
+        None => Ok(parts),
+        Some(k) => parts
+            .into_iter()
+            .map(|(c, w)| Ok((c, w.to_kind(k)?)))
+            .collect(),
+    }
+}
+
+fn pipeline_weights_as_trained(
+    pipe: &mut SdPipeline,
+    adapter_name: &str,
 ) -> lora_core::Result<Vec<(&'static str, AdapterWeights)>> {
     let optional = |r: lora_core::Result<AdapterWeights>| match r {
         Ok(w) => Ok(Some(w)),
@@ -98,8 +113,22 @@ pub fn write_kohya(
     metadata: std::collections::BTreeMap<String, String>,
     path: &Path,
 ) -> lora_core::Result<()> {
+    write_kohya_as(pipe, adapter_name, metadata, path, None)
+}
+
+/// [`write_kohya`] with the tensors in `kind` (kohya's `save_precision`; `None` = as trained).
+///
+/// # Errors
+/// As [`write_kohya`].
+pub fn write_kohya_as(
+    pipe: &mut SdPipeline,
+    adapter_name: &str,
+    metadata: std::collections::BTreeMap<String, String>,
+    path: &Path,
+    kind: Option<tch::Kind>,
+) -> lora_core::Result<()> {
     let sdxl = pipe.is_sdxl();
-    let mut parts = pipeline_weights(pipe, adapter_name)?;
+    let mut parts = pipeline_weights(pipe, adapter_name, kind)?;
     if let Some((_, unet)) = parts.first_mut() {
         unet.metadata = metadata;
     }
@@ -122,7 +151,20 @@ pub fn write_diffusers(
     adapter_name: &str,
     dir: &Path,
 ) -> lora_core::Result<PathBuf> {
-    let parts = pipeline_weights(pipe, adapter_name)?;
+    write_diffusers_as(pipe, adapter_name, dir, None)
+}
+
+/// [`write_diffusers`] with the tensors in `kind` (`None` = as trained).
+///
+/// # Errors
+/// As [`write_diffusers`].
+pub fn write_diffusers_as(
+    pipe: &mut SdPipeline,
+    adapter_name: &str,
+    dir: &Path,
+    kind: Option<tch::Kind>,
+) -> lora_core::Result<PathBuf> {
+    let parts = pipeline_weights(pipe, adapter_name, kind)?;
     std::fs::create_dir_all(dir).map_err(|e| lora_core::Error::Io {
         path: dir.to_path_buf(),
         source: e,

@@ -57,7 +57,6 @@ use crate::engine::{BatchSource, TrainError, TrainStep};
 use crate::job::error::During;
 use crate::job::sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};
 use crate::job::{JobError, Plan, Result, RunOptions, resolve_path};
-use crate::sd_plan::DEFAULT_UNET_TARGETS;
 use lora_core::formats::AdapterWeights;
 use lora_data::cache::{CacheKey, LatentCache};
 use lora_data::image::{ImageCollate, ImageDataset, config::DatasetConfig};
@@ -176,8 +175,32 @@ fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> 
     if let Some(s) = d.shuffle_caption {
         sub.shuffle_caption = s;
     }
+    if let Some(s) = &d.caption_separator {
+        sub.caption_separator = s.clone();
+    }
+    sub.caption_dropout_rate = d.caption_dropout_rate.unwrap_or(sub.caption_dropout_rate);
+    sub.caption_tag_dropout_rate = d
+        .caption_tag_dropout_rate
+        .unwrap_or(sub.caption_tag_dropout_rate);
+    sub.caption_prefix = d.caption_prefix.clone().or(sub.caption_prefix);
+    sub.caption_suffix = d.caption_suffix.clone().or(sub.caption_suffix);
+    sub.flip_aug = d.flip_aug.unwrap_or(sub.flip_aug);
+    sub.random_crop = d.random_crop.unwrap_or(sub.random_crop);
     set.subsets.push(sub);
-    let dc = DatasetConfig::from_kohya_folders(data_path, None, &set)
+    // kohya `reg_data_dir`: regularization images in the same folder layout, relative paths
+    // against the training folder's parent (where kohya users keep `img/` and `reg/`)
+    let reg = d.reg_data_dir.as_deref().map(|r| {
+        let p = Path::new(r);
+        if p.is_relative() && !p.exists() {
+            data_path
+                .parent()
+                .map(|b| b.join(p))
+                .unwrap_or_else(|| p.to_path_buf())
+        } else {
+            p.to_path_buf()
+        }
+    });
+    let dc = DatasetConfig::from_kohya_folders(data_path, reg.as_deref(), &set)
         .during(format!("listing {}", data_path.display()))?;
     if dc.datasets.iter().all(|s| s.subsets.is_empty()) {
         // a plain folder of images: one subset, one repeat
@@ -346,15 +369,9 @@ impl RunSteps for SdSteps {
         pipe.unet
             .set_gradient_checkpointing(cfg.train.gradient_checkpointing);
         tch::manual_seed(cfg.system.seed as i64);
-        // an unset target list means the UNet's attention projections here
-        let unet_targets = if cfg.lora.target_modules == crate::config::default_target_modules() {
-            TargetModules::list(&DEFAULT_UNET_TARGETS)
-        } else {
-            cfg.lora.target_modules.clone()
-        };
-        let lcfg = cfg
-            .lora
-            .to_lora_config(unet_targets, &ctx.base_written, None);
+        // an unset target list means the UNet's attention projections here; LoCon adds the
+        // 3×3 convolutions at the conv rank
+        let lcfg = crate::sd_plan::unet_lora_config(&cfg, &ctx.base_written);
         // the text encoders: CLIP's attention projections, with no per-module patterns (they
         // name UNet modules)
         let te_cfg = lora_core::config::LoraConfig {
@@ -440,6 +457,41 @@ struct SdRun {
     bucket_batches: Vec<((u32, u32), u64)>,
 }
 
+/// The dtype of the adapter files (`train.save_precision`; `None` = as trained).
+pub fn save_kind(cfg: &TrainConfig) -> Option<tch::Kind> {
+    cfg.train.save_precision.map(|p| match p {
+        crate::config::SavePrecision::F32 => tch::Kind::Float,
+        crate::config::SavePrecision::F16 => tch::Kind::Half,
+        crate::config::SavePrecision::Bf16 => tch::Kind::BFloat16,
+    })
+}
+
+/// The prompts of kohya prompt-file lines (`a cat --n blurry --w 512 --d 1`): each line's text
+/// before its first ` --` option, without empty and `#` comment lines; and the options seen
+/// (`--n`, `--w`, …), which the sampler here does not apply per prompt.
+pub fn kohya_prompts(lines: &[String]) -> (Vec<String>, Vec<String>) {
+    let mut prompts = Vec::new();
+    let mut options: Vec<String> = Vec::new();
+    for line in lines {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut parts = line.split(" --");
+        let prompt = parts.next().unwrap_or_default().trim();
+        for opt in parts {
+            let name = format!("--{}", opt.split_whitespace().next().unwrap_or_default());
+            if !options.contains(&name) {
+                options.push(name);
+            }
+        }
+        if !prompt.is_empty() {
+            prompts.push(prompt.to_string());
+        }
+    }
+    (prompts, options)
+}
+
 /// The seed of the fixed evaluation's noise.
 fn eval_seed(cfg: &TrainConfig) -> u64 {
     cfg.system.seed ^ 0x5eed
@@ -450,7 +502,14 @@ fn objective_of(pipe: &SdPipeline, cfg: &TrainConfig) -> Result<DiffusionLoss> {
     let loss_cfg = LossConfig {
         noise_offset: cfg.train.noise_offset,
         min_snr_gamma: cfg.train.min_snr_gamma,
-        ..LossConfig::default()
+        min_timestep: cfg.train.min_timestep.map_or(0, i64::from),
+        max_timestep: cfg.train.max_timestep.map(i64::from),
+        multires_noise: cfg.train.multires_noise_iterations.map(|iterations| {
+            lora_models::diffusion::MultiresNoise {
+                iterations,
+                discount: cfg.train.multires_noise_discount,
+            }
+        }),
     };
     let schedule = NoiseSchedule::new(pipe.schedule.clone()).during("the noise schedule")?;
     DiffusionLoss::new(schedule, loss_cfg).during("the diffusion loss")
@@ -610,8 +669,25 @@ impl LoadedRun for SdRun {
         cfg: &TrainConfig,
         ctx: &RunContext<'_>,
     ) -> Result<Vec<Box<dyn crate::engine::Callback>>> {
-        // sample prompts: logging.sample_prompts, else the lines of logging.sample_prompt
+        // sample prompts: logging.sample_prompts, else kohya's prompt file, else the lines of
+        // logging.sample_prompt; kohya's per-line options are taken off the prompt
         let mut prompts: Vec<String> = cfg.logging.sample_prompts.clone();
+        if prompts.is_empty()
+            && let Some(file) = &cfg.logging.sample_prompts_file
+        {
+            let path = resolve_path("sample_prompts", file, ctx.config_dir())?;
+            let text = std::fs::read_to_string(&path)
+                .during(format!("reading the sample prompts {}", path.display()))?;
+            prompts = text.lines().map(String::from).collect();
+        }
+        let (prompts, ignored) = kohya_prompts(&prompts);
+        if !ignored.is_empty() {
+            ctx.say(&format!(
+                "sample prompts: kohya's per-prompt options {} are not applied; the samples use logging.sample_steps, sample_guidance_scale, the training size and system.seed",
+                ignored.join(", ")
+            ));
+        }
+        let mut prompts = prompts;
         if prompts.is_empty() {
             prompts = cfg
                 .logging
@@ -642,6 +718,7 @@ impl LoadedRun for SdRun {
             objective: objective_of(&self.pipe, cfg)?,
             named,
             loraplus_lr_ratio: cfg.train.loraplus_lr_ratio,
+            lr_scales: task::LrScales::of(&cfg.train),
         })
     }
 
@@ -731,14 +808,18 @@ impl LoadedRun for SdRun {
                     let p = ctx
                         .out_dir
                         .join(format!("{}.safetensors", cfg.train.output_name));
-                    write_kohya(pipe, "default", meta.clone(), &p)
+                    write_kohya_as(pipe, "default", meta.clone(), &p, save_kind(cfg))
                         .during("writing the kohya adapter")?;
                     outputs.push(p);
                 }
                 ExportFormat::Peft => {
-                    let p =
-                        write_diffusers(pipe, "default", &ctx.out_dir.join(&cfg.train.output_name))
-                            .during("writing the diffusers adapter")?;
+                    let p = write_diffusers_as(
+                        pipe,
+                        "default",
+                        &ctx.out_dir.join(&cfg.train.output_name),
+                        save_kind(cfg),
+                    )
+                    .during("writing the diffusers adapter")?;
                     outputs.push(p);
                 }
             }
@@ -841,7 +922,7 @@ mod tests {
         cfg.data.cache_latents = Some(true);
         let charged = |cfg: &TrainConfig, aug: Augmentations, cuda: bool| {
             let mut s = lora_memory::Settings::default()
-                .with_target_modules(&DEFAULT_UNET_TARGETS)
+                .with_target_modules(&crate::sd_plan::DEFAULT_UNET_TARGETS)
                 .with_resolution(1024);
             frozen_model_settings(&mut s, cfg, aug, cuda);
             let d = lora_memory::estimate(&sdxl, &s).unwrap().diffusion.unwrap();
@@ -929,6 +1010,15 @@ mod tests {
             [480.0, 640.0, 8.0, 16.0, 384.0, 512.0]
         );
         assert_eq!(kohya_prefix("unet", true), "lora_unet");
+        let (p, o) = kohya_prompts(&[
+            "a cat --n blurry --w 512 --h 768".into(),
+            "# a comment".into(),
+            "".into(),
+            "a dog --d 7".into(),
+            "plain".into(),
+        ]);
+        assert_eq!(p, vec!["a cat", "a dog", "plain"]);
+        assert_eq!(o, vec!["--n", "--w", "--h", "--d"]);
         assert_eq!(kohya_prefix("text_encoder", false), "lora_te");
         assert_eq!(kohya_prefix("text_encoder", true), "lora_te1");
         assert_eq!(kohya_prefix("text_encoder_2", true), "lora_te2");

@@ -251,14 +251,48 @@ fn unet_module_examples() -> Vec<(String, (String, UnetModuleKind))> {
     out
 }
 
+/// The UNet's 3×3 convolutions LoCon adds (kohya `networks.lora` with `conv_dim`: the
+/// convolutions of `ResnetBlock2D`, `Downsample2D` and `Upsample2D`).
+pub const LOCON_TARGETS: [&str; 3] = ["conv1", "conv2", "conv"];
+
 /// `lora.target_modules` as the SD job uses it: the config's value, or the UNet attention
-/// projections ([`DEFAULT_UNET_TARGETS`]) when it is left at its (LLM) default.
+/// projections ([`DEFAULT_UNET_TARGETS`]) when it is left at its (LLM) default; with
+/// `lora.conv_rank` (LoCon) a list also gets [`LOCON_TARGETS`].
 pub fn unet_target_modules(cfg: &TrainConfig) -> TargetModules {
-    if cfg.lora.target_modules == crate::config::default_target_modules() {
+    let mut t = if cfg.lora.target_modules == crate::config::default_target_modules() {
         TargetModules::List(DEFAULT_UNET_TARGETS.iter().map(|t| t.to_string()).collect())
     } else {
         cfg.lora.target_modules.clone()
+    };
+    if cfg.lora.conv_rank.is_some()
+        && let TargetModules::List(l) = &mut t
+    {
+        for c in LOCON_TARGETS {
+            if !l.iter().any(|x| x == c) {
+                l.push(c.to_string());
+            }
+        }
     }
+    t
+}
+
+/// The UNet's LoRA config: [`unet_target_modules`], and with `lora.conv_rank` (LoCon) the
+/// 3×3 convolutions at that rank and at `lora.conv_alpha` (default: the conv rank, as kohya),
+/// through per-module rank and alpha patterns.
+pub fn unet_lora_config(cfg: &TrainConfig, base_model: &str) -> lora_core::config::LoraConfig {
+    let mut c = cfg
+        .lora
+        .to_lora_config(unet_target_modules(cfg), base_model, None);
+    if let Some(r) = cfg.lora.conv_rank {
+        let alpha = cfg.lora.conv_alpha.unwrap_or(f64::from(r));
+        for name in LOCON_TARGETS {
+            c.rank_pattern
+                .entry(name.to_string())
+                .or_insert(i64::from(r));
+            c.alpha_pattern.entry(name.to_string()).or_insert(alpha);
+        }
+    }
+    c
 }
 
 /// The UNet name an LLM or text-encoder module name most likely meant.
@@ -623,10 +657,11 @@ pub fn settings_for(
     let unplanned_only =
         has(UnetModuleKind::Unplanned) && planned.is_empty() && !has(UnetModuleKind::ResnetConv);
     if has(UnetModuleKind::ResnetConv) || unplanned_only {
-        s.lora.conv_rank = Some(cfg.lora.rank);
+        let conv_rank = cfg.lora.conv_rank.unwrap_or(cfg.lora.rank);
+        s.lora.conv_rank = Some(conv_rank);
         notes.push(format!(
             "LoRA on ResNet 3×3 convs (LoCon) is planned at rank {} on every conv1 and conv2{}",
-            cfg.lora.rank,
+            conv_rank,
             if unplanned_only {
                 " (an upper bound for the modules targeted, which the plan does not model)"
             } else {
@@ -854,6 +889,29 @@ mod tests {
                 assert!(e.contains(part), "{bad}: {part:?} missing from {e}");
             }
         }
+    }
+
+    #[test]
+    fn kohya_conv_dim_is_locon_on_the_3x3_convolutions_at_its_own_rank() {
+        let mut cfg = preset_config(
+            "model: {base_model: sd15}\nlora: {rank: 8}\nnetwork_args: [conv_dim=4, conv_alpha=2]\n",
+        );
+        let lcfg = unet_lora_config(&cfg, "sd15");
+        let Some(TargetModules::List(targets)) = &lcfg.target_modules else {
+            panic!("{:?}", lcfg.target_modules)
+        };
+        for t in ["to_q", "to_v", "conv1", "conv2", "conv"] {
+            assert!(targets.iter().any(|x| x == t), "{t} in {targets:?}");
+        }
+        assert_eq!(lcfg.rank_for("down_blocks.0.resnets.0.conv1"), 4);
+        assert_eq!(lcfg.rank_for("down_blocks.0.downsamplers.0.conv"), 4);
+        assert_eq!(
+            lcfg.rank_for("mid_block.attentions.0.transformer_blocks.0.attn1.to_q"),
+            8
+        );
+        assert_eq!(lcfg.alpha_for("up_blocks.1.resnets.2.conv2"), 2.0);
+        let p = plan(&mut cfg, None, None, false).unwrap();
+        assert_eq!(p.settings.lora.conv_rank, Some(4));
     }
 
     #[test]

@@ -34,6 +34,80 @@ pub struct SdTask {
     pub named: Vec<(String, Tensor)>,
     /// LoRA+ ratio for the B matrices.
     pub loraplus_lr_ratio: Option<f64>,
+    /// Learning-rate multipliers of the UNet's adapters and of the text encoders' (first,
+    /// second): kohya's `unet_lr` / `text_encoder_lr` over `learning_rate`. `None` = one rate
+    /// for all.
+    pub lr_scales: Option<LrScales>,
+}
+
+/// Per-model learning-rate multipliers (see [`SdTask::lr_scales`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrScales {
+    /// The UNet's adapters.
+    pub unet: f64,
+    /// The (first) text encoder's adapters.
+    pub text_encoder: f64,
+    /// SDXL's second text encoder's adapters.
+    pub text_encoder_2: f64,
+}
+
+impl LrScales {
+    /// The multipliers of kohya's `unet_lr` / `text_encoder_lr` (one rate, or one per text
+    /// encoder) over `learning_rate`; `None` when neither is set.
+    pub fn of(t: &crate::config::TrainSection) -> Option<LrScales> {
+        if t.unet_lr.is_none() && t.text_encoder_lr.is_empty() {
+            return None;
+        }
+        let lr = t.learning_rate;
+        let te = t.text_encoder_lr.first().copied().unwrap_or(lr);
+        Some(LrScales {
+            unet: t.unet_lr.unwrap_or(lr) / lr,
+            text_encoder: te / lr,
+            text_encoder_2: t.text_encoder_lr.get(1).copied().unwrap_or(te) / lr,
+        })
+    }
+}
+
+/// The parameter groups of the SD job's adapters: with `scales`, one set per model (names
+/// `unet.…` — the UNet's adapters are the names without a `text_encoder` prefix —,
+/// `text_encoder.…`, `text_encoder_2.…`), each at its model's rate times the LoRA+ ratio of
+/// its `lora_B`/`lora_up` tensors; without, [`crate::engine::optim::adapter_groups`].
+pub fn model_groups(
+    named: Vec<(String, Tensor)>,
+    loraplus_lr_ratio: Option<f64>,
+    scales: Option<LrScales>,
+) -> Vec<crate::engine::optim::ParamGroup> {
+    let Some(scales) = scales else {
+        return crate::engine::optim::adapter_groups(named, loraplus_lr_ratio);
+    };
+    let mut parts: [(&str, f64, Vec<(String, Tensor)>); 3] = [
+        ("unet", scales.unet, Vec::new()),
+        ("text_encoder", scales.text_encoder, Vec::new()),
+        ("text_encoder_2", scales.text_encoder_2, Vec::new()),
+    ];
+    for (name, t) in named {
+        let i = if name.starts_with("text_encoder_2") {
+            2
+        } else if name.starts_with("text_encoder") {
+            1
+        } else {
+            0
+        };
+        parts[i].2.push((name, t));
+    }
+    let mut groups = Vec::new();
+    for (model, scale, named) in parts {
+        if named.is_empty() {
+            continue;
+        }
+        for g in crate::engine::optim::adapter_groups(named, loraplus_lr_ratio) {
+            let lr_scale = g.lr_scale * scale;
+            let mut g = g.with_lr_scale(lr_scale);
+            g.name = format!("{model}.{}", g.name);
+            groups.push(g);
+        }
+    }
+    groups
 }
 
 impl SdTask {
@@ -109,7 +183,11 @@ impl TrainStep for SdTask {
     }
 
     fn param_groups(&self) -> Vec<crate::engine::optim::ParamGroup> {
-        crate::engine::optim::adapter_groups(self.named_trainable(), self.loraplus_lr_ratio)
+        model_groups(
+            self.named_trainable(),
+            self.loraplus_lr_ratio,
+            self.lr_scales,
+        )
     }
 
     fn micro_batch_len(&self, b: &SdBatch) -> usize {
@@ -150,5 +228,54 @@ impl TrainStep for SdTask {
                 captions: caps.get(i).cloned().unwrap_or_default(),
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unet_and_text_encoder_rates_make_one_group_per_model() {
+        let t = |v: f32| Tensor::from_slice(&[v]);
+        let named = || {
+            vec![
+                ("down.lora_A".to_string(), t(1.0)),
+                ("down.lora_B".to_string(), t(2.0)),
+                ("text_encoder.q.lora_A".to_string(), t(3.0)),
+                ("text_encoder_2.q.lora_A".to_string(), t(4.0)),
+            ]
+        };
+        let cfg = crate::config::TrainConfig::from_toml_str(
+            "learning_rate = 0.0002\nunet_lr = 0.0004\ntext_encoder_lr = [0.0001, 0.00005]\n",
+        )
+        .unwrap();
+        let scales = LrScales::of(&cfg.train).unwrap();
+        assert_eq!(
+            scales,
+            LrScales {
+                unet: 2.0,
+                text_encoder: 0.5,
+                text_encoder_2: 0.25
+            }
+        );
+        let groups = model_groups(named(), Some(4.0), Some(scales));
+        let got: Vec<(String, usize, f64)> = groups
+            .iter()
+            .map(|g| (g.name.clone(), g.params.len(), g.lr_scale))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("unet.lora_A".to_string(), 1, 2.0),
+                ("unet.lora_B".to_string(), 1, 8.0),
+                ("text_encoder.lora_A".to_string(), 1, 0.5),
+                ("text_encoder_2.lora_A".to_string(), 1, 0.25),
+            ]
+        );
+        // neither rate set: the groups every other run has
+        let plain = crate::config::TrainConfig::default();
+        assert_eq!(LrScales::of(&plain.train), None);
+        assert_eq!(model_groups(named(), None, None).len(), 1);
     }
 }
