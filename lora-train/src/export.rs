@@ -230,16 +230,36 @@ pub fn export_run(
 ) -> Result<Vec<PathBuf>> {
     let mut w = AdapterWeights::from_model(model, adapter_name)?;
     w.metadata = metadata;
+    if let Some(kind) = crate::job::lower::save_kind(cfg) {
+        w = w.to_kind(kind)?;
+    }
+    write_formats(&w, template, cfg, output_dir, &cfg.train.output_name)
+}
+
+/// Writes `w` in every format of `train.export_formats` under `output_dir` as `stem` (a PEFT
+/// folder `stem/`, a kohya file `stem.safetensors`); returns what was written. The export at
+/// the end and the snapshots at each save ([`crate::job::snapshots`]) both write through here.
+///
+/// # Errors
+/// As [`export_run`].
+pub fn write_formats(
+    w: &AdapterWeights,
+    template: &LoraConfig,
+    cfg: &TrainConfig,
+    output_dir: &Path,
+    stem: &str,
+) -> Result<Vec<PathBuf>> {
+    let mut w = w.clone_shallow();
     let mut out = Vec::new();
     for f in &cfg.train.export_formats {
         match f {
             ExportFormat::Peft => {
-                let dir = output_dir.join(&cfg.train.output_name);
+                let dir = output_dir.join(stem);
                 peft::save(&w, Some(template), &dir)?;
                 out.push(dir);
             }
             ExportFormat::Kohya => {
-                let path = output_dir.join(format!("{}.safetensors", cfg.train.output_name));
+                let path = output_dir.join(format!("{stem}.safetensors"));
                 // The kohya file also carries the PEFT config, for a later `convert --to peft`.
                 let run_metadata = w.metadata.clone();
                 let peft_cfg = peft::config_for(&w, Some(template));

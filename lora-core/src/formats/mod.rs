@@ -95,6 +95,31 @@ impl AdapterWeights {
         })
     }
 
+    /// A second handle on the same adapter: the tensors are shared (`shallow_clone`), the
+    /// module map and metadata copied.
+    pub fn clone_shallow(&self) -> AdapterWeights {
+        AdapterWeights {
+            modules: self
+                .modules
+                .iter()
+                .map(|(k, m)| {
+                    (
+                        k.clone(),
+                        ModuleLora {
+                            kind: m.kind,
+                            lora_a: m.lora_a.shallow_clone(),
+                            lora_b: m.lora_b.shallow_clone(),
+                            alpha: m.alpha,
+                            magnitude: m.magnitude.as_ref().map(Tensor::shallow_clone),
+                        },
+                    )
+                })
+                .collect(),
+            use_rslora: self.use_rslora,
+            metadata: self.metadata.clone(),
+        }
+    }
+
     /// The scaling of `module`'s adapter, if present.
     pub fn scaling(&self, module: &str) -> Option<f64> {
         self.modules

@@ -189,10 +189,6 @@ pub(super) const NO_EFFECT: &[(&str, &str)] = &[
         "skip_cache_check",
         "disk caches are always checked against the images",
     ),
-    (
-        "cache_latents_to_disk",
-        "cached latents are kept in memory (the plan counts them); nothing is written beside the images",
-    ),
     ("cache_text_encoder_outputs", CACHE_TE),
     ("cache_text_encoder_outputs_to_disk", CACHE_TE),
     (
@@ -220,16 +216,6 @@ pub(super) const NO_EFFECT: &[(&str, &str)] = &[
     (
         "save_state_on_train_end",
         "the final adapter is written at the end; resume checkpoints are written at every save",
-    ),
-    (
-        "save_last_n_steps",
-        "the adapter file is written at the end of training (adapter files at each save are \
-         not written yet); resume checkpoints kept: `train.keep_last_checkpoints`",
-    ),
-    (
-        "save_last_n_epochs",
-        "the adapter file is written at the end of training (adapter files at each save are \
-         not written yet); resume checkpoints kept: `train.keep_last_checkpoints`",
     ),
     (
         "save_last_n_epochs_state",
@@ -459,6 +445,7 @@ pub(super) const SPECIAL: &[&str] = &[
     "network_train_unet_only",
     "network_train_text_encoder_only",
     "save_model_as",
+    "cache_latents_to_disk",
     "network_args",
     "lora.network_args",
     "save_last_n_steps_state",
@@ -634,6 +621,21 @@ pub(super) fn rewrite(doc: &mut Doc, warnings: &mut ConfigWarnings) -> Result<()
                 &v,
                 "the UNet's adapter is always trained; a text-encoder-only LoRA is not supported yet",
             );
+        }
+    }
+    // cache_latents_to_disk: the latent cache here is on disk (`<output_dir>/latent_cache`)
+    // whenever latents are cached; kohya's switch turns caching on
+    if let Some((on, _)) = flag(doc, "cache_latents_to_disk")? {
+        let cache_written = !written(doc, &["cache_latents", "data.cache_latents"]).is_empty();
+        if on && !cache_written {
+            move_entry(
+                doc,
+                "cache_latents_to_disk",
+                "data.cache_latents",
+                Value::Bool(true),
+            );
+        } else {
+            mark(doc, "cache_latents_to_disk");
         }
     }
     if let Some((_, v)) = written(doc, &["save_model_as"]).pop() {

@@ -551,6 +551,16 @@ section! {
         #[serde(skip_serializing_if = "Option::is_none")]
         save_precision: Option<SavePrecision> = None, some(|k, v| keys::choose(k, v, SAVE_PRECISIONS)),
             aka ["save_precision"];
+        /// Adapter files kept from the saves (see `save_every_n_steps`): those of the step
+        /// saves taken within the last N steps (kohya `save_last_n_steps`; unset = all; the
+        /// final adapter is always kept).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        save_last_n_steps: Option<u64> = None, Typed("a positive integer"),
+            aka ["save_last_n_steps"];
+        /// Adapter files kept from the epoch saves: the last N (kohya `save_last_n_epochs`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        save_last_n_epochs: Option<u32> = None, Typed("a positive integer"),
+            aka ["save_last_n_epochs"];
         /// Diffusion: smallest timestep trained on (kohya `min_timestep`; default 0).
         #[serde(skip_serializing_if = "Option::is_none")]
         min_timestep: Option<u32> = None, Typed("a timestep >= 0"), aka ["min_timestep"];
@@ -582,11 +592,13 @@ section! {
         /// `stop`; or the engine's mapping (`{policy: lower_lr, factor: 0.25}`).
         #[serde(with = "keys::by_name")]
         nan_policy: NonFinitePolicy = NonFinitePolicy::default(), ByName;
-        /// Checkpoint every N optimizer steps (aliases top-level `save_steps`, kohya
-        /// `save_every_n_steps`).
+        /// Save every N optimizer steps: a resume checkpoint under `checkpoints/` and a
+        /// loadable adapter `<output_name>-step%08d` in each export format (aliases top-level
+        /// `save_steps`, kohya `save_every_n_steps`).
         save_every_n_steps: Option<u64> = None, Typed("a positive integer"),
             aka ["save_steps", "save_every_n_steps", "train.save_steps"];
-        /// Checkpoint every N epochs (kohya `save_every_n_epochs`).
+        /// Save every N epochs: a resume checkpoint and an adapter `<output_name>-%06d`
+        /// (the epoch; kohya `save_every_n_epochs`).
         save_every_n_epochs: Option<u32> = None, Typed("a positive integer"),
             aka ["save_every_n_epochs"];
         /// Checkpoints kept (default 3; kohya `save_last_n_steps_state` is not the same thing).

@@ -146,6 +146,8 @@ fn every_key_set() -> TrainConfig {
     c.train.lr_scheduler_args = [("num_cycles".to_string(), Value::from(2.0))].into();
     c.train.save_precision = Some(SavePrecision::Bf16);
     c.train.multires_noise_iterations = Some(6);
+    c.train.save_last_n_steps = Some(200);
+    c.train.save_last_n_epochs = Some(2);
     c.train.min_timestep = Some(100);
     c.train.max_timestep = Some(900);
     c.train.multires_noise_discount = 0.25;

@@ -11,6 +11,7 @@ pub mod plan;
 pub mod recipe;
 pub mod run;
 pub mod sequence;
+pub mod snapshots;
 
 pub use error::{JobError, Result};
 pub use lower::{lora_config, trainer_config};

@@ -55,11 +55,21 @@ fn train(out: &Path, checkpointing: bool) -> RunSummary {
         verbose: false,
         resume: None,
     };
-    run(config(out, checkpointing), &opts).unwrap()
+    let mut cfg = config(out, checkpointing);
+    if checkpointing {
+        // and an adapter at every save, the older ones removed (kohya save_last_n_steps)
+        cfg.train.save_every_n_steps = Some(1);
+        cfg.train.save_last_n_steps = Some(1);
+    }
+    run(cfg, &opts).unwrap()
 }
 
 fn adapter(out: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
+    adapter_in(&out.join("adapter"))
+}
+
+fn adapter_in(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let mut v: Vec<(String, Vec<f32>)> = st
         .tensors()
@@ -96,6 +106,16 @@ fn checkpointed_run_trains_the_same_adapter() {
         );
     }
     let (pa, ca) = (adapter(plain_dir.path()), adapter(ckpt_dir.path()));
+    // a PEFT adapter at each save: step 1's removed (more than 1 step old at step 3), step 3's
+    // the final adapter
+    let snap = |step: u64| ckpt_dir.path().join(format!("adapter-step{step:08}"));
+    assert!(
+        !snap(1).exists(),
+        "save_last_n_steps: 1 keeps steps 2 and 3 only"
+    );
+    assert!(snap(2).join("adapter_config.json").is_file());
+    assert_eq!(adapter_in(&snap(3)), ca);
+    assert_ne!(adapter_in(&snap(2)), ca);
     assert_eq!(
         pa.len(),
         30 * 3 * 2,
@@ -122,4 +142,49 @@ fn checkpointed_run_trains_the_same_adapter() {
         ckpt.memory.tensor_peak,
         plain.memory.tensor_peak
     );
+}
+
+#[test]
+fn save_precision_sets_the_dtype_of_the_final_adapter_and_the_snapshots() {
+    let _serial = crate::serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), false);
+    cfg.train.max_steps = Some(2);
+    cfg.train.save_every_n_steps = Some(1);
+    cfg.train.save_precision = Some(lora_train::config::SavePrecision::Bf16);
+    cfg.train.export_formats = vec![
+        lora_train::config::ExportFormat::Peft,
+        lora_train::config::ExportFormat::Kohya,
+    ];
+    run(cfg, &RunOptions::default()).unwrap();
+    let dtypes = |file: &Path| {
+        let bytes = std::fs::read(file).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut d: Vec<(String, safetensors::Dtype)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.dtype()))
+            .collect();
+        d.sort_by(|a, b| a.0.cmp(&b.0));
+        d
+    };
+    for file in [
+        dir.path().join("adapter/adapter_model.safetensors"),
+        dir.path()
+            .join("adapter-step00000001/adapter_model.safetensors"),
+        dir.path().join("adapter-step00000002.safetensors"),
+        dir.path().join("adapter.safetensors"),
+    ] {
+        let d = dtypes(&file);
+        assert!(!d.is_empty(), "{}", file.display());
+        for (name, dtype) in d {
+            // kohya's alpha stays f32 (readers choke on bf16 alpha)
+            let want = if name.ends_with(".alpha") {
+                safetensors::Dtype::F32
+            } else {
+                safetensors::Dtype::BF16
+            };
+            assert_eq!(dtype, want, "{name} in {}", file.display());
+        }
+    }
 }

@@ -254,6 +254,35 @@ fn kohya_adapter_loads_in_diffusers_and_a_diffusers_peft_adapter_loads_in_ours()
 }
 
 #[test]
+fn each_save_writes_a_loadable_adapter_beside_the_checkpoint_named_as_kohya_names_it() {
+    let r = run();
+    let out = r.dir.join("out");
+    let fin = read(&out.join("emoji-tiny.safetensors"));
+    let s30 = read(&out.join("emoji-tiny-step00000030.safetensors"));
+    let s60 = read(&out.join("emoji-tiny-step00000060.safetensors"));
+    let names = |ts: &[(String, Tensor)]| {
+        let mut n: Vec<String> = ts.iter().map(|(n, _)| n.clone()).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&s30), names(&fin));
+    assert_eq!(names(&s60), names(&fin));
+    // the step-60 snapshot is the state the final file holds; step 30 is half-way
+    let (mut at60, mut at30) = (0f64, 0f64);
+    for (name, t) in &fin {
+        at60 = at60.max(max_abs(t, &get(&s60, name)));
+        at30 = at30.max(max_abs(t, &get(&s30, name)));
+    }
+    assert_eq!(at60, 0.0);
+    assert!(at30 > 1e-4, "{at30}");
+    // the diffusers layout too (the run's second export format)
+    assert!(
+        out.join("emoji-tiny-step00000030/pytorch_lora_weights.safetensors")
+            .is_file()
+    );
+}
+
+#[test]
 fn a_run_resumed_from_its_step_30_checkpoint_ends_with_the_same_adapter() {
     let r = run();
     let _serial = serial();

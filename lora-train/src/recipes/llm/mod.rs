@@ -520,10 +520,21 @@ impl RunSteps for LlmSteps {
             report.all_params,
             report.trainable_percent()
         ));
+        // the adapter as injected: what the snapshots at each save fill in
+        let snapshot_template =
+            if cfg.train.save_every_n_steps.is_some() || cfg.train.save_every_n_epochs.is_some() {
+                Some(
+                    lora_core::formats::AdapterWeights::from_model(&mut model, "default")
+                        .during("reading the injected adapter")?,
+                )
+            } else {
+                None
+            };
         Ok(LlmRun {
             model,
             tok,
             lcfg,
+            snapshot_template,
             data_written,
             data_path,
             plain_text: self.plain_text,
@@ -544,6 +555,8 @@ struct LlmRun {
     model: lora_models::llama::Llama,
     tok: lora_models::tokenizer::Tokenizer,
     lcfg: lora_core::config::LoraConfig,
+    /// The injected adapter, for the snapshots at each save (when the run saves).
+    snapshot_template: Option<lora_core::formats::AdapterWeights>,
     data_written: String,
     data_path: PathBuf,
     plain_text: Option<(String, Vec<PathBuf>)>,
@@ -562,6 +575,45 @@ impl LoadedRun for LlmRun {
     type Task<'a> = LlamaTask<'a>;
     type Source = TextSource;
     type Summary = RunSummary;
+
+    fn callbacks(
+        &mut self,
+        cfg: &TrainConfig,
+        ctx: &RunContext<'_>,
+    ) -> Result<Vec<Box<dyn crate::engine::Callback>>> {
+        let Some(template) = self.snapshot_template.take() else {
+            return Ok(Vec::new());
+        };
+        let (lcfg, run_cfg) = (self.lcfg.clone(), cfg.clone());
+        let writer: crate::job::snapshots::SnapshotWriter = Box::new(move |parts, dir, stem| {
+            let mut out = Vec::new();
+            for (_, w) in parts {
+                out.extend(
+                    crate::export::write_formats(w, &lcfg, &run_cfg, dir, stem)
+                        .during("writing an adapter snapshot")?,
+                );
+            }
+            Ok(out)
+        });
+        Ok(vec![Box::new(
+            crate::job::snapshots::AdapterSnapshots::new(
+                vec![crate::job::snapshots::SnapshotPart {
+                    component: "model",
+                    var_prefix: String::new(),
+                    template,
+                }],
+                "default",
+                writer,
+                &ctx.out_dir,
+                &cfg.train.output_name,
+                crate::job::lower::save_kind(cfg),
+                crate::job::snapshots::Keep {
+                    last_n_steps: cfg.train.save_last_n_steps,
+                    last_n_epochs: cfg.train.save_last_n_epochs,
+                },
+            ),
+        )])
+    }
 
     fn source(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<TextSource> {
         use lora_data::loader::{Loader, LoaderConfig};

@@ -73,7 +73,12 @@ fn pipeline_weights(
     }
 }
 
-fn pipeline_weights_as_trained(
+/// The adapter `adapter_name` of each model of `pipe` that has it, as trained: `("unet", …)`,
+/// then `("text_encoder", …)` / `("text_encoder_2", …)` when the text encoders were trained.
+///
+/// # Errors
+/// lora-core errors.
+pub fn pipeline_weights_as_trained(
     pipe: &mut SdPipeline,
     adapter_name: &str,
 ) -> lora_core::Result<Vec<(&'static str, AdapterWeights)>> {
@@ -132,6 +137,20 @@ pub fn write_kohya_as(
     if let Some((_, unet)) = parts.first_mut() {
         unet.metadata = metadata;
     }
+    write_kohya_parts(&parts, sdxl, path)
+}
+
+/// Writes the models' adapters `parts` (`("unet", …)`, `("text_encoder", …)`, …; the first
+/// part's metadata goes into the header) as one kohya file at `path`, with
+/// [`kohya_prefix`]es for SD 1.x/2.x or (`sdxl`) SDXL.
+///
+/// # Errors
+/// lora-core format errors with the path.
+pub fn write_kohya_parts(
+    parts: &[(&'static str, AdapterWeights)],
+    sdxl: bool,
+    path: &Path,
+) -> lora_core::Result<()> {
     let refs: Vec<(&str, &AdapterWeights)> = parts
         .iter()
         .map(|(c, w)| (kohya_prefix(c, sdxl), w))
@@ -165,6 +184,18 @@ pub fn write_diffusers_as(
     kind: Option<tch::Kind>,
 ) -> lora_core::Result<PathBuf> {
     let parts = pipeline_weights(pipe, adapter_name, kind)?;
+    write_diffusers_parts(&parts, dir)
+}
+
+/// Writes the models' adapters `parts` as diffusers' `pytorch_lora_weights.safetensors` in
+/// `dir` (created); returns the file.
+///
+/// # Errors
+/// lora-core format and I/O errors with the path.
+pub fn write_diffusers_parts(
+    parts: &[(&'static str, AdapterWeights)],
+    dir: &Path,
+) -> lora_core::Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| lora_core::Error::Io {
         path: dir.to_path_buf(),
         source: e,

@@ -420,7 +420,39 @@ impl RunSteps for SdSteps {
                 ));
             }
         }
+        // the adapters as injected: what the snapshots at each save fill in
+        let snapshot_parts =
+            if cfg.train.save_every_n_steps.is_some() || cfg.train.save_every_n_epochs.is_some() {
+                let meta = sd_metadata(
+                    Default::default(),
+                    SdVersion::of(&pipe),
+                    !cfg.train.train_text_encoder,
+                );
+                let mut parts = pipeline_weights_as_trained(&mut pipe, "default")
+                    .during("reading the injected adapters")?;
+                if let Some((_, unet)) = parts.first_mut() {
+                    unet.metadata = meta;
+                }
+                let parts = parts
+                    .into_iter()
+                    .map(
+                        |(component, template)| crate::job::snapshots::SnapshotPart {
+                            component,
+                            var_prefix: if component == "unet" {
+                                String::new()
+                            } else {
+                                format!("{component}.")
+                            },
+                            template,
+                        },
+                    )
+                    .collect();
+                Some((pipe.is_sdxl(), parts))
+            } else {
+                None
+            };
         Ok(SdRun {
+            snapshot_parts,
             pipe: Rc::new(pipe),
             kind,
             data_path,
@@ -441,6 +473,9 @@ impl RunSteps for SdSteps {
 
 /// The SD run once the pipeline is loaded and LoRA injected.
 struct SdRun {
+    /// The injected adapters (and whether the pipeline is SDXL), for the snapshots at each save
+    /// (when the run saves).
+    snapshot_parts: Option<(bool, Vec<crate::job::snapshots::SnapshotPart>)>,
     pipe: Rc<SdPipeline>,
     kind: Kind,
     data_path: PathBuf,
@@ -455,15 +490,6 @@ struct SdRun {
     prompts: Vec<String>,
     written: Rc<RefCell<Vec<PathBuf>>>,
     bucket_batches: Vec<((u32, u32), u64)>,
-}
-
-/// The dtype of the adapter files (`train.save_precision`; `None` = as trained).
-pub fn save_kind(cfg: &TrainConfig) -> Option<tch::Kind> {
-    cfg.train.save_precision.map(|p| match p {
-        crate::config::SavePrecision::F32 => tch::Kind::Float,
-        crate::config::SavePrecision::F16 => tch::Kind::Half,
-        crate::config::SavePrecision::Bf16 => tch::Kind::BFloat16,
-    })
 }
 
 /// The prompts of kohya prompt-file lines (`a cat --n blurry --w 512 --d 1`): each line's text
@@ -709,7 +735,44 @@ impl LoadedRun for SdRun {
         );
         self.written = sampler.written.clone();
         self.prompts = prompts;
-        Ok(vec![Box::new(sampler)])
+        let mut callbacks: Vec<Box<dyn crate::engine::Callback>> = vec![Box::new(sampler)];
+        if let Some((sdxl, parts)) = self.snapshot_parts.take() {
+            let formats = cfg.train.export_formats.clone();
+            let writer: crate::job::snapshots::SnapshotWriter =
+                Box::new(move |parts, dir, stem| {
+                    let mut out = Vec::new();
+                    for f in &formats {
+                        match f {
+                            ExportFormat::Kohya => {
+                                let p = dir.join(format!("{stem}.safetensors"));
+                                write_kohya_parts(parts, sdxl, &p)
+                                    .during("writing a kohya adapter snapshot")?;
+                                out.push(p);
+                            }
+                            ExportFormat::Peft => {
+                                let d = dir.join(stem);
+                                write_diffusers_parts(parts, &d)
+                                    .during("writing a diffusers adapter snapshot")?;
+                                out.push(d);
+                            }
+                        }
+                    }
+                    Ok(out)
+                });
+            callbacks.push(Box::new(crate::job::snapshots::AdapterSnapshots::new(
+                parts,
+                "default",
+                writer,
+                &ctx.out_dir,
+                &cfg.train.output_name,
+                crate::job::lower::save_kind(cfg),
+                crate::job::snapshots::Keep {
+                    last_n_steps: cfg.train.save_last_n_steps,
+                    last_n_epochs: cfg.train.save_last_n_epochs,
+                },
+            )));
+        }
+        Ok(callbacks)
     }
 
     fn task(&self, cfg: &TrainConfig, named: Vec<(String, Tensor)>) -> Result<SdTask> {
@@ -808,8 +871,14 @@ impl LoadedRun for SdRun {
                     let p = ctx
                         .out_dir
                         .join(format!("{}.safetensors", cfg.train.output_name));
-                    write_kohya_as(pipe, "default", meta.clone(), &p, save_kind(cfg))
-                        .during("writing the kohya adapter")?;
+                    write_kohya_as(
+                        pipe,
+                        "default",
+                        meta.clone(),
+                        &p,
+                        crate::job::lower::save_kind(cfg),
+                    )
+                    .during("writing the kohya adapter")?;
                     outputs.push(p);
                 }
                 ExportFormat::Peft => {
@@ -817,7 +886,7 @@ impl LoadedRun for SdRun {
                         pipe,
                         "default",
                         &ctx.out_dir.join(&cfg.train.output_name),
-                        save_kind(cfg),
+                        crate::job::lower::save_kind(cfg),
                     )
                     .during("writing the diffusers adapter")?;
                     outputs.push(p);
