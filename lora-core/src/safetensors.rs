@@ -49,8 +49,8 @@ pub fn kind_of(dtype: Dtype) -> Option<Kind> {
     })
 }
 
-/// The safetensors dtype of a tch dtype, for the dtypes this workspace writes (f32, f16, bf16,
-/// f64, i64, i32); `None` for others.
+/// The safetensors dtype of a tch dtype, for the dtypes this workspace writes (the inverse of
+/// [`kind_of`]: f32, f16, bf16, f64, i64, i32, i16, i8, u8, bool); `None` for others.
 pub fn dtype_of(kind: Kind) -> Option<Dtype> {
     Some(match kind {
         Kind::Float => Dtype::F32,
@@ -59,6 +59,10 @@ pub fn dtype_of(kind: Kind) -> Option<Dtype> {
         Kind::Double => Dtype::F64,
         Kind::Int64 => Dtype::I64,
         Kind::Int => Dtype::I32,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int8 => Dtype::I8,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Bool => Dtype::BOOL,
         _ => return None,
     })
 }

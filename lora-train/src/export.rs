@@ -356,7 +356,24 @@ pub fn read_adapter(path: &Path) -> Result<(Option<LoraConfig>, AdapterWeights)>
 /// # Errors
 /// As [`read_adapter`] and the writers.
 pub fn convert(input: &Path, to: ExportFormat, output: &Path) -> Result<usize> {
-    let (cfg, mut w) = read_adapter(input)?;
+    let (cfg, w) = read_adapter(input)?;
+    write_converted(input, cfg, w, to, output)
+}
+
+/// The writing half of [`convert`]: writes `w` and `cfg`, as [`read_adapter`] read them from
+/// `input`, in format `to` at `output`. Returns the number of modules written. Callers that read
+/// the input themselves (to tell a damaged input from a failed write) use this.
+///
+/// # Errors
+/// [`ExportError::NotAnAdapter`] when `input` is a kohya file whose [`PEFT_CONFIG_KEY`] metadata
+/// is not a PEFT config (converting to PEFT); the writers' errors with the output path.
+pub fn write_converted(
+    input: &Path,
+    cfg: Option<LoraConfig>,
+    mut w: AdapterWeights,
+    to: ExportFormat,
+    output: &Path,
+) -> Result<usize> {
     match to {
         ExportFormat::Peft => {
             let mut template = match cfg {

@@ -89,6 +89,8 @@ pub mod config;
 pub mod engine;
 #[cfg(feature = "jobs")]
 pub mod export;
+pub mod hub;
+pub use hub::{HubCache, HubError, HubId, resolve_hub_id};
 #[cfg(feature = "jobs")]
 pub mod job;
 #[cfg(feature = "jobs")]

@@ -17,9 +17,9 @@ use crate::error::{Error, Result, TchContext};
 use crate::inject::{Adaptable, InjectionReport, count_params};
 use crate::layer::SiteKind;
 use crate::safetensors::{SafetensorsFile, dtype_of};
-use ::safetensors::{Dtype, View};
-use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use ::safetensors::Dtype;
+use ::safetensors::tensor::TensorInfo;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
@@ -421,26 +421,11 @@ pub(crate) struct OwnedView {
     data: Vec<u8>,
 }
 
-impl View for &OwnedView {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
 pub(crate) fn owned_view(key: &str, t: &Tensor) -> Result<OwnedView> {
     let dtype = dtype_of(t.kind()).ok_or_else(|| Error::Dtype {
         key: key.into(),
         found: format!("{:?}", t.kind()),
-        what: "writable dtypes are f32, f16, bf16, f64, i64, i32".into(),
+        what: "writable dtypes are f32, f16, bf16, f64, i64, i32, i16, i8, u8, bool".into(),
     })?;
     let ctx = || format!("serializing {key}");
     let c = t
@@ -458,10 +443,83 @@ pub(crate) fn owned_view(key: &str, t: &Tensor) -> Result<OwnedView> {
     })
 }
 
-/// Writes `tensors` (any device; f32/f16/bf16/f64/i64/i32) and `metadata` to a safetensors file,
-/// creating the parent folder. The file appears whole or not at all (written in
-/// `.<file name>.partial/` beside it, then renamed into place); what a cut-short earlier write left
-/// there is removed first.
+/// The largest header the safetensors crate reads back (its `MAX_HEADER_SIZE`).
+const MAX_HEADER_BYTES: usize = 100_000_000;
+
+/// A safetensors header in a fixed order: `__metadata__` first (keys sorted, left out when
+/// empty), then the tensors in data order.
+struct Header<'a> {
+    metadata: &'a BTreeMap<String, String>,
+    tensors: Vec<(&'a str, TensorInfo)>,
+}
+
+impl serde::Serialize for Header<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let has_meta = !self.metadata.is_empty();
+        let mut m = s.serialize_map(Some(self.tensors.len() + usize::from(has_meta)))?;
+        if has_meta {
+            m.serialize_entry("__metadata__", self.metadata)?;
+        }
+        for (name, info) in &self.tensors {
+            m.serialize_entry(name, info)?;
+        }
+        m.end()
+    }
+}
+
+/// The 8-byte length prefix and JSON header (space-padded to a multiple of 8, as the
+/// `safetensors` crate pads it) for `views`, and the views in the order their data follows.
+///
+/// The order is the `safetensors` crate's own (`tensor.rs`, `prepare`): descending dtype, then
+/// name; so a file without metadata is byte-identical to what `safetensors::serialize` writes.
+/// Unlike that function, which takes the metadata as a `HashMap` and so writes its entries in a
+/// different order on each run, the metadata is written in sorted key order: the same tensors and
+/// metadata always give the same bytes.
+fn encode_header<'a>(
+    path: &Path,
+    views: &'a BTreeMap<&'a str, OwnedView>,
+    metadata: &'a BTreeMap<String, String>,
+) -> Result<(Vec<u8>, Vec<&'a OwnedView>)> {
+    let mut order: Vec<(&str, &OwnedView)> = views.iter().map(|(k, v)| (*k, v)).collect();
+    order.sort_by(|(ln, l), (rn, r)| r.dtype.cmp(&l.dtype).then(ln.cmp(rn)));
+    let mut offset = 0usize;
+    let mut tensors = Vec::with_capacity(order.len());
+    for (name, v) in &order {
+        let end = offset + v.data.len();
+        tensors.push((
+            *name,
+            TensorInfo {
+                dtype: v.dtype,
+                shape: v.shape.clone(),
+                data_offsets: (offset, end),
+            },
+        ));
+        offset = end;
+    }
+    let header = Header { metadata, tensors };
+    let mut json = serde_json::to_vec(&header)
+        .map_err(|e| st_err(path)(::safetensors::SafeTensorError::JsonError(e)))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    if json.len() > MAX_HEADER_BYTES {
+        return Err(st_err(path)(::safetensors::SafeTensorError::HeaderTooLarge));
+    }
+    let mut bytes = Vec::with_capacity(8 + json.len());
+    bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&json);
+    Ok((bytes, order.into_iter().map(|(_, v)| v).collect()))
+}
+
+/// Writes `tensors` (any device; f32/f16/bf16/f64/i64/i32/i16/i8/u8/bool) and `metadata` to a
+/// safetensors file, creating the parent folder. This is the workspace's one safetensors writer.
+///
+/// The bytes depend only on the tensors and metadata: tensors are laid out in the `safetensors`
+/// crate's order (descending dtype, then name) and `__metadata__` (left out when empty) lists its
+/// keys sorted, so two runs that write the same values write byte-identical files.
+///
+/// The file appears whole or not at all: it is written in `.<file name>.partial/` beside it,
+/// fsync'ed, then renamed into place; what a cut-short earlier write left there is removed first.
+/// It gets mode 0644 on Unix.
 ///
 /// # Errors
 /// [`Error::Dtype`] for other dtypes; [`Error::Io`] / [`Error::SafeTensors`] with the path.
@@ -470,23 +528,20 @@ pub fn write_safetensors(
     tensors: &BTreeMap<String, Tensor>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let views: Vec<(String, OwnedView)> = tensors
+    use std::io::Write;
+    let views: BTreeMap<&str, OwnedView> = tensors
         .iter()
-        .map(|(k, t)| Ok((k.clone(), owned_view(k, t)?)))
+        .map(|(k, t)| Ok((k.as_str(), owned_view(k, t)?)))
         .collect::<Result<_>>()?;
-    let meta: HashMap<String, String> = metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let (header, order) = encode_header(path, &views, metadata)?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    // The safetensors writer stages through a randomly named `.tmpXXXXXX` beside its target; a
-    // kill mid-write would leave that behind under a name nothing can clean. Stage it in a
-    // folder of a known name instead (`.<file>.partial/`), removed once the file is in place and
-    // cleared first when an earlier write of the same file was cut short.
+    // Stage in a folder of a known name (`.<file>.partial/`), removed once the file is in place
+    // and cleared first when an earlier write of the same file was cut short, so that a kill
+    // mid-write leaves nothing under a name nothing can clean.
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -497,16 +552,21 @@ pub fn write_safetensors(
     }
     std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
     let staged = staging.join(&name);
-    ::safetensors::serialize_to_file(
-        views.iter().map(|(k, v)| (k.as_str(), v)),
-        if meta.is_empty() { None } else { Some(meta) },
-        &staged,
-    )
-    .map_err(st_err(path))?;
+    let file = std::fs::File::create(&staged).map_err(io_err(&staged))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    w.write_all(&header).map_err(io_err(&staged))?;
+    for v in order {
+        w.write_all(&v.data).map_err(io_err(&staged))?;
+    }
+    let file = w
+        .into_inner()
+        .map_err(|e| io_err(&staged)(e.into_error()))?;
+    file.sync_all().map_err(io_err(&staged))?;
+    drop(file);
     std::fs::rename(&staged, path).map_err(io_err(path))?;
     let _ = std::fs::remove_dir_all(&staging);
-    // The safetensors writer creates the file owner-only (0600); adapters are meant to be read by
-    // other tools and services (ComfyUI, A1111, a model server), so give them ordinary file modes.
+    // Adapters are meant to be read by other tools and services (ComfyUI, A1111, a model
+    // server): give them ordinary file modes whatever the umask.
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -549,5 +609,166 @@ pub(crate) fn check_pair(key: &str, kind: SiteKind, a: &Tensor, b: &Tensor) -> R
             expected,
             found: sb,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ::safetensors::SafeTensors;
+    use std::collections::HashMap;
+
+    fn tensors(order: &[&str]) -> BTreeMap<String, Tensor> {
+        let all = |name: &str| match name {
+            "b.weight" => Tensor::from_slice(&[1.5f32, -2.0, 3.25, 0.0]).reshape([2, 2]),
+            "a.weight" => Tensor::from_slice(&[0.5f32, 4.0])
+                .reshape([1, 2])
+                .to_kind(Kind::BFloat16),
+            "c.codes" => Tensor::from_slice(&[7u8, 9, 255]),
+            _ => Tensor::from_slice(&[8.0f32]).reshape(Vec::<i64>::new()),
+        };
+        let mut m = BTreeMap::new();
+        for n in order {
+            m.insert((*n).to_string(), all(n));
+        }
+        m
+    }
+
+    fn metadata(order: &[(&str, &str)]) -> BTreeMap<String, String> {
+        order
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+            .collect()
+    }
+
+    const NAMES: [&str; 4] = ["b.weight", "a.weight", "c.codes", "b.alpha"];
+    const META: [(&str, &str); 5] = [
+        ("ss_network_dim", "4"),
+        ("lora_train.steps", "12"),
+        ("ss_network_alpha", "8"),
+        ("format", "pt"),
+        ("ss_seed", "42"),
+    ];
+
+    #[test]
+    fn the_same_tensors_and_metadata_give_byte_identical_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (one, two) = (
+            dir.path().join("1/x.safetensors"),
+            dir.path().join("2/x.safetensors"),
+        );
+        let mut names_rev = NAMES;
+        names_rev.reverse();
+        let mut meta_rev = META;
+        meta_rev.reverse();
+        write_safetensors(&one, &tensors(&NAMES), &metadata(&META)).unwrap();
+        write_safetensors(&two, &tensors(&names_rev), &metadata(&meta_rev)).unwrap();
+        let (a, b) = (std::fs::read(&one).unwrap(), std::fs::read(&two).unwrap());
+        assert_eq!(a, b);
+
+        // The header lists the metadata keys sorted, then the tensors by descending dtype (F32,
+        // BF16, U8), then name.
+        let n = u64::from_le_bytes(a[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        let header = std::str::from_utf8(&a[8..8 + n]).unwrap();
+        let pos = |k: &str| header.find(&format!("\"{k}\"")).unwrap();
+        let keys = [
+            "__metadata__",
+            "format",
+            "lora_train.steps",
+            "ss_network_alpha",
+            "ss_network_dim",
+            "ss_seed",
+            "b.alpha",
+            "b.weight",
+            "a.weight",
+            "c.codes",
+        ];
+        let found: Vec<usize> = keys.iter().map(|k| pos(k)).collect();
+        let mut sorted = found.clone();
+        sorted.sort();
+        assert_eq!(found, sorted, "{header}");
+
+        // The file reads back whole, values and metadata included.
+        let st = SafeTensors::deserialize(&a).unwrap();
+        let (_, meta) = SafeTensors::read_metadata(&a).unwrap();
+        let meta: BTreeMap<String, String> = meta.metadata().clone().unwrap().into_iter().collect();
+        assert_eq!(meta, metadata(&META));
+        let w = st.tensor("b.weight").unwrap();
+        assert_eq!(w.dtype(), Dtype::F32);
+        assert_eq!(w.shape(), &[2, 2]);
+        let vals: Vec<f32> = w
+            .data()
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(vals, [1.5, -2.0, 3.25, 0.0]);
+        assert_eq!(st.tensor("c.codes").unwrap().data(), &[7u8, 9, 255]);
+        assert_eq!(st.tensor("b.alpha").unwrap().shape(), &[] as &[usize]);
+        let (back, back_meta) = read_safetensors(&one).unwrap();
+        assert_eq!(back_meta, metadata(&META));
+        let a_w = back["a.weight"].to_kind(Kind::Float);
+        assert_eq!(Vec::<f32>::try_from(a_w.reshape([-1])).unwrap(), [0.5, 4.0]);
+    }
+
+    #[test]
+    fn the_layout_is_the_safetensors_crates_own() {
+        // With at most one metadata entry the crate's HashMap has one order, so its bytes and ours
+        // must agree exactly.
+        let dir = tempfile::tempdir().unwrap();
+        let t = tensors(&NAMES);
+        for meta in [metadata(&[]), metadata(&[("format", "pt")])] {
+            let path = dir.path().join("x.safetensors");
+            write_safetensors(&path, &t, &meta).unwrap();
+            let views: BTreeMap<&str, OwnedView> = t
+                .iter()
+                .map(|(k, v)| (k.as_str(), owned_view(k, v).unwrap()))
+                .collect();
+            let theirs = ::safetensors::serialize(
+                views.iter().map(|(k, v)| (*k, CrateView(v))),
+                (!meta.is_empty()).then(|| meta.clone().into_iter().collect::<HashMap<_, _>>()),
+            )
+            .unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), theirs);
+        }
+    }
+
+    #[test]
+    fn a_cut_short_earlier_write_is_cleared_and_nothing_is_left_beside_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = dir.path().join(".x.safetensors.partial");
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::write(staging.join("x.safetensors"), b"half").unwrap();
+        let path = dir.path().join("x.safetensors");
+        write_safetensors(&path, &tensors(&NAMES), &BTreeMap::new()).unwrap();
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, ["x.safetensors"]);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o644);
+        }
+    }
+
+    /// The crate's `View` over our bytes, to compare with `safetensors::serialize`.
+    struct CrateView<'a>(&'a OwnedView);
+
+    impl ::safetensors::View for CrateView<'_> {
+        fn dtype(&self) -> Dtype {
+            self.0.dtype
+        }
+        fn shape(&self) -> &[usize] {
+            &self.0.shape
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.0.data)
+        }
+        fn data_len(&self) -> usize {
+            self.0.data.len()
+        }
     }
 }

@@ -113,16 +113,103 @@ pub fn save(
     Ok(cfg)
 }
 
+/// What a rank (`r`, a `rank_pattern` value) must be.
+const RANK_EXPECTED: &str = "a positive integer (the LoRA rank, e.g. 8)";
+/// What an alpha (`lora_alpha`, an `alpha_pattern` value) must be.
+const ALPHA_EXPECTED: &str = "a number (the LoRA alpha, e.g. 16)";
+
+/// The error for `key` = `value` of the config file `file`, which should be `expected`.
+fn bad_value(file: &Path, key: &str, value: &serde_json::Value, expected: &str) -> Error {
+    Error::Format {
+        file: file.to_path_buf(),
+        reason: format!("{key} is {}; expected {expected}", short(value)),
+    }
+}
+
+fn check_rank(file: &Path, key: &str, v: &serde_json::Value) -> Result<()> {
+    match v.as_i64() {
+        Some(r) if r > 0 => Ok(()),
+        _ => Err(bad_value(file, key, v, RANK_EXPECTED)),
+    }
+}
+
+fn check_alpha(file: &Path, key: &str, v: &serde_json::Value) -> Result<()> {
+    match v.as_f64() {
+        Some(a) if a.is_finite() => Ok(()),
+        _ => Err(bad_value(file, key, v, ALPHA_EXPECTED)),
+    }
+}
+
+/// Checks the values that size and scale the adapter — `r`, `lora_alpha`, `rank_pattern.<module>`
+/// and `alpha_pattern.<module>` — before they are used, so that a bad one is named with its file,
+/// key and value (instead of surfacing later as a shape mismatch against a rank of -1).
+fn check_sizes(file: &Path, json: &serde_json::Value) -> Result<()> {
+    let Some(obj) = json.as_object() else {
+        return Err(Error::Format {
+            file: file.to_path_buf(),
+            reason: format!(
+                "expected a JSON object (PEFT's LoraConfig), found {}",
+                short(json)
+            ),
+        });
+    };
+    if let Some(v) = obj.get("r") {
+        check_rank(file, "r", v)?;
+    }
+    if let Some(v) = obj.get("lora_alpha") {
+        check_alpha(file, "lora_alpha", v)?;
+    }
+    type Check = fn(&Path, &str, &serde_json::Value) -> Result<()>;
+    let patterns: [(&str, Check, &str); 2] = [
+        ("rank_pattern", check_rank, RANK_EXPECTED),
+        ("alpha_pattern", check_alpha, ALPHA_EXPECTED),
+    ];
+    for (field, check, each) in patterns {
+        match obj.get(field) {
+            None => {}
+            Some(serde_json::Value::Object(m)) => {
+                for (module, v) in m {
+                    check(file, &format!("{field}.{module}"), v)?;
+                }
+            }
+            Some(v) => {
+                return Err(bad_value(
+                    file,
+                    field,
+                    v,
+                    &format!("an object mapping module names to {each}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `v` as JSON, cut to 60 characters.
+fn short(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(60) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s,
+    }
+}
+
 /// Reads `dir/adapter_config.json` alone.
 ///
 /// # Errors
-/// [`Error::Io`] / [`Error::Json`] with the path; [`Error::Config`] when `peft_type` is not `LORA`.
+/// [`Error::Io`] / [`Error::Json`] with the path; [`Error::Format`] naming the file, key, value
+/// and what was expected when `r` or a `rank_pattern` value is not a positive integer, or
+/// `lora_alpha` or an `alpha_pattern` value is not a number; [`Error::Config`] when `peft_type` is
+/// not `LORA`.
 pub fn read_config(dir: &Path) -> Result<LoraConfig> {
     let cfg_path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io {
         path: cfg_path.clone(),
         source,
     })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(json_err(&cfg_path))?;
+    check_sizes(&cfg_path, &json)?;
+    // parsed again from the text, so that other errors keep serde's line and column
     let cfg: LoraConfig = serde_json::from_str(&text).map_err(json_err(&cfg_path))?;
     if cfg.peft_type != "LORA" {
         return Err(Error::Config(format!(
@@ -275,4 +362,101 @@ pub fn load_adapter(
     let (cfg, w) = load(dir)?;
     let report = w.load_into(model, adapter_name, vs, cfg.lora_dropout)?;
     Ok((cfg, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    /// A PEFT folder with one rank-2 Linear module `layers.0.q_proj` (in 3, out 4) and `config`
+    /// as its `adapter_config.json`.
+    fn folder(config: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = BTreeMap::new();
+        t.insert(
+            format!("{PREFIX}layers.0.q_proj.lora_A.weight"),
+            Tensor::from_slice(&[0.5f32; 6]).reshape([2, 3]),
+        );
+        t.insert(
+            format!("{PREFIX}layers.0.q_proj.lora_B.weight"),
+            Tensor::from_slice(&[0.25f32; 8]).reshape([4, 2]),
+        );
+        write_safetensors(&dir.path().join(WEIGHTS_FILE), &t, &BTreeMap::new()).unwrap();
+        std::fs::write(dir.path().join(CONFIG_FILE), config).unwrap();
+        dir
+    }
+
+    fn load_err(config: &str) -> (String, String) {
+        let dir = folder(config);
+        let file = dir.path().join(CONFIG_FILE).display().to_string();
+        let e = load(dir.path()).unwrap_err();
+        assert!(matches!(e, Error::Format { .. }), "{e:?}");
+        (e.to_string(), file)
+    }
+
+    #[test]
+    fn bad_ranks_and_alphas_name_the_file_key_value_and_what_is_expected() {
+        let cases = [
+            (
+                r#"{"r": -1, "lora_alpha": 4}"#,
+                "r is -1; expected a positive integer",
+            ),
+            (
+                r#"{"r": 0, "lora_alpha": 4}"#,
+                "r is 0; expected a positive integer",
+            ),
+            (
+                r#"{"r": 2.5, "lora_alpha": 4}"#,
+                "r is 2.5; expected a positive integer",
+            ),
+            (
+                r#"{"r": "2", "lora_alpha": 4}"#,
+                r#"r is "2"; expected a positive integer"#,
+            ),
+            (r#"{"r": null}"#, "r is null; expected a positive integer"),
+            (
+                r#"{"r": 2, "lora_alpha": "big"}"#,
+                r#"lora_alpha is "big"; expected a number"#,
+            ),
+            (
+                r#"{"r": 2, "lora_alpha": [4]}"#,
+                "lora_alpha is [4]; expected a number",
+            ),
+            (
+                r#"{"r": 2, "rank_pattern": {"q_proj": -3}}"#,
+                "rank_pattern.q_proj is -3; expected a positive integer",
+            ),
+            (
+                r#"{"r": 2, "alpha_pattern": {"q_proj": true}}"#,
+                "alpha_pattern.q_proj is true; expected a number",
+            ),
+            (
+                r#"{"r": 2, "rank_pattern": [4]}"#,
+                "rank_pattern is [4]; expected an object mapping module names to a positive integer",
+            ),
+            (r#"[2]"#, "expected a JSON object"),
+        ];
+        for (config, needle) in cases {
+            let (msg, file) = load_err(config);
+            assert!(msg.contains(&file), "{config}: {msg}");
+            assert!(msg.contains(needle), "{config}: {msg}");
+        }
+    }
+
+    #[test]
+    fn good_values_still_load_with_their_scaling() {
+        let dir = folder(r#"{"r": 2, "lora_alpha": 3.0, "alpha_pattern": {"q_proj": 8}}"#);
+        let (cfg, w) = load(dir.path()).unwrap();
+        assert_eq!(cfg.r, 2);
+        assert_eq!(cfg.lora_alpha, 3.0);
+        let m = &w.modules["layers.0.q_proj"];
+        assert_eq!(m.rank(), 2);
+        assert_eq!(m.alpha, 8.0);
+        assert_eq!(w.scaling("layers.0.q_proj"), Some(4.0));
+        // A rank that is valid but not the file's is still the shape error it was.
+        let dir = folder(r#"{"r": 4}"#);
+        let e = load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("expected [4, -1], found [2, 3]"), "{e}");
+    }
 }

@@ -13,14 +13,17 @@ pub fn run(input: &Path, to: ExportFormat, output: &Path) -> Result<i32, CliErro
         )));
     }
     check_output(input, to, output)?;
+    // A damaged or foreign input is bad input (exit 2), as for eval and merge; only what fails
+    // after it was read (writing the output) is a runtime failure.
+    let (cfg, w) = super::read_adapter(input)?;
     // Written beside the output first and moved into place at the end: an output that is the
     // input (`--force`) is read completely before anything under its name changes, and a failed
     // conversion leaves the old output (or the input) as it was.
     let tmp = super::staging_path(output, "a file or folder name")?;
-    let result = lora_train::export::convert(input, to, &tmp)
+    let result = lora_train::export::write_converted(input, cfg, w, to, &tmp)
         .map_err(|e| match e {
-            lora_train::export::ExportError::NotAnAdapter { .. }
-            | lora_train::export::ExportError::UnknownKohyaModule { .. } => CliError::usage(e),
+            // the kohya input's metadata holds no valid PEFT config: still the input's content
+            lora_train::export::ExportError::NotAnAdapter { .. } => super::bad_input(input, e),
             other => CliError::runtime(other),
         })
         .and_then(|n| install(&tmp, output).map(|()| n));

@@ -8,6 +8,7 @@
 use super::{CliError, EXIT_OK};
 use lora_core::inject::{Adaptable, merge_adapters};
 use lora_models::gguf::{GgufFile, dequantize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
 
@@ -119,7 +120,8 @@ fn merge_into(model: &Path, adapter: &Path, file: &Path) -> Result<(usize, usize
             tensors.push((hf, t));
         }
     }
-    Tensor::write_safetensors(&tensors, file)
+    let tensors: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+    lora_core::formats::write_safetensors(file, &tensors, &BTreeMap::new())
         .map_err(|e| CliError::runtime(format!("writing {}: {e}", file.display())))?;
     Ok((n, tensors.len()))
 }

@@ -29,7 +29,8 @@ const AFTER_HELP: &str = "\
 Exit codes:
   0  ok
   1  runtime failure (I/O, libtorch, training; tag: some images failed, the others were written)
-  2  bad usage or invalid config (unknown keys, bad values, conflicts, missing files)
+  2  bad usage or invalid config (unknown keys, bad values, conflicts, missing files,
+     damaged or foreign model and adapter files)
   3  predicted not to fit the memory budget (plan; train without --force)
   130  train stopped by Ctrl-C (a checkpoint is saved first; the command to resume is printed)
 
@@ -313,6 +314,36 @@ impl From<lora_train::job::JobError> for CliError {
             message: e.to_string(),
         }
     }
+}
+
+/// The one classification of an adapter or model file given on the command line that cannot be
+/// used (damaged, truncated, foreign, or not matching the model): bad input, exit 2, as a
+/// missing file is. The message names the file (prefixed when `e` does not already name it).
+pub fn bad_input(path: &std::path::Path, e: impl std::fmt::Display) -> CliError {
+    let shown = path.display().to_string();
+    let message = e.to_string();
+    if message.contains(&shown) {
+        CliError::usage(message)
+    } else {
+        CliError::usage(format!("{shown}: {message}"))
+    }
+}
+
+/// Reads the adapter at `path` (a PEFT folder or kohya file) for `eval`, `generate`, `merge` and
+/// `convert`.
+///
+/// # Errors
+/// Every failure is [`bad_input`] (exit 2) naming the file.
+pub fn read_adapter(
+    path: &std::path::Path,
+) -> Result<
+    (
+        Option<lora_core::config::LoraConfig>,
+        lora_core::formats::AdapterWeights,
+    ),
+    CliError,
+> {
+    lora_train::export::read_adapter(path).map_err(|e| bad_input(path, e))
 }
 
 /// Parses the arguments, runs the command and returns the exit code.

@@ -39,10 +39,10 @@ pub fn load(base: &Path, adapter: Option<&Path>) -> Result<Loaded, CliError> {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let mut adapter_modules = 0;
     if let Some(a) = adapter {
-        let (_, w) = lora_train::export::read_adapter(a).map_err(CliError::usage)?;
+        let (_, w) = super::read_adapter(a)?;
         adapter_modules = w.modules.len();
         w.load_into(&mut model, "default", &vs.root(), 0.0)
-            .map_err(|e| CliError::usage(format!("{}: {e}", a.display())))?;
+            .map_err(|e| super::bad_input(a, e))?;
     }
     Ok(Loaded {
         model,

@@ -446,6 +446,61 @@ fn leftovers(dir: &Path) -> Vec<String> {
 }
 
 #[test]
+fn convert_and_merge_answer_a_truncated_adapter_with_exit_2_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let peft = tiny_peft_adapter(d);
+    let weights = peft.join("adapter_model.safetensors");
+    let whole = std::fs::read(&weights).unwrap();
+    // Cut in the tensor data: the header parses, the data it promises is not there.
+    let cut = &whole[..whole.len() / 2];
+    let kohya = d.join("cut.safetensors");
+    std::fs::write(&kohya, cut).unwrap();
+    std::fs::write(&weights, cut).unwrap();
+
+    let convert = |input: &Path, to: &str, out: &Path| {
+        bin()
+            .args(["convert", "--to", to, "--input"])
+            .arg(input)
+            .arg("--output")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    for (input, named, to, out) in [
+        (&kohya, &kohya, "peft", d.join("out-peft")),
+        (&peft, &weights, "kohya", d.join("out.safetensors")),
+    ] {
+        let o = convert(input, to, &out);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "convert {to}: {t}");
+        assert!(t.contains(&named.display().to_string()), "{t}");
+        assert!(!out.exists(), "{t}");
+        assert!(leftovers(d).is_empty(), "{:?}", leftovers(d));
+    }
+
+    let out = d.join("merged.safetensors");
+    for adapter in [&kohya, &peft] {
+        let o = bin()
+            .arg("merge")
+            .arg("--model")
+            .arg(gguf())
+            .arg("--adapter")
+            .arg(adapter)
+            .arg("--output")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "merge: {t}");
+        let named = if adapter == &peft { &weights } else { &kohya };
+        assert!(t.contains(&named.display().to_string()), "{t}");
+        assert!(!out.exists(), "{t}");
+        assert!(leftovers(d).is_empty(), "{:?}", leftovers(d));
+    }
+}
+
+#[test]
 fn merge_into_an_existing_folder_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

@@ -291,10 +291,12 @@ pub enum ExportFormat {
 section! {
     /// `[model]`: the base model.
     pub struct ModelSection at "model" {
-        /// Path to the base: a `.gguf` file, a `.safetensors` file or an HF folder with
-        /// `config.json` (aliases: `model.path`, kohya `pretrained_model_name_or_path`).
+        /// The base: a `.gguf` file, a `.safetensors` file or an HF folder with `config.json`,
+        /// or a Hugging Face Hub id (`owner/name`, optionally `@revision`) found in the local
+        /// Hugging Face cache ([`crate::hub`]; resolved by [`crate::job::resolve_base_model`])
+        /// (aliases: `model.path`, kohya `pretrained_model_name_or_path`).
         base_model: Option<String> = None,
-            Typed("a path to a .gguf / .safetensors file or a model folder"),
+            Typed("a path to a .gguf / .safetensors file or a model folder, or a Hub id owner/name"),
             aka ["model.path", "pretrained_model_name_or_path"];
         /// Frozen weights dense or quantized (alias `model.weight_mode`).
         weights: BaseWeights = BaseWeights::Dense, Choice(WEIGHT_MODES), aka ["model.weight_mode"];
@@ -1497,7 +1499,8 @@ impl TrainConfig {
             .as_deref()
             .ok_or_else(|| ConfigError::Missing {
                 key: "model.base_model".into(),
-                hint: "set it to a .gguf file, a .safetensors file or a folder with config.json"
+                hint: "set it to a .gguf file, a .safetensors file, a folder with config.json, or \
+                       a Hugging Face Hub id (owner/name) in the local Hugging Face cache"
                     .into(),
             })
     }

@@ -12,14 +12,14 @@
 //! save). Only the last `keep_last` checkpoints are kept. A checkpoint whose adapter or optimizer
 //! state holds NaN/Inf is never written.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::engine::error::{Result, TrainError};
 use crate::engine::optim::OptimizerState;
@@ -110,27 +110,6 @@ fn hex_decode(s: &str) -> Result<Vec<u8>> {
     })
 }
 
-fn dtype_of(kind: Kind) -> Result<Dtype> {
-    Ok(match kind {
-        Kind::Float => Dtype::F32,
-        Kind::Double => Dtype::F64,
-        Kind::Half => Dtype::F16,
-        Kind::BFloat16 => Dtype::BF16,
-        Kind::Uint8 => Dtype::U8,
-        Kind::Int8 => Dtype::I8,
-        Kind::Int16 => Dtype::I16,
-        Kind::Int => Dtype::I32,
-        Kind::Int64 => Dtype::I64,
-        Kind::Bool => Dtype::BOOL,
-        other => {
-            return Err(TrainError::State {
-                what: "checkpoint".into(),
-                message: format!("tensors of dtype {other:?} cannot be saved"),
-            });
-        }
-    })
-}
-
 fn kind_of(dtype: Dtype, key: &str) -> Result<Kind> {
     Ok(match dtype {
         Dtype::F32 => Kind::Float,
@@ -150,16 +129,6 @@ fn kind_of(dtype: Dtype, key: &str) -> Result<Kind> {
             });
         }
     })
-}
-
-/// Raw bytes of a tensor (moved to CPU, made contiguous).
-fn tensor_to_bytes(t: &Tensor) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
-    let dtype = dtype_of(t.kind())?;
-    let c = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
-    let numel = c.numel();
-    let mut buf = vec![0u8; numel * dtype.bitsize() / 8];
-    c.f_copy_data_u8(&mut buf, numel)?;
-    Ok((dtype, c.size().iter().map(|&d| d as usize).collect(), buf))
 }
 
 fn check_finite(key: &str, t: &Tensor) -> Result<()> {
@@ -191,29 +160,28 @@ fn sync_dir(path: &Path) -> Result<()> {
         .map_err(io_err("fsync folder", path))
 }
 
+/// Writes `tensors` through lora-core's one safetensors writer (sorted header, fsync'ed, with
+/// `format: pt` metadata as PyTorch's writers set it), so the same state gives the same bytes.
 fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let raw: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+    let map: BTreeMap<String, Tensor> = tensors
         .iter()
-        .map(|(k, t)| tensor_to_bytes(t).map(|(d, s, b)| (k.clone(), d, s, b)))
-        .collect::<Result<_>>()?;
-    let views: Vec<(String, TensorView<'_>)> = raw
-        .iter()
-        .map(|(k, d, s, b)| {
-            TensorView::new(*d, s.clone(), b)
-                .map(|v| (k.clone(), v))
-                .map_err(|e| TrainError::State {
-                    what: "checkpoint".into(),
-                    message: format!("tensor `{k}`: {e}"),
-                })
-        })
-        .collect::<Result<_>>()?;
-    let mut meta = HashMap::new();
-    meta.insert("format".to_string(), "pt".to_string());
-    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| TrainError::State {
-        what: "checkpoint".into(),
-        message: format!("serializing `{}`: {e}", path.display()),
-    })?;
-    write_file_synced(path, &bytes)
+        .map(|(k, t)| (k.clone(), t.shallow_clone()))
+        .collect();
+    if map.len() != tensors.len() {
+        let mut seen = std::collections::BTreeSet::new();
+        let dup = tensors
+            .iter()
+            .find(|(k, _)| !seen.insert(k.as_str()))
+            .map(|(k, _)| k.clone())
+            .unwrap_or_default();
+        return Err(TrainError::State {
+            what: "checkpoint".into(),
+            message: format!("two tensors named `{dup}` for `{}`", path.display()),
+        });
+    }
+    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    lora_core::formats::write_safetensors(path, &map, &meta)?;
+    Ok(())
 }
 
 fn read_safetensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
@@ -596,6 +564,30 @@ mod tests {
         assert_eq!(c.loader["cursor"], 3);
         assert_eq!(c.optimizer.tensors["g0.p0.codes"].kind(), Kind::Uint8);
         assert_eq!(c.counters.step, 3);
+    }
+
+    #[test]
+    fn the_same_state_writes_byte_identical_files() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let pa = CheckpointManager::new(a.path(), 2)
+            .save(&sample(5, 0.5))
+            .unwrap();
+        let mut reordered = sample(5, 0.5);
+        reordered.adapter.reverse();
+        let pb = CheckpointManager::new(b.path(), 2)
+            .save(&reordered)
+            .unwrap();
+        for f in [ADAPTER_FILE, OPTIMIZER_FILE] {
+            let (x, y) = (fs::read(pa.join(f)).unwrap(), fs::read(pb.join(f)).unwrap());
+            assert_eq!(x, y, "{f}");
+        }
+        let st = SafeTensors::deserialize(&fs::read(pa.join(OPTIMIZER_FILE)).unwrap())
+            .unwrap()
+            .tensor("g0.p0.codes")
+            .unwrap()
+            .data()
+            .to_vec();
+        assert_eq!(st, [1u8, 2, 255]);
     }
 
     #[test]

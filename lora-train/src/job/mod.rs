@@ -15,7 +15,7 @@ pub mod snapshots;
 
 pub use error::{JobError, Result};
 pub use lower::{lora_config, trainer_config};
-pub use options::{RunOptions, resolve_path};
+pub use options::{RunOptions, resolve_base_model, resolve_path};
 pub use plan::Plan;
 pub use plan::{apply_settings, budget_for, budget_source, diffusion_report, settings_for};
 pub use recipe::Recipe;

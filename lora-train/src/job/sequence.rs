@@ -62,14 +62,14 @@ impl RunContext<'_> {
         }
     }
 
-    /// `model.base_model` resolved ([`crate::job::resolve_path`]: as written, else next to the
-    /// config file).
+    /// `model.base_model` resolved ([`crate::job::resolve_base_model`]: as written, else next to
+    /// the config file, else a Hugging Face Hub id from the local cache).
     ///
     /// # Errors
     /// [`JobError::MissingFile`] naming the key and the places looked (a planning preset has
     /// no file: the plan reads it, loading it fails here).
     pub fn base_path(&self) -> Result<PathBuf> {
-        crate::job::resolve_path("model.base_model", &self.base_written, self.config_dir())
+        crate::job::resolve_base_model(&self.base_written, self.config_dir())
     }
 
     /// The config file's folder (relative paths are also tried there).

@@ -16,8 +16,8 @@ use crate::config::{BaseWeights, Dtype, TrainConfig};
 use crate::job::error::During;
 use crate::job::sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};
 use crate::job::{
-    JobError, MeasuredMemory, Plan, Result, RunOptions, budget_for, lora_config, resolve_path,
-    settings_for,
+    JobError, MeasuredMemory, Plan, Result, RunOptions, budget_for, lora_config,
+    resolve_base_model, resolve_path, settings_for,
 };
 use lora_memory::{BaseDtype, Budget, ModelDescriptor};
 use serde::Serialize;
@@ -44,7 +44,7 @@ pub fn read_descriptor(
 ) -> Result<(ModelDescriptor, String, FileStorage)> {
     let written = cfg.base_model()?;
     let as_type = cfg.model.model_type.as_deref();
-    let path = match resolve_path("model.base_model", written, config_dir) {
+    let path = match resolve_base_model(written, config_dir) {
         Ok(p) => p,
         Err(e) => {
             return match ModelDescriptor::preset(written) {

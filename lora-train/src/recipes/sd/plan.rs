@@ -16,7 +16,7 @@
 //! single-file checkpoint's tokenizer.
 
 use crate::config::{BaseWeights, DataFormat, ModelKind, TargetModules, TrainConfig};
-use crate::job::{JobError, Plan, Result, resolve_path};
+use crate::job::{JobError, Plan, Result, resolve_base_model, resolve_path};
 use lora_memory::model::DiffusionFamily;
 use lora_memory::{Budget, ModelDescriptor, Settings};
 use std::path::{Path, PathBuf};
@@ -46,7 +46,8 @@ pub fn is_sd_model(path: &Path) -> bool {
 }
 
 /// Whether `cfg` is for this job: `model.kind` `sd15`/`sdxl`, or `auto` with a base model that
-/// [`is_sd_model`] (resolved as [`resolve_path`] does).
+/// [`is_sd_model`] (resolved as [`resolve_base_model`] does: a path, or a Hub id from the local
+/// Hugging Face cache).
 pub fn wants_sd_job(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
     match cfg.model.kind {
         ModelKind::Sd15 | ModelKind::Sdxl => true,
@@ -54,7 +55,7 @@ pub fn wants_sd_job(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
         ModelKind::Auto => cfg
             .base_model()
             .ok()
-            .and_then(|b| resolve_path("model.base_model", b, config_dir).ok())
+            .and_then(|b| resolve_base_model(b, config_dir).ok())
             .is_some_and(|p| is_sd_model(&p)),
     }
 }
@@ -72,7 +73,7 @@ pub fn is_sd_config(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
     let Ok(written) = cfg.base_model() else {
         return false;
     };
-    match resolve_path("model.base_model", written, config_dir) {
+    match resolve_base_model(written, config_dir) {
         Ok(p) => {
             p.is_file()
                 && p.extension().is_some_and(|e| e == "safetensors")
@@ -551,7 +552,7 @@ pub fn read_descriptor(
     config_dir: Option<&Path>,
 ) -> Result<(ModelDescriptor, String)> {
     let written = cfg.base_model()?;
-    let path = match resolve_path("model.base_model", written, config_dir) {
+    let path = match resolve_base_model(written, config_dir) {
         Ok(p) => p,
         Err(e) => {
             return match ModelDescriptor::preset(written) {
@@ -722,7 +723,7 @@ pub fn plan(
 ) -> Result<Plan> {
     let (desc, source) = read_descriptor(cfg, config_dir)?;
     // what `train` refuses before loading, `plan` refuses too (the same checks)
-    let base = resolve_path("model.base_model", cfg.base_model()?, config_dir).ok();
+    let base = resolve_base_model(cfg.base_model()?, config_dir).ok();
     check_sd_config(cfg, base.as_deref(), Some(&desc), config_dir)?;
     plan_with(cfg, &desc, source, override_budget, cuda)
 }
