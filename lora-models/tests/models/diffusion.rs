@@ -288,6 +288,7 @@ fn loss_sampling_respects_options_and_backpropagates() {
         max_timestep: Some(200),
         noise_offset: 0.0,
         min_snr_gamma: Some(5.0),
+        multires_noise: None,
     };
     let l = DiffusionLoss::new(sd(PredictionType::Epsilon), cfg).unwrap();
     let t = l.sample_timesteps(4096, Device::Cpu).unwrap();
@@ -389,7 +390,7 @@ fn multires_noise_has_unit_variance_and_spatial_correlation() {
         white.shallow_clone(),
         MultiresNoise {
             iterations: 6,
-            discount: 0.3,
+            discount: 0.8,
         },
     )
     .unwrap();

@@ -24,6 +24,8 @@ pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_DOES_NOT_FIT: i32 = 3;
 /// `train` stopped by Ctrl-C (SIGINT) after saving a checkpoint: 128 + 2, as shells report it.
 pub const EXIT_INTERRUPTED: i32 = 130;
+/// `train` stopped by SIGTERM after saving a checkpoint: 128 + 15.
+pub const EXIT_TERMINATED: i32 = 143;
 
 const AFTER_HELP: &str = "\
 Exit codes:
@@ -33,6 +35,7 @@ Exit codes:
      damaged or foreign model and adapter files)
   3  predicted not to fit the memory budget (plan; train without --force)
   130  train stopped by Ctrl-C (a checkpoint is saved first; the command to resume is printed)
+  143  train stopped by SIGTERM (kill, timeout, a scheduler), the same way
 
 Examples:
   lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"

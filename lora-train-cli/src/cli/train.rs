@@ -1,11 +1,12 @@
 //! `lora-train train`: the whole job.
 //!
-//! Ctrl-C (SIGINT) asks the trainer to stop after the current optimizer step; it saves a
-//! checkpoint, and the command prints where it is and the exact command that continues the run,
-//! then exits 130. A second Ctrl-C ends the process at once (the default action is restored by
-//! the first).
+//! Ctrl-C (SIGINT) — or SIGTERM, what `kill`, `timeout`, Docker and job schedulers send — asks
+//! the trainer to stop after the current optimizer step; it saves a checkpoint, and the command
+//! prints where it is and the exact command that continues the run, then exits 128 + the signal
+//! (130 for SIGINT, 143 for SIGTERM). A second signal ends the process at once (the default
+//! action is restored by the first).
 
-use super::{CliError, EXIT_INTERRUPTED, EXIT_OK};
+use super::{CliError, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED};
 use lora_train::config::TrainConfig;
 use lora_train::engine::checkpoint::CheckpointManager;
 use lora_train::job::{JobError, RunOptions};
@@ -24,7 +25,7 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
         resume,
     };
     let recipe = super::plan::recipe_for(&cfg, opts.config_dir.as_deref())?;
-    install_sigint_handler();
+    install_stop_handlers();
     let result = recipe.train(cfg, &opts).map(|_| ());
     match result {
         Err(JobError::Interrupted { step, checkpoint }) => {
@@ -72,7 +73,7 @@ fn interrupted(
         ),
     }
     Err(CliError {
-        code: EXIT_INTERRUPTED,
+        code: stopped_exit_code(),
         // Said above.
         message: String::new(),
     })
@@ -91,30 +92,49 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
-/// The SIGINT handler: one atomic store and one `write(2)`, both async-signal-safe. The loop
-/// acts on the flag at the next step boundary.
+/// The signal that asked the run to stop (0 = none yet).
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The SIGINT / SIGTERM handler: atomic stores and one `write(2)`, all async-signal-safe. The
+/// loop acts on the flag at the next step boundary.
 #[cfg(unix)]
-extern "C" fn on_sigint(_: libc::c_int) {
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
     lora_train::engine::request_stop();
-    let msg: &[u8] = b"\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again quits at once)\n";
+    let msg: &[u8] = if sig == libc::SIGTERM {
+        b"\nSIGTERM: stopping after the current step and saving a checkpoint (a second signal quits at once)\n"
+    } else {
+        b"\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again quits at once)\n"
+    };
     // SAFETY: write(2) on fd 2 with a valid buffer of the given length.
     unsafe {
         libc::write(2, msg.as_ptr().cast(), msg.len());
     }
 }
 
-/// Installs [`on_sigint`] with `SA_RESETHAND`, so a second Ctrl-C gets the default action.
-fn install_sigint_handler() {
+/// Installs [`on_stop_signal`] for SIGINT and SIGTERM with `SA_RESETHAND`, so a second signal
+/// gets the default action.
+fn install_stop_handlers() {
     #[cfg(unix)]
     // SAFETY: a zeroed sigaction with a handler of the right signature, an emptied mask and
     // plain flags; sigaction(2) copies it.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        sa.sa_sigaction = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
         libc::sigemptyset(&mut sa.sa_mask);
         sa.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
         libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut());
+        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
     }
+}
+
+/// The exit code of a run a signal stopped: 128 + the signal, as shells report it.
+fn stopped_exit_code() -> i32 {
+    #[cfg(unix)]
+    if STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst) == libc::SIGTERM {
+        return EXIT_TERMINATED;
+    }
+    EXIT_INTERRUPTED
 }
 
 #[cfg(test)]
