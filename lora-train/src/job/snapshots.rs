@@ -94,6 +94,29 @@ impl AdapterSnapshots {
         }
     }
 
+    /// Snapshots of adapter `default` as a run's config asks: into `out_dir` as
+    /// `train.output_name`, in `train.save_precision`, pruned by `train.save_last_n_steps` /
+    /// `save_last_n_epochs`.
+    pub fn for_run(
+        parts: Vec<SnapshotPart>,
+        writer: SnapshotWriter,
+        cfg: &crate::config::TrainConfig,
+        out_dir: &Path,
+    ) -> Self {
+        Self::new(
+            parts,
+            "default",
+            writer,
+            out_dir,
+            &cfg.train.output_name,
+            crate::job::lower::save_kind(cfg),
+            Keep {
+                last_n_steps: cfg.train.save_last_n_steps,
+                last_n_epochs: cfg.train.save_last_n_epochs,
+            },
+        )
+    }
+
     /// The file stem of a save at `step` (`epoch` for a save at an epoch's end): sd-scripts'
     /// `<name>-step%08d` / `<name>-%06d`.
     pub fn stem(output_name: &str, step: u64, epoch: Option<u64>) -> String {

@@ -596,21 +596,15 @@ impl LoadedRun for LlmRun {
             Ok(out)
         });
         Ok(vec![Box::new(
-            crate::job::snapshots::AdapterSnapshots::new(
+            crate::job::snapshots::AdapterSnapshots::for_run(
                 vec![crate::job::snapshots::SnapshotPart {
                     component: "model",
                     var_prefix: String::new(),
                     template,
                 }],
-                "default",
                 writer,
+                cfg,
                 &ctx.out_dir,
-                &cfg.train.output_name,
-                crate::job::lower::save_kind(cfg),
-                crate::job::snapshots::Keep {
-                    last_n_steps: cfg.train.save_last_n_steps,
-                    last_n_epochs: cfg.train.save_last_n_epochs,
-                },
             ),
         )])
     }

@@ -759,17 +759,11 @@ impl LoadedRun for SdRun {
                     }
                     Ok(out)
                 });
-            callbacks.push(Box::new(crate::job::snapshots::AdapterSnapshots::new(
+            callbacks.push(Box::new(crate::job::snapshots::AdapterSnapshots::for_run(
                 parts,
-                "default",
                 writer,
+                cfg,
                 &ctx.out_dir,
-                &cfg.train.output_name,
-                crate::job::lower::save_kind(cfg),
-                crate::job::snapshots::Keep {
-                    last_n_steps: cfg.train.save_last_n_steps,
-                    last_n_epochs: cfg.train.save_last_n_epochs,
-                },
             )));
         }
         Ok(callbacks)
