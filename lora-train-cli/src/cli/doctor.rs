@@ -1,116 +1,286 @@
-//! `lora-train doctor`: what this machine offers a training run.
+//! `lora-train doctor`: what this machine offers a training run, as text or JSON.
 //!
 //! Sources: libtorch's location from the loaded `libtorch_cpu.so` in `/proc/self/maps` and its
 //! version from the wheel's `torch/version.py` (or libtorch's `build-version`); CUDA from tch;
-//! GPU name / memory / driver from NVML (feature `nvml`); CPU from `/proc/cpuinfo`; RAM from
+//! GPU name / memory / driver from NVML, loaded from the driver at run time (feature `nvml`, on
+//! by default; a machine without the driver says so); CPU from `/proc/cpuinfo`; RAM from
 //! `/proc/meminfo` and the cgroup v2 `memory.max`; free disk from `df -Pk`.
 
 use super::{CliError, EXIT_OK};
+use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// Runs `doctor`. Always exit 0 unless printing fails: missing pieces are reported, not errors.
-pub fn run() -> Result<i32, CliError> {
-    super::out(&report())?;
+/// Runs `doctor`; `json` prints the report as one JSON object instead of text. Always exit 0
+/// unless printing fails: missing pieces are reported, not errors.
+pub fn run(json: bool) -> Result<i32, CliError> {
+    let r = Report::gather();
+    if json {
+        let text = serde_json::to_string_pretty(&r)
+            .map_err(|e| CliError::runtime(format!("encoding the report as JSON: {e}")))?;
+        super::outln(text)?;
+    } else {
+        super::out(&r.text())?;
+    }
     Ok(EXIT_OK)
 }
 
-fn report() -> String {
-    let mut out = String::new();
-    // libtorch
-    let cuda = tch::Cuda::is_available();
-    let devices = tch::Cuda::device_count();
-    out += "libtorch\n";
-    out += "  tch crate: 0.26.0 (built for PyTorch 2.13.0)\n";
-    match loaded_libtorch_dir() {
-        Some(lib) => {
-            let root = lib
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_else(|| lib.clone());
-            out += &format!("  path: {}\n", root.display());
-            out += &format!(
-                "  version: {}\n",
-                libtorch_version(&root)
-                    .unwrap_or_else(|| "unknown (no version.py / build-version)".into())
-            );
+/// Everything `doctor` reports. Sizes are bytes; `None` is "could not be read".
+#[derive(Debug, Serialize)]
+struct Report {
+    libtorch: Libtorch,
+    gpu: Gpu,
+    cpu: Cpu,
+    memory: Memory,
+    disk: Disk,
+}
+
+#[derive(Debug, Serialize)]
+struct Libtorch {
+    tch_version: &'static str,
+    built_for_pytorch: &'static str,
+    path: Option<PathBuf>,
+    /// Version and where it was read (`version.py` or `build-version`).
+    version: Option<String>,
+    version_source: Option<&'static str>,
+    intra_op_threads: i32,
+    cuda_available: bool,
+    cuda_devices: i64,
+    cudnn_available: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Gpu {
+    /// NVML could be loaded and initialised.
+    nvml: bool,
+    /// Why there is no GPU information (no driver, NVML not built in, …).
+    note: Option<String>,
+    driver_version: Option<String>,
+    /// The CUDA version the driver supports, `major.minor`.
+    cuda_driver_version: Option<String>,
+    devices: Vec<GpuDevice>,
+}
+
+#[derive(Debug, Serialize)]
+struct GpuDevice {
+    index: u32,
+    name: Option<String>,
+    total_bytes: Option<u64>,
+    free_bytes: Option<u64>,
+    used_bytes: Option<u64>,
+    /// Set when the device or its memory could not be queried.
+    error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Cpu {
+    model: String,
+    logical_cores: usize,
+    usable_cores: usize,
+    /// `avx512_bf16` / `amx_bf16` when present (fast bf16 matmul).
+    bf16_flags: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Memory {
+    total_bytes: Option<u64>,
+    available_bytes: Option<u64>,
+    /// cgroup v2 `memory.max` in bytes; `None` when absent or `max` (see `cgroup_max_text`).
+    cgroup_max_bytes: Option<u64>,
+    cgroup_max_text: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Disk {
+    path: PathBuf,
+    free_bytes: Option<u64>,
+    total_bytes: Option<u64>,
+}
+
+impl Report {
+    fn gather() -> Report {
+        Report {
+            libtorch: Libtorch::gather(),
+            gpu: gpu(),
+            cpu: Cpu::gather(),
+            memory: Memory::gather(),
+            disk: Disk::gather(),
         }
-        None => out += "  path: not found in /proc/self/maps\n",
     }
-    out += &format!("  threads: {} intra-op\n", tch::get_num_threads());
-    out += &format!("  CUDA available: {cuda}\n");
-    out += &format!("  CUDA devices: {devices}\n");
-    out += &format!("  cuDNN available: {}\n", tch::Cuda::cudnn_is_available());
-    // GPU
-    out += "gpu\n";
-    out += &gpu_report();
-    // CPU
-    out += "cpu\n";
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("model name")
-                .map(|r| r.trim_start_matches([' ', '\t', ':']).to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
-    let logical = cpuinfo
-        .lines()
-        .filter(|l| l.starts_with("processor"))
-        .count();
-    let usable = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
-    out += &format!("  model: {model}\n");
-    out += &format!("  logical cores: {logical} (usable by this process: {usable})\n");
-    let flags = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("flags"))
-        .unwrap_or_default();
-    let bf16 = ["avx512_bf16", "amx_bf16"]
-        .iter()
-        .filter(|f| flags.split_whitespace().any(|x| x == **f))
-        .copied()
-        .collect::<Vec<_>>();
-    out += &format!(
-        "  bf16 matmul support: {}\n",
-        if bf16.is_empty() {
-            "no AVX-512 BF16 / AMX (bf16 may be slower than fp32)".to_string()
-        } else {
-            bf16.join(", ")
-        }
-    );
-    // RAM
-    out += "memory\n";
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    for key in ["MemTotal", "MemAvailable"] {
-        if let Some(kb) = meminfo_kb(&meminfo, key) {
-            out += &format!("  {key}: {}\n", lora_memory::Bytes(kb * 1024));
-        }
-    }
-    if let Ok(max) = std::fs::read_to_string("/sys/fs/cgroup/memory.max") {
-        let max = max.trim();
+
+    fn text(&self) -> String {
+        let b = |v: u64| lora_memory::Bytes(v).to_string();
+        let l = &self.libtorch;
+        let mut out = String::new();
+        out += "libtorch\n";
         out += &format!(
-            "  cgroup memory.max: {}\n",
-            max.parse::<u64>()
-                .map(|b| lora_memory::Bytes(b).to_string())
-                .unwrap_or_else(|_| max.to_string())
+            "  tch crate: {} (built for PyTorch {})\n",
+            l.tch_version, l.built_for_pytorch
         );
-    }
-    // disk
-    out += "disk\n";
-    let here = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
-    match free_disk(&here) {
-        Some((avail, total)) => {
-            out += &format!(
-                "  {}: {} free of {}\n",
-                here.display(),
-                lora_memory::Bytes(avail),
-                lora_memory::Bytes(total)
-            )
+        match &l.path {
+            Some(p) => {
+                out += &format!("  path: {}\n", p.display());
+                out += &match (&l.version, l.version_source) {
+                    (Some(v), Some(s)) => format!("  version: {v} ({s})\n"),
+                    _ => "  version: unknown (no version.py / build-version)\n".into(),
+                };
+            }
+            None => out += "  path: not found in /proc/self/maps\n",
         }
-        None => out += &format!("  {}: unknown (df failed)\n", here.display()),
+        out += &format!("  threads: {} intra-op\n", l.intra_op_threads);
+        out += &format!("  CUDA available: {}\n", l.cuda_available);
+        out += &format!("  CUDA devices: {}\n", l.cuda_devices);
+        out += &format!("  cuDNN available: {}\n", l.cudnn_available);
+        let g = &self.gpu;
+        out += "gpu\n";
+        if let Some(n) = &g.note {
+            out += &format!("  {n}\n");
+        }
+        if let Some(v) = &g.driver_version {
+            out += &format!("  driver: {v}\n");
+        }
+        if let Some(v) = &g.cuda_driver_version {
+            out += &format!("  CUDA driver API: {v}\n");
+        }
+        for d in &g.devices {
+            let name = d.name.as_deref().unwrap_or("unknown");
+            match (d.total_bytes, d.free_bytes, d.used_bytes, &d.error) {
+                (Some(t), Some(f), Some(u), _) => {
+                    out += &format!(
+                        "  cuda:{} {name}: total {}, free {}, used {}\n",
+                        d.index,
+                        b(t),
+                        b(f),
+                        b(u)
+                    )
+                }
+                (_, _, _, e) => {
+                    out += &format!(
+                        "  cuda:{} {name}: memory unknown ({})\n",
+                        d.index,
+                        e.as_deref().unwrap_or("not reported")
+                    )
+                }
+            }
+        }
+        let c = &self.cpu;
+        out += "cpu\n";
+        out += &format!("  model: {}\n", c.model);
+        out += &format!(
+            "  logical cores: {} (usable by this process: {})\n",
+            c.logical_cores, c.usable_cores
+        );
+        out += &format!(
+            "  bf16 matmul support: {}\n",
+            if c.bf16_flags.is_empty() {
+                "no AVX-512 BF16 / AMX (bf16 may be slower than fp32)".to_string()
+            } else {
+                c.bf16_flags.join(", ")
+            }
+        );
+        let m = &self.memory;
+        out += "memory\n";
+        if let Some(v) = m.total_bytes {
+            out += &format!("  MemTotal: {}\n", b(v));
+        }
+        if let Some(v) = m.available_bytes {
+            out += &format!("  MemAvailable: {}\n", b(v));
+        }
+        match (m.cgroup_max_bytes, &m.cgroup_max_text) {
+            (Some(v), _) => out += &format!("  cgroup memory.max: {}\n", b(v)),
+            (None, Some(t)) => out += &format!("  cgroup memory.max: {t}\n"),
+            (None, None) => {}
+        }
+        let d = &self.disk;
+        out += "disk\n";
+        match (d.free_bytes, d.total_bytes) {
+            (Some(f), Some(t)) => {
+                out += &format!("  {}: {} free of {}\n", d.path.display(), b(f), b(t))
+            }
+            _ => out += &format!("  {}: unknown (df failed)\n", d.path.display()),
+        }
+        out
     }
-    out
+}
+
+impl Libtorch {
+    fn gather() -> Libtorch {
+        let path = loaded_libtorch_dir().map(|lib| {
+            lib.parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| lib.clone())
+        });
+        let version = path.as_deref().and_then(libtorch_version);
+        Libtorch {
+            tch_version: "0.26.0",
+            built_for_pytorch: "2.13.0",
+            path,
+            version_source: version.as_ref().map(|v| v.1),
+            version: version.map(|v| v.0),
+            intra_op_threads: tch::get_num_threads(),
+            cuda_available: tch::Cuda::is_available(),
+            cuda_devices: tch::Cuda::device_count(),
+            cudnn_available: tch::Cuda::cudnn_is_available(),
+        }
+    }
+}
+
+impl Cpu {
+    fn gather() -> Cpu {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let model = cpuinfo
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|r| r.trim_start_matches([' ', '\t', ':']).to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let flags = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("flags"))
+            .unwrap_or_default();
+        Cpu {
+            model,
+            logical_cores: cpuinfo
+                .lines()
+                .filter(|l| l.starts_with("processor"))
+                .count(),
+            usable_cores: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0),
+            bf16_flags: ["avx512_bf16", "amx_bf16"]
+                .iter()
+                .filter(|f| flags.split_whitespace().any(|x| x == **f))
+                .map(|f| f.to_string())
+                .collect(),
+        }
+    }
+}
+
+impl Memory {
+    fn gather() -> Memory {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let max = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+            .ok()
+            .map(|s| s.trim().to_string());
+        Memory {
+            total_bytes: meminfo_kb(&meminfo, "MemTotal").map(|kb| kb * 1024),
+            available_bytes: meminfo_kb(&meminfo, "MemAvailable").map(|kb| kb * 1024),
+            cgroup_max_bytes: max.as_deref().and_then(|m| m.parse().ok()),
+            cgroup_max_text: max,
+        }
+    }
+}
+
+impl Disk {
+    fn gather() -> Disk {
+        let path = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+        let space = free_disk(&path);
+        Disk {
+            free_bytes: space.map(|s| s.0),
+            total_bytes: space.map(|s| s.1),
+            path,
+        }
+    }
 }
 
 /// The folder of the `libtorch_cpu.so` this process loaded.
@@ -122,23 +292,22 @@ fn loaded_libtorch_dir() -> Option<PathBuf> {
         .and_then(|p| Path::new(p).parent().map(Path::to_path_buf))
 }
 
-fn libtorch_version(root: &Path) -> Option<String> {
+/// libtorch's version and the file it was read from.
+fn libtorch_version(root: &Path) -> Option<(String, &'static str)> {
     if let Ok(v) = std::fs::read_to_string(root.join("version.py")) {
         for l in v.lines() {
             if let Some(rest) = l.strip_prefix("__version__") {
-                return Some(
-                    rest.trim_start_matches([' ', '=', ':'])
-                        .trim()
-                        .trim_matches(['\'', '"'])
-                        .to_string()
-                        + " (version.py)",
-                );
+                let v = rest
+                    .trim_start_matches([' ', '=', ':'])
+                    .trim()
+                    .trim_matches(['\'', '"']);
+                return Some((v.to_string(), "version.py"));
             }
         }
     }
     std::fs::read_to_string(root.join("build-version"))
         .ok()
-        .map(|s| s.trim().to_string() + " (build-version)")
+        .map(|s| (s.trim().to_string(), "build-version"))
 }
 
 fn meminfo_kb(meminfo: &str, key: &str) -> Option<u64> {
@@ -164,46 +333,70 @@ fn free_disk(dir: &Path) -> Option<(u64, u64)> {
 }
 
 #[cfg(feature = "nvml")]
-fn gpu_report() -> String {
+fn gpu() -> Gpu {
     use nvml_wrapper::Nvml;
+    let mut g = Gpu {
+        nvml: false,
+        note: None,
+        driver_version: None,
+        cuda_driver_version: None,
+        devices: Vec::new(),
+    };
     let nvml = match Nvml::init() {
         Ok(n) => n,
-        Err(e) => return format!("  no NVIDIA GPU (NVML: {e})\n"),
+        Err(e) => {
+            g.note = Some(format!("no NVIDIA GPU (NVML: {e})"));
+            return g;
+        }
     };
-    let mut out = String::new();
-    if let Ok(v) = nvml.sys_driver_version() {
-        out += &format!("  driver: {v}\n");
-    }
-    if let Ok(v) = nvml.sys_cuda_driver_version() {
-        out += &format!("  CUDA driver API: {}.{}\n", v / 1000, (v % 1000) / 10);
-    }
+    g.nvml = true;
+    g.driver_version = nvml.sys_driver_version().ok();
+    g.cuda_driver_version = nvml
+        .sys_cuda_driver_version()
+        .ok()
+        .map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10));
     let count = nvml.device_count().unwrap_or(0);
-    for i in 0..count {
-        match nvml.device_by_index(i) {
-            Ok(d) => {
-                let name = d.name().unwrap_or_else(|_| "unknown".into());
-                match d.memory_info() {
+    for index in 0..count {
+        let mut d = GpuDevice {
+            index,
+            name: None,
+            total_bytes: None,
+            free_bytes: None,
+            used_bytes: None,
+            error: None,
+        };
+        match nvml.device_by_index(index) {
+            Ok(dev) => {
+                d.name = dev.name().ok();
+                match dev.memory_info() {
                     Ok(m) => {
-                        out += &format!(
-                            "  cuda:{i} {name}: total {}, free {}, used {}\n",
-                            lora_memory::Bytes(m.total),
-                            lora_memory::Bytes(m.free),
-                            lora_memory::Bytes(m.used)
-                        )
+                        d.total_bytes = Some(m.total);
+                        d.free_bytes = Some(m.free);
+                        d.used_bytes = Some(m.used);
                     }
-                    Err(e) => out += &format!("  cuda:{i} {name}: memory unknown ({e})\n"),
+                    Err(e) => d.error = Some(e.to_string()),
                 }
             }
-            Err(e) => out += &format!("  cuda:{i}: {e}\n"),
+            Err(e) => d.error = Some(e.to_string()),
         }
+        g.devices.push(d);
     }
     if count == 0 {
-        out += "  NVML found no devices\n";
+        g.note = Some("NVML found no devices".into());
     }
-    out
+    g
 }
 
 #[cfg(not(feature = "nvml"))]
-fn gpu_report() -> String {
-    "  NVML: not built in (rebuild with `--features nvml` for GPU name, total/free memory and driver)\n".into()
+fn gpu() -> Gpu {
+    Gpu {
+        nvml: false,
+        note: Some(
+            "NVML: not built in (rebuild with `--features nvml` for GPU name, total/free memory and driver)"
+                .into(),
+        ),
+        driver_version: None,
+        cuda_driver_version: None,
+        devices: Vec::new(),
+    }
 }

@@ -92,8 +92,13 @@ pub enum Command {
         #[arg(long)]
         frontier: bool,
     },
-    /// Report libtorch, CUDA/GPU, CPU, RAM and disk.
-    Doctor,
+    /// Report libtorch, CUDA/GPU (name, VRAM total/free, driver and CUDA versions), CPU, RAM
+    /// and disk.
+    Doctor {
+        /// Print the report as one JSON object (sizes in bytes).
+        #[arg(long)]
+        json: bool,
+    },
     /// Convert an adapter between PEFT (folder) and kohya (single .safetensors file).
     #[command(alias = "export")]
     Convert {
@@ -365,7 +370,7 @@ pub fn main() -> i32 {
             json,
             frontier,
         } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json, frontier),
-        Command::Doctor => doctor::run(),
+        Command::Doctor { json } => doctor::run(json),
         Command::Convert {
             input,
             to,

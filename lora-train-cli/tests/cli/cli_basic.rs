@@ -274,6 +274,57 @@ fn doctor_reports_libtorch_cpu_and_memory() {
 }
 
 #[test]
+fn doctor_json_is_one_object_with_the_same_facts_as_the_text() {
+    let o = bin().args(["doctor", "--json"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("doctor --json is not JSON ({e}):\n{}", text(&o)));
+    // the wheel's version carries its CUDA build: 2.13.0+cu130
+    let version = v["libtorch"]["version"].as_str().unwrap();
+    assert!(version.starts_with("2.13.0"), "{v:#}");
+    assert_eq!(v["libtorch"]["version_source"], "version.py", "{v:#}");
+    assert_eq!(
+        v["libtorch"]["cuda_available"],
+        tch::Cuda::is_available(),
+        "{v:#}"
+    );
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kb: u64 = meminfo
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(v["memory"]["total_bytes"], kb * 1024, "{v:#}");
+    let logical = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count();
+    assert_eq!(v["cpu"]["logical_cores"], logical as u64, "{v:#}");
+    assert!(v["disk"]["free_bytes"].as_u64().unwrap() > 0, "{v:#}");
+    // the GPU section is always there: devices with their memory, or a note saying why not
+    let gpu = &v["gpu"];
+    let devices = gpu["devices"].as_array().unwrap();
+    if gpu["nvml"] == true && !devices.is_empty() {
+        for d in devices {
+            let total = d["total_bytes"].as_u64().unwrap();
+            assert!(d["free_bytes"].as_u64().unwrap() <= total, "{v:#}");
+        }
+        assert!(gpu["driver_version"].is_string(), "{v:#}");
+    } else {
+        let note = gpu["note"].as_str().unwrap();
+        assert!(note.contains("NVML"), "{note}");
+        // and the text report says the same
+        let t = bin().arg("doctor").output().unwrap();
+        assert!(text(&t).contains(note), "{}", text(&t));
+    }
+}
+
+#[test]
 fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
     use lora_core::formats::{AdapterWeights, ModuleLora, peft};
     use lora_core::layer::SiteKind;
