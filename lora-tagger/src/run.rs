@@ -99,6 +99,44 @@ pub fn tag_to_captions(
     post: &PostProcess,
     writer: &CaptionWriter,
 ) -> Result<FolderRun> {
+    tag_to_captions_with_progress(tagger, images, post, writer, usize::MAX, &mut |_| {})
+}
+
+/// How far a folder run is, for a progress bar: images tagged so far of those that need tags
+/// (images whose caption is kept are not counted), and the seconds since tagging started.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Images tagged so far.
+    pub done: usize,
+    /// Images that need tags.
+    pub total: usize,
+    /// Seconds since tagging started.
+    pub elapsed_s: f64,
+}
+
+impl Progress {
+    /// Seconds left at the rate so far (`None` before the first image is done).
+    pub fn eta_s(&self) -> Option<f64> {
+        (self.done > 0).then(|| {
+            self.elapsed_s / self.done as f64 * self.total.saturating_sub(self.done) as f64
+        })
+    }
+}
+
+/// [`tag_to_captions`] that hands the tagger at most `chunk` images at a time (its own
+/// micro-batching and out-of-memory halving still apply inside a chunk) and calls `on_progress`
+/// after each chunk: the hook of a progress bar with an ETA. A `chunk` of 0 counts as 1.
+///
+/// # Errors
+/// As [`tag_to_captions`].
+pub fn tag_to_captions_with_progress(
+    tagger: &mut dyn Tagger,
+    images: &[PathBuf],
+    post: &PostProcess,
+    writer: &CaptionWriter,
+    chunk: usize,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<FolderRun> {
     let mut entries: Vec<Option<CaptionEntry>> = vec![None; images.len()];
     let mut todo = Vec::new();
     for (i, img) in images.iter().enumerate() {
@@ -112,11 +150,15 @@ pub fn tag_to_captions(
     }
     let paths: Vec<PathBuf> = todo.iter().map(|&i| images[i].clone()).collect();
     let t = Instant::now();
-    let results = if paths.is_empty() {
-        Vec::new()
-    } else {
-        tagger.tag_images(&paths)?
-    };
+    let mut results = Vec::with_capacity(paths.len());
+    for part in paths.chunks(chunk.max(1)) {
+        results.extend(tagger.tag_images(part)?);
+        on_progress(Progress {
+            done: results.len(),
+            total: paths.len(),
+            elapsed_s: t.elapsed().as_secs_f64(),
+        });
+    }
     let tagging_s = t.elapsed().as_secs_f64();
     let mut all_tags = Vec::new();
     for (&i, r) in todo.iter().zip(results) {

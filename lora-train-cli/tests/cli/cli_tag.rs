@@ -60,6 +60,10 @@ fn tags_a_folder_keeps_hand_written_captions_and_isolates_a_corrupt_image() {
         "{out}"
     );
     assert!(out.contains("images/s"), "{out}");
+    // progress on stderr (not a terminal here: a plain line), counting the images that need
+    // tags: the hand-captioned one is not among them
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("tagged 3/3 images ("), "{err}");
     let read = |n: &str| std::fs::read_to_string(d.join(n)).unwrap();
     // Chelsea is a tabby cat; the trigger word comes first, then at most 2 model tags.
     let chelsea = read("chelsea.txt");
