@@ -134,19 +134,15 @@ struct Pool<B> {
     handles: Vec<JoinHandle<()>>,
 }
 
-impl<B> Pool<B> {
-    fn shutdown(&mut self) {
+impl<B> Drop for Pool<B> {
+    /// Closes the job channels (workers exit after their current job, or at once when its
+    /// stream is gone) and joins the workers.
+    fn drop(&mut self) {
         self.jobs.clear();
         for h in self.handles.drain(..) {
             // A worker that panicked already reported through its closed channel.
             let _ = h.join();
         }
-    }
-}
-
-impl<B> Drop for Pool<B> {
-    fn drop(&mut self) {
-        self.shutdown();
     }
 }
 
@@ -179,7 +175,10 @@ pub struct Loader<D: Dataset, C: Collate<D::Item>> {
     collate: Arc<C>,
     config: LoaderConfig,
     state: LoaderState,
-    pool: Option<Pool<C::Batch>>,
+    /// Persistent workers; every [`Batches`] served by them holds the pool too, so it is shut
+    /// down (workers joined) only after the last stream is gone and no worker can be blocked
+    /// handing a batch to a live stream.
+    pool: Option<Arc<Pool<C::Batch>>>,
 }
 
 impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
@@ -299,46 +298,67 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
     /// exhausted the loader moves to the next epoch, step 0. Dropping it early keeps the position
     /// of the last batch handed out.
     pub fn epoch(&mut self) -> EpochIter<'_, D, C> {
-        let plan = Arc::new(self.plan_for(self.state.seed, self.state.epoch));
-        let start = self.state.step.min(plan.len());
+        let batches = self.batches(self.state.epoch, self.state.step);
+        EpochIter {
+            loader: self,
+            batches,
+        }
+    }
+
+    /// The batches of `epoch` from batch `start` on (in the order of the loader's seed), built by
+    /// the loader's workers ahead of use (`num_workers`, `prefetch_factor`, `persistent_workers`
+    /// as in [`Loader::epoch`]) or, with no workers, in the caller's thread. Unlike
+    /// [`Loader::epoch`] the stream owns what it needs and leaves the loader's position alone: a
+    /// trainer's batch source keeps one beside the loader and records the position itself
+    /// ([`Batches::position`]). A `start` past the end gives an empty stream.
+    pub fn batches(&mut self, epoch: u64, start: usize) -> Batches<C::Batch> {
+        let seed = self.state.seed;
+        let plan = Arc::new(self.plan_for(seed, epoch));
+        let start = start.min(plan.len());
         let n = self.config.num_workers;
         let mut receivers = Vec::new();
-        let mut local_pool = None;
+        let mut pool = None;
         if n > 0 && start < plan.len() {
-            if self.config.persistent_workers && self.pool.is_none() {
-                self.pool = Some(self.spawn_pool());
-            }
-            let mut fresh = None;
-            let pool = match self.pool.as_mut() {
-                Some(p) if self.config.persistent_workers => p,
-                _ => fresh.insert(self.spawn_pool()),
+            let p = if self.config.persistent_workers {
+                if self.pool.is_none() {
+                    self.pool = Some(Arc::new(self.spawn_pool()));
+                }
+                match &self.pool {
+                    Some(p) => Arc::clone(p),
+                    None => Arc::new(self.spawn_pool()),
+                }
+            } else {
+                Arc::new(self.spawn_pool())
             };
-            for (w, job_tx) in pool.jobs.iter().enumerate() {
+            for (w, job_tx) in p.jobs.iter().enumerate() {
                 let (tx, rx) = mpsc::sync_channel(self.config.prefetch_factor);
                 let job = Job {
                     plan: Arc::clone(&plan),
                     start: start + w,
-                    epoch: self.state.epoch,
-                    seed: self.state.seed,
+                    epoch,
+                    seed,
                     tx,
                 };
                 // A send fails only when the worker is gone; the receive below reports it.
                 let _ = job_tx.send(job);
                 receivers.push(rx);
             }
-            if let Some(mut p) = fresh {
-                // Non-persistent: close the job channels so workers exit after this epoch.
-                p.jobs.clear();
-                local_pool = Some(p);
-            }
+            pool = Some(p);
         }
-        EpochIter {
-            loader: self,
+        let inline = receivers.is_empty().then(|| {
+            let dataset = Arc::clone(&self.dataset);
+            let collate = Arc::clone(&self.collate);
+            Box::new(move |indices: &[usize]| {
+                load_batch(&*dataset, &*collate, indices, seed, epoch)
+            }) as InlineLoad<C::Batch>
+        });
+        Batches {
             plan,
             next: start,
             start,
             receivers,
-            local_pool,
+            pool,
+            inline,
         }
     }
 
@@ -411,14 +431,90 @@ fn load_batch<D: Dataset, C: Collate<D::Item>>(
     collate.collate(items)
 }
 
-/// The batches of one epoch, in order. See [`Loader::epoch`].
-pub struct EpochIter<'a, D: Dataset, C: Collate<D::Item>> {
-    loader: &'a mut Loader<D, C>,
+/// Builds a batch in the consumer's thread (no workers).
+type InlineLoad<B> = Box<dyn Fn(&[usize]) -> Result<B> + Send>;
+
+/// One epoch's batches from a start position, in order: see [`Loader::batches`]. Dropping it
+/// makes the workers give up the rest of the epoch.
+pub struct Batches<B> {
     plan: Arc<Vec<Vec<usize>>>,
     next: usize,
     start: usize,
-    receivers: Vec<Receiver<Result<C::Batch>>>,
-    local_pool: Option<Pool<C::Batch>>,
+    receivers: Vec<Receiver<Result<B>>>,
+    /// The workers building this stream's batches (the loader's persistent pool, or a pool of
+    /// this stream alone, whose workers exit once its jobs are done).
+    pool: Option<Arc<Pool<B>>>,
+    inline: Option<InlineLoad<B>>,
+}
+
+impl<B> Batches<B> {
+    /// The index within the epoch of the batch the next call to `next` returns (the number of
+    /// batches of the epoch handed out so far, counting those before the start).
+    pub fn position(&self) -> usize {
+        self.next
+    }
+
+    /// Number of batches in the epoch.
+    pub fn epoch_len(&self) -> usize {
+        self.plan.len()
+    }
+
+    /// Sample indices of the batch that the next call to `next` returns.
+    pub fn peek_indices(&self) -> Option<&[usize]> {
+        self.plan.get(self.next).map(Vec::as_slice)
+    }
+
+    /// Number of batches left.
+    pub fn remaining(&self) -> usize {
+        self.plan.len() - self.next
+    }
+}
+
+impl<B> Iterator for Batches<B> {
+    type Item = Result<B>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let k = self.next;
+        let indices = self.plan.get(k)?;
+        let result = match &self.inline {
+            Some(load) => load(indices),
+            None => {
+                let w = (k - self.start) % self.receivers.len();
+                match self.receivers[w].recv() {
+                    Ok(r) => r,
+                    Err(_) => Err(Error::Worker {
+                        worker: w,
+                        step: k,
+                        message: "the worker thread exited (a panic in Dataset::get or Collate?)"
+                            .into(),
+                    }),
+                }
+            }
+        };
+        self.next += 1;
+        Some(result)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let r = self.remaining();
+        (r, Some(r))
+    }
+}
+
+impl<B> Drop for Batches<B> {
+    fn drop(&mut self) {
+        // Closing the result channels first makes blocked workers give up this epoch; then the
+        // pool goes (joined here when this stream held it last).
+        self.receivers.clear();
+        self.pool = None;
+    }
+}
+
+/// The batches of one epoch, in order, moving the loader's position as they are handed out.
+/// See [`Loader::epoch`].
+pub struct EpochIter<'a, D: Dataset, C: Collate<D::Item>> {
+    loader: &'a mut Loader<D, C>,
+    batches: Batches<C::Batch>,
 }
 
 impl<D: Dataset, C: Collate<D::Item>> EpochIter<'_, D, C> {
@@ -430,12 +526,12 @@ impl<D: Dataset, C: Collate<D::Item>> EpochIter<'_, D, C> {
 
     /// Sample indices of the batch that the next call to `next` returns.
     pub fn peek_indices(&self) -> Option<&[usize]> {
-        self.plan.get(self.next).map(Vec::as_slice)
+        self.batches.peek_indices()
     }
 
     /// Number of batches left in this epoch.
     pub fn remaining(&self) -> usize {
-        self.plan.len() - self.next
+        self.batches.remaining()
     }
 }
 
@@ -443,63 +539,20 @@ impl<D: Dataset, C: Collate<D::Item>> Iterator for EpochIter<'_, D, C> {
     type Item = Result<C::Batch>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let k = self.next;
-        if k >= self.plan.len() {
-            return None;
-        }
-        let result = if self.receivers.is_empty() {
-            let l = &*self.loader;
-            load_batch(
-                &*l.dataset,
-                &*l.collate,
-                &self.plan[k],
-                l.state.seed,
-                l.state.epoch,
-            )
-        } else {
-            let w = (k - self.start) % self.receivers.len();
-            match self.receivers[w].recv() {
-                Ok(r) => r,
-                Err(_) => Err(Error::Worker {
-                    worker: w,
-                    step: k,
-                    message: "the worker thread exited (a panic in Dataset::get or Collate?)"
-                        .into(),
-                }),
-            }
-        };
-        self.next += 1;
+        let result = self.batches.next()?;
+        let next = self.batches.position();
         let st = &mut self.loader.state;
-        if self.next >= self.plan.len() {
+        if next >= self.batches.epoch_len() {
             st.epoch += 1;
             st.step = 0;
         } else {
-            st.step = self.next;
+            st.step = next;
         }
         Some(result)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let r = self.remaining();
-        (r, Some(r))
-    }
-}
-
-impl<D: Dataset, C: Collate<D::Item>> Drop for EpochIter<'_, D, C> {
-    fn drop(&mut self) {
-        // Closing the result channels makes blocked workers give up this epoch.
-        self.receivers.clear();
-        if let Some(mut p) = self.local_pool.take() {
-            p.shutdown();
-        }
-    }
-}
-
-impl<D: Dataset, C: Collate<D::Item>> Drop for Loader<D, C> {
-    fn drop(&mut self) {
-        if let Some(mut p) = self.pool.take() {
-            p.shutdown();
-        }
+        self.batches.size_hint()
     }
 }
 
@@ -615,6 +668,82 @@ mod tests {
             mix(&[42, 0, idx[0] as u64]),
             "per-item seed is derived from (seed, epoch, index)"
         );
+    }
+
+    #[test]
+    fn owned_batches_follow_the_plan_from_any_start_and_leave_the_position_alone() {
+        let base = LoaderConfig {
+            batch_size: 3,
+            num_workers: 0,
+            ..LoaderConfig::default()
+        };
+        let (mut l0, _) = loader(40, 2, base.clone());
+        let second_epoch: Vec<_> = {
+            l0.restore(LoaderState {
+                epoch: 1,
+                step: 0,
+                seed: 42,
+            })
+            .unwrap();
+            collect(&mut l0)
+        };
+        for (workers, persistent) in [(0, false), (2, false), (3, true)] {
+            let cfg = LoaderConfig {
+                num_workers: workers,
+                persistent_workers: persistent,
+                ..base.clone()
+            };
+            let (mut l, loads) = loader(40, 2, cfg);
+            let mut b = l.batches(1, 5);
+            assert_eq!(b.position(), 5);
+            assert_eq!(b.epoch_len(), second_epoch.len());
+            assert_eq!(b.peek_indices().unwrap().len(), second_epoch[5].len());
+            let got: Vec<_> = b.by_ref().map(|x| x.unwrap()).collect();
+            assert_eq!(got, second_epoch[5..], "{workers} workers");
+            assert_eq!(b.position(), second_epoch.len());
+            assert_eq!(b.remaining(), 0);
+            // only the batches from the start were loaded
+            let tail_items: usize = second_epoch[5..].iter().map(Vec::len).sum();
+            assert_eq!(loads.load(Ordering::SeqCst), tail_items);
+            assert_eq!(l.state().epoch, 0, "the loader's own position is untouched");
+            // dropping a stream early, then starting another, is clean
+            let mut early = l.batches(1, 0);
+            early.next().unwrap().unwrap();
+            drop(early);
+            assert!(l.batches(1, second_epoch.len() + 3).next().is_none());
+        }
+    }
+
+    #[test]
+    fn a_stream_outlives_its_loader_without_blocking_the_drop() {
+        // persistent workers, each blocked handing over its second batch (prefetch 1) when the
+        // loader goes: the drop must not wait for them, and the stream still ends in plan order
+        for persistent in [true, false] {
+            let cfg = LoaderConfig {
+                batch_size: 2,
+                num_workers: 2,
+                prefetch_factor: 1,
+                persistent_workers: persistent,
+                ..LoaderConfig::default()
+            };
+            let (mut l, _) = loader(24, 1, cfg.clone());
+            let plan = l.plan(0);
+            let mut b = l.batches(0, 0);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            drop(l);
+            let got: Vec<Vec<usize>> = b
+                .by_ref()
+                .map(|x| x.unwrap().into_iter().map(|(i, _)| i).collect())
+                .collect();
+            assert_eq!(got, plan, "persistent {persistent}");
+            // and a stream dropped with workers blocked is released too
+            let (mut l, _) = loader(24, 1, cfg);
+            let mut b = l.batches(0, 0);
+            b.next().unwrap().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            drop(b);
+            drop(l);
+        }
     }
 
     #[test]

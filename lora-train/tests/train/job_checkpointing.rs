@@ -60,6 +60,9 @@ fn train(out: &Path, checkpointing: bool) -> RunSummary {
         // and an adapter at every save, the older ones removed (kohya save_last_n_steps)
         cfg.train.save_every_n_steps = Some(1);
         cfg.train.save_last_n_steps = Some(1);
+        // and its batches built ahead by two loader workers: the same rows in the same order
+        cfg.data_loader.num_workers = 2;
+        cfg.data_loader.prefetch_factor = 2;
     }
     run(cfg, &opts).unwrap()
 }

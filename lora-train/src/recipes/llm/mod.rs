@@ -234,6 +234,9 @@ pub fn plan(
     settings.quantize_lm_head =
         cfg.model.weights == BaseWeights::Quantized && storage.head_quantized;
     notes.extend(cfg.notes());
+    notes.extend(cfg.image_only_settings().into_iter().map(|(key, value)| {
+        format!("`{key}` = {value}: applies to image models (SD 1.x / SDXL) only; this language-model run does not use it")
+    }));
     let (budget, budget_note) = budget_for(cfg, override_budget)?;
     notes.extend(budget_note);
     let estimate = lora_memory::estimate(&desc, &settings)?;

@@ -162,30 +162,27 @@ impl crate::engine::TrainStep for LlamaTask<'_> {
 }
 
 /// The trainer's batch source over lora-data's text loader: the loader's seeded per-epoch plan,
-/// batches built in the training thread; the position (epoch, batch index) is checkpointed.
+/// batches built by its workers ahead of use (in the training thread with 0 workers); the
+/// position (epoch, batch index) is checkpointed.
 pub struct TextSource {
     loader: lora_data::loader::Loader<lora_data::text::TextDataset, lora_data::text::TextCollate>,
-    collate: lora_data::text::TextCollate,
-    plan: Vec<Vec<usize>>,
+    batches: Option<lora_data::loader::Batches<lora_data::text::TextBatch>>,
     epoch: u64,
-    next: usize,
 }
 
 impl TextSource {
-    /// Wraps a loader.
+    /// Wraps a loader; its workers (`data_loader.num_workers`, `prefetch_factor`,
+    /// `persistent_workers`) build batches ahead of the training step.
     pub fn new(
         loader: lora_data::loader::Loader<
             lora_data::text::TextDataset,
             lora_data::text::TextCollate,
         >,
     ) -> Self {
-        let collate = loader.dataset().collate();
         TextSource {
             loader,
-            collate,
-            plan: Vec::new(),
+            batches: None,
             epoch: 0,
-            next: 0,
         }
     }
 }
@@ -196,24 +193,16 @@ fn data_err(e: lora_data::Error) -> crate::engine::TrainError {
 
 impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
     fn start_epoch(&mut self, epoch: u64) -> crate::engine::Result<()> {
-        self.plan = self.loader.plan(epoch);
+        self.batches = Some(self.loader.batches(epoch, 0));
         self.epoch = epoch;
-        self.next = 0;
         Ok(())
     }
 
     fn next_batch(&mut self) -> crate::engine::Result<Option<lora_data::text::TextBatch>> {
-        use lora_data::loader::{Collate, Dataset};
-        let Some(idx) = self.plan.get(self.next) else {
-            return Ok(None);
-        };
-        let items = idx
-            .iter()
-            .map(|&i| self.loader.dataset().get(i))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(data_err)?;
-        self.next += 1;
-        self.collate.collate(items).map(Some).map_err(data_err)
+        match self.batches.as_mut().and_then(Iterator::next) {
+            Some(b) => b.map(Some).map_err(data_err),
+            None => Ok(None),
+        }
     }
 
     fn batches_per_epoch(&self) -> Option<u64> {
@@ -221,7 +210,11 @@ impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
     }
 
     fn state(&self) -> serde_json::Value {
-        serde_json::json!({"epoch": self.epoch, "next": self.next, "rows": lora_data::loader::Dataset::len(self.loader.dataset())})
+        let next = self
+            .batches
+            .as_ref()
+            .map_or(0, lora_data::loader::Batches::position);
+        serde_json::json!({"epoch": self.epoch, "next": next, "rows": lora_data::loader::Dataset::len(self.loader.dataset())})
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
@@ -240,8 +233,8 @@ impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
         let next = state["next"]
             .as_u64()
             .ok_or_else(|| bad("no batch index"))? as usize;
-        self.start_epoch(epoch)?;
-        self.next = next.min(self.plan.len());
+        self.batches = Some(self.loader.batches(epoch, next));
+        self.epoch = epoch;
         Ok(())
     }
 }

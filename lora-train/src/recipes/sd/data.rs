@@ -4,17 +4,18 @@
 use super::*;
 
 /// The trainer's batch source over an [`ImageDataset`]: the loader's seeded per-epoch plan
-/// (batches never mix buckets), each image encoded by the VAE once per (file content, bucket,
-/// crop, flip, VAE) and kept in memory (and on disk with a [`LatentCache`]), each caption
-/// tokenized and, when the text encoders are frozen, encoded once; SDXL time ids from each
-/// sample's original size, crop and bucket. The position (epoch, batch index) is checkpointed.
+/// (batches never mix buckets), its images decoded, augmented and stacked by the loader's
+/// workers ahead of use (`data_loader.num_workers`, `prefetch_factor`, `persistent_workers`;
+/// 0 workers decode in the training thread); each image encoded by the VAE once per (file
+/// content, bucket, crop, flip, VAE) and kept in memory (and on disk with a [`LatentCache`]),
+/// each caption tokenized and, when the text encoders are frozen, encoded once; SDXL time ids
+/// from each sample's original size, crop and bucket. The position (epoch, batch index) is
+/// checkpointed.
 pub struct ImageSource {
     pipe: Rc<SdPipeline>,
     loader: Loader<ImageDataset, ImageCollate>,
-    plan: Vec<Vec<usize>>,
+    batches: Option<Batches<ImageBatch>>,
     epoch: u64,
-    next: usize,
-    seed: u64,
     model_id: String,
     disk: Option<LatentCache>,
     latents: HashMap<String, Tensor>,
@@ -26,13 +27,13 @@ pub struct ImageSource {
 }
 
 impl ImageSource {
-    /// Wraps a loader; `model_id` names the VAE (and its dtype) in cache keys; `disk` adds an
+    /// Wraps a loader (its seed draws the order and each item's crop, flip and caption
+    /// shuffle); `model_id` names the VAE (and its dtype) in cache keys; `disk` adds an
     /// on-disk cache; `cache_text` caches text-encoder outputs per caption (only valid while
     /// the text encoders are frozen).
     pub fn new(
         pipe: Rc<SdPipeline>,
         loader: Loader<ImageDataset, ImageCollate>,
-        seed: u64,
         model_id: String,
         disk: Option<LatentCache>,
         cache_text: bool,
@@ -40,10 +41,8 @@ impl ImageSource {
         ImageSource {
             pipe,
             loader,
-            plan: Vec::new(),
+            batches: None,
             epoch: 0,
-            next: 0,
-            seed,
             model_id,
             disk,
             latents: HashMap::new(),
@@ -54,49 +53,44 @@ impl ImageSource {
         }
     }
 
-    fn item_seed(&self, index: usize) -> u64 {
-        // splitmix64 of (seed, epoch, index): per-item caption shuffles / crops / flips
-        let mut z = self
-            .seed
-            .wrapping_add(self.epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .wrapping_add((index as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// The batch of dataset items `idx` with seed function `seed_of`.
-    fn build(&mut self, idx: &[usize], seeds: &[u64]) -> crate::engine::Result<SdBatch> {
+    /// The training batch of a loader's image batch: latents (cached), token ids, cached
+    /// text conditioning, SDXL time ids.
+    fn encode(&mut self, batch: ImageBatch) -> crate::engine::Result<SdBatch> {
         let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
-        let mut lats = Vec::with_capacity(idx.len());
-        let mut conds = Vec::with_capacity(idx.len());
-        let mut caps = Vec::with_capacity(idx.len());
-        let mut time_ids = Vec::with_capacity(6 * idx.len());
-        for (&i, &s) in idx.iter().zip(seeds) {
-            let sample = self.loader.dataset().get_seeded(i, s).map_err(data)?;
-            let key: CacheKey = sample.cache_key(&self.model_id).map_err(data)?;
+        let n = batch.captions.len();
+        let mut lats = Vec::with_capacity(n);
+        let mut conds = Vec::with_capacity(n);
+        let mut time_ids = Vec::with_capacity(6 * n);
+        for k in 0..n {
+            let key = CacheKey::for_file(
+                &batch.paths[k],
+                batch.bucket,
+                batch.crops[k],
+                batch.flipped[k],
+                &self.model_id,
+            )
+            .map_err(data)?;
             let (lat, _) = cached_latents(
                 &self.pipe,
-                &sample.pixels,
+                &batch.pixels.f_get(k as i64)?,
                 &key,
                 &mut self.latents,
                 self.disk.as_ref(),
                 &mut self.encoded.borrow_mut(),
             )?;
             if self.cache_text {
-                conds.push(cached_text(&self.pipe, &sample.caption, &mut self.text)?);
+                conds.push(cached_text(&self.pipe, &batch.captions[k], &mut self.text)?);
             }
             time_ids.extend(sdxl_time_ids(
-                sample.original_size,
-                sample.crop,
-                sample.bucket,
+                batch.original_sizes[k],
+                batch.crops[k],
+                batch.bucket,
             ));
             lats.push(lat);
-            caps.push(sample.caption);
         }
-        let (ids, ids_2) = self.pipe.tokenize(&caps).map_err(model_err)?;
+        let (ids, ids_2) = self.pipe.tokenize(&batch.captions).map_err(model_err)?;
         let time_ids = if self.pipe.is_sdxl() {
-            Some(Tensor::f_from_slice(&time_ids)?.f_view([idx.len() as i64, 6])?)
+            Some(Tensor::f_from_slice(&time_ids)?.f_view([n as i64, 6])?)
         } else {
             None
         };
@@ -110,7 +104,7 @@ impl ImageSource {
                 None
             },
             time_ids,
-            captions: caps,
+            captions: batch.captions,
         })
     }
 
@@ -142,10 +136,19 @@ impl ImageSource {
                 None => groups.push((bucket, vec![i])),
             }
         }
-        groups
-            .into_iter()
-            .map(|(_, idx)| self.build(&idx, &vec![0u64; idx.len()]))
-            .collect()
+        let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+        let mut out = Vec::with_capacity(groups.len());
+        for (_, idx) in groups {
+            let ds = self.loader.dataset();
+            let samples = idx
+                .iter()
+                .map(|&i| ds.get_seeded(i, 0))
+                .collect::<lora_data::Result<Vec<_>>>()
+                .map_err(data)?;
+            let batch = ImageCollate.collate(samples).map_err(data)?;
+            out.push(self.encode(batch)?);
+        }
+        Ok(out)
     }
 
     /// Training batches drawn so far in this process, per bucket `(width, height)`, in bucket
@@ -407,25 +410,19 @@ pub fn precache(
 
 impl BatchSource<SdBatch> for ImageSource {
     fn start_epoch(&mut self, epoch: u64) -> crate::engine::Result<()> {
-        self.plan = self.loader.plan(epoch);
+        self.batches = Some(self.loader.batches(epoch, 0));
         self.epoch = epoch;
-        self.next = 0;
         Ok(())
     }
 
     fn next_batch(&mut self) -> crate::engine::Result<Option<SdBatch>> {
-        let Some(idx) = self.plan.get(self.next).cloned() else {
+        let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+        let Some(batch) = self.batches.as_mut().and_then(Iterator::next) else {
             return Ok(None);
         };
-        self.next += 1;
-        if let Some(b) = idx
-            .first()
-            .and_then(|&i| self.loader.dataset().bucket_of(i))
-        {
-            *self.bucket_batches.entry(b).or_default() += 1;
-        }
-        let seeds: Vec<u64> = idx.iter().map(|&i| self.item_seed(i)).collect();
-        self.build(&idx, &seeds).map(Some)
+        let batch = batch.map_err(data)?;
+        *self.bucket_batches.entry(batch.bucket).or_default() += 1;
+        self.encode(batch).map(Some)
     }
 
     fn batches_per_epoch(&self) -> Option<u64> {
@@ -433,7 +430,8 @@ impl BatchSource<SdBatch> for ImageSource {
     }
 
     fn state(&self) -> serde_json::Value {
-        serde_json::json!({"epoch": self.epoch, "next": self.next, "items": self.loader.dataset().len()})
+        let next = self.batches.as_ref().map_or(0, Batches::position);
+        serde_json::json!({"epoch": self.epoch, "next": next, "items": self.loader.dataset().len()})
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
@@ -452,8 +450,8 @@ impl BatchSource<SdBatch> for ImageSource {
         }
         let epoch = state["epoch"].as_u64().ok_or_else(|| bad("no epoch"))?;
         let next = state["next"].as_u64().ok_or_else(|| bad("no position"))? as usize;
-        self.start_epoch(epoch)?;
-        self.next = next.min(self.plan.len());
+        self.batches = Some(self.loader.batches(epoch, next));
+        self.epoch = epoch;
         Ok(())
     }
 }

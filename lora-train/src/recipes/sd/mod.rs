@@ -59,8 +59,8 @@ use crate::job::sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};
 use crate::job::{JobError, Plan, Result, RunOptions, resolve_path};
 use lora_core::formats::AdapterWeights;
 use lora_data::cache::{CacheKey, LatentCache};
-use lora_data::image::{ImageCollate, ImageDataset, config::DatasetConfig};
-use lora_data::loader::{Dataset, Loader, LoaderConfig};
+use lora_data::image::{ImageBatch, ImageCollate, ImageDataset, config::DatasetConfig};
+use lora_data::loader::{Batches, Collate, Dataset, Loader, LoaderConfig};
 use lora_models::diffusion::{DiffusionLoss, LossConfig, NoiseSchedule, PredictionType};
 use lora_models::sd::UNet2DConditionModel;
 mod adapter;
@@ -576,9 +576,9 @@ impl LoadedRun for SdRun {
                 shuffle: cfg.data_loader.shuffle,
                 drop_last: false,
                 seed: cfg.system.seed,
-                num_workers: 0,
-                prefetch_factor: 1,
-                persistent_workers: false,
+                num_workers: cfg.data_loader.num_workers as usize,
+                prefetch_factor: cfg.data_loader.prefetch_factor.max(1) as usize,
+                persistent_workers: cfg.data_loader.persistent_workers,
             })
             .during("building the image loader")?;
         let base_path = ctx.base_path()?;
@@ -653,14 +653,7 @@ impl LoadedRun for SdRun {
                 ));
             }
         }
-        let mut source = ImageSource::new(
-            self.pipe.clone(),
-            loader,
-            cfg.system.seed,
-            model_id,
-            disk,
-            !train_te,
-        );
+        let mut source = ImageSource::new(self.pipe.clone(), loader, model_id, disk, !train_te);
         source.preload(precached);
         self.encoded = source.encoded.clone();
         Ok(source)
