@@ -638,6 +638,17 @@ pub(super) fn rewrite(doc: &mut Doc, warnings: &mut ConfigWarnings) -> Result<()
             mark(doc, "cache_latents_to_disk");
         }
     }
+    // sd-scripts writes one kohya-format file, `<output_name>.safetensors`: a kohya config
+    // (one naming its network module or file container) gets that unless it names our formats
+    if !written(doc, &["network_module", "save_model_as"]).is_empty()
+        && written(doc, &["train.export_formats"]).is_empty()
+    {
+        doc.entries.push(super::keys::Entry {
+            path: "train.export_formats".into(),
+            value: Value::Array(vec![Value::from("kohya")]),
+            used: false,
+        });
+    }
     if let Some((_, v)) = written(doc, &["save_model_as"]).pop() {
         mark(doc, "save_model_as");
         match v.as_str().map(str::to_ascii_lowercase).as_deref() {

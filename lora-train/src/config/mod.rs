@@ -1516,6 +1516,65 @@ impl TrainConfig {
         out.extend(self.warnings.0.iter().map(ToString::to_string));
         out
     }
+
+    /// The settings that only image-model (SD 1.x / SDXL) runs read, each with its value as
+    /// JSON, when set away from its default: LoCon ranks, image augmentation and captions,
+    /// buckets, latent caching, per-model learning rates, the diffusion loss's noise and
+    /// timestep options, sample-image options. A language-model run lists them as settings
+    /// without effect.
+    pub fn image_only_settings(&self) -> Vec<(&'static str, String)> {
+        let d = TrainConfig::default();
+        let mut out = Vec::new();
+        macro_rules! differs {
+            ($($section:ident . $field:ident),* $(,)?) => {$(
+                if self.$section.$field != d.$section.$field {
+                    out.push((
+                        concat!(stringify!($section), ".", stringify!($field)),
+                        serde_json::to_string(&self.$section.$field).unwrap_or_default(),
+                    ));
+                }
+            )*};
+        }
+        differs!(
+            lora.conv_rank,
+            lora.conv_alpha,
+            data.resolution,
+            data.caption_extension,
+            data.reg_data_dir,
+            data.flip_aug,
+            data.random_crop,
+            data.caption_dropout_rate,
+            data.caption_tag_dropout_rate,
+            data.caption_prefix,
+            data.caption_suffix,
+            data.caption_separator,
+            data.keep_tokens,
+            data.shuffle_caption,
+            data.enable_bucket,
+            data.min_bucket_reso,
+            data.max_bucket_reso,
+            data.bucket_reso_steps,
+            data.cache_latents,
+            data.bad_images,
+            train.unet_lr,
+            train.text_encoder_lr,
+            train.min_timestep,
+            train.max_timestep,
+            train.multires_noise_iterations,
+            train.multires_noise_discount,
+            train.noise_offset,
+            train.min_snr_gamma,
+            train.prediction_type,
+            train.clip_skip,
+            train.train_text_encoder,
+            logging.sample_prompts,
+            logging.sample_prompts_file,
+            logging.sample_sampler,
+            logging.sample_steps,
+            logging.sample_guidance_scale,
+        );
+        out
+    }
 }
 
 #[cfg(test)]

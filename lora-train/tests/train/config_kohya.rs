@@ -3,7 +3,7 @@
 //! is honored (it changes a setting) or accepted with one warning naming it; the kohya_ss GUI's
 //! saved JSON loads, mapped as the GUI maps it.
 
-use lora_train::config::{ConfigError, Precision, SavePrecision, TrainConfig};
+use lora_train::config::{ConfigError, ExportFormat, Precision, SavePrecision, TrainConfig};
 use lora_train::engine::optim::OptimizerName;
 use std::path::Path;
 
@@ -173,11 +173,24 @@ fn every_kohya_argument_is_honored_or_warned_never_an_error() {
 fn off_values_of_kohya_switches_are_silent() {
     let cfg = TrainConfig::from_toml_str(
         "xformers = false\nsdpa = false\nv2 = false\nmetadata_title = \"\"\nhighvram = false\n\
-         loss_type = \"l2\"\nsave_model_as = \"safetensors\"\nip_noise_gamma = 0\n",
+         loss_type = \"l2\"\nip_noise_gamma = 0\n",
     )
     .unwrap();
     assert!(cfg.warnings.0.is_empty(), "{:?}", cfg.warnings);
     assert_eq!(cfg, TrainConfig::default());
+    // sd-scripts' own container is silent too, and asks for what sd-scripts writes: one kohya
+    // file (unless the config names its formats)
+    let cfg = TrainConfig::from_toml_str("save_model_as = \"safetensors\"\n").unwrap();
+    assert!(cfg.warnings.0.is_empty(), "{:?}", cfg.warnings);
+    assert_eq!(cfg.train.export_formats, vec![ExportFormat::Kohya]);
+    let cfg = TrainConfig::from_toml_str(
+        "network_module = \"networks.lora\"\n[train]\nexport_formats = [\"peft\", \"kohya\"]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.train.export_formats,
+        vec![ExportFormat::Peft, ExportFormat::Kohya]
+    );
 }
 
 #[test]
@@ -541,4 +554,52 @@ fn optimizer_and_schedule_arguments_reach_the_engine_and_unknown_names_are_error
         e.contains("lr_scheduler_args") && e.contains("constant"),
         "{e}"
     );
+}
+
+#[test]
+fn image_only_keys_in_a_language_model_run_are_named_in_its_plan() {
+    let gguf = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        gguf.exists(),
+        "{} missing: run `cargo xtask setup`",
+        gguf.display()
+    );
+    let toml = format!(
+        "pretrained_model_name_or_path = {:?}\nnetwork_dim = 8\nunet_lr = 1e-4\ntext_encoder_lr = 5e-5\nnetwork_args = [\"conv_dim=4\", \"conv_alpha=1\"]\nflip_aug = true\nmin_snr_gamma = 5.0\n",
+        gguf.display().to_string()
+    );
+    let c = TrainConfig::from_toml_str(&toml).unwrap();
+    let keys: Vec<&str> = c.image_only_settings().iter().map(|k| k.0).collect();
+    for k in [
+        "lora.conv_rank",
+        "lora.conv_alpha",
+        "data.flip_aug",
+        "train.unet_lr",
+        "train.text_encoder_lr",
+        "train.min_snr_gamma",
+        // a text-encoder rate > 0 trains the text encoders, as in kohya
+        "train.train_text_encoder",
+    ] {
+        assert!(keys.contains(&k), "{k} not listed: {keys:?}");
+    }
+    let plan = lora_train::llm::plan(&c, None, None, false).unwrap();
+    let noted = |key: &str, value: &str| {
+        plan.notes
+            .iter()
+            .any(|n| n.starts_with(&format!("`{key}` = {value}:")) && n.contains("image models"))
+    };
+    assert!(noted("train.unet_lr", "0.0001"), "{:#?}", plan.notes);
+    assert!(noted("lora.conv_rank", "4"), "{:#?}", plan.notes);
+    assert!(
+        noted("train.text_encoder_lr", "[0.00005]"),
+        "{:#?}",
+        plan.notes
+    );
+    // an LLM config of ours sets none of them
+    let ours = TrainConfig::from_file(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs/smollm2-shakespeare.yaml"),
+    )
+    .unwrap();
+    assert_eq!(ours.image_only_settings(), vec![]);
 }

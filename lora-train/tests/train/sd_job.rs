@@ -283,13 +283,20 @@ fn each_save_writes_a_loadable_adapter_beside_the_checkpoint_named_as_kohya_name
 }
 
 #[test]
-fn a_run_resumed_from_its_step_30_checkpoint_ends_with_the_same_adapter() {
+fn a_run_resumed_from_its_step_30_checkpoint_with_loader_workers_ends_with_the_same_adapter() {
     let r = run();
     let _serial = serial();
     let ck = r.dir.join("out/checkpoints/step-00000030");
     assert!(ck.is_dir(), "{} missing", ck.display());
+    // the first run decoded images in the training thread; this one has two workers that
+    // decode ahead (kept between epochs): the same images, crops and captions reach the step
+    let mut cfg = config(&r.dir, "resumed");
+    assert_eq!(cfg.data_loader.num_workers, 0);
+    cfg.data_loader.num_workers = 2;
+    cfg.data_loader.prefetch_factor = 3;
+    cfg.data_loader.persistent_workers = true;
     let s = sd::run(
-        config(&r.dir, "resumed"),
+        cfg,
         &RunOptions {
             resume: Some(Some(ck)),
             ..RunOptions::default()
@@ -457,4 +464,198 @@ fn an_sd15_single_file_loads_like_the_folder() {
         eprintln!("SD 1.x single file vs folder, {what}: max |diff| {diff:.3e}");
         assert_eq!(diff, 0.0, "{what}");
     }
+}
+
+/// The kohya file of a run: its tensors, and the LoCon `lora_down` weights among them (4-d,
+/// `[rank, in, 3, 3]`).
+fn kohya_file(path: &Path) -> (Vec<(String, Tensor)>, Vec<(String, Vec<i64>)>) {
+    let t = read(path);
+    let conv = t
+        .iter()
+        .filter(|(n, w)| n.ends_with(".lora_down.weight") && w.dim() == 4 && w.size()[2] == 3)
+        .map(|(n, w)| (n.clone(), w.size()))
+        .collect();
+    (t, conv)
+}
+
+#[test]
+fn a_kohya_toml_as_the_gui_exports_it_plans_and_trains_two_steps() {
+    let r = run();
+    let _serial = serial();
+    let out = r.dir.join("kohya-toml");
+    let toml = format!(
+        r#"# sections as kohya_ss writes them; every value as a kohya user writes it
+[model_arguments]
+pretrained_model_name_or_path = "{pipe}"
+v2 = false
+v_parameterization = false
+
+[additional_network_arguments]
+network_module = "networks.lora"
+network_dim = 4
+network_alpha = 2
+network_args = [ "conv_dim=2", "conv_alpha=1",]
+unet_lr = 1e-3
+text_encoder_lr = 5e-4
+network_train_unet_only = false
+
+[optimizer_arguments]
+optimizer_type = "AdamW"
+learning_rate = 1e-3
+max_grad_norm = 1.0
+lr_scheduler = "cosine"
+lr_warmup_steps = 0.5
+optimizer_args = [ "weight_decay=0.01", "betas=0.9,0.99",]
+
+[dataset_arguments]
+train_data_dir = "{data}"
+resolution = "32,32"
+enable_bucket = false
+caption_extension = ".txt"
+shuffle_caption = true
+keep_tokens = 1
+flip_aug = true
+cache_latents = true
+cache_latents_to_disk = true
+max_data_loader_n_workers = 1
+persistent_data_loader_workers = true
+
+[training_arguments]
+output_dir = "{out}"
+output_name = "kohya-toml"
+save_model_as = "safetensors"
+save_precision = "fp16"
+save_every_n_steps = 1
+save_last_n_steps = 1
+train_batch_size = 2
+max_train_steps = 2
+mixed_precision = "no"
+xformers = true
+sdpa = false
+seed = 7
+min_snr_gamma = 5.0
+multires_noise_iterations = 6
+multires_noise_discount = 0.3
+clip_skip = 1
+max_token_length = 75
+
+[logging_arguments]
+logging_dir = "{out}/logs"
+log_prefix = "kohya-"
+"#,
+        pipe = r.dir.join("pipeline").display(),
+        data = r.dir.join("data").display(),
+        out = out.display(),
+    );
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("config.toml");
+    std::fs::write(&file, toml).unwrap();
+    let cfg = TrainConfig::from_file(&file).unwrap();
+    assert_eq!(
+        cfg.train.export_formats,
+        vec![lora_train::config::ExportFormat::Kohya],
+        "sd-scripts writes one kohya file"
+    );
+    // warned, not refused: xformers and max_token_length have no effect here
+    let notes = cfg.notes();
+    assert!(notes.iter().any(|n| n.contains("xformers")), "{notes:#?}");
+    let s = sd::run(cfg, &RunOptions::default()).unwrap();
+    let plan = s.plan.as_ref().expect("planned before training");
+    assert!(plan.estimate.peak_allocated.0 > 0);
+    assert_eq!(s.steps, 2);
+    assert!(s.losses.iter().all(|(_, l)| l.is_finite()));
+    let (t, conv) = kohya_file(&out.join("kohya-toml.safetensors"));
+    assert!(!conv.is_empty(), "no LoCon conv weights");
+    assert!(conv.iter().all(|(_, shape)| shape[0] == 2), "{conv:?}");
+    assert!(
+        t.iter()
+            .all(|(n, w)| n.ends_with(".alpha") || w.kind() == Kind::Half),
+        "save_precision fp16"
+    );
+    assert!(
+        t.iter().any(|(n, _)| n.starts_with("lora_te_")),
+        "text_encoder_lr > 0"
+    );
+    // one file per save, kohya-named; save_last_n_steps 1 keeps the saves of the last step
+    // before this one too (kohya removes step − n − 1 = 0 at step 2: nothing yet)
+    for step in [1, 2] {
+        let f = out.join(format!("kohya-toml-step{step:08}.safetensors"));
+        assert!(f.is_file(), "{} missing", f.display());
+    }
+    // kohya's single file only: no diffusers folder beside it
+    assert!(!out.join("kohya-toml").exists());
+    // logging_dir turns TensorBoard on, in a run folder named with kohya's prefix
+    let logs: Vec<_> = std::fs::read_dir(out.join("logs/kohya-kohya-toml/tensorboard"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        logs.iter().any(|n| n.starts_with("events.out.tfevents")),
+        "{logs:?}"
+    );
+}
+
+#[test]
+fn a_kohya_ss_gui_json_plans_and_trains_two_steps() {
+    let r = run();
+    let _serial = serial();
+    let out = r.dir.join("gui-json");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut gui: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/kohya/kohya_ss_gui_locon.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    // the GUI's saved file, pointed at the tiny pipeline and sized for CI (strings where the
+    // GUI writes strings)
+    for (k, v) in [
+        (
+            "pretrained_model_name_or_path",
+            serde_json::json!(r.dir.join("pipeline").display().to_string()),
+        ),
+        ("model_list", serde_json::json!("custom")),
+        (
+            "train_data_dir",
+            serde_json::json!(r.dir.join("data").display().to_string()),
+        ),
+        ("output_dir", serde_json::json!(out.display().to_string())),
+        (
+            "logging_dir",
+            serde_json::json!(out.join("logs").display().to_string()),
+        ),
+        ("max_resolution", serde_json::json!("32,32")),
+        ("enable_bucket", serde_json::json!(false)),
+        ("epoch", serde_json::json!("")),
+        ("max_train_steps", serde_json::json!("2")),
+        ("gradient_accumulation_steps", serde_json::json!(1)),
+        ("network_dim", serde_json::json!(4)),
+        ("network_alpha", serde_json::json!("2")),
+        ("conv_dim", serde_json::json!("2")),
+        ("sample_every_n_epochs", serde_json::json!(0)),
+        ("sample_prompts", serde_json::json!("")),
+    ] {
+        gui[k] = v;
+    }
+    let file = out.join("gui.json");
+    std::fs::write(&file, serde_json::to_string_pretty(&gui).unwrap()).unwrap();
+    let cfg = TrainConfig::from_file(&file).unwrap();
+    assert_eq!(cfg.lora.conv_rank, Some(2));
+    let s = sd::run(cfg, &RunOptions::default()).unwrap();
+    assert!(s.plan.is_some());
+    assert_eq!(s.steps, 2);
+    assert!(s.losses.iter().all(|(_, l)| l.is_finite()));
+    let (t, conv) = kohya_file(&out.join("locon-test.safetensors"));
+    assert!(
+        !conv.is_empty() && conv.iter().all(|(_, shape)| shape[0] == 2),
+        "{conv:?}"
+    );
+    assert!(
+        t.iter()
+            .all(|(n, w)| n.ends_with(".alpha") || w.kind() == Kind::Half),
+        "the GUI's save_precision fp16"
+    );
 }
