@@ -57,6 +57,7 @@
 pub mod base;
 pub mod config;
 pub mod conv;
+pub mod dist;
 pub mod embedding;
 mod error;
 pub mod formats;

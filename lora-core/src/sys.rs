@@ -54,6 +54,27 @@ mod ffi {
         -> *mut c_char;
         pub fn lsdk_set_deterministic(enabled: i32, warn_only: i32) -> *mut c_char;
         pub fn lsdk_get_deterministic(enabled: *mut i32) -> *mut c_char;
+        pub fn lsdk_dist_has_gloo(has: *mut i32) -> *mut c_char;
+        pub fn lsdk_dist_gloo_new(
+            host: *const c_char,
+            port: i32,
+            rank: i32,
+            world_size: i32,
+            timeout_ms: i64,
+            prefix: *const c_char,
+            out: *mut *mut std::ffi::c_void,
+        ) -> *mut c_char;
+        pub fn lsdk_dist_free(pg: *mut std::ffi::c_void) -> *mut c_char;
+        pub fn lsdk_dist_all_reduce_sum(
+            pg: *mut std::ffi::c_void,
+            t: *const torch_sys::C_tensor,
+        ) -> *mut c_char;
+        pub fn lsdk_dist_broadcast(
+            pg: *mut std::ffi::c_void,
+            t: *const torch_sys::C_tensor,
+            root: i32,
+        ) -> *mut c_char;
+        pub fn lsdk_dist_barrier(pg: *mut std::ffi::c_void) -> *mut c_char;
         pub fn lsdk_grad_set_undefined(t: *mut torch_sys::C_tensor) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
         pub fn lsdk_adam_foreach_step(
@@ -1042,5 +1063,104 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.message.contains("grads 1"), "{err}");
+    }
+}
+
+/// The c10d entry points of the shim (`shim/dist.cpp`), used by [`crate::dist`].
+pub(crate) mod dist {
+    use super::{ShimError, ShimResult, check, ffi};
+    use std::ffi::{CString, c_void};
+    use tch::Tensor;
+
+    /// Whether the shim was compiled with c10d's Gloo process group.
+    pub fn has_gloo() -> ShimResult<bool> {
+        let mut has = 0i32;
+        // SAFETY: writes one i32 through a valid pointer.
+        check("dist_has_gloo", unsafe {
+            ffi::lsdk_dist_has_gloo(&mut has)
+        })?;
+        Ok(has == 1)
+    }
+
+    /// An owned c10d process group (store + Gloo backend) behind the shim.
+    pub struct RawGroup(*mut c_void);
+
+    // SAFETY: c10d process groups are thread-safe objects (PyTorch calls them from any thread);
+    // the handle is only freed in `Drop`.
+    unsafe impl Send for RawGroup {}
+
+    impl Drop for RawGroup {
+        fn drop(&mut self) {
+            // SAFETY: the pointer came from `lsdk_dist_gloo_new` and is freed once; a failure
+            // to free has nothing left to report to.
+            let _ = check("dist_free", unsafe { ffi::lsdk_dist_free(self.0) });
+        }
+    }
+
+    fn c_string(op: &'static str, what: &str, s: &str) -> ShimResult<CString> {
+        CString::new(s).map_err(|_| ShimError {
+            op,
+            message: format!("{what} {s:?} contains a NUL byte"),
+        })
+    }
+
+    /// See [`crate::dist::ProcessGroup::new_gloo`].
+    pub fn gloo_new(
+        host: &str,
+        port: u16,
+        rank: usize,
+        world_size: usize,
+        timeout_ms: u64,
+        prefix: &str,
+    ) -> ShimResult<RawGroup> {
+        const OP: &str = "dist_gloo_new";
+        let host = c_string(OP, "host", host)?;
+        let prefix = c_string(OP, "prefix", prefix)?;
+        let int = |what: &str, v: usize| {
+            i32::try_from(v).map_err(|_| ShimError {
+                op: OP,
+                message: format!("{what} {v} is out of range"),
+            })
+        };
+        let mut out: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the strings live for the call; `out` is written once on success.
+        check(OP, unsafe {
+            ffi::lsdk_dist_gloo_new(
+                host.as_ptr(),
+                i32::from(port),
+                int("rank", rank)?,
+                int("world_size", world_size)?,
+                i64::try_from(timeout_ms).unwrap_or(i64::MAX),
+                prefix.as_ptr(),
+                &mut out,
+            )
+        })?;
+        Ok(RawGroup(out))
+    }
+
+    /// In-place sum over the group.
+    pub fn all_reduce_sum(g: &RawGroup, t: &Tensor) -> ShimResult<()> {
+        // SAFETY: `as_ptr` is a live `torch::Tensor*` owned by `t` for the whole call.
+        check("dist_all_reduce_sum", unsafe {
+            ffi::lsdk_dist_all_reduce_sum(g.0, t.as_ptr() as *const torch_sys::C_tensor)
+        })
+    }
+
+    /// In-place broadcast from `root`.
+    pub fn broadcast(g: &RawGroup, t: &Tensor, root: usize) -> ShimResult<()> {
+        let root = i32::try_from(root).map_err(|_| ShimError {
+            op: "dist_broadcast",
+            message: format!("root rank {root} is out of range"),
+        })?;
+        // SAFETY: as in `all_reduce_sum`.
+        check("dist_broadcast", unsafe {
+            ffi::lsdk_dist_broadcast(g.0, t.as_ptr() as *const torch_sys::C_tensor, root)
+        })
+    }
+
+    /// Waits for every rank.
+    pub fn barrier(g: &RawGroup) -> ShimResult<()> {
+        // SAFETY: a live group handle.
+        check("dist_barrier", unsafe { ffi::lsdk_dist_barrier(g.0) })
     }
 }

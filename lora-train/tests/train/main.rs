@@ -10,6 +10,7 @@
 mod config_files;
 mod config_kohya;
 mod engine_common;
+mod engine_dist;
 mod engine_kill;
 mod engine_oom;
 mod engine_optim;

@@ -579,6 +579,7 @@ impl LoadedRun for SdRun {
                 num_workers: cfg.data_loader.num_workers as usize,
                 prefetch_factor: cfg.data_loader.prefetch_factor.max(1) as usize,
                 persistent_workers: cfg.data_loader.persistent_workers,
+                ..LoaderConfig::default()
             })
             .during("building the image loader")?;
         let base_path = ctx.base_path()?;

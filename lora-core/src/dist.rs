@@ -1,0 +1,246 @@
+//! Data-parallel collectives over PyTorch's own distributed engine (c10d), through the shim.
+//!
+//! A [`ProcessGroup`] is what `torch.distributed.init_process_group("gloo")` builds: rank 0
+//! serves a `TCPStore` at `MASTER_ADDR:MASTER_PORT`, every rank connects to it, and the
+//! collectives run over `ProcessGroupGloo` — the code in the `libtorch_cpu.so` this crate links,
+//! so processes of this SDK and of PyTorch speak the same protocol. Gloo over loopback makes
+//! data parallelism testable on one CPU machine.
+//!
+//! Data parallelism as PyTorch's `DistributedDataParallel` does it: every rank starts from the
+//! same parameters ([`ProcessGroup::broadcast_tensors`] from rank 0), trains on its own shard
+//! of the batches, and before each optimizer step the gradients are averaged over the ranks
+//! ([`ProcessGroup::average_gradients`]), so every rank takes the same step.
+//!
+//! The Gloo backend needs gloo's C++ headers when this crate is compiled
+//! ([`ProcessGroup::gloo_available`]); see the build script for where they are looked for.
+//!
+//! ```no_run
+//! use lora_core::dist::ProcessGroup;
+//! use std::time::Duration;
+//! // in each of 2 processes, with RANK 0 and 1:
+//! let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+//! let pg = ProcessGroup::new_gloo("127.0.0.1", 29500, rank, 2, Duration::from_secs(60))?;
+//! let t = tch::Tensor::from_slice(&[rank as f32 + 1.0]);
+//! pg.all_reduce_sum(&t)?; // 3.0 on both ranks
+//! # Ok::<(), lora_core::Error>(())
+//! ```
+
+use crate::error::{Error, Result, TchContext};
+use crate::sys::dist as raw;
+use std::time::Duration;
+use tch::{Kind, Tensor};
+
+/// A group of `world_size` processes joined through a c10d `TCPStore`, with collectives over
+/// Gloo. Dropping it leaves the group.
+pub struct ProcessGroup {
+    raw: raw::RawGroup,
+    rank: usize,
+    world_size: usize,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .finish()
+    }
+}
+
+fn shim(context: &str, e: crate::sys::ShimError) -> Error {
+    Error::Torch {
+        context: context.to_string(),
+        source: tch::TchError::from(e),
+    }
+}
+
+impl ProcessGroup {
+    /// Whether this build has the Gloo backend (gloo's headers were found at compile time).
+    pub fn gloo_available() -> bool {
+        raw::has_gloo().unwrap_or(false)
+    }
+
+    /// Joins the group: rank 0 listens at `master_addr:master_port` (torchrun's `MASTER_ADDR`
+    /// and `MASTER_PORT`), the other ranks connect there; returns once all `world_size` ranks
+    /// have joined. `timeout` bounds the rendezvous and every later collective.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a rank outside `0..world_size`; [`Error::Torch`] when this build has
+    /// no Gloo, the port is taken (rank 0), the rendezvous times out, or Gloo cannot open its
+    /// connections.
+    pub fn new_gloo(
+        master_addr: &str,
+        master_port: u16,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Config(format!(
+                "process rank {rank} is outside 0..{world_size} (world_size {world_size})"
+            )));
+        }
+        let raw = raw::gloo_new(
+            master_addr,
+            master_port,
+            rank,
+            world_size,
+            timeout.as_millis() as u64,
+            "lora-sdk/",
+        )
+        .map_err(|e| {
+            shim(
+                &format!(
+                    "joining the process group at {master_addr}:{master_port} as rank {rank} of {world_size}"
+                ),
+                e,
+            )
+        })?;
+        Ok(ProcessGroup {
+            raw,
+            rank,
+            world_size,
+        })
+    }
+
+    /// This process's rank, `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of processes in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// In place: `t` becomes the element-wise sum of every rank's `t`.
+    ///
+    /// # Shapes
+    /// Any shape, the same on every rank; contiguous (a non-contiguous tensor is an error).
+    ///
+    /// # Errors
+    /// [`Error::Torch`] on a mismatch between ranks, a timeout or a lost peer.
+    pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
+        raw::all_reduce_sum(&self.raw, t).map_err(|e| shim("all-reducing a tensor", e))
+    }
+
+    /// In place: `t` becomes rank `root`'s `t`.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_reduce_sum`].
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
+        raw::broadcast(&self.raw, t, root).map_err(|e| shim("broadcasting a tensor", e))
+    }
+
+    /// Waits until every rank has called it.
+    ///
+    /// # Errors
+    /// A timeout or a lost peer.
+    pub fn barrier(&self) -> Result<()> {
+        raw::barrier(&self.raw).map_err(|e| shim("waiting at a barrier", e))
+    }
+
+    /// Averages the gradients of `params` over the ranks, in place, as
+    /// `DistributedDataParallel` does before the optimizer step: `g ← (Σ_ranks g) / world_size`.
+    /// The gradients travel as one flat fp32 buffer (one collective per step, not one per
+    /// tensor) with one more element: this rank's `skip` vote (a non-finite loss, say). Returns
+    /// `true` when any rank voted to skip — then no gradient is written back and every rank
+    /// should skip the step alike, or the ranks' parameters would drift apart. With one rank
+    /// this only returns `skip`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when a parameter has no gradient on a rank that does not skip; as
+    /// [`ProcessGroup::all_reduce_sum`] otherwise. Ranks must pass the same parameters in the
+    /// same order.
+    pub fn average_gradients(&self, params: &[Tensor], skip: bool) -> Result<bool> {
+        if self.world_size == 1 {
+            return Ok(skip);
+        }
+        let _no_grad = tch::no_grad_guard();
+        let mut grads = Vec::with_capacity(params.len() + 1);
+        for (i, p) in params.iter().enumerate() {
+            let g = p.grad();
+            if g.defined() {
+                grads.push(g);
+            } else if skip {
+                grads.push(p.f_zeros_like().ctx(|| "a zero gradient")?);
+            } else {
+                return Err(Error::Config(format!(
+                    "parameter {i} of {} has no gradient on rank {}: every rank must train every parameter (one the loss does not reach would leave the ranks apart)",
+                    params.len(),
+                    self.rank
+                )));
+            }
+        }
+        grads.push(Tensor::from_slice(&[if skip { 1f32 } else { 0f32 }]));
+        let mut flat = flatten_f32(&grads)?;
+        self.all_reduce_sum(&flat)?;
+        let votes = flat
+            .f_get(flat.numel() as i64 - 1)
+            .and_then(|v| v.f_double_value(&[]))
+            .ctx(|| "reading the skip votes")?;
+        if votes > 0.0 {
+            return Ok(true);
+        }
+        let _ = flat
+            .f_div_scalar_(self.world_size as f64)
+            .ctx(|| "dividing the summed gradients")?;
+        let n = grads.len() - 1;
+        for (g, chunk) in grads[..n].iter().zip(unflatten(&flat, &grads[..n])?) {
+            let mut g = g.shallow_clone();
+            g.f_copy_(&chunk).ctx(|| "writing an averaged gradient")?;
+        }
+        Ok(false)
+    }
+
+    /// In place: every rank's `tensors` become rank `root`'s (one flat fp32 buffer), e.g. the
+    /// initial adapter weights, as `DistributedDataParallel` broadcasts rank 0's parameters
+    /// when it wraps a model.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::broadcast`].
+    pub fn broadcast_tensors(&self, tensors: &[Tensor], root: usize) -> Result<()> {
+        if self.world_size == 1 || tensors.is_empty() {
+            return Ok(());
+        }
+        let _no_grad = tch::no_grad_guard();
+        let flat = flatten_f32(tensors)?;
+        self.broadcast(&flat, root)?;
+        for (t, chunk) in tensors.iter().zip(unflatten(&flat, tensors)?) {
+            let mut t = t.shallow_clone();
+            t.f_copy_(&chunk).ctx(|| "writing a broadcast tensor")?;
+        }
+        Ok(())
+    }
+}
+
+/// The tensors, flattened and converted to fp32, concatenated into one contiguous CPU buffer.
+fn flatten_f32(ts: &[Tensor]) -> Result<Tensor> {
+    let parts = ts
+        .iter()
+        .map(|t| {
+            t.f_to_kind(Kind::Float)
+                .and_then(|t| t.f_reshape([-1]))
+                .ctx(|| "flattening a tensor for a collective")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::f_cat(&parts, 0)
+        .and_then(|t| t.f_contiguous())
+        .ctx(|| "concatenating tensors for a collective")
+}
+
+/// Views of `flat` shaped as `like`, in order.
+fn unflatten(flat: &Tensor, like: &[Tensor]) -> Result<Vec<Tensor>> {
+    let mut at = 0i64;
+    like.iter()
+        .map(|t| {
+            let n = t.numel() as i64;
+            let v = flat
+                .f_narrow(0, at, n)
+                .and_then(|v| v.f_view(t.size().as_slice()))
+                .ctx(|| "splitting a collective's buffer")?;
+            at += n;
+            Ok(v)
+        })
+        .collect()
+}

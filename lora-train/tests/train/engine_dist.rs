@@ -1,0 +1,284 @@
+//! Data-parallel training over c10d's Gloo on loopback: two processes of this test binary
+//! (started as torchrun would start them: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`)
+//! train the toy LoRA task on halves of each batch, averaging gradients before every step; the
+//! adapter they end with is the one a single process trains on the whole batches.
+
+use crate::engine_common::{self, Batch, ToyLora};
+use lora_core::dist::ProcessGroup;
+use lora_train::engine::dist::DistEnv;
+use lora_train::engine::optim::{AdamWConfig, OptimizerKind};
+use lora_train::engine::sched::SchedulerKind;
+use lora_train::engine::{BatchSource, Resume, Trainer, TrainerConfig};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+
+const ROWS: i64 = 40;
+const GLOBAL_BATCH: i64 = 8;
+
+/// `ROWS` rows of inputs and targets, the same in every process (seeded).
+fn rows() -> (Tensor, Tensor) {
+    tch::manual_seed(11);
+    let x = Tensor::randn([ROWS, engine_common::IN], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([ROWS, engine_common::OUT], (Kind::Float, Device::Cpu));
+    (x, y)
+}
+
+/// Step `k` takes rows `8k..8k+8`; a rank of `world` takes its contiguous share of them.
+struct Shard {
+    x: Tensor,
+    y: Tensor,
+    rank: i64,
+    world: i64,
+    next: i64,
+}
+
+impl BatchSource<Batch> for Shard {
+    fn start_epoch(&mut self, _epoch: u64) -> lora_train::engine::Result<()> {
+        self.next = 0;
+        Ok(())
+    }
+
+    fn next_batch(&mut self) -> lora_train::engine::Result<Option<Batch>> {
+        if self.next * GLOBAL_BATCH >= ROWS {
+            return Ok(None);
+        }
+        let share = GLOBAL_BATCH / self.world;
+        let start = self.next * GLOBAL_BATCH + self.rank * share;
+        self.next += 1;
+        Ok(Some(Batch {
+            x: self.x.f_narrow(0, start, share)?,
+            y: self.y.f_narrow(0, start, share)?,
+        }))
+    }
+
+    fn batches_per_epoch(&self) -> Option<u64> {
+        Some((ROWS / GLOBAL_BATCH) as u64)
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({ "next": self.next })
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> lora_train::engine::Result<()> {
+        self.next = state["next"].as_i64().unwrap_or(0);
+        Ok(())
+    }
+}
+
+/// Trains 5 steps of AdamW (clipped) on this process's shard; with `dist`, data-parallel.
+fn train(
+    rank: i64,
+    world: i64,
+    dist: Option<ProcessGroup>,
+    nan_on_call: Option<u64>,
+) -> serde_json::Value {
+    tch::set_num_threads(1);
+    let (x, y) = rows();
+    let mut task = ToyLora::new();
+    task.dropout = 0.0;
+    task.nan_on_call = nan_on_call;
+    if rank != 0 {
+        // a rank that starts elsewhere is brought to rank 0's parameters
+        let _g = tch::no_grad_guard();
+        let _ = task.a1.shallow_clone().f_add_scalar_(0.5).unwrap();
+    }
+    let mut data = Shard {
+        x,
+        y,
+        rank,
+        world,
+        next: 0,
+    };
+    let mut trainer: Trainer<ToyLora> = Trainer::new(TrainerConfig {
+        lr: 5e-2,
+        optimizer: OptimizerKind::AdamW(AdamWConfig::default()),
+        scheduler: SchedulerKind::Constant,
+        epochs: 1,
+        max_grad_norm: Some(1.0),
+        seed: Some(7),
+        ..Default::default()
+    });
+    if let Some(pg) = dist {
+        trainer.set_grad_sync(Box::new(pg));
+    }
+    let report = trainer.fit(&mut task, &mut data, Resume::No).unwrap();
+    serde_json::json!({
+        "adapter": task.trainable_bits(),
+        "steps": report.steps,
+        "skipped": report.skipped_steps,
+    })
+}
+
+/// The rank's role when this binary was started as a worker by the test below.
+#[test]
+fn data_parallel_worker() {
+    let Ok(out) = std::env::var("LORA_DIST_TEST_OUT") else {
+        return; // not started as a worker
+    };
+    let env = DistEnv::from_env().unwrap().expect("WORLD_SIZE > 1");
+    let pg = env.join(Duration::from_secs(60)).unwrap();
+    assert_eq!((pg.rank(), pg.world_size()), (env.rank, env.world_size));
+    let nan_on_call = std::env::var("LORA_DIST_TEST_NAN")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let r = train(
+        env.rank as i64,
+        env.world_size as i64,
+        Some(pg),
+        nan_on_call,
+    );
+    std::fs::write(out, r.to_string()).unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `world` workers of this test binary and returns each rank's result.
+fn launch(dir: &Path, world: usize, nan_on: Option<(usize, u64)>) -> Vec<serde_json::Value> {
+    let port = free_port();
+    let exe = std::env::current_exe().unwrap();
+    let mut children = Vec::new();
+    for rank in 0..world {
+        let mut c = Command::new(&exe);
+        c.args([
+            "engine_dist::data_parallel_worker",
+            "--exact",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("OMP_NUM_THREADS", "1")
+        .env("LORA_DIST_TEST_OUT", dir.join(format!("rank{rank}.json")))
+        .stdout(Stdio::null());
+        if let Some((r, call)) = nan_on
+            && r == rank
+        {
+            c.env("LORA_DIST_TEST_NAN", call.to_string());
+        }
+        children.push(c.spawn().unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs(180);
+    for (rank, child) in children.iter_mut().enumerate() {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(status.success(), "rank {rank} failed: {status}");
+                break;
+            }
+            if Instant::now() > deadline {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                panic!("rank {rank} did not finish within 180 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    (0..world)
+        .map(|r| {
+            let text = std::fs::read_to_string(dir.join(format!("rank{r}.json"))).unwrap();
+            serde_json::from_str(&text).unwrap()
+        })
+        .collect()
+}
+
+fn adapter(v: &serde_json::Value) -> Vec<Vec<f32>> {
+    serde_json::from_value(v["adapter"].clone()).unwrap()
+}
+
+#[test]
+fn two_gloo_ranks_on_half_batches_train_the_single_process_adapter() {
+    if std::env::var("LORA_DIST_TEST_OUT").is_ok() {
+        return; // a worker runs only its own test
+    }
+    assert!(
+        ProcessGroup::gloo_available(),
+        "this build has no Gloo: run `cargo xtask setup` (it provisions assets/gloo) and rebuild"
+    );
+    let _serial = engine_common::serial();
+    let single = train(0, 1, None, None);
+    let dir = tempfile::tempdir().unwrap();
+    let ranks = launch(dir.path(), 2, None);
+    let (a0, a1) = (adapter(&ranks[0]), adapter(&ranks[1]));
+    assert_eq!(a0, a1, "the ranks' adapters must be bit-identical");
+    assert_eq!(ranks[0]["steps"], 5);
+    let mut worst = 0f32;
+    for (p, q) in a0.iter().zip(adapter(&single)) {
+        for (u, v) in p.iter().zip(&q) {
+            worst = worst.max((u - v).abs());
+        }
+    }
+    eprintln!(
+        "data-parallel (2 ranks × 4 rows) vs single process (8 rows): max |diff| {worst:.2e}"
+    );
+    assert!(worst < 1e-5, "{worst}");
+    // the B matrices moved off zero: the comparison is not between two untrained adapters
+    assert!(a0[1].iter().any(|v| v.abs() > 1e-3));
+
+    // a non-finite loss on rank 1 only (its 2nd step): both ranks skip that step
+    let ranks = launch(dir.path(), 2, Some((1, 2)));
+    assert_eq!(ranks[0]["skipped"], 1, "{}", ranks[0]);
+    assert_eq!(ranks[1]["skipped"], 1, "{}", ranks[1]);
+    assert_eq!(adapter(&ranks[0]), adapter(&ranks[1]));
+}
+
+/// Rank 1 of the interop test: PyTorch's own Python bindings of the same c10d objects.
+const PYTORCH_RANK1: &str = r#"
+import sys, datetime, torch, torch.distributed as dist
+port = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+pg = dist.ProcessGroupGloo(dist.PrefixStore("lora-sdk/", store), 1, 2, datetime.timedelta(seconds=60))
+t = torch.tensor([10.0, 20.0, 30.0])
+pg.allreduce([t]).wait()
+b = torch.zeros(2)
+pg.broadcast(b, 0).wait()
+pg.barrier().wait()
+print(" ".join(str(float(v)) for v in list(t) + list(b)))
+"#;
+
+#[test]
+fn a_pytorch_process_joins_our_group_as_a_peer() {
+    if std::env::var("LORA_DIST_TEST_OUT").is_ok() {
+        return;
+    }
+    assert!(ProcessGroup::gloo_available(), "this build has no Gloo");
+    let python =
+        std::env::var("LORA_SDK_PYTHON").expect("LORA_SDK_PYTHON (set by .cargo/config.toml)");
+    let port = free_port();
+    let child = Command::new(&python)
+        .args(["-c", PYTORCH_RANK1, &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // rank 0: this process, through the shim
+    let pg = ProcessGroup::new_gloo("127.0.0.1", port, 0, 2, Duration::from_secs(60)).unwrap();
+    let t = Tensor::from_slice(&[1f32, 2.0, 3.0]);
+    pg.all_reduce_sum(&t).unwrap();
+    let b = Tensor::from_slice(&[7f32, 8.0]);
+    pg.broadcast(&b, 0).unwrap();
+    pg.barrier().unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "python rank 1 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![11.0, 22.0, 33.0]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "11.0 22.0 33.0 7.0 8.0",
+        "what PyTorch's rank saw"
+    );
+}
