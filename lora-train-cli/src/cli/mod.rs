@@ -67,6 +67,12 @@ pub enum Command {
         /// Start even when the plan predicts the run does not fit its budget.
         #[arg(long)]
         force: bool,
+        /// Train data-parallel with N local processes (Gloo over c10d on the CPU), as
+        /// `torchrun --nproc-per-node N` would start them: each takes its share of every
+        /// epoch's batches, gradients are averaged before each step, rank 0 writes the files.
+        /// One process failing stops the others; its exit code is the command's.
+        #[arg(long, value_name = "N")]
+        nproc_per_node: Option<u32>,
     },
     /// Predict the peak memory of a config and check it against a budget (reads headers only).
     Plan {
@@ -362,6 +368,13 @@ pub fn main() -> i32 {
             config,
             resume,
             force,
+            nproc_per_node: Some(n),
+        } => train::launch(n, &config, resume, force),
+        Command::Train {
+            config,
+            resume,
+            force,
+            nproc_per_node: None,
         } => train::run(&config, resume, force),
         Command::Plan {
             config,

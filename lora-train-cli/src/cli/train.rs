@@ -39,6 +39,124 @@ pub fn run(config: &Path, resume: Option<Option<PathBuf>>, force: bool) -> Resul
     }
 }
 
+/// `train --nproc-per-node N`: starts N workers of this binary with torchrun's variables
+/// (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, a free
+/// `MASTER_PORT`) and supervises them as torchrun's elastic agent does with no restarts: the
+/// first worker to fail stops the others, and its exit code is returned with its rank named.
+pub fn launch(
+    n: u32,
+    config: &Path,
+    resume: Option<Option<PathBuf>>,
+    force: bool,
+) -> Result<i32, CliError> {
+    if n == 0 {
+        return Err(CliError::usage(
+            "--nproc-per-node 0: use 1 or more processes",
+        ));
+    }
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        return Err(CliError::usage(
+            "--nproc-per-node inside a launcher that already set WORLD_SIZE (torchrun, srun): drop one of the two",
+        ));
+    }
+    if n == 1 {
+        return run(config, resume, force);
+    }
+    let exe = std::env::current_exe().map_err(|e| {
+        CliError::runtime(format!("cannot find this program to start workers: {e}"))
+    })?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| {
+            CliError::runtime(format!("cannot find a free port for the rendezvous: {e}"))
+        })?;
+    let mut args: Vec<std::ffi::OsString> = vec!["train".into(), "--config".into(), config.into()];
+    if let Some(r) = &resume {
+        args.push("--resume".into());
+        if let Some(dir) = r {
+            args.push(dir.into());
+        }
+    }
+    if force {
+        args.push("--force".into());
+    }
+    eprintln!("starting {n} data-parallel workers (MASTER_ADDR=127.0.0.1 MASTER_PORT={port})");
+    let mut children = Vec::with_capacity(n as usize);
+    for rank in 0..n {
+        let child = std::process::Command::new(&exe)
+            .args(&args)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                return Err(CliError::runtime(format!(
+                    "cannot start worker {rank}: {e}"
+                )));
+            }
+        }
+    }
+    install_stop_handlers();
+    let mut running: Vec<Option<std::process::Child>> = children.into_iter().map(Some).collect();
+    let mut forwarded = false;
+    loop {
+        // a stop signal sent to this launcher alone (a scheduler's SIGTERM) goes to the workers,
+        // which agree on the step to stop at and checkpoint there
+        #[cfg(unix)]
+        if !forwarded && lora_train::engine::stop_requested() {
+            forwarded = true;
+            for c in running.iter().flatten() {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe {
+                    libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+                }
+            }
+        }
+        let mut all_done = true;
+        for rank in 0..running.len() {
+            let Some(child) = running[rank].as_mut() else {
+                continue;
+            };
+            match child.try_wait() {
+                Ok(Some(status)) if status.success() => running[rank] = None,
+                Ok(Some(status)) => {
+                    // one worker failed: the others would wait at the next collective
+                    for c in running.iter_mut().flatten() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    let code = status.code().unwrap_or(1);
+                    eprintln!(
+                        "data-parallel worker {rank} of {n} failed ({status}); the other workers were stopped"
+                    );
+                    return Ok(code);
+                }
+                Ok(None) => all_done = false,
+                Err(e) => {
+                    return Err(CliError::runtime(format!("waiting for worker {rank}: {e}")));
+                }
+            }
+        }
+        if all_done {
+            return Ok(if forwarded {
+                stopped_exit_code()
+            } else {
+                EXIT_OK
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// Says where the run stopped and how to continue it; exit 130.
 fn interrupted(
     config: &Path,

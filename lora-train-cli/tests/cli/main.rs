@@ -3,6 +3,7 @@
 //! executable for all of them (each links libtorch).
 
 mod cli_basic;
+mod cli_dist;
 mod cli_errors;
 mod cli_interop;
 mod cli_plan_sd;

@@ -30,6 +30,21 @@ pub trait GradSync {
     /// # Errors
     /// A failed collective.
     fn broadcast_parameters(&mut self, params: &[Tensor]) -> Result<()>;
+
+    /// Whether `flag` is set on any rank (one small all-reduce): how the ranks agree to stop at
+    /// the same step when a stop signal reaches them at different moments. Default: `flag`.
+    ///
+    /// # Errors
+    /// A failed collective.
+    fn any_rank(&mut self, flag: bool) -> Result<bool> {
+        Ok(flag)
+    }
+
+    /// Whether this rank writes checkpoints (every rank holds the same state, so one writes:
+    /// rank 0). Default `true`.
+    fn writes_checkpoints(&self) -> bool {
+        true
+    }
 }
 
 fn collective(e: lora_core::Error) -> TrainError {
@@ -43,6 +58,18 @@ impl GradSync for lora_core::dist::ProcessGroup {
 
     fn broadcast_parameters(&mut self, params: &[Tensor]) -> Result<()> {
         self.broadcast_tensors(params, 0).map_err(collective)
+    }
+
+    fn any_rank(&mut self, flag: bool) -> Result<bool> {
+        let t = Tensor::from_slice(&[if flag { 1f32 } else { 0f32 }]);
+        self.all_reduce_sum(&t).map_err(collective)?;
+        t.f_double_value(&[0])
+            .map(|v| v > 0.0)
+            .map_err(|e| TrainError::App(format!("data-parallel stop vote: {e}")))
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        self.rank() == 0
     }
 }
 

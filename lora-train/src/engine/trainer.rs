@@ -603,7 +603,16 @@ impl<S: TrainStep> Trainer<S> {
                 for c in self.callbacks.iter_mut() {
                     control = control.merge(c.on_step(&info)?);
                 }
-                if stop_requested() && run.counters.step < total {
+                let mut stop_now = stop_requested();
+                if let Some(sync) = self.grad_sync.as_mut() {
+                    // every rank stops at the same step, or one would wait for the others at
+                    // the next collective: a signal, or a callback's stop, on any rank
+                    let local = stop_now || control == Control::Stop;
+                    if sync.any_rank(local)? && !local {
+                        stop_now = true;
+                    }
+                }
+                if stop_now && run.counters.step < total {
                     run.report.interrupted = true;
                     control = Control::Stop;
                 }
@@ -741,6 +750,15 @@ impl<S: TrainStep> Trainer<S> {
         let Some(mgr) = run.ckpt.clone() else {
             return Ok(());
         };
+        if self
+            .grad_sync
+            .as_ref()
+            .is_some_and(|s| !s.writes_checkpoints())
+        {
+            // data-parallel: one rank writes what every rank holds
+            run.last_saved = Some(run.counters.step);
+            return Ok(());
+        }
         let ck = Checkpoint {
             adapter: task.named_trainable(),
             optimizer: run.opt.state_dict()?,

@@ -51,15 +51,34 @@ pub struct RunContext<'o> {
     pub out_dir: PathBuf,
     /// The checkpoint the run resumes from and its optimizer step.
     pub resume_from: Option<(PathBuf, u64)>,
+    /// This process's place in a data-parallel run (torchrun / SLURM variables), or `None`.
+    pub data_parallel: Option<crate::engine::dist::DistEnv>,
     started: Instant,
 }
 
 impl RunContext<'_> {
-    /// Prints `s` to stderr with the seconds since the run started, when the run is verbose.
+    /// Prints `s` to stderr with the seconds since the run started, when the run is verbose
+    /// (in a data-parallel run, on rank 0 only).
     pub fn say(&self, s: &str) {
-        if self.opts.verbose {
+        if self.opts.verbose && self.writes_files() {
             eprintln!("[{:6.1} s] {s}", self.started.elapsed().as_secs_f64());
         }
+    }
+
+    /// Whether this process writes the run's files (checkpoints, adapters, logs, samples): a
+    /// single-process run, or rank 0 of a data-parallel one.
+    pub fn writes_files(&self) -> bool {
+        self.data_parallel
+            .as_ref()
+            .is_none_or(crate::engine::dist::DistEnv::writes_files)
+    }
+
+    /// `(num_replicas, rank)` for the data loader: the data-parallel world and this rank, or
+    /// `(1, 0)`.
+    pub fn loader_shard(&self) -> (usize, usize) {
+        self.data_parallel
+            .as_ref()
+            .map_or((1, 0), |d| (d.world_size, d.rank))
     }
 
     /// `model.base_model` resolved ([`crate::job::resolve_base_model`]: as written, else next to
@@ -338,6 +357,40 @@ pub fn run<S: RunSteps>(
     check_device(&cfg)?;
     let device = device_of(&cfg);
     let base_written = cfg.base_model()?.to_string();
+    // a data-parallel run (torchrun / srun / `--nproc-per-node`): join the group first, so a
+    // rank that fails its checks does not leave the others waiting at the rendezvous
+    let data_parallel = crate::engine::dist::DistEnv::from_env().map_err(|e| JobError::Train {
+        during: "reading the data-parallel environment".into(),
+        source: e,
+    })?;
+    let mut group = None;
+    // the other ranks say nothing: rank 0 prints the plan, progress and summary
+    let quiet;
+    let opts = match &data_parallel {
+        Some(d) if !d.writes_files() => {
+            quiet = RunOptions {
+                verbose: false,
+                ..opts.clone()
+            };
+            &quiet
+        }
+        _ => opts,
+    };
+    if let Some(d) = &data_parallel {
+        if device != Device::Cpu {
+            return Err(JobError::Input(format!(
+                "a data-parallel run (WORLD_SIZE {}) runs on the CPU over Gloo for now; NCCL for CUDA is not built yet: set system.device: cpu, or run one process per GPU job",
+                d.world_size
+            )));
+        }
+        group = Some(d.join(dist_timeout()).map_err(|e| JobError::Train {
+            during: format!(
+                "joining the data-parallel group at {}:{} as rank {} of {}",
+                d.master_addr, d.master_port, d.rank, d.world_size
+            ),
+            source: e,
+        })?);
+    }
     let mut ctx = RunContext {
         opts,
         device,
@@ -345,8 +398,15 @@ pub fn run<S: RunSteps>(
         base_written,
         out_dir: PathBuf::from(&cfg.train.output_dir),
         resume_from: None,
+        data_parallel,
         started: Instant::now(),
     };
+    if let Some(d) = &ctx.data_parallel {
+        ctx.say(&format!(
+            "data-parallel: {} processes (Gloo over c10d, store at {}:{}); rank 0 writes the files",
+            d.world_size, d.master_addr, d.master_port
+        ));
+    }
     let forced = opts.force || cfg.memory.force;
 
     // checks, then the plan
@@ -386,8 +446,12 @@ pub fn run<S: RunSteps>(
         ctx.say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
     }
 
-    // the output folder, and where to resume
-    let mut lock = check_output_dir(&cfg, opts)?;
+    // the output folder (rank 0's), and where to resume
+    let mut lock = if ctx.writes_files() {
+        Some(check_output_dir(&cfg, opts)?)
+    } else {
+        None
+    };
     if let Some((path, counters)) = resume_checkpoint(&cfg, opts)? {
         ctx.say(&format!(
             "resuming from {} (step {}{})",
@@ -451,7 +515,9 @@ pub fn run<S: RunSteps>(
         ));
     }
     // a previous run in this folder: its files go aside now that this run really starts
-    lock.set_aside_previous_run()?;
+    if let Some(lock) = lock.as_mut() {
+        lock.set_aside_previous_run()?;
+    }
     let mut log_dir = cfg
         .logging
         .logging_dir
@@ -463,13 +529,17 @@ pub fn run<S: RunSteps>(
         log_dir = log_dir.join(format!("{prefix}{}", cfg.train.output_name));
     }
     // metrics.jsonl (appended on resume), TensorBoard event files when `logging.tensorboard`,
-    // and loss.png at the end
-    job_callbacks.push(Box::new(
-        crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
-            .during("the metrics log")?
-            .with_every(cfg.logging.log_every_n_steps),
-    ));
-    job_callbacks.extend(loaded.callbacks(&cfg, &ctx)?);
+    // and loss.png at the end; with the recipe's callbacks (snapshots, samples), rank 0's
+    if ctx.writes_files() {
+        job_callbacks.push(Box::new(
+            crate::engine::metrics::MetricsLogger::new(&log_dir, cfg.logging.tensorboard)
+                .during("the metrics log")?
+                .with_every(cfg.logging.log_every_n_steps),
+        ));
+        job_callbacks.extend(loaded.callbacks(&cfg, &ctx)?);
+    } else {
+        job_callbacks.clear(); // no progress bar either
+    }
     job_callbacks.extend(callbacks);
     let resume = match &ctx.resume_from {
         None => crate::engine::Resume::No,
@@ -482,6 +552,9 @@ pub fn run<S: RunSteps>(
         let mut trainer = crate::engine::Trainer::new(tcfg);
         for cb in job_callbacks {
             trainer.add_callback(cb);
+        }
+        if let Some(pg) = group.take() {
+            trainer.set_grad_sync(Box::new(pg));
         }
         let (rss_before_steps, hwm_process) = proc_rss();
         let _ = reset_peak_rss();
@@ -540,6 +613,19 @@ pub fn run<S: RunSteps>(
         ));
     }
 
+    if !ctx.writes_files() {
+        // the other ranks trained the same adapter; rank 0 evaluates and exports it
+        return loaded.summary(RunOutcome {
+            plan,
+            report,
+            steps_per_epoch: per_epoch,
+            train_seconds,
+            total_seconds: ctx.elapsed_seconds(),
+            memory,
+            outputs: Vec::new(),
+        });
+    }
+
     // after
     let evaluated = loaded.after(&cfg, &ctx, source, &report)?;
     if crate::engine::stop_requested() {
@@ -585,6 +671,17 @@ pub fn run<S: RunSteps>(
         write_stdout(&S::Loaded::report(&summary, &ctx))?;
     }
     Ok(summary)
+}
+
+/// How long a data-parallel rank waits for the others at the rendezvous and in each
+/// collective: `LORA_DIST_TIMEOUT_S` seconds, else 30 minutes (`torch.distributed`'s default).
+fn dist_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(
+        std::env::var("LORA_DIST_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(30 * 60),
+    )
 }
 
 /// What a `--resume` of a run that already finished says.

@@ -579,7 +579,9 @@ impl LoadedRun for SdRun {
                 num_workers: cfg.data_loader.num_workers as usize,
                 prefetch_factor: cfg.data_loader.prefetch_factor.max(1) as usize,
                 persistent_workers: cfg.data_loader.persistent_workers,
-                ..LoaderConfig::default()
+                // data-parallel: this rank's share of each epoch, as DistributedSampler deals
+                num_replicas: ctx.loader_shard().0,
+                rank: ctx.loader_shard().1,
             })
             .during("building the image loader")?;
         let base_path = ctx.base_path()?;
