@@ -110,8 +110,22 @@ impl JinjaChatTemplate {
         bos_token: impl Into<String>,
         eos_token: impl Into<String>,
     ) -> Result<Self> {
+        Self::named("chat_template", source, bos_token, eos_token)
+    }
+
+    /// As [`JinjaChatTemplate::new`], naming the template in error messages, compile errors
+    /// included (e.g. `tokenizer.chat_template of model.gguf`).
+    ///
+    /// # Errors
+    /// As [`JinjaChatTemplate::new`].
+    pub fn named(
+        name: impl Into<String>,
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<Self> {
         let source: String = source.into();
-        let name = "chat_template".to_string();
+        let name: String = name.into();
         let env = environment(&source).map_err(|e| template_error(&name, &e))?;
         Ok(JinjaChatTemplate {
             name,
