@@ -116,8 +116,8 @@ pub enum Error {
     /// follow, so the text an assistant message adds cannot be marked for training.
     #[error(
         "chat template {template} is not prefix-stable at message {index}: {message}; the \
-         trained tokens cannot be located — drop the system prompt of multi-turn conversations, \
-         keep one assistant turn per record, or use a ChatML template"
+         trained tokens cannot be located — drop the record's system prompt (Mistral's templates \
+         write it only into a final user turn) or train with a ChatML template"
     )]
     TemplateNotPrefixStable {
         /// Which template.

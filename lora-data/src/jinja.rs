@@ -25,9 +25,9 @@
 //! [`ChatMl`](crate::text::ChatMl). This needs the template to be *prefix-stable*: `F` starts with
 //! `P`, and the rendering of the whole conversation starts with every `F`. Llama 3, Qwen2.5,
 //! Gemma, ChatML and Mistral templates without a system message are; a template that moves text
-//! between turns (Mistral's templates put the system prompt into the *last* user turn, so a
-//! multi-turn conversation with a system prompt is not) is refused with
-//! [`Error::TemplateNotPrefixStable`] instead of being trained on wrong labels.
+//! between turns is refused with [`Error::TemplateNotPrefixStable`] instead of being trained on
+//! wrong labels (Mistral's templates write the system prompt only into a user turn that ends the
+//! conversation, so the prompt of a reply holds it and the conversation with the reply does not).
 
 use std::fmt;
 use std::sync::Arc;
