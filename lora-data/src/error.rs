@@ -96,6 +96,47 @@ pub enum Error {
         /// What happened.
         message: String,
     },
+    /// A chat template is not valid Jinja or failed while rendering.
+    #[error("chat template {template}: {message}")]
+    Template {
+        /// Which template (e.g. `tokenizer.chat_template of model.gguf`).
+        template: String,
+        /// minijinja's message, naming the problem and the template line.
+        message: String,
+    },
+    /// A chat template refused the conversation through its `raise_exception(message)`.
+    #[error("chat template {template} refused the conversation: {message}")]
+    TemplateRaised {
+        /// Which template.
+        template: String,
+        /// The template's own message (e.g. "Conversation roles must alternate user/assistant/...").
+        message: String,
+    },
+    /// A chat template renders the beginning of a conversation differently once more messages
+    /// follow, so the text an assistant message adds cannot be marked for training.
+    #[error(
+        "chat template {template} is not prefix-stable at message {index}: {message}; the \
+         trained tokens cannot be located — drop the record's system prompt (Mistral's templates \
+         write it only into a final user turn) or train with a ChatML template"
+    )]
+    TemplateNotPrefixStable {
+        /// Which template.
+        template: String,
+        /// 0-based index of the assistant message concerned.
+        index: usize,
+        /// Which rendering did not start with which.
+        message: String,
+    },
+    /// A record of a data file could not be rendered (a chat template error), with its place.
+    #[error("{path}:{line}: {source}")]
+    Record {
+        /// The data file.
+        path: PathBuf,
+        /// 1-based line (array element index + 1 for a JSON array).
+        line: usize,
+        /// What failed.
+        source: Box<Error>,
+    },
     /// Validation found problems and the policy is to fail.
     #[error("dataset validation found {count} problem(s):\n{report}")]
     Invalid {

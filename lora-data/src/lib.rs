@@ -37,6 +37,8 @@
 //! # Ok::<(), lora_data::Error>(())
 //! ```
 //!
+//! - [`jinja`]: a model's own chat template (Jinja, as in `tokenizer_config.json` or GGUF
+//!   metadata) rendered as `transformers` renders it, with the assistant's text marked trainable.
 //! - [`text`]: plain text, JSONL, alpaca and chat conversations → token ids with the loss masked to
 //!   the responses, packed without cross-document attention or padded with length bucketing.
 //! - [`loader`]: a worker pool with bounded prefetch, a deterministic order for a (seed, epoch) and
@@ -66,6 +68,7 @@
 
 pub mod cache;
 pub mod image;
+pub mod jinja;
 pub mod loader;
 pub mod text;
 pub mod validate;

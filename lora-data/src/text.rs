@@ -107,14 +107,16 @@ pub struct Segment {
     pub trainable: bool,
 }
 
-/// Renders a conversation to text with the trainable parts marked. Model crates implement it for their
-/// own template; [`ChatMl`] is built in.
+/// Renders a conversation to text with the trainable parts marked. [`ChatMl`] is built in (the
+/// fallback for a model without a template); [`crate::jinja::JinjaChatTemplate`] renders a
+/// model's own Jinja template.
 pub trait ChatTemplate: Send + Sync + fmt::Debug {
     /// Renders `messages` in order. Assistant content (and its end-of-turn marker) should be the only
     /// trainable segments.
     ///
     /// # Errors
-    /// A template may refuse a conversation it cannot render (`Error::Format` with line 0).
+    /// A template may refuse a conversation it cannot render: [`Error::TemplateRaised`] (its own
+    /// `raise_exception`), [`Error::Template`], [`Error::TemplateNotPrefixStable`].
     fn render(&self, messages: &[Message]) -> Result<Vec<Segment>>;
 }
 
@@ -242,7 +244,8 @@ pub struct TextConfig {
     pub bucket_width: usize,
     /// Seed for document order before packing and for [`TextDataset::split`]. Default 42.
     pub seed: u64,
-    /// Chat template for `Alpaca` and `Conversations`. Default [`ChatMl`].
+    /// Chat template for `Alpaca` and `Conversations`: the model's own
+    /// ([`crate::jinja::JinjaChatTemplate`]) when it has one. Default [`ChatMl`].
     pub template: Arc<dyn ChatTemplate>,
 }
 
@@ -872,11 +875,11 @@ fn parse_into(
                     }
                     TextFormat::Alpaca => {
                         let messages = alpaca_messages(&obj).map_err(fail)?;
-                        config.template.render(&messages)?
+                        render_record(config, &messages, path, line)?
                     }
                     TextFormat::Conversations => {
                         let messages = conversation_messages(&obj).map_err(fail)?;
-                        config.template.render(&messages)?
+                        render_record(config, &messages, path, line)?
                     }
                     TextFormat::Plain => Vec::new(),
                 };
@@ -890,6 +893,21 @@ fn parse_into(
         }
     }
     Ok(())
+}
+
+/// Renders one record's messages with the configured template; a template error names the
+/// record ([`Error::Record`]).
+fn render_record(
+    config: &TextConfig,
+    messages: &[Message],
+    path: &Path,
+    line: usize,
+) -> Result<Vec<Segment>> {
+    config.template.render(messages).map_err(|e| Error::Record {
+        path: path.to_path_buf(),
+        line,
+        source: Box::new(e),
+    })
 }
 
 fn keys(obj: &Value) -> String {

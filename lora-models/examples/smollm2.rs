@@ -23,7 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "What is the capital of France?".to_string());
     let file = GgufFile::open(&path)?;
     let tok = tokenizer_from_gguf(&file)?;
-    let template = ChatTemplate::from_gguf(&file).unwrap_or_else(ChatTemplate::chatml);
+    let template = ChatTemplate::from_gguf(&file)?.unwrap_or_else(ChatTemplate::chatml);
     let sentence = tok.encode(
         "The quick brown fox jumps over the lazy dog. It was a sunny day and the children were playing in the park.",
         true,

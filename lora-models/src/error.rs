@@ -109,6 +109,10 @@ pub enum Error {
     /// A call into the libtorch shim of `lora-core` (generator state, …) failed.
     #[error(transparent)]
     Shim(#[from] lora_core::sys::ShimError),
+    /// A chat template failed to compile or render (`lora-data`'s template errors:
+    /// [`lora_data::Error::Template`], [`lora_data::Error::TemplateRaised`], …).
+    #[error(transparent)]
+    Data(#[from] lora_data::Error),
     /// A libtorch operation failed (this includes out-of-memory on CPU and CUDA).
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),

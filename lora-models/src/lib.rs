@@ -17,7 +17,8 @@
 //!
 //! let file = GgufFile::open("assets/models/SmolLM2-135M-Instruct.Q4_1.gguf")?;
 //! let tokenizer = tokenizer_from_gguf(&file)?; // the vocabulary stored in the GGUF
-//! let template = ChatTemplate::from_gguf(&file).unwrap_or_else(ChatTemplate::chatml);
+//! // the model's own chat template (ChatML when the file has none)
+//! let template = ChatTemplate::from_gguf(&file)?.unwrap_or_else(ChatTemplate::chatml);
 //! let model = Llama::from_gguf_file(&file, WeightMode::KeepQuantized, Device::Cpu)?;
 //! // temperature 0 (the default) is greedy decoding
 //! let opts = GenerateOptions { max_new_tokens: 16, ..GenerateOptions::default() };

@@ -9,6 +9,7 @@
 //! `tokenizer.ggml.add_bos_token` and `tokenizer.ggml.pre` (the pre-tokenizer family).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use tokenizers::AddedToken;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -18,7 +19,8 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 
-use lora_data::text::ChatMl;
+use lora_data::jinja::JinjaChatTemplate;
+use lora_data::text::{ChatMl, ChatTemplate as DataChatTemplate};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -261,18 +263,41 @@ impl ChatMessage {
     }
 }
 
-/// A chat template for generation prompts, rendered in Rust (no Jinja engine) by `lora-data`'s
-/// [`ChatMl`], the renderer of the training data.
+/// A model's chat template: its own Jinja template when it ships one (`tokenizer.chat_template`
+/// of a GGUF file, `chat_template` of `tokenizer_config.json` or a `chat_template.jinja` file),
+/// rendered as `transformers` renders it ([`JinjaChatTemplate`]); built-in ChatML otherwise.
+///
+/// A shipped template is always rendered through Jinja, ChatML ones included: the model's own
+/// template is the reference, and recognising "ChatML" from its source would miss what such
+/// templates do beyond it (Qwen2.5's default system prompt, tool sections). For a ChatML
+/// template the Jinja rendering and the built-in one give the same text and the same trained
+/// segments (`lora-data`'s `chatml_through_jinja_gives_the_builtin_segments` test).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChatTemplate {
     /// ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message and, for generation,
     /// `<|im_start|>assistant\n`. When `default_system` is set and the first message is not a
     /// system message, `<|im_start|>system\n{default_system}<|im_end|>\n` comes first (as in
-    /// SmolLM2-Instruct's template).
+    /// SmolLM2-Instruct's template). The fallback for a model without a template.
     ChatMl {
         /// The system prompt inserted when the conversation has none.
         default_system: Option<String>,
     },
+    /// The model's own Jinja template with its BOS/EOS strings.
+    Jinja(JinjaChatTemplate),
+}
+
+/// A token given in a `tokenizer_config.json` entry: a string or an `AddedToken` object with
+/// `content`.
+fn config_token(v: Option<&serde_json::Value>) -> String {
+    match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Object(o)) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
 }
 
 impl ChatTemplate {
@@ -283,45 +308,149 @@ impl ChatTemplate {
         }
     }
 
-    /// Recognises the Jinja template stored under `tokenizer.chat_template` of a GGUF file.
-    /// Returns `None` when the file has no template or a non-ChatML one.
-    pub fn from_gguf(g: &GgufFile) -> Option<Self> {
-        Self::from_jinja(g.get("tokenizer.chat_template")?.as_str()?)
+    /// Compiles a Jinja chat template; `bos_token` / `eos_token` are the model's token strings
+    /// (`""` when it has none).
+    ///
+    /// # Errors
+    /// [`Error::Data`] ([`lora_data::Error::Template`]) when the source is not valid Jinja.
+    pub fn from_jinja(src: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
+        Ok(ChatTemplate::Jinja(JinjaChatTemplate::new(
+            src, bos_token, eos_token,
+        )?))
     }
 
-    /// Recognises a Jinja chat template: ChatML (it contains `<|im_start|>`); a literal default
-    /// system message (`'<|im_start|>system\n…<|im_end|>` in the template source) is extracted.
-    /// The recognition is [`lora_data::text::ChatMl::from_jinja`].
-    pub fn from_jinja(src: &str) -> Option<Self> {
-        ChatMl::from_jinja(src).map(|t| ChatTemplate::ChatMl {
-            default_system: t.default_system,
-        })
+    /// The template stored under `tokenizer.chat_template` of a GGUF file, with the BOS/EOS
+    /// strings of its vocabulary (`tokenizer.ggml.tokens` at `tokenizer.ggml.{bos,eos}_token_id`);
+    /// `None` when the file has none.
+    ///
+    /// # Errors
+    /// [`Error::Data`] when the template is not valid Jinja.
+    pub fn from_gguf(g: &GgufFile) -> Result<Option<Self>> {
+        let Some(src) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) else {
+            return Ok(None);
+        };
+        let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap_or_default();
+        let token = |key: &str| -> String {
+            g.get(key)
+                .and_then(|v| v.as_i64())
+                .and_then(|i| usize::try_from(i).ok())
+                .and_then(|i| tokens.get(i))
+                .map(|t| t.to_string())
+                .unwrap_or_default()
+        };
+        let t = JinjaChatTemplate::named(
+            format!("tokenizer.chat_template of {}", g.path().display()),
+            src,
+            token("tokenizer.ggml.bos_token_id"),
+            token("tokenizer.ggml.eos_token_id"),
+        )?;
+        Ok(Some(ChatTemplate::Jinja(t)))
     }
 
-    /// The template as `lora-data`'s ChatML renderer, the one that renders training data.
-    pub fn to_chatml(&self) -> ChatMl {
+    /// The template of an HF model folder: `chat_template.jinja` when present (as
+    /// `transformers` saves it), else `chat_template` of `tokenizer_config.json` (a string, or a
+    /// list of `{name, template}` of which `default` is taken), with that file's `bos_token` /
+    /// `eos_token`; `None` when the folder has neither.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for an unreadable file, [`Error::Config`] for invalid JSON, [`Error::Data`]
+    /// when the template is not valid Jinja.
+    pub fn from_folder(dir: &Path) -> Result<Option<Self>> {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|source| Error::Io {
+                path: p.to_path_buf(),
+                source,
+            })
+        };
+        let cfg: serde_json::Value = if cfg_path.is_file() {
+            serde_json::from_str(&read(&cfg_path)?).map_err(|e| Error::Config {
+                path: cfg_path.clone(),
+                msg: e.to_string(),
+            })?
+        } else {
+            serde_json::Value::Null
+        };
+        let jinja_path = dir.join("chat_template.jinja");
+        let (src, from) = if jinja_path.is_file() {
+            (read(&jinja_path)?, jinja_path)
+        } else {
+            let src = match cfg.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str().map(String::from)),
+                _ => None,
+            };
+            match src {
+                Some(s) => (s, cfg_path),
+                None => return Ok(None),
+            }
+        };
+        let t = JinjaChatTemplate::named(
+            from.display().to_string(),
+            src,
+            config_token(cfg.get("bos_token")),
+            config_token(cfg.get("eos_token")),
+        )?;
+        Ok(Some(ChatTemplate::Jinja(t)))
+    }
+
+    /// The chat template of a model: a `.gguf` file's ([`ChatTemplate::from_gguf`]) or an HF
+    /// folder's ([`ChatTemplate::from_folder`]); built-in ChatML when the model has none.
+    ///
+    /// # Errors
+    /// As [`ChatTemplate::from_gguf`] / [`ChatTemplate::from_folder`], and [`Error::Io`] /
+    /// [`Error::Gguf`] for an unreadable GGUF file.
+    pub fn for_model(path: &Path) -> Result<Self> {
+        let found = if path.is_dir() {
+            Self::from_folder(path)?
+        } else {
+            Self::from_gguf(&GgufFile::open(path)?)?
+        };
+        Ok(found.unwrap_or_else(Self::chatml))
+    }
+
+    /// The renderer of training data (`lora-data`'s [`lora_data::text::ChatTemplate`]), so a
+    /// model is trained on the text it is prompted with.
+    pub fn to_data_template(&self) -> Arc<dyn DataChatTemplate> {
         match self {
-            ChatTemplate::ChatMl { default_system } => ChatMl {
+            ChatTemplate::ChatMl { default_system } => Arc::new(ChatMl {
                 default_system: default_system.clone(),
-            },
+            }),
+            ChatTemplate::Jinja(t) => Arc::new(t.clone()),
         }
     }
 
-    /// Renders `messages`; with `add_generation_prompt` the assistant turn is opened. The text is
-    /// that of [`lora_data::text::ChatMl::prompt`], so a model is prompted exactly as it was trained.
-    pub fn apply(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
-        self.to_chatml().prompt(
-            messages
-                .iter()
-                .map(|m| (m.role.as_str(), m.content.as_str())),
-            add_generation_prompt,
-        )
+    /// Renders `messages`; with `add_generation_prompt` the assistant turn is opened. The text
+    /// of the training data's renderer ([`ChatTemplate::to_data_template`]), so a model is
+    /// prompted exactly as it was trained.
+    ///
+    /// # Errors
+    /// [`Error::Data`] when a Jinja template refuses the conversation
+    /// ([`lora_data::Error::TemplateRaised`], e.g. Gemma given a system message) or fails.
+    pub fn apply(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let turns = messages
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()));
+        match self {
+            ChatTemplate::ChatMl { default_system } => Ok(ChatMl {
+                default_system: default_system.clone(),
+            }
+            .prompt(turns, add_generation_prompt)),
+            ChatTemplate::Jinja(t) => Ok(t.prompt(turns, add_generation_prompt)?),
+        }
     }
 
-    /// The token string that ends an assistant turn (`<|im_end|>` for ChatML).
-    pub fn end_of_turn(&self) -> &'static str {
+    /// The token string that ends an assistant turn, for a stop token: `<|im_end|>` for
+    /// ChatML; for a Jinja template what it writes after a reply (`<|eot_id|>` Llama 3, `</s>`
+    /// Mistral, `<end_of_turn>` Gemma, `<|im_end|>` Qwen) or its EOS token
+    /// ([`JinjaChatTemplate::end_of_turn`]); `None` when neither exists.
+    pub fn end_of_turn(&self) -> Option<String> {
         match self {
-            ChatTemplate::ChatMl { .. } => ChatMl::END_OF_TURN,
+            ChatTemplate::ChatMl { .. } => Some(ChatMl::END_OF_TURN.to_string()),
+            ChatTemplate::Jinja(t) => t.end_of_turn(),
         }
     }
 }
@@ -335,28 +464,71 @@ mod tests {
         let t = ChatTemplate::chatml();
         let msgs = [ChatMessage::user("Hi")];
         assert_eq!(
-            t.apply(&msgs, true),
+            t.apply(&msgs, true).unwrap(),
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+        assert_eq!(t.end_of_turn().as_deref(), Some("<|im_end|>"));
+        // a model's ChatML template goes through Jinja and renders as the built-in renderer
         let jinja = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}\
                      {{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}{% endif %}\
-                     {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
-        let t = ChatTemplate::from_jinja(jinja).unwrap();
-        assert_eq!(
-            t,
-            ChatTemplate::ChatMl {
-                default_system: Some("You are helpful".into())
+                     {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}\
+                     {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+        let t = ChatTemplate::from_jinja(jinja, "<|im_start|>", "<|im_end|>").unwrap();
+        let builtin = ChatTemplate::ChatMl {
+            default_system: Some("You are helpful".into()),
+        };
+        let with_sys = [ChatMessage::new("system", "S"), ChatMessage::user("Hi")];
+        for msgs in [&msgs[..], &with_sys[..]] {
+            for agp in [false, true] {
+                assert_eq!(
+                    t.apply(msgs, agp).unwrap(),
+                    builtin.apply(msgs, agp).unwrap()
+                );
             }
-        );
+        }
         assert_eq!(
-            t.apply(&msgs, false),
+            t.apply(&msgs, false).unwrap(),
             "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         );
-        let with_sys = [ChatMessage::new("system", "S"), ChatMessage::user("Hi")];
-        assert!(
-            t.apply(&with_sys, false)
-                .starts_with("<|im_start|>system\nS<|im_end|>")
+        assert_eq!(t.end_of_turn().as_deref(), Some("<|im_end|>"));
+    }
+
+    #[test]
+    fn folder_template_comes_from_tokenizer_config_or_chat_template_jinja() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(ChatTemplate::from_folder(dir.path()).unwrap(), None);
+        assert_eq!(
+            ChatTemplate::for_model(dir.path()).unwrap(),
+            ChatTemplate::chatml()
         );
-        assert_eq!(ChatTemplate::from_jinja("{{ bos_token }}[INST]"), None);
+        let cfg = serde_json::json!({
+            "bos_token": {"content": "<s>", "special": true},
+            "eos_token": "</s>",
+            "chat_template": [
+                {"name": "tool_use", "template": "tools"},
+                {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]{% else %}{{ m.content }}{% endif %}{% endfor %}"}
+            ]
+        });
+        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let t = ChatTemplate::for_model(dir.path()).unwrap();
+        assert_eq!(
+            t.apply(&[ChatMessage::user("Hi")], true).unwrap(),
+            "<s>[INST]Hi[/INST]"
+        );
+        // no text after a reply: the EOS token ends the turn
+        assert_eq!(t.end_of_turn().as_deref(), Some("</s>"));
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}",
+        )
+        .unwrap();
+        let t = ChatTemplate::for_model(dir.path()).unwrap();
+        assert_eq!(
+            t.apply(&[ChatMessage::user("Hi")], false).unwrap(),
+            "<user>Hi</s>"
+        );
+        std::fs::write(dir.path().join("chat_template.jinja"), "{% if %}").unwrap();
+        let err = ChatTemplate::for_model(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("chat_template.jinja"), "{err}");
     }
 }

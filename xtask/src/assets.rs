@@ -16,6 +16,9 @@
 //!   (`apt-get download`, no root needed): the torch wheel ships c10d's `ProcessGroupGloo.hpp`
 //!   but not the gloo headers it includes; the gloo code itself is in the wheel's
 //!   `libtorch_cpu.so`
+//! - `assets/chat_templates/*.jinja` — the chat templates of real models (Llama 3.x, Mistral, Qwen2.5,
+//!   Gemma, …) that llama.cpp keeps in `models/templates/`, from the llama.cpp vendored in PyPI's
+//!   `llama-cpp-python==0.3.36` sdist (the version `python/requirements.txt` pins)
 
 use crate::util::{human, require_free, sha256_file, tree_size};
 use anyhow::{Context, Result, bail};
@@ -199,6 +202,27 @@ const ASSETS: &[Asset] = &[
                 "./usr/include/gloo/",
                 &[".h"],
                 "include/gloo",
+            )],
+        )],
+        post: None,
+    },
+    Asset {
+        name: "chat_templates",
+        what: "real models' Jinja chat templates (llama.cpp models/templates, via llama-cpp-python)",
+        downloads: &[(
+            Download {
+                // the sdist only (pip prepares its metadata; nothing is compiled)
+                source: Source::Pypi(
+                    "llama-cpp-python==0.3.36",
+                    &["--no-binary", "llama-cpp-python"],
+                ),
+                file: "llama_cpp_python-0.3.36.tar.gz",
+                sha256: "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+            },
+            &[Extract::Prefix(
+                "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/",
+                &[".jinja"],
+                "",
             )],
         )],
         post: None,
@@ -531,7 +555,7 @@ pub fn print_inventory(root: &Path) -> Result<()> {
         let (bytes, files) = tree_size(&d);
         total += bytes;
         println!(
-            "  {:<12} {:>9}  {:>5} files  {}{}",
+            "  {:<14} {:>9}  {:>5} files  {}{}",
             asset.name,
             human(bytes),
             files.saturating_sub(complete as u64),

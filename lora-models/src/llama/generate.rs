@@ -224,10 +224,13 @@ impl Llama {
         messages: &[ChatMessage],
         opts: &GenerateOptions,
     ) -> Result<String> {
-        let prompt = template.apply(messages, true);
+        let prompt = template.apply(messages, true)?;
         let ids = tokenizer.encode(&prompt, false)?;
         let mut opts = opts.clone();
-        if let Some(eot) = tokenizer.token_to_id(template.end_of_turn()) {
+        if let Some(eot) = template
+            .end_of_turn()
+            .and_then(|t| tokenizer.token_to_id(&t))
+        {
             opts.stop_tokens.push(eot.into());
         }
         let g = self.generate(&ids, &opts)?;

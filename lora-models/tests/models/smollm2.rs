@@ -132,19 +132,26 @@ fn mean_nll_matches_golden() {
 fn chatml_capital_of_france_is_paris() {
     let m = dense_f32();
     let g = GgufFile::open(common::gguf_path()).unwrap();
-    let template = ChatTemplate::from_gguf(&g).unwrap_or_else(ChatTemplate::chatml);
+    let template = ChatTemplate::from_gguf(&g)
+        .unwrap()
+        .expect("SmolLM2's GGUF stores its chat template");
+    assert!(matches!(template, ChatTemplate::Jinja(_)), "{template:?}");
+    assert_eq!(template.end_of_turn().as_deref(), Some("<|im_end|>"));
+    // its own template, with the default system prompt it inserts — transformers' rendering:
+    // render_jinja_template(conversations=[[{"role": "user", "content": "What is the capital of
+    // France?"}]], chat_template=<tokenizer.chat_template>, add_generation_prompt=True)
+    let question = [ChatMessage::user("What is the capital of France?")];
+    assert_eq!(
+        template.apply(&question, true).unwrap(),
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
     let opts = GenerateOptions {
         max_new_tokens: 24,
         ..Default::default()
     };
-    let answer = m
-        .chat(
-            tokenizer(),
-            &template,
-            &[ChatMessage::user("What is the capital of France?")],
-            &opts,
-        )
-        .unwrap();
+    let answer = m.chat(tokenizer(), &template, &question, &opts).unwrap();
     println!("template {template:?}\nanswer: {answer:?}");
     assert_eq!(answer.trim(), "The capital of France is Paris.");
 }

@@ -1,5 +1,6 @@
 //! In-process LLM tagger over [`lora_models::llama`]: any LLaMA-family instruct model (GGUF file
-//! or HF safetensors folder) with a ChatML template; SmolLM2-135M-Instruct (Q4_1 GGUF from the
+//! or HF safetensors folder) prompted through its own chat template (ChatML when it has none);
+//! SmolLM2-135M-Instruct (Q4_1 GGUF from the
 //! project's assets) by default.
 //!
 //! Batching: prompts of the same token length run together as one `[batch, seq]` micro-batch
@@ -119,8 +120,9 @@ impl LocalLlmTagger {
     /// from its metadata); a folder = an HF checkpoint (`config.json`, `model.safetensors`,
     /// `tokenizer.json`, chat template from `tokenizer_config.json`).
     ///
-    /// The chat template must be ChatML (`<|im_start|>`), as for SmolLM2, Qwen2/3 and most
-    /// small instruct models; a model without a recognised template gets plain ChatML.
+    /// The prompt is rendered with the model's own chat template (Jinja, as `transformers`
+    /// renders it); a model without one gets plain ChatML. Generation stops at the template's
+    /// end-of-turn token as well as the model's EOS ids.
     ///
     /// # Errors
     /// [`Error::Config`] for `max_batch_size` 0, `max_new_tokens` 0 or `top_p` outside (0, 1];
@@ -158,15 +160,7 @@ impl LocalLlmTagger {
         let (model, tokenizer, template, source_bytes) = if meta.is_dir() {
             let model = Llama::from_safetensors(&source, opts.weight_mode, opts.device)?;
             let tokenizer = load_tokenizer(source.join("tokenizer.json"))?;
-            let template = std::fs::read_to_string(source.join("tokenizer_config.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| {
-                    v.get("chat_template")
-                        .and_then(|c| c.as_str())
-                        .and_then(ChatTemplate::from_jinja)
-                })
-                .unwrap_or_else(ChatTemplate::chatml);
+            let template = ChatTemplate::from_folder(&source)?.unwrap_or_else(ChatTemplate::chatml);
             let bytes = std::fs::read_dir(&source)
                 .map(|d| {
                     d.filter_map(|e| e.ok()?.metadata().ok())
@@ -179,11 +173,14 @@ impl LocalLlmTagger {
             let file = GgufFile::open(&source)?;
             let model = Llama::from_gguf_file(&file, opts.weight_mode, opts.device)?;
             let tokenizer = tokenizer_from_gguf(&file)?;
-            let template = ChatTemplate::from_gguf(&file).unwrap_or_else(ChatTemplate::chatml);
+            let template = ChatTemplate::from_gguf(&file)?.unwrap_or_else(ChatTemplate::chatml);
             (model, tokenizer, template, meta.len())
         };
         let mut stop_ids: Vec<i64> = model.config().eos_token_id.clone();
-        if let Some(eot) = tokenizer.token_to_id(template.end_of_turn()) {
+        if let Some(eot) = template
+            .end_of_turn()
+            .and_then(|t| tokenizer.token_to_id(&t))
+        {
             stop_ids.push(eot.into());
         }
         let micro_batch = opts.max_batch_size;
@@ -246,11 +243,12 @@ impl LocalLlmTagger {
     /// Token ids of the full prompt (template applied, assistant turn opened) for `description`.
     ///
     /// # Errors
-    /// [`Error::Model`] when tokenizing fails.
+    /// [`Error::Model`] when the chat template refuses the conversation (e.g. a template without
+    /// a system role) or tokenizing fails.
     pub fn prompt_ids(&self, description: &str) -> Result<Vec<i64>> {
         let text = self
             .template
-            .apply(&self.opts.prompt.messages(description), true);
+            .apply(&self.opts.prompt.messages(description), true)?;
         Ok(self.tokenizer.encode(&text, false)?)
     }
 

@@ -76,8 +76,8 @@ impl TagPrompt {
     }
 
     /// The conversation for `description`: system, optional example user/assistant pair, then
-    /// the description as the user turn. Render it with a ChatML template (`<|im_start|>role\n…
-    /// <|im_end|>`) or send it as OpenAI `messages`.
+    /// the description as the user turn. Render it with the model's chat template or send it as
+    /// OpenAI `messages`.
     pub fn messages(&self, description: &str) -> Vec<ChatMessage> {
         let mut m = vec![ChatMessage::new("system", self.system.clone())];
         if self.few_shot {

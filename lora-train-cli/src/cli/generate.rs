@@ -1,4 +1,5 @@
-//! `lora-train generate`: text from a prompt, optionally as a ChatML user turn, with an adapter.
+//! `lora-train generate`: text from a prompt, optionally as a user turn of the model's chat
+//! template (ChatML when it has none), with an adapter.
 
 use super::{CliError, EXIT_OK};
 use lora_models::llama::GenerateOptions;
@@ -13,7 +14,7 @@ pub struct GenerateArgs<'a> {
     pub adapter: Option<&'a Path>,
     /// Prompt text.
     pub prompt: &'a str,
-    /// Wrap the prompt as a ChatML user turn and open the assistant turn.
+    /// Wrap the prompt as a user turn of the model's chat template and open the assistant turn.
     pub chat: bool,
     /// System prompt for `--chat`.
     pub system: Option<&'a str>,
@@ -54,15 +55,25 @@ pub fn check(a: &GenerateArgs<'_>) -> Result<(), CliError> {
 pub fn run(a: &GenerateArgs<'_>) -> Result<i32, CliError> {
     check(a)?;
     let m = super::model::load(a.model, a.adapter)?;
-    let text = if a.chat {
-        let mut msgs = Vec::new();
-        if let Some(s) = a.system {
-            msgs.push(ChatMessage::new("system", s));
-        }
-        msgs.push(ChatMessage::user(a.prompt));
-        ChatTemplate::chatml().apply(&msgs, true)
+    let template = if a.chat {
+        Some(
+            ChatTemplate::for_model(a.model)
+                .map_err(|e| super::bad_input(a.model, format!("chat template: {e}")))?,
+        )
     } else {
-        a.prompt.to_string()
+        None
+    };
+    let text = match &template {
+        Some(t) => {
+            let mut msgs = Vec::new();
+            if let Some(s) = a.system {
+                msgs.push(ChatMessage::new("system", s));
+            }
+            msgs.push(ChatMessage::user(a.prompt));
+            t.apply(&msgs, true)
+                .map_err(|e| CliError::usage(format!("--chat: {e}")))?
+        }
+        None => a.prompt.to_string(),
     };
     let ids = m
         .tokenizer
@@ -76,8 +87,10 @@ pub fn run(a: &GenerateArgs<'_>) -> Result<i32, CliError> {
         seed: a.seed,
         ..Default::default()
     };
-    if a.chat
-        && let Some(id) = m.tokenizer.token_to_id("<|im_end|>")
+    if let Some(id) = template
+        .as_ref()
+        .and_then(|t| t.end_of_turn())
+        .and_then(|eot| m.tokenizer.token_to_id(&eot))
     {
         opts.stop_tokens.push(i64::from(id));
     }

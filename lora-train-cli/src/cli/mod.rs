@@ -157,7 +157,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Generate text from a prompt (optionally as a ChatML user turn), with or without an adapter.
+    /// Generate text from a prompt (optionally as a chat user turn), with or without an adapter.
     Generate {
         /// Base model (GGUF file or HF folder).
         #[arg(long, short)]
@@ -168,7 +168,7 @@ pub enum Command {
         /// The prompt.
         #[arg(long, short)]
         prompt: String,
-        /// Wrap the prompt in the ChatML template (user turn, then the assistant turn opens).
+        /// Wrap the prompt in the model's chat template (ChatML when it has none).
         #[arg(long)]
         chat: bool,
         /// System message for --chat.

@@ -249,7 +249,7 @@ pub enum DataFormat {
     Jsonl,
     /// Alpaca instruction/input/output records.
     Alpaca,
-    /// Chat messages (ChatML).
+    /// Chat messages, rendered with the model's chat template (ChatML when it has none).
     Chat,
     /// kohya image folders with caption sidecars.
     Images,

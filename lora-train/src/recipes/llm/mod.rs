@@ -506,6 +506,26 @@ impl RunSteps for LlmSteps {
         ));
         let (mut model, tok) =
             load_base(&base_path, cfg.model.weights, cfg.model.dtype, ctx.device)?;
+        // chat data is rendered with the model's own template, ChatML when it has none
+        let template = match cfg.data.format {
+            crate::config::DataFormat::Alpaca | crate::config::DataFormat::Chat => {
+                let t =
+                    lora_models::tokenizer::ChatTemplate::for_model(&base_path).map_err(|e| {
+                        JobError::Input(format!(
+                            "{e}; the model's chat template cannot be used — fix it in the \
+                             model's files or use another base"
+                        ))
+                    })?;
+                ctx.say(&match &t {
+                    lora_models::tokenizer::ChatTemplate::Jinja(j) => {
+                        format!("chat template: the model's own ({})", j.name())
+                    }
+                    _ => "chat template: ChatML (the model has none)".to_string(),
+                });
+                Some(t.to_data_template())
+            }
+            _ => None,
+        };
         if crate::engine::stop_requested() {
             return Err(ctx.interrupted_before_training());
         }
@@ -536,6 +556,7 @@ impl RunSteps for LlmSteps {
         Ok(LlmRun {
             model,
             tok,
+            template,
             lcfg,
             snapshot_template,
             data_written,
@@ -557,6 +578,8 @@ impl RunSteps for LlmSteps {
 struct LlmRun {
     model: lora_models::llama::Llama,
     tok: lora_models::tokenizer::Tokenizer,
+    /// The renderer of alpaca/chat data: the model's chat template (`None` for other formats).
+    template: Option<std::sync::Arc<dyn lora_data::text::ChatTemplate>>,
     lcfg: lora_core::config::LoraConfig,
     /// The injected adapter, for the snapshots at each save (when the run saves).
     snapshot_template: Option<lora_core::formats::AdapterWeights>,
@@ -641,6 +664,10 @@ impl LoadedRun for LlmRun {
             eos_token_id: tok.eos_id,
             pad_token_id: tok.pad_id.or(tok.eos_id).unwrap_or(0),
             seed: cfg.system.seed,
+            template: match &self.template {
+                Some(t) => t.clone(),
+                None => TextConfig::default().template,
+            },
             ..TextConfig::default()
         };
         let (train_ds, eval_ids, data_stats) = if matches!(text_cfg.format, TextFormat::Plain) {
