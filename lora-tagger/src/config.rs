@@ -207,6 +207,9 @@ pub enum Architecture {
     Auto,
     /// torchvision MobileNetV2.
     MobilenetV2,
+    /// An ONNX graph (`model.onnx`) run by ONNX Runtime: SmilingWolf's WD14 taggers
+    /// ([`crate::image::onnx`]; needs the crate feature `onnx`).
+    Onnx,
 }
 
 /// The preprocessing preset (`image.preprocess`).
@@ -234,15 +237,22 @@ pub enum Head {
     Sigmoid,
     /// One distribution over all labels (single-label classifiers, ImageNet).
     Softmax,
+    /// The model's outputs are already probabilities, used as they are (WD14 ONNX exports end in
+    /// a sigmoid; `auto` picks this for them).
+    Probabilities,
 }
 
 /// `image`: the image tagger.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ImageSettings {
-    /// Model folder holding `model.safetensors` and `selected_tags.csv`
+    /// Model folder holding `model.safetensors` (or a WD14 `model.onnx`) and `selected_tags.csv`
     /// (default: `$LORA_SDK_ASSETS/mobilenet_v2`, else `assets/mobilenet_v2`).
     pub model: Option<PathBuf>,
+    /// The ONNX Runtime shared library (file, or the folder holding it) for `model.onnx` models;
+    /// default: `ORT_DYLIB_PATH`, else the `onnxruntime` Python package of the project's venv
+    /// ([`crate::image::onnx::find_onnxruntime`]).
+    pub onnxruntime: Option<PathBuf>,
     /// Backbone; default `auto`.
     pub architecture: Architecture,
     /// Preprocessing preset; default `auto`.
@@ -259,18 +269,28 @@ pub struct ImageSettings {
     pub general_threshold: Option<f32>,
     /// Minimum probability for a character tag (category 4). Default 0.85 (the WD14 taggers' default).
     pub character_threshold: f32,
+    /// Pick the general-tag threshold per image by MCut (the largest gap between sorted
+    /// probabilities; [`crate::image::mcut_threshold`]) instead of `general_threshold`, as the
+    /// WD14 v3 taggers' reference app offers (`general_mcut_enabled`). Default false.
+    pub general_mcut: bool,
+    /// The same for character tags, never below 0.15 (the reference's floor;
+    /// `character_mcut_enabled`). Default false.
+    pub character_mcut: bool,
 }
 
 impl Default for ImageSettings {
     fn default() -> Self {
         ImageSettings {
             model: None,
+            onnxruntime: None,
             architecture: Architecture::Auto,
             preprocess: PreprocessKind::Auto,
             input_size: None,
             head: Head::Auto,
             general_threshold: None,
             character_threshold: 0.85,
+            general_mcut: false,
+            character_mcut: false,
         }
     }
 }
@@ -395,12 +415,21 @@ const KEYS: &[(&str, Ty)] = &[
     ("memory_management.cache_size", Ty::UInt),
     ("memory_management.cache_file", Ty::Str),
     ("image.model", Ty::Str),
-    ("image.architecture", Ty::Enum(&["auto", "mobilenet_v2"])),
+    ("image.onnxruntime", Ty::Str),
+    (
+        "image.architecture",
+        Ty::Enum(&["auto", "mobilenet_v2", "onnx"]),
+    ),
     ("image.preprocess", Ty::Enum(&["auto", "wd14", "imagenet"])),
     ("image.input_size", Ty::PosInt),
-    ("image.head", Ty::Enum(&["auto", "sigmoid", "softmax"])),
+    (
+        "image.head",
+        Ty::Enum(&["auto", "sigmoid", "softmax", "probabilities"]),
+    ),
     ("image.general_threshold", Ty::Float(0.0, 1.0)),
     ("image.character_threshold", Ty::Float(0.0, 1.0)),
+    ("image.general_mcut", Ty::Bool),
+    ("image.character_mcut", Ty::Bool),
     ("tags.replace_underscores", Ty::Bool),
     ("tags.lowercase", Ty::Bool),
     ("tags.escape_parentheses", Ty::Bool),
@@ -428,6 +457,9 @@ const ALIASES: &[(&str, &str)] = &[
     ("tags.trigger", "tags.always_first"),
     ("tags.keep_tokens", "tags.always_first"),
     ("captions.extension", "captions.caption_extension"),
+    // the WD14 reference app's names
+    ("image.general_mcut_enabled", "image.general_mcut"),
+    ("image.character_mcut_enabled", "image.character_mcut"),
 ];
 
 impl TaggerConfig {
@@ -843,6 +875,13 @@ memory_management:
         let c = TaggerConfig::from_yaml_str("llm:\n  backend: http\n  concurrency: 4\n").unwrap();
         assert_eq!(c.llm.backend, Some(LlmBackend::Http));
         assert_eq!(c.llm.concurrency, Some(4));
+        // the WD14 reference app's names
+        let c = TaggerConfig::from_yaml_str(
+            "image:\n  general_mcut_enabled: true\n  onnxruntime: /opt/ort\n",
+        )
+        .unwrap();
+        assert!(c.image.general_mcut && !c.image.character_mcut);
+        assert_eq!(c.image.onnxruntime.as_deref(), Some(Path::new("/opt/ort")));
         // The full default config round-trips through YAML.
         let d = TaggerConfig::default();
         let y = d.to_yaml().unwrap();
