@@ -436,6 +436,8 @@ const KEYS: &[(&str, Ty)] = &[
     ("tags.undesired_tags", Ty::StrList),
     ("tags.replacements", Ty::Replacements),
     ("tags.always_first", Ty::StrList),
+    ("tags.first_if_found", Ty::StrList),
+    ("tags.tag_replacement", Ty::Str),
     ("tags.max_tags", Ty::PosInt),
     ("tags.include_rating", Ty::Bool),
     ("tags.character_first", Ty::Bool),
@@ -456,6 +458,8 @@ const KEYS: &[(&str, Ty)] = &[
 const ALIASES: &[(&str, &str)] = &[
     ("tags.trigger", "tags.always_first"),
     ("tags.keep_tokens", "tags.always_first"),
+    // kohya's `--always_first_tags` moves found tags only
+    ("tags.always_first_tags", "tags.first_if_found"),
     ("captions.extension", "captions.caption_extension"),
     // the WD14 reference app's names
     ("image.general_mcut_enabled", "image.general_mcut"),
@@ -581,7 +585,28 @@ impl TaggerConfig {
         {
             *t = Value::Array(split_list(&s).into_iter().map(Value::String).collect());
         }
-        for key in ["/tags/always_first"] {
+        // kohya's `tag_replacement` string joins the `from=to` list.
+        if let Some(Value::String(spec)) = value
+            .pointer_mut("/tags")
+            .and_then(|t| t.as_object_mut())
+            .and_then(|t| t.remove("tag_replacement"))
+        {
+            let parsed =
+                crate::tags::parse_kohya_tag_replacement(&spec).map_err(|hint| Error::Config {
+                    key: "tags.tag_replacement".into(),
+                    value: format!("{spec:?}"),
+                    hint,
+                })?;
+            if let Some(tags) = value.pointer_mut("/tags").and_then(|t| t.as_object_mut()) {
+                let list = tags
+                    .entry("replacements")
+                    .or_insert_with(|| Value::Array(Vec::new()));
+                if let Value::Array(a) = list {
+                    a.extend(parsed.into_iter().map(Value::String));
+                }
+            }
+        }
+        for key in ["/tags/always_first", "/tags/first_if_found"] {
             if let Some(Value::String(s)) = value.pointer(key).cloned()
                 && let Some(t) = value.pointer_mut(key)
             {
@@ -875,13 +900,23 @@ memory_management:
         let c = TaggerConfig::from_yaml_str("llm:\n  backend: http\n  concurrency: 4\n").unwrap();
         assert_eq!(c.llm.backend, Some(LlmBackend::Http));
         assert_eq!(c.llm.concurrency, Some(4));
-        // the WD14 reference app's names
+        // kohya's tagger options as written
         let c = TaggerConfig::from_yaml_str(
-            "image:\n  general_mcut_enabled: true\n  onnxruntime: /opt/ort\n",
+            "tags:\n  always_first_tags: \"1girl, 1boy\"\n  tag_replacement: \"a\\\\,b,c;d,e\"\n  \
+             replacements: [\"x=y\"]\nimage:\n  general_mcut_enabled: true\n  onnxruntime: /opt/ort\n",
         )
         .unwrap();
+        assert_eq!(c.tags.first_if_found, vec!["1girl", "1boy"]);
+        assert_eq!(c.tags.replacements, vec!["x=y", "a,b=c", "d=e"]);
         assert!(c.image.general_mcut && !c.image.character_mcut);
         assert_eq!(c.image.onnxruntime.as_deref(), Some(Path::new("/opt/ort")));
+        let m = TaggerConfig::from_yaml_str("tags:\n  tag_replacement: \"a,b,c\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("tags.tag_replacement") && m.contains("source,target"),
+            "{m}"
+        );
         // The full default config round-trips through YAML.
         let d = TaggerConfig::default();
         let y = d.to_yaml().unwrap();
