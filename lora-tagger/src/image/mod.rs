@@ -220,6 +220,24 @@ pub fn mcut_threshold(probs: &[f32]) -> Option<f64> {
     Some((p[best] + p[best + 1]) / 2.0)
 }
 
+/// A category's threshold for one image.
+#[derive(Debug, Clone, Copy)]
+enum Cut {
+    /// A fixed threshold: kept at or above it (kohya).
+    AtLeast(f32),
+    /// An MCut threshold: kept strictly above it, compared in float64 (the reference app).
+    Above(f64),
+}
+
+impl Cut {
+    fn keeps(self, p: f32) -> bool {
+        match self {
+            Cut::AtLeast(t) => p >= t,
+            Cut::Above(t) => p as f64 > t,
+        }
+    }
+}
+
 /// What turns a backbone's outputs into probabilities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Activation {
@@ -480,28 +498,21 @@ impl ImageTagger {
     ///
     /// Fixed thresholds keep tags at or above them (kohya); MCut thresholds keep tags strictly
     /// above them, with character tags' cut never below 0.15 (SmilingWolf's `app.py`).
-    pub fn select(&self, probs: &[f32]) -> Vec<ScoredTag> {
-        // (threshold, strict)
-        let keep =
-            |mcut: bool, cat: TagCategory, fixed: f32, floor: f64| -> Box<dyn Fn(f32) -> bool> {
-                match mcut
-                    .then(|| mcut_threshold(&self.category_probs(probs, cat)))
-                    .flatten()
-                {
-                    Some(t) => {
-                        let t = t.max(floor);
-                        Box::new(move |p: f32| p as f64 > t)
-                    }
-                    None => Box::new(move |p: f32| p >= fixed),
-                }
-            };
-        let keep_general = keep(
+    fn select(&self, probs: &[f32]) -> Vec<ScoredTag> {
+        let cut = |mcut: bool, cat: TagCategory, fixed: f32, floor: f64| match mcut
+            .then(|| mcut_threshold(&self.category_probs(probs, cat)))
+            .flatten()
+        {
+            Some(t) => Cut::Above(t.max(floor)),
+            None => Cut::AtLeast(fixed),
+        };
+        let general = cut(
             self.settings.general_mcut,
             TagCategory::General,
             self.general_threshold(),
             f64::NEG_INFINITY,
         );
-        let keep_character = keep(
+        let character = cut(
             self.settings.character_mcut,
             TagCategory::Character,
             self.settings.character_threshold,
@@ -514,8 +525,8 @@ impl ImageTagger {
                 TagCategory::Rating if best_rating.is_none_or(|(_, b)| p > b) => {
                     best_rating = Some((i, p));
                 }
-                TagCategory::General if keep_general(p) => out.push((i, p, cat)),
-                TagCategory::Character if keep_character(p) => out.push((i, p, cat)),
+                TagCategory::General if general.keeps(p) => out.push((i, p, cat)),
+                TagCategory::Character if character.keeps(p) => out.push((i, p, cat)),
                 _ => {}
             }
         }
