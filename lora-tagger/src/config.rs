@@ -207,6 +207,9 @@ pub enum Architecture {
     Auto,
     /// torchvision MobileNetV2.
     MobilenetV2,
+    /// An ONNX graph (`model.onnx`) run by ONNX Runtime: SmilingWolf's WD14 taggers
+    /// ([`crate::image::onnx`]; needs the crate feature `onnx`).
+    Onnx,
 }
 
 /// The preprocessing preset (`image.preprocess`).
@@ -234,15 +237,22 @@ pub enum Head {
     Sigmoid,
     /// One distribution over all labels (single-label classifiers, ImageNet).
     Softmax,
+    /// The model's outputs are already probabilities, used as they are (WD14 ONNX exports end in
+    /// a sigmoid; `auto` picks this for them).
+    Probabilities,
 }
 
 /// `image`: the image tagger.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ImageSettings {
-    /// Model folder holding `model.safetensors` and `selected_tags.csv`
+    /// Model folder holding `model.safetensors` (or a WD14 `model.onnx`) and `selected_tags.csv`
     /// (default: `$LORA_SDK_ASSETS/mobilenet_v2`, else `assets/mobilenet_v2`).
     pub model: Option<PathBuf>,
+    /// The ONNX Runtime shared library (file, or the folder holding it) for `model.onnx` models;
+    /// default: `ORT_DYLIB_PATH`, else the `onnxruntime` Python package of the project's venv
+    /// ([`crate::image::onnx::find_onnxruntime`]).
+    pub onnxruntime: Option<PathBuf>,
     /// Backbone; default `auto`.
     pub architecture: Architecture,
     /// Preprocessing preset; default `auto`.
@@ -259,18 +269,28 @@ pub struct ImageSettings {
     pub general_threshold: Option<f32>,
     /// Minimum probability for a character tag (category 4). Default 0.85 (the WD14 taggers' default).
     pub character_threshold: f32,
+    /// Pick the general-tag threshold per image by MCut (the largest gap between sorted
+    /// probabilities; [`crate::image::mcut_threshold`]) instead of `general_threshold`, as the
+    /// WD14 v3 taggers' reference app offers (`general_mcut_enabled`). Default false.
+    pub general_mcut: bool,
+    /// The same for character tags, never below 0.15 (the reference's floor;
+    /// `character_mcut_enabled`). Default false.
+    pub character_mcut: bool,
 }
 
 impl Default for ImageSettings {
     fn default() -> Self {
         ImageSettings {
             model: None,
+            onnxruntime: None,
             architecture: Architecture::Auto,
             preprocess: PreprocessKind::Auto,
             input_size: None,
             head: Head::Auto,
             general_threshold: None,
             character_threshold: 0.85,
+            general_mcut: false,
+            character_mcut: false,
         }
     }
 }
@@ -395,18 +415,29 @@ const KEYS: &[(&str, Ty)] = &[
     ("memory_management.cache_size", Ty::UInt),
     ("memory_management.cache_file", Ty::Str),
     ("image.model", Ty::Str),
-    ("image.architecture", Ty::Enum(&["auto", "mobilenet_v2"])),
+    ("image.onnxruntime", Ty::Str),
+    (
+        "image.architecture",
+        Ty::Enum(&["auto", "mobilenet_v2", "onnx"]),
+    ),
     ("image.preprocess", Ty::Enum(&["auto", "wd14", "imagenet"])),
     ("image.input_size", Ty::PosInt),
-    ("image.head", Ty::Enum(&["auto", "sigmoid", "softmax"])),
+    (
+        "image.head",
+        Ty::Enum(&["auto", "sigmoid", "softmax", "probabilities"]),
+    ),
     ("image.general_threshold", Ty::Float(0.0, 1.0)),
     ("image.character_threshold", Ty::Float(0.0, 1.0)),
+    ("image.general_mcut", Ty::Bool),
+    ("image.character_mcut", Ty::Bool),
     ("tags.replace_underscores", Ty::Bool),
     ("tags.lowercase", Ty::Bool),
     ("tags.escape_parentheses", Ty::Bool),
     ("tags.undesired_tags", Ty::StrList),
     ("tags.replacements", Ty::Replacements),
     ("tags.always_first", Ty::StrList),
+    ("tags.first_if_found", Ty::StrList),
+    ("tags.tag_replacement", Ty::Str),
     ("tags.max_tags", Ty::PosInt),
     ("tags.include_rating", Ty::Bool),
     ("tags.character_first", Ty::Bool),
@@ -427,7 +458,12 @@ const KEYS: &[(&str, Ty)] = &[
 const ALIASES: &[(&str, &str)] = &[
     ("tags.trigger", "tags.always_first"),
     ("tags.keep_tokens", "tags.always_first"),
+    // kohya's `--always_first_tags` moves found tags only
+    ("tags.always_first_tags", "tags.first_if_found"),
     ("captions.extension", "captions.caption_extension"),
+    // the WD14 reference app's names
+    ("image.general_mcut_enabled", "image.general_mcut"),
+    ("image.character_mcut_enabled", "image.character_mcut"),
 ];
 
 impl TaggerConfig {
@@ -549,7 +585,28 @@ impl TaggerConfig {
         {
             *t = Value::Array(split_list(&s).into_iter().map(Value::String).collect());
         }
-        for key in ["/tags/always_first"] {
+        // kohya's `tag_replacement` string joins the `from=to` list.
+        if let Some(Value::String(spec)) = value
+            .pointer_mut("/tags")
+            .and_then(|t| t.as_object_mut())
+            .and_then(|t| t.remove("tag_replacement"))
+        {
+            let parsed =
+                crate::tags::parse_kohya_tag_replacement(&spec).map_err(|hint| Error::Config {
+                    key: "tags.tag_replacement".into(),
+                    value: format!("{spec:?}"),
+                    hint,
+                })?;
+            if let Some(tags) = value.pointer_mut("/tags").and_then(|t| t.as_object_mut()) {
+                let list = tags
+                    .entry("replacements")
+                    .or_insert_with(|| Value::Array(Vec::new()));
+                if let Value::Array(a) = list {
+                    a.extend(parsed.into_iter().map(Value::String));
+                }
+            }
+        }
+        for key in ["/tags/always_first", "/tags/first_if_found"] {
             if let Some(Value::String(s)) = value.pointer(key).cloned()
                 && let Some(t) = value.pointer_mut(key)
             {
@@ -843,6 +900,23 @@ memory_management:
         let c = TaggerConfig::from_yaml_str("llm:\n  backend: http\n  concurrency: 4\n").unwrap();
         assert_eq!(c.llm.backend, Some(LlmBackend::Http));
         assert_eq!(c.llm.concurrency, Some(4));
+        // kohya's tagger options as written
+        let c = TaggerConfig::from_yaml_str(
+            "tags:\n  always_first_tags: \"1girl, 1boy\"\n  tag_replacement: \"a\\\\,b,c;d,e\"\n  \
+             replacements: [\"x=y\"]\nimage:\n  general_mcut_enabled: true\n  onnxruntime: /opt/ort\n",
+        )
+        .unwrap();
+        assert_eq!(c.tags.first_if_found, vec!["1girl", "1boy"]);
+        assert_eq!(c.tags.replacements, vec!["x=y", "a,b=c", "d=e"]);
+        assert!(c.image.general_mcut && !c.image.character_mcut);
+        assert_eq!(c.image.onnxruntime.as_deref(), Some(Path::new("/opt/ort")));
+        let m = TaggerConfig::from_yaml_str("tags:\n  tag_replacement: \"a,b,c\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("tags.tag_replacement") && m.contains("source,target"),
+            "{m}"
+        );
         // The full default config round-trips through YAML.
         let d = TaggerConfig::default();
         let y = d.to_yaml().unwrap();

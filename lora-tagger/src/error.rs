@@ -94,6 +94,14 @@ pub enum Error {
         /// libtorch's message.
         msg: String,
     },
+    /// ONNX Runtime could not be found or loaded, or a session could not be created or run.
+    #[error("onnx runtime: {what}: {msg}")]
+    OnnxRuntime {
+        /// What was being done (loading the library, the model file, running a batch).
+        what: String,
+        /// What ONNX Runtime said, or where the library was looked for and how to get it.
+        msg: String,
+    },
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

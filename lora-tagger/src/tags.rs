@@ -10,14 +10,24 @@
 //! 4. replacements (`from=to`; an empty `to` removes the tag), then undesired tags, compared
 //!    after normalization and case-insensitively;
 //! 5. dedupe (after normalization, case-insensitive, first occurrence wins);
-//! 6. keep at most [`PostProcess::max_tags`] (the always-first tags do not count);
-//! 7. put [`PostProcess::always_first`] in front, as written (the trigger word — kohya's
+//! 6. move each [`PostProcess::first_if_found`] tag the model found to the front, in turn (kohya's
+//!    `--always_first_tags`: the last one listed ends up first, as there);
+//! 7. keep at most [`PostProcess::max_tags`] (the always-first tags do not count);
+//! 8. put [`PostProcess::always_first`] in front, as written (the trigger word — kohya's
 //!    `keep_tokens` keeps that many leading tags fixed when it shuffles captions), removing their
 //!    duplicates from the rest;
-//! 8. escape parentheses (`(` → `\(`) when asked, for A1111 prompt syntax where bare
+//! 9. escape parentheses (`(` → `\(`) when asked, for A1111 prompt syntax where bare
 //!    parentheses mean emphasis.
 //!
 //! [`join_tags`] writes them joined with `", "`.
+//!
+//! kohya-ss `finetune/tag_images_by_wd14_tagger.py` options and their settings here:
+//! `--undesired_tags` → [`PostProcess::undesired_tags`], `--remove_underscore` →
+//! [`PostProcess::replace_underscores`] (on by default here), `--character_tags_first` →
+//! [`PostProcess::character_first`] (on by default here), `--always_first_tags` →
+//! [`PostProcess::first_if_found`], `--tag_replacement` → [`PostProcess::replacements`] through
+//! [`parse_kohya_tag_replacement`], `--use_rating_tags` → [`PostProcess::include_rating`].
+//! Tags are ordered by score, where kohya keeps the label file's order.
 
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +49,11 @@ pub struct PostProcess {
     pub replacements: Vec<String>,
     /// Tags written first, as written (trigger word, class word).
     pub always_first: Vec<String>,
+    /// Tags moved to the front when the model found them (kohya's `--always_first_tags`; config
+    /// `tags.first_if_found` or `tags.always_first_tags`): each found one is moved to the front in
+    /// turn, so the last one listed comes first. Unlike [`PostProcess::always_first`], a tag the
+    /// model did not find is not written.
+    pub first_if_found: Vec<String>,
     /// At most this many model tags (after the always-first ones); `None` = all above threshold.
     pub max_tags: Option<usize>,
     /// Keep rating tags (category 9). Default false.
@@ -56,6 +71,7 @@ impl Default for PostProcess {
             undesired_tags: Vec::new(),
             replacements: Vec::new(),
             always_first: Vec::new(),
+            first_if_found: Vec::new(),
             max_tags: None,
             include_rating: false,
             character_first: true,
@@ -112,6 +128,40 @@ pub fn tag_key(tag: &str) -> String {
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// Parses kohya's `--tag_replacement` (`source1,target1;source2,target2`, with `\,` and `\;`
+/// for literal commas and semicolons) into `from=to` replacements
+/// ([`PostProcess::replacements`]).
+///
+/// ```
+/// use lora_tagger::tags::parse_kohya_tag_replacement;
+/// let r = parse_kohya_tag_replacement(r"1girl,one girl;a\,b,c\;d").unwrap();
+/// assert_eq!(r, ["1girl=one girl", "a,b=c;d"]);
+/// assert!(parse_kohya_tag_replacement("no target").is_err());
+/// ```
+///
+/// # Errors
+/// A message naming the pair that is not `source,target` (kohya refuses it too).
+pub fn parse_kohya_tag_replacement(spec: &str) -> Result<Vec<String>, String> {
+    const COMMA: &str = "\u{1}";
+    const SEMI: &str = "\u{2}";
+    let escaped = spec.replace("\\,", COMMA).replace("\\;", SEMI);
+    escaped
+        .split(';')
+        .filter(|pair| !pair.trim().is_empty())
+        .map(|pair| {
+            let parts: Vec<&str> = pair.split(',').collect();
+            let [from, to] = parts[..] else {
+                return Err(format!(
+                    "{:?} is not `source,target` (escape commas in tags as `\\,`, semicolons as `\\;`)",
+                    pair.replace(COMMA, ",").replace(SEMI, ";")
+                ));
+            };
+            let un = |t: &str| t.replace(COMMA, ",").replace(SEMI, ";");
+            Ok(format!("{}={}", un(from), un(to)))
+        })
+        .collect()
 }
 
 /// Joins tags into a caption line with `", "`.
@@ -192,6 +242,13 @@ impl PostProcess {
                 continue;
             }
             out.push(tag);
+        }
+        for f in &self.first_if_found {
+            let k = tag_key(f);
+            if let Some(pos) = out.iter().position(|t| tag_key(t) == k) {
+                let t = out.remove(pos);
+                out.insert(0, t);
+            }
         }
         if let Some(m) = self.max_tags {
             out.truncate(m);
@@ -276,6 +333,7 @@ mod tests {
             undesired_tags: vec!["monochrome".into(), "Solo".into()],
             replacements: vec!["1girl=one girl".into(), "twintails=".into()],
             always_first: vec!["sks".into(), "Aqua_Hair".into()],
+            first_if_found: Vec::new(),
             max_tags: Some(4),
             include_rating: true,
             character_first: false,
@@ -316,5 +374,35 @@ mod tests {
             ["a photo", "tabby cat", "sks"]
         );
         assert_eq!(tag_key(r"Hood_\(Cloak\)"), "hood (cloak)");
+    }
+
+    #[test]
+    fn kohya_always_first_tags_move_found_tags_only() {
+        let pp = PostProcess {
+            // kohya's loop moves each found tag to the front in turn: the last listed ends first
+            first_if_found: vec!["solo".into(), "twintails".into(), "1boy".into()],
+            always_first: vec!["sks".into()],
+            max_tags: Some(3),
+            ..Default::default()
+        };
+        let out = pp.apply(&wd14_like());
+        assert_eq!(out, ["sks", "twintails", "solo", "hatsune miku"]);
+    }
+
+    #[test]
+    fn kohya_tag_replacement_feeds_the_replacements() {
+        let r =
+            parse_kohya_tag_replacement(r"long hair,long_hair_(style);hood (cloak),hood\, cloak")
+                .unwrap();
+        let pp = PostProcess {
+            replacements: r,
+            replace_underscores: false,
+            ..Default::default()
+        };
+        let out = pp.apply(&wd14_like());
+        assert!(out.contains(&"long_hair_(style)".to_string()), "{out:?}");
+        assert!(out.contains(&"hood, cloak".to_string()), "{out:?}");
+        let e = parse_kohya_tag_replacement("a,b;c").unwrap_err();
+        assert!(e.contains("\"c\""), "{e}");
     }
 }

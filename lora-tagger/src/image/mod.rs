@@ -1,23 +1,28 @@
 //! The image tagger: WD14-style tagging over a real model.
 //!
-//! A model folder holds `model.safetensors` and a WD14 label file `selected_tags.csv`
-//! ([`labels`]). The pipeline per image is the WD14 one: decode → preprocess ([`preprocess`]) →
-//! backbone logits → sigmoid (multi-label heads, as WD14's) or softmax (single-label classifiers)
-//! → per-category thresholds: general tags at `image.general_threshold`, character tags at
-//! `image.character_threshold`, and the single most likely rating tag.
+//! A model folder holds `model.safetensors` (or a WD14 `model.onnx`) and a WD14 label file
+//! `selected_tags.csv` ([`labels`]). The pipeline per image is the WD14 one: decode → preprocess
+//! ([`preprocess`]) → backbone logits → sigmoid (multi-label heads, as WD14's) or softmax
+//! (single-label classifiers), or nothing for graphs that output probabilities (WD14 ONNX) →
+//! per-category thresholds: general tags at `image.general_threshold`, character tags at
+//! `image.character_threshold` (or either by MCut, [`mcut_threshold`]), and the single most
+//! likely rating tag.
 //!
 //! # Backbones
 //! The network is a [`Backbone`]. Implemented: torchvision [`MobileNetV2`] (the ImageNet
 //! classifier `cargo xtask setup` converts into `assets/mobilenet_v2`, with the 1000 ImageNet
 //! class names written as a `selected_tags.csv` of category 0, so the WD14 code path is what
-//! runs). SmilingWolf's WD14 taggers (ConvNeXt, ViT, SwinV2; ONNX or timm safetensors) are not
-//! implemented yet: adding one means a type implementing [`Backbone`] (names as in the timm
-//! checkpoint, [`Preprocess::Wd14`] at 448, `multi_label() == true`), a variant of
-//! [`crate::config::Architecture`], and a branch in [`load_backbone`] that recognises its tensor
-//! names. ONNX files would first need converting to safetensors.
+//! runs), and, with the crate feature `onnx` (default), SmilingWolf's WD14 taggers as the Hugging
+//! Face repos ship them (`model.onnx` + `selected_tags.csv`, v2 and v3 layouts) through ONNX
+//! Runtime ([`onnx`]). Their timm safetensors checkpoints are not implemented: adding one means a
+//! type implementing [`Backbone`] (names as in the timm checkpoint, [`Preprocess::Wd14`] at 448,
+//! `multi_label() == true`), a variant of [`crate::config::Architecture`], and a branch in
+//! [`load_backbone`] that recognises its tensor names.
 
 pub mod labels;
 pub mod mobilenet_v2;
+#[cfg(feature = "onnx")]
+pub mod onnx;
 pub mod preprocess;
 
 use std::path::{Path, PathBuf};
@@ -44,6 +49,16 @@ pub trait Backbone: Send {
     fn layout(&self) -> Layout;
     /// True for multi-label heads (sigmoid, WD14), false for single-label classifiers (softmax).
     fn multi_label(&self) -> bool;
+    /// Where the network runs when not on libtorch (`"ONNX Runtime CPUExecutionProvider"`);
+    /// `None` (the default) for libtorch backbones, which run on the tagger's device.
+    fn runs_on(&self) -> Option<String> {
+        None
+    }
+    /// True when [`Backbone::forward`] already returns probabilities (the WD14 ONNX exports end
+    /// in a sigmoid): `image.head: auto` then applies no activation. Default false (logits).
+    fn outputs_probabilities(&self) -> bool {
+        false
+    }
     /// Number of outputs.
     fn num_labels(&self) -> usize;
     /// Logits.
@@ -74,11 +89,18 @@ pub fn load_backbone(
     if !file.exists() {
         let onnx = dir.join("model.onnx");
         let msg = if onnx.exists() {
-            format!(
-                "{} holds an ONNX model; only safetensors backbones are supported (convert it, \
-                 see lora_tagger::image docs)",
-                dir.display()
-            )
+            if cfg!(feature = "onnx") {
+                format!(
+                    "{} holds an ONNX model: load it with ImageTagger::from_config or \
+                     image::onnx::OnnxBackbone::load",
+                    dir.display()
+                )
+            } else {
+                format!(
+                    "{} holds an ONNX model; build lora-tagger with its `onnx` feature to run it",
+                    dir.display()
+                )
+            }
         } else {
             "no model.safetensors here; for the default MobileNetV2 run `cargo xtask setup`, \
              or set image.model / --model to a folder with model.safetensors + selected_tags.csv"
@@ -112,7 +134,117 @@ pub fn load_backbone(
         Architecture::MobilenetV2 | Architecture::Auto => {
             Ok(Box::new(MobileNetV2::load(&file, device, kind)?))
         }
+        Architecture::Onnx => Err(Error::Config {
+            key: "image.architecture".into(),
+            value: "onnx".into(),
+            hint: format!(
+                "{} has model.safetensors; `onnx` needs a model.onnx (or use `auto`)",
+                dir.display()
+            ),
+        }),
     }
+}
+
+/// True when `dir` is to be run as an ONNX model: `architecture: onnx`, or `auto` with a
+/// `model.onnx` and no `model.safetensors`.
+fn is_onnx_model(dir: &Path, arch: Architecture) -> bool {
+    match arch {
+        Architecture::Onnx => true,
+        Architecture::Auto => {
+            !dir.join("model.safetensors").exists() && dir.join("model.onnx").exists()
+        }
+        Architecture::MobilenetV2 => false,
+    }
+}
+
+/// Opens an ONNX model with the config's runtime, device and threads.
+#[cfg(feature = "onnx")]
+fn load_onnx(file: &Path, config: &TaggerConfig) -> Result<Box<dyn Backbone>> {
+    let auto = config
+        .model_settings
+        .device
+        .trim()
+        .eq_ignore_ascii_case("auto");
+    let device = if auto {
+        None
+    } else {
+        Some(config.model_settings.resolve_device()?)
+    };
+    let options = onnx::OnnxOptions {
+        runtime: config.image.onnxruntime.clone(),
+        device,
+        threads: None,
+    };
+    Ok(Box::new(onnx::OnnxBackbone::load(file, &options)?))
+}
+
+/// Without the `onnx` feature: an error that says how to get it.
+#[cfg(not(feature = "onnx"))]
+fn load_onnx(file: &Path, _config: &TaggerConfig) -> Result<Box<dyn Backbone>> {
+    Err(Error::Config {
+        key: "image.model".into(),
+        value: file.display().to_string(),
+        hint: "an ONNX model needs lora-tagger's `onnx` feature (on by default); rebuild with it"
+            .into(),
+    })
+}
+
+/// MCut (maximum cut) thresholding: the midpoint of the largest gap between consecutive
+/// probabilities sorted high to low (Largeron, Moulin & Géry 2012, "MCut: A Thresholding
+/// Strategy for Multi-label Classification"; `mcut_threshold` of SmilingWolf's `wd-tagger`
+/// `app.py`, which computes it in float64 as here). The first largest gap wins ties. `None` for
+/// fewer than two probabilities. Tags are then kept when strictly above it.
+///
+/// ```
+/// use lora_tagger::image::mcut_threshold;
+/// // sorted: 0.9, 0.8, 0.3, 0.2: the largest gap is 0.8 → 0.3, cut at 0.55
+/// let t = mcut_threshold(&[0.2, 0.9, 0.3, 0.8]).unwrap();
+/// assert!((t - 0.55).abs() < 1e-7);
+/// assert_eq!(mcut_threshold(&[0.5]), None);
+/// ```
+pub fn mcut_threshold(probs: &[f32]) -> Option<f64> {
+    if probs.len() < 2 {
+        return None;
+    }
+    let mut p: Vec<f64> = probs.iter().map(|&x| x as f64).collect();
+    p.sort_by(|a, b| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal));
+    let mut best = 0;
+    let mut best_gap = f64::NEG_INFINITY;
+    for i in 0..p.len() - 1 {
+        let gap = p[i] - p[i + 1];
+        if gap > best_gap {
+            best_gap = gap;
+            best = i;
+        }
+    }
+    Some((p[best] + p[best + 1]) / 2.0)
+}
+
+/// A category's threshold for one image.
+#[derive(Debug, Clone, Copy)]
+enum Cut {
+    /// A fixed threshold: kept at or above it (kohya).
+    AtLeast(f32),
+    /// An MCut threshold: kept strictly above it, compared in float64 (the reference app).
+    Above(f64),
+}
+
+impl Cut {
+    fn keeps(self, p: f32) -> bool {
+        match self {
+            Cut::AtLeast(t) => p >= t,
+            Cut::Above(t) => p as f64 > t,
+        }
+    }
+}
+
+/// What turns a backbone's outputs into probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Activation {
+    Sigmoid,
+    Softmax,
+    /// Outputs are probabilities already.
+    Identity,
 }
 
 /// Image tagger over a [`Backbone`] and a WD14 label file.
@@ -120,7 +252,7 @@ pub struct ImageTagger {
     backbone: Box<dyn Backbone>,
     labels: Labels,
     preprocess: Preprocess,
-    sigmoid: bool,
+    activation: Activation,
     settings: ImageSettings,
     device: Device,
     kind: Kind,
@@ -146,23 +278,45 @@ impl std::fmt::Debug for ImageTagger {
 impl ImageTagger {
     /// Loads the model folder `config.image.model_dir()` on the configured device and precision.
     ///
+    /// A folder with a `model.onnx` and no `model.safetensors` (or `image.architecture: onnx`)
+    /// runs through ONNX Runtime ([`onnx`], crate feature `onnx`), in float32, on the CUDA
+    /// provider when the device is CUDA (or `auto` with a GPU and `onnxruntime-gpu`); its batches
+    /// are staged on the CPU.
+    ///
     /// # Errors
-    /// [`Error::Config`] for a bad device or an fp16 CPU run; load errors as [`load_backbone`]
-    /// and [`read_selected_tags`]; [`Error::Format`] when the label count differs from the
-    /// model's outputs.
+    /// [`Error::Config`] for a bad device, an fp16 CPU run, or a precision other than fp32 for an
+    /// ONNX model; load errors as [`load_backbone`], [`onnx::OnnxBackbone::load`] and
+    /// [`read_selected_tags`]; [`Error::Format`] when the label count differs from the model's
+    /// outputs.
     pub fn from_config(config: &TaggerConfig) -> Result<Self> {
-        let device = config.model_settings.resolve_device()?;
-        let precision = config.model_settings.precision;
-        if device == Device::Cpu && precision == crate::config::Precision::Fp16 {
-            return Err(Error::Config {
-                key: "model_settings.precision".into(),
-                value: "fp16".into(),
-                hint: "fp16 convolutions are CUDA-only here; use fp32 or bf16 on the CPU".into(),
-            });
-        }
-        let kind = precision.kind();
         let dir = config.image.model_dir();
-        let backbone = load_backbone(&dir, config.image.architecture, device, kind)?;
+        let precision = config.model_settings.precision;
+        let onnx = is_onnx_model(&dir, config.image.architecture);
+        let (backbone, device, kind, model_file) = if onnx {
+            if precision != crate::config::Precision::Fp32 {
+                return Err(Error::Config {
+                    key: "model_settings.precision".into(),
+                    value: format!("{precision:?}").to_lowercase(),
+                    hint: "ONNX models run in the precision they were exported in; use fp32".into(),
+                });
+            }
+            let file = dir.join("model.onnx");
+            let backbone = load_onnx(&file, config)?;
+            (backbone, Device::Cpu, Kind::Float, file)
+        } else {
+            let device = config.model_settings.resolve_device()?;
+            if device == Device::Cpu && precision == crate::config::Precision::Fp16 {
+                return Err(Error::Config {
+                    key: "model_settings.precision".into(),
+                    value: "fp16".into(),
+                    hint: "fp16 convolutions are CUDA-only here; use fp32 or bf16 on the CPU"
+                        .into(),
+                });
+            }
+            let kind = precision.kind();
+            let backbone = load_backbone(&dir, config.image.architecture, device, kind)?;
+            (backbone, device, kind, dir.join("model.safetensors"))
+        };
         let labels = read_selected_tags(&dir.join("selected_tags.csv"))?;
         if labels.len() != backbone.num_labels() {
             return Err(Error::Format {
@@ -184,17 +338,20 @@ impl ImageTagger {
             PreprocessKind::Wd14 => Preprocess::Wd14 { size },
             PreprocessKind::Imagenet => Preprocess::Imagenet { size },
         };
-        let sigmoid = match config.image.head {
-            Head::Auto => backbone.multi_label(),
-            Head::Sigmoid => true,
-            Head::Softmax => false,
+        let activation = match config.image.head {
+            Head::Auto if backbone.outputs_probabilities() => Activation::Identity,
+            Head::Auto if backbone.multi_label() => Activation::Sigmoid,
+            Head::Auto => Activation::Softmax,
+            Head::Sigmoid => Activation::Sigmoid,
+            Head::Softmax => Activation::Softmax,
+            Head::Probabilities => Activation::Identity,
         };
+        let sigmoid = activation != Activation::Softmax;
         let digest = {
-            let bytes =
-                std::fs::read(dir.join("model.safetensors")).map_err(|source| Error::Io {
-                    path: dir.join("model.safetensors"),
-                    source,
-                })?;
+            let bytes = std::fs::read(&model_file).map_err(|source| Error::Io {
+                path: model_file.clone(),
+                source,
+            })?;
             hex::encode(Sha256::digest(&bytes))
         };
         let model_id = format!("{}@{}", backbone.name(), &digest[..12]);
@@ -207,7 +364,7 @@ impl ImageTagger {
             backbone,
             labels,
             preprocess,
-            sigmoid,
+            activation,
             settings: ImageSettings {
                 // Resolved here, so the cache key and the report carry the value in effect.
                 general_threshold: Some(config.image.general_threshold_for(sigmoid)),
@@ -233,12 +390,13 @@ impl ImageTagger {
     /// The minimum probability of a general tag in effect: `image.general_threshold`, or the
     /// default for the model's head (0.35 sigmoid / 0.05 softmax).
     pub fn general_threshold(&self) -> f32 {
-        self.settings.general_threshold_for(self.sigmoid)
+        self.settings.general_threshold_for(self.multi_label())
     }
 
-    /// True for a multi-label (sigmoid) head, false for a single-label (softmax) classifier.
+    /// True for a multi-label head (sigmoid, or probabilities as they come), false for a
+    /// single-label (softmax) classifier.
     pub fn multi_label(&self) -> bool {
-        self.sigmoid
+        self.activation != Activation::Softmax
     }
 
     /// The preprocessing in use.
@@ -251,9 +409,18 @@ impl ImageTagger {
         &self.labels
     }
 
-    /// The device the model runs on.
+    /// The device the model's input batches are staged on (the CPU for ONNX models, which
+    /// ONNX Runtime places itself: [`ImageTagger::runs_on`]).
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// Where the model runs, for reports: `libtorch Cpu`, `libtorch Cuda(0)`, or
+    /// `ONNX Runtime CUDAExecutionProvider` (with the library's path) for ONNX models.
+    pub fn runs_on(&self) -> String {
+        self.backbone
+            .runs_on()
+            .unwrap_or_else(|| format!("libtorch {:?}", self.device))
     }
 
     /// When false, the first micro-batch is `generation_settings.max_batch_size` regardless of
@@ -317,8 +484,40 @@ impl ImageTagger {
         self.backbone.forward(batch)
     }
 
+    /// The probabilities of one category, in label order.
+    fn category_probs(&self, probs: &[f32], category: TagCategory) -> Vec<f32> {
+        probs
+            .iter()
+            .zip(&self.labels.categories)
+            .filter(|(_, c)| **c == category)
+            .map(|(&p, _)| p)
+            .collect()
+    }
+
     /// Probabilities → tags for one image, by the thresholds (see the module docs), highest first.
+    ///
+    /// Fixed thresholds keep tags at or above them (kohya); MCut thresholds keep tags strictly
+    /// above them, with character tags' cut never below 0.15 (SmilingWolf's `app.py`).
     fn select(&self, probs: &[f32]) -> Vec<ScoredTag> {
+        let cut = |mcut: bool, cat: TagCategory, fixed: f32, floor: f64| match mcut
+            .then(|| mcut_threshold(&self.category_probs(probs, cat)))
+            .flatten()
+        {
+            Some(t) => Cut::Above(t.max(floor)),
+            None => Cut::AtLeast(fixed),
+        };
+        let general = cut(
+            self.settings.general_mcut,
+            TagCategory::General,
+            self.general_threshold(),
+            f64::NEG_INFINITY,
+        );
+        let character = cut(
+            self.settings.character_mcut,
+            TagCategory::Character,
+            self.settings.character_threshold,
+            0.15,
+        );
         let mut out = Vec::new();
         let mut best_rating: Option<(usize, f32)> = None;
         for (i, (&p, &cat)) in probs.iter().zip(&self.labels.categories).enumerate() {
@@ -326,10 +525,8 @@ impl ImageTagger {
                 TagCategory::Rating if best_rating.is_none_or(|(_, b)| p > b) => {
                     best_rating = Some((i, p));
                 }
-                TagCategory::General if p >= self.general_threshold() => out.push((i, p, cat)),
-                TagCategory::Character if p >= self.settings.character_threshold => {
-                    out.push((i, p, cat))
-                }
+                TagCategory::General if general.keeps(p) => out.push((i, p, cat)),
+                TagCategory::Character if character.keeps(p) => out.push((i, p, cat)),
                 _ => {}
             }
         }
@@ -367,14 +564,28 @@ impl ImageTagger {
                 drop(pixels);
                 let logits = self.logits(&batch)?;
                 drop(batch);
-                let p = if self.sigmoid {
-                    logits.f_sigmoid()?
-                } else {
-                    logits.f_softmax(-1, Kind::Float)?
+                let p = match self.activation {
+                    Activation::Sigmoid => logits.f_sigmoid()?,
+                    Activation::Softmax => logits.f_softmax(-1, Kind::Float)?,
+                    Activation::Identity => logits,
                 };
-                let p = p.f_to_device(Device::Cpu)?.f_contiguous()?;
+                let p = p
+                    .f_to_device(Device::Cpu)?
+                    .f_to_kind(Kind::Float)?
+                    .f_contiguous()?;
                 Vec::<f32>::try_from(&p.f_view([-1])?)?
             };
+            if self.activation == Activation::Identity
+                && let Some(bad) = probs.iter().find(|p| !(-1e-6..=1.0 + 1e-6).contains(*p))
+            {
+                return Err(Error::Format {
+                    path: PathBuf::from(&self.model_id),
+                    msg: format!(
+                        "the model output {bad}, not a probability; if it ends in logits, set \
+                         image.head: sigmoid"
+                    ),
+                });
+            }
             let l = self.labels.len();
             for (j, &i) in ok_idx.iter().enumerate() {
                 results[i] = Some(Ok(self.select(&probs[j * l..(j + 1) * l])));

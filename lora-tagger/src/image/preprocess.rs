@@ -5,9 +5,12 @@
 //! anything else (SmilingWolf's `wd-tagger` `app.py`, `prepare_image`; kohya-ss
 //! `finetune/tag_images_by_wd14_tagger.py`, `preprocess_image`).
 //!
-//! - [`wd14`]: pad to a square on white (image centered), resize to `size`×`size` with a bicubic
-//!   filter (Catmull-Rom; PIL's `BICUBIC` in `app.py`), channels in **BGR** order, values as float
-//!   0–255 (no normalisation).
+//! - [`wd14`]: pad to a square on white (image centered, left/top offset `(side − w) / 2`
+//!   rounded down), resize to `size`×`size` with PIL's `Image.BICUBIC` reproduced bit for bit
+//!   ([`resize_bicubic_pil`]; `app.py` resizes with it, skipping the resize when the square is
+//!   already `size`), channels in **BGR** order, values as float 0–255 (no normalisation). kohya's
+//!   script resizes with OpenCV's area filter (Lanczos when enlarging) instead: its pixels differ
+//!   by a few levels, its tags rarely.
 //! - [`imagenet`]: resize the shorter side to `round(size · 256 / 224)` (256 for 224) with a
 //!   bilinear filter, center crop `size`×`size` (top/left `round((h − size) / 2)`), **RGB**,
 //!   `/255`, then `(x − mean) / std` with mean `[0.485, 0.456, 0.406]` and std
@@ -126,13 +129,140 @@ pub fn wd14(img: &RgbImage, size: u32) -> Vec<f32> {
     let resized = if side == size {
         square
     } else {
-        image::imageops::resize(&square, size, size, FilterType::CatmullRom)
+        resize_bicubic_pil(&square, size, size)
     };
     let mut out = Vec::with_capacity((size * size * 3) as usize);
     for p in resized.pixels() {
         out.extend_from_slice(&[p[2] as f32, p[1] as f32, p[0] as f32]);
     }
     out
+}
+
+/// Fixed-point bits of PIL's 8-bit resampling coefficients (`PRECISION_BITS` in Pillow's
+/// `libImaging/Resample.c`: 32 − 8 − 2).
+const PIL_PRECISION_BITS: u32 = 22;
+
+/// PIL's bicubic kernel (`bicubic_filter`, a = −0.5), support 2.
+fn pil_bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// One axis of PIL's resampling: for each output index its first input index, the number of
+/// inputs, and fixed-point weights (`precompute_coeffs` then `normalize_coeffs_8bpc`).
+fn pil_coeffs(in_size: u32, out_size: u32) -> Vec<(usize, Vec<i32>)> {
+    let scale = in_size as f64 / out_size as f64;
+    let filterscale = scale.max(1.0);
+    let support = 2.0 * filterscale;
+    let ss = 1.0 / filterscale;
+    (0..out_size)
+        .map(|xx| {
+            let center = (xx as f64 + 0.5) * scale;
+            // C's `(int)` truncates toward zero; negative starts are clamped to 0 anyway.
+            let xmin = ((center - support + 0.5) as i64).max(0);
+            let xmax = ((center + support + 0.5) as i64).min(in_size as i64);
+            let w: Vec<f64> = (xmin..xmax)
+                .map(|x| pil_bicubic((x as f64 - center + 0.5) * ss))
+                .collect();
+            let total: f64 = w.iter().sum();
+            let k = w
+                .iter()
+                .map(|&v| {
+                    let v = if total != 0.0 { v / total } else { v };
+                    let f = v * (1u32 << PIL_PRECISION_BITS) as f64;
+                    if v < 0.0 {
+                        (f - 0.5) as i32
+                    } else {
+                        (f + 0.5) as i32
+                    }
+                })
+                .collect();
+            (xmin as usize, k)
+        })
+        .collect()
+}
+
+/// PIL's 8-bit rounding and clipping of a fixed-point sum (`clip8`).
+fn pil_clip8(acc: i32) -> u8 {
+    (acc >> PIL_PRECISION_BITS).clamp(0, 255) as u8
+}
+
+/// Resizes like Pillow's `Image.resize((width, height), Image.BICUBIC)` on an RGB image, bit for
+/// bit: Pillow's two-pass separable resampling (`libImaging/Resample.c`,
+/// `ImagingResampleInner`): kernel support scaled by the downscale factor, weights normalised
+/// then rounded to 22-bit fixed point, a horizontal pass over the rows the vertical pass needs
+/// (rounded and clipped to 8 bits), then the vertical pass. The WD14 taggers' reference
+/// preprocessing resizes with it.
+pub fn resize_bicubic_pil(img: &RgbImage, width: u32, height: u32) -> RgbImage {
+    let (w, h) = (img.width(), img.height());
+    if w == 0 || h == 0 || width == 0 || height == 0 {
+        return RgbImage::new(width, height);
+    }
+    let horiz = pil_coeffs(w, width);
+    let vert = pil_coeffs(h, height);
+    let need_h = width != w;
+    let need_v = height != h;
+    // Rows of the source the vertical pass reads.
+    let (y_first, y_last) = if need_v {
+        let first = vert[0].0;
+        let last = vert.last().map(|(s, k)| s + k.len()).unwrap_or(h as usize);
+        (first, last)
+    } else {
+        (0, h as usize)
+    };
+    let half = 1i32 << (PIL_PRECISION_BITS - 1);
+    let src = img.as_raw();
+    let (tmp, tmp_w, tmp_row0) = if need_h {
+        let rows = y_last - y_first;
+        let mut out = vec![0u8; rows * width as usize * 3];
+        for yy in 0..rows {
+            let row = &src[(yy + y_first) * w as usize * 3..(yy + y_first + 1) * w as usize * 3];
+            for (xx, (xmin, k)) in horiz.iter().enumerate() {
+                let mut acc = [half; 3];
+                for (i, &kv) in k.iter().enumerate() {
+                    let p = &row[(xmin + i) * 3..(xmin + i) * 3 + 3];
+                    for c in 0..3 {
+                        acc[c] += p[c] as i32 * kv;
+                    }
+                }
+                let o = (yy * width as usize + xx) * 3;
+                for c in 0..3 {
+                    out[o + c] = pil_clip8(acc[c]);
+                }
+            }
+        }
+        (out, width as usize, y_first)
+    } else {
+        (src.to_vec(), w as usize, 0)
+    };
+    if !need_v {
+        return RgbImage::from_raw(width, height, tmp)
+            .unwrap_or_else(|| RgbImage::new(width, height));
+    }
+    let mut out = vec![0u8; height as usize * tmp_w * 3];
+    for (yy, (ymin, k)) in vert.iter().enumerate() {
+        for xx in 0..tmp_w {
+            let mut acc = [half; 3];
+            for (i, &kv) in k.iter().enumerate() {
+                let o = ((ymin - tmp_row0 + i) * tmp_w + xx) * 3;
+                for c in 0..3 {
+                    acc[c] += tmp[o + c] as i32 * kv;
+                }
+            }
+            let o = (yy * tmp_w + xx) * 3;
+            for c in 0..3 {
+                out[o + c] = pil_clip8(acc[c]);
+            }
+        }
+    }
+    RgbImage::from_raw(width, height, out).unwrap_or_else(|| RgbImage::new(width, height))
 }
 
 /// ImageNet preprocessing of a decoded image (see the module docs): `[size, size, 3]` RGB f32,

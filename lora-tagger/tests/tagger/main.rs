@@ -10,3 +10,5 @@ mod image_tagger;
 mod llm_http;
 mod llm_local;
 mod llm_server;
+#[cfg(feature = "onnx")]
+mod wd14_onnx;

@@ -36,7 +36,8 @@ pub struct TagArgs {
     /// Tagger config (.yaml, .yml or .toml; see examples/configs/tagger.yaml).
     #[arg(long, short)]
     pub config: Option<PathBuf>,
-    /// Image model folder (model.safetensors + selected_tags.csv); default mobilenet_v2/ in the
+    /// Image model folder (model.safetensors, or a WD14 model.onnx, + selected_tags.csv);
+    /// default mobilenet_v2/ in the
     /// project's assets: $LORA_SDK_ASSETS, else ./assets, else the assets/ folder beside the
     /// executable or up to two folders above it (target/debug/lora-train finds the workspace's).
     #[arg(long, value_name = "DIR")]
@@ -48,13 +49,51 @@ pub struct TagArgs {
     #[arg(long)]
     pub dry_run: bool,
     /// Caption file extension (default .txt).
-    #[arg(long, value_name = "EXT")]
+    #[arg(long, value_name = "EXT", alias = "caption_extension")]
     pub caption_extension: Option<String>,
     /// Minimum probability of a general tag (image.general_threshold; default by the model's
     /// head: 0.05 for single-label softmax classifiers such as the built-in MobileNetV2, 0.35
     /// for multi-label sigmoid taggers such as WD14).
-    #[arg(long)]
+    #[arg(
+        long,
+        visible_alias = "general-threshold",
+        aliases = ["general_threshold", "thresh"]
+    )]
     pub threshold: Option<f32>,
+    /// Minimum probability of a character tag (image.character_threshold; default 0.85).
+    #[arg(long, alias = "character_threshold", value_name = "P")]
+    pub character_threshold: Option<f32>,
+    /// Choose the general-tag threshold per image by MCut (image.general_mcut), as the WD14 v3
+    /// taggers' reference app offers.
+    #[arg(long, alias = "general_mcut_enabled")]
+    pub general_mcut: bool,
+    /// Choose the character-tag threshold per image by MCut, at least 0.15
+    /// (image.character_mcut).
+    #[arg(long, alias = "character_mcut_enabled")]
+    pub character_mcut: bool,
+    /// The ONNX Runtime shared library (or its folder) for model.onnx models (image.onnxruntime;
+    /// default ORT_DYLIB_PATH, else the onnxruntime Python package of the project's venv).
+    #[arg(long, value_name = "PATH")]
+    pub onnxruntime: Option<PathBuf>,
+    /// Comma-separated tags never written (tags.undesired_tags; kohya's --undesired_tags).
+    #[arg(long, value_name = "TAGS", alias = "undesired_tags")]
+    pub undesired_tags: Option<String>,
+    /// Underscores → spaces in tags longer than 3 characters (tags.replace_underscores; on by
+    /// default here, kohya's --remove_underscore).
+    #[arg(long, alias = "remove_underscore")]
+    pub remove_underscore: bool,
+    /// Character tags before general tags (tags.character_first; on by default here, kohya's
+    /// --character_tags_first).
+    #[arg(long, alias = "character_tags_first")]
+    pub character_tags_first: bool,
+    /// Comma-separated tags moved to the front when found (tags.first_if_found; kohya's
+    /// --always_first_tags: the last one listed ends up first).
+    #[arg(long, value_name = "TAGS", alias = "always_first_tags")]
+    pub always_first_tags: Option<String>,
+    /// Tag replacements as kohya writes them: `source1,target1;source2,target2`, `\,` and `\;`
+    /// for literal commas and semicolons (added to tags.replacements).
+    #[arg(long, value_name = "SPEC", alias = "tag_replacement")]
+    pub tag_replacement: Option<String>,
     /// A word written first in every caption (trigger word); repeat for several.
     #[arg(long, value_name = "WORD")]
     pub trigger: Vec<String>,
@@ -104,6 +143,46 @@ fn load_config(a: &TagArgs) -> Result<TaggerConfig, CliError> {
             )));
         }
         cfg.image.general_threshold = Some(t);
+    }
+    if let Some(t) = a.character_threshold {
+        if !(0.0..=1.0).contains(&t) {
+            return Err(CliError::usage(format!(
+                "--character-threshold {t}: must be a probability in [0, 1]"
+            )));
+        }
+        cfg.image.character_threshold = t;
+    }
+    if a.general_mcut {
+        cfg.image.general_mcut = true;
+    }
+    if a.character_mcut {
+        cfg.image.character_mcut = true;
+    }
+    if let Some(p) = &a.onnxruntime {
+        cfg.image.onnxruntime = Some(p.clone());
+    }
+    let list = |s: &str| -> Vec<String> {
+        s.split(',')
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .collect()
+    };
+    if let Some(u) = &a.undesired_tags {
+        cfg.tags.undesired_tags.extend(list(u));
+    }
+    if a.remove_underscore {
+        cfg.tags.replace_underscores = true;
+    }
+    if a.character_tags_first {
+        cfg.tags.character_first = true;
+    }
+    if let Some(f) = &a.always_first_tags {
+        cfg.tags.first_if_found = list(f);
+    }
+    if let Some(spec) = &a.tag_replacement {
+        let r = lora_tagger::tags::parse_kohya_tag_replacement(spec)
+            .map_err(|e| CliError::usage(format!("--tag-replacement: {e}")))?;
+        cfg.tags.replacements.extend(r);
     }
     if !a.trigger.is_empty() {
         cfg.tags.always_first = a.trigger.clone();
@@ -241,9 +320,9 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
     let mut inner = ImageTagger::from_config(cfg).map_err(tag_err)?;
     inner.set_callback(Some(Box::new(|e| eprintln!("  {e}"))));
     eprintln!(
-        "model {} on {:?} ({:?}), loaded in {:.2} s; {} images",
+        "model {} on {} ({:?}), loaded in {:.2} s; {} images",
         inner.model_id(),
-        inner.device(),
+        inner.runs_on(),
         inner.preprocess(),
         t_load.elapsed().as_secs_f64(),
         images.len()

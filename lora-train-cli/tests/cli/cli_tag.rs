@@ -396,3 +396,97 @@ fn a_dirty_folder_names_every_image_it_cannot_tag_in_the_words_training_uses() {
         "{out}"
     );
 }
+
+/// A WD14 ONNX model folder (`python/wd14_onnx_fixture.py`: random weights, the v3 layout, run
+/// by the venv's ONNX Runtime) with kohya's tagger options spelled as kohya spells them: each
+/// caption holds the reference post-processing's picks (general ≥ 0.35, character ≥ 0.85), minus
+/// the undesired tag, with the replacement, the found always-first tags in front (the last one
+/// listed first) and kohya's caption extension.
+#[test]
+fn a_wd14_onnx_model_tags_with_kohyas_options() {
+    let python = std::env::var_os("LORA_SDK_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("../.venv/bin/python"));
+    let names = ["chelsea.png", "coffee.png", "motorcycle_left.png"];
+    let photos: Vec<PathBuf> = names
+        .iter()
+        .map(|n| assets().join("skimage").join(n))
+        .collect();
+    let fx = tempfile::tempdir().unwrap();
+    let res = Command::new(python)
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../python/wd14_onnx_fixture.py"))
+        .arg("--out")
+        .arg(fx.path())
+        .arg("--images")
+        .args(&photos)
+        .output()
+        .unwrap();
+    assert!(res.status.success(), "{}", text(&res));
+    let picks: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fx.path().join("selections.json")).unwrap())
+            .unwrap();
+    let fixed = |i: usize| -> Vec<String> {
+        picks[i]["fixed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect()
+    };
+    // kohya's --remove_underscore rule
+    let norm = |t: &str| {
+        if t.chars().count() > 3 {
+            t.replace('_', " ")
+        } else {
+            t.to_string()
+        }
+    };
+    let p0 = fixed(0);
+    let (undesired, replaced, first_a, first_b) = (&p0[0], &p0[1], &p0[2], &p0[3]);
+
+    let dir = tempfile::tempdir().unwrap();
+    for (n, p) in names.iter().zip(&photos) {
+        std::fs::copy(p, dir.path().join(n)).unwrap();
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .arg("tag")
+        .arg("--images")
+        .arg(dir.path())
+        .arg("--model")
+        .arg(fx.path().join("v3"))
+        .args(["--undesired_tags", &format!("{undesired}, not_a_tag")])
+        .args(["--tag_replacement", &format!("{replaced},kitty")])
+        .args(["--always_first_tags", &format!("{first_a},{first_b}")])
+        .args(["--caption_extension", ".caption"])
+        .args(["--remove_underscore", "--character_tags_first"])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("ONNX Runtime CPUExecutionProvider"), "{out}");
+    for (i, n) in names.iter().enumerate() {
+        let stem = n.trim_end_matches(".png");
+        assert!(!dir.path().join(format!("{stem}.txt")).exists());
+        let caption = std::fs::read_to_string(dir.path().join(format!("{stem}.caption"))).unwrap();
+        let tags: Vec<String> = caption.trim().split(", ").map(String::from).collect();
+        let mut want: Vec<String> = fixed(i)
+            .iter()
+            .filter(|t| *t != undesired)
+            .map(|t| {
+                if t == replaced {
+                    "kitty".into()
+                } else {
+                    norm(t)
+                }
+            })
+            .collect();
+        want.sort();
+        let mut got = tags.clone();
+        got.sort();
+        assert_eq!(got, want, "{n}: {caption}");
+        if i == 0 {
+            assert_eq!(tags[..2], [norm(first_b), norm(first_a)], "{caption}");
+        }
+    }
+}
