@@ -398,7 +398,11 @@ fn multires_noise_has_unit_variance_and_spatial_correlation() {
     assert_eq!(m.kind(), Kind::Float);
     let std = m.std(true).double_value(&[]);
     assert!((std - 1.0).abs() < 1e-5, "std {std}");
-    assert!(m.mean(Kind::Float).double_value(&[]).abs() < 0.1);
+    // the coarsest levels add one offset per (image, channel): the mean of 16 such offsets
+    // (weight ≈ 0.8^5 of the total before rescaling) is small but not tiny, and the draws
+    // depend on what other tests take from the shared generator meanwhile
+    let mean = m.mean(Kind::Float).double_value(&[]);
+    assert!(mean.abs() < 0.3, "mean {mean}");
     let corr = neighbour_corr(&m);
     // white noise: no correlation between neighbours; the coarse levels add some
     assert!(plain.abs() < 0.02, "white {plain}");

@@ -282,3 +282,35 @@ fn a_pytorch_process_joins_our_group_as_a_peer() {
         "what PyTorch's rank saw"
     );
 }
+
+#[test]
+fn rendezvous_failures_are_errors_that_say_where() {
+    if std::env::var("LORA_DIST_TEST_OUT").is_ok() {
+        return;
+    }
+    assert!(ProcessGroup::gloo_available(), "this build has no Gloo");
+    // rank 0 cannot serve the store on a port another program holds
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let e = ProcessGroup::new_gloo("127.0.0.1", port, 0, 2, Duration::from_secs(5))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("127.0.0.1:{port}")) && e.contains("rank 0 of 2"),
+        "{e}"
+    );
+    drop(held);
+    // rank 1 waits for a rank 0 that never comes: a timeout, not a hang
+    let port = free_port();
+    let t = Instant::now();
+    let e = ProcessGroup::new_gloo("127.0.0.1", port, 1, 2, Duration::from_secs(3))
+        .unwrap_err()
+        .to_string();
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    assert!(e.contains("rank 1 of 2"), "{e}");
+    // a rank outside the world is refused before any connection
+    let e = ProcessGroup::new_gloo("127.0.0.1", port, 2, 2, Duration::from_secs(1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 2") && e.contains("world_size 2"), "{e}");
+}
