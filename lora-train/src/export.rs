@@ -230,7 +230,11 @@ pub fn export_run(
 ) -> Result<Vec<PathBuf>> {
     let mut w = AdapterWeights::from_model(model, adapter_name)?;
     w.metadata = metadata;
-    if let Some(kind) = crate::job::lower::save_kind(cfg) {
+    if let Some(kind) = cfg
+        .train
+        .save_precision
+        .map(crate::config::SavePrecision::kind)
+    {
         w = w.to_kind(kind)?;
     }
     write_formats(&w, template, cfg, output_dir, &cfg.train.output_name)

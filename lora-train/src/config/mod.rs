@@ -278,6 +278,17 @@ pub enum SavePrecision {
     Bf16,
 }
 
+impl SavePrecision {
+    /// The tensor dtype of the adapter files.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            SavePrecision::F32 => tch::Kind::Float,
+            SavePrecision::F16 => tch::Kind::Half,
+            SavePrecision::Bf16 => tch::Kind::BFloat16,
+        }
+    }
+}
+
 /// Export formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]

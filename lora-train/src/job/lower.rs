@@ -51,16 +51,6 @@ pub fn warmup_steps(t: &crate::config::TrainSection, total_steps: u64) -> u64 {
     }
 }
 
-/// The dtype of a run's adapter files (`train.save_precision`, kohya's `float` / `fp16` /
-/// `bf16`); `None` = as trained.
-pub fn save_kind(cfg: &TrainConfig) -> Option<tch::Kind> {
-    cfg.train.save_precision.map(|p| match p {
-        crate::config::SavePrecision::F32 => tch::Kind::Float,
-        crate::config::SavePrecision::F16 => tch::Kind::Half,
-        crate::config::SavePrecision::Bf16 => tch::Kind::BFloat16,
-    })
-}
-
 /// The PEFT `LoraConfig` of a run.
 ///
 /// # Errors

@@ -109,7 +109,9 @@ impl AdapterSnapshots {
             writer,
             out_dir,
             &cfg.train.output_name,
-            crate::job::lower::save_kind(cfg),
+            cfg.train
+                .save_precision
+                .map(crate::config::SavePrecision::kind),
             Keep {
                 last_n_steps: cfg.train.save_last_n_steps,
                 last_n_epochs: cfg.train.save_last_n_epochs,

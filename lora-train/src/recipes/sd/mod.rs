@@ -866,7 +866,9 @@ impl LoadedRun for SdRun {
                         "default",
                         meta.clone(),
                         &p,
-                        crate::job::lower::save_kind(cfg),
+                        cfg.train
+                            .save_precision
+                            .map(crate::config::SavePrecision::kind),
                     )
                     .during("writing the kohya adapter")?;
                     outputs.push(p);
@@ -876,7 +878,9 @@ impl LoadedRun for SdRun {
                         pipe,
                         "default",
                         &ctx.out_dir.join(&cfg.train.output_name),
-                        crate::job::lower::save_kind(cfg),
+                        cfg.train
+                            .save_precision
+                            .map(crate::config::SavePrecision::kind),
                     )
                     .during("writing the diffusers adapter")?;
                     outputs.push(p);
