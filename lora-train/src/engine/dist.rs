@@ -8,6 +8,18 @@
 //! `SLURM_NTASKS_PER_NODE` and the first host of `SLURM_JOB_NODELIST` stand in for them (the
 //! mapping Lightning's and accelerate's SLURM environments use). Kubernetes' PyTorchJob sets
 //! torchrun's variables itself.
+//!
+//! # Where a sharded frozen base plugs in (next)
+//!
+//! Data parallelism replicates the frozen base on every rank; only the adapter's gradients
+//! travel. Sharding the base (FSDP-style, the way Answer.AI's fsdp_qlora fits a 70B QLoRA on
+//! 2 × 24 GB) keeps this hook and adds one below the model: each rank loads only its slice of
+//! every frozen linear (the GGUF / safetensors readers already load by tensor and by row range),
+//! and a layer's forward all-gathers the full weight just before use and drops it right after
+//! (`all_gather` through the same process group), the backward doing the same; the quantized
+//! bases gather their packed codes, not dequantized weights. The adapter stays replicated and
+//! [`GradSync`] stays as it is. The planner's per-rank terms then divide the base by the world
+//! size and add one gathered layer of working set.
 
 use super::{Result, TrainError};
 use tch::Tensor;
