@@ -40,8 +40,13 @@ fn metadata(root: &Path) -> Result<serde_json::Value> {
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-fn version_tuple(v: &str) -> Vec<u64> {
-    v.split('.').map(|p| p.parse().unwrap_or(0)).collect()
+/// `major.minor.patch` as numbers, missing parts 0: `"1.88"` and `"1.88.0"` compare equal.
+fn version_tuple(v: &str) -> [u64; 3] {
+    let mut out = [0; 3];
+    for (slot, part) in out.iter_mut().zip(v.split('.')) {
+        *slot = part.trim().parse().unwrap_or(0);
+    }
+    out
 }
 
 /// The workspace's `rust-version` holds: no dependency declares a newer one, and clippy's
@@ -410,4 +415,17 @@ pub fn consumer(root: &Path, env: &Env) -> Result<()> {
         t_apps.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::version_tuple;
+
+    #[test]
+    fn rust_versions_compare_with_missing_parts_as_zero() {
+        assert_eq!(version_tuple("1.88"), version_tuple("1.88.0"));
+        assert!(version_tuple("1.88.1") > version_tuple("1.88"));
+        assert!(version_tuple("1.92") > version_tuple("1.88.0"));
+        assert!(version_tuple("1.9") < version_tuple("1.88"));
+    }
 }
