@@ -104,7 +104,15 @@ fn two_workers_train_the_adapter_of_one_process_accumulating_two_micro_batches()
         let ck = d.join(format!("dp/checkpoints/step-{step:08}"));
         assert!(ck.is_dir(), "{} missing", ck.display());
     }
-    assert!(d.join("dp/summary.json").is_file());
+    // the summary counts what both ranks trained on: the single run's tokens
+    let tokens = |run: &str| -> u64 {
+        let text = std::fs::read_to_string(d.join(run).join("summary.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()["tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(tokens("dp"), tokens("single"));
+    assert!(tokens("dp") > 0);
 }
 
 #[test]

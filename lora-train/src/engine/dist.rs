@@ -43,6 +43,15 @@ pub trait GradSync {
     /// A failed collective.
     fn broadcast_parameters(&mut self, params: &[Tensor]) -> Result<()>;
 
+    /// The sums over the ranks of this rank's `(samples, tokens)` of a step (one small
+    /// all-reduce), so that a step reports what all ranks trained on. Default: as given.
+    ///
+    /// # Errors
+    /// A failed collective.
+    fn sum_counts(&mut self, samples: u64, tokens: u64) -> Result<(u64, u64)> {
+        Ok((samples, tokens))
+    }
+
     /// Whether `flag` is set on any rank (one small all-reduce): how the ranks agree to stop at
     /// the same step when a stop signal reaches them at different moments. Default: `flag`.
     ///
@@ -70,6 +79,18 @@ impl GradSync for lora_core::dist::ProcessGroup {
 
     fn broadcast_parameters(&mut self, params: &[Tensor]) -> Result<()> {
         self.broadcast_tensors(params, 0).map_err(collective)
+    }
+
+    fn sum_counts(&mut self, samples: u64, tokens: u64) -> Result<(u64, u64)> {
+        // f64 holds counts exactly up to 2^53
+        let t = Tensor::from_slice(&[samples as f64, tokens as f64]);
+        self.all_reduce_sum(&t).map_err(collective)?;
+        let get = |i: i64| {
+            t.f_double_value(&[i])
+                .map(|v| v as u64)
+                .map_err(|e| TrainError::App(format!("data-parallel counts: {e}")))
+        };
+        Ok((get(0)?, get(1)?))
     }
 
     fn any_rank(&mut self, flag: bool) -> Result<bool> {

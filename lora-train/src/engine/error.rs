@@ -155,9 +155,9 @@ pub fn with_named_args<T: serde::Serialize + serde::de::DeserializeOwned>(
             return Err(invalid(
                 format!("{name}={value}"),
                 if names.is_empty() {
-                    format!("{kind} takes no arguments")
+                    format!("no argument ({kind} takes none)")
                 } else {
-                    format!("use an argument of {kind}: {}", names.join(", "))
+                    format!("an argument {kind} takes: {}", names.join(", "))
                 },
             ));
         }

@@ -997,6 +997,11 @@ impl<S: TrainStep> Trainer<S> {
             }
         };
         run.opt.zero_grad()?;
+        // data-parallel: the step trained on every rank's samples and tokens
+        let (samples, tokens) = match self.grad_sync.as_mut() {
+            Some(sync) => sync.sum_counts(samples, tokens)?,
+            None => (samples, tokens),
+        };
         run.counters.step = step_no;
         run.counters.samples += samples;
         run.counters.tokens += tokens;

@@ -786,11 +786,12 @@ impl LoadedRun for LlmRun {
             String::new()
         };
         ctx.say(&format!(
-            "data: {} rows of {} tokens, {} micro-batches of {} per epoch; {total_steps} optimizer steps{capped} (gradient_accumulation_steps {accum}); {} held-out tokens",
+            "data: {} rows of {} tokens, {} micro-batches of {} per epoch; {total_steps} optimizer step{}{capped} (gradient_accumulation_steps {accum}); {} held-out tokens",
             self.rows,
             cfg.data.seq_len,
             self.batches_per_epoch,
             cfg.train.batch_size,
+            if total_steps == 1 { "" } else { "s" },
             self.eval_ids.len()
         ));
     }
