@@ -276,8 +276,13 @@ pub fn run(a: &TagArgs) -> Result<i32, CliError> {
 fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
     if !dir.is_dir() {
         return Err(CliError::usage(format!(
-            "--images {}: not a folder",
-            dir.display()
+            "--images {}: {}",
+            dir.display(),
+            if dir.exists() {
+                "not a folder (give the folder that holds the images)"
+            } else {
+                "no such folder"
+            }
         )));
     }
     let images = lora_tagger::run::list_images(dir).map_err(tag_err)?;

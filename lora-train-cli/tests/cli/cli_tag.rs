@@ -490,3 +490,16 @@ fn a_wd14_onnx_model_tags_with_kohyas_options() {
         }
     }
 }
+
+#[test]
+fn a_missing_or_file_images_path_is_a_usage_error_that_says_which() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = tag(&dir.path().join("nope"), &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("no such folder"), "{}", text(&o));
+    let file = dir.path().join("one.png");
+    std::fs::write(&file, b"x").unwrap();
+    let o = tag(&file, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("not a folder"), "{}", text(&o));
+}
