@@ -136,25 +136,6 @@ impl ChatMl {
     /// The text that opens the assistant's turn: the end of a prompt to generate from.
     pub const GENERATION_PROMPT: &'static str = "<|im_start|>assistant\n";
 
-    /// Recognises a Jinja chat template (e.g. `tokenizer.chat_template` of a GGUF file or
-    /// `tokenizer_config.json`): ChatML when it contains `<|im_start|>`; a literal default system
-    /// message (`'<|im_start|>system\n…<|im_end|>` in the template source) is extracted. `None`
-    /// for other templates.
-    pub fn from_jinja(src: &str) -> Option<ChatMl> {
-        if !src.contains("<|im_start|>") {
-            return None;
-        }
-        let marker = "<|im_start|>system\\n";
-        let default_system = src.find(marker).and_then(|at| {
-            let rest = &src[at + marker.len()..];
-            let end = rest.find(Self::END_OF_TURN)?;
-            let body = &rest[..end];
-            // a literal, not a Jinja expression such as `' + message['content'] + '`
-            (!body.contains('\'') && !body.contains('{')).then(|| body.replace("\\n", "\n"))
-        });
-        Some(ChatMl { default_system })
-    }
-
     /// Renders turns given as `(role, content)` (any role name), in order. Assistant content and
     /// its `<|im_end|>` are the trainable segments. With `add_generation_prompt` the assistant turn
     /// is opened at the end ([`ChatMl::GENERATION_PROMPT`], not trainable).
@@ -1128,17 +1109,6 @@ mod tests {
             t.prompt([("system", "S")], false),
             "<|im_start|>system\nS<|im_end|>\n"
         );
-        let jinja = "{{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}\
-                     {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'}}";
-        assert_eq!(
-            ChatMl::from_jinja(jinja),
-            Some(ChatMl {
-                default_system: Some("You are helpful".into())
-            })
-        );
-        let no_literal = "{{'<|im_start|>system\\n' + message['content'] + '<|im_end|>'}}";
-        assert_eq!(ChatMl::from_jinja(no_literal), Some(ChatMl::default()));
-        assert_eq!(ChatMl::from_jinja("{{ bos_token }}[INST]"), None);
     }
 
     #[test]
