@@ -9,6 +9,8 @@ them:
 
 - `DIR/v3`: the v3 layout (`SmilingWolf/wd-*-tagger-v3`): input `input` `[batch, 448, 448, 3]`
   float32 with a dynamic batch, output `output` `[batch, n_tags]`, sigmoid inside the graph;
+- `DIR/vit` (with `--vit`): the v3 layout around a ViT-B/16 at 448 (`wd-vit-tagger-v3`'s shape),
+  for throughput measurements;
 - `DIR/v2`: the v2 names (`SmilingWolf/wd-v1-4-*-tagger-v2`, tf2onnx exports): input
   `input_1:0`, output `predictions_sigmoid`; exported with a fixed batch of 1 (the re-batched
   exports kohya's `tag_images_by_wd14_tagger.py` accounts for), so callers must split batches.
@@ -82,6 +84,49 @@ class TinyTagger(nn.Module):
         x = x.permute(0, 3, 1, 2) / 127.5 - 1.0
         x = self.norm(self.body(x).flatten(1))
         return torch.sigmoid(self.head(x) * 3.0)
+
+
+class VitBlock(nn.Module):
+    """A pre-norm transformer block (attention written out, so the ONNX export is plain ops)."""
+
+    def __init__(self, dim, heads, mlp):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp)
+        self.fc2 = nn.Linear(mlp, dim)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.softmax(q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5, dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, n, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class VitTagger(nn.Module):
+    """A WD14-shaped ViT for throughput measurements: the shape of `wd-vit-tagger-v3` (ViT-B/16 at
+    448: 16-pixel patches, 28×28 tokens + a class token, 12 blocks of width 768, 12 heads, MLP
+    3072; ~86 M parameters), NHWC float 0–255 in, sigmoid out, random weights."""
+
+    def __init__(self, n_tags, dim=768, depth=12, heads=12, mlp=3072, patch=16):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, (SIZE // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[VitBlock(dim, heads, mlp) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, n_tags)
+
+    def forward(self, x):
+        x = x.permute(0, 3, 1, 2) / 127.5 - 1.0
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        x = self.norm(self.blocks(x))
+        return torch.sigmoid(self.head(x[:, 0]))
 
 
 def export(model, folder, input_name, output_name, dynamic_batch):
@@ -165,9 +210,15 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--images", nargs="+", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vit", action="store_true",
+                    help="also write DIR/vit: a WD14-shaped ViT-B/16 (v3 layout) for throughput "
+                         "measurements (~350 MB)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
+    if args.vit:
+        export(VitTagger(len(labels())).eval(), os.path.join(args.out, "vit"), "input", "output",
+               dynamic_batch=True)
     model = TinyTagger(len(labels())).eval()
     v3 = export(model, os.path.join(args.out, "v3"), "input", "output", dynamic_batch=True)
     v2 = export(model, os.path.join(args.out, "v2"), "input_1:0", "predictions_sigmoid", dynamic_batch=False)

@@ -10,7 +10,8 @@
 //! - [`Check`]: the safe verdict — fits / tight / does not fit — on the memory that runs out
 //!   (reserved + CUDA context + other processes, with a stated margin);
 //! - [`max_seq_len`], [`max_micro_batch`], [`frontier`]: the longest sequence and the largest
-//!   batch that fit a card.
+//!   batch that fit a card;
+//! - [`inference`]: batch sizes for auto-labeling (taggers, captioners) from the model's memory.
 //!
 //! ```
 //! use lora_memory::{estimate, fit, Budget, ModelDescriptor, Settings};
@@ -35,6 +36,7 @@ pub mod estimate;
 pub mod fit;
 pub mod gguf;
 pub mod host;
+pub mod inference;
 pub mod model;
 pub mod safetensors_header;
 pub mod sd_header;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use lora_models::llama::WeightMode;
 use lora_tagger::Tagger;
-use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger};
+use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger, ServerOptions};
 use lora_tagger::llm::local::{LocalLlmOptions, LocalLlmTagger};
 use tch::Kind;
 
@@ -53,11 +53,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut tagger, n): (Box<dyn Tagger>, usize) = match args.first().map(String::as_str) {
         Some("http") => {
             let t = HttpLlmTagger::new(HttpLlmOptions {
-                base_url: args.get(1).cloned().ok_or("http needs BASE_URL MODEL")?,
-                model: args.get(2).cloned().ok_or("http needs BASE_URL MODEL")?,
-                concurrency: arg(4, 2),
-                max_tokens: 40,
-                timeout: Duration::from_secs(120),
+                server: ServerOptions {
+                    base_url: args.get(1).cloned().ok_or("http needs BASE_URL MODEL")?,
+                    model: args.get(2).cloned().ok_or("http needs BASE_URL MODEL")?,
+                    concurrency: arg(4, 2),
+                    max_tokens: 40,
+                    timeout: Duration::from_secs(120),
+                    ..Default::default()
+                },
                 ..Default::default()
             })?;
             (Box::new(t), arg(3, 16))

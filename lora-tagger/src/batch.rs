@@ -27,8 +27,8 @@ use tch::Device;
 
 use crate::error::{Error, Result};
 
-/// Fraction of the free memory a micro-batch may plan for.
-pub const HEADROOM: f64 = 0.8;
+/// Fraction of the free memory a micro-batch may plan for (lora-memory's, re-exported).
+pub use lora_memory::inference::HEADROOM;
 
 /// True for libtorch's out-of-memory messages (the one definition, in lora-core).
 pub use lora_core::oom::is_oom_message;
@@ -42,8 +42,9 @@ pub fn is_oom(e: &Error) -> bool {
     }
 }
 
-/// The first micro-batch: `clamp(floor(free · HEADROOM / per_item), 1, max_batch_size)`; with no
-/// estimate (`free` or `per_item` unknown or zero) it is `max_batch_size`.
+/// The first micro-batch: `clamp(floor(free · HEADROOM / per_item), 1, max_batch_size)`, i.e.
+/// [`lora_memory::inference::batch_for`] with the model already loaded (its weights are no longer
+/// in `free`); with no estimate (`free` or `per_item` unknown or zero) it is `max_batch_size`.
 ///
 /// ```
 /// use lora_tagger::batch::start_micro_batch;
@@ -53,13 +54,18 @@ pub fn is_oom(e: &Error) -> bool {
 /// assert_eq!(start_micro_batch(8, None, Some(30_000_000)), 8);
 /// ```
 pub fn start_micro_batch(max_batch_size: usize, free: Option<u64>, per_item: Option<u64>) -> usize {
-    let max = max_batch_size.max(1);
+    use lora_memory::Bytes;
+    use lora_memory::inference::{InferenceMemory, batch_for};
     match (free, per_item) {
         (Some(f), Some(p)) if p > 0 => {
-            let n = (f as f64 * HEADROOM / p as f64).floor();
-            (n.max(1.0) as usize).min(max)
+            let loaded = InferenceMemory {
+                weights: Bytes(0),
+                fixed: Bytes(0),
+                per_item: Bytes(p),
+            };
+            batch_for(&loaded, Bytes(f), max_batch_size).batch
         }
-        _ => max,
+        _ => max_batch_size.max(1),
     }
 }
 

@@ -356,6 +356,31 @@ pub struct LlmSettings {
     pub prompt: Option<String>,
 }
 
+/// `vlm`: a vision-language model behind an OpenAI-compatible server that captions or tags the
+/// images (implemented in [`crate::llm::vlm`]); when `base_url` is set, `lora-train tag --images`
+/// uses it instead of the image model. Every field optional.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VlmSettings {
+    /// OpenAI-compatible server root, e.g. `http://127.0.0.1:8000/v1`.
+    pub base_url: Option<String>,
+    /// Model name sent to the server (vLLM: `--served-model-name`; Ollama: the tag).
+    pub model: Option<String>,
+    /// Name of the environment variable holding the API key (default `OPENAI_API_KEY`).
+    pub api_key_env: Option<String>,
+    /// Requests in flight at once (default 4).
+    pub concurrency: Option<usize>,
+    /// `tags`, `short` (default) or `detailed`.
+    pub preset: Option<crate::llm::vlm::VlmPreset>,
+    /// An instruction replacing the preset's.
+    pub prompt: Option<String>,
+    /// `max_tokens` per request (default by preset: 96 / 64 / 300).
+    pub max_tokens: Option<usize>,
+    /// Longer side images are scaled down to before sending, pixels (default 1024; 0 = send the
+    /// files as they are).
+    pub max_image_side: Option<u32>,
+}
+
 /// The whole tagger configuration. Every section defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -374,6 +399,8 @@ pub struct TaggerConfig {
     pub captions: CaptionSettings,
     /// The description (LLM) tagger.
     pub llm: LlmSettings,
+    /// The image captioner (VLM over HTTP).
+    pub vlm: VlmSettings,
 }
 
 /// The value type a key accepts.
@@ -451,6 +478,14 @@ const KEYS: &[(&str, Ty)] = &[
     ("llm.api_key_env", Ty::Str),
     ("llm.concurrency", Ty::PosInt),
     ("llm.prompt", Ty::Str),
+    ("vlm.base_url", Ty::Str),
+    ("vlm.model", Ty::Str),
+    ("vlm.api_key_env", Ty::Str),
+    ("vlm.concurrency", Ty::PosInt),
+    ("vlm.preset", Ty::Enum(&["tags", "short", "detailed"])),
+    ("vlm.prompt", Ty::Str),
+    ("vlm.max_tokens", Ty::PosInt),
+    ("vlm.max_image_side", Ty::UInt),
 ];
 
 /// Spellings of other tools mapped to ours (kohya's `undesired_tags` is a comma-separated string,
@@ -554,7 +589,7 @@ impl TaggerConfig {
                     key: "<top level>".into(),
                     value: other.to_string(),
                     hint: "the config must be a mapping of sections (model_settings:, \
-                           generation_settings:, memory_management:, image:, tags:, captions:, llm:)"
+                           generation_settings:, memory_management:, image:, tags:, captions:, llm:, vlm:)"
                         .into(),
                 });
             }
@@ -567,7 +602,7 @@ impl TaggerConfig {
                 let hint = match suggest(key) {
                     Some(s) => format!("unknown key; did you mean `{s}`?"),
                     None => "unknown key; known sections: model_settings, generation_settings, \
-                             memory_management, image, tags, captions, llm (see \
+                             memory_management, image, tags, captions, llm, vlm (see \
                              examples/configs/tagger.yaml)"
                         .to_string(),
                 };

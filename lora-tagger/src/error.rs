@@ -72,8 +72,9 @@ pub enum Error {
         /// How many attempts were made.
         attempts: u32,
     },
-    /// A model answered, but no tags could be parsed from its reply.
-    #[error("no tags could be parsed from the reply {reply:?}")]
+    /// A model answered, but no tags (or, for a captioner, no caption) could be parsed from its
+    /// reply.
+    #[error("no tags or caption could be parsed from the reply {reply:?}")]
     Unparseable {
         /// The reply (truncated to 200 characters).
         reply: String,

@@ -103,6 +103,19 @@ pub trait Tagger {
     fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>>;
 }
 
+/// A model that writes a free-text caption per image (a vision-language model,
+/// [`llm::vlm::VlmTagger`]).
+pub trait Captioner {
+    /// A stable identifier of the model and its settings (never contains secrets).
+    fn model_id(&self) -> String;
+
+    /// One caption per path, in order: a single line of text.
+    ///
+    /// # Errors
+    /// As [`Tagger::tag_images`]: the outer error stops the batch, inner errors fail one image.
+    fn caption_images(&mut self, paths: &[PathBuf]) -> Result<Vec<Result<String>>>;
+}
+
 /// A boxed tagger (e.g. what `llm::from_settings` returns) is a tagger, so wrappers such as
 /// [`CachedTagger`] take it as they take a concrete one.
 impl<T: Tagger + ?Sized> Tagger for Box<T> {

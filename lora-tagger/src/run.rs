@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::caption::{CaptionAction, CaptionEntry, CaptionReport, CaptionWriter};
 use crate::error::{Error, Result};
 use crate::tags::PostProcess;
-use crate::{ScoredTag, Tagger};
+use crate::{Captioner, ScoredTag, Tagger};
 
 pub use lora_data::image::decode::IMAGE_EXTENSIONS;
 
@@ -137,6 +137,62 @@ pub fn tag_to_captions_with_progress(
     chunk: usize,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<FolderRun> {
+    run_folder(images, writer, chunk, on_progress, &mut |part| {
+        Ok(tagger
+            .tag_images(part)?
+            .into_iter()
+            .map(|r| r.map(|tags| (post.apply(&tags), tags)))
+            .collect())
+    })
+}
+
+/// [`tag_to_captions_with_progress`] for a [`Captioner`]: each image's caption is written after
+/// the trigger words (`post.always_first`), as one line: `"sks, A tabby cat asleep on a sofa."`.
+/// The rest of `post` applies to tags, not to sentences, and is not used; in mode `append` the
+/// caption is added to the existing tags as one more entry. [`FolderRun::tags`] stays empty.
+///
+/// # Errors
+/// As [`tag_to_captions`], with the captioner's batch-level errors.
+pub fn caption_to_files_with_progress(
+    captioner: &mut dyn Captioner,
+    images: &[PathBuf],
+    post: &PostProcess,
+    writer: &CaptionWriter,
+    chunk: usize,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<FolderRun> {
+    let first: Vec<String> = post
+        .always_first
+        .iter()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    run_folder(images, writer, chunk, on_progress, &mut |part| {
+        Ok(captioner
+            .caption_images(part)?
+            .into_iter()
+            .map(|r| {
+                r.map(|caption| {
+                    let mut line = first.clone();
+                    line.push(caption);
+                    (line, Vec::new())
+                })
+            })
+            .collect())
+    })
+}
+
+/// One image's caption entries (what is written, joined by `", "`) and the model's tags.
+type Produced = Result<(Vec<String>, Vec<ScoredTag>)>;
+
+/// The folder loop both entry points share: plan, produce in chunks, write, report.
+fn run_folder(
+    images: &[PathBuf],
+    writer: &CaptionWriter,
+    chunk: usize,
+    on_progress: &mut dyn FnMut(Progress),
+    produce: &mut dyn FnMut(&[PathBuf]) -> Result<Vec<Produced>>,
+) -> Result<FolderRun> {
     let mut entries: Vec<Option<CaptionEntry>> = vec![None; images.len()];
     let mut todo = Vec::new();
     for (i, img) in images.iter().enumerate() {
@@ -152,7 +208,14 @@ pub fn tag_to_captions_with_progress(
     let t = Instant::now();
     let mut results = Vec::with_capacity(paths.len());
     for part in paths.chunks(chunk.max(1)) {
-        results.extend(tagger.tag_images(part)?);
+        let out = produce(part)?;
+        if out.len() != part.len() {
+            return Err(Error::Format {
+                path: PathBuf::from("<tagger>"),
+                msg: format!("{} images gave {} results", part.len(), out.len()),
+            });
+        }
+        results.extend(out);
         on_progress(Progress {
             done: results.len(),
             total: paths.len(),
@@ -164,9 +227,10 @@ pub fn tag_to_captions_with_progress(
     for (&i, r) in todo.iter().zip(results) {
         let img = &images[i];
         entries[i] = Some(match r {
-            Ok(tags) => {
-                let line = post.apply(&tags);
-                all_tags.push((img.clone(), tags));
+            Ok((line, tags)) => {
+                if !tags.is_empty() {
+                    all_tags.push((img.clone(), tags));
+                }
                 match writer.write(img, &line) {
                     Ok(e) => e,
                     Err(e @ Error::NotWritable { .. }) => return Err(e),

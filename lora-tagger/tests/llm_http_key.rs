@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use llm_support::{Listener, Reply};
 use lora_tagger::Tagger;
-use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger};
+use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger, ServerOptions};
 use lora_tagger::llm::{LlmSettings, from_settings};
 
 const VAR: &str = "LORA_TAGGER_TEST_API_KEY";
@@ -31,12 +31,15 @@ fn api_key_is_sent_but_never_shown() {
         }
     });
     let opts = HttpLlmOptions {
-        base_url: server.base_url(),
-        model: "m".into(),
-        api_key_env: VAR.into(),
-        concurrency: 1,
-        retries: 1,
-        backoff_base: Duration::from_millis(10),
+        server: ServerOptions {
+            base_url: server.base_url(),
+            model: "m".into(),
+            api_key_env: VAR.into(),
+            concurrency: 1,
+            retries: 1,
+            backoff_base: Duration::from_millis(10),
+            ..Default::default()
+        },
         ..Default::default()
     };
     let mut t = HttpLlmTagger::new(opts).unwrap();

@@ -305,6 +305,22 @@ impl MobileNetV2 {
 }
 
 impl Backbone for MobileNetV2 {
+    /// Every convolution (BatchNorm folded in), the classifier weight and bias.
+    fn weight_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64;
+        let conv = |c: &ConvBn| bytes(&c.weight) + bytes(&c.bias);
+        conv(&self.stem)
+            + self
+                .blocks
+                .iter()
+                .flat_map(|b| b.layers.iter())
+                .map(conv)
+                .sum::<u64>()
+            + conv(&self.head)
+            + bytes(&self.fc_weight)
+            + bytes(&self.fc_bias)
+    }
+
     fn name(&self) -> &str {
         "mobilenet_v2"
     }

@@ -72,6 +72,8 @@ pub trait Backbone: Send {
     /// Estimated peak activation bytes for one image at `size`×`size`, elements of
     /// `elem_bytes` bytes (used for the first micro-batch, [`crate::batch::start_micro_batch`]).
     fn activation_bytes_per_item(&self, size: u32, elem_bytes: u64) -> u64;
+    /// Bytes of the model's weights as loaded (for the batch plan's weights term).
+    fn weight_bytes(&self) -> u64;
 }
 
 /// Loads the backbone in `dir/model.safetensors`.
@@ -415,12 +417,15 @@ impl ImageTagger {
         self.device
     }
 
-    /// Where the model runs, for reports: `libtorch Cpu`, `libtorch Cuda(0)`, or
+    /// Where the model runs, for reports: `libtorch on the CPU`, `libtorch on cuda:0`, or
     /// `ONNX Runtime CUDAExecutionProvider` (with the library's path) for ONNX models.
     pub fn runs_on(&self) -> String {
         self.backbone
             .runs_on()
-            .unwrap_or_else(|| format!("libtorch {:?}", self.device))
+            .unwrap_or_else(|| match self.device {
+                Device::Cuda(i) => format!("libtorch on cuda:{i}"),
+                _ => "libtorch on the CPU".to_string(),
+            })
     }
 
     /// When false, the first micro-batch is `generation_settings.max_batch_size` regardless of
@@ -455,6 +460,39 @@ impl ImageTagger {
             .activation_bytes_per_item(self.preprocess.size(), elem)
             + 3 * size * size * 4;
         counted + counted / 10
+    }
+
+    /// The memory of a run of this tagger on `device`, for lora-memory's batch planning: the
+    /// backbone's weights as loaded here, the CUDA context and workspaces on a GPU
+    /// ([`lora_memory::inference::cuda_fixed_bytes`]; nothing on the CPU), and
+    /// [`ImageTagger::bytes_per_item`] per image.
+    pub fn memory_on(&self, device: Device) -> lora_memory::inference::InferenceMemory {
+        use lora_memory::Bytes;
+        lora_memory::inference::InferenceMemory {
+            weights: Bytes(self.backbone.weight_bytes()),
+            fixed: match device {
+                Device::Cuda(_) => lora_memory::inference::cuda_fixed_bytes(),
+                _ => Bytes(0),
+            },
+            per_item: Bytes(self.bytes_per_item()),
+        }
+    }
+
+    /// [`ImageTagger::memory_on`] the device the tagger runs on.
+    pub fn memory(&self) -> lora_memory::inference::InferenceMemory {
+        self.memory_on(self.device)
+    }
+
+    /// The batch this tagger would run on `device` with `budget` bytes free before loading, at
+    /// most `generation_settings.max_batch_size`
+    /// ([`lora_memory::inference::batch_for`] of [`ImageTagger::memory_on`]); plan for a card
+    /// this machine lacks with `Device::Cuda(0)`.
+    pub fn plan_batch(
+        &self,
+        budget: lora_memory::Bytes,
+        device: Device,
+    ) -> lora_memory::inference::BatchPlan {
+        lora_memory::inference::batch_for(&self.memory_on(device), budget, self.max_batch_size)
     }
 
     /// Stacks preprocessed images (`[size, size, 3]` HWC each) into the backbone's layout.
@@ -545,11 +583,15 @@ impl ImageTagger {
 
     /// Tags one chunk: decode each image (a failure fails that item), run the rest as one batch.
     fn run_chunk(&self, paths: &[PathBuf]) -> Result<Vec<ItemResult>> {
+        // decode and preprocess on rayon's pool, one image per task (in order)
+        use rayon::prelude::*;
+        let preprocess = self.preprocess;
+        let loaded: Vec<Result<Vec<f32>>> = paths.par_iter().map(|p| preprocess.load(p)).collect();
         let mut results: Vec<Option<ItemResult>> = Vec::with_capacity(paths.len());
         let mut ok_idx = Vec::new();
         let mut pixels = Vec::new();
-        for (i, p) in paths.iter().enumerate() {
-            match self.preprocess.load(p) {
+        for (i, r) in loaded.into_iter().enumerate() {
+            match r {
                 Ok(px) => {
                     ok_idx.push(i);
                     pixels.push(px);

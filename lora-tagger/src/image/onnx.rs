@@ -420,6 +420,12 @@ impl OnnxBackbone {
 }
 
 impl Backbone for OnnxBackbone {
+    /// The size of `model.onnx`: its initializers are the weights, and ONNX Runtime holds them
+    /// once in its session (no second copy when the arena shares them).
+    fn weight_bytes(&self) -> u64 {
+        std::fs::metadata(&self.path).map_or(0, |m| m.len())
+    }
+
     fn name(&self) -> &str {
         "wd14_onnx"
     }

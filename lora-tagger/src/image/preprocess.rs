@@ -56,6 +56,16 @@ pub enum Preprocess {
     },
 }
 
+impl std::fmt::Display for Preprocess {
+    /// `WD14 preprocessing at 448²` / `ImageNet preprocessing at 224²`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Preprocess::Wd14 { size } => write!(f, "WD14 preprocessing at {size}²"),
+            Preprocess::Imagenet { size } => write!(f, "ImageNet preprocessing at {size}²"),
+        }
+    }
+}
+
 impl Preprocess {
     /// The square side the preset produces.
     pub fn size(&self) -> u32 {

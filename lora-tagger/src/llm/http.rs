@@ -44,9 +44,11 @@ impl fmt::Debug for ApiKey {
     }
 }
 
-/// Settings of [`HttpLlmTagger`].
+/// Connection and sampling settings of a client of an OpenAI-compatible chat server, shared by
+/// the description tagger ([`HttpLlmTagger`]) and the image captioner
+/// ([`super::vlm::VlmTagger`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct HttpLlmOptions {
+pub struct ServerOptions {
     /// The server's OpenAI API root, e.g. `http://127.0.0.1:8000/v1` (vLLM, llama.cpp) or
     /// `http://localhost:11434/v1` (Ollama); `/chat/completions` is appended.
     pub base_url: String,
@@ -70,11 +72,9 @@ pub struct HttpLlmOptions {
     pub temperature: f64,
     /// `seed` of each request (default 0), for servers that honour it.
     pub seed: u64,
-    /// The prompt.
-    pub prompt: TagPrompt,
 }
 
-impl Default for HttpLlmOptions {
+impl Default for ServerOptions {
     fn default() -> Self {
         Self {
             base_url: "http://127.0.0.1:8000/v1".into(),
@@ -87,23 +87,34 @@ impl Default for HttpLlmOptions {
             max_tokens: 64,
             temperature: 0.0,
             seed: 0,
-            prompt: TagPrompt::default(),
         }
     }
 }
 
-/// An LLM tagger that calls an OpenAI-compatible `/chat/completions` endpoint, `concurrency`
-/// requests at a time (scoped threads; no async runtime).
-pub struct HttpLlmTagger {
-    opts: HttpLlmOptions,
+/// Settings of [`HttpLlmTagger`]: the server and the prompt.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HttpLlmOptions {
+    /// Where requests go and how they are sampled and retried.
+    pub server: ServerOptions,
+    /// The prompt.
+    pub prompt: TagPrompt,
+}
+
+/// A client of an OpenAI-compatible `/chat/completions` endpoint that sends many requests,
+/// `concurrency` at a time (scoped threads; no async runtime), with the retry policy of the
+/// module docs.
+pub struct ChatServer {
+    /// The config section errors name (`llm` or `vlm`).
+    section: &'static str,
+    opts: ServerOptions,
     url: String,
     key: Option<ApiKey>,
     agent: ureq::Agent,
 }
 
-impl fmt::Debug for HttpLlmTagger {
+impl fmt::Debug for ChatServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HttpLlmTagger")
+        f.debug_struct("ChatServer")
             .field("url", &self.url)
             .field("model", &self.opts.model)
             .field("api_key_env", &self.opts.api_key_env)
@@ -115,9 +126,30 @@ impl fmt::Debug for HttpLlmTagger {
     }
 }
 
-impl fmt::Display for HttpLlmTagger {
+impl fmt::Display for ChatServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} (model {})", self.url, self.opts.model)
+    }
+}
+
+/// An LLM tagger that turns descriptions into tags by asking an OpenAI-compatible server.
+pub struct HttpLlmTagger {
+    server: ChatServer,
+    prompt: TagPrompt,
+}
+
+impl fmt::Debug for HttpLlmTagger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpLlmTagger")
+            .field("server", &self.server)
+            .field("custom_prompt", &(self.prompt != TagPrompt::default()))
+            .finish()
+    }
+}
+
+impl fmt::Display for HttpLlmTagger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.server.fmt(f)
     }
 }
 
@@ -160,31 +192,40 @@ fn excerpt(s: &str) -> String {
     }
 }
 
-impl HttpLlmTagger {
-    /// Builds the tagger and reads the API key from `opts.api_key_env`.
+impl ChatServer {
+    /// Builds the client and reads the API key from `opts.api_key_env`.
     ///
     /// # Errors
     /// [`Error::Config`] for an empty or non-http(s) `base_url`, an empty `model`, `concurrency`
     /// 0, or a zero `timeout`.
-    pub fn new(opts: HttpLlmOptions) -> Result<Self> {
+    pub fn new(opts: ServerOptions) -> Result<Self> {
+        Self::new_in("llm", opts)
+    }
+
+    /// [`ChatServer::new`] for the config section `section` (`llm` or `vlm`), which errors and
+    /// hints name (`vlm.base_url`, …).
+    ///
+    /// # Errors
+    /// As [`ChatServer::new`].
+    pub fn new_in(section: &'static str, opts: ServerOptions) -> Result<Self> {
         let base = opts.base_url.trim().trim_end_matches('/');
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err(Error::Config {
-                key: "llm.base_url".into(),
+                key: format!("{section}.base_url"),
                 value: format!("{:?}", opts.base_url),
                 hint: "give the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1".into(),
             });
         }
         if opts.model.trim().is_empty() {
             return Err(Error::Config {
-                key: "llm.model".into(),
+                key: format!("{section}.model"),
                 value: "\"\"".into(),
                 hint: "name the served model (vLLM: --served-model-name; Ollama: the tag)".into(),
             });
         }
         if opts.concurrency == 0 {
             return Err(Error::Config {
-                key: "llm.concurrency".into(),
+                key: format!("{section}.concurrency"),
                 value: "0".into(),
                 hint: "use 1 or more".into(),
             });
@@ -213,6 +254,7 @@ impl HttpLlmTagger {
             .build()
             .into();
         Ok(Self {
+            section,
             opts,
             url,
             key,
@@ -238,14 +280,16 @@ impl HttpLlmTagger {
         }
     }
 
-    fn request_body(&self, description: &str) -> String {
-        let messages: Vec<serde_json::Value> = self
-            .opts
-            .prompt
-            .messages(description)
-            .into_iter()
-            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-            .collect();
+    /// The settings this client was built with.
+    pub fn options(&self) -> &ServerOptions {
+        &self.opts
+    }
+
+    /// A chat-completion request body (OpenAI "Create chat completion"): `{"model", "messages",
+    /// "max_tokens", "temperature", "seed", "stream": false}` with this client's settings.
+    /// `messages` are OpenAI message objects (`{"role", "content"}`, where `content` is a string
+    /// or a list of content parts).
+    pub fn body(&self, messages: Vec<serde_json::Value>) -> String {
         serde_json::json!({
             "model": self.opts.model,
             "messages": messages,
@@ -330,7 +374,10 @@ impl HttpLlmTagger {
                 401 | 403 => {
                     format!(" (check the API key in ${})", self.opts.api_key_env)
                 }
-                404 => " (check llm.base_url, usually ending in /v1, and llm.model)".to_string(),
+                404 => format!(
+                    " (check {0}.base_url, usually ending in /v1, and {0}.model)",
+                    self.section
+                ),
                 _ => String::new(),
             };
             return Err(AttemptError::Fatal(
@@ -354,14 +401,13 @@ impl HttpLlmTagger {
             })
     }
 
-    /// Sends one description with retries. `Ok(Err(e))` = this item failed; `Err(e)` = stop
+    /// Sends one request body with retries. `Ok(Err(e))` = this item failed; `Err(e)` = stop
     /// the whole call.
-    fn complete(&self, description: &str, abort: &AtomicBool) -> Result<Result<String>> {
-        let body = self.request_body(description);
+    fn complete(&self, body: &str, abort: &AtomicBool) -> Result<Result<String>> {
         let mut attempts = 0u32;
         loop {
             attempts += 1;
-            match self.attempt(&body) {
+            match self.attempt(body) {
                 Ok(text) => return Ok(Ok(text)),
                 Err(AttemptError::Item(e)) => return Ok(Err(e)),
                 Err(AttemptError::Fatal(e)) => return Err(e),
@@ -393,19 +439,26 @@ impl HttpLlmTagger {
         }
     }
 
-    /// The server's raw replies for `descriptions`, `concurrency` requests at a time, in order.
+    /// The server's replies (`choices[0].message.content`) for `items`, `concurrency` requests
+    /// at a time, in order. `body` builds each item's request body (usually with
+    /// [`ChatServer::body`]) in the worker that sends it, so at most `concurrency` bodies exist
+    /// at once; an item whose body cannot be built (an unreadable image) fails alone.
     ///
     /// # Errors
     /// Outer: [`Error::Http`] (unreachable server, HTTP error status) or [`Error::Timeout`]
-    /// after all retries; the first such error stops the call. Inner: a reply that is not
-    /// chat-completion JSON ([`Error::Http`]).
-    pub fn replies(&self, descriptions: &[String]) -> Result<Vec<Result<String>>> {
+    /// after all retries; the first such error stops the call. Inner: `body`'s error, or a reply
+    /// that is not chat-completion JSON ([`Error::Http`]).
+    pub fn complete_all<T: Sync>(
+        &self,
+        items: &[T],
+        body: impl Fn(&T) -> Result<String> + Sync,
+    ) -> Result<Vec<Result<String>>> {
         let next = AtomicUsize::new(0);
         let abort = AtomicBool::new(false);
         let fatal: Mutex<Option<Error>> = Mutex::new(None);
         let slots: Vec<Mutex<Option<Result<String>>>> =
-            descriptions.iter().map(|_| Mutex::new(None)).collect();
-        let workers = self.opts.concurrency.min(descriptions.len()).max(1);
+            items.iter().map(|_| Mutex::new(None)).collect();
+        let workers = self.opts.concurrency.min(items.len()).max(1);
         std::thread::scope(|s| {
             for _ in 0..workers {
                 s.spawn(|| {
@@ -414,8 +467,12 @@ impl HttpLlmTagger {
                             break;
                         }
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(d) = descriptions.get(i) else { break };
-                        match self.complete(d, &abort) {
+                        let Some(item) = items.get(i) else { break };
+                        let outcome = match body(item) {
+                            Ok(b) => self.complete(&b, &abort),
+                            Err(e) => Ok(Err(e)),
+                        };
+                        match outcome {
                             Ok(r) => {
                                 if let Ok(mut slot) = slots[i].lock() {
                                     *slot = Some(r);
@@ -450,15 +507,62 @@ impl HttpLlmTagger {
     }
 }
 
+impl HttpLlmTagger {
+    /// Builds the tagger and reads the API key from `opts.server.api_key_env`.
+    ///
+    /// # Errors
+    /// As [`ChatServer::new`].
+    pub fn new(opts: HttpLlmOptions) -> Result<Self> {
+        Ok(Self {
+            server: ChatServer::new(opts.server)?,
+            prompt: opts.prompt,
+        })
+    }
+
+    /// The endpoint requests go to (`{base_url}/chat/completions`).
+    pub fn url(&self) -> &str {
+        self.server.url()
+    }
+
+    /// Whether an API key was found in the environment.
+    pub fn has_api_key(&self) -> bool {
+        self.server.has_api_key()
+    }
+
+    /// The request body for one description: the prompt's messages as OpenAI messages.
+    fn request_body(&self, description: &str) -> String {
+        let messages = self
+            .prompt
+            .messages(description)
+            .into_iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.server.body(messages)
+    }
+
+    /// The server's raw replies for `descriptions`, `concurrency` requests at a time, in order.
+    ///
+    /// # Errors
+    /// As [`ChatServer::complete_all`].
+    pub fn replies(&self, descriptions: &[String]) -> Result<Vec<Result<String>>> {
+        self.server
+            .complete_all(descriptions, |d| Ok(self.request_body(d)))
+    }
+}
+
 impl Tagger for HttpLlmTagger {
     /// `http:<model>@<url>`, e.g. `http:Qwen3-32B@http://gpu-box:8000/v1/chat/completions`.
     fn model_id(&self) -> String {
-        let custom = if self.opts.prompt == TagPrompt::default() {
+        let custom = if self.prompt == TagPrompt::default() {
             ""
         } else {
             ":custom-prompt"
         };
-        format!("http:{}@{}{custom}", self.opts.model, self.url)
+        format!(
+            "http:{}@{}{custom}",
+            self.server.options().model,
+            self.server.url()
+        )
     }
 
     /// Always [`Error::Unsupported`]: this backend sends text only.
@@ -494,35 +598,38 @@ mod tests {
 
     #[test]
     fn bad_options_are_config_errors() {
-        let bad = |o: HttpLlmOptions| match HttpLlmTagger::new(o) {
+        let bad = |o: ServerOptions| match ChatServer::new(o) {
             Err(Error::Config { key, .. }) => key,
             other => panic!("{other:?}"),
         };
-        let base = HttpLlmOptions::default();
+        let base = ServerOptions::default();
         assert_eq!(
-            bad(HttpLlmOptions {
+            bad(ServerOptions {
                 base_url: "localhost:8000".into(),
                 ..base.clone()
             }),
             "llm.base_url"
         );
         assert_eq!(
-            bad(HttpLlmOptions {
+            bad(ServerOptions {
                 model: " ".into(),
                 ..base.clone()
             }),
             "llm.model"
         );
         assert_eq!(
-            bad(HttpLlmOptions {
+            bad(ServerOptions {
                 concurrency: 0,
                 ..base.clone()
             }),
             "llm.concurrency"
         );
         let t = HttpLlmTagger::new(HttpLlmOptions {
-            base_url: "http://h:1/v1/".into(),
-            ..base
+            server: ServerOptions {
+                base_url: "http://h:1/v1/".into(),
+                ..base
+            },
+            ..Default::default()
         })
         .unwrap();
         assert_eq!(t.url(), "http://h:1/v1/chat/completions");

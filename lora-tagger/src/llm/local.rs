@@ -211,24 +211,36 @@ impl LocalLlmTagger {
         self.micro_batch
     }
 
-    /// Estimated peak bytes of one row of a micro-batch whose prompts are `prompt_len` tokens:
-    /// prefill logits `[seq, vocab]` f32 (twice: the logits and their float copy), the KV cache
-    /// `2 · layers · kv_heads · head_dim · (seq + max_new_tokens)` in the compute dtype, and the
-    /// prefill activations (`seq · intermediate_size · 4` floats for the MLP's gate/up/act).
-    pub fn row_bytes(&self, prompt_len: usize) -> u64 {
+    /// The model's shapes as a lora-memory descriptor (for [`LocalLlmTagger::row_bytes`]).
+    fn descriptor(&self) -> Option<lora_memory::DecoderDescriptor> {
         let c = self.model.config();
+        lora_memory::DecoderDescriptor::builder("tagger")
+            .hidden(c.hidden_size as u64)
+            .intermediate(c.intermediate_size as u64)
+            .layers(c.num_hidden_layers as u64)
+            .heads(c.num_attention_heads as u64)
+            .kv_heads(c.n_kv_heads() as u64)
+            .head_dim(c.head_dim() as u64)
+            .vocab(c.vocab_size as u64)
+            .build()
+            .ok()
+    }
+
+    /// Estimated peak bytes of one row of a micro-batch whose prompts are `prompt_len` tokens,
+    /// in the model's compute dtype: [`lora_memory::inference::generation_row_bytes`] (KV cache
+    /// of prompt + `max_new_tokens`, the prompt's logits, the MLP's activations). 0 when the
+    /// config's shapes do not make a descriptor.
+    pub fn row_bytes(&self, prompt_len: usize) -> u64 {
         let elem = self.model.kind().elt_size_in_bytes() as u64;
-        let seq = prompt_len as u64;
-        let total = seq + self.opts.max_new_tokens as u64;
-        let logits = 2 * seq * c.vocab_size as u64 * 4;
-        let kv = 2
-            * c.num_hidden_layers as u64
-            * c.n_kv_heads() as u64
-            * c.head_dim() as u64
-            * total
-            * elem;
-        let act = seq * c.intermediate_size as u64 * 4 * elem;
-        logits + kv + act
+        self.descriptor().map_or(0, |d| {
+            lora_memory::inference::generation_row_bytes(
+                &d,
+                prompt_len,
+                self.opts.max_new_tokens,
+                elem,
+            )
+            .0
+        })
     }
 
     /// The micro-batch for prompts of `prompt_len` tokens: [`start_micro_batch`] of the free

@@ -11,6 +11,7 @@
 pub mod http;
 pub mod local;
 pub mod prompt;
+pub mod vlm;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -143,32 +144,15 @@ pub fn from_settings(s: &LlmSettings) -> Result<Box<dyn Tagger>> {
                     hint: format!("the http backend needs it, e.g. {example}"),
                 })
             };
-            let d = http::HttpLlmOptions::default();
-            let timeout = match s.timeout_s {
-                None => d.timeout,
-                Some(t) if t.is_finite() && t > 0.0 => Duration::from_secs_f64(t),
-                Some(t) => {
-                    return Err(Error::Config {
-                        key: "generation_settings.timeout".into(),
-                        value: t.to_string(),
-                        hint: "use a positive number of seconds".into(),
-                    });
-                }
-            };
-            let opts = http::HttpLlmOptions {
-                base_url: need(&s.base_url, "base_url", "http://127.0.0.1:8000/v1")?,
-                model: need(&s.model, "model", "Qwen3-32B")?,
-                api_key_env: s.api_key_env.clone().unwrap_or(d.api_key_env.clone()),
-                concurrency: s.concurrency.unwrap_or(d.concurrency),
-                timeout,
-                retries: s.retry_attempts.unwrap_or(d.retries),
-                max_tokens: s.max_new_tokens.unwrap_or(d.max_tokens),
-                temperature: s.temperature.unwrap_or(d.temperature),
-                seed: s.seed.unwrap_or(d.seed),
+            let server = server_options(
+                need(&s.base_url, "base_url", "http://127.0.0.1:8000/v1")?,
+                need(&s.model, "model", "Qwen3-32B")?,
+                s,
+            )?;
+            Ok(Box::new(http::HttpLlmTagger::new(http::HttpLlmOptions {
+                server,
                 prompt,
-                ..d
-            };
-            Ok(Box::new(http::HttpLlmTagger::new(opts)?))
+            })?))
         }
         other => Err(Error::Config {
             key: "llm.backend".into(),
@@ -176,6 +160,40 @@ pub fn from_settings(s: &LlmSettings) -> Result<Box<dyn Tagger>> {
             hint: "use \"local\" or \"http\"".into(),
         }),
     }
+}
+
+/// The [`http::ServerOptions`] of `settings` for the server at `base_url` serving `model`:
+/// `api_key_env`, `concurrency`, `timeout_s`, `retry_attempts`, `max_new_tokens`, `temperature`
+/// and `seed`, each defaulting as [`http::ServerOptions::default`].
+///
+/// # Errors
+/// [`Error::Config`] naming `generation_settings.timeout` for a timeout that is not a positive
+/// number of seconds.
+fn server_options(base_url: String, model: String, s: &LlmSettings) -> Result<http::ServerOptions> {
+    let d = http::ServerOptions::default();
+    let timeout = match s.timeout_s {
+        None => d.timeout,
+        Some(t) if t.is_finite() && t > 0.0 => Duration::from_secs_f64(t),
+        Some(t) => {
+            return Err(Error::Config {
+                key: "generation_settings.timeout".into(),
+                value: t.to_string(),
+                hint: "use a positive number of seconds".into(),
+            });
+        }
+    };
+    Ok(http::ServerOptions {
+        base_url,
+        model,
+        api_key_env: s.api_key_env.clone().unwrap_or(d.api_key_env.clone()),
+        concurrency: s.concurrency.unwrap_or(d.concurrency),
+        timeout,
+        retries: s.retry_attempts.unwrap_or(d.retries),
+        max_tokens: s.max_new_tokens.unwrap_or(d.max_tokens),
+        temperature: s.temperature.unwrap_or(d.temperature),
+        seed: s.seed.unwrap_or(d.seed),
+        ..d
+    })
 }
 
 /// Builds the LLM tagger a whole tagger config asks for: [`from_settings`] of its `llm` section

@@ -126,7 +126,7 @@ const PREAMBLE_CUES: &[&str] = &[
 /// Cuts the reply down to its answer: drops `<think>…</think>` reasoning (Qwen3-style; an
 /// unclosed `<think>` drops everything after it, a lone `</think>` everything before it) and
 /// ChatML special tokens (`<|im_end|>` etc.).
-fn strip_reasoning(reply: &str) -> String {
+pub(crate) fn strip_reasoning(reply: &str) -> String {
     let mut s = reply.to_string();
     while let Some(open) = s.find("<think>") {
         match s[open..].find("</think>") {

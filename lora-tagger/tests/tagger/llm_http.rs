@@ -8,10 +8,10 @@ use std::time::Duration;
 use llm_support::{Listener, Reply, closed_port};
 use lora_tagger::Tagger;
 use lora_tagger::error::Error;
-use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger};
+use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger, ServerOptions};
 
-fn opts(base_url: String) -> HttpLlmOptions {
-    HttpLlmOptions {
+fn opts(base_url: String) -> ServerOptions {
+    ServerOptions {
         base_url,
         model: "m".into(),
         api_key_env: "LORA_TAGGER_TEST_KEY_UNSET".into(),
@@ -21,6 +21,14 @@ fn opts(base_url: String) -> HttpLlmOptions {
         backoff_base: Duration::from_millis(20),
         ..Default::default()
     }
+}
+
+fn tagger(server: ServerOptions) -> HttpLlmTagger {
+    HttpLlmTagger::new(HttpLlmOptions {
+        server,
+        ..Default::default()
+    })
+    .unwrap()
 }
 
 fn descriptions(items: &[&str]) -> Vec<String> {
@@ -36,7 +44,7 @@ fn tags_come_back_in_order_and_the_request_is_openai_shaped() {
             d.to_lowercase()
         ))
     });
-    let mut t = HttpLlmTagger::new(opts(server.base_url())).unwrap();
+    let mut t = tagger(opts(server.base_url()));
     let out = t
         .tag_descriptions(&descriptions(&["Cat", "Red car", "Moon"]))
         .unwrap();
@@ -65,7 +73,7 @@ fn tags_come_back_in_order_and_the_request_is_openai_shaped() {
 fn concurrency_limit_is_respected() {
     // each reply takes 150 ms, so unlimited requests would overlap 5-fold
     let server = Listener::start(Duration::from_millis(150), |_, _| Reply::chat("a, b"));
-    let mut t = HttpLlmTagger::new(opts(server.base_url())).unwrap();
+    let mut t = tagger(opts(server.base_url()));
     let out = t
         .tag_descriptions(&descriptions(&["1", "2", "3", "4", "5"]))
         .unwrap();
@@ -82,7 +90,7 @@ fn concurrency_limit_is_respected() {
 #[test]
 fn server_down_is_an_http_error_naming_the_url_after_all_retries() {
     let port = closed_port();
-    let mut t = HttpLlmTagger::new(opts(format!("http://127.0.0.1:{port}/v1"))).unwrap();
+    let mut t = tagger(opts(format!("http://127.0.0.1:{port}/v1")));
     match t.tag_descriptions(&descriptions(&["a cat", "a dog"])) {
         Err(Error::Http { url, msg }) => {
             assert_eq!(url, format!("http://127.0.0.1:{port}/v1/chat/completions"));
@@ -96,11 +104,10 @@ fn server_down_is_an_http_error_naming_the_url_after_all_retries() {
 #[test]
 fn dropped_connections_are_retried_exactly_n_times() {
     let server = Listener::start(Duration::ZERO, |_, _| Reply::Close);
-    let mut t = HttpLlmTagger::new(HttpLlmOptions {
+    let mut t = tagger(ServerOptions {
         concurrency: 1,
         ..opts(server.base_url())
-    })
-    .unwrap();
+    });
     let err = t.tag_descriptions(&descriptions(&["x"])).unwrap_err();
     assert!(matches!(err, Error::Http { .. }), "{err:?}");
     assert_eq!(server.request_count(), 3, "1 attempt + 2 retries");
@@ -109,13 +116,12 @@ fn dropped_connections_are_retried_exactly_n_times() {
 #[test]
 fn a_server_that_never_answers_times_out() {
     let server = Listener::start(Duration::ZERO, |_, _| Reply::Hang);
-    let mut t = HttpLlmTagger::new(HttpLlmOptions {
+    let mut t = tagger(ServerOptions {
         timeout: Duration::from_millis(300),
         retries: 1,
         concurrency: 1,
         ..opts(server.base_url())
-    })
-    .unwrap();
+    });
     match t.tag_descriptions(&descriptions(&["x"])) {
         Err(Error::Timeout {
             what,
@@ -139,7 +145,7 @@ fn garbage_replies_fail_only_their_item() {
         "chatter" => Reply::chat("Sure! I hope this helps!"),
         _ => Reply::chat("<think>hmm, a horse</think>horse, silhouette"),
     });
-    let mut t = HttpLlmTagger::new(opts(server.base_url())).unwrap();
+    let mut t = tagger(opts(server.base_url()));
     let out = t
         .tag_descriptions(&descriptions(&[
             "non-json",
@@ -185,7 +191,7 @@ fn a_500_then_200_succeeds_on_retry() {
             Reply::chat("coffee, cup")
         }
     });
-    let mut t = HttpLlmTagger::new(opts(server.base_url())).unwrap();
+    let mut t = tagger(opts(server.base_url()));
     let out = t.tag_descriptions(&descriptions(&["Coffee cup."])).unwrap();
     let tags: Vec<String> = out[0]
         .as_ref()
@@ -210,7 +216,7 @@ fn a_429_honours_retry_after_then_succeeds() {
             Reply::chat("moon")
         }
     });
-    let mut t = HttpLlmTagger::new(opts(server.base_url())).unwrap();
+    let mut t = tagger(opts(server.base_url()));
     let out = t
         .tag_descriptions(&descriptions(&["Surface of the moon."]))
         .unwrap();
@@ -223,11 +229,10 @@ fn client_errors_are_not_retried_and_stop_the_call() {
     let server = Listener::start(Duration::ZERO, |_, _| {
         Reply::json(404, r#"{"error": "model 'm' not found"}"#.into())
     });
-    let mut t = HttpLlmTagger::new(HttpLlmOptions {
+    let mut t = tagger(ServerOptions {
         concurrency: 1,
         ..opts(server.base_url())
-    })
-    .unwrap();
+    });
     match t.tag_descriptions(&descriptions(&["a", "b", "c"])) {
         Err(Error::Http { msg, .. }) => {
             assert!(msg.starts_with("HTTP 404"), "{msg}");
@@ -245,7 +250,7 @@ fn client_errors_are_not_retried_and_stop_the_call() {
 
 #[test]
 fn images_are_unsupported() {
-    let mut t = HttpLlmTagger::new(opts("http://127.0.0.1:1/v1".into())).unwrap();
+    let mut t = tagger(opts("http://127.0.0.1:1/v1".into()));
     assert!(matches!(
         t.tag_images(&["a.png".into()]),
         Err(Error::Unsupported { .. })

@@ -12,12 +12,12 @@ use std::time::Duration;
 use llm_support::LlamaServer;
 use lora_tagger::Tagger;
 use lora_tagger::error::Error;
-use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger};
+use lora_tagger::llm::http::{HttpLlmOptions, HttpLlmTagger, ServerOptions};
 
 #[test]
 fn llama_cpp_server_tags_descriptions() {
     let server = LlamaServer::start();
-    let opts = HttpLlmOptions {
+    let opts = ServerOptions {
         base_url: server.base_url(),
         model: LlamaServer::MODEL.into(),
         api_key_env: "LORA_TAGGER_TEST_KEY_UNSET".into(),
@@ -28,7 +28,14 @@ fn llama_cpp_server_tags_descriptions() {
         max_tokens: 40,
         ..Default::default()
     };
-    let mut t = HttpLlmTagger::new(opts.clone()).unwrap();
+    let tagger = |server: ServerOptions| {
+        HttpLlmTagger::new(HttpLlmOptions {
+            server,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let mut t = tagger(opts.clone());
     // 3 requests with 2 in flight: all must come back, in order
     let d: Vec<String> = [
         "Chelsea the cat.",
@@ -56,12 +63,11 @@ fn llama_cpp_server_tags_descriptions() {
     assert!(tags[2].iter().any(|x| x.contains("horse")), "{:?}", tags[2]);
 
     // a real server with a timeout far below its generation time: Error::Timeout
-    let mut slow = HttpLlmTagger::new(HttpLlmOptions {
+    let mut slow = tagger(ServerOptions {
         timeout: Duration::from_millis(1),
         retries: 1,
         ..opts
-    })
-    .unwrap();
+    });
     match slow.tag_descriptions(&d[..1]) {
         Err(Error::Timeout {
             attempts, seconds, ..

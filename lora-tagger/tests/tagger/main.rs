@@ -5,10 +5,12 @@
 //! limit, an environment variable).
 
 mod llm_support;
+mod vlm_server;
 
 mod image_tagger;
 mod llm_http;
 mod llm_local;
 mod llm_server;
+mod vlm;
 #[cfg(feature = "onnx")]
 mod wd14_onnx;

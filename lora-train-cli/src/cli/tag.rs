@@ -101,6 +101,33 @@ pub struct TagArgs {
     /// tag above the thresholds, as kohya's tag_images_by_wd14_tagger.py writes (the default).
     #[arg(long, value_name = "N")]
     pub max_tags: Option<usize>,
+    /// Plan the image tagger's batch for this card (a GPU name such as "RTX 3060", as `plan`
+    /// takes it) instead of this machine's free memory; the plan and the fixed table's answer
+    /// are printed before the run (use with --dry-run to only see them).
+    #[arg(long, value_name = "NAME", conflicts_with = "budget")]
+    pub gpu: Option<String>,
+    /// Plan the image tagger's batch for this much free memory ("8GB", "12GiB").
+    #[arg(long, value_name = "SIZE")]
+    pub budget: Option<String>,
+    /// Caption the images with a vision-language model behind this OpenAI-compatible server
+    /// root instead of the image model (vlm.base_url), e.g. http://127.0.0.1:8000/v1 (vLLM,
+    /// llama.cpp's llama-server, Ollama's /v1).
+    #[arg(long, value_name = "URL", requires = "images")]
+    pub vlm: Option<String>,
+    /// The served vision model's name (vlm.model).
+    #[arg(long, value_name = "NAME")]
+    pub vlm_model: Option<String>,
+    /// What the VLM writes (vlm.preset): tags (booru tags, post-processed like any tagger's),
+    /// short (a one-sentence caption; the default) or detailed (a paragraph).
+    #[arg(long, value_name = "PRESET")]
+    pub preset: Option<String>,
+    /// An instruction sent with each image instead of the preset's (vlm.prompt).
+    #[arg(long, value_name = "TEXT")]
+    pub vlm_prompt: Option<String>,
+    /// Longest image side sent to the VLM, pixels; larger images are scaled down, 0 sends the
+    /// files as they are (vlm.max_image_side; default 1024).
+    #[arg(long, value_name = "PX")]
+    pub max_image_side: Option<u32>,
 }
 
 fn tag_err(e: TagError) -> CliError {
@@ -191,6 +218,38 @@ fn load_config(a: &TagArgs) -> Result<TaggerConfig, CliError> {
         // 0 = no limit (WD14 taggers write every tag above the thresholds)
         cfg.tags.max_tags = (n > 0).then_some(n);
     }
+    if let Some(u) = &a.vlm {
+        cfg.vlm.base_url = Some(u.clone());
+    }
+    if let Some(m) = &a.vlm_model {
+        cfg.vlm.model = Some(m.clone());
+    }
+    if let Some(p) = &a.preset {
+        cfg.vlm.preset = Some(
+            lora_tagger::llm::vlm::VlmPreset::parse(p)
+                .map_err(|e| CliError::usage(format!("--preset: {e}")))?,
+        );
+    }
+    if let Some(p) = &a.vlm_prompt {
+        cfg.vlm.prompt = Some(p.clone());
+    }
+    if let Some(n) = a.max_image_side {
+        cfg.vlm.max_image_side = Some(n);
+    }
+    let vlm_only = [
+        (a.vlm_model.is_some(), "--vlm-model"),
+        (a.preset.is_some(), "--preset"),
+        (a.vlm_prompt.is_some(), "--vlm-prompt"),
+        (a.max_image_side.is_some(), "--max-image-side"),
+    ];
+    if cfg.vlm.base_url.is_none()
+        && let Some((_, flag)) = vlm_only.iter().find(|(given, _)| *given)
+    {
+        return Err(CliError::usage(format!(
+            "{flag} sets up the VLM captioner, but no server is given: add --vlm URL (or \
+             vlm.base_url in --config)"
+        )));
+    }
     Ok(cfg)
 }
 
@@ -249,7 +308,7 @@ fn default_image_model() -> Result<PathBuf, CliError> {
 /// Runs `tag`.
 pub fn run(a: &TagArgs) -> Result<i32, CliError> {
     let mut cfg = load_config(a)?;
-    if a.images.is_some() && cfg.image.model.is_none() {
+    if a.images.is_some() && cfg.image.model.is_none() && cfg.vlm.base_url.is_none() {
         cfg.image.model = Some(default_image_model()?);
     }
     // The default in-process LLM is found the same way; when it is in none of the places, the
@@ -264,8 +323,17 @@ pub fn run(a: &TagArgs) -> Result<i32, CliError> {
     {
         cfg.llm.model_path = Some(p);
     }
+    let budget = match (&a.gpu, &a.budget) {
+        (Some(g), _) => {
+            Some(lora_memory::Budget::gpu(g).map_err(|e| CliError::usage(format!("--gpu: {e}")))?)
+        }
+        (None, Some(b)) => Some(
+            lora_memory::Budget::parse(b).map_err(|e| CliError::usage(format!("--budget: {e}")))?,
+        ),
+        (None, None) => None,
+    };
     if let Some(dir) = &a.images {
-        run_images(dir, &cfg)
+        run_images(dir, &cfg, budget)
     } else if let Some(file) = &a.descriptions {
         run_descriptions(file, a.out.as_deref(), &cfg)
     } else {
@@ -273,7 +341,56 @@ pub fn run(a: &TagArgs) -> Result<i32, CliError> {
     }
 }
 
-fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
+/// The batch the image tagger plans in `budget` (this machine's free memory when `None`), and,
+/// in a dry run, what the fixed table of the LLM-tagging guides would pick for the same card.
+fn print_batch_plan(tagger: &ImageTagger, budget: Option<&lora_memory::Budget>, dry_run: bool) {
+    use lora_memory::inference::fixed_table_batch;
+    let weights = tagger.memory().weights;
+    let (bytes, what) = match budget {
+        Some(b) => (b.bytes, b.amount()),
+        None => {
+            let device = tagger.device();
+            // measured with the model loaded: its weights were free before
+            let free = lora_tagger::batch::ResourceSnapshot::take(device)
+                .free_for(device, None)
+                .unwrap_or(0);
+            let bytes = lora_memory::Bytes(free + weights.0);
+            let on = match device {
+                tch::Device::Cuda(i) => format!("cuda:{i}"),
+                _ => "the CPU (available RAM)".to_string(),
+            };
+            (bytes, format!("{bytes} free on {on}"))
+        }
+    };
+    // a GPU preset or a budget written for CUDA ("cuda: 6GB") plans with the CUDA context;
+    // a plain size, for the device the tagger runs on
+    use lora_memory::BudgetSource;
+    let device = match budget.map(|b| &b.source) {
+        Some(BudgetSource::Gpu { .. } | BudgetSource::NvmlFree { .. }) => tch::Device::Cuda(0),
+        Some(BudgetSource::Size { input, .. })
+            if input.trim().to_ascii_lowercase().starts_with("cuda") =>
+        {
+            tch::Device::Cuda(0)
+        }
+        _ => tagger.device(),
+    };
+    let plan = tagger.plan_batch(bytes, device);
+    eprintln!("batch plan for {what}: {plan}");
+    if dry_run {
+        eprintln!(
+            "  the fixed table (>= 12 GB: 8, 8-12 GB: 4, 6-8 GB: 2, else 1) would pick {} for \
+             {:.1} GB, whatever the model and input size",
+            fixed_table_batch(bytes),
+            bytes.0 as f64 / 1e9
+        );
+    }
+}
+
+fn run_images(
+    dir: &Path,
+    cfg: &TaggerConfig,
+    budget: Option<lora_memory::Budget>,
+) -> Result<i32, CliError> {
     if !dir.is_dir() {
         return Err(CliError::usage(format!(
             "--images {}: {}",
@@ -321,11 +438,14 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
             lora_tagger::run::IMAGE_EXTENSIONS.join(", ")
         )));
     }
+    if cfg.vlm.base_url.is_some() {
+        return run_vlm_images(&images, cfg);
+    }
     let t_load = Instant::now();
     let mut inner = ImageTagger::from_config(cfg).map_err(tag_err)?;
     inner.set_callback(Some(Box::new(|e| eprintln!("  {e}"))));
     eprintln!(
-        "model {} on {} ({:?}), loaded in {:.2} s; {} images",
+        "model {}, {}, {}, loaded in {:.2} s; {} images",
         inner.model_id(),
         inner.runs_on(),
         inner.preprocess(),
@@ -343,6 +463,7 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
                 "the default for single-label softmax classifiers such as ImageNet MobileNetV2; --threshold to change",
         }
     );
+    print_batch_plan(&inner, budget.as_ref(), cfg.captions.dry_run);
     let settings = inner.settings().clone();
     let cap = cfg.memory_management.cache_size;
     let mut tagger = match &cfg.memory_management.cache_file {
@@ -369,8 +490,69 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
         .last_micro_batch()
         .map(|(s, l, h)| format!(", micro-batch {s} → {l} ({h} halvings)"))
         .unwrap_or_default();
-    // Images that failed (unreadable, undecodable, caption not writable), with the reason: not
-    // counted as tagged, and named again after the summary.
+    finish_folder(
+        &run,
+        images.len(),
+        &format!("{mb}; cache {} hits / {} misses", stats.hits, stats.misses),
+    )
+}
+
+/// `tag --images` with a `vlm` server: captions (or, with preset `tags`, tags) from the
+/// vision-language model, written like the image tagger's.
+fn run_vlm_images(images: &[PathBuf], cfg: &TaggerConfig) -> Result<i32, CliError> {
+    let mut vlm = lora_tagger::llm::vlm::from_config(cfg).map_err(tag_err)?;
+    let preset = vlm.preset();
+    eprintln!(
+        "VLM {vlm}: {} images, {} requests at a time",
+        images.len(),
+        cfg.vlm.concurrency.unwrap_or(4)
+    );
+    let writer = CaptionWriter::new(cfg.captions.clone());
+    let mut progress = TagProgress::new(images.len(), "images");
+    // a chunk per round of requests keeps the bar moving
+    let chunk = 4 * cfg.vlm.concurrency.unwrap_or(4).max(1);
+    let run = if preset.is_tags() {
+        // what changes the replies besides the model id: prompt, max_tokens, image side
+        let settings = &cfg.vlm;
+        let cap = cfg.memory_management.cache_size;
+        let mut tagger = match &cfg.memory_management.cache_file {
+            Some(p) => CachedTagger::persisted(vlm, p.clone(), cap, settings).map_err(tag_err)?,
+            None => CachedTagger::new(vlm, TagCache::new(cap), settings),
+        };
+        let run = lora_tagger::run::tag_to_captions_with_progress(
+            &mut tagger,
+            images,
+            &cfg.tags,
+            &writer,
+            chunk,
+            &mut |p| progress.update(p),
+        )
+        .map_err(tag_err)?;
+        tagger.save().map_err(tag_err)?;
+        run
+    } else {
+        lora_tagger::run::caption_to_files_with_progress(
+            &mut vlm,
+            images,
+            &cfg.tags,
+            &writer,
+            chunk,
+            &mut |p| progress.update(p),
+        )
+        .map_err(tag_err)?
+    };
+    progress.finish();
+    super::outln(&run.report)?;
+    finish_folder(&run, images.len(), &format!(", preset {preset}"))
+}
+
+/// The summary line of a folder run, then the images that failed (unreadable, undecodable,
+/// caption not writable) with the reason: not counted as tagged, named again after the summary.
+fn finish_folder(
+    run: &lora_tagger::run::FolderRun,
+    total: usize,
+    detail: &str,
+) -> Result<i32, CliError> {
     let failed: Vec<(&Path, &str)> = run
         .report
         .entries
@@ -380,21 +562,15 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
             _ => None,
         })
         .collect();
-    let tagged = run
-        .tags
-        .iter()
-        .filter(|(img, _)| !failed.iter().any(|(f, _)| f == img))
-        .count();
+    let tagged = run.tagged.saturating_sub(failed.len());
     super::outln(format_args!(
-        "tagged {tagged} images in {:.2} s: {:.2} images/s{mb}; cache {} hits / {} misses{}",
+        "tagged {tagged} images in {:.2} s: {:.2} images/s{detail}{}",
         run.tagging_s,
         if run.tagging_s > 0.0 {
             tagged as f64 / run.tagging_s
         } else {
             0.0
         },
-        stats.hits,
-        stats.misses,
         if failed.is_empty() {
             String::new()
         } else {
@@ -407,7 +583,7 @@ fn run_images(dir: &Path, cfg: &TaggerConfig) -> Result<i32, CliError> {
     let mut msg = format!(
         "{} of {} images failed (no caption written for them):",
         failed.len(),
-        images.len()
+        total
     );
     for (img, why) in &failed {
         msg.push_str(&format!("\n  {}: {why}", img.display()));

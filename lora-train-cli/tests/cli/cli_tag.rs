@@ -503,3 +503,149 @@ fn a_missing_or_file_images_path_is_a_usage_error_that_says_which() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("not a folder"), "{}", text(&o));
 }
+
+/// The batch line `tag` prints: `batch plan for <budget>: batch N: …`.
+fn planned_batch(out: &str) -> usize {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("batch plan for "))
+        .unwrap_or_else(|| panic!("no batch plan line: {out}"));
+    line.split(": batch ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no batch in {line:?}"))
+}
+
+#[test]
+fn the_batch_comes_from_the_models_memory_and_the_fixed_table_is_shown_beside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::copy(assets().join("skimage/chelsea.png"), d.join("chelsea.png")).unwrap();
+    // a large configured maximum, so memory decides
+    let cfg = d.join("tagger.yaml");
+    std::fs::write(&cfg, "generation_settings:\n  max_batch_size: 4096\n").unwrap();
+    let cfg = cfg.to_string_lossy().into_owned();
+    let run = |budget: &[&str]| {
+        let mut args = vec!["--dry-run", "--config", cfg.as_str()];
+        args.extend_from_slice(budget);
+        let o = tag(d, &args);
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(0), "{out}");
+        out
+    };
+    // the same numbers from the library: MobileNetV2's weights and per-image peak
+    let mut tcfg = lora_tagger::TaggerConfig::default();
+    tcfg.image.model = Some(assets().join("mobilenet_v2"));
+    tcfg.generation_settings.max_batch_size = 4096;
+    let tagger = lora_tagger::ImageTagger::from_config(&tcfg).unwrap();
+    let memory = tagger.memory();
+    // f32 weights: torchvision's 3,504,872 parameters less one per BatchNorm channel (17,056
+    // channels: γ and β fold into one convolution bias), ~12 MiB per 224² image
+    assert_eq!(memory.weights.0, (3_504_872 - 17_056) * 4);
+
+    let small = run(&["--budget", "64MB"]);
+    let n_small = planned_batch(&small);
+    let expected = ((64e6 * 0.8 - memory.weights.0 as f64) / memory.per_item.0 as f64) as usize;
+    assert_eq!(n_small, expected, "{small}");
+    assert!((2..=3).contains(&n_small), "{small}");
+    assert!(
+        small.contains("the fixed table (>= 12 GB: 8, 8-12 GB: 4, 6-8 GB: 2, else 1) would pick 1"),
+        "{small}"
+    );
+
+    let card = run(&["--gpu", "RTX 3070"]);
+    let n_card = planned_batch(&card);
+    assert_eq!(
+        n_card,
+        tagger
+            .plan_batch(
+                lora_memory::Budget::gpu("RTX 3070").unwrap().bytes,
+                tch::Device::Cuda(0)
+            )
+            .batch
+    );
+    assert!(n_card > 400, "8 GiB holds hundreds of 224² images: {card}");
+    assert!(card.contains("would pick 4 for 8.6 GB"), "{card}");
+    // a card's plan counts the CUDA context and workspaces
+    assert!(card.contains("fixed 567.1 MB"), "{card}");
+    // a dry run writes nothing
+    assert!(!d.join("chelsea.txt").exists());
+
+    // a budget the weights alone exceed is said before the run
+    let none = run(&["--budget", "10MB"]);
+    assert_eq!(planned_batch(&none), 1);
+    assert!(none.contains("not even one item fits"), "{none}");
+}
+
+#[test]
+fn vlm_captions_a_folder_with_a_preset_and_the_trigger_word() {
+    let server = crate::vlm_server::VlmTestServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for n in ["rocket.jpg", "chelsea.png"] {
+        std::fs::copy(assets().join("skimage").join(n), d.join(n)).unwrap();
+    }
+    std::fs::write(d.join("chelsea.txt"), "my cat\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .args(["tag", "--images"])
+        .arg(d)
+        .args(["--vlm", &server.base_url(), "--vlm-model", "qwen2.5-vl"])
+        .args(["--preset", "detailed", "--trigger", "sks"])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("preset detailed"), "{out}");
+    let sha = {
+        use sha2::Digest;
+        let h = sha2::Sha256::digest(std::fs::read(d.join("rocket.jpg")).unwrap());
+        h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..12].to_string()
+    };
+    assert_eq!(
+        std::fs::read_to_string(d.join("rocket.txt")).unwrap(),
+        format!("sks, A 640x427 jpeg image, sha {sha}.\n")
+    );
+    // mode skip (the default): the hand-written caption is kept, and its image never sent
+    assert_eq!(
+        std::fs::read_to_string(d.join("chelsea.txt")).unwrap(),
+        "my cat\n"
+    );
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 1, "{reqs:?}");
+    assert_eq!(reqs[0]["body"]["max_tokens"], 300);
+    assert_eq!(reqs[0]["body"]["model"], "qwen2.5-vl");
+
+    // VLM options without a server, and an unknown preset, are usage errors naming the flag
+    let o = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .args(["tag", "--images"])
+        .arg(d)
+        .args(["--preset", "short"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("--preset sets up the VLM captioner"),
+        "{}",
+        text(&o)
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .args(["tag", "--images"])
+        .arg(d)
+        .args([
+            "--vlm",
+            &server.base_url(),
+            "--vlm-model",
+            "m",
+            "--preset",
+            "long",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("--preset") && text(&o).contains("\"long\""),
+        "{}",
+        text(&o)
+    );
+}

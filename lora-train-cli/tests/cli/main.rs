@@ -8,6 +8,8 @@ mod cli_errors;
 mod cli_interop;
 mod cli_plan_sd;
 mod cli_tag;
+#[path = "../../../lora-tagger/tests/tagger/vlm_server.rs"]
+mod vlm_server;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
