@@ -39,7 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut tagger = ImageTagger::from_config(&cfg)?;
     let pre = tagger.preprocess();
     println!(
-        "{} on {}: {} photos, {:?}, libtorch threads {}, rayon threads {}",
+        "{} on {}: {} photos, {}, libtorch threads {}, rayon threads {}",
         model.display(),
         tagger.runs_on(),
         images.len(),
