@@ -252,15 +252,13 @@ impl LocalLlmTagger {
         start_micro_batch(self.micro_batch, free, Some(self.row_bytes(prompt_len)))
     }
 
-    /// Token ids of the full prompt (template applied, assistant turn opened) for `description`.
+    /// Token ids of the full prompt (template applied, assistant turn opened) for `description`
+    /// ([`render_prompt`]).
     ///
     /// # Errors
-    /// [`Error::Model`] when the chat template refuses the conversation (e.g. a template without
-    /// a system role) or tokenizing fails.
+    /// [`Error::Model`] when the chat template refuses the conversation or tokenizing fails.
     pub fn prompt_ids(&self, description: &str) -> Result<Vec<i64>> {
-        let text = self
-            .template
-            .apply(&self.opts.prompt.messages(description), true)?;
+        let text = render_prompt(&self.template, &self.opts.prompt, description)?;
         Ok(self.tokenizer.encode(&text, false)?)
     }
 
@@ -438,6 +436,26 @@ impl Tagger for LocalLlmTagger {
     }
 }
 
+/// The prompt text for `description` through `template`, assistant turn opened. A template that
+/// refuses the system turn (Gemma's raise "System role not supported") gets the conversation
+/// with the system prompt folded into the first user turn
+/// ([`TagPrompt::messages_without_system`]) instead.
+///
+/// # Errors
+/// [`Error::Model`] with the template's first error when both renderings fail.
+pub fn render_prompt(
+    template: &ChatTemplate,
+    prompt: &TagPrompt,
+    description: &str,
+) -> Result<String> {
+    match template.apply(&prompt.messages(description), true) {
+        Ok(text) => Ok(text),
+        Err(first) => template
+            .apply(&prompt.messages_without_system(description), true)
+            .map_err(|_| first.into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,5 +478,39 @@ mod tests {
         assert_eq!(a, draw(7));
         assert!(a.iter().all(|&t| t == 1 || t == 3), "{a:?}");
         assert!(a.contains(&1) && a.contains(&3));
+    }
+
+    #[test]
+    fn a_template_without_a_system_role_gets_the_system_prompt_in_the_user_turn() {
+        // Gemma 2's own template (llama.cpp's models/templates, fetched by `cargo xtask setup`)
+        let assets = std::env::var("LORA_SDK_ASSETS").unwrap_or_else(|_| "../assets".into());
+        let path = std::path::Path::new(&assets).join("chat_templates/google-gemma-2-2b-it.jinja");
+        let src = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}; run `cargo xtask setup`", path.display()));
+        let gemma = ChatTemplate::from_jinja(&src, "<bos>", "<eos>").unwrap();
+        let prompt = TagPrompt::default();
+        // the plain conversation is refused...
+        let refused = gemma
+            .apply(&prompt.messages("A red fox."), true)
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains("System role not supported"),
+            "{refused}"
+        );
+        // ...so the system prompt opens the first user turn
+        let text = render_prompt(&gemma, &prompt, "A red fox.").unwrap();
+        let first_user = format!(
+            "<start_of_turn>user\n{}\n\n{}<end_of_turn>",
+            prompt.system,
+            super::super::prompt::FEW_SHOT.0
+        );
+        assert!(text.starts_with(&format!("<bos>{first_user}")), "{text}");
+        assert!(
+            text.ends_with("<start_of_turn>user\nA red fox.<end_of_turn>\n<start_of_turn>model\n"),
+            "{text}"
+        );
+        // ChatML keeps its system turn
+        let chatml = render_prompt(&ChatTemplate::chatml(), &prompt, "A red fox.").unwrap();
+        assert!(chatml.starts_with("<|im_start|>system\n"), "{chatml}");
     }
 }

@@ -93,6 +93,23 @@ impl TagPrompt {
     }
 }
 
+impl TagPrompt {
+    /// [`TagPrompt::messages`] without a system turn: the system prompt opens the first user
+    /// turn (separated by a blank line), for chat templates that refuse a system role (Gemma's
+    /// raise "System role not supported"; Gemma's own template folds it the same way when it
+    /// accepts one).
+    pub fn messages_without_system(&self, description: &str) -> Vec<ChatMessage> {
+        let mut m = self.messages(description);
+        if m.first().is_some_and(|t| t.role == "system") {
+            let system = m.remove(0).content;
+            if let Some(first_user) = m.iter_mut().find(|t| t.role == "user") {
+                first_user.content = format!("{system}\n\n{}", first_user.content);
+            }
+        }
+        m
+    }
+}
+
 /// Words that open chatter lines ("Sure! Here are…", "I hope this helps") rather than tags.
 const CHATTER_OPENERS: &[&str] = &[
     "sure",
