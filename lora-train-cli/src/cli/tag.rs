@@ -112,7 +112,7 @@ pub struct TagArgs {
     /// Caption the images with a vision-language model behind this OpenAI-compatible server
     /// root instead of the image model (vlm.base_url), e.g. http://127.0.0.1:8000/v1 (vLLM,
     /// llama.cpp's llama-server, Ollama's /v1).
-    #[arg(long, value_name = "URL", requires = "images")]
+    #[arg(long, value_name = "URL")]
     pub vlm: Option<String>,
     /// The served vision model's name (vlm.model).
     #[arg(long, value_name = "NAME")]
@@ -322,6 +322,23 @@ pub fn run(a: &TagArgs) -> Result<i32, CliError> {
         )
     {
         cfg.llm.model_path = Some(p);
+    }
+    if a.descriptions.is_some() {
+        let image_only = [
+            (a.vlm.is_some(), "--vlm"),
+            (a.vlm_model.is_some(), "--vlm-model"),
+            (a.preset.is_some(), "--preset"),
+            (a.vlm_prompt.is_some(), "--vlm-prompt"),
+            (a.max_image_side.is_some(), "--max-image-side"),
+            (a.gpu.is_some(), "--gpu"),
+            (a.budget.is_some(), "--budget"),
+        ];
+        if let Some((_, flag)) = image_only.iter().find(|(given, _)| *given) {
+            return Err(CliError::usage(format!(
+                "{flag} applies to --images (the image tagger or the VLM captioner), not to \
+                 --descriptions; the LLM for descriptions is set in the `llm` section of --config"
+            )));
+        }
     }
     let budget = match (&a.gpu, &a.budget) {
         (Some(g), _) => {

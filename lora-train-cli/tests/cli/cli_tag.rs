@@ -648,4 +648,19 @@ fn vlm_captions_a_folder_with_a_preset_and_the_trigger_word() {
         "{}",
         text(&o)
     );
+    // image-only options with --descriptions are refused, not ignored
+    let notes = d.join("notes.txt");
+    std::fs::write(&notes, "A red fox.\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_lora-train"))
+        .args(["tag", "--descriptions"])
+        .arg(&notes)
+        .args(["--vlm", &server.base_url()])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("--vlm applies to --images"),
+        "{}",
+        text(&o)
+    );
 }
