@@ -325,6 +325,14 @@ impl<T: Tagger> Tagger for CachedTagger<T> {
         self.inner.model_id()
     }
 
+    fn batch_plan(
+        &self,
+        sample: &str,
+        budget: Option<lora_memory::Bytes>,
+    ) -> Option<lora_memory::inference::BatchPlan> {
+        self.inner.batch_plan(sample, budget)
+    }
+
     fn tag_images(&mut self, paths: &[PathBuf]) -> Result<Vec<ItemResult>> {
         let model = self.inner.model_id();
         // An unreadable file gets no key: the inner tagger reports its error.

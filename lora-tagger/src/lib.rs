@@ -101,6 +101,19 @@ pub trait Tagger {
     /// # Errors
     /// As for [`Tagger::tag_images`]; image-only taggers return [`Error::Unsupported`].
     fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>>;
+
+    /// How this tagger sizes its batches, for showing before a run: lora-memory's
+    /// [`lora_memory::inference::batch_for`] of the model's weights and the peak of one item like
+    /// `sample` (a description; image taggers ignore it), in `budget` bytes free before loading
+    /// (`None`: this machine's free memory now plus the loaded weights). `None` (the default) for
+    /// taggers whose model runs elsewhere (an HTTP server).
+    fn batch_plan(
+        &self,
+        _sample: &str,
+        _budget: Option<lora_memory::Bytes>,
+    ) -> Option<lora_memory::inference::BatchPlan> {
+        None
+    }
 }
 
 /// A model that writes a free-text caption per image (a vision-language model,
@@ -129,5 +142,13 @@ impl<T: Tagger + ?Sized> Tagger for Box<T> {
 
     fn tag_descriptions(&mut self, descriptions: &[String]) -> Result<Vec<ItemResult>> {
         (**self).tag_descriptions(descriptions)
+    }
+
+    fn batch_plan(
+        &self,
+        sample: &str,
+        budget: Option<lora_memory::Bytes>,
+    ) -> Option<lora_memory::inference::BatchPlan> {
+        (**self).batch_plan(sample, budget)
     }
 }

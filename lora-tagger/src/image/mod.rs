@@ -641,6 +641,21 @@ impl ImageTagger {
 }
 
 impl Tagger for ImageTagger {
+    /// [`ImageTagger::plan_batch`] on the tagger's device; with no budget, the free memory now
+    /// plus the loaded weights.
+    fn batch_plan(
+        &self,
+        _sample: &str,
+        budget: Option<lora_memory::Bytes>,
+    ) -> Option<lora_memory::inference::BatchPlan> {
+        let budget = budget.or_else(|| {
+            ResourceSnapshot::take(self.device)
+                .free_for(self.device, self.cap)
+                .map(|f| lora_memory::Bytes(f + self.memory().weights.0))
+        })?;
+        Some(self.plan_batch(budget, self.device))
+    }
+
     fn model_id(&self) -> String {
         self.model_id.clone()
     }

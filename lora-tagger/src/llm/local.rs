@@ -391,6 +391,37 @@ impl LocalLlmTagger {
 }
 
 impl Tagger for LocalLlmTagger {
+    /// The plan for prompts as long as `sample`'s: the resident weights
+    /// ([`Llama::weights_resident_bytes`]), the CUDA context on a GPU, and
+    /// [`LocalLlmTagger::row_bytes`] per description.
+    fn batch_plan(
+        &self,
+        sample: &str,
+        budget: Option<lora_memory::Bytes>,
+    ) -> Option<lora_memory::inference::BatchPlan> {
+        use lora_memory::Bytes;
+        let prompt_len = self.prompt_ids(sample).ok()?.len();
+        let weights = Bytes(self.model.weights_resident_bytes());
+        let memory = lora_memory::inference::InferenceMemory {
+            weights,
+            fixed: match self.opts.device {
+                Device::Cuda(_) => lora_memory::inference::cuda_fixed_bytes(),
+                _ => Bytes(0),
+            },
+            per_item: Bytes(self.row_bytes(prompt_len)),
+        };
+        let budget = budget.or_else(|| {
+            ResourceSnapshot::take(self.opts.device)
+                .free_for(self.opts.device, None)
+                .map(|f| Bytes(f + weights.0))
+        })?;
+        Some(lora_memory::inference::batch_for(
+            &memory,
+            budget,
+            self.micro_batch,
+        ))
+    }
+
     /// `local:<file name>:<bytes>B:<sampling>:n<max_new_tokens>`, e.g.
     /// `local:SmolLM2-135M-Instruct.Q4_1.gguf:98362432B:greedy:n48`.
     fn model_id(&self) -> String {

@@ -79,6 +79,23 @@ fn smollm2_tags_real_captions_and_batches_match_single_runs() {
         t.tag_images(&["x.png".into()]),
         Err(Error::Unsupported { .. })
     ));
+
+    // the batch plan shown before a run: lora-memory's formula over the resident weights and
+    // one prompt's row (KV cache, logits, MLP activations), against two budgets
+    let row = t.row_bytes(t.prompt_ids(a).unwrap().len());
+    let weights = t.model().weights_resident_bytes();
+    let plan = |budget: u64| t.batch_plan(a, Some(lora_memory::Bytes(budget))).unwrap();
+    let small = plan(weights * 2);
+    assert_eq!(small.memory.weights.0, weights);
+    assert_eq!(small.memory.per_item.0, row);
+    let expected = ((weights * 2) as f64 * 0.8 - weights as f64) / row as f64;
+    assert_eq!(small.fits, expected as usize);
+    let big = plan(8 << 30);
+    assert_eq!(
+        (big.batch, big.limit),
+        (4, lora_memory::inference::BatchLimit::MaxBatch)
+    );
+    assert!(big.fits > small.fits);
 }
 
 #[test]

@@ -666,6 +666,12 @@ fn run_descriptions(file: &Path, out: Option<&Path>, cfg: &TaggerConfig) -> Resu
         TagCache::new(cfg.memory_management.cache_size),
         &cfg.llm,
     );
+    if let Some(plan) = descriptions
+        .first()
+        .and_then(|d| tagger.batch_plan(d, None))
+    {
+        eprintln!("batch plan for the free memory: {plan}");
+    }
     let t = Instant::now();
     // In chunks, so progress shows while the model works: a bar on a terminal, a plain line per
     // chunk otherwise (logs, CI), as `train` does.
