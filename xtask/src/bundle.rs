@@ -4,8 +4,8 @@
 //!
 //! `cargo xtask bundle-check DIR` proves a bundle on this machine the way another machine would
 //! run it: from a scratch folder, with an environment of only `PATH` and `HOME` (no cargo
-//! variables, no `LD_LIBRARY_PATH`), libtorch found each of the three ways, `doctor --json`, and a
-//! two-step `train` of SmolLM2-135M.
+//! variables, no `LD_LIBRARY_PATH`), libtorch found each of the three ways, `doctor --json`, a
+//! two-step `train` of SmolLM2-135M, and `benches/gpu/run.sh --cpu`.
 
 use crate::util::{self, human, output};
 use anyhow::{Context, Result, bail};
@@ -34,7 +34,8 @@ bundle-check
   Runs the bundle from a scratch folder with only PATH and HOME set: without any libtorch (a
   clear error), with LIBTORCH, with a python3 that has torch on the PATH, with libtorch/ beside a
   copy of the bundle; `doctor --json` each time, then a 2-step `train` of SmolLM2-135M (needs the
-  project's assets: `cargo xtask setup`). --other-libtorch: a libtorch of another PyTorch release,
+  project's assets: `cargo xtask setup`), then the bundle's benches/gpu/run.sh --cpu with the
+  project venv's python (both sides of every CPU case must be measured). --other-libtorch: a libtorch of another PyTorch release,
   which the launcher must refuse with a message naming both versions.
 ";
 
@@ -543,7 +544,76 @@ pub fn bundle_check(root: &Path, args: &[String]) -> Result<()> {
         summary_line(&summary),
         human(std::fs::metadata(&adapter)?.len())
     );
+    run_sh_cpu(root, &dir, &scratch, bare)?;
     eprintln!("== bundle-check: passed");
+    Ok(())
+}
+
+/// The bundle's own `benches/gpu/run.sh --cpu` with the project venv's python (torch,
+/// transformers, peft) first on the PATH: every part that can run on the CPU must end "ok" with
+/// both sides measured.
+fn run_sh_cpu(root: &Path, dir: &Path, scratch: &Path, bare: &str) -> Result<()> {
+    let venv_bin = root.join(".venv/bin");
+    if !venv_bin.join("python3").exists() {
+        bail!("bundle-check: run.sh --cpu needs the project venv (cargo xtask setup)");
+    }
+    eprintln!("== bundle-check: benches/gpu/run.sh --cpu (python3 of .venv on the PATH)");
+    let out = scratch.join("gpu-cpu");
+    let path = format!("{}:{bare}", venv_bin.display());
+    let t = Instant::now();
+    let r = run_clean(
+        &dir.join("benches/gpu/run.sh"),
+        &[&dir.to_string_lossy(), &out.to_string_lossy(), "--cpu"],
+        scratch,
+        &path,
+        &[],
+    )?;
+    let results: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("results.json")).with_context(|| {
+            format!(
+                "bundle-check: run.sh --cpu wrote no results.json (exit {:?}):\n{}{}",
+                r.code, r.stdout, r.stderr
+            )
+        })?,
+    )?;
+    let parts = results["parts"]
+        .as_object()
+        .context("bundle-check: results.json has no parts")?;
+    for name in ["1 sanity", "2 llm", "3 variants"] {
+        let p = &parts
+            .get(name)
+            .with_context(|| format!("bundle-check: run.sh --cpu did not run part {name}"))?;
+        if p["status"] != "ok" {
+            bail!(
+                "bundle-check: run.sh --cpu part {name} is {}:\n{p:#}",
+                p["status"]
+            );
+        }
+        for c in p["cases"].as_array().into_iter().flatten() {
+            for side in ["ours", "peft"] {
+                if c[side]["status"] != "ok"
+                    || !(c[side]["median_step_s"].as_f64().unwrap_or(0.0) > 0.0)
+                {
+                    bail!(
+                        "bundle-check: run.sh --cpu {name} case {} has no {side} measurement:\n{c:#}",
+                        c["case"]
+                    );
+                }
+            }
+        }
+    }
+    if r.code != Some(0) {
+        bail!(
+            "bundle-check: run.sh --cpu exited {:?}:\n{}",
+            r.code,
+            r.stderr
+        );
+    }
+    eprintln!(
+        "   ok: {:.0} s, {} (results.md beside it)",
+        t.elapsed().as_secs_f64(),
+        out.join("results.json").display()
+    );
     Ok(())
 }
 
