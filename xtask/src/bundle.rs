@@ -592,7 +592,7 @@ fn run_sh_cpu(root: &Path, dir: &Path, scratch: &Path, bare: &str) -> Result<()>
         for c in p["cases"].as_array().into_iter().flatten() {
             for side in ["ours", "peft"] {
                 if c[side]["status"] != "ok"
-                    || !(c[side]["median_step_s"].as_f64().unwrap_or(0.0) > 0.0)
+                    || c[side]["median_step_s"].as_f64().is_none_or(|s| s <= 0.0)
                 {
                     bail!(
                         "bundle-check: run.sh --cpu {name} case {} has no {side} measurement:\n{c:#}",
