@@ -78,6 +78,12 @@ fn gloo_include(libtorch_include: &std::path::Path) -> Option<std::path::PathBuf
 }
 
 fn main() {
+    // A libtorch outside the tested versions stops here, with the versions that work, before
+    // the shim's C++ compile can fail on an API difference.
+    if let Err(message) = lora_build::check_libtorch_version() {
+        eprintln!("error: {message}");
+        std::process::exit(1);
+    }
     lora_build::link_libtorch_at_runtime();
     build_shim();
 }

@@ -1,44 +1,55 @@
 #!/usr/bin/env bash
-# The side-by-side comparison on CUDA: the same job as the CPU comparison (one code path,
-# `cargo xtask bench-compare`), on GPU 0 with bf16 autocast on both sides, larger batches, and the
-# allocator peaks compared (ours: lora_core::sys::cuda_mem_stats, i.e. the CUDA caching allocator's
-# allocated_bytes.all.peak; PEFT: torch.cuda.max_memory_allocated), each reset before the first step.
+# The GPU comparison, run from a bundle (`cargo xtask bundle`) with no Rust and no network:
+# our trainer (the bundle's lora-train) against PEFT + transformers on the same random-init
+# checkpoints (make_models.py), each part skipped cleanly when its prerequisite is missing.
 #
-# Needs: an NVIDIA driver, this checkout, Rust, and `cargo xtask setup` (run below; idempotent).
-# PyPI's torch==2.13.0 wheel is a CUDA 13 build and serves as libtorch for both sides.
-# Takes a few minutes (most of it the first build); results in target/bench-compare-cuda/.
+#   benches/gpu/run.sh <bundle-dir> <out-dir> [--cpu]
 #
-#   benches/gpu/run.sh [extra bench-compare flags, e.g. --steps 30 --batch 16]
+# <bundle-dir>  a folder written by `cargo xtask bundle` (holds lora-train and bundle.json);
+#               from inside a bundle: benches/gpu/run.sh . out/
+# <out-dir>     results.json and results.md (rewritten after every part), the generated models
+#               (models/) and each run's files (work/)
+# --cpu         small shapes on the CPU (the tiny Llama, 2 x 64 tokens, 4 steps): the whole chain
+#               in a few minutes on any machine
+#
+# Needs a python3 with torch of the bundle's PyTorch release (LORA_PYTHON picks another
+# interpreter; it is also how the bundle's launcher finds libtorch unless LIBTORCH is set);
+# transformers + peft for the PEFT side; safetensors + tokenizers for make_models.py. The parts
+# and what each measures: the top of run_parts.py.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "benches/gpu/run.sh: no NVIDIA GPU visible (nvidia-smi -L failed); use cargo xtask bench-compare for the CPU comparison" >&2
+usage() {
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+[ $# -ge 2 ] || usage
+bundle=$1
+out=$2
+shift 2
+extra=()
+for arg in "$@"; do
+    case $arg in
+        --cpu) extra+=(--cpu) ;;
+        -h | --help) usage ;;
+        *) echo "run.sh: unknown argument $arg" >&2; usage ;;
+    esac
+done
+here=$(cd "$(dirname "$0")" && pwd -P)
+if [ ! -x "$bundle/lora-train" ] || [ ! -f "$bundle/bundle.json" ]; then
+    echo "run.sh: $bundle is not a bundle (no lora-train launcher or bundle.json); build one with cargo xtask bundle --libtorch <path>" >&2
     exit 2
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-
-cargo xtask setup
-
-# CPU threads only feed the GPU here; keep both sides equal.
-THREADS="${THREADS:-4}"
-export OMP_NUM_THREADS="$THREADS" MKL_NUM_THREADS="$THREADS"
-
-# The CUDA build of libtorch must be usable from a tch binary (libtorch_cuda.so linked, not
-# dropped by --as-needed): check before spending minutes on the comparison.
-.venv/bin/python - <<'PY'
-import torch, sys
-if not torch.cuda.is_available():
-    sys.exit("the venv's torch sees no CUDA device; check the driver (torch %s, CUDA %s)" % (torch.__version__, torch.version.cuda))
-print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))
-PY
-
-cargo xtask bench-compare \
-    --device cuda --precision bf16 \
-    --threads "$THREADS" \
-    --steps 12 --repeats 2 --batch 8 --seq-len 512 \
-    --no-loader --phases \
-    --out target/bench-compare-cuda "$@"
-
-echo
-echo "results: target/bench-compare-cuda/bench.md, bench.json, bench.png"
+py=${LORA_PYTHON:-python3}
+if ! command -v "$py" >/dev/null 2>&1; then
+    echo "run.sh: $py not found; set LORA_PYTHON to a python with torch" >&2
+    exit 2
+fi
+if ! "$py" -c 'import torch' >/dev/null 2>&1; then
+    echo "run.sh: $py has no torch; every part needs it (pip install torch==<the bundle's release>)" >&2
+    exit 2
+fi
+mkdir -p "$out"
+# CPU threads only feed the GPU there; on --cpu both sides get the same count.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec "$py" "$here/run_parts.py" --bundle "$bundle" --out "$out" "${extra[@]}"

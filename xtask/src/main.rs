@@ -1,4 +1,4 @@
-//! Project tasks for lora-sdk: `cargo xtask <setup|test|demo|doctor>`.
+//! Project tasks for lora-sdk: `cargo xtask <setup|test|demo|doctor|bundle|…>`.
 //!
 //! `setup` provisions everything a fresh clone needs, idempotently:
 //! - libtorch: an `LIBTORCH` the user configured (version-checked), or the project's own `.venv` with
@@ -13,6 +13,7 @@
 
 mod assets;
 mod bench;
+mod bundle;
 mod package;
 mod python;
 mod util;
@@ -42,9 +43,14 @@ commands:
   bench-compare  the same LoRA training job through lora-train and Python PEFT + transformers,
            alternating, plus the image loader vs Pillow: ratios to bench.json/.md/.png
            (`cargo xtask bench-compare --help`)
+  bundle   a folder (and .tar.gz) to run on a GPU machine without Rust: stripped release
+           lora-train, a launcher that finds libtorch, the GPU bench scripts, a README
+           (`cargo xtask bundle --help`)
+  bundle-check  run a bundle here as another machine would (clean environment, libtorch found
+           three ways, doctor, a 2-step train)
 
 environment:
-  LIBTORCH          use this libtorch (must be 2.13.0) instead of the project venv
+  LIBTORCH          use this libtorch (2.13.x) instead of the project venv's 2.13.0
   LORA_SDK_PYTHON   python used to create .venv (default: python3)
 ";
 
@@ -55,6 +61,10 @@ fn main() {
     let result = match args.first().map(String::as_str) {
         Some("bench-compare") if args.iter().any(|a| a == "-h" || a == "--help") => {
             print!("{}", bench::USAGE);
+            return;
+        }
+        Some("bundle" | "bundle-check") if args.iter().any(|a| a == "-h" || a == "--help") => {
+            print!("{}", bundle::USAGE);
             return;
         }
         // `cargo xtask test --help` and the like: the usage, not a set-up of several minutes
@@ -68,6 +78,8 @@ fn main() {
         Some("doctor") => doctor(&root),
         Some("consumer") => setup(&root).and_then(|env| package::consumer(&root, &env)),
         Some("msrv") => python::ensure_libtorch(&root).and_then(|env| package::msrv(&root, &env)),
+        Some("bundle") => bundle::bundle(&root, &args[1..]),
+        Some("bundle-check") => bundle::bundle_check(&root, &args[1..]),
         Some("bench-compare") => python::ensure_libtorch(&root)
             .and_then(|env| bench::bench_compare(&root, &env, &args[1..])),
         Some("-h") | Some("--help") | Some("help") | None => {
@@ -104,6 +116,8 @@ fn project_root() -> PathBuf {
 pub struct Env {
     /// The libtorch folder (holding `lib/` and `include/`).
     pub libtorch: PathBuf,
+    /// Its PyTorch version, without the local suffix (`2.13.0`).
+    pub libtorch_version: String,
     /// The venv python used by the interop tests.
     pub python: PathBuf,
 }
@@ -148,6 +162,11 @@ fn configure(cmd: &mut Command, env: &Env) {
     cmd.env("LIBTORCH", &env.libtorch)
         .env("LIBTORCH_CXX11_ABI", "1")
         .env("LORA_SDK_PYTHON", &env.python);
+    // torch-sys accepts only the version tch was generated from; lora-core's build script checks
+    // the versions the SDK is tested with instead (setup let only those through).
+    if env.libtorch_version != TORCH_VERSION {
+        cmd.env("LIBTORCH_BYPASS_VERSION_CHECK", "1");
+    }
     // Binaries and test executables carry an rpath to libtorch (the lora-build crate), but
     // rustdoc's doc-test executables get no link arguments from build scripts.
     let mut dylib = env.libtorch.join("lib").into_os_string();

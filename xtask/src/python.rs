@@ -37,15 +37,11 @@ fn venv_torch_dir(root: &Path) -> Option<PathBuf> {
     None
 }
 
-/// Version of a libtorch folder: `version.py` (PyPI wheel) or `build-version` (libtorch zip).
-fn libtorch_version(dir: &Path) -> Option<String> {
-    if let Ok(s) = std::fs::read_to_string(dir.join("build-version")) {
-        return Some(s.trim().split('+').next().unwrap_or("").to_string());
-    }
-    let s = std::fs::read_to_string(dir.join("version.py")).ok()?;
-    let line = s.lines().find(|l| l.starts_with("__version__"))?;
-    let v = line.split(['\'', '"']).nth(1)?;
-    Some(v.split('+').next().unwrap_or(v).to_string())
+/// Version of a libtorch folder without its local suffix (`2.13.0`, not `2.13.0+cu130`):
+/// `build-version` (libtorch zip) or `version.py` (PyPI wheel).
+pub fn libtorch_version(dir: &Path) -> Option<String> {
+    let v = lora_build::libtorch_version(dir)?;
+    Some(v.split('+').next().unwrap_or(&v).to_string())
 }
 
 fn base_python() -> String {
@@ -56,7 +52,9 @@ fn base_python() -> String {
         .unwrap_or_else(|| "python3".to_string())
 }
 
-/// Makes sure libtorch 2.13.0 is available and returns where, plus the venv python.
+/// Makes sure the project venv has torch 2.13.0 (the interop peers need it) and returns the
+/// libtorch to build with: the user's `LIBTORCH` when set and of a supported version
+/// ([`lora_build::SUPPORTED_TORCH`]), else the venv's; plus the venv python.
 pub fn ensure_libtorch(root: &Path) -> Result<Env> {
     ensure_venv_torch(root)?;
     let python = venv_python(root);
@@ -80,7 +78,7 @@ pub fn ensure_libtorch(root: &Path) -> Result<Env> {
 
     // An LIBTORCH the user set (not the project default injected by .cargo/config.toml) wins.
     let default = link.clone();
-    let libtorch = match std::env::var_os("LIBTORCH").map(PathBuf::from) {
+    let (libtorch, libtorch_version) = match std::env::var_os("LIBTORCH").map(PathBuf::from) {
         Some(p) if !same_path(&p, &default) => {
             let v = libtorch_version(&p).with_context(|| {
                 format!(
@@ -90,26 +88,35 @@ pub fn ensure_libtorch(root: &Path) -> Result<Env> {
                     p.display()
                 )
             })?;
-            if v != TORCH_VERSION {
+            if !lora_build::is_supported(&v)
+                && std::env::var_os(lora_build::ALLOW_ANY_TORCH_VAR).is_none()
+            {
                 bail!(
-                    "setup/libtorch: LIBTORCH={} is libtorch {v}, but tch 0.26 needs {TORCH_VERSION}. Point \
-                     LIBTORCH at a {TORCH_VERSION} install, or unset LIBTORCH so setup uses the project's \
-                     .venv (PyPI torch=={TORCH_VERSION}).",
-                    p.display()
+                    "setup/libtorch: LIBTORCH={} is libtorch {v}, but lora-sdk builds against PyTorch {} \
+                     (tch 0.26's bindings and lora-core's shim are tested with those). Point LIBTORCH at \
+                     one of them, or unset LIBTORCH so setup uses the project's .venv (PyPI \
+                     torch=={TORCH_VERSION}); {}=1 tries this version anyway.",
+                    p.display(),
+                    lora_build::supported_list(),
+                    lora_build::ALLOW_ANY_TORCH_VAR,
                 );
             }
             eprintln!("   using your LIBTORCH={} ({v})", p.display());
-            p
+            (p, v)
         }
         _ => {
             eprintln!(
                 "   using .venv/libtorch -> {} ({TORCH_VERSION})",
                 torch_dir.display()
             );
-            default
+            (default, TORCH_VERSION.to_string())
         }
     };
-    Ok(Env { libtorch, python })
+    Ok(Env {
+        libtorch,
+        libtorch_version,
+        python,
+    })
 }
 
 fn same_path(a: &Path, b: &Path) -> bool {

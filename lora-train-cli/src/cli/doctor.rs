@@ -10,6 +10,12 @@ use super::{CliError, EXIT_OK};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
+/// The PyTorch version of the libtorch this binary was linked against (set by `build.rs`).
+const BUILT_FOR_PYTORCH: &str = env!("LORA_BUILT_FOR_PYTORCH");
+
+/// Set by the bundle's `lora-train` launcher to say where it found libtorch.
+const FOUND_VIA_VAR: &str = "LORA_LIBTORCH_FOUND_VIA";
+
 /// Runs `doctor`; `json` prints the report as one JSON object instead of text. Always exit 0
 /// unless printing fails: missing pieces are reported, not errors.
 pub fn run(json: bool) -> Result<i32, CliError> {
@@ -37,7 +43,12 @@ struct Report {
 #[derive(Debug, Serialize)]
 struct Libtorch {
     tch_version: &'static str,
+    /// The PyTorch version of the libtorch this binary was built against (its `version.py` or
+    /// `build-version` at build time).
     built_for_pytorch: &'static str,
+    /// How the bundle's launcher found libtorch (`LIBTORCH`, `python3`, `beside the bundle`);
+    /// `None` when the binary was started directly (its rpath or `LD_LIBRARY_PATH` decided).
+    found_via: Option<String>,
     path: Option<PathBuf>,
     /// Version and where it was read (`version.py` or `build-version`).
     version: Option<String>,
@@ -119,6 +130,9 @@ impl Report {
         match &l.path {
             Some(p) => {
                 out += &format!("  path: {}\n", p.display());
+                if let Some(via) = &l.found_via {
+                    out += &format!("  found via: {via}\n");
+                }
                 out += &match (&l.version, l.version_source) {
                     (Some(v), Some(s)) => format!("  version: {v} ({s})\n"),
                     _ => "  version: unknown (no version.py / build-version)\n".into(),
@@ -212,7 +226,8 @@ impl Libtorch {
         let version = path.as_deref().and_then(libtorch_version);
         Libtorch {
             tch_version: "0.26.0",
-            built_for_pytorch: "2.13.0",
+            built_for_pytorch: BUILT_FOR_PYTORCH,
+            found_via: std::env::var(FOUND_VIA_VAR).ok().filter(|v| !v.is_empty()),
             path,
             version_source: version.as_ref().map(|v| v.1),
             version: version.map(|v| v.0),
