@@ -24,6 +24,10 @@
 //! ```
 //!
 //! `cfg.captions.dry_run = true` reports what would be written and touches no file.
+//! [`llm::vlm::from_config`] builds a captioner over a vision-language model behind an
+//! OpenAI-compatible server (config section `vlm`); [`run::caption_to_files_with_progress`]
+//! writes its captions. Batch sizes come from lora-memory
+//! ([`lora_memory::inference::batch_for`]; [`Tagger::batch_plan`] shows a tagger's plan).
 //! [`llm::from_config`] builds the LLM tagger, which turns free-text descriptions into tags: a
 //! LLaMA-family instruct model in-process (SmolLM2-135M-Instruct by default) or any
 //! OpenAI-compatible server (config section `llm`).
