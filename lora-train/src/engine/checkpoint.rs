@@ -52,6 +52,78 @@ pub struct TrainerCounters {
     pub skipped_steps: u64,
     /// Times the micro-batch was halved after an out-of-memory error.
     pub oom_backoffs: u64,
+    /// Data-parallel ranks of the run that wrote the checkpoint (0 in checkpoints written
+    /// before this was recorded: one process). `batches_in_epoch` counts one rank's batches;
+    /// a resume on another world size maps it through this (see [`TrainerCounters::remap_world_size`]).
+    #[serde(default)]
+    pub world_size: u64,
+    /// Loader batches per optimizer step over all ranks, `gradient_accumulation_steps ×
+    /// world_size` (0 when not recorded): the global batch, in micro-batches, that a resume
+    /// on another world size must keep.
+    #[serde(default)]
+    pub global_batches_per_step: u64,
+}
+
+impl TrainerCounters {
+    /// Maps counters written by `self.world_size` ranks onto `world_size` ranks taking
+    /// `gradient_accumulation_steps` batches each per step: the epoch's position, counted in
+    /// one rank's batches, becomes the same position of the epoch's whole plan in the new
+    /// ranks' batches (a data-parallel rank `r` of `n` takes batches `r, r + n, …` of the
+    /// plan, `LoaderConfig::num_replicas`). Counters of the same world size are unchanged.
+    ///
+    /// # Errors
+    /// [`TrainError::State`] when the global batch changes (the step would mean another
+    /// batch: the error says which `gradient_accumulation_steps` keeps it) or the position
+    /// does not split evenly over the new ranks.
+    pub fn remap_world_size(
+        &mut self,
+        world_size: usize,
+        gradient_accumulation_steps: usize,
+    ) -> Result<()> {
+        let old = self.world_size.max(1);
+        let new = world_size.max(1) as u64;
+        let per_step = gradient_accumulation_steps.max(1) as u64 * new;
+        let bad = |message: String| TrainError::State {
+            what: "checkpoint (data-parallel world size)".into(),
+            message,
+        };
+        if old != new {
+            let saved = match self.global_batches_per_step {
+                0 => old,
+                n => n,
+            };
+            if saved != per_step {
+                let hint = if saved % new == 0 {
+                    format!(
+                        "set gradient_accumulation_steps: {} so {new} ranks take the same {saved} \
+                         micro-batches per step",
+                        saved / new
+                    )
+                } else {
+                    format!(
+                        "{saved} micro-batches do not split over {new} ranks: use a world size that divides {saved}"
+                    )
+                };
+                return Err(bad(format!(
+                    "the checkpoint's steps took {saved} micro-batches over {old} rank(s); {new} \
+                     rank(s) × gradient_accumulation_steps {gradient_accumulation_steps} take \
+                     {per_step}: {hint}"
+                )));
+            }
+            let global = self.batches_in_epoch * old;
+            if global % new != 0 {
+                return Err(bad(format!(
+                    "the checkpoint stands after {global} batches of epoch {}, which do not split \
+                     over {new} ranks: resume on {old} rank(s), or from a checkpoint at an epoch's start",
+                    self.epoch
+                )));
+            }
+            self.batches_in_epoch = global / new;
+        }
+        self.world_size = new;
+        self.global_batches_per_step = per_step;
+        Ok(())
+    }
 }
 
 /// Everything needed to continue a run exactly.
