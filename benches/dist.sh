@@ -11,7 +11,10 @@
 # here; NCCL is not built), and speed on an idle machine when run on a shared one — the load
 # average is printed beside the numbers.
 #
-#   benches/dist.sh [--release] [--repeats N]
+#   benches/dist.sh [--release] [--repeats N] [--steps N]
+#
+# (--steps: optimizer steps per run, default the demo's 16; fewer for a quick look on a busy
+# machine.)
 #
 # Prints tokens/s of each side per repeat, the median ratio (2 ranks / 1 process, higher is better
 # for the ranks) and the all-reduce times (median / min / max ms). Results in target/bench-dist/.
@@ -21,11 +24,13 @@ cd "$(dirname "$0")/.."
 PROFILE=debug
 CARGO_PROFILE=()
 REPEATS=2
+STEPS=16
 while [ $# -gt 0 ]; do
     case "$1" in
         --release) PROFILE=release; CARGO_PROFILE=(--release) ;;
         --repeats) REPEATS="$2"; shift ;;
-        *) echo "usage: benches/dist.sh [--release] [--repeats N]" >&2; exit 2 ;;
+        --steps) STEPS="$2"; shift ;;
+        *) echo "usage: benches/dist.sh [--release] [--repeats N] [--steps N]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -42,6 +47,8 @@ config() { # name batch_size num_threads
     sed -e "s|output_dir: .*|output_dir: $OUT/$1|" \
         -e "s|batch_size: .*|batch_size: $2|" \
         -e "s|num_threads: .*|num_threads: $3|" \
+        -e "s|max_steps: .*|max_steps: $STEPS|" \
+        -e "s|save_every_n_steps: .*|save_every_n_steps: $STEPS|" \
         -e "s|tensorboard: .*|tensorboard: false|" \
         examples/configs/smollm2-shakespeare.yaml > "$OUT/$1.yaml"
 }
@@ -49,7 +56,7 @@ config one 4 2
 config ranks 2 1
 
 tokens_per_s() { # run folder
-    .venv/bin/python -c 'import json,sys; s=json.load(open(sys.argv[1])); print(f"{s[\"tokens\"] / s[\"train_seconds\"]:.1f}")' "$1/summary.json"
+    .venv/bin/python -c 'import json,sys; s=json.load(open(sys.argv[1])); print("%.1f" % (s["tokens"] / s["train_seconds"]))' "$1/summary.json"
 }
 load() { cut -d' ' -f1 /proc/loadavg; }
 
