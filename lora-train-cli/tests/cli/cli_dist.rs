@@ -401,8 +401,8 @@ fn plan_for_two_processes_answers_per_gpu() {
     );
     // LoRA's buffer is small next to the activations: the peak per GPU is one process's
     assert_eq!(two["estimate"]["peak"], one["estimate"]["peak"]);
-    // a budget too small says more ranks do not help, exit 3
-    let o = plan(&["--budget", "100MB", "--nproc-per-node", "2"]);
+    // a card too small says more ranks do not help, exit 3
+    let o = plan(&["--budget", "cuda: 100MB", "--nproc-per-node", "2"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(3), "{t}");
     assert!(
@@ -410,6 +410,21 @@ fn plan_for_two_processes_answers_per_gpu() {
         "{t}"
     );
     assert!(t.contains("more ranks do not lower the peak"), "{t}");
+    // on the CPU (the config's device) the ranks of one machine share its memory
+    let o = plan(&["--nproc-per-node", "2"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    let peak = json(&["--nproc-per-node", "2", "--json"])["estimate"]["peak"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        t.contains(&format!(
+            "ranks on one machine share its memory — 2 on one machine need 2 × {} = {}",
+            lora_memory::Bytes(peak),
+            lora_memory::Bytes(2 * peak)
+        )),
+        "{t}"
+    );
     let o = plan(&["--nproc-per-node", "0"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }

@@ -358,6 +358,13 @@ impl Plan {
                     "data-parallel: {n} ranks — the peak above is per rank, one rank per {device}\n"
                 ),
             };
+            if !self.settings.device.is_cuda() {
+                // CPU ranks started on one machine (--nproc-per-node) share its memory
+                out += &format!(
+                    "data-parallel on the CPU: ranks on one machine share its memory — {n} on one machine need {n} × {peak} = {}\n",
+                    Bytes(peak.0.saturating_mul(u64::from(n)))
+                );
+            }
         }
         if self.settings.device.is_cuda()
             && let Some(h) = self.budget.as_ref().and_then(Budget::unit_hint)
