@@ -149,6 +149,64 @@ char* lsdk_dist_broadcast(void* pg, const at::Tensor* t, int32_t root) {
   });
 }
 
+// Every rank's `t`, in rank order, into `out` ([world_size, *t.shape], t's dtype, contiguous).
+// Gloo's all-gather takes one output tensor per rank: rows of `out`, written back in place.
+char* lsdk_dist_all_gather(void* pg, const at::Tensor* t, const at::Tensor* out) {
+  return guarded([&] {
+#ifdef USE_C10D_GLOO
+    auto inputs = one_tensor(t);
+    TORCH_CHECK(out != nullptr, "null output tensor");
+    auto* g = group_of(pg);
+    const int64_t world = g->gloo->getSize();
+    TORCH_CHECK(out->is_contiguous(), "the all-gather output must be contiguous");
+    TORCH_CHECK(out->dim() == t->dim() + 1 && out->size(0) == world,
+                "the all-gather output must be [world_size=", world, ", *input.shape], got ",
+                out->sizes());
+    TORCH_CHECK(out->scalar_type() == t->scalar_type(), "the all-gather output must be ",
+                t->scalar_type(), ", got ", out->scalar_type());
+    std::vector<at::Tensor> rows;
+    rows.reserve(world);
+    for (int64_t r = 0; r < world; ++r) {
+      rows.push_back(out->select(0, r));
+      TORCH_CHECK(rows.back().sizes() == t->sizes(), "all-gather row ", r, " is ",
+                  rows.back().sizes(), ", the input ", t->sizes());
+    }
+    std::vector<std::vector<at::Tensor>> outputs{rows};
+    group_of(pg)->gloo->allgather(outputs, inputs, c10d::AllgatherOptions())->wait();
+#else
+    (void)pg, (void)t, (void)out;
+    TORCH_CHECK(false, kNoGloo);
+#endif
+  });
+}
+
+// Adds `delta` to the integer under `key` in the group's store (created at 0) and returns the
+// sum in `value`: how ranks leave marks for each other outside the collectives.
+char* lsdk_dist_store_add(void* pg, const char* key, int64_t delta, int64_t* value) {
+  return guarded([&] {
+#ifdef USE_C10D_GLOO
+    TORCH_CHECK(key != nullptr && value != nullptr, "null argument");
+    *value = group_of(pg)->store->add(std::string(key), delta);
+#else
+    (void)pg, (void)key, (void)delta, (void)value;
+    TORCH_CHECK(false, kNoGloo);
+#endif
+  });
+}
+
+// Whether `key` is in the group's store (without waiting for it).
+char* lsdk_dist_store_check(void* pg, const char* key, int32_t* present) {
+  return guarded([&] {
+#ifdef USE_C10D_GLOO
+    TORCH_CHECK(key != nullptr && present != nullptr, "null argument");
+    *present = group_of(pg)->store->check({std::string(key)}) ? 1 : 0;
+#else
+    (void)pg, (void)key, (void)present;
+    TORCH_CHECK(false, kNoGloo);
+#endif
+  });
+}
+
 // Waits until every rank has reached the barrier.
 char* lsdk_dist_barrier(void* pg) {
   return guarded([&] {

@@ -36,6 +36,7 @@ pub struct ProcessGroup {
     raw: raw::RawGroup,
     rank: usize,
     world_size: usize,
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -100,6 +101,7 @@ impl ProcessGroup {
             raw,
             rank,
             world_size,
+            timeout,
         })
     }
 
@@ -111,6 +113,11 @@ impl ProcessGroup {
     /// Number of processes in the group.
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// How long the rendezvous and each collective wait for the other ranks.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// In place: `t` becomes the element-wise sum of every rank's `t`.
@@ -138,6 +145,56 @@ impl ProcessGroup {
     /// A timeout or a lost peer.
     pub fn barrier(&self) -> Result<()> {
         raw::barrier(&self.raw).map_err(|e| shim("waiting at a barrier", e))
+    }
+
+    /// Every rank's `t`, stacked in rank order (`torch.distributed.all_gather` into one tensor):
+    /// row `r` of the result is rank `r`'s `t`.
+    ///
+    /// # Shapes
+    /// `t`: any shape and dtype, the same on every rank → `[world_size, *t.shape]`, `t`'s dtype,
+    /// on the CPU.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when the ranks' shapes or dtypes differ (Gloo reports it, or the
+    /// collective times out), on a timeout or a lost peer — never an abort.
+    pub fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        let input = t
+            .f_contiguous()
+            .ctx(|| "making the all-gather input contiguous")?;
+        let mut shape = vec![self.world_size as i64];
+        shape.extend(input.size());
+        let out = Tensor::f_empty(shape.as_slice(), (input.kind(), input.device()))
+            .ctx(|| "allocating the all-gather output")?;
+        raw::all_gather(&self.raw, &input, &out).map_err(|e| shim("all-gathering a tensor", e))?;
+        Ok(out)
+    }
+
+    /// After a failed collective: the ranks that are gone. This rank marks itself present in
+    /// the rendezvous store, then waits up to `wait` for every other rank to do the same (each
+    /// survivor calls this when its own collective fails); the ranks that never do are returned,
+    /// in order. A peer that died mid-step leaves Gloo with a closed connection whose address
+    /// does not say which rank it was; this does.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when the store does not answer: rank 0, which serves it, is gone (or the
+    /// network to it is).
+    pub fn absent_ranks(&self, wait: Duration) -> Result<Vec<usize>> {
+        const KEY: &str = "present-after-failure/";
+        let shim = |e| shim("asking the rendezvous store which ranks are still there", e);
+        raw::store_add(&self.raw, &format!("{KEY}{}", self.rank), 1).map_err(shim)?;
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let mut absent = Vec::new();
+            for r in (0..self.world_size).filter(|&r| r != self.rank) {
+                if !raw::store_check(&self.raw, &format!("{KEY}{r}")).map_err(shim)? {
+                    absent.push(r);
+                }
+            }
+            if absent.is_empty() || std::time::Instant::now() >= deadline {
+                return Ok(absent);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Averages the gradients of `params` over the ranks, in place, as

@@ -75,6 +75,22 @@ mod ffi {
             root: i32,
         ) -> *mut c_char;
         pub fn lsdk_dist_barrier(pg: *mut std::ffi::c_void) -> *mut c_char;
+        pub fn lsdk_dist_all_gather(
+            pg: *mut std::ffi::c_void,
+            t: *const torch_sys::C_tensor,
+            out: *const torch_sys::C_tensor,
+        ) -> *mut c_char;
+        pub fn lsdk_dist_store_add(
+            pg: *mut std::ffi::c_void,
+            key: *const c_char,
+            delta: i64,
+            value: *mut i64,
+        ) -> *mut c_char;
+        pub fn lsdk_dist_store_check(
+            pg: *mut std::ffi::c_void,
+            key: *const c_char,
+            present: *mut i32,
+        ) -> *mut c_char;
         pub fn lsdk_grad_set_undefined(t: *mut torch_sys::C_tensor) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
         pub fn lsdk_adam_foreach_step(
@@ -1162,5 +1178,42 @@ pub(crate) mod dist {
     pub fn barrier(g: &RawGroup) -> ShimResult<()> {
         // SAFETY: a live group handle.
         check("dist_barrier", unsafe { ffi::lsdk_dist_barrier(g.0) })
+    }
+
+    /// Every rank's `t` into the rows of `out` (`[world_size, *t.shape]`, allocated by the caller).
+    pub fn all_gather(g: &RawGroup, t: &Tensor, out: &Tensor) -> ShimResult<()> {
+        // SAFETY: both pointers are live `torch::Tensor*` owned by `t` and `out` for the call;
+        // the shim writes `out`'s storage in place.
+        check("dist_all_gather", unsafe {
+            ffi::lsdk_dist_all_gather(
+                g.0,
+                t.as_ptr() as *const torch_sys::C_tensor,
+                out.as_ptr() as *const torch_sys::C_tensor,
+            )
+        })
+    }
+
+    /// Adds `delta` to the store's integer under `key`; returns the new value.
+    pub fn store_add(g: &RawGroup, key: &str, delta: i64) -> ShimResult<i64> {
+        const OP: &str = "dist_store_add";
+        let key = c_string(OP, "key", key)?;
+        let mut value = 0i64;
+        // SAFETY: the key lives for the call; one i64 is written through a valid pointer.
+        check(OP, unsafe {
+            ffi::lsdk_dist_store_add(g.0, key.as_ptr(), delta, &mut value)
+        })?;
+        Ok(value)
+    }
+
+    /// Whether the store holds `key`.
+    pub fn store_check(g: &RawGroup, key: &str) -> ShimResult<bool> {
+        const OP: &str = "dist_store_check";
+        let key = c_string(OP, "key", key)?;
+        let mut present = 0i32;
+        // SAFETY: as in `store_add`.
+        check(OP, unsafe {
+            ffi::lsdk_dist_store_check(g.0, key.as_ptr(), &mut present)
+        })?;
+        Ok(present == 1)
     }
 }

@@ -118,6 +118,15 @@ impl Default for LoaderConfig {
     }
 }
 
+/// The position in a data-parallel replica's share of an epoch (see
+/// [`LoaderConfig::num_replicas`]) that `position` batches of a share among `from` replicas
+/// correspond to among `to` replicas: the same place in the epoch's whole plan, `position ×
+/// from` batches into it, rounded up to a whole round of `to` when it does not split evenly.
+pub fn replica_position(position: usize, from: usize, to: usize) -> usize {
+    let (from, to) = (from.max(1), to.max(1));
+    (position * from).div_ceil(to)
+}
+
 /// Where the loader stands: the next batch to hand out is batch `step` of epoch `epoch`, in the order
 /// given by `seed`. Serialize it with checkpoints; [`Loader::restore`] resumes there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -86,6 +86,14 @@ pub struct Breakdown {
     /// buckets ([`crate::settings::DeepSpeedZero`]).
     #[serde(default)]
     pub framework_buffers: Bytes,
+    /// Data-parallel runs ([`Settings::world_size`] > 1): the flattened gradient buffer of the
+    /// all-reduce, alive between the backward pass and the optimizer step — every trainable
+    /// gradient cast to fp32 into one contiguous buffer plus a 4-byte skip vote, `4·(trainable
+    /// + 1)` bytes (lora-core's `ProcessGroup::average_gradients`; Gloo reduces it in place).
+    /// Counted here when that moment is the peak. NCCL's own buffers are not counted: this SDK
+    /// has no NCCL backend yet.
+    #[serde(default)]
+    pub communication_buffers: Bytes,
     /// CUDA context and cuBLAS/cuDNN workspaces (CPU: runtime baseline).
     pub context_workspace: Bytes,
     /// Caching-allocator cache above the live tensors (reserved − allocated).
@@ -156,6 +164,11 @@ impl Breakdown {
                 name: "framework buffers",
                 bytes: self.framework_buffers,
                 formula: "GPTQ ExLlama scratch; DeepSpeed gradient buckets",
+            },
+            Term {
+                name: "communication buffers",
+                bytes: self.communication_buffers,
+                formula: "data-parallel: 4 B × (trainable + 1), flat fp32 all-reduce buffer",
             },
             Term {
                 name: "context / workspace",
@@ -360,6 +373,9 @@ fn validate(s: &Settings) -> Result<()> {
     }
     if s.gradient_accumulation_steps == 0 {
         return bad("gradient_accumulation_steps", "must be at least 1");
+    }
+    if s.world_size == 0 {
+        return bad("world_size", "must be at least 1 (one process)");
     }
     if s.seq_len == 0 {
         return bad("seq_len", "must be at least 1 token");
@@ -1237,7 +1253,16 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         + a.batch
         + a.buffers_backward;
     let step = persistent + a.gradients + a.step_tmp;
-    let allocated = backward.max(step);
+    // data-parallel: after the last backward pass the gradients are flattened into one fp32
+    // buffer for the all-reduce, freed before the optimizer step
+    let communication = if s.world_size > 1 {
+        4.0 * (a.trainable as f64 + 1.0)
+    } else {
+        0.0
+    };
+    let sync = persistent + a.gradients + communication;
+    let at_sync = sync > backward && sync > step;
+    let allocated = backward.max(step).max(sync);
     let transient = a.activations + a.logits_loss + a.autocast_copies;
     let (margin, context) = match s.device {
         Device::Cuda { context, workspace } => {
@@ -1266,6 +1291,15 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     // created lazily in the first step).
     let step_delta = allocated - a.base_weights - a.adapter_bytes;
     let mut notes = a.notes;
+    if s.world_size > 1 {
+        notes.push(format!(
+            "per rank of {} data-parallel ranks (each holds the whole model and its own \
+             micro-batches); the gradient all-reduce adds a {} fp32 buffer after the backward pass{}",
+            s.world_size,
+            Bytes::from_f64(communication),
+            if at_sync { ", the peak" } else { "" }
+        ));
+    }
     if a.step_tmp > a.activations + a.logits_loss && s.optimizer == Optimizer::AdamW {
         notes.push(
             "the optimizer step is the peak: fused AdamW or a per-tensor loop would lower it"
@@ -1274,34 +1308,47 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     }
     let breakdown = Breakdown {
         base_weights: Bytes::from_f64(a.base_weights),
-        autocast_weight_copies: Bytes::from_f64(if backward >= step {
+        autocast_weight_copies: Bytes::from_f64(if backward >= step && !at_sync {
             a.autocast_copies
         } else {
             0.0
         }),
         adapter_params: Bytes::from_f64(a.adapter_bytes),
-        gradients: Bytes::from_f64(if backward >= step {
+        gradients: Bytes::from_f64(if backward >= step && !at_sync {
             grads_at_backward
         } else {
             a.gradients
         }),
         optimizer_states: Bytes::from_f64(a.states),
-        optimizer_step_temporaries: Bytes::from_f64(if backward >= step {
+        optimizer_step_temporaries: Bytes::from_f64(if backward >= step || at_sync {
             0.0
         } else {
             a.step_tmp
         }),
-        activations: Bytes::from_f64(if backward >= step { a.activations } else { 0.0 }),
-        logits_loss: Bytes::from_f64(if backward >= step { a.logits_loss } else { 0.0 }),
-        batch_data: Bytes::from_f64(if backward >= step { a.batch } else { 0.0 }),
+        activations: Bytes::from_f64(if backward >= step && !at_sync {
+            a.activations
+        } else {
+            0.0
+        }),
+        logits_loss: Bytes::from_f64(if backward >= step && !at_sync {
+            a.logits_loss
+        } else {
+            0.0
+        }),
+        batch_data: Bytes::from_f64(if backward >= step && !at_sync {
+            a.batch
+        } else {
+            0.0
+        }),
         framework_buffers: Bytes::from_f64(
             a.buffers_persistent
-                + if backward >= step {
+                + if backward >= step && !at_sync {
                     a.buffers_backward
                 } else {
                     0.0
                 },
         ),
+        communication_buffers: Bytes::from_f64(if at_sync { communication } else { 0.0 }),
         context_workspace: Bytes::from_f64(context),
         allocator_margin: Bytes::from_f64(margin),
     };
@@ -1746,6 +1793,51 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
 mod tests {
     use super::*;
     use crate::settings::{DeepSpeedZero, GptqKernel, Profile};
+
+    #[test]
+    fn data_parallel_ranks_add_the_flat_gradient_buffer_of_the_all_reduce() {
+        let m = ModelDescriptor::preset("Llama-3.2-1B").unwrap();
+        // LoRA: a few MB of buffer next to the activations; the backward pass stays the peak
+        let lora = Settings::default().with_seq_len(512);
+        let one = estimate(&m, &lora).unwrap();
+        let two = estimate(&m, &lora.clone().with_world_size(2)).unwrap();
+        assert_eq!(two.peak, one.peak);
+        assert_eq!(two.breakdown.communication_buffers.0, 0);
+        assert!(
+            two.notes
+                .iter()
+                .any(|n| n.contains("2 data-parallel ranks")),
+            "{:?}",
+            two.notes
+        );
+        assert!(!one.notes.iter().any(|n| n.contains("data-parallel")));
+        // a full fine-tune on short sequences: every weight's gradient goes through the fp32
+        // buffer, and the all-reduce is the peak: weights + gradients + 4·(trainable + 1)
+        let full = Settings::default()
+            .with_method(Method::Full)
+            .with_seq_len(8);
+        let one = estimate(&m, &full).unwrap();
+        let two = estimate(&m, &full.clone().with_world_size(2)).unwrap();
+        let buffer = 4 * (two.trainable_params + 1);
+        assert_eq!(two.breakdown.communication_buffers.0, buffer);
+        assert!(two.peak_allocated.0.abs_diff(one.persistent.0 + buffer) <= 1);
+        assert!(two.peak > one.peak);
+        // the terms still add up to the allocated peak
+        let sum: u64 = two
+            .breakdown
+            .terms()
+            .iter()
+            .filter(|t| !matches!(t.name, "context / workspace" | "allocator margin"))
+            .map(|t| t.bytes.0)
+            .sum();
+        assert!(
+            sum.abs_diff(two.peak_allocated.0) <= 16,
+            "{sum} vs {}",
+            two.peak_allocated.0
+        );
+        // a world of 0 processes is refused
+        assert!(estimate(&m, &full.with_world_size(0)).is_err());
+    }
 
     #[test]
     fn qlora_weights_follow_the_nf4_formula() {

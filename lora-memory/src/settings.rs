@@ -566,6 +566,11 @@ pub struct Settings {
     pub device: Device,
     /// Reference framework.
     pub profile: Profile,
+    /// Data-parallel ranks (processes, one per GPU), each holding the whole model and training
+    /// its own micro-batches (effective batch = micro_batch × gradient_accumulation_steps ×
+    /// this): the estimate is per rank, plus the communication buffer of the gradient
+    /// all-reduce when above 1. Default 1.
+    pub world_size: u32,
 }
 
 impl Default for Settings {
@@ -595,6 +600,7 @@ impl Default for Settings {
             quantized_compute_f32: false,
             device: Device::cuda(),
             profile: Profile::ours(),
+            world_size: 1,
         }
     }
 }
@@ -620,6 +626,8 @@ impl Settings {
         with_micro_batch, micro_batch: u32);
     setter!(/// Sets `gradient_accumulation_steps`.
         with_gradient_accumulation_steps, gradient_accumulation_steps: u32);
+    setter!(/// Sets `world_size` (data-parallel ranks).
+        with_world_size, world_size: u32);
     setter!(/// Sets `seq_len`.
         with_seq_len, seq_len: u32);
     setter!(/// Sets `resolution`.

@@ -93,6 +93,11 @@ pub enum Command {
         /// Print the plan as JSON.
         #[arg(long)]
         json: bool,
+        /// Plan a data-parallel run of N processes, one per GPU (as `train --nproc-per-node N`
+        /// or torchrun starts it): the peak per rank, and whether it fits N of the budget's
+        /// GPUs ("fits on 2 × RTX 3090").
+        #[arg(long, value_name = "N")]
+        nproc_per_node: Option<u32>,
         /// Also print the frontier: the longest sequence and the largest micro-batch that fit
         /// 8, 12, 16, 24, 40, 48 and 80 GB cards, for this trainer and for HF + PEFT.
         #[arg(long)]
@@ -381,8 +386,16 @@ pub fn main() -> i32 {
             gpu,
             budget,
             json,
+            nproc_per_node,
             frontier,
-        } => plan::run(&config, gpu.as_deref(), budget.as_deref(), json, frontier),
+        } => plan::run(
+            &config,
+            gpu.as_deref(),
+            budget.as_deref(),
+            json,
+            frontier,
+            nproc_per_node,
+        ),
         Command::Doctor { json } => doctor::run(json),
         Command::Convert {
             input,

@@ -14,7 +14,13 @@ pub fn run(
     budget: Option<&str>,
     json: bool,
     frontier: bool,
+    nproc_per_node: Option<u32>,
 ) -> Result<i32, CliError> {
+    if nproc_per_node == Some(0) {
+        return Err(CliError::usage(
+            "--nproc-per-node 0: plan for 1 or more processes",
+        ));
+    }
     let cfg = TrainConfig::from_file(config)?;
     let override_budget = match (gpu, budget) {
         (Some(g), _) => Some(Budget::gpu(g).map_err(CliError::usage)?),
@@ -54,6 +60,9 @@ pub fn run(
     // an SD single file or a diffusion preset; every other model: the causal-LM recipe)
     let recipe = recipe_for(&cfg, config.parent())?;
     let mut p = recipe.plan(&cfg, config.parent(), override_budget, cuda)?;
+    if let Some(n) = nproc_per_node {
+        p = p.for_world_size(n)?;
+    }
     p.notes.extend(overridden);
     if json {
         let mut v = serde_json::to_value(&p).map_err(CliError::runtime)?;

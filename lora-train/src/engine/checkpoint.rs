@@ -52,6 +52,79 @@ pub struct TrainerCounters {
     pub skipped_steps: u64,
     /// Times the micro-batch was halved after an out-of-memory error.
     pub oom_backoffs: u64,
+    /// Data-parallel ranks of the run that wrote the checkpoint (0 in checkpoints written
+    /// before this was recorded: one process). `batches_in_epoch` counts one rank's batches;
+    /// a resume on another world size maps it through this (see [`TrainerCounters::remap_world_size`]).
+    #[serde(default)]
+    pub world_size: u64,
+    /// Loader batches per optimizer step over all ranks, `gradient_accumulation_steps ×
+    /// world_size` (0 when not recorded): the global batch, in micro-batches, that a resume
+    /// on another world size must keep.
+    #[serde(default)]
+    pub global_batches_per_step: u64,
+}
+
+impl TrainerCounters {
+    /// Maps counters written by `self.world_size` ranks onto `world_size` ranks taking
+    /// `gradient_accumulation_steps` batches each per step: the epoch's position, counted in
+    /// one rank's batches, becomes the same position of the epoch's whole plan in the new
+    /// ranks' batches (a data-parallel rank `r` of `n` takes batches `r, r + n, …` of the
+    /// plan, `LoaderConfig::num_replicas`). Counters of the same world size are unchanged.
+    ///
+    /// # Errors
+    /// [`TrainError::State`] when the global batch changes (the step would mean another
+    /// batch: the error says which `gradient_accumulation_steps` keeps it) or the position
+    /// does not split evenly over the new ranks.
+    pub fn remap_world_size(
+        &mut self,
+        world_size: usize,
+        gradient_accumulation_steps: usize,
+    ) -> Result<()> {
+        let old = self.world_size.max(1);
+        let new = world_size.max(1) as u64;
+        let per_step = gradient_accumulation_steps.max(1) as u64 * new;
+        let bad = |message: String| TrainError::State {
+            what: "checkpoint (data-parallel world size)".into(),
+            message,
+        };
+        if old != new {
+            // not recorded (a checkpoint from before this was): taken to be kept
+            let saved = match self.global_batches_per_step {
+                0 => per_step,
+                n => n,
+            };
+            if saved != per_step {
+                let hint = if saved % new == 0 {
+                    format!(
+                        "set gradient_accumulation_steps: {} so {new} ranks take the same {saved} \
+                         micro-batches per step",
+                        saved / new
+                    )
+                } else {
+                    format!(
+                        "{saved} micro-batches do not split over {new} ranks: use a world size that divides {saved}"
+                    )
+                };
+                return Err(bad(format!(
+                    "the checkpoint's steps took {saved} micro-batches over {old} rank(s); {new} \
+                     rank(s) × gradient_accumulation_steps {gradient_accumulation_steps} take \
+                     {per_step}: {hint}"
+                )));
+            }
+            let global = self.batches_in_epoch * old;
+            if global % new != 0 {
+                return Err(bad(format!(
+                    "the checkpoint stands after {global} batches of epoch {}, which do not split \
+                     over {new} ranks: resume on {old} rank(s), or from a checkpoint at an epoch's start",
+                    self.epoch
+                )));
+            }
+            self.batches_in_epoch = global / new;
+        }
+        self.world_size = new;
+        self.global_batches_per_step = per_step;
+        Ok(())
+    }
 }
 
 /// Everything needed to continue a run exactly.
@@ -549,6 +622,45 @@ mod tests {
             config: serde_json::json!({"lr": 1e-4}),
             scaler: None,
         }
+    }
+
+    #[test]
+    fn counters_of_another_world_size_map_onto_the_same_place_of_the_plan() {
+        let saved = |world_size, per_step, batches_in_epoch| TrainerCounters {
+            step: 3,
+            epoch: 1,
+            batches_in_epoch,
+            world_size,
+            global_batches_per_step: per_step,
+            ..Default::default()
+        };
+        // 2 ranks × 1 micro-batch, 3 steps into the epoch → 1 process accumulating 2: 6 batches
+        let mut c = saved(2, 2, 3);
+        c.remap_world_size(1, 2).unwrap();
+        assert_eq!((c.batches_in_epoch, c.world_size, c.global_batches_per_step), (6, 1, 2));
+        // and back
+        c.remap_world_size(2, 1).unwrap();
+        assert_eq!((c.batches_in_epoch, c.world_size), (3, 2));
+        // the same world size: unchanged
+        let mut c = saved(2, 2, 3);
+        c.remap_world_size(2, 1).unwrap();
+        assert_eq!(c, saved(2, 2, 3));
+        // another global batch: refused, with the accumulation that keeps it
+        let e = saved(2, 2, 3).remap_world_size(1, 1).unwrap_err().to_string();
+        assert!(e.contains("gradient_accumulation_steps: 2"), "{e}");
+        let e = saved(2, 2, 3).remap_world_size(4, 1).unwrap_err().to_string();
+        assert!(e.contains("do not split over 4 ranks"), "{e}");
+        // 6 batches of each of 2 ranks are 12 of the plan: 3 for each of 4 ranks; the 3
+        // batches of one process do not split over 2 ranks
+        let mut c = saved(2, 4, 6);
+        c.remap_world_size(4, 1).unwrap();
+        assert_eq!(c.batches_in_epoch, 3);
+        let e = saved(1, 2, 3).remap_world_size(2, 1).unwrap_err().to_string();
+        assert!(e.contains("after 3 batches of epoch 1"), "{e}");
+        // a checkpoint that recorded neither (one process): its global batch is taken as kept
+        let mut c = saved(0, 0, 4);
+        c.remap_world_size(2, 1).unwrap();
+        assert_eq!((c.batches_in_epoch, c.world_size), (2, 2));
     }
 
     #[test]

@@ -66,25 +66,70 @@ pub trait GradSync {
     fn writes_checkpoints(&self) -> bool {
         true
     }
+
+    /// Number of ranks (`WORLD_SIZE`): a checkpoint records it so that a resume on another
+    /// world size can map the loader's position. Default 1.
+    fn world_size(&self) -> usize {
+        1
+    }
 }
 
-fn collective(e: lora_core::Error) -> TrainError {
-    TrainError::App(format!("data-parallel collective failed: {e}"))
+/// How long a rank whose collective failed waits for the other survivors to mark themselves
+/// present (see [`lora_core::dist::ProcessGroup::absent_ranks`]) before naming the ranks that
+/// did not.
+pub const ABSENT_RANK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The error of a failed collective (`what`), naming the rank that is gone when the store can
+/// tell: a killed peer shows in Gloo only as a closed connection.
+fn collective(pg: &lora_core::dist::ProcessGroup, what: &str, e: lora_core::Error) -> TrainError {
+    let who = match pg.absent_ranks(ABSENT_RANK_WAIT) {
+        Ok(absent) if absent.is_empty() => format!(
+            "every rank is still there: one was slower than the collective timeout ({} s, \
+             LORA_DIST_TIMEOUT_S) or the network failed",
+            pg.timeout().as_secs()
+        ),
+        Ok(absent) => format!(
+            "{} {} gone (killed, crashed or unreachable: its own output says why)",
+            plural_ranks(&absent),
+            if absent.len() == 1 { "is" } else { "are" }
+        ),
+        Err(_) => "rank 0, which serves the rendezvous store, is gone (killed, crashed or \
+                   unreachable: its own output says why)"
+            .into(),
+    };
+    TrainError::App(format!(
+        "data-parallel {what} failed on rank {} of {}: {who}; start every rank again with \
+         --resume to continue from the last checkpoint ({e})",
+        pg.rank(),
+        pg.world_size()
+    ))
+}
+
+/// `rank 3` or `ranks 1, 2`.
+fn plural_ranks(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match ranks.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
 }
 
 impl GradSync for lora_core::dist::ProcessGroup {
     fn sync_gradients(&mut self, params: &[Tensor], skip: bool) -> Result<bool> {
-        self.average_gradients(params, skip).map_err(collective)
+        self.average_gradients(params, skip)
+            .map_err(|e| collective(self, "gradient all-reduce", e))
     }
 
     fn broadcast_parameters(&mut self, params: &[Tensor]) -> Result<()> {
-        self.broadcast_tensors(params, 0).map_err(collective)
+        self.broadcast_tensors(params, 0)
+            .map_err(|e| collective(self, "broadcast of rank 0's parameters", e))
     }
 
     fn sum_counts(&mut self, samples: u64, tokens: u64) -> Result<(u64, u64)> {
         // f64 holds counts exactly up to 2^53
         let t = Tensor::from_slice(&[samples as f64, tokens as f64]);
-        self.all_reduce_sum(&t).map_err(collective)?;
+        self.all_reduce_sum(&t)
+            .map_err(|e| collective(self, "all-reduce of the step's sample counts", e))?;
         let get = |i: i64| {
             t.f_double_value(&[i])
                 .map(|v| v as u64)
@@ -95,7 +140,8 @@ impl GradSync for lora_core::dist::ProcessGroup {
 
     fn any_rank(&mut self, flag: bool) -> Result<bool> {
         let t = Tensor::from_slice(&[if flag { 1f32 } else { 0f32 }]);
-        self.all_reduce_sum(&t).map_err(collective)?;
+        self.all_reduce_sum(&t)
+            .map_err(|e| collective(self, "stop vote", e))?;
         t.f_double_value(&[0])
             .map(|v| v > 0.0)
             .map_err(|e| TrainError::App(format!("data-parallel stop vote: {e}")))
@@ -103,6 +149,10 @@ impl GradSync for lora_core::dist::ProcessGroup {
 
     fn writes_checkpoints(&self) -> bool {
         self.rank() == 0
+    }
+
+    fn world_size(&self) -> usize {
+        lora_core::dist::ProcessGroup::world_size(self)
     }
 }
 

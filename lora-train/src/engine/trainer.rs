@@ -504,6 +504,7 @@ impl<S: TrainStep> Trainer<S> {
             let _ = sys::cuda_reset_peak(i)?;
         }
         let total = self.total_steps(data)?;
+        let world_size = self.grad_sync.as_ref().map_or(1, |s| s.world_size()).max(1);
         let opt = cfg.optimizer.build(task.param_groups(), cfg.lr)?;
         let params = opt.params();
         let mut run = Run {
@@ -518,6 +519,8 @@ impl<S: TrainStep> Trainer<S> {
             counters: TrainerCounters {
                 micro_batch_split: 1,
                 lr_factor: 1.0,
+                world_size: world_size as u64,
+                global_batches_per_step: (cfg.gradient_accumulation_steps * world_size) as u64,
                 ..Default::default()
             },
             ckpt: cfg
@@ -718,6 +721,10 @@ impl<S: TrainStep> Trainer<S> {
         }
         run.opt.load_state_dict(&ck.optimizer)?;
         run.counters = ck.counters.clone();
+        // a checkpoint of another world size: its position, in the new ranks' batches
+        let world_size = self.grad_sync.as_ref().map_or(1, |s| s.world_size());
+        run.counters
+            .remap_world_size(world_size, self.cfg.gradient_accumulation_steps)?;
         if run.counters.micro_batch_split == 0 {
             run.counters.micro_batch_split = 1;
         }

@@ -80,6 +80,23 @@ impl Plan {
             .map(|c| c.verdict != Verdict::DoesNotFit);
     }
 
+    /// The plan per rank of a data-parallel run of `world_size` processes, one per GPU, each
+    /// holding the whole model and training its own micro-batches: the estimate again with
+    /// [`Settings::world_size`] (the all-reduce's gradient buffer added), judged against the
+    /// same budget, which is then one GPU's. `auto_fit`'s choices, made before, stay.
+    ///
+    /// # Errors
+    /// An estimate error (a world size of 0).
+    pub fn for_world_size(mut self, world_size: u32) -> Result<Plan> {
+        if world_size == self.settings.world_size {
+            return Ok(self);
+        }
+        self.settings.world_size = world_size;
+        self.estimate = lora_memory::estimate(&self.descriptor, &self.settings)?;
+        self.judge();
+        Ok(self)
+    }
+
     /// The verdict, when a budget is known.
     pub fn verdict_kind(&self) -> Option<Verdict> {
         self.check.as_ref().map(|c| c.verdict)
@@ -240,9 +257,14 @@ impl Plan {
             s.lora.target_modules
         );
         out += &format!(
-            "  micro_batch {} × gradient_accumulation_steps {}  seq_len {}  gradient checkpointing {}  optimizer {:?}\n",
+            "  micro_batch {} × gradient_accumulation_steps {}{}  seq_len {}  gradient checkpointing {}  optimizer {:?}\n",
             s.micro_batch,
             s.gradient_accumulation_steps,
+            if s.world_size > 1 {
+                format!(" × world_size {}", s.world_size)
+            } else {
+                String::new()
+            },
             s.seq_len,
             if s.gradient_checkpointing {
                 "on"
@@ -307,6 +329,43 @@ impl Plan {
             },
             _ => format!("verdict: predicted peak {peak} (no budget given)\n"),
         };
+        let n = self.settings.world_size;
+        if n > 1 {
+            let device = if self.settings.device.is_cuda() {
+                "GPU"
+            } else {
+                "machine"
+            };
+            out += &match (&self.budget, self.verdict_kind()) {
+                (Some(b), Some(v)) => {
+                    let cards = match &b.source {
+                        lora_memory::BudgetSource::Gpu { name } => format!("{n} × {name}"),
+                        _ => format!("{n} × {} ({device}s of this budget)", b.amount()),
+                    };
+                    match v {
+                        Verdict::Fits => format!(
+                            "data-parallel: fits on {cards} — the peak above is per rank, one rank per {device}\n"
+                        ),
+                        Verdict::Tight => format!(
+                            "data-parallel: TIGHT on {cards} — the peak above is per rank, one rank per {device}\n"
+                        ),
+                        Verdict::DoesNotFit => format!(
+                            "data-parallel: does not fit on {cards} — each rank holds the whole model, so more ranks do not lower the peak per {device}; a smaller micro_batch per rank does, with gradient_accumulation_steps keeping the global batch\n"
+                        ),
+                    }
+                }
+                _ => format!(
+                    "data-parallel: {n} ranks — the peak above is per rank, one rank per {device}\n"
+                ),
+            };
+            if !self.settings.device.is_cuda() {
+                // CPU ranks started on one machine (--nproc-per-node) share its memory
+                out += &format!(
+                    "data-parallel on the CPU: ranks on one machine share its memory — {n} on one machine need {n} × {peak} = {}\n",
+                    Bytes(peak.0.saturating_mul(u64::from(n)))
+                );
+            }
+        }
         if self.settings.device.is_cuda()
             && let Some(h) = self.budget.as_ref().and_then(Budget::unit_hint)
         {

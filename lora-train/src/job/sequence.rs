@@ -411,7 +411,13 @@ pub fn run<S: RunSteps>(
 
     // checks, then the plan
     steps.check(&cfg, &ctx)?;
-    let plan = steps.plan(&cfg, &ctx)?;
+    let mut plan = steps.plan(&cfg, &ctx)?;
+    // data-parallel: the plan is per rank, with the all-reduce's buffer
+    if let Some(d) = &ctx.data_parallel
+        && let Some(p) = plan.take()
+    {
+        plan = Some(p.for_world_size(d.world_size as u32)?);
+    }
     if let Some(p) = &plan {
         p.apply_to(&mut cfg);
         if opts.verbose {

@@ -21,6 +21,7 @@ mod job_checkpointing;
 mod job_long_sequence_plan;
 mod job_quantized_plan;
 mod sd_caching;
+mod sd_dist;
 mod sd_fixture;
 mod sd_job;
 mod sd_plan_measured;

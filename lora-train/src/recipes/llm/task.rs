@@ -214,7 +214,12 @@ impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
             .batches
             .as_ref()
             .map_or(0, lora_data::loader::Batches::position);
-        serde_json::json!({"epoch": self.epoch, "next": next, "rows": lora_data::loader::Dataset::len(self.loader.dataset())})
+        serde_json::json!({
+            "epoch": self.epoch,
+            "next": next,
+            "rows": lora_data::loader::Dataset::len(self.loader.dataset()),
+            "num_replicas": self.loader.config().num_replicas,
+        })
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
@@ -233,6 +238,13 @@ impl crate::engine::BatchSource<lora_data::text::TextBatch> for TextSource {
         let next = state["next"]
             .as_u64()
             .ok_or_else(|| bad("no batch index"))? as usize;
+        // written by another number of data-parallel ranks: the same place in the epoch's plan
+        let saved_replicas = state["num_replicas"].as_u64().unwrap_or(1) as usize;
+        let next = lora_data::loader::replica_position(
+            next,
+            saved_replicas,
+            self.loader.config().num_replicas,
+        );
         self.batches = Some(self.loader.batches(epoch, next));
         self.epoch = epoch;
         Ok(())

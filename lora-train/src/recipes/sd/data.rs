@@ -54,8 +54,12 @@ impl ImageSource {
     }
 
     /// The training batch of a loader's image batch: latents (cached), token ids, cached
-    /// text conditioning, SDXL time ids.
-    fn encode(&mut self, batch: ImageBatch) -> crate::engine::Result<SdBatch> {
+    /// text conditioning, SDXL time ids; `noise_seed` see [`SdBatch::noise_seed`].
+    fn encode(
+        &mut self,
+        batch: ImageBatch,
+        noise_seed: Option<u64>,
+    ) -> crate::engine::Result<SdBatch> {
         let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
         let n = batch.captions.len();
         let mut lats = Vec::with_capacity(n);
@@ -105,6 +109,7 @@ impl ImageSource {
             },
             time_ids,
             captions: batch.captions,
+            noise_seed,
         })
     }
 
@@ -146,7 +151,7 @@ impl ImageSource {
                 .collect::<lora_data::Result<Vec<_>>>()
                 .map_err(data)?;
             let batch = ImageCollate.collate(samples).map_err(data)?;
-            out.push(self.encode(batch)?);
+            out.push(self.encode(batch, None)?);
         }
         Ok(out)
     }
@@ -417,12 +422,18 @@ impl BatchSource<SdBatch> for ImageSource {
 
     fn next_batch(&mut self) -> crate::engine::Result<Option<SdBatch>> {
         let data = |e: lora_data::Error| TrainError::App(format!("data: {e}"));
+        // this batch's index in the epoch's whole plan: a data-parallel rank's share is batches
+        // rank, rank + num_replicas, … of it (see `LoaderConfig::num_replicas`)
+        let lc = self.loader.config();
+        let local = self.batches.as_ref().map_or(0, Batches::position);
+        let global = local * lc.num_replicas.max(1) + lc.rank;
+        let noise_seed = lora_data::rng::mix(&[lc.seed, self.epoch, global as u64, 0x6e6f_6973_65]);
         let Some(batch) = self.batches.as_mut().and_then(Iterator::next) else {
             return Ok(None);
         };
         let batch = batch.map_err(data)?;
         *self.bucket_batches.entry(batch.bucket).or_default() += 1;
-        self.encode(batch).map(Some)
+        self.encode(batch, Some(noise_seed)).map(Some)
     }
 
     fn batches_per_epoch(&self) -> Option<u64> {
@@ -431,7 +442,12 @@ impl BatchSource<SdBatch> for ImageSource {
 
     fn state(&self) -> serde_json::Value {
         let next = self.batches.as_ref().map_or(0, Batches::position);
-        serde_json::json!({"epoch": self.epoch, "next": next, "items": self.loader.dataset().len()})
+        serde_json::json!({
+            "epoch": self.epoch,
+            "next": next,
+            "items": self.loader.dataset().len(),
+            "num_replicas": self.loader.config().num_replicas,
+        })
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> crate::engine::Result<()> {
@@ -450,6 +466,13 @@ impl BatchSource<SdBatch> for ImageSource {
         }
         let epoch = state["epoch"].as_u64().ok_or_else(|| bad("no epoch"))?;
         let next = state["next"].as_u64().ok_or_else(|| bad("no position"))? as usize;
+        // written by another number of data-parallel ranks: the same place in the epoch's plan
+        let saved_replicas = state["num_replicas"].as_u64().unwrap_or(1) as usize;
+        let next = lora_data::loader::replica_position(
+            next,
+            saved_replicas,
+            self.loader.config().num_replicas,
+        );
         self.batches = Some(self.loader.batches(epoch, next));
         self.epoch = epoch;
         Ok(())

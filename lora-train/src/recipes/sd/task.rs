@@ -22,6 +22,13 @@ pub struct SdBatch {
     pub time_ids: Option<Tensor>,
     /// The processed captions.
     pub captions: Vec<String>,
+    /// The seed of this batch's timesteps and noise (and the text encoders' dropout): torch's
+    /// generator is seeded with it before they are drawn. Training batches derive it from the
+    /// loader's seed, the epoch and the batch's index in the epoch's whole plan — the same
+    /// batch gets the same noise whether one process draws it as a micro-batch of an
+    /// accumulated step or a data-parallel rank draws it — and from nothing else, so a resumed
+    /// run draws what an uninterrupted one draws. `None`: the generator as it stands.
+    pub noise_seed: Option<u64>,
 }
 
 /// The diffusion [`TrainStep`]: LoRA on the UNet, loss = [`DiffusionLoss`].
@@ -128,6 +135,7 @@ impl TrainStep for SdTask {
     type Batch = SdBatch;
 
     fn loss(&mut self, b: &SdBatch, train: bool) -> crate::engine::Result<Tensor> {
+        seed_noise(b);
         let (lat, cond) = self.inputs(b, train)?;
         let pipe = &self.pipe;
         let ids = b.time_ids.as_ref();
@@ -142,6 +150,7 @@ impl TrainStep for SdTask {
         if !self.pipe.unet.gradient_checkpointing() {
             return Ok(None);
         }
+        seed_noise(b);
         let (lat, cond) = self.inputs(b, true)?;
         let n = lat.size()[0];
         let t = self
@@ -226,8 +235,20 @@ impl TrainStep for SdTask {
                 cond,
                 time_ids,
                 captions: caps.get(i).cloned().unwrap_or_default(),
+                // each part of a split batch its own draws
+                noise_seed: b
+                    .noise_seed
+                    .map(|s| lora_data::rng::mix(&[s, parts as u64, i as u64])),
             })
             .collect())
+    }
+}
+
+/// Seeds torch's generator with the batch's [`SdBatch::noise_seed`], if it has one.
+fn seed_noise(b: &SdBatch) {
+    if let Some(s) = b.noise_seed {
+        // torch's manual_seed takes the 64 bits as they are
+        tch::manual_seed(s as i64);
     }
 }
 
