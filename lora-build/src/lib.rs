@@ -47,7 +47,7 @@ pub const LIBTORCH_LIB_VARS: [&str; 2] = ["DEP_TCH_LIBTORCH_LIB", "DEP_LORA_TRAI
 /// not have (`_philox_key_split`, `_upsample_lanczos2d_aa`, `_flash_attention_forward_no_dropout_inplace`,
 /// …) and `_scaled_dot_product_attention_math_for_mps` with an argument 2.11 lacks, so
 /// torch-sys's C++ does not compile.
-pub const SUPPORTED_TORCH: [&str; 1] = ["2.13"];
+pub const SUPPORTED_TORCH: [&str; 2] = ["2.12", "2.13"];
 
 /// Set (to anything) to build against a libtorch outside [`SUPPORTED_TORCH`] anyway; a version
 /// whose C++ API differs fails later, in the C++ compile or at link time.
@@ -176,6 +176,7 @@ mod tests {
     fn supported_versions_are_the_tested_releases() {
         assert!(is_supported("2.13.0+cu130"));
         assert!(is_supported("2.13.1"));
+        assert!(is_supported("2.12.0+cu130"));
         // tch 0.26's bindings do not compile against 2.11's headers
         assert!(!is_supported("2.11.0"));
         assert!(!is_supported("2.10.0"));

@@ -21,7 +21,7 @@ usage: cargo xtask bundle --libtorch <path> [--out <dir>] [--tar]
 
 bundle
   --libtorch PATH  the libtorch to build against: a libtorch folder (lib/ + include/) or a Python
-                   wheel's torch/ folder (PyTorch 2.13.x); default: $LIBTORCH, else the
+                   wheel's torch/ folder (PyTorch 2.12.x or 2.13.x); default: $LIBTORCH, else the
                    project's .venv/libtorch
   --out DIR        the bundle folder (default target/bundle/lora-sdk-<version>-torch<X.Y>-linux-x86_64);
                    replaced if it exists

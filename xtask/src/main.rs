@@ -50,7 +50,7 @@ commands:
            three ways, doctor, a 2-step train)
 
 environment:
-  LIBTORCH          use this libtorch (2.13.x) instead of the project venv's 2.13.0
+  LIBTORCH          use this libtorch (2.12.x or 2.13.x) instead of the project venv's 2.13.0
   LORA_SDK_PYTHON   python used to create .venv (default: python3)
 ";
 
