@@ -637,7 +637,10 @@ mod tests {
         // 2 ranks × 1 micro-batch, 3 steps into the epoch → 1 process accumulating 2: 6 batches
         let mut c = saved(2, 2, 3);
         c.remap_world_size(1, 2).unwrap();
-        assert_eq!((c.batches_in_epoch, c.world_size, c.global_batches_per_step), (6, 1, 2));
+        assert_eq!(
+            (c.batches_in_epoch, c.world_size, c.global_batches_per_step),
+            (6, 1, 2)
+        );
         // and back
         c.remap_world_size(2, 1).unwrap();
         assert_eq!((c.batches_in_epoch, c.world_size), (3, 2));
@@ -646,16 +649,25 @@ mod tests {
         c.remap_world_size(2, 1).unwrap();
         assert_eq!(c, saved(2, 2, 3));
         // another global batch: refused, with the accumulation that keeps it
-        let e = saved(2, 2, 3).remap_world_size(1, 1).unwrap_err().to_string();
+        let e = saved(2, 2, 3)
+            .remap_world_size(1, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("gradient_accumulation_steps: 2"), "{e}");
-        let e = saved(2, 2, 3).remap_world_size(4, 1).unwrap_err().to_string();
+        let e = saved(2, 2, 3)
+            .remap_world_size(4, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("do not split over 4 ranks"), "{e}");
         // 6 batches of each of 2 ranks are 12 of the plan: 3 for each of 4 ranks; the 3
         // batches of one process do not split over 2 ranks
         let mut c = saved(2, 4, 6);
         c.remap_world_size(4, 1).unwrap();
         assert_eq!(c.batches_in_epoch, 3);
-        let e = saved(1, 2, 3).remap_world_size(2, 1).unwrap_err().to_string();
+        let e = saved(1, 2, 3)
+            .remap_world_size(2, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("after 3 batches of epoch 1"), "{e}");
         // a checkpoint that recorded neither (one process): its global batch is taken as kept
         let mut c = saved(0, 0, 4);
