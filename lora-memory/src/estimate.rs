@@ -25,6 +25,9 @@ use crate::settings::{
 use crate::units::Bytes;
 use serde::{Deserialize, Serialize};
 
+mod flux;
+pub use flux::{FLUX_SWAP_STAGING_BLOCKS, FluxDetail};
+
 /// Which measured quantity a number predicts. They differ by up to 2× — compare like with like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -215,6 +218,9 @@ pub struct Estimate {
     /// Stable Diffusion models: the per-component split and the shapes (absent for decoders).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diffusion: Option<DiffusionDetail>,
+    /// FLUX models: weights on the device and on the host, token counts, the caching phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flux: Option<FluxDetail>,
 }
 
 impl Estimate {
@@ -613,6 +619,7 @@ pub fn estimate(model: &ModelDescriptor, settings: &Settings) -> Result<Estimate
     let e = match model {
         ModelDescriptor::Decoder(d) => estimate_decoder(d, settings),
         ModelDescriptor::Diffusion(d) => estimate_diffusion(d, settings),
+        ModelDescriptor::Flux(d) => flux::estimate_flux(d, settings),
     }?;
     // Beyond any machine (and beyond what the byte counts hold exactly): an error, never a
     // saturated number a huge budget could call "fits".
@@ -1366,6 +1373,7 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         notes,
         device: s.device,
         diffusion: a.diffusion,
+        flux: None,
     })
 }
 
@@ -1403,6 +1411,40 @@ fn frozen_models_on_device(s: &Settings) -> (bool, bool) {
     let vae = !s.cache_latents || s.random_crop || s.keep_models_loaded;
     let te = !s.cache_text_encoder_outputs || s.varying_captions || s.keep_models_loaded;
     (vae, te)
+}
+
+/// Saved bytes per position for a group of `adapted` linears that read one input of `width`
+/// elements: the input (or one copy per adapted module when the adapter dtype differs: autocast
+/// casts it per module, an fp32 adapter over a 16-bit input casts it up), and per adapted module
+/// the LoRA A output (`r` per position, read by lora_B's weight gradient) and, with dropout, the
+/// mask and the dropped input. 0 when none of the group is adapted.
+fn lora_input_bytes(c: &Ctx, s: &Settings, full: bool, adapted: usize, width: f64) -> f64 {
+    if adapted == 0 {
+        return 0.0;
+    }
+    let per_module = if full {
+        0.0
+    } else {
+        match s.profile.framework {
+            Framework::Torchtune => 0.0,
+            _ if c.autocast => c.e * adapted as f64,
+            _ if c.ad != c.e => c.ad * adapted as f64,
+            _ => 0.0,
+        }
+    };
+    let mut b = if per_module > 0.0 {
+        per_module * width
+    } else {
+        c.e * width
+    };
+    if !full {
+        let k = adapted as f64;
+        b += k * c.ad * f64::from(s.lora.rank);
+        if s.lora.dropout > 0.0 {
+            b += k * (c.ad + 1.0) * width;
+        }
+    }
+    b
 }
 
 fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate> {
@@ -1533,36 +1575,9 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
             .iter()
             .any(|x| x.component == "unet" && x.name == name)
     };
-    let per_module = |n: usize| -> f64 {
-        // copies of an adapted layer's input (see the decoder notes)
-        if full {
-            return 0.0;
-        }
-        match s.profile.framework {
-            Framework::Torchtune => 0.0,
-            _ if c.autocast => c.e * n as f64,
-            _ if c.ad != c.e => c.ad * n as f64,
-            _ => 0.0,
-        }
-    };
-    // Saved bytes for a group of linears that read one input of `width` elements per position:
-    // the input (or one copy per adapted module when the adapter dtype differs), and per adapted
-    // module the LoRA A output (`r` per position, read by lora_B's weight gradient) and, with
-    // dropout, the mask and the dropped input.
     let lora_in = |names: &[&str], width: f64| -> f64 {
         let k = names.iter().filter(|n| is(n)).count();
-        if k == 0 {
-            return 0.0;
-        }
-        let pm = per_module(k);
-        let mut b = if pm > 0.0 { pm * width } else { c.e * width };
-        if !full {
-            b += k as f64 * c.ad * rank;
-            if s.lora.dropout > 0.0 {
-                b += k as f64 * (c.ad + 1.0) * width;
-            }
-        }
-        b
+        lora_input_bytes(&c, s, full, k, width)
     };
     // Bytes per element of what the norms save. Autocast runs GroupNorm and LayerNorm in fp32
     // (both are on PyTorch's autocast fp32 op list): the 16-bit input is cast to fp32 and that

@@ -227,6 +227,53 @@ fn quantize(s: &Settings) -> Option<(Settings, String, String, String)> {
     ))
 }
 
+fn fp8_base(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.base_dtype.is_quantized() || s.method == crate::settings::Method::Full {
+        return None;
+    }
+    let mut n = s.clone();
+    n.base_dtype = BaseDtype::Fp8;
+    if n.mixed_precision == MixedPrecision::No {
+        n.mixed_precision = MixedPrecision::Bf16;
+    }
+    Some((
+        n,
+        s.base_dtype.name(),
+        BaseDtype::Fp8.name(),
+        "kohya's fp8_base: the frozen transformer stored in float8, 1 B per parameter, upcast per layer".into(),
+    ))
+}
+
+fn fp8_text_encoders(s: &Settings) -> Option<(Settings, String, String, String)> {
+    if s.text_encoder_dtype.is_some() || s.train_text_encoder {
+        return None;
+    }
+    let mut n = s.clone();
+    n.text_encoder_dtype = Some(BaseDtype::Fp8);
+    Some((
+        n,
+        "16-bit".into(),
+        BaseDtype::Fp8.name(),
+        "T5-XXL in float8 (ComfyUI's t5xxl_fp8_e4m3fn): 4.8 GB instead of 9.5 GB while it encodes the captions".into(),
+    ))
+}
+
+fn swap_more_blocks(s: &Settings) -> Option<(Settings, String, String, String)> {
+    // kohya's counting; FLUX.1 allows up to 35 (the estimate refuses more for smaller models)
+    const MAX: u32 = 35;
+    if s.blocks_to_swap >= MAX {
+        return None;
+    }
+    let mut n = s.clone();
+    n.blocks_to_swap = (s.blocks_to_swap + 4).min(MAX);
+    Some((
+        n.clone(),
+        s.blocks_to_swap.to_string(),
+        n.blocks_to_swap.to_string(),
+        "transformer blocks wait in host memory and are copied in for their forward and backward passes (slower steps, same result)".into(),
+    ))
+}
+
 fn shorter_seq(s: &Settings) -> Option<(Settings, String, String, String)> {
     if s.seq_len <= 128 {
         return None;
@@ -282,7 +329,9 @@ const MIN_SAVING_DIVISOR: u64 = 100;
 enum Applies {
     Both,
     Decoder,
+    /// image models: Stable Diffusion and FLUX
     Diffusion,
+    Flux,
 }
 
 /// The ladder, in order.
@@ -302,6 +351,12 @@ const LADDER: &[Step] = &[
     ),
     ("lora.rank", Applies::Both, lower_rank),
     ("base_dtype", Applies::Decoder, quantize),
+    ("base_dtype", Applies::Flux, fp8_base),
+    // swapping helps until the text encoders filling the caches are the peak; an fp8 T5 lowers
+    // that, and swapping helps again
+    ("blocks_to_swap", Applies::Flux, swap_more_blocks),
+    ("text_encoder_dtype", Applies::Flux, fp8_text_encoders),
+    ("blocks_to_swap", Applies::Flux, swap_more_blocks),
     ("seq_len", Applies::Decoder, shorter_seq),
     ("resolution", Applies::Diffusion, smaller_resolution),
 ];
@@ -333,17 +388,22 @@ pub fn fit(model: &ModelDescriptor, settings: &Settings, budget: Bytes) -> Resul
         return Ok(done(cur, est, changes));
     }
     let is_decoder = matches!(model, ModelDescriptor::Decoder(_));
+    let is_flux = matches!(model, ModelDescriptor::Flux(_));
     for (setting, applies, step) in LADDER {
         let applicable = match applies {
             Applies::Both => true,
             Applies::Decoder => is_decoder,
             Applies::Diffusion => !is_decoder,
+            Applies::Flux => is_flux,
         };
         if !applicable {
             continue;
         }
         while let Some((next, from, to, reason)) = step(&cur) {
-            let e = estimate(model, &next)?;
+            // a step past what the model allows (more blocks swapped than it has) ends the rung
+            let Ok(e) = estimate(model, &next) else {
+                break;
+            };
             // A change that saves under 1% of the peak costs speed or quality for nothing,
             // unless it is exactly what makes the config fit.
             let saving = est.peak.0.saturating_sub(e.peak.0);

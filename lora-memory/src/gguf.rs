@@ -660,6 +660,30 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
         .unwrap_or("")
         .to_string();
     const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "smollm3"];
+    // FLUX transformers as ComfyUI users hold them (city96's GGUF files: architecture "flux",
+    // BFL's tensor names, dims innermost first)
+    if arch == "flux"
+        || (arch.is_empty()
+            && h.tensors
+                .iter()
+                .any(|t| t.name.starts_with("double_blocks.")))
+    {
+        let shapes: Vec<(&str, Vec<u64>)> = h
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dims.clone()))
+            .collect();
+        let params = h.tensors.iter().map(GgufTensorInfo::numel).sum();
+        let stored = h
+            .tensors
+            .iter()
+            .map(|t| t.stored_bytes())
+            .sum::<Option<u64>>();
+        let it = shapes.iter().map(|(k, s)| (*k, s.as_slice()));
+        if let Some(d) = crate::flux::FluxDescriptor::from_tensor_names(path, it, params, stored)? {
+            return Ok(ModelDescriptor::Flux(d));
+        }
+    }
     if !SUPPORTED.contains(&arch.as_str()) {
         return Err(Error::UnsupportedArchitecture {
             path: path.into(),

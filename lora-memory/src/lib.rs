@@ -34,6 +34,7 @@ pub mod cases;
 pub mod error;
 pub mod estimate;
 pub mod fit;
+pub mod flux;
 pub mod gguf;
 pub mod host;
 pub mod inference;
@@ -50,6 +51,7 @@ pub use estimate::{Breakdown, Estimate, Metric, Term, estimate};
 pub use fit::{
     Change, Fit, FitError, FrontierRow, fit, frontier, frontier_cards, max_micro_batch, max_seq_len,
 };
+pub use flux::{FluxDescriptor, FluxVariant};
 pub use model::{
     DecoderBuilder, DecoderDescriptor, DiffusionDescriptor, DiffusionFamily, GENERIC_DECODER,
     LinearSite, ModelDescriptor, NormKind, SUPPORTED_MODEL_TYPES, TextEncoderDescriptor, UnetLevel,

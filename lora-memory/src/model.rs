@@ -16,6 +16,8 @@ pub enum ModelDescriptor {
     Decoder(DecoderDescriptor),
     /// A latent-diffusion model (Stable Diffusion 1.x / SDXL).
     Diffusion(DiffusionDescriptor),
+    /// A FLUX.1 rectified-flow transformer with its text encoders and autoencoder.
+    Flux(crate::flux::FluxDescriptor),
 }
 
 /// Norm kind of a decoder.
@@ -647,6 +649,8 @@ pub const PRESET_NAMES: &[&str] = &[
     "bert-large-uncased",
     "SD1.5",
     "SDXL",
+    "FLUX.1-dev",
+    "FLUX.1-schnell",
 ];
 
 fn normalize(name: &str) -> String {
@@ -874,6 +878,12 @@ impl ModelDescriptor {
             | "stablediffusionxlbase10" => {
                 return Ok(ModelDescriptor::Diffusion(sdxl()));
             }
+            "flux1dev" | "fluxdev" | "flux" | "flux1" => {
+                return Ok(ModelDescriptor::Flux(crate::flux::FluxDescriptor::dev()));
+            }
+            "flux1schnell" | "fluxschnell" => {
+                return Ok(ModelDescriptor::Flux(crate::flux::FluxDescriptor::schnell()));
+            }
             _ => {
                 return Err(Error::UnknownPreset {
                     name: name.to_string(),
@@ -889,6 +899,7 @@ impl ModelDescriptor {
         match self {
             ModelDescriptor::Decoder(d) => &d.name,
             ModelDescriptor::Diffusion(d) => &d.name,
+            ModelDescriptor::Flux(d) => &d.name,
         }
     }
 
@@ -897,6 +908,9 @@ impl ModelDescriptor {
         match self {
             ModelDescriptor::Decoder(d) => d.params(),
             ModelDescriptor::Diffusion(d) => d.unet_params + d.text_encoder_params() + d.vae_params,
+            ModelDescriptor::Flux(d) => {
+                d.transformer_params + d.text_encoder_params() + d.vae_params
+            }
         }
     }
 
@@ -905,6 +919,7 @@ impl ModelDescriptor {
         match self {
             ModelDescriptor::Decoder(d) => d.sites(),
             ModelDescriptor::Diffusion(d) => d.sites(),
+            ModelDescriptor::Flux(d) => d.sites(),
         }
     }
 
@@ -1143,7 +1158,7 @@ mod tests {
     fn dec(name: &str) -> DecoderDescriptor {
         match ModelDescriptor::preset(name).unwrap() {
             ModelDescriptor::Decoder(d) => d,
-            ModelDescriptor::Diffusion(_) => panic!("not a decoder"),
+            _ => panic!("not a decoder"),
         }
     }
 

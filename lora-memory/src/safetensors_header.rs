@@ -151,12 +151,30 @@ pub(crate) fn descriptor_from_safetensors(
     };
     let shape = |k: &str| all.get(k).map(|t| t.shape.clone());
 
+    // FLUX.1 transformer: BFL's single file, ComfyUI's, or a diffusers `transformer/` folder
+    // (checked first: ComfyUI's all-in-one files also prefix it with `model.diffusion_model.`).
+    {
+        let it = all.iter().map(|(k, t)| (k.as_str(), t.shape.as_slice()));
+        let params = all
+            .iter()
+            .filter(|(k, _)| {
+                let k = k.strip_prefix("model.diffusion_model.").unwrap_or(k);
+                !k.starts_with("text_encoders.")
+                    && !k.starts_with("vae.")
+                    && !k.starts_with("first_stage_model.")
+            })
+            .map(|(_, t)| t.elements())
+            .sum();
+        if let Some(d) = crate::flux::FluxDescriptor::from_tensor_names(path, it, params, None)? {
+            return Ok(ModelDescriptor::Flux(d));
+        }
+    }
     // Stable Diffusion single file (original LDM key layout).
     if all.keys().any(|k| k.starts_with("model.diffusion_model.")) {
         let sdxl = all.keys().any(|k| k.starts_with("conditioner.embedders.1"));
         let mut m = match ModelDescriptor::preset(if sdxl { "SDXL" } else { "SD1.5" })? {
             ModelDescriptor::Diffusion(d) => d,
-            ModelDescriptor::Decoder(_) => unreachable_decoder(path)?,
+            _ => unreachable_decoder(path)?,
         };
         m.name = path
             .file_name()
@@ -214,7 +232,7 @@ pub(crate) fn descriptor_from_safetensors(
             "SD1.5"
         })? {
             ModelDescriptor::Diffusion(d) => d,
-            ModelDescriptor::Decoder(_) => unreachable_decoder(path)?,
+            _ => unreachable_decoder(path)?,
         };
         m.unet_params = total(prefix);
         return Ok(ModelDescriptor::Diffusion(m));

@@ -27,6 +27,18 @@ pub enum BaseDtype {
     Q4_0,
     /// GGUF Q4_1: 20 bytes per 32 weights.
     Q4_1,
+    /// GGUF Q5_0: 22 bytes per 32 weights.
+    Q5_0,
+    /// GGUF Q5_1: 24 bytes per 32 weights.
+    Q5_1,
+    /// GGUF Q4_K: 144 bytes per super-block of 256 weights (4.5 bits).
+    Q4K,
+    /// GGUF Q5_K: 176 bytes per 256 weights (5.5 bits).
+    Q5K,
+    /// GGUF Q6_K: 210 bytes per 256 weights (6.5625 bits).
+    Q6K,
+    /// float8 e4m3fn storage, upcast per layer for the matmul (kohya's `fp8_base`): 1 B/param.
+    Fp8,
     /// GPTQ int4 (AutoGPTQ layout): 0.5 B/param + per group of `group_size` one fp16 scale and one
     /// packed 4-bit zero (`(2 + 0.5) / group_size` B/param). Qwen's "Q-LoRA" uses this base.
     Gptq4 {
@@ -48,12 +60,18 @@ impl BaseDtype {
             BaseDtype::Q8_0 => 34.0 / 32.0,
             BaseDtype::Q4_0 => 18.0 / 32.0,
             BaseDtype::Q4_1 => 20.0 / 32.0,
+            BaseDtype::Q5_0 => 22.0 / 32.0,
+            BaseDtype::Q5_1 => 24.0 / 32.0,
+            BaseDtype::Q4K => 144.0 / 256.0,
+            BaseDtype::Q5K => 176.0 / 256.0,
+            BaseDtype::Q6K => 210.0 / 256.0,
+            BaseDtype::Fp8 => 1.0,
             BaseDtype::Gptq4 { group_size } => 0.5 + 2.5 / f64::from(group_size.max(1)),
         }
     }
 
     /// The name users write: `fp32`, `fp16`, `bf16`, `nf4`, `nf4 + double quant`, `Q8_0`,
-    /// `Q4_0`, `Q4_1`, `GPTQ int4 (group 128)`.
+    /// `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`, `fp8 (e4m3fn)`, `GPTQ int4 (group 128)`.
     pub fn name(self) -> String {
         match self {
             BaseDtype::F32 => "fp32".into(),
@@ -66,12 +84,18 @@ impl BaseDtype {
             BaseDtype::Q8_0 => "Q8_0".into(),
             BaseDtype::Q4_0 => "Q4_0".into(),
             BaseDtype::Q4_1 => "Q4_1".into(),
+            BaseDtype::Q5_0 => "Q5_0".into(),
+            BaseDtype::Q5_1 => "Q5_1".into(),
+            BaseDtype::Q4K => "Q4_K".into(),
+            BaseDtype::Q5K => "Q5_K".into(),
+            BaseDtype::Q6K => "Q6_K".into(),
+            BaseDtype::Fp8 => "fp8 (e4m3fn)".into(),
             BaseDtype::Gptq4 { group_size } => format!("GPTQ int4 (group {group_size})"),
         }
     }
 
     /// The storage type of a GGUF tensor type, for the types the estimator describes (`None` for
-    /// the others: k-quants, Q5_x, integers).
+    /// the others: Q2_K, Q3_K, Q8_K, integers).
     pub fn from_ggml(t: crate::gguf::GgmlType) -> Option<BaseDtype> {
         use crate::gguf::GgmlType;
         match t {
@@ -81,6 +105,11 @@ impl BaseDtype {
             GgmlType::Q8_0 => Some(BaseDtype::Q8_0),
             GgmlType::Q4_0 => Some(BaseDtype::Q4_0),
             GgmlType::Q4_1 => Some(BaseDtype::Q4_1),
+            GgmlType::Q5_0 => Some(BaseDtype::Q5_0),
+            GgmlType::Q5_1 => Some(BaseDtype::Q5_1),
+            GgmlType::Q4K => Some(BaseDtype::Q4K),
+            GgmlType::Q5K => Some(BaseDtype::Q5K),
+            GgmlType::Q6K => Some(BaseDtype::Q6K),
             _ => None,
         }
     }
@@ -571,6 +600,18 @@ pub struct Settings {
     /// this): the estimate is per rank, plus the communication buffer of the gradient
     /// all-reduce when above 1. Default 1.
     pub world_size: u32,
+    /// FLUX: transformer blocks kept on the host and moved onto the device for their forward
+    /// and backward, counted as kohya sd-scripts' `blocks_to_swap` does
+    /// (`library/flux_models.py`, `enable_block_swap`): `N / 2` double-stream blocks and
+    /// `2·(N − N / 2)` single-stream blocks. 0 (the default) keeps every block on the device.
+    pub blocks_to_swap: u32,
+    /// Storage of the frozen text encoders while they are on the device (T5-XXL is 9.5 GB in
+    /// 16 bit; kohya recommends an fp8 T5 below 10 GB cards). `None`: 16 bit (32 bit for an
+    /// fp32 base).
+    pub text_encoder_dtype: Option<BaseDtype>,
+    /// FLUX: T5 tokens per caption (kohya `t5xxl_max_token_length`). `None`: the model's
+    /// default, 512 for FLUX.1-dev and 256 for schnell.
+    pub text_tokens: Option<u32>,
 }
 
 impl Default for Settings {
@@ -601,6 +642,9 @@ impl Default for Settings {
             device: Device::cuda(),
             profile: Profile::ours(),
             world_size: 1,
+            blocks_to_swap: 0,
+            text_encoder_dtype: None,
+            text_tokens: None,
         }
     }
 }
@@ -628,6 +672,12 @@ impl Settings {
         with_gradient_accumulation_steps, gradient_accumulation_steps: u32);
     setter!(/// Sets `world_size` (data-parallel ranks).
         with_world_size, world_size: u32);
+    setter!(/// Sets `blocks_to_swap` (FLUX).
+        with_blocks_to_swap, blocks_to_swap: u32);
+    setter!(/// Sets `text_encoder_dtype`.
+        with_text_encoder_dtype, text_encoder_dtype: Option<BaseDtype>);
+    setter!(/// Sets `text_tokens` (FLUX T5 tokens per caption).
+        with_text_tokens, text_tokens: Option<u32>);
     setter!(/// Sets `seq_len`.
         with_seq_len, seq_len: u32);
     setter!(/// Sets `resolution`.
