@@ -517,6 +517,47 @@ pub fn public_cases() -> Vec<Case> {
             note: "PUBLIC.md CPU table, bf16 autocast",
         });
     }
+    // Hugging Face, "(LoRA) Fine-Tuning FLUX.1-dev on Consumer Hardware" (2025-06-19), with
+    // diffusers' examples/research_projects/flux_lora_quantization (train_dreambooth_lora_flux_
+    // miniature.py and its README command): LoRA r4 α4 on to_q/to_k/to_v/to_out.0, 1024 px,
+    // batch 1, gradient checkpointing, 8-bit AdamW, fp16 autocast, latents cached, 77-token
+    // prompt embeddings precomputed (the text encoders never load); "peak memory ≈ 9 GB" with
+    // an NF4 base (bitsandbytes) and "≈ 26 GB" with a bf16 base.
+    let hf_flux = |dtype: BaseDtype| {
+        lora(&["to_q", "to_k", "to_v", "to_out.0"], 4, 4.0)
+            .with_base_dtype(dtype)
+            .with_mixed_precision(MixedPrecision::Fp16)
+            .with_resolution(1024)
+            .with_micro_batch(1)
+            .with_gradient_checkpointing(true)
+            .with_optimizer(Optimizer::AdamW8bit)
+            .with_cache_latents(true)
+            .with_cache_text_encoder_outputs(true)
+            .with_text_tokens(Some(77))
+            .with_profile(Profile::peft_transformers())
+    };
+    v.push(Case {
+        id: "FX-NF4".into(),
+        model: "FLUX.1-dev",
+        settings: hf_flux(BaseDtype::Nf4 {
+            double_quant: false,
+        }),
+        metric: Metric::Allocated,
+        measured: gb(9.0),
+        tolerance: (-0.10, 0.15),
+        group: CaseGroup::UnstatedMetric,
+        note: "huggingface.co/blog/flux-qlora: QLoRA peak ≈ 9 GB on an RTX 4090 (rounded; metric read as allocated)",
+    });
+    v.push(Case {
+        id: "FX-BF16".into(),
+        model: "FLUX.1-dev",
+        settings: hf_flux(BaseDtype::Bf16),
+        metric: Metric::Allocated,
+        measured: gb(26.0),
+        tolerance: (-0.10, 0.15),
+        group: CaseGroup::UnstatedMetric,
+        note: "huggingface.co/blog/flux-qlora: bf16 LoRA peak ≈ 26 GB (rounded; metric read as allocated)",
+    });
     v
 }
 
@@ -807,6 +848,76 @@ pub fn boundary_cases() -> Vec<BoundaryCase> {
         confidence: 'A',
         note: "transformers docs model_memory_anatomy.md: 14,949 MB of a V100 16GB (CUDA context 1,343 MB as measured there)",
     });
+    // kohya sd-scripts, FLUX.1 LoRA (README of the sd3 branch and docs/flux_train_network.md
+    // §6.1): the sample command (fp8 base, r4 α1 on every block linear, U-Net only, gradient
+    // checkpointing, bf16, AdamW8bit, latents and text-encoder outputs cached, 1024 px) "works
+    // with 24GB VRAM GPUs" at batch 2, 16 GB at batch 1, 12 GB with blocks_to_swap 16, 10 GB
+    // with 22 and 8 GB with 28 (both with an fp8 T5).
+    let kohya_flux = |batch: u32, swap: u32, t5_fp8: bool| {
+        lora(&crate::flux::FLUX_BLOCK_LINEARS, 4, 1.0)
+            .with_base_dtype(BaseDtype::Fp8)
+            .with_mixed_precision(MixedPrecision::Bf16)
+            .with_resolution(1024)
+            .with_micro_batch(batch)
+            .with_gradient_checkpointing(true)
+            .with_optimizer(Optimizer::AdamW8bit)
+            .with_cache_latents(true)
+            .with_cache_text_encoder_outputs(true)
+            .with_blocks_to_swap(swap)
+            .with_text_encoder_dtype(t5_fp8.then_some(BaseDtype::Fp8))
+    };
+    for (id, card, batch, swap, t5_fp8, note) in [
+        (
+            "KF-24",
+            "RTX 4090 24GB",
+            2,
+            0,
+            false,
+            "kohya sd-scripts FLUX.1 LoRA: works with 24 GB at batch 2",
+        ),
+        (
+            "KF-16",
+            "RTX 4060 Ti 16GB",
+            1,
+            0,
+            false,
+            "kohya sd-scripts FLUX.1 LoRA: 16 GB at batch 1",
+        ),
+        (
+            "KF-12",
+            "RTX 3060 12GB",
+            1,
+            16,
+            false,
+            "kohya sd-scripts FLUX.1 LoRA: 12 GB with blocks_to_swap 16 and AdamW8bit",
+        ),
+        (
+            "KF-10",
+            "RTX 3080 10GB",
+            1,
+            22,
+            true,
+            "kohya sd-scripts FLUX.1 LoRA: 10 GB with blocks_to_swap 22 and an fp8 T5",
+        ),
+        (
+            "KF-8",
+            "RTX 4060 8GB",
+            1,
+            28,
+            true,
+            "kohya sd-scripts FLUX.1 LoRA: 8 GB with blocks_to_swap 28 and an fp8 T5",
+        ),
+    ] {
+        v.push(BoundaryCase {
+            id,
+            model: "FLUX.1-dev",
+            settings: kohya_flux(batch, swap, t5_fp8),
+            card,
+            outcome: Outcome::Fit,
+            confidence: 'B',
+            note,
+        });
+    }
     v
 }
 

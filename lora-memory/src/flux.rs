@@ -70,6 +70,28 @@ pub struct FluxDescriptor {
     pub vae_scale: u64,
 }
 
+/// Every linear inside the blocks (diffusers names) — what kohya's `networks.lora_flux` trains
+/// by default (`train_blocks=all`): as `target_modules`, LoRA on all of them.
+pub const FLUX_BLOCK_LINEARS: [&str; 17] = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+    "norm1.linear",
+    "norm1_context.linear",
+    "proj_mlp",
+    "proj_out",
+    "norm.linear",
+];
+
 /// The MLP ratio of every FLUX.1 block (`mlp_ratio = 4.0` in BFL's `FluxParams`).
 pub const FLUX_MLP_RATIO: u64 = 4;
 

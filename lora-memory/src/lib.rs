@@ -51,7 +51,7 @@ pub use estimate::{Breakdown, Estimate, Metric, Term, estimate};
 pub use fit::{
     Change, Fit, FitError, FrontierRow, fit, frontier, frontier_cards, max_micro_batch, max_seq_len,
 };
-pub use flux::{FluxDescriptor, FluxVariant};
+pub use flux::{FLUX_BLOCK_LINEARS, FluxDescriptor, FluxVariant};
 pub use model::{
     DecoderBuilder, DecoderDescriptor, DiffusionDescriptor, DiffusionFamily, GENERIC_DECODER,
     LinearSite, ModelDescriptor, NormKind, SUPPORTED_MODEL_TYPES, TextEncoderDescriptor, UnetLevel,

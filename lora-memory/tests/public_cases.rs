@@ -78,10 +78,12 @@ case_test!(cpu_fp32_4x512, "cpu-fp32-4x512");
 case_test!(cpu_bf16_4x512, "cpu-bf16-4x512");
 case_test!(cpu_fp32_8x256, "cpu-fp32-8x256");
 case_test!(cpu_bf16_8x256, "cpu-bf16-8x256");
+case_test!(flux_hf_nf4, "FX-NF4");
+case_test!(flux_hf_bf16, "FX-BF16");
 
 #[test]
 fn every_case_has_a_test() {
-    assert_eq!(public_cases().len(), 48);
+    assert_eq!(public_cases().len(), 50);
 }
 
 /// The target on the allocated/reserved cases: MAPE ≤ 10 %, no underprediction worse
