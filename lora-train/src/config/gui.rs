@@ -23,6 +23,10 @@ pub(super) fn is_gui_config(map: &Map<String, Value>) -> bool {
 
 /// GUI fields whose `0` means "not set" (the GUI writes `None` for them).
 const ZERO_IS_UNSET: &[&str] = &[
+    "discrete_flow_shift",
+    "logit_std",
+    "guidance_scale",
+    "t5xxl_max_token_length",
     "max_train_epochs",
     "max_train_steps",
     "seed",
@@ -144,6 +148,23 @@ const GUI_NO_EFFECT: &[(&str, &str)] = &[
     ("train_on_input", "used only by LyCORIS IA3"),
 ];
 
+/// The FLUX.1 tab's fields a FLUX config (`flux1_checkbox`, `LoRA_type: Flux1`) passes on
+/// under their sd-scripts names (the `flux.*` keys).
+const FLUX_FIELDS: &[&str] = &[
+    "blocks_to_swap",
+    "guidance_scale",
+    "discrete_flow_shift",
+    "model_prediction_type",
+    "timestep_sampling",
+    "logit_mean",
+    "logit_std",
+    "apply_t5_attn_mask",
+    "t5xxl",
+    "t5xxl_max_token_length",
+    "clip_l",
+    "ae",
+];
+
 /// GUI field-name prefixes of other model families' tabs.
 const OTHER_MODEL_PREFIXES: &[&str] = &[
     "flux1_", "flux_", "sd3_", "lumina_", "anima_", "hunyuan_", "chroma_",
@@ -157,6 +178,7 @@ fn lora_type(kind: &str) -> Option<(&'static str, Option<&'static str>, bool)> {
         "Standard" => Some(("networks.lora", None, false)),
         "Kohya LoCon" => Some(("networks.lora", None, true)),
         "LyCORIS/LoCon" => Some(("lycoris.kohya", Some("locon"), true)),
+        "Flux1" => Some(("networks.lora_flux", None, false)),
         _ => None,
     }
 }
@@ -175,7 +197,6 @@ pub(super) fn to_kohya(
     let num = |k: &str| get(k).and_then(as_f64);
 
     for family in [
-        "flux1_checkbox",
         "sd3_checkbox",
         "lumina_checkbox",
         "anima_checkbox",
@@ -187,11 +208,16 @@ pub(super) fn to_kohya(
             return Err(ConfigError::InvalidValue {
                 key: family.into(),
                 value: "true".into(),
-                expected: "false: this SDK trains LoRA for Stable Diffusion 1.x/2.x/XL and LLMs; \
-                           FLUX.1, SD3 and the GUI's other model families are not supported yet"
+                expected: "false: this SDK trains LoRA for Stable Diffusion 1.x/2.x/XL, FLUX.1 \
+                           and LLMs; SD3 and the GUI's other model families are not supported yet"
                     .into(),
             });
         }
+    }
+    let flux = gui.get("flux1_checkbox").and_then(Value::as_bool) == Some(true)
+        || gui.get("LoRA_type").and_then(Value::as_str) == Some("Flux1");
+    if flux {
+        out.insert("model.kind".into(), Value::from("flux"));
     }
     if let Some(kind_v) = gui.get("LoRA_type") {
         let kind = kind_v.as_str().unwrap_or_default();
@@ -200,9 +226,9 @@ pub(super) fn to_kohya(
                 key: "LoRA_type".into(),
                 value: format!("{kind:?}"),
                 expected:
-                    "\"Standard\", \"Kohya LoCon\" or \"LyCORIS/LoCon\": this SDK trains LoRA and \
-                           LoCon; LoHa, LoKr, IA3, DyLoRA, GLoRA, OFT, LoRA-FA and other model \
-                           families' LoRA types (Flux1, …) are not supported yet"
+                    "\"Standard\", \"Kohya LoCon\", \"LyCORIS/LoCon\" or \"Flux1\": this SDK \
+                           trains LoRA and LoCon; LoHa, LoKr, IA3, DyLoRA, GLoRA, OFT, LoRA-FA and \
+                           other model families' LoRA types are not supported yet"
                         .into(),
             });
         };
@@ -329,6 +355,9 @@ pub(super) fn to_kohya(
                 }
             }
             "additional_parameters" => {} // after the fields: the command line wins
+            _ if flux && FLUX_FIELDS.contains(&k) => {
+                out.insert(k.to_string(), v.clone());
+            }
             _ => {
                 if let Some(reason) = GUI_NO_EFFECT
                     .iter()

@@ -116,14 +116,6 @@ pub(super) const NO_EFFECT: &[(&str, &str)] = &[
         "highvram",
         "frozen models move off the device by the memory plan",
     ),
-    (
-        "fp8_base",
-        "fp8 bases are not built from a dense checkpoint here: use a quantized base (`model.weights: quantized` with a GGUF file)",
-    ),
-    (
-        "fp8_base_unet",
-        "fp8 bases are not built from a dense checkpoint here: use a quantized base (`model.weights: quantized` with a GGUF file)",
-    ),
     // SAI model-spec metadata
     ("metadata_title", METADATA),
     ("metadata_author", METADATA),

@@ -236,6 +236,8 @@ pub enum ModelKind {
     Sd15,
     /// Stable Diffusion XL (the SD job, with two text encoders).
     Sdxl,
+    /// FLUX.1 (dev or schnell): the rectified-flow transformer with T5-XXL and CLIP-L.
+    Flux,
 }
 
 /// Text dataset layout.
@@ -371,12 +373,13 @@ section! {
             Mapping("a mapping module pattern -> alpha");
         /// kohya `network_module` (only `networks.lora` is LoRA; kept for the kohya metadata).
         network_module: Option<String> = None, some(|k, v| match v.as_str() {
-            Some(m @ ("networks.lora" | "lycoris.kohya")) => Ok(m.to_string()),
+            Some(m @ ("networks.lora" | "lycoris.kohya" | "networks.lora_flux")) => Ok(m.to_string()),
             _ => Err(invalid(
                 k,
                 v,
-                "\"networks.lora\", or \"lycoris.kohya\" with `algo=locon` in network_args \
-                 (other network modules — DyLoRA, OFT, LoHa, LoKr, IA3 — are not supported yet)",
+                "\"networks.lora\", \"networks.lora_flux\" (FLUX.1), or \"lycoris.kohya\" with \
+                 `algo=locon` in network_args (other network modules — DyLoRA, OFT, LoHa, LoKr, \
+                 IA3 — are not supported yet)",
             )),
         }), aka ["network_module"];
         /// LoCon: the rank of the LoRA on the UNet's 3×3 convolutions (ResNet blocks,
@@ -751,6 +754,63 @@ section! {
 }
 
 section! {
+    /// `[flux]`: FLUX.1 components and training options, with the names of kohya sd-scripts'
+    /// `flux_train_network.py` accepted as written.
+    pub struct FluxSection at "flux" {
+        /// The T5-XXL encoder file (ComfyUI's `t5xxl_fp16.safetensors` or
+        /// `t5xxl_fp8_e4m3fn.safetensors`, transformers keys) or a transformers folder; default:
+        /// the base's diffusers folder (`text_encoder_2/`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        t5xxl: Option<String> = None, Typed("a path to the T5-XXL encoder"), aka ["t5xxl"];
+        /// The CLIP-L text encoder file (`clip_l.safetensors`) or folder; default: the base's
+        /// diffusers folder (`text_encoder/`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        clip_l: Option<String> = None, Typed("a path to the CLIP-L text encoder"), aka ["clip_l"];
+        /// The autoencoder file (BFL's `ae.safetensors`) or folder; default: the base's
+        /// diffusers folder (`vae/`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ae: Option<String> = None, Typed("a path to the FLUX autoencoder"), aka ["ae"];
+        /// Store the frozen transformer in float8 (e4m3fn), upcast per layer (kohya
+        /// `fp8_base`, `fp8_base_unet`).
+        fp8_base: bool = false, Typed("true or false"), aka ["fp8_base", "fp8_base_unet"];
+        /// Transformer blocks kept in host memory and copied in for their forward and backward
+        /// passes, counted as kohya does (`n / 2` double-stream, `2·(n − n / 2)` single-stream
+        /// blocks; at most 35 for FLUX.1).
+        blocks_to_swap: u32 = 0, Typed("a non-negative integer"), aka ["blocks_to_swap"];
+        /// T5 tokens per caption (kohya `t5xxl_max_token_length`; default 512 for dev, 256 for
+        /// schnell).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        t5xxl_max_token_length: Option<u32> = None, Typed("a positive integer"),
+            aka ["t5xxl_max_token_length"],
+            check |n| n.is_none_or(|n| (1..=512).contains(&n)) => "an integer from 1 to 512";
+        /// Mask T5's padding tokens in the joint attention (kohya `apply_t5_attn_mask`).
+        apply_t5_attn_mask: bool = false, Typed("true or false"), aka ["apply_t5_attn_mask"];
+        /// How timesteps are drawn (kohya `timestep_sampling`).
+        timestep_sampling: TimestepSampling = TimestepSampling::Sigma, Choice(TIMESTEP_SAMPLINGS),
+            aka ["timestep_sampling"];
+        /// Scale of the normal draw of `sigmoid`, `shift` and `flux_shift` (kohya
+        /// `sigmoid_scale`, default 1).
+        sigmoid_scale: f64 = 1.0, Typed("a positive number"), aka ["sigmoid_scale"],
+            check |x| *x > 0.0 && x.is_finite() => "a number > 0";
+        /// The time shift of `shift` sampling (kohya `discrete_flow_shift`, default 3.0).
+        discrete_flow_shift: f64 = 3.0, Typed("a positive number"), aka ["discrete_flow_shift"],
+            check |x| *x > 0.0 && x.is_finite() => "a number > 0";
+        /// Mean of the logit-normal draw (SD3 `logit_mean`).
+        logit_mean: f64 = 0.0, Typed("a number"), aka ["logit_mean"];
+        /// Standard deviation of the logit-normal draw (SD3 `logit_std`).
+        logit_std: f64 = 1.0, Typed("a positive number"), aka ["logit_std"],
+            check |x| *x > 0.0 && x.is_finite() => "a number > 0";
+        /// The guidance value fed to FLUX.1-dev's guidance embedder in training (kohya
+        /// `guidance_scale`, default 1.0; schnell has none).
+        guidance_scale: f64 = 1.0, Typed("a number"), aka ["guidance_scale"];
+        /// How the transformer's output becomes the prediction (kohya
+        /// `model_prediction_type`).
+        model_prediction_type: ModelPredictionType = ModelPredictionType::SigmaScaled,
+            Choice(MODEL_PREDICTION_TYPES), aka ["model_prediction_type"];
+    }
+}
+
+section! {
     /// `[data_loader]` (names of PyTorch's `DataLoader`).
     pub struct DataLoaderSection at "data_loader" {
         /// Worker threads (kohya `max_data_loader_n_workers`; default 0 = in the training
@@ -893,7 +953,65 @@ const MODEL_KINDS: &[(&str, ModelKind)] = &[
     ("llm", ModelKind::Llm),
     ("sd15", ModelKind::Sd15),
     ("sdxl", ModelKind::Sdxl),
+    ("flux", ModelKind::Flux),
+    ("flux1", ModelKind::Flux),
 ];
+
+/// `flux.timestep_sampling` names (kohya sd-scripts' `--timestep_sampling`, plus SD3's
+/// logit-normal).
+const TIMESTEP_SAMPLINGS: &[(&str, TimestepSampling)] = &[
+    ("sigma", TimestepSampling::Sigma),
+    ("uniform", TimestepSampling::Uniform),
+    ("sigmoid", TimestepSampling::Sigmoid),
+    ("shift", TimestepSampling::Shift),
+    ("flux_shift", TimestepSampling::FluxShift),
+    ("logit_normal", TimestepSampling::LogitNormal),
+];
+
+/// How FLUX training draws its timesteps (kohya sd-scripts `library/flux_train_utils.py`,
+/// `get_noisy_model_input_and_timesteps`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TimestepSampling {
+    /// The DDPM-style sigma schedule of the scheduler (kohya's default `sigma`).
+    #[default]
+    Sigma,
+    /// `t ~ U(0, 1)`.
+    Uniform,
+    /// `t = sigmoid(sigmoid_scale · n)`, `n ~ N(0, 1)`.
+    Sigmoid,
+    /// [`Self::Sigmoid`] followed by the time shift `s·t / (1 + (s − 1)·t)` with
+    /// `s = discrete_flow_shift`.
+    Shift,
+    /// [`Self::Sigmoid`] shifted by `exp(μ)`, `μ` from the image's token count (FLUX.1's own
+    /// resolution-dependent shift, 0.5 at 256 tokens to 1.15 at 4096).
+    FluxShift,
+    /// `t = sigmoid(n)`, `n ~ N(logit_mean, logit_std)` (SD3's logit-normal).
+    LogitNormal,
+}
+
+/// `flux.model_prediction_type` names (kohya sd-scripts).
+const MODEL_PREDICTION_TYPES: &[(&str, ModelPredictionType)] = &[
+    ("raw", ModelPredictionType::Raw),
+    ("additive", ModelPredictionType::Additive),
+    ("sigma_scaled", ModelPredictionType::SigmaScaled),
+];
+
+/// How the FLUX transformer's output becomes the prediction compared with the target (kohya
+/// sd-scripts' `--model_prediction_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelPredictionType {
+    /// The output as is (the velocity `noise − latents`).
+    Raw,
+    /// The output added to the noisy input.
+    Additive,
+    /// kohya's default: the output becomes `output · (−σ) + noisy input` (an estimate of the
+    /// clean latents), compared with the same target as [`Self::Raw`]
+    /// (`flux_train_utils.apply_model_prediction_type`).
+    #[default]
+    SigmaScaled,
+}
 
 /// `train.save_precision` names (kohya's `float` is fp32).
 const SAVE_PRECISIONS: &[(&str, SavePrecision)] = &[
@@ -1154,6 +1272,8 @@ pub struct TrainConfig {
     pub system: SystemSection,
     /// Data loader.
     pub data_loader: DataLoaderSection,
+    /// FLUX.1 components and options.
+    pub flux: FluxSection,
     /// Tagger settings, when present.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tagger: Option<TaggerSection>,
@@ -1281,6 +1401,7 @@ impl TrainConfig {
         c.logging.read(&mut doc)?;
         c.system.read(&mut doc)?;
         c.data_loader.read(&mut doc)?;
+        c.flux.read(&mut doc)?;
         if doc.entries.iter().any(|e| e.path.starts_with("tagger.")) {
             let mut tagger = TaggerSection::default();
             tagger.read(&mut doc)?;
@@ -1467,6 +1588,7 @@ impl TrainConfig {
         LoggingSection::keys(&mut out);
         SystemSection::keys(&mut out);
         DataLoaderSection::keys(&mut out);
+        FluxSection::keys(&mut out);
         TaggerSection::keys(&mut out);
         out
     }

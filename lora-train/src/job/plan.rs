@@ -225,7 +225,9 @@ impl Plan {
         if self.changes.is_empty() {
             return;
         }
-        if self.estimate.diffusion.is_some() {
+        if self.estimate.flux.is_some() {
+            apply_flux_settings(cfg, &self.settings);
+        } else if self.estimate.diffusion.is_some() {
             apply_diffusion_settings(cfg, &self.settings);
         } else {
             apply_settings(cfg, &self.settings);
@@ -235,6 +237,9 @@ impl Plan {
     /// A human-readable report: settings, the breakdown table and the verdict. A Stable
     /// Diffusion plan (one with diffusion detail) is printed by [`diffusion_report`].
     pub fn report(&self) -> String {
+        if self.estimate.flux.is_some() {
+            return flux_report(self);
+        }
         if self.estimate.diffusion.is_some() {
             return diffusion_report(self);
         }
@@ -486,6 +491,18 @@ pub fn apply_diffusion_settings(cfg: &mut TrainConfig, s: &Settings) {
     cfg.train.train_text_encoder = s.train_text_encoder;
 }
 
+/// [`apply_diffusion_settings`] for a FLUX run: a float8 base is `flux.fp8_base` (the weights
+/// stay `dense` in the config: they are stored in fp8 at load), and `flux.blocks_to_swap`.
+pub fn apply_flux_settings(cfg: &mut TrainConfig, s: &Settings) {
+    let weights = cfg.model.weights;
+    apply_diffusion_settings(cfg, s);
+    if s.base_dtype == BaseDtype::Fp8 {
+        cfg.flux.fp8_base = true;
+        cfg.model.weights = weights;
+    }
+    cfg.flux.blocks_to_swap = s.blocks_to_swap;
+}
+
 /// Writes fitted settings back into the config (what `auto_fit` changes).
 pub fn apply_settings(cfg: &mut TrainConfig, s: &Settings) {
     cfg.train.batch_size = s.micro_batch;
@@ -714,6 +731,16 @@ pub fn diffusion_report(p: &Plan) -> String {
             },
         ),
     ];
+    out += &rows_and_verdict(p, rows);
+    out
+}
+
+/// The term table of an image-model plan (`rows`: name, bytes, formula), then the totals,
+/// notes, changes, suggestion and verdict.
+fn rows_and_verdict(p: &Plan, rows: Vec<(&str, Bytes, String)>) -> String {
+    let e = &p.estimate;
+    let cuda = p.settings.device.is_cuda();
+    let mut out = String::new();
     let mut table: Vec<(String, String, String, String)> = rows
         .into_iter()
         .map(|(n, v, f)| {
@@ -791,6 +818,144 @@ pub fn diffusion_report(p: &Plan) -> String {
         }
     }
     out += &p.verdict();
+    out
+}
+
+/// The FLUX plan as text: image and text tokens, what is cached, swapped and stored how, one
+/// row per memory term that applies, the caching phase, the totals, notes and the verdict.
+///
+/// A plan without FLUX detail is printed by [`Plan::report`].
+pub fn flux_report(p: &Plan) -> String {
+    let Some(d) = &p.estimate.flux else {
+        return p.report();
+    };
+    let s = &p.settings;
+    let e = &p.estimate;
+    let b = &e.breakdown;
+    let cuda = s.device.is_cuda();
+    let mut out = format!("plan: {} ({}) — FLUX.1 LoRA\n", p.model, p.model_source);
+    out += &format!(
+        "  device {}  transformer {}  mixed precision {:?}  LoRA r{} α{} on {} module kinds\n",
+        if cuda { "cuda" } else { "cpu" },
+        s.base_dtype.name(),
+        s.mixed_precision,
+        s.lora.rank,
+        s.lora.alpha,
+        s.lora.target_modules.len()
+    );
+    out += &format!(
+        "  image {}×{} px → {} image tokens + {} T5 tokens  micro_batch {} × gradient_accumulation_steps {}  gradient checkpointing {}  optimizer {:?}\n",
+        d.image_size[0],
+        d.image_size[1],
+        d.image_tokens,
+        d.text_tokens,
+        s.micro_batch,
+        s.gradient_accumulation_steps,
+        yes_no(s.gradient_checkpointing),
+        s.optimizer
+    );
+    out += &format!(
+        "  blocks_to_swap {} ({} double + {} single blocks in host memory, {})  T5 {}  latents and text-encoder outputs cached: {}\n",
+        s.blocks_to_swap,
+        d.swapped_blocks[0],
+        d.swapped_blocks[1],
+        d.host_bytes,
+        s.text_encoder_dtype
+            .map_or_else(|| "16-bit".to_string(), |t| t.name()),
+        if s.cache_text_encoder_outputs {
+            "yes"
+        } else {
+            "latents only"
+        }
+    );
+    let rows: Vec<(&str, Bytes, String)> = vec![
+        (
+            "transformer weights",
+            d.transformer_weights,
+            if s.blocks_to_swap > 0 {
+                "blocks on the device + one staging block".into()
+            } else {
+                format!("params × {} B", s.base_dtype.bytes_per_param())
+            },
+        ),
+        (
+            "text-encoder weights",
+            d.text_encoder_weights,
+            if d.text_encoder_weights.0 == 0 {
+                "not on the device in training (outputs cached)".into()
+            } else {
+                "T5-XXL + CLIP-L on the device".into()
+            },
+        ),
+        (
+            "autoencoder weights",
+            d.vae_weights,
+            if d.vae_weights.0 == 0 {
+                "not on the device in training (latents cached)".into()
+            } else {
+                "16-bit".into()
+            },
+        ),
+        (
+            "adapter params",
+            b.adapter_params,
+            format!("{} trainable × adapter bytes", e.trainable_params),
+        ),
+        ("gradients", b.gradients, "trainable × grad bytes".into()),
+        (
+            "optimizer states",
+            b.optimizer_states,
+            "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B".into(),
+        ),
+        (
+            "optimizer step temporaries",
+            b.optimizer_step_temporaries,
+            "largest tensor's state (or one foreach list)".into(),
+        ),
+        (
+            "transformer activations",
+            d.transformer_activations,
+            if s.gradient_checkpointing {
+                "block inputs + one recomputed block, × images".into()
+            } else {
+                "saved tensors of 19 double + 38 single blocks, × images".into()
+            },
+        ),
+        (
+            "dequantized layer",
+            b.framework_buffers,
+            "one fp8/quantized linear decoded at a time".into(),
+        ),
+        (
+            "batch data",
+            b.batch_data,
+            "packed latents, noise, target + T5/CLIP embeddings (fp32)".into(),
+        ),
+        (
+            "context / workspace",
+            b.context_workspace,
+            if cuda {
+                "CUDA context + cuBLAS workspace".into()
+            } else {
+                "CPU runtime: libtorch, heap, threads".into()
+            },
+        ),
+        (
+            "allocator margin",
+            b.allocator_margin,
+            if cuda {
+                "caching allocator: reserved − allocated".into()
+            } else {
+                "none on CPU (no caching allocator)".into()
+            },
+        ),
+        (
+            "caching phase (process)",
+            d.caching_peak,
+            "before training: T5 + CLIP, then the autoencoder, alone on the device".into(),
+        ),
+    ];
+    out += &rows_and_verdict(p, rows);
     out
 }
 

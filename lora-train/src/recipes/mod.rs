@@ -2,6 +2,8 @@
 //! family that recognises its own configs first, the causal-LM recipe (which takes any other
 //! model) last. Adding a family is its folder plus one line here.
 
+#[cfg(feature = "flux")]
+pub mod flux;
 #[cfg(feature = "llm")]
 pub mod llm;
 #[cfg(feature = "sd")]
@@ -11,9 +13,11 @@ use crate::config::TrainConfig;
 use crate::job::recipe::Recipe;
 use std::path::Path;
 
-/// Every recipe compiled in (features `sd`, `llm`), in detection order.
+/// Every recipe compiled in (features `flux`, `sd`, `llm`), in detection order.
 pub fn all() -> Vec<&'static dyn Recipe> {
     let mut v: Vec<&'static dyn Recipe> = Vec::new();
+    #[cfg(feature = "flux")]
+    v.push(&flux::FluxRecipe);
     #[cfg(feature = "sd")]
     v.push(&crate::sd::SdRecipe);
     #[cfg(feature = "llm")]

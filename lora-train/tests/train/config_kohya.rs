@@ -3,7 +3,9 @@
 //! is honored (it changes a setting) or accepted with one warning naming it; the kohya_ss GUI's
 //! saved JSON loads, mapped as the GUI maps it.
 
-use lora_train::config::{ConfigError, ExportFormat, Precision, SavePrecision, TrainConfig};
+use lora_train::config::{
+    ConfigError, ExportFormat, ModelKind, Precision, SavePrecision, TrainConfig,
+};
 use lora_train::engine::optim::OptimizerName;
 use std::path::Path;
 
@@ -405,7 +407,7 @@ fn the_kohya_ss_gui_json_loads_mapped_as_the_gui_maps_it() {
 #[test]
 fn gui_lora_types_this_sdk_does_not_train_are_an_error_naming_the_value() {
     let text = std::fs::read_to_string(fixture("kohya_ss_gui_locon.json")).unwrap();
-    for kind in ["LyCORIS/LoKr", "Kohya LoHa", "LyCORIS/iA3", "Flux1"] {
+    for kind in ["LyCORIS/LoKr", "Kohya LoHa", "LyCORIS/iA3"] {
         let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
         v["LoRA_type"] = serde_json::Value::from(kind);
         let e = TrainConfig::from_json_str(&v.to_string()).unwrap_err();
@@ -414,11 +416,58 @@ fn gui_lora_types_this_sdk_does_not_train_are_an_error_naming_the_value() {
         assert!(msg.contains("LoRA_type") && msg.contains(kind), "{msg}");
     }
     let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["flux1_checkbox"] = serde_json::Value::Bool(true);
+    v["sd3_checkbox"] = serde_json::Value::Bool(true);
     let msg = TrainConfig::from_json_str(&v.to_string())
         .unwrap_err()
         .to_string();
-    assert!(msg.contains("flux1_checkbox"), "{msg}");
+    assert!(msg.contains("sd3_checkbox"), "{msg}");
+}
+
+#[test]
+fn a_gui_flux_config_reads_its_flux_tab() {
+    // the kohya_ss GUI's FLUX.1 LoRA: LoRA_type Flux1 with the FLUX tab's fields
+    let text = std::fs::read_to_string(fixture("kohya_ss_gui_locon.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["LoRA_type"] = serde_json::Value::from("Flux1");
+    v["flux1_checkbox"] = serde_json::Value::Bool(true);
+    v["fp8_base"] = serde_json::Value::Bool(true);
+    v["blocks_to_swap"] = serde_json::Value::from(16);
+    v["timestep_sampling"] = serde_json::Value::from("flux_shift");
+    v["discrete_flow_shift"] = serde_json::Value::from(3.1582);
+    v["guidance_scale"] = serde_json::Value::from(1.0);
+    v["model_prediction_type"] = serde_json::Value::from("raw");
+    v["t5xxl"] = serde_json::Value::from("models/t5xxl_fp16.safetensors");
+    v["clip_l"] = serde_json::Value::from("models/clip_l.safetensors");
+    v["ae"] = serde_json::Value::from("models/ae.safetensors");
+    let c = TrainConfig::from_json_str(&v.to_string()).unwrap();
+    assert_eq!(c.model.kind, ModelKind::Flux);
+    assert_eq!(c.lora.network_module.as_deref(), Some("networks.lora_flux"));
+    assert!(c.flux.fp8_base);
+    assert_eq!(c.flux.blocks_to_swap, 16);
+    assert_eq!(
+        c.flux.timestep_sampling,
+        lora_train::config::TimestepSampling::FluxShift
+    );
+    assert_eq!(c.flux.discrete_flow_shift, 3.1582);
+    assert_eq!(
+        c.flux.model_prediction_type,
+        lora_train::config::ModelPredictionType::Raw
+    );
+    assert_eq!(
+        c.flux.t5xxl.as_deref(),
+        Some("models/t5xxl_fp16.safetensors")
+    );
+    assert_eq!(c.flux.clip_l.as_deref(), Some("models/clip_l.safetensors"));
+    assert_eq!(c.flux.ae.as_deref(), Some("models/ae.safetensors"));
+    // a wrong value names its key
+    v["timestep_sampling"] = serde_json::Value::from("sideways");
+    let msg = TrainConfig::from_json_str(&v.to_string())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("timestep_sampling") && msg.contains("flux_shift"),
+        "{msg}"
+    );
 }
 
 #[test]

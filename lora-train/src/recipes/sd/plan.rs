@@ -51,7 +51,7 @@ pub fn is_sd_model(path: &Path) -> bool {
 pub fn wants_sd_job(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
     match cfg.model.kind {
         ModelKind::Sd15 | ModelKind::Sdxl => true,
-        ModelKind::Llm => false,
+        ModelKind::Llm | ModelKind::Flux => false,
         ModelKind::Auto => cfg
             .base_model()
             .ok()
