@@ -296,6 +296,8 @@ fn sites() -> Vec<Site> {
         Site::LinearQuant(QuantKind::Q8_0),
         Site::LinearQuant(QuantKind::Q4_0),
         Site::LinearQuant(QuantKind::Q4_1),
+        Site::LinearQuant(QuantKind::Q5_1),
+        Site::LinearQuant(QuantKind::Fp8E4m3),
         Site::LinearQuant(QuantKind::Nf4 {
             double_quant: false,
         }),
