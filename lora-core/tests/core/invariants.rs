@@ -374,7 +374,7 @@ fn invariant_table() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 11 * 7 - 2 * 2);
+    assert_eq!(checked, 13 * 7 - 2 * 2);
 }
 
 fn check_case(site: Site, o: Opt) {
