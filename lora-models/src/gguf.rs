@@ -480,8 +480,13 @@ mod tests {
         assert_eq!(v[3], -0.25);
         assert_eq!(v[16], 2.75);
         assert!(dequantize(GgmlType::Q4_1, &b[..19], 32).is_err());
+        // k-quants decode (lora-core's reference); Q3_K does not
+        assert_eq!(
+            dequantize(GgmlType::Q4K, &[0; 144], 256).unwrap(),
+            vec![0.0; 256]
+        );
         assert!(matches!(
-            dequantize(GgmlType::Q4K, &[0; 144], 256),
+            dequantize(GgmlType::Q3K, &[0; 110], 256),
             Err(Error::Unsupported { .. })
         ));
     }
