@@ -97,7 +97,7 @@ fn quant_linear(c: &mut Criterion) {
     // prefix `down_`) for the k-quants, whose super-blocks of 256 need `in` divisible by 256 —
     // llama.cpp's k-quant files hold SmolLM2's down_proj as Q4_K/Q6_K and the 576-wide rows as
     // Q5_0/Q8_0 fallbacks
-    let tables: [(&str, i64, i64, Vec<(&str, QuantKind)>); 2] = [
+    let tables = [
         (
             "",
             INTER,

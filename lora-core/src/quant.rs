@@ -304,7 +304,7 @@ fn unpack_block(kind: QuantKind, block: &[u8], u: &mut Unpacked) {
 /// use [`nf4_reference_dequantize`]; fp8: [`fp8_e4m3_to_f32`]).
 pub fn dequantize_gguf_reference(kind: QuantKind, raw: &[u8]) -> Result<Vec<f32>> {
     let (bb, bw) = gguf_layout(kind)?;
-    if raw.len() % bb != 0 {
+    if !raw.len().is_multiple_of(bb) {
         return Err(qerr(
             kind,
             format!(
@@ -423,7 +423,7 @@ pub fn nf4_reference_dequantize(codes: &[u8], absmax: &[f32]) -> Result<Vec<f32>
 /// [`Error::Quant`] for NF4 / fp8 or a length that is not a multiple of the block size.
 pub fn quantize_gguf_reference(kind: QuantKind, x: &[f32]) -> Result<Vec<u8>> {
     let (bb, bw) = gguf_layout(kind)?;
-    if x.len() % bw != 0 {
+    if !x.len().is_multiple_of(bw) {
         return Err(qerr(
             kind,
             format!("{} values is not a multiple of {bw}", x.len()),

@@ -283,7 +283,7 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>> {
     };
     let (block, bytes) = ty.block_layout().ok_or_else(unsupported)?;
     let (block, bytes) = (block as usize, bytes as usize);
-    if n % block != 0 || raw.len() != n / block * bytes {
+    if !n.is_multiple_of(block) || raw.len() != n / block * bytes {
         return Err(Error::InvalidArgument(format!(
             "{ty:?}: {} bytes cannot hold {n} weights ({bytes} bytes per {block})",
             raw.len()

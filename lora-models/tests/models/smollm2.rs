@@ -309,7 +309,10 @@ fn q4_k_m_requantized_file_runs_kept_quantized() {
     let dense = Llama::from_gguf_file(&file, WeightMode::Dense(Kind::Float), Device::Cpu).unwrap();
     let dense_logits = dense.forward_t(&x, None, None, false).unwrap();
     let d = max_abs_diff(&q_logits, &dense_logits);
-    assert!(d < 1e-3, "kept-quantized logits differ from dense f32 by {d}");
+    assert!(
+        d < 1e-3,
+        "kept-quantized logits differ from dense f32 by {d}"
+    );
     let last = q_logits.select(1, 3).select(0, 0);
     let (vals, idx) = last.topk(3, -1, true, true);
     let idx = Vec::<i64>::try_from(&idx).unwrap();
