@@ -1192,10 +1192,12 @@ impl QuantWeight {
 
     /// Dequantizes to a dense `[out, in]` tensor of dtype `kind` on the weight's device.
     ///
-    /// f32 (and f64) results are bit-identical to the plain-Rust references; f16 / bf16 results are
-    /// computed directly in that dtype (a table lookup, then one multiply per weight), which saves a
-    /// full-size f32 pass and stays within 2⁻⁶ (bf16) / 2⁻⁹ (f16) relative of the f32 result (a few roundings)
-    /// (Q4_1 → bf16 is computed in f32 and rounded once).
+    /// f32 (and f64) results are bit-identical to the plain-Rust references
+    /// ([`dequantize_gguf_reference`], [`nf4_reference_dequantize`], [`fp8_e4m3_to_f32`]); f16 /
+    /// bf16 results of the 4- and 8-bit kinds are computed directly in that dtype (a table lookup,
+    /// then one multiply per weight), which saves a full-size f32 pass and stays within 2⁻⁶ (bf16)
+    /// / 2⁻⁹ (f16) relative of the f32 result (a few roundings); Q4_1 → bf16 and the 5- and 6-bit
+    /// kinds are computed in f32 and rounded once; fp8 values are exact in every float dtype.
     ///
     /// # Errors
     /// [`Error::Torch`] when an op fails (e.g. out of memory).
@@ -1434,14 +1436,11 @@ impl QuantWeight {
 /// The dtype dequantization computes in for a requested output dtype. Q4_1 → bf16 goes through f32:
 /// rounding the f16 min `m` to bf16 first would cost up to 2⁻⁸·|m| where `m + q·d` cancels. The
 /// 5- and 6-bit kinds always compute in f32 (their products `d·sc·q` need up to 25 bits), then
-/// round once; fp8 values are exact in f16 and bf16.
+/// round once; fp8 values are exact in f16, bf16 and f64. Other f64 requests compute in f32, so
+/// they equal the f32 references exactly.
 fn compute_kind(quant: QuantKind, kind: Kind) -> Kind {
     match (quant, kind) {
         (QuantKind::Q4_1, Kind::BFloat16) => Kind::Float,
-        (
-            QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K | QuantKind::Q6_K,
-            Kind::Double,
-        ) => Kind::Double,
         (
             QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K | QuantKind::Q6_K,
             _,
@@ -1744,7 +1743,9 @@ mod tests {
                 let worst = f64::try_from(rel.max()).unwrap();
                 assert!(worst <= ulp, "{kind:?} {k:?}: {worst}");
             }
-            assert_eq!(q.dequantize(Kind::Double).unwrap().kind(), Kind::Double);
+            let d = q.dequantize(Kind::Double).unwrap();
+            assert_eq!(d.kind(), Kind::Double);
+            assert!(d.equal(&f.to_kind(Kind::Double)), "{kind:?} f64");
         }
     }
 
