@@ -4,7 +4,8 @@
 // - `lora_linear`: forward + backward of the frozen 576→1536 linear (gate/up_proj) over 512 tokens
 //   alone vs with a rank-8 LoRA adapter (gradients for A and B) — the LoRA overhead;
 // - `quant_linear`: forward, and forward + input gradient, of the same linear with its base kept
-//   quantized (Q8_0, Q4_0, Q4_1, NF4): the shim's tiled kernel (`_tiled`, the layers' path) and
+//   quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, NF4, fp8 e4m3fn), and of the 1536→576 down_proj
+//   (`down_` prefix) as Q4_K, Q5_K, Q6_K: the shim's tiled kernel (`_tiled`, the layers' path) and
 //   dequantize-with-tensor-ops-then-matmul (`_dequant_matmul`), vs the dense f32 base;
 // - `optimizer_step`: one step of AdamW, AdamW8bit and Adafactor over the SmolLM2 adapter
 //   (rank 8 on q,k,v,o,gate,up,down × 30 layers: 4.88 M parameters);
@@ -91,53 +92,80 @@ fn lora_linear(c: &mut Criterion) {
 }
 
 fn quant_linear(c: &mut Criterion) {
-    tch::manual_seed(1);
-    let w = Tensor::randn([INTER, HIDDEN], (Kind::Float, Device::Cpu)) * 0.02;
-    let x = Tensor::randn([TOKENS, HIDDEN], (Kind::Float, Device::Cpu));
-    let g = Tensor::randn([TOKENS, INTER], (Kind::Float, Device::Cpu));
     let mut group = c.benchmark_group("quant_linear");
-    let dense = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
-    group.bench_function("dense_f32", |b| {
-        b.iter(|| black_box(dense.forward_t(&x, false).unwrap()))
-    });
-    // forward + input gradient (what a frozen base costs a training step)
-    let fwd_bwd = |f: &dyn Fn(&Tensor) -> Tensor| {
-        let xg = x.detach().set_requires_grad(true);
-        (f(&xg) * &g).sum(Kind::Float).backward();
-        xg.grad()
-    };
-    group.bench_function("dense_f32_fwd_bwd", |b| {
-        b.iter(|| black_box(fwd_bwd(&|x| dense.forward_t(x, false).unwrap())))
-    });
-    for (name, kind) in [
-        ("q8_0", QuantKind::Q8_0),
-        ("q4_0", QuantKind::Q4_0),
-        ("q4_1", QuantKind::Q4_1),
-        ("nf4", QuantKind::Nf4 { double_quant: true }),
-    ] {
-        let q = QuantWeight::quantize(&w, kind).unwrap();
-        // the layer's path: the shim's tiled kernel
-        let layer = LoraLinear::new(BaseWeight::Quant(q), None).unwrap();
-        group.bench_function(format!("{name}_tiled"), |b| {
-            b.iter(|| black_box(layer.forward_t(&x, false).unwrap()))
+    // gate/up_proj (576 → 1536) for the 32-weight block kinds and fp8; down_proj (1536 → 576,
+    // prefix `down_`) for the k-quants, whose super-blocks of 256 need `in` divisible by 256 —
+    // llama.cpp's k-quant files hold SmolLM2's down_proj as Q4_K/Q6_K and the 576-wide rows as
+    // Q5_0/Q8_0 fallbacks
+    let tables = [
+        (
+            "",
+            INTER,
+            HIDDEN,
+            vec![
+                ("q8_0", QuantKind::Q8_0),
+                ("q4_0", QuantKind::Q4_0),
+                ("q4_1", QuantKind::Q4_1),
+                ("q5_0", QuantKind::Q5_0),
+                ("q5_1", QuantKind::Q5_1),
+                ("nf4", QuantKind::Nf4 { double_quant: true }),
+                ("fp8_e4m3", QuantKind::Fp8E4m3),
+            ],
+        ),
+        (
+            "down_",
+            HIDDEN,
+            INTER,
+            vec![
+                ("q4_k", QuantKind::Q4_K),
+                ("q5_k", QuantKind::Q5_K),
+                ("q6_k", QuantKind::Q6_K),
+            ],
+        ),
+    ];
+    for (prefix, out, inn, kinds) in tables {
+        tch::manual_seed(1);
+        let w = Tensor::randn([out, inn], (Kind::Float, Device::Cpu)) * 0.02;
+        let x = Tensor::randn([TOKENS, inn], (Kind::Float, Device::Cpu));
+        let g = Tensor::randn([TOKENS, out], (Kind::Float, Device::Cpu));
+        let dense = LoraLinear::new(BaseWeight::Dense(w.copy()), None).unwrap();
+        group.bench_function(format!("{prefix}dense_f32"), |b| {
+            b.iter(|| black_box(dense.forward_t(&x, false).unwrap()))
         });
-        group.bench_function(format!("{name}_tiled_fwd_bwd"), |b| {
-            b.iter(|| black_box(fwd_bwd(&|x| layer.forward_t(x, false).unwrap())))
-        });
-        // the reference: dequantize with tensor ops, then matmul
-        let BaseWeight::Quant(q) = layer.base() else {
-            unreachable!()
+        // forward + input gradient (what a frozen base costs a training step)
+        let fwd_bwd = |f: &dyn Fn(&Tensor) -> Tensor| {
+            let xg = x.detach().set_requires_grad(true);
+            (f(&xg) * &g).sum(Kind::Float).backward();
+            xg.grad()
         };
-        group.bench_function(format!("{name}_dequant_matmul"), |b| {
-            b.iter(|| black_box(x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)))
+        group.bench_function(format!("{prefix}dense_f32_fwd_bwd"), |b| {
+            b.iter(|| black_box(fwd_bwd(&|x| dense.forward_t(x, false).unwrap())))
         });
-        group.bench_function(format!("{name}_dequant_matmul_fwd_bwd"), |b| {
-            b.iter(|| {
-                black_box(fwd_bwd(&|x| {
-                    x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)
-                }))
-            })
-        });
+        for (name, kind) in kinds {
+            let q = QuantWeight::quantize(&w, kind).unwrap();
+            // the layer's path: the shim's tiled kernel
+            let layer = LoraLinear::new(BaseWeight::Quant(q), None).unwrap();
+            group.bench_function(format!("{prefix}{name}_tiled"), |b| {
+                b.iter(|| black_box(layer.forward_t(&x, false).unwrap()))
+            });
+            group.bench_function(format!("{prefix}{name}_tiled_fwd_bwd"), |b| {
+                b.iter(|| black_box(fwd_bwd(&|x| layer.forward_t(x, false).unwrap())))
+            });
+            // the reference: dequantize with tensor ops, then matmul
+            let BaseWeight::Quant(q) = layer.base() else {
+                unreachable!()
+            };
+            group.bench_function(format!("{prefix}{name}_dequant_matmul"), |b| {
+                b.iter(|| black_box(x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)))
+            });
+            group.bench_function(format!("{prefix}{name}_dequant_matmul_fwd_bwd"), |b| {
+                b.iter(|| {
+                    black_box(fwd_bwd(&|x| {
+                        x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)
+                    }))
+                })
+            });
+        }
     }
     group.finish();
 }

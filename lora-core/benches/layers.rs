@@ -69,10 +69,16 @@ fn dequant(c: &mut Criterion) {
         QuantKind::Q8_0,
         QuantKind::Q4_0,
         QuantKind::Q4_1,
+        QuantKind::Q5_0,
+        QuantKind::Q5_1,
+        QuantKind::Q4_K,
+        QuantKind::Q5_K,
+        QuantKind::Q6_K,
         QuantKind::Nf4 {
             double_quant: false,
         },
         QuantKind::Nf4 { double_quant: true },
+        QuantKind::Fp8E4m3,
     ] {
         let q = QuantWeight::quantize(&w, kind).unwrap();
         g.bench_function(format!("{kind:?}_to_bf16"), |b| {

@@ -9,10 +9,21 @@
 // layer's dense weight alive from the forward pass.
 //
 // Layouts (lora-core `quant.rs`, `QuantWeight`):
-// - GGUF Q8_0 / Q4_0 / Q4_1: `codes` `[out, in/32, 32]` i8 (Q8_0) or `[out, in/32, 16]` u8, two
-//   4-bit codes per byte in weight order (high nibble first); `scales` (and Q4_1 `mins`) f16
-//   `[out, in/32]`. Q8_0: w = d·q; Q4_0: w = d·(q − 8); Q4_1: w = m + d·q (llama.cpp
-//   `dequantize_row_q8_0/q4_0/q4_1`).
+// - GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1: `codes` `[out, in/32, 32]` i8 (Q8_0) or
+//   `[out, in/32, 16]` u8, two 4-bit codes per byte in weight order (high nibble first); `scales`
+//   (and Q4_1/Q5_1 `mins`) f16 `[out, in/32]`; Q5_0/Q5_1 `hbits` `[out, in/32, 4]` u8, bit j of
+//   the block's 4 bytes (little endian) the 5th bit of weight j. Q8_0: w = d·q; Q4_0:
+//   w = d·(q − 8); Q4_1: w = m + d·q; Q5_0: w = d·(q − 16); Q5_1: w = m + d·q (llama.cpp
+//   `dequantize_row_q8_0/q4_0/q4_1/q5_0/q5_1`).
+// - GGUF k-quants, super-blocks of 256: `codes` `[out, in/256, 128]` u8 nibble pairs in weight
+//   order; `scales` f16 `d` `[out, in/256]`; Q4_K/Q5_K: `mins` f16 `dmin`, `sub_scales` u8
+//   `[out, in/256, 16]` (8 six-bit scales then 8 six-bit minimums, one per 32 weights),
+//   w = (d·sc)·q − dmin·m, Q5_K adding 16 × the bit of `hbits` `[out, in/256, 32]` to q; Q6_K:
+//   `sub_scales` i8 `[out, in/256, 16]` (one per 16 weights), `hbits` `[out, in/256, 64]` two
+//   bits per weight, w = (d·sc)·(q − 32) (llama.cpp `dequantize_row_q4_K/q5_K/q6_K`). The
+//   products d·sc (and (d·sc)·q for Q4_K/Q5_K) are exact in f32.
+// - fp8 e4m3fn: `codes` `[out, in]` u8 holding the bits; decoded through a 256-entry table built
+//   from c10's conversion.
 // - NF4 (QLoRA): `codes` `[out·in/64, 32]` u8 over the row-major flattened matrix (high nibble
 //   first), `table` f32 `[256, 2]` the two NF4 values of each byte; absmax per 64 weights is
 //   `scales` f32, or with double quantization `scales` i8 · `dq_scales[block / 256]` +
@@ -24,6 +35,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -34,7 +46,23 @@
 
 namespace {
 
-enum QKind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kNf4 = 3, kNf4Dq = 4 };
+enum QKind : int32_t {
+  kQ8_0 = 0,
+  kQ4_0 = 1,
+  kQ4_1 = 2,
+  kNf4 = 3,
+  kNf4Dq = 4,
+  kQ5_0 = 5,
+  kQ5_1 = 6,
+  kQ4K = 7,
+  kQ5K = 8,
+  kQ6K = 9,
+  kFp8 = 10,
+};
+
+bool is_k_quant(int32_t kind) {
+  return kind == kQ4K || kind == kQ5K || kind == kQ6K;
+}
 
 struct QWeight {
   int32_t kind;
@@ -42,7 +70,7 @@ struct QWeight {
   int64_t in;
   int64_t tile_elements;  // most weights decoded at once
   double dq_offset;
-  at::Tensor codes, scales, mins, dq_scales, table;
+  at::Tensor codes, scales, mins, sub_scales, hbits, dq_scales, table;
 };
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -61,6 +89,7 @@ LSDK_CLONES void decode_gguf_rows(
     const uint8_t* codes,
     const c10::Half* scales,
     const c10::Half* mins,
+    const uint8_t* hbits,
     float* dst) {
   const int64_t nb = in / 32;
   float q[32];
@@ -77,14 +106,20 @@ LSDK_CLONES void decode_gguf_rows(
           q[j] = static_cast<float>(c[j]);
         }
       } else {
-        // two codes per byte in weight order, high nibble first; Q4_0 stores q + 8
+        // two codes per byte in weight order, high nibble first; Q4_0 stores q + 8, Q5_0 q + 16
         const uint8_t* c = codes + blk * 16;
-        const float offset = kind == kQ4_0 ? 8.0f : 0.0f;
+        const float offset = kind == kQ4_0 ? 8.0f : (kind == kQ5_0 ? 16.0f : 0.0f);
         for (int k = 0; k < 16; ++k) {
           q[2 * k] = static_cast<float>(c[k] >> 4) - offset;
           q[2 * k + 1] = static_cast<float>(c[k] & 0x0F) - offset;
         }
-        if (kind == kQ4_1) {
+        if (kind == kQ5_0 || kind == kQ5_1) {
+          const uint8_t* h = hbits + blk * 4;
+          for (int j = 0; j < 32; ++j) {
+            q[j] += static_cast<float>(((h[j >> 3] >> (j & 7)) & 1) << 4);
+          }
+        }
+        if (kind == kQ4_1 || kind == kQ5_1) {
           m = static_cast<float>(mins[blk]);
         }
       }
@@ -92,6 +127,79 @@ LSDK_CLONES void decode_gguf_rows(
         o[j] = m + d * q[j];
       }
     }
+  }
+}
+
+// Rows [r0, r1) of a k-quant weight into `dst`. Each super-block's codes are first unpacked to
+// 256 small integers, then each sub-block is scaled in one straight loop (vectorized).
+LSDK_CLONES void decode_kquant_rows(
+    int32_t kind,
+    int64_t in,
+    int64_t r0,
+    int64_t r1,
+    const uint8_t* codes,
+    const c10::Half* scales,
+    const c10::Half* mins,
+    const uint8_t* sub_scales,
+    const uint8_t* hbits,
+    float* dst) {
+  const int64_t nb = in / 256;
+  float q[256];
+  for (int64_t r = r0; r < r1; ++r) {
+    float* out = dst + (r - r0) * in;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t blk = r * nb + b;
+      const float d = static_cast<float>(scales[blk]);
+      float* o = out + b * 256;
+      const uint8_t* c = codes + blk * 128;
+      for (int k = 0; k < 128; ++k) {
+        q[2 * k] = static_cast<float>(c[k] >> 4);
+        q[2 * k + 1] = static_cast<float>(c[k] & 0x0F);
+      }
+      const uint8_t* sub = sub_scales + blk * 16;
+      if (kind == kQ6K) {
+        const uint8_t* h = hbits + blk * 64;
+        for (int j = 0; j < 256; ++j) {
+          q[j] += static_cast<float>(((h[j >> 2] >> (2 * (j & 3))) & 3) << 4) - 32.0f;
+        }
+        for (int s = 0; s < 16; ++s) {
+          const float ds = d * static_cast<float>(static_cast<int8_t>(sub[s]));
+          for (int j = 0; j < 16; ++j) {
+            o[16 * s + j] = ds * q[16 * s + j];
+          }
+        }
+        continue;
+      }
+      if (kind == kQ5K) {
+        const uint8_t* h = hbits + blk * 32;
+        for (int j = 0; j < 256; ++j) {
+          q[j] += static_cast<float>(((h[j >> 3] >> (j & 7)) & 1) << 4);
+        }
+      }
+      const float dmin = static_cast<float>(mins[blk]);
+      for (int s = 0; s < 8; ++s) {
+        const float ds = d * static_cast<float>(sub[s]);
+        const float dm = dmin * static_cast<float>(sub[8 + s]);
+        for (int j = 0; j < 32; ++j) {
+          o[32 * s + j] = ds * q[32 * s + j] - dm;
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, r1) of an fp8 weight into `dst` through the 256-value table `lut`.
+LSDK_CLONES void decode_fp8_rows(
+    int64_t in,
+    int64_t r0,
+    int64_t r1,
+    const uint8_t* codes,
+    const float* lut,
+    float* dst) {
+  const uint8_t* c = codes + r0 * in;
+  const int64_t n = (r1 - r0) * in;
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = lut[c[i]];
   }
 }
 
@@ -153,7 +261,23 @@ void decode_rows(const QWeight& w, int64_t r0, int64_t r1, float* dst) {
   }
   // about 16 Ki weights per task
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(in, 1));
-  if (w.kind == kNf4 || w.kind == kNf4Dq) {
+  if (w.kind == kFp8) {
+    float fp8[256];
+    for (int v = 0; v < 256; ++v) {
+      fp8[v] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(v), c10::Float8_e4m3fn::from_bits()));
+    }
+    at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
+      decode_fp8_rows(in, b, e, codes, fp8, dst + (b - r0) * in);
+    });
+  } else if (is_k_quant(w.kind)) {
+    const c10::Half* scales = w.scales.data_ptr<c10::Half>();
+    const c10::Half* mins = w.kind != kQ6K ? w.mins.data_ptr<c10::Half>() : nullptr;
+    const uint8_t* sub = static_cast<const uint8_t*>(w.sub_scales.data_ptr());
+    const uint8_t* hb = w.kind != kQ4K ? static_cast<const uint8_t*>(w.hbits.data_ptr()) : nullptr;
+    at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
+      decode_kquant_rows(w.kind, in, b, e, codes, scales, mins, sub, hb, dst + (b - r0) * in);
+    });
+  } else if (w.kind == kNf4 || w.kind == kNf4Dq) {
     const bool dq = w.kind == kNf4Dq;
     const void* scales = w.scales.data_ptr();
     const float* dqs = dq ? w.dq_scales.data_ptr<float>() : nullptr;
@@ -163,9 +287,11 @@ void decode_rows(const QWeight& w, int64_t r0, int64_t r1, float* dst) {
     });
   } else {
     const c10::Half* scales = w.scales.data_ptr<c10::Half>();
-    const c10::Half* mins = w.kind == kQ4_1 ? w.mins.data_ptr<c10::Half>() : nullptr;
+    const c10::Half* mins = w.kind == kQ4_1 || w.kind == kQ5_1 ? w.mins.data_ptr<c10::Half>() : nullptr;
+    const uint8_t* hb =
+        w.kind == kQ5_0 || w.kind == kQ5_1 ? static_cast<const uint8_t*>(w.hbits.data_ptr()) : nullptr;
     at::parallel_for(r0, r1, grain, [&](int64_t b, int64_t e) {
-      decode_gguf_rows(w.kind, in, b, e, codes, scales, mins, dst + (b - r0) * in);
+      decode_gguf_rows(w.kind, in, b, e, codes, scales, mins, hb, dst + (b - r0) * in);
     });
   }
 }
@@ -254,6 +380,8 @@ QWeight saved_weight(AutogradContext* ctx) {
   w.codes = d.at("codes").toTensor();
   w.scales = d.at("scales").toTensor();
   w.mins = d.at("mins").toTensor();
+  w.sub_scales = d.at("sub_scales").toTensor();
+  w.hbits = d.at("hbits").toTensor();
   w.dq_scales = d.at("dq_scales").toTensor();
   w.table = d.at("table").toTensor();
   return w;
@@ -270,6 +398,8 @@ struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
     ctx->saved_data["codes"] = w.codes;
     ctx->saved_data["scales"] = w.scales;
     ctx->saved_data["mins"] = w.mins;
+    ctx->saved_data["sub_scales"] = w.sub_scales;
+    ctx->saved_data["hbits"] = w.hbits;
     ctx->saved_data["dq_scales"] = w.dq_scales;
     ctx->saved_data["table"] = w.table;
     return qlinear_forward(w, x);
@@ -291,13 +421,15 @@ QWeight make_weight(
     const at::Tensor* codes,
     const at::Tensor* scales,
     const at::Tensor* mins,
+    const at::Tensor* sub_scales,
+    const at::Tensor* hbits,
     const at::Tensor* dq_scales,
     const at::Tensor* table,
     double dq_offset,
     int64_t tile_elements) {
   TORCH_CHECK(codes != nullptr && scales != nullptr, "null weight tensor");
   TORCH_CHECK(tile_elements > 0, "the tile bound must be positive");
-  TORCH_CHECK(kind >= kQ8_0 && kind <= kNf4Dq, "unknown quantization kind ", kind);
+  TORCH_CHECK(kind >= kQ8_0 && kind <= kFp8, "unknown quantization kind ", kind);
   TORCH_CHECK(out > 0 && in > 0, "shape [", out, ", ", in, "] must be positive");
   QWeight w;
   w.kind = kind;
@@ -308,6 +440,8 @@ QWeight make_weight(
   w.codes = codes->contiguous();
   w.scales = scales->contiguous();
   w.mins = mins != nullptr ? mins->contiguous() : at::Tensor();
+  w.sub_scales = sub_scales != nullptr ? sub_scales->contiguous() : at::Tensor();
+  w.hbits = hbits != nullptr ? hbits->contiguous() : at::Tensor();
   w.dq_scales = dq_scales != nullptr ? dq_scales->contiguous() : at::Tensor();
   w.table = table != nullptr ? table->contiguous() : at::Tensor();
   const int64_t numel = out * in;
@@ -325,20 +459,40 @@ QWeight make_weight(
     } else {
       TORCH_CHECK(w.scales.scalar_type() == at::kFloat, "NF4 absmax must be float32");
     }
+  } else if (kind == kFp8) {
+    TORCH_CHECK(w.codes.numel() == numel, "fp8 codes: expected ", numel, " bytes");
+    TORCH_CHECK(w.codes.scalar_type() == at::kByte, "fp8 codes must be the uint8 bits");
   } else {
-    TORCH_CHECK(in % 32 == 0, "GGUF blocks need in divisible by 32");
-    const int64_t per_block = kind == kQ8_0 ? 32 : 16;
-    TORCH_CHECK(w.codes.numel() == numel / 32 * per_block, "GGUF codes: wrong byte count");
+    const bool kq = is_k_quant(kind);
+    const int64_t bw = kq ? 256 : 32;
+    TORCH_CHECK(in % bw == 0, "GGUF blocks need in divisible by ", bw);
+    const int64_t blocks = numel / bw;
+    const int64_t per_block = kind == kQ8_0 ? 32 : bw / 2;
+    TORCH_CHECK(w.codes.numel() == blocks * per_block, "GGUF codes: wrong byte count");
     TORCH_CHECK(
-        w.scales.scalar_type() == at::kHalf && w.scales.numel() == numel / 32,
+        w.scales.scalar_type() == at::kHalf && w.scales.numel() == blocks,
         "GGUF scales must be f16, one per block");
-    if (kind == kQ4_1) {
+    if (kind == kQ4_1 || kind == kQ5_1 || kind == kQ4K || kind == kQ5K) {
       TORCH_CHECK(
-          w.mins.defined() && w.mins.scalar_type() == at::kHalf && w.mins.numel() == numel / 32,
-          "Q4_1 needs f16 mins, one per block");
+          w.mins.defined() && w.mins.scalar_type() == at::kHalf && w.mins.numel() == blocks,
+          "this kind needs f16 mins, one per block");
+    }
+    if (kq) {
+      TORCH_CHECK(
+          w.sub_scales.defined() && w.sub_scales.numel() == blocks * 16 &&
+              w.sub_scales.scalar_type() == (kind == kQ6K ? at::kChar : at::kByte),
+          "k-quants need 16 sub-block scale bytes per super-block (i8 for Q6_K, u8 otherwise)");
+    }
+    const int64_t hbytes = kind == kQ5_0 || kind == kQ5_1 ? 4 : (kind == kQ5K ? 32 : (kind == kQ6K ? 64 : 0));
+    if (hbytes > 0) {
+      TORCH_CHECK(
+          w.hbits.defined() && w.hbits.scalar_type() == at::kByte && w.hbits.numel() == blocks * hbytes,
+          "this kind needs ",
+          hbytes,
+          " u8 high-bit bytes per block");
     }
   }
-  for (const at::Tensor* t : {&w.codes, &w.scales, &w.mins, &w.dq_scales, &w.table}) {
+  for (const at::Tensor* t : {&w.codes, &w.scales, &w.mins, &w.sub_scales, &w.hbits, &w.dq_scales, &w.table}) {
     TORCH_CHECK(!t->defined() || t->device().is_cpu(), "every tensor of the quantized weight must be on the CPU");
   }
   TORCH_CHECK(
@@ -370,8 +524,9 @@ extern "C" {
 //   `g · dequant(W)` for x;
 // - `mode` 1: the same product without autograd;
 // - `mode` 2: `x · dequant(W)` for x `[n, out]` (an input gradient), without autograd.
-// `kind`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 NF4, 4 NF4 with double quantization; absent tensors (mins,
-// dq_scales, table) may be null; at most `tile_elements` weights are decoded at once.
+// `kind`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 NF4, 4 NF4 with double quantization, 5 Q5_0, 6 Q5_1, 7 Q4_K,
+// 8 Q5_K, 9 Q6_K, 10 fp8 e4m3fn; absent tensors (mins, sub_scales, hbits, dq_scales, table) may
+// be null; at most `tile_elements` weights are decoded at once.
 char* lsdk_qlinear(
     const at::Tensor* x,
     int32_t mode,
@@ -381,6 +536,8 @@ char* lsdk_qlinear(
     const at::Tensor* codes,
     const at::Tensor* scales,
     const at::Tensor* mins,
+    const at::Tensor* sub_scales,
+    const at::Tensor* hbits,
     const at::Tensor* dq_scales,
     const at::Tensor* table,
     double dq_offset,
@@ -390,7 +547,7 @@ char* lsdk_qlinear(
     TORCH_CHECK(y != nullptr, "null output");
     TORCH_CHECK(mode >= 0 && mode <= 2, "unknown mode ", mode);
     check_input(x, mode == 2 ? out : in, "input");
-    QWeight w = make_weight(kind, out, in, codes, scales, mins, dq_scales, table, dq_offset, tile_elements);
+    QWeight w = make_weight(kind, out, in, codes, scales, mins, sub_scales, hbits, dq_scales, table, dq_offset, tile_elements);
     // The kernel picks its own dtypes: autocast must not recast the tiles or the GEMM.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     auto xc = x->contiguous();

@@ -3,8 +3,8 @@
 //! switched off at inference, and saved in the files PEFT, kohya and diffusers load.
 //!
 //! - [`linear::LoraLinear`], [`conv::LoraConv2d`] (LoCon), [`embedding::LoraEmbedding`]: a frozen base
-//!   ([`base::BaseWeight`]: dense fp32/fp16/bf16, or [`quant::QuantWeight`] NF4 / GGUF Q8_0 / Q4_0 /
-//!   Q4_1 kept quantized) plus named adapters, `y = base(x) + B(A(dropout(x))) · scaling · weight`.
+//!   ([`base::BaseWeight`]: dense fp32/fp16/bf16, or [`quant::QuantWeight`] NF4 / fp8 e4m3fn / GGUF
+//!   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K kept quantized) plus named adapters, `y = base(x) + B(A(dropout(x))) · scaling · weight`.
 //! - [`config::LoraConfig`]: PEFT's field names and defaults; [`inject::inject`] with PEFT's
 //!   `target_modules` semantics over any model implementing [`inject::Adaptable`].
 //! - [`layer::LoraLayer`]: merge / unmerge (safe merge), enable / disable, adapter weights;

@@ -1,13 +1,33 @@
 //! Frozen weights kept quantized in memory and dequantized per forward with tensor ops.
 //!
 //! Supported layouts:
-//! - GGUF block formats (llama.cpp `ggml-common.h` / `ggml-quants.c`), 32 weights per block along the
-//!   input dimension, little endian:
+//! - GGUF block formats (llama.cpp `ggml-common.h` / `ggml-quants.c`; the `gguf` Python package's
+//!   `quants.py`), blocks along the input dimension, little endian. Blocks of 32 weights:
 //!   - `Q8_0`: f16 `d` + 32 × i8 `q`; `w = d·q` (34 bytes / 32 weights = 1.0625 bytes/param).
 //!   - `Q4_0`: f16 `d` + 16 bytes; `w[j] = d·((q[j] & 0xF) − 8)`, `w[j+16] = d·((q[j] >> 4) − 8)`
 //!     (18 bytes / 32 = 0.5625 bytes/param).
 //!   - `Q4_1`: f16 `d` + f16 `m` + 16 bytes; `w[j] = d·(q[j] & 0xF) + m`, `w[j+16] = d·(q[j] >> 4) + m`
 //!     (20 bytes / 32 = 0.625 bytes/param).
+//!   - `Q5_0`: f16 `d` + 4 bytes `qh` (a little-endian u32, bit `j` the 5th bit of weight `j`) +
+//!     16 bytes of low nibbles as `Q4_0`; `w = d·(q − 16)` (22 bytes / 32 = 0.6875 bytes/param).
+//!   - `Q5_1`: f16 `d` + f16 `m` + `qh` + 16 bytes; `w = d·q + m` (24 bytes / 32 = 0.75 bytes/param).
+//!
+//!   k-quant super-blocks of 256 weights (`QK_K`):
+//!   - `Q4_K`: f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales `sc[8]` and minimums `m[8]` (one per
+//!     sub-block of 32; `get_scale_min_k4`: bytes 0–3 hold `sc[0..4]` in their low 6 bits and the
+//!     top 2 bits of `sc[4..8]`, bytes 4–7 the same for `m`, bytes 8–11 the low nibbles of
+//!     `sc[4..8]` (low) and `m[4..8]` (high)), then 128 bytes of nibbles: in each chunk `c` of 64
+//!     weights, `w[64c + l]` is the low nibble of byte `32c + l` and `w[64c + 32 + l]` its high
+//!     nibble. `w = (d·sc[s])·q − dmin·m[s]` for sub-block `s` (144 bytes / 256 = 0.5625).
+//!   - `Q5_K`: as `Q4_K` with 32 bytes `qh` between the scales and the nibbles: the 5th bit of weight
+//!     `j` is bit `j / 32` of `qh[j % 32]` (176 bytes / 256 = 0.6875).
+//!   - `Q6_K`: 128 bytes `ql`, 64 bytes `qh`, 16 × i8 scales, f16 `d` (last). In each half `c` of
+//!     128 weights, `w[128c + j]` (`j < 64`) has the low nibble of `ql[64c + j]`, `w[128c + 64 + j]`
+//!     its high nibble; bits `2t..2t+2` of `qh[32c + l]` are the top two bits of `w[128c + 32t + l]`.
+//!     `w = (d·sc[j / 16])·(q − 32)` (210 bytes / 256 = 0.8203).
+//!
+//!   In every k-quant formula `d·sc` (an f16 times a ≤ 8-bit integer) and, for `Q4_K`/`Q5_K`,
+//!   `(d·sc)·q` are exact in f32, so each weight is rounded once, whatever the evaluation order.
 //! - NF4 (QLoRA, Dettmers et al. 2023, arXiv:2305.14314): blocks of 64 consecutive weights of the
 //!   row-major flattened matrix, one absmax per block, 4-bit indices into the NormalFloat table
 //!   [`NF4_TABLE`], two indices per byte (first one in the high nibble, as bitsandbytes packs them).
@@ -15,13 +35,21 @@
 //!   quantized to 8 bits in blocks of 256 after subtracting their mean. The paper stores the second
 //!   level as FP8; we use a symmetric linear int8 code with one f32 scale per 256 constants, which has
 //!   the same footprint (0.5 + 8/64/8 + 4/(64·256) ≈ 0.5159 bytes/param, the paper's 4.127 bits).
+//! - fp8 e4m3fn (kohya sd-scripts' `fp8_base`: the frozen base stored as `torch.float8_e4m3fn`,
+//!   upcast per layer for the product): one byte per weight, 1 sign, 4 exponent (bias 7) and
+//!   3 mantissa bits, no infinities, `0x7F`/`0xFF` NaN, largest finite value 448 (Micikevicius et
+//!   al. 2022, arXiv:2209.05433). No scale, as kohya's. Quantization is libtorch's cast (round to
+//!   nearest even).
 
 use crate::error::{Error, Result, TchContext};
 use half::f16;
 use tch::{Device, Kind, Tensor};
 
-/// Weights per GGUF block (`QK8_0 = QK4_0 = QK4_1 = 32` in llama.cpp's `ggml-common.h`).
+/// Weights per GGUF block of the 32-weight kinds (`QK8_0 = QK4_0 = QK4_1 = QK5_0 = QK5_1 = 32` in
+/// llama.cpp's `ggml-common.h`).
 pub const GGUF_BLOCK: usize = 32;
+/// Weights per k-quant super-block (`QK_K = 256` in `ggml-common.h`).
+pub const GGUF_SUPER_BLOCK: usize = 256;
 /// Weights per NF4 block (QLoRA's block size for the first quantization level).
 pub const NF4_BLOCK: usize = 64;
 /// Absmax constants per second-level block with double quantization (QLoRA §3).
@@ -58,31 +86,65 @@ pub enum QuantKind {
     Q4_0,
     /// GGUF `Q4_1` (type id 3): f16 scale + f16 min + 32 × 4-bit per block.
     Q4_1,
+    /// GGUF `Q5_0` (type id 6): f16 scale + 32 × 5-bit (offset 16) per block.
+    Q5_0,
+    /// GGUF `Q5_1` (type id 7): f16 scale + f16 min + 32 × 5-bit per block.
+    Q5_1,
+    /// GGUF `Q4_K` (type id 12): super-blocks of 256, 4-bit codes, 6-bit sub-block scales and mins.
+    Q4_K,
+    /// GGUF `Q5_K` (type id 13): super-blocks of 256, 5-bit codes, 6-bit sub-block scales and mins.
+    Q5_K,
+    /// GGUF `Q6_K` (type id 14): super-blocks of 256, 6-bit codes (offset 32), i8 scales per 16.
+    Q6_K,
     /// QLoRA NormalFloat-4, block 64, optional double quantization of the absmax constants.
     Nf4 {
         /// Quantize the per-block absmax constants to 8 bits (blocks of 256).
         double_quant: bool,
     },
+    /// fp8 e4m3fn, one byte per weight, no scale (kohya's `fp8_base`).
+    Fp8E4m3,
 }
 
 impl QuantKind {
-    /// Bytes of one GGUF block of 32 weights, or `None` for NF4 (not a GGUF type).
+    /// Bytes of one GGUF block (of [`QuantKind::gguf_block_weights`] weights), or `None` for the
+    /// kinds that are not GGUF types (NF4, fp8).
     pub fn gguf_block_bytes(self) -> Option<usize> {
         match self {
             QuantKind::Q8_0 => Some(2 + 32),
             QuantKind::Q4_0 => Some(2 + 16),
             QuantKind::Q4_1 => Some(2 + 2 + 16),
-            QuantKind::Nf4 { .. } => None,
+            QuantKind::Q5_0 => Some(2 + 4 + 16),
+            QuantKind::Q5_1 => Some(2 + 2 + 4 + 16),
+            QuantKind::Q4_K => Some(2 + 2 + 12 + 128),
+            QuantKind::Q5_K => Some(2 + 2 + 12 + 32 + 128),
+            QuantKind::Q6_K => Some(128 + 64 + 16 + 2),
+            QuantKind::Nf4 { .. } | QuantKind::Fp8E4m3 => None,
         }
     }
 
-    /// The GGML type id (`ggml.h`: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8), or `None` for NF4.
+    /// Weights per GGUF block: [`GGUF_BLOCK`] (32) or, for the k-quants, [`GGUF_SUPER_BLOCK`]
+    /// (256); `None` for NF4 and fp8.
+    pub fn gguf_block_weights(self) -> Option<usize> {
+        match self {
+            QuantKind::Q4_K | QuantKind::Q5_K | QuantKind::Q6_K => Some(GGUF_SUPER_BLOCK),
+            QuantKind::Nf4 { .. } | QuantKind::Fp8E4m3 => None,
+            _ => Some(GGUF_BLOCK),
+        }
+    }
+
+    /// The GGML type id (`ggml.h`: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
+    /// Q5_K = 13, Q6_K = 14), or `None` for NF4 and fp8.
     pub fn ggml_type(self) -> Option<u32> {
         match self {
             QuantKind::Q4_0 => Some(2),
             QuantKind::Q4_1 => Some(3),
+            QuantKind::Q5_0 => Some(6),
+            QuantKind::Q5_1 => Some(7),
             QuantKind::Q8_0 => Some(8),
-            QuantKind::Nf4 { .. } => None,
+            QuantKind::Q4_K => Some(12),
+            QuantKind::Q5_K => Some(13),
+            QuantKind::Q6_K => Some(14),
+            QuantKind::Nf4 { .. } | QuantKind::Fp8E4m3 => None,
         }
     }
 
@@ -91,9 +153,19 @@ impl QuantKind {
         match id {
             2 => Some(QuantKind::Q4_0),
             3 => Some(QuantKind::Q4_1),
+            6 => Some(QuantKind::Q5_0),
+            7 => Some(QuantKind::Q5_1),
             8 => Some(QuantKind::Q8_0),
+            12 => Some(QuantKind::Q4_K),
+            13 => Some(QuantKind::Q5_K),
+            14 => Some(QuantKind::Q6_K),
             _ => None,
         }
+    }
+
+    /// True for the k-quants (`Q4_K`, `Q5_K`, `Q6_K`).
+    pub fn is_k_quant(self) -> bool {
+        matches!(self, QuantKind::Q4_K | QuantKind::Q5_K | QuantKind::Q6_K)
     }
 
     fn name(self) -> String {
@@ -108,27 +180,131 @@ fn qerr(kind: QuantKind, reason: impl Into<String>) -> Error {
     }
 }
 
-fn f16_at(raw: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([raw[at], raw[at + 1]])).to_f32()
+/// One GGUF block taken apart, every field in weight order (see the module docs for the layouts).
+#[derive(Debug, Default)]
+struct Unpacked {
+    /// f16 bits of `d`.
+    d: u16,
+    /// f16 bits of `m` (`Q4_1`, `Q5_1`) or `dmin` (`Q4_K`, `Q5_K`).
+    m: Option<u16>,
+    /// `Q4_K`/`Q5_K`: the 8 six-bit scales then the 8 six-bit minimums; `Q6_K`: 16 × i8 scales.
+    sub: [u8; 16],
+    /// Low bits of each weight: the 4-bit nibble, or `Q8_0`'s i8 bits.
+    low: Vec<u8>,
+    /// High bits of each weight (the 5th bit of the 5-bit kinds, the top two of `Q6_K`); empty for
+    /// the kinds without.
+    high: Vec<u8>,
+}
+
+/// The `j`-th 6-bit scale (`j < 4`) and its minimum of a `Q4_K`/`Q5_K` block from the 12 packed
+/// bytes (llama.cpp `get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Takes one block of `kind` apart into `u` (buffers reused from block to block).
+fn unpack_block(kind: QuantKind, block: &[u8], u: &mut Unpacked) {
+    let h16 = |at: usize| u16::from_le_bytes([block[at], block[at + 1]]);
+    u.low.clear();
+    u.high.clear();
+    u.m = None;
+    // GGUF's 32-weight layout: weight j in the low nibble of byte j, weight j+16 in its high one
+    let nibbles32 = |qs: &[u8], low: &mut Vec<u8>| {
+        low.extend(qs.iter().map(|&q| q & 0x0F));
+        low.extend(qs.iter().map(|&q| q >> 4));
+    };
+    // k-quant layout: chunks of 32 bytes hold 64 weights, low nibbles first
+    let nibbles_k = |qs: &[u8], chunk: usize, low: &mut Vec<u8>| {
+        for c in qs.chunks_exact(chunk) {
+            low.extend(c.iter().map(|&q| q & 0x0F));
+            low.extend(c.iter().map(|&q| q >> 4));
+        }
+    };
+    match kind {
+        QuantKind::Q8_0 => {
+            u.d = h16(0);
+            u.low.extend_from_slice(&block[2..34]);
+        }
+        QuantKind::Q4_0 | QuantKind::Q4_1 => {
+            u.d = h16(0);
+            let head = if kind == QuantKind::Q4_1 {
+                u.m = Some(h16(2));
+                4
+            } else {
+                2
+            };
+            nibbles32(&block[head..head + 16], &mut u.low);
+        }
+        QuantKind::Q5_0 | QuantKind::Q5_1 => {
+            u.d = h16(0);
+            let head = if kind == QuantKind::Q5_1 {
+                u.m = Some(h16(2));
+                4
+            } else {
+                2
+            };
+            let qh = u32::from_le_bytes([
+                block[head],
+                block[head + 1],
+                block[head + 2],
+                block[head + 3],
+            ]);
+            nibbles32(&block[head + 4..head + 20], &mut u.low);
+            u.high.extend((0..32).map(|j| ((qh >> j) & 1) as u8));
+        }
+        QuantKind::Q4_K | QuantKind::Q5_K => {
+            u.d = h16(0);
+            u.m = Some(h16(2));
+            let packed = &block[4..16];
+            for j in 0..8 {
+                let (sc, m) = scale_min_k4(j, packed);
+                u.sub[j] = sc;
+                u.sub[8 + j] = m;
+            }
+            let qs_at = if kind == QuantKind::Q5_K {
+                let qh = &block[16..48];
+                u.high
+                    .extend((0..256).map(|j| (qh[j % 32] >> (j / 32)) & 1));
+                48
+            } else {
+                16
+            };
+            nibbles_k(&block[qs_at..qs_at + 128], 32, &mut u.low);
+        }
+        QuantKind::Q6_K => {
+            let (ql, qh) = (&block[0..128], &block[128..192]);
+            u.sub.copy_from_slice(&block[192..208]);
+            u.d = h16(208);
+            nibbles_k(ql, 64, &mut u.low);
+            u.high.extend((0..256).map(|j| {
+                let (c, t, l) = (j / 128, (j % 128) / 32, j % 32);
+                (qh[32 * c + l] >> (2 * t)) & 3
+            }));
+        }
+        QuantKind::Nf4 { .. } | QuantKind::Fp8E4m3 => {}
+    }
 }
 
 /// Plain-Rust reference dequantization of GGUF block data (no tensors involved).
 ///
 /// `raw` is the tensor's bytes exactly as stored in a GGUF file (a whole number of blocks); the result
-/// has `32 · blocks` values in file order (row-major, `in` fastest). Formulas: see the module docs
-/// (llama.cpp `dequantize_row_q8_0` / `_q4_0` / `_q4_1`).
+/// has `blocks · gguf_block_weights()` values in file order (row-major, `in` fastest). Formulas: see
+/// the module docs (llama.cpp `dequantize_row_q8_0` / `_q4_0` / `_q4_1` / `_q5_0` / `_q5_1` /
+/// `_q4_K` / `_q5_K` / `_q6_K`), evaluated in f32 as there.
 ///
 /// # Errors
-/// [`Error::Quant`] when `raw` is not a whole number of blocks or `kind` is NF4 (not a GGUF type;
-/// use [`nf4_reference_dequantize`]).
+/// [`Error::Quant`] when `raw` is not a whole number of blocks or `kind` is not a GGUF type (NF4:
+/// use [`nf4_reference_dequantize`]; fp8: [`fp8_e4m3_to_f32`]).
 pub fn dequantize_gguf_reference(kind: QuantKind, raw: &[u8]) -> Result<Vec<f32>> {
-    let bb = kind.gguf_block_bytes().ok_or_else(|| {
-        qerr(
-            kind,
-            "NF4 is not a GGUF block type; use nf4_reference_dequantize",
-        )
-    })?;
-    if raw.len() % bb != 0 {
+    let (bb, bw) = gguf_layout(kind)?;
+    if !raw.len().is_multiple_of(bb) {
         return Err(qerr(
             kind,
             format!(
@@ -137,37 +313,72 @@ pub fn dequantize_gguf_reference(kind: QuantKind, raw: &[u8]) -> Result<Vec<f32>
             ),
         ));
     }
-    let mut out = Vec::with_capacity(raw.len() / bb * GGUF_BLOCK);
+    let mut out = Vec::with_capacity(raw.len() / bb * bw);
+    let mut u = Unpacked::default();
     for block in raw.chunks_exact(bb) {
-        let d = f16_at(block, 0);
+        unpack_block(kind, block, &mut u);
+        let d = f16::from_bits(u.d).to_f32();
+        let m = u.m.map_or(0.0, |m| f16::from_bits(m).to_f32());
+        let low = |j: usize| f32::from(u.low[j]);
+        let high = |j: usize| f32::from(u.high[j]);
         match kind {
-            QuantKind::Q8_0 => {
-                out.extend(block[2..].iter().map(|&q| d * f32::from(q as i8)));
+            QuantKind::Q8_0 => out.extend(u.low.iter().map(|&q| d * f32::from(q as i8))),
+            QuantKind::Q4_0 => out.extend((0..32).map(|j| d * (low(j) - 8.0))),
+            QuantKind::Q4_1 => out.extend((0..32).map(|j| d * low(j) + m)),
+            QuantKind::Q5_0 => out.extend((0..32).map(|j| d * (low(j) + 16.0 * high(j) - 16.0))),
+            QuantKind::Q5_1 => out.extend((0..32).map(|j| d * (low(j) + 16.0 * high(j)) + m)),
+            QuantKind::Q4_K | QuantKind::Q5_K => {
+                let five = kind == QuantKind::Q5_K;
+                out.extend((0..256).map(|j| {
+                    let s = j / 32;
+                    let q = if five {
+                        low(j) + 16.0 * high(j)
+                    } else {
+                        low(j)
+                    };
+                    d * f32::from(u.sub[s]) * q - m * f32::from(u.sub[8 + s])
+                }));
             }
-            QuantKind::Q4_0 => {
-                let qs = &block[2..];
-                out.extend(qs.iter().map(|&q| d * (f32::from(q & 0xF) - 8.0)));
-                out.extend(qs.iter().map(|&q| d * (f32::from(q >> 4) - 8.0)));
-            }
-            QuantKind::Q4_1 => {
-                let m = f16_at(block, 2);
-                let qs = &block[4..];
-                out.extend(qs.iter().map(|&q| d * f32::from(q & 0xF) + m));
-                out.extend(qs.iter().map(|&q| d * f32::from(q >> 4) + m));
-            }
-            QuantKind::Nf4 { .. } => unreachable_nf4()?,
+            QuantKind::Q6_K => out
+                .extend((0..256).map(|j| {
+                    d * f32::from(u.sub[j / 16] as i8) * (low(j) + 16.0 * high(j) - 32.0)
+                })),
+            QuantKind::Nf4 { .. } | QuantKind::Fp8E4m3 => return Err(not_gguf(kind)),
         }
     }
     Ok(out)
 }
 
-fn unreachable_nf4<T>() -> Result<T> {
-    Err(qerr(
-        QuantKind::Nf4 {
-            double_quant: false,
-        },
-        "not a GGUF block type",
-    ))
+fn not_gguf(kind: QuantKind) -> Error {
+    qerr(
+        kind,
+        "not a GGUF block type (NF4: nf4_reference_dequantize; fp8: fp8_e4m3_to_f32)",
+    )
+}
+
+/// `(bytes, weights)` of one GGUF block of `kind`.
+fn gguf_layout(kind: QuantKind) -> Result<(usize, usize)> {
+    match (kind.gguf_block_bytes(), kind.gguf_block_weights()) {
+        (Some(b), Some(w)) => Ok((b, w)),
+        _ => Err(not_gguf(kind)),
+    }
+}
+
+/// The value of one fp8 e4m3fn byte (1 sign, 4 exponent bits with bias 7, 3 mantissa bits;
+/// exponent 0 is subnormal, `S.1111.111` is NaN, there are no infinities; OCP 8-bit floating point
+/// specification / arXiv:2209.05433), exactly as `torch.float8_e4m3fn` decodes it.
+pub fn fp8_e4m3_to_f32(byte: u8) -> f32 {
+    let sign = if byte & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let e = i32::from((byte >> 3) & 0x0F);
+    let m = f32::from(byte & 0x07);
+    if e == 15 && byte & 0x07 == 7 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        sign * m * 2f32.powi(-9)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
 }
 
 /// Plain-Rust reference NF4 dequantization: `w[i] = NF4_TABLE[code_i] · absmax[i / 64]`, codes packed
@@ -198,32 +409,38 @@ pub fn nf4_reference_dequantize(codes: &[u8], absmax: &[f32]) -> Result<Vec<f32>
     Ok(out)
 }
 
-/// Quantizes `x` (a whole number of 32-blocks) to GGUF bytes with llama.cpp's reference algorithms
-/// (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`, `quantize_row_q4_1_ref` in `ggml-quants.c`).
+/// Quantizes `x` (a whole number of blocks) to GGUF bytes.
+///
+/// `Q8_0`, `Q4_0`, `Q4_1` follow llama.cpp's reference quantizers (`quantize_row_q8_0_ref`,
+/// `quantize_row_q4_0_ref`, `quantize_row_q4_1_ref` in `ggml-quants.c`), `Q5_0`/`Q5_1` the same
+/// recipes with 32 levels (`quantize_row_q5_0_ref`, `_q5_1_ref`). The k-quants use a plain
+/// min/max quantizer with the same block layout — per sub-block scale (and minimum), the
+/// super-block scales chosen to fit the largest of them in 6 (`Q6_K`: 8) bits, then nearest
+/// codes — not llama.cpp's iterative search (`make_qkx2_quants`), so their error is somewhat
+/// larger than `llama-quantize`'s; files quantized by llama.cpp decode exactly.
 ///
 /// # Errors
-/// [`Error::Quant`] for NF4 or a length that is not a multiple of 32.
+/// [`Error::Quant`] for NF4 / fp8 or a length that is not a multiple of the block size.
 pub fn quantize_gguf_reference(kind: QuantKind, x: &[f32]) -> Result<Vec<u8>> {
-    let bb = kind
-        .gguf_block_bytes()
-        .ok_or_else(|| qerr(kind, "NF4 is not a GGUF block type"))?;
-    if x.len() % GGUF_BLOCK != 0 {
+    let (bb, bw) = gguf_layout(kind)?;
+    if !x.len().is_multiple_of(bw) {
         return Err(qerr(
             kind,
-            format!("{} values is not a multiple of 32", x.len()),
+            format!("{} values is not a multiple of {bw}", x.len()),
         ));
     }
-    let mut out = Vec::with_capacity(x.len() / GGUF_BLOCK * bb);
-    for b in x.chunks_exact(GGUF_BLOCK) {
+    let f16b = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+    let mut out = Vec::with_capacity(x.len() / bw * bb);
+    for b in x.chunks_exact(bw) {
         match kind {
             QuantKind::Q8_0 => {
                 let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = amax / 127.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend(f16::from_f32(d).to_bits().to_le_bytes());
+                out.extend(f16b(d));
                 out.extend(b.iter().map(|v| ((v * id).round() as i8) as u8));
             }
-            QuantKind::Q4_0 => {
+            QuantKind::Q4_0 | QuantKind::Q5_0 => {
                 let (mut amax, mut max) = (0f32, 0f32);
                 for &v in b {
                     if amax < v.abs() {
@@ -231,33 +448,142 @@ pub fn quantize_gguf_reference(kind: QuantKind, x: &[f32]) -> Result<Vec<u8>> {
                         max = v;
                     }
                 }
-                let d = max / -8.0;
+                let (half, top) = if kind == QuantKind::Q4_0 {
+                    (8.0, 15)
+                } else {
+                    (16.0, 31)
+                };
+                let d = max / -half;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend(f16::from_f32(d).to_bits().to_le_bytes());
-                for j in 0..16 {
-                    // (int8_t) casts truncate toward zero, as in C.
-                    let x0 = ((b[j] * id + 8.5) as i8).min(15) as u8;
-                    let x1 = ((b[j + 16] * id + 8.5) as i8).min(15) as u8;
-                    out.push(x0 | (x1 << 4));
-                }
+                out.extend(f16b(d));
+                // (int8_t) casts truncate toward zero, as in C.
+                let q: Vec<u8> = b
+                    .iter()
+                    .map(|v| ((v * id + half + 0.5) as i8).min(top) as u8)
+                    .collect();
+                push_32(kind, &q, &mut out);
             }
-            QuantKind::Q4_1 => {
+            QuantKind::Q4_1 | QuantKind::Q5_1 => {
                 let min = b.iter().fold(f32::INFINITY, |a, &v| a.min(v));
                 let max = b.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
-                let d = (max - min) / 15.0;
+                let top = if kind == QuantKind::Q4_1 { 15u8 } else { 31 };
+                let d = (max - min) / f32::from(top);
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend(f16::from_f32(d).to_bits().to_le_bytes());
-                out.extend(f16::from_f32(min).to_bits().to_le_bytes());
-                for j in 0..16 {
-                    let x0 = (((b[j] - min) * id + 0.5) as i8).min(15) as u8;
-                    let x1 = (((b[j + 16] - min) * id + 0.5) as i8).min(15) as u8;
-                    out.push(x0 | (x1 << 4));
-                }
+                out.extend(f16b(d));
+                out.extend(f16b(min));
+                let q: Vec<u8> = b
+                    .iter()
+                    .map(|v| (((v - min) * id + 0.5) as i8).min(top as i8) as u8)
+                    .collect();
+                push_32(kind, &q, &mut out);
             }
-            QuantKind::Nf4 { .. } => return unreachable_nf4(),
+            QuantKind::Q4_K | QuantKind::Q5_K => quantize_q45_k(kind, b, &mut out),
+            QuantKind::Q6_K => quantize_q6_k(b, &mut out),
+            QuantKind::Nf4 { .. } | QuantKind::Fp8E4m3 => return Err(not_gguf(kind)),
         }
     }
     Ok(out)
+}
+
+/// Appends the code bytes of a 32-weight block (`q` the codes 0..15 or 0..31): the `qh` bit plane
+/// for the 5-bit kinds, then the nibbles (weight `j` low, `j + 16` high).
+fn push_32(kind: QuantKind, q: &[u8], out: &mut Vec<u8>) {
+    if matches!(kind, QuantKind::Q5_0 | QuantKind::Q5_1) {
+        let qh = (0..32).fold(0u32, |a, j| a | (u32::from(q[j] >> 4) << j));
+        out.extend(qh.to_le_bytes());
+    }
+    out.extend((0..16).map(|j| (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4)));
+}
+
+/// Rounds `v / step` to the nearest integer in `[lo, hi]` (0 for a zero step).
+fn nearest(v: f32, step: f32, lo: i32, hi: i32) -> i32 {
+    if step == 0.0 {
+        0
+    } else {
+        ((v / step).round() as i32).clamp(lo, hi)
+    }
+}
+
+/// One `Q4_K` / `Q5_K` super-block of 256 values (see [`quantize_gguf_reference`]).
+fn quantize_q45_k(kind: QuantKind, b: &[f32], out: &mut Vec<u8>) {
+    let top = if kind == QuantKind::Q4_K { 15 } else { 31 };
+    // per sub-block of 32: step and (non-negative) offset with w ≈ step·q − offset
+    let mut steps = [0f32; 8];
+    let mut offs = [0f32; 8];
+    for (s, sb) in b.chunks_exact(32).enumerate() {
+        let min = sb.iter().fold(0f32, |a, &v| a.min(v));
+        let max = sb.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+        steps[s] = (max - min) / top as f32;
+        offs[s] = -min;
+    }
+    let d = f16::from_f32(steps.iter().fold(0f32, |a, &v| a.max(v)) / 63.0).to_f32();
+    let dmin = f16::from_f32(offs.iter().fold(0f32, |a, &v| a.max(v)) / 63.0).to_f32();
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for s in 0..8 {
+        // round the step up so the largest code still reaches the block's maximum
+        sc[s] = if d == 0.0 {
+            0
+        } else {
+            ((steps[s] / d).ceil() as i32).clamp(0, 63) as u8
+        };
+        mn[s] = nearest(offs[s], dmin, 0, 63) as u8;
+    }
+    let mut q = [0u8; 256];
+    for (j, &v) in b.iter().enumerate() {
+        let s = j / 32;
+        let step = d * f32::from(sc[s]);
+        q[j] = nearest(v + dmin * f32::from(mn[s]), step, 0, top) as u8;
+    }
+    out.extend(f16::from_f32(d).to_bits().to_le_bytes());
+    out.extend(f16::from_f32(dmin).to_bits().to_le_bytes());
+    // the 12-byte packing that `scale_min_k4` reads
+    let mut packed = [0u8; 12];
+    for j in 0..4 {
+        packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        packed[j + 4] = (mn[j] & 63) | ((mn[j + 4] >> 4) << 6);
+        packed[j + 8] = (sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4);
+    }
+    out.extend(packed);
+    if kind == QuantKind::Q5_K {
+        out.extend((0..32).map(|l| (0..8).fold(0u8, |a, s| a | ((q[32 * s + l] >> 4) << s))));
+    }
+    for c in 0..4 {
+        out.extend((0..32).map(|l| (q[64 * c + l] & 0x0F) | ((q[64 * c + 32 + l] & 0x0F) << 4)));
+    }
+}
+
+/// One `Q6_K` super-block of 256 values (see [`quantize_gguf_reference`]).
+fn quantize_q6_k(b: &[f32], out: &mut Vec<u8>) {
+    // per sub-block of 16: a signed step mapping the largest magnitude to −32 (as Q4_0 does to −8)
+    let mut steps = [0f32; 16];
+    for (s, sb) in b.chunks_exact(16).enumerate() {
+        let max = sb
+            .iter()
+            .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+        steps[s] = max / -32.0;
+    }
+    let d = f16::from_f32(steps.iter().fold(0f32, |a, &v| a.max(v.abs())) / 127.0).to_f32();
+    let sc: Vec<i8> = steps
+        .iter()
+        .map(|&st| nearest(st, d, -127, 127) as i8)
+        .collect();
+    let mut q = [0u8; 256];
+    for (j, &v) in b.iter().enumerate() {
+        let step = d * f32::from(sc[j / 16]);
+        q[j] = (nearest(v, step, -32, 31) + 32) as u8;
+    }
+    for c in 0..2 {
+        out.extend((0..64).map(|j| (q[128 * c + j] & 0x0F) | ((q[128 * c + 64 + j] & 0x0F) << 4)));
+    }
+    for c in 0..2 {
+        out.extend(
+            (0..32)
+                .map(|l| (0..4).fold(0u8, |a, t| a | ((q[128 * c + 32 * t + l] >> 4) << (2 * t)))),
+        );
+    }
+    out.extend(sc.iter().map(|&v| v as u8));
+    out.extend(f16::from_f32(d).to_bits().to_le_bytes());
 }
 
 /// Nearest NF4 code for a value already normalized to [-1, 1].
@@ -333,14 +659,24 @@ pub fn nf4_double_dequantize_reference(
 /// A frozen 2-D weight `[out, in]` kept quantized in memory.
 ///
 /// Dequantized per forward with a handful of tensor ops on the tensors' device (so it runs on the GPU
-/// when the model does). Storage, by kind:
-/// - GGUF kinds: `codes` `[out, in/32, 32]` i8 (Q8_0) or `[out, in/32, 16]` u8 (Q4_*), `scales`
-///   `[out, in/32]` f16, `mins` `[out, in/32]` f16 (Q4_1 only).
+/// when the model does). Storage, by kind (`nb` blocks per row: `in/32`, or `in/256` for the
+/// k-quants):
+/// - GGUF kinds: `codes` `[out, nb, 32]` i8 (Q8_0), `[out, nb, 16]` u8 (Q4_*, Q5_0, Q5_1) or
+///   `[out, nb, 128]` u8 (k-quants); `scales` `[out, nb]` f16 (the block's `d`); `mins`
+///   `[out, nb]` f16 (`m` of Q4_1/Q5_1, `dmin` of Q4_K/Q5_K).
+/// - `hbits` u8, the high bits of each weight packed in weight order, least significant first:
+///   one bit per weight for Q5_0/Q5_1 (`[out, nb, 4]`, the file's `qh` as is) and Q5_K
+///   (`[out, nb, 32]`), two bits per weight for Q6_K (`[out, nb, 64]`).
+/// - `sub_scales`: Q4_K/Q5_K u8 `[out, nb, 16]` (the 8 six-bit scales, then the 8 six-bit
+///   minimums, unpacked from the file's 12 bytes: 148 / 180 bytes per 256 weights instead of
+///   144 / 176); Q6_K i8 `[out, nb, 16]`.
 /// - NF4: `codes` `[out·in/64, 32]` u8, `scales` `[out·in/64]` f32 absmax, or with double quantization
 ///   `[out·in/64]` i8 plus `dq_scales` f32 `[⌈out·in/64/256⌉]` and a scalar offset.
-/// - 4-bit kinds: codes are packed as consecutive pairs (first weight in the high nibble; GGUF's
-///   "j / j+16" nibble order is repacked at load) and `table` f32 `[256, 2]` (2 KiB) maps a byte to
-///   its two values, so decoding is one lookup plus one multiply (or fused multiply-add).
+/// - fp8: `codes` `[out, in]` u8 holding the e4m3fn bits; `scales` empty (no scale).
+/// - 4-bit codes (and the low nibbles of the 5- and 6-bit kinds) are packed as consecutive pairs
+///   (first weight in the high nibble; GGUF's nibble orders are repacked at load) and `table` f32
+///   `[256, 2]` (2 KiB) maps a byte to its two values, so decoding is one lookup plus one multiply
+///   (or fused multiply-add).
 #[derive(Debug)]
 pub struct QuantWeight {
     kind: QuantKind,
@@ -348,6 +684,8 @@ pub struct QuantWeight {
     codes: Tensor,
     scales: Tensor,
     mins: Option<Tensor>,
+    sub_scales: Option<Tensor>,
+    hbits: Option<Tensor>,
     dq_scales: Option<Tensor>,
     dq_offset: f32,
     table: Option<Tensor>,
@@ -366,12 +704,14 @@ fn check_shape(kind: QuantKind, shape: [i64; 2]) -> Result<()> {
                 ));
             }
         }
+        QuantKind::Fp8E4m3 => {}
         _ => {
-            if shape[1] % GGUF_BLOCK as i64 != 0 {
+            let bw = kind.gguf_block_weights().unwrap_or(GGUF_BLOCK) as i64;
+            if shape[1] % bw != 0 {
                 return Err(qerr(
                     kind,
                     format!(
-                        "shape {shape:?}: in ({}) must be a multiple of 32",
+                        "shape {shape:?}: in ({}) must be a multiple of {bw}",
                         shape[1]
                     ),
                 ));
@@ -381,27 +721,36 @@ fn check_shape(kind: QuantKind, shape: [i64; 2]) -> Result<()> {
     Ok(())
 }
 
+/// Packs values (each below `2^bits`) in weight order, least significant first, `8 / bits` per byte.
+fn pack_bits(v: &[u8], bits: usize, out: &mut Vec<u8>) {
+    let per = 8 / bits;
+    out.extend(v.chunks(per).map(|c| {
+        c.iter()
+            .enumerate()
+            .fold(0u8, |a, (i, &x)| a | (x << (bits * i)))
+    }));
+}
+
 impl QuantWeight {
     /// Builds a quantized weight from a GGUF tensor's raw bytes.
     ///
-    /// `raw`: the tensor data exactly as stored in the GGUF file (row-major blocks of 32 along `in`);
+    /// `raw`: the tensor data exactly as stored in the GGUF file (row-major blocks along `in`);
     /// `shape`: torch order `[out, in]` (GGUF lists dims innermost first, i.e. `[in, out]`).
     ///
     /// # Errors
-    /// [`Error::Quant`] for NF4, an `in` not divisible by 32, or a byte count that does not match the
-    /// shape; [`Error::Torch`] when the tensors cannot be created on `device`.
+    /// [`Error::Quant`] for NF4 / fp8, an `in` not divisible by the block size (32, or 256 for the
+    /// k-quants), or a byte count that does not match the shape; [`Error::Torch`] when the tensors
+    /// cannot be created on `device`.
     pub fn from_gguf_blocks(
         kind: QuantKind,
         raw: &[u8],
         shape: [i64; 2],
         device: Device,
     ) -> Result<Self> {
-        let bb = kind
-            .gguf_block_bytes()
-            .ok_or_else(|| qerr(kind, "NF4 has no GGUF block layout"))?;
+        let (bb, bw) = gguf_layout(kind)?;
         check_shape(kind, shape)?;
         let (out, inn) = (shape[0], shape[1]);
-        let nb = inn / GGUF_BLOCK as i64;
+        let nb = inn / bw as i64;
         let blocks = (out * nb) as usize;
         if raw.len() != blocks * bb {
             return Err(qerr(
@@ -413,58 +762,76 @@ impl QuantWeight {
                 ),
             ));
         }
-        let ncode = match kind {
-            QuantKind::Q8_0 => 32,
-            _ => 16,
+        let has_min = matches!(
+            kind,
+            QuantKind::Q4_1 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K
+        );
+        let high_bits = match kind {
+            QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q5_K => 1,
+            QuantKind::Q6_K => 2,
+            _ => 0,
         };
-        let head = bb - ncode;
+        let ncode = if kind == QuantKind::Q8_0 { bw } else { bw / 2 };
         let mut d = Vec::with_capacity(blocks * 2);
-        let mut m = Vec::with_capacity(if kind == QuantKind::Q4_1 {
-            blocks * 2
-        } else {
-            0
-        });
+        let mut m = Vec::with_capacity(if has_min { blocks * 2 } else { 0 });
+        let mut sub = Vec::with_capacity(if kind.is_k_quant() { blocks * 16 } else { 0 });
+        let mut h = Vec::with_capacity(blocks * bw * high_bits / 8);
         let mut q = Vec::with_capacity(blocks * ncode);
+        let mut u = Unpacked::default();
         for block in raw.chunks_exact(bb) {
-            d.extend_from_slice(&block[0..2]);
-            if kind == QuantKind::Q4_1 {
-                m.extend_from_slice(&block[2..4]);
+            unpack_block(kind, block, &mut u);
+            d.extend(u.d.to_le_bytes());
+            if let Some(mv) = u.m {
+                m.extend(mv.to_le_bytes());
             }
-            let qs = &block[head..];
+            if kind.is_k_quant() {
+                sub.extend_from_slice(&u.sub);
+            }
+            if high_bits > 0 {
+                pack_bits(&u.high, high_bits, &mut h);
+            }
             if kind == QuantKind::Q8_0 {
-                q.extend_from_slice(qs);
+                q.extend_from_slice(&u.low);
             } else {
-                // GGUF keeps weight j in the low nibble of byte j and weight j+16 in its high nibble;
-                // repack to consecutive pairs (weight 2k high, 2k+1 low) so one byte-indexed lookup
-                // yields the weights in order.
-                let nib = |j: usize| {
-                    if j < 16 {
-                        qs[j] & 0x0F
-                    } else {
-                        qs[j - 16] >> 4
-                    }
-                };
-                q.extend((0..16).map(|k| (nib(2 * k) << 4) | nib(2 * k + 1)));
+                // consecutive pairs, first weight in the high nibble: one byte-indexed lookup
+                // yields the weights in order
+                q.extend(u.low.chunks_exact(2).map(|p| (p[0] << 4) | p[1]));
             }
         }
         let ctx = || format!("building {kind:?} tensors of shape {shape:?}");
+        let make = |data: &[u8], size: &[i64], k: Kind| {
+            Tensor::f_from_data_size(data, size, k)
+                .and_then(|t| t.f_to_device(device))
+                .ctx(ctx)
+        };
         let code_kind = if kind == QuantKind::Q8_0 {
             Kind::Int8
         } else {
             Kind::Uint8
         };
-        let codes = Tensor::f_from_data_size(&q, &[out, nb, ncode as i64], code_kind)
-            .and_then(|t| t.f_to_device(device))
-            .ctx(ctx)?;
-        let scales = Tensor::f_from_data_size(&d, &[out, nb], Kind::Half)
-            .and_then(|t| t.f_to_device(device))
-            .ctx(ctx)?;
-        let mins = if kind == QuantKind::Q4_1 {
-            Some(
-                Tensor::f_from_data_size(&m, &[out, nb], Kind::Half)
-                    .and_then(|t| t.f_to_device(device))
-                    .ctx(ctx)?,
-            )
+        let codes = make(&q, &[out, nb, ncode as i64], code_kind)?;
+        let scales = make(&d, &[out, nb], Kind::Half)?;
+        let mins = if has_min {
+            Some(make(&m, &[out, nb], Kind::Half)?)
+        } else {
+            None
+        };
+        let sub_scales = if kind.is_k_quant() {
+            let k = if kind == QuantKind::Q6_K {
+                Kind::Int8
+            } else {
+                Kind::Uint8
+            };
+            Some(make(&sub, &[out, nb, 16], k)?)
+        } else {
+            None
+        };
+        let hbits = if high_bits > 0 {
+            Some(make(
+                &h,
+                &[out, nb, (bw * high_bits / 8) as i64],
+                Kind::Uint8,
+            )?)
         } else {
             None
         };
@@ -479,6 +846,8 @@ impl QuantWeight {
             codes,
             scales,
             mins,
+            sub_scales,
+            hbits,
             dq_scales: None,
             dq_offset: 0.0,
             table,
@@ -486,12 +855,16 @@ impl QuantWeight {
     }
 
     /// Quantizes a dense 2-D weight `[out, in]` (any float dtype, any device; the result lives on the
-    /// same device). GGUF kinds use llama.cpp's reference quantizers (`in` must be a multiple of 32);
-    /// NF4 uses blocks of 64 over the flattened matrix (`out·in` must be a multiple of 64), nearest
-    /// code, and optional double quantization (QLoRA, arXiv:2305.14314).
+    /// same device). GGUF kinds use [`quantize_gguf_reference`] (`in` must be a multiple of 32, or
+    /// 256 for the k-quants); NF4 uses blocks of 64 over the flattened matrix (`out·in` must be a
+    /// multiple of 64), nearest code, and optional double quantization (QLoRA, arXiv:2305.14314);
+    /// fp8 is libtorch's cast to `float8_e4m3fn` (round to nearest even; magnitudes beyond 448,
+    /// infinities included, saturate to ±448 and NaN stays NaN, as `w.to(torch.float8_e4m3fn)` in
+    /// PyTorch 2.13, which kohya's `fp8_base` calls), computed on `w`'s device.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `w` is not 2-D; [`Error::Quant`] for block-size mismatches.
+    /// [`Error::Shape`] when `w` is not 2-D; [`Error::Quant`] for block-size mismatches;
+    /// [`Error::Torch`] when an op fails.
     pub fn quantize(w: &Tensor, kind: QuantKind) -> Result<Self> {
         let size = w.size();
         if size.len() != 2 {
@@ -504,6 +877,27 @@ impl QuantWeight {
         let shape = [size[0], size[1]];
         check_shape(kind, shape)?;
         let device = w.device();
+        if kind == QuantKind::Fp8E4m3 {
+            let ctx = || format!("casting a {shape:?} weight to fp8 e4m3fn");
+            let codes = w
+                .f_to_kind(Kind::Float8e4m3fn)
+                .and_then(|t| t.f_view_dtype(Kind::Uint8))
+                .and_then(|t| t.f_contiguous())
+                .ctx(ctx)?;
+            let scales = Tensor::f_empty([0], (Kind::Float, device)).ctx(ctx)?;
+            return Ok(Self {
+                kind,
+                shape,
+                codes,
+                scales,
+                mins: None,
+                sub_scales: None,
+                hbits: None,
+                dq_scales: None,
+                dq_offset: 0.0,
+                table: None,
+            });
+        }
         let x = to_vec_f32(w)?;
         match kind {
             QuantKind::Nf4 { double_quant } => {
@@ -515,6 +909,12 @@ impl QuantWeight {
                 Self::from_gguf_blocks(kind, &raw, shape, device)
             }
         }
+    }
+
+    /// The fp8 e4m3fn bits of the weight, `[out, in]` u8 on the weight's device (`None` for the
+    /// other kinds): what a checkpoint stores, and what tests compare with PyTorch's cast.
+    pub fn fp8_bits(&self) -> Option<&Tensor> {
+        (self.kind == QuantKind::Fp8E4m3).then_some(&self.codes)
     }
 
     /// Builds an NF4 weight from packed codes (two per byte, high nibble first) and f32 absmax per
@@ -576,6 +976,8 @@ impl QuantWeight {
             codes: codes_t,
             scales,
             mins: None,
+            sub_scales: None,
+            hbits: None,
             dq_scales,
             dq_offset,
             table: Some(table),
@@ -604,13 +1006,16 @@ impl QuantWeight {
         b(&self.codes)
             + b(&self.scales)
             + self.mins.as_ref().map_or(0, b)
+            + self.sub_scales.as_ref().map_or(0, b)
+            + self.hbits.as_ref().map_or(0, b)
             + self.dq_scales.as_ref().map_or(0, b)
             + self.table.as_ref().map_or(0, b)
     }
 
-    /// `storage_bytes() / (out·in)`: 1.0625 (Q8_0), 0.5625 (Q4_0), 0.625 (Q4_1), 0.5 + 4/64 (NF4),
-    /// ≈0.5159 (NF4 + double quant), plus the 2 KiB code table of the 4-bit kinds amortized over the
-    /// matrix.
+    /// `storage_bytes() / (out·in)`: 1.0625 (Q8_0), 0.5625 (Q4_0), 0.625 (Q4_1), 0.6875 (Q5_0),
+    /// 0.75 (Q5_1), 148/256 (Q4_K), 180/256 (Q5_K), 210/256 (Q6_K), 0.5 + 4/64 (NF4), ≈0.5159
+    /// (NF4 + double quant), 1 (fp8), plus the 2 KiB code table of the 4-bit kinds amortized over
+    /// the matrix.
     pub fn bytes_per_param(&self) -> f64 {
         self.storage_bytes() as f64 / (self.shape[0] * self.shape[1]) as f64
     }
@@ -630,6 +1035,8 @@ impl QuantWeight {
             codes: mv(&self.codes)?,
             scales: mv(&self.scales)?,
             mins: self.mins.as_ref().map(mv).transpose()?,
+            sub_scales: self.sub_scales.as_ref().map(mv).transpose()?,
+            hbits: self.hbits.as_ref().map(mv).transpose()?,
             dq_scales: self.dq_scales.as_ref().map(mv).transpose()?,
             dq_offset: self.dq_offset,
             table: self.table.as_ref().map(mv).transpose()?,
@@ -680,27 +1087,90 @@ impl QuantWeight {
         lut.f_index_select(0, &idx)?.f_reshape(shape.as_slice())
     }
 
-    /// Decodes GGUF `codes`/`scales`/`mins` (leading dims `[rows, in/32]`) into `[rows, in]` of `ck`.
+    /// Decodes the GGUF tensors of some rows (`codes`, `scales`, `mins`, `sub_scales`, `hbits`, all
+    /// with leading dims `[rows, nb]`) into `[rows, in]` of `ck` (f32 for every kind but the
+    /// 32-weight 4- and 8-bit ones, see [`compute_kind`]).
     fn decode_gguf(
         &self,
         codes: &Tensor,
         scales: &Tensor,
         mins: Option<&Tensor>,
+        sub_scales: Option<&Tensor>,
+        hbits: Option<&Tensor>,
         ck: Kind,
     ) -> std::result::Result<Tensor, tch::TchError> {
         let rows = codes.size()[0];
+        let missing = |what: &str| {
+            tch::TchError::Torch(format!("{:?} weight has no {what} tensor", self.kind))
+        };
         let d = scales.f_to_kind(ck)?.f_unsqueeze(2)?;
+        // the 5th (and 6th) bits, `[rows, nb, weights per block]` as `ck`, times 16
+        let high = |bits: i64| -> std::result::Result<Tensor, tch::TchError> {
+            let h = hbits.ok_or_else(|| missing("high-bit"))?;
+            let per = 8 / bits;
+            let shifts: Vec<u8> = (0..per).map(|i| (i * bits) as u8).collect();
+            let shifts = Tensor::f_from_slice(&shifts)?.f_to_device(h.device())?;
+            let size = h.size();
+            h.f_unsqueeze(-1)?
+                .f_bitwise_right_shift(&shifts)?
+                .f_bitwise_and((1i64 << bits) - 1)?
+                .f_reshape([size[0], size[1], size[2] * per])?
+                .f_to_kind(ck)?
+                .f_mul_scalar(16.0)
+        };
         let w = match (self.kind, mins) {
             (QuantKind::Q8_0, _) => codes.f_to_kind(ck)?.f_mul(&d)?,
+            (QuantKind::Q5_0, _) => self
+                .decode_pairs(codes, ck)?
+                .f_add(&high(1)?)?
+                .f_sub_scalar(16.0)?
+                .f_mul(&d)?,
+            // m + q·d in one fused op (q·d is exact)
+            (QuantKind::Q5_1, Some(m)) => m
+                .f_to_kind(ck)?
+                .f_unsqueeze(2)?
+                .f_addcmul(&self.decode_pairs(codes, ck)?.f_add(&high(1)?)?, &d)?,
+            (QuantKind::Q4_K | QuantKind::Q5_K, Some(dmin)) => {
+                let sub = sub_scales.ok_or_else(|| missing("sub-block scale"))?;
+                let mut q = self.decode_pairs(codes, ck)?;
+                if self.kind == QuantKind::Q5_K {
+                    q = q.f_add(&high(1)?)?;
+                }
+                let nb = codes.size()[1];
+                let sub = sub.f_to_kind(ck)?.f_reshape([rows, nb, 2, 8])?;
+                // d·sc and dmin·m are exact in f32; then (d·sc)·q − dmin·m rounds once
+                let ds = sub.f_select(2, 0)?.f_mul(&d)?.f_unsqueeze(3)?;
+                let dm = sub
+                    .f_select(2, 1)?
+                    .f_mul(&dmin.f_to_kind(ck)?.f_unsqueeze(2)?)?
+                    .f_unsqueeze(3)?;
+                q.f_reshape([rows, nb, 8, 32])?.f_mul(&ds)?.f_sub(&dm)?
+            }
+            (QuantKind::Q6_K, _) => {
+                let sub = sub_scales.ok_or_else(|| missing("sub-block scale"))?;
+                let nb = codes.size()[1];
+                let q = self
+                    .decode_pairs(codes, ck)?
+                    .f_add(&high(2)?)?
+                    .f_sub_scalar(32.0)?;
+                let ds = sub.f_to_kind(ck)?.f_mul(&d)?.f_unsqueeze(3)?;
+                q.f_reshape([rows, nb, 16, 16])?.f_mul(&ds)?
+            }
             // Q4_1: m + q·d in one fused op
-            (_, Some(m)) => m
+            (QuantKind::Q4_1, Some(m)) => m
                 .f_to_kind(ck)?
                 .f_unsqueeze(2)?
                 .f_addcmul(&self.decode_pairs(codes, ck)?, &d)?,
             // Q4_0: the table already holds q − 8
-            (_, None) => self.decode_pairs(codes, ck)?.f_mul(&d)?,
+            (QuantKind::Q4_0, _) => self.decode_pairs(codes, ck)?.f_mul(&d)?,
+            _ => return Err(missing("minimum")),
         };
         w.f_reshape([rows, self.shape[1]])
+    }
+
+    /// Decodes fp8 e4m3fn bits (u8, any shape) to `ck` with libtorch's cast.
+    fn decode_fp8(codes: &Tensor, ck: Kind) -> std::result::Result<Tensor, tch::TchError> {
+        codes.f_view_dtype(Kind::Float8e4m3fn)?.f_to_kind(ck)
     }
 
     /// Decodes NF4 `codes` `[blocks, 32]` with f32 `absmax` `[blocks]` into `[blocks·64]` of `ck`.
@@ -722,10 +1192,12 @@ impl QuantWeight {
 
     /// Dequantizes to a dense `[out, in]` tensor of dtype `kind` on the weight's device.
     ///
-    /// f32 (and f64) results are bit-identical to the plain-Rust references; f16 / bf16 results are
-    /// computed directly in that dtype (a table lookup, then one multiply per weight), which saves a
-    /// full-size f32 pass and stays within 2⁻⁶ (bf16) / 2⁻⁹ (f16) relative of the f32 result (a few roundings)
-    /// (Q4_1 → bf16 is computed in f32 and rounded once).
+    /// f32 (and f64) results are bit-identical to the plain-Rust references
+    /// ([`dequantize_gguf_reference`], [`nf4_reference_dequantize`], [`fp8_e4m3_to_f32`]); f16 /
+    /// bf16 results of the 4- and 8-bit kinds are computed directly in that dtype (a table lookup,
+    /// then one multiply per weight), which saves a full-size f32 pass and stays within 2⁻⁶ (bf16)
+    /// / 2⁻⁹ (f16) relative of the f32 result (a few roundings); Q4_1 → bf16 and the 5- and 6-bit
+    /// kinds are computed in f32 and rounded once; fp8 values are exact in every float dtype.
     ///
     /// # Errors
     /// [`Error::Torch`] when an op fails (e.g. out of memory).
@@ -737,7 +1209,15 @@ impl QuantWeight {
                 .nf4_absmax()
                 .and_then(|a| self.decode_nf4(&self.codes, &a, ck))
                 .and_then(|w| w.f_reshape([self.shape[0], self.shape[1]])),
-            _ => self.decode_gguf(&self.codes, &self.scales, self.mins.as_ref(), ck),
+            QuantKind::Fp8E4m3 => Self::decode_fp8(&self.codes, ck),
+            _ => self.decode_gguf(
+                &self.codes,
+                &self.scales,
+                self.mins.as_ref(),
+                self.sub_scales.as_ref(),
+                self.hbits.as_ref(),
+                ck,
+            ),
         }
         .ctx(ctx)?;
         if kind == ck {
@@ -785,15 +1265,25 @@ impl QuantWeight {
                         .f_reshape([-1, self.shape[1]])
                 })()
             }
+            QuantKind::Fp8E4m3 => self
+                .codes
+                .f_index_select(0, &idx)
+                .and_then(|c| Self::decode_fp8(&c, ck)),
             _ => (|| {
+                let pick = |t: Option<&Tensor>| t.map(|t| t.f_index_select(0, &idx)).transpose();
                 let codes = self.codes.f_index_select(0, &idx)?;
                 let scales = self.scales.f_index_select(0, &idx)?;
-                let mins = self
-                    .mins
-                    .as_ref()
-                    .map(|m| m.f_index_select(0, &idx))
-                    .transpose()?;
-                self.decode_gguf(&codes, &scales, mins.as_ref(), ck)
+                let mins = pick(self.mins.as_ref())?;
+                let sub = pick(self.sub_scales.as_ref())?;
+                let hbits = pick(self.hbits.as_ref())?;
+                self.decode_gguf(
+                    &codes,
+                    &scales,
+                    mins.as_ref(),
+                    sub.as_ref(),
+                    hbits.as_ref(),
+                    ck,
+                )
             })(),
         }
         .ctx(ctx)?;
@@ -877,12 +1367,20 @@ impl QuantWeight {
                     double_quant: false,
                 } => 3,
                 QuantKind::Nf4 { double_quant: true } => 4,
+                QuantKind::Q5_0 => 5,
+                QuantKind::Q5_1 => 6,
+                QuantKind::Q4_K => 7,
+                QuantKind::Q5_K => 8,
+                QuantKind::Q6_K => 9,
+                QuantKind::Fp8E4m3 => 10,
             },
             out,
             inn,
             codes: &self.codes,
             scales: &self.scales,
             mins: self.mins.as_ref(),
+            sub_scales: self.sub_scales.as_ref(),
+            hbits: self.hbits.as_ref(),
             dq_scales: self.dq_scales.as_ref(),
             table: self.table.as_ref(),
             dq_offset: self.dq_offset,
@@ -936,10 +1434,18 @@ impl QuantWeight {
 }
 
 /// The dtype dequantization computes in for a requested output dtype. Q4_1 → bf16 goes through f32:
-/// rounding the f16 min `m` to bf16 first would cost up to 2⁻⁸·|m| where `m + q·d` cancels.
+/// rounding the f16 min `m` to bf16 first would cost up to 2⁻⁸·|m| where `m + q·d` cancels. The
+/// 5- and 6-bit kinds always compute in f32 (their products `d·sc·q` need up to 25 bits), then
+/// round once; fp8 values are exact in f16, bf16 and f64. Other f64 requests compute in f32, so
+/// they equal the f32 references exactly.
 fn compute_kind(quant: QuantKind, kind: Kind) -> Kind {
     match (quant, kind) {
         (QuantKind::Q4_1, Kind::BFloat16) => Kind::Float,
+        (
+            QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K | QuantKind::Q6_K,
+            _,
+        ) => Kind::Float,
+        (QuantKind::Fp8E4m3, Kind::Half | Kind::BFloat16 | Kind::Double) => kind,
         (_, Kind::Half | Kind::BFloat16) => kind,
         _ => Kind::Float,
     }
@@ -1045,6 +1551,33 @@ mod tests {
         }
     }
 
+    const GGUF_KINDS: [QuantKind; 8] = [
+        QuantKind::Q8_0,
+        QuantKind::Q4_0,
+        QuantKind::Q4_1,
+        QuantKind::Q5_0,
+        QuantKind::Q5_1,
+        QuantKind::Q4_K,
+        QuantKind::Q5_K,
+        QuantKind::Q6_K,
+    ];
+
+    const ALL_KINDS: [QuantKind; 11] = [
+        QuantKind::Q8_0,
+        QuantKind::Q4_0,
+        QuantKind::Q4_1,
+        QuantKind::Q5_0,
+        QuantKind::Q5_1,
+        QuantKind::Q4_K,
+        QuantKind::Q5_K,
+        QuantKind::Q6_K,
+        QuantKind::Nf4 {
+            double_quant: false,
+        },
+        QuantKind::Nf4 { double_quant: true },
+        QuantKind::Fp8E4m3,
+    ];
+
     fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed
             .wrapping_mul(6364136223846793005)
@@ -1061,9 +1594,9 @@ mod tests {
 
     #[test]
     fn gguf_tensor_dequant_matches_reference_for_each_kind() {
-        let (out, inn) = (6i64, 64i64);
+        let (out, inn) = (6i64, 512i64);
         let x = pseudo_random((out * inn) as usize, 7);
-        for kind in [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1] {
+        for kind in GGUF_KINDS {
             let raw = quantize_gguf_reference(kind, &x).unwrap();
             let reference = dequantize_gguf_reference(kind, &raw).unwrap();
             let q = QuantWeight::from_gguf_blocks(kind, &raw, [out, inn], Device::Cpu).unwrap();
@@ -1078,8 +1611,11 @@ mod tests {
                 .zip(&reference)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
+            // half a step of the block's range (plus the 6-bit scale rounding of the k-quants)
             let bound = match kind {
                 QuantKind::Q8_0 => 1.0 / 127.0,
+                QuantKind::Q5_0 | QuantKind::Q5_1 => 2.0 / 31.0,
+                QuantKind::Q6_K => 2.0 / 31.0,
                 _ => 2.0 / 15.0,
             };
             assert!(max_err <= bound, "{kind:?} max error {max_err}");
@@ -1157,6 +1693,12 @@ mod tests {
             (QuantKind::Q8_0, 34.0 / 32.0),
             (QuantKind::Q4_0, 18.0 / 32.0),
             (QuantKind::Q4_1, 20.0 / 32.0),
+            (QuantKind::Q5_0, 22.0 / 32.0),
+            (QuantKind::Q5_1, 24.0 / 32.0),
+            (QuantKind::Q4_K, 148.0 / 256.0),
+            (QuantKind::Q5_K, 180.0 / 256.0),
+            (QuantKind::Q6_K, 210.0 / 256.0),
+            (QuantKind::Fp8E4m3, 1.0),
             (
                 QuantKind::Nf4 {
                     double_quant: false,
@@ -1170,7 +1712,7 @@ mod tests {
         ];
         for (kind, bpp) in expect {
             let q = QuantWeight::quantize(&w, kind).unwrap();
-            let extra = if kind != QuantKind::Q8_0 {
+            let extra = if !matches!(kind, QuantKind::Q8_0 | QuantKind::Fp8E4m3) {
                 2048.0 / (256.0 * 512.0)
             } else {
                 0.0
@@ -1188,15 +1730,10 @@ mod tests {
 
     #[test]
     fn half_precision_dequant_is_within_a_few_ulps_of_f32() {
-        let w = Tensor::f_from_slice(&pseudo_random(64 * 128, 9))
+        let w = Tensor::f_from_slice(&pseudo_random(64 * 256, 9))
             .unwrap()
-            .reshape([64, 128]);
-        for kind in [
-            QuantKind::Q8_0,
-            QuantKind::Q4_0,
-            QuantKind::Q4_1,
-            QuantKind::Nf4 { double_quant: true },
-        ] {
+            .reshape([64, 256]);
+        for kind in ALL_KINDS {
             let q = QuantWeight::quantize(&w, kind).unwrap();
             let f = q.dequantize(Kind::Float).unwrap();
             for (k, ulp) in [(Kind::BFloat16, 2f64.powi(-6)), (Kind::Half, 2f64.powi(-9))] {
@@ -1206,22 +1743,19 @@ mod tests {
                 let worst = f64::try_from(rel.max()).unwrap();
                 assert!(worst <= ulp, "{kind:?} {k:?}: {worst}");
             }
-            assert_eq!(q.dequantize(Kind::Double).unwrap().kind(), Kind::Double);
+            let d = q.dequantize(Kind::Double).unwrap();
+            assert_eq!(d.kind(), Kind::Double);
+            assert!(d.equal(&f.to_kind(Kind::Double)), "{kind:?} f64");
         }
     }
 
     #[test]
     fn dequantize_rows_matches_full() {
-        let w = Tensor::f_from_slice(&pseudo_random(10 * 128, 5))
+        let w = Tensor::f_from_slice(&pseudo_random(10 * 256, 5))
             .unwrap()
-            .reshape([10, 128]);
+            .reshape([10, 256]);
         let ids = Tensor::f_from_slice(&[3i64, 0, 9, 3]).unwrap();
-        for kind in [
-            QuantKind::Q8_0,
-            QuantKind::Q4_0,
-            QuantKind::Q4_1,
-            QuantKind::Nf4 { double_quant: true },
-        ] {
+        for kind in ALL_KINDS {
             let q = QuantWeight::quantize(&w, kind).unwrap();
             let full = q.dequantize(Kind::Float).unwrap().index_select(0, &ids);
             let rows = q.dequantize_rows(&ids, Kind::Float).unwrap();
@@ -1237,6 +1771,13 @@ mod tests {
         let e = QuantWeight::from_gguf_blocks(QuantKind::Q4_0, &[0u8; 18], [1, 30], Device::Cpu)
             .unwrap_err();
         assert!(e.to_string().contains("multiple of 32"), "{e}");
+        let e = QuantWeight::from_gguf_blocks(QuantKind::Q4_K, &[0u8; 144], [1, 128], Device::Cpu)
+            .unwrap_err();
+        assert!(e.to_string().contains("multiple of 256"), "{e}");
+        let e = QuantWeight::from_gguf_blocks(QuantKind::Q6_K, &[0u8; 209], [1, 256], Device::Cpu)
+            .unwrap_err();
+        assert!(e.to_string().contains("210"), "{e}");
+        assert!(dequantize_gguf_reference(QuantKind::Fp8E4m3, &[]).is_err());
         assert!(
             dequantize_gguf_reference(
                 QuantKind::Nf4 {

@@ -117,6 +117,8 @@ mod ffi {
             codes: *const torch_sys::C_tensor,
             scales: *const torch_sys::C_tensor,
             mins: *const torch_sys::C_tensor,
+            sub_scales: *const torch_sys::C_tensor,
+            hbits: *const torch_sys::C_tensor,
             dq_scales: *const torch_sys::C_tensor,
             table: *const torch_sys::C_tensor,
             dq_offset: f64,
@@ -840,19 +842,27 @@ pub const QLINEAR_TILE_ELEMENTS: u64 = lora_memory::estimate::OURS_QLINEAR_TILE_
 /// `lora_core::quant::QuantWeight`'s docs; the shim checks every size).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantParts<'a> {
-    /// 0 `Q8_0`, 1 `Q4_0`, 2 `Q4_1`, 3 NF4, 4 NF4 with double quantization.
+    /// 0 `Q8_0`, 1 `Q4_0`, 2 `Q4_1`, 3 NF4, 4 NF4 with double quantization, 5 `Q5_0`, 6 `Q5_1`,
+    /// 7 `Q4_K`, 8 `Q5_K`, 9 `Q6_K`, 10 fp8 e4m3fn.
     pub kind: i32,
     /// Output features (rows of the weight).
     pub out: i64,
     /// Input features.
     pub inn: i64,
-    /// Codes: i8 `[out, in/32, 32]` (`Q8_0`), u8 `[out, in/32, 16]` (4-bit GGUF) or u8
-    /// `[out·in/64, 32]` (NF4).
+    /// Codes: i8 `[out, in/32, 32]` (`Q8_0`), u8 `[out, in/32, 16]` (4- and 5-bit GGUF), u8
+    /// `[out, in/256, 128]` (k-quants), u8 `[out·in/64, 32]` (NF4) or u8 `[out, in]` (fp8 bits).
     pub codes: &'a Tensor,
-    /// f16 block scales `[out, in/32]`, or NF4 absmax (f32, or i8 with double quantization).
+    /// f16 block scales `[out, nb]`, NF4 absmax (f32, or i8 with double quantization), or empty
+    /// (fp8).
     pub scales: &'a Tensor,
-    /// `Q4_1` f16 block minimums.
+    /// f16 block minimums (`Q4_1`, `Q5_1`) or `dmin` (`Q4_K`, `Q5_K`), `[out, nb]`.
     pub mins: Option<&'a Tensor>,
+    /// k-quant sub-block scales `[out, in/256, 16]`: u8 8 scales + 8 minimums (`Q4_K`, `Q5_K`),
+    /// i8 16 scales (`Q6_K`).
+    pub sub_scales: Option<&'a Tensor>,
+    /// High bits in weight order, least significant first: 1 per weight (`Q5_0`, `Q5_1`, `Q5_K`)
+    /// or 2 (`Q6_K`).
+    pub hbits: Option<&'a Tensor>,
     /// NF4 double quantization: f32 scale per 256 absmax values.
     pub dq_scales: Option<&'a Tensor>,
     /// f32 `[256, 2]`: a byte's two code values (4-bit kinds).
@@ -920,6 +930,8 @@ fn quant_call(
             ptr(parts.codes),
             ptr(parts.scales),
             opt(parts.mins),
+            opt(parts.sub_scales),
+            opt(parts.hbits),
             opt(parts.dq_scales),
             opt(parts.table),
             f64::from(parts.dq_offset),

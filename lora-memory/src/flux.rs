@@ -55,9 +55,10 @@ pub struct FluxDescriptor {
     pub pooled_projection_dim: u64,
     /// Transformer parameter count (the checkpoint's when read from a header).
     pub transformer_params: u64,
-    /// The transformer's stored bytes when a quantized single file (GGUF) was read: its tensors
-    /// keep their own types (a "Q4_K_S" file mixes Q4_K, Q5_K, F16 and F32 tensors), so this
-    /// replaces `params × bytes/param` for a base kept as stored.
+    /// The transformer's bytes in memory when a quantized single file (GGUF) is kept as stored:
+    /// its tensors keep their own types (a "Q4_K_S" file mixes Q4_K, Q5_K, F16 and F32
+    /// tensors), each at [`crate::BaseDtype::bytes_per_param`] of its type, so this replaces
+    /// `params × bytes/param` for such a base.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_bytes: Option<u64>,
     /// Text encoders: CLIP-L (`text_encoder`) and T5-XXL (`text_encoder_2`).

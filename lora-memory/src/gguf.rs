@@ -674,10 +674,15 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
             .map(|t| (t.name.as_str(), t.dims.clone()))
             .collect();
         let params = h.tensors.iter().map(GgufTensorInfo::numel).sum();
+        // the bytes each tensor holds once loaded as stored: lora-core keeps block types
+        // quantized (k-quants with their sub-block scales unpacked), f16/bf16/f32 as they are
         let stored = h
             .tensors
             .iter()
-            .map(|t| t.stored_bytes())
+            .map(|t| match crate::settings::BaseDtype::from_ggml(t.ggml_type) {
+                Some(d) => Some((t.numel() as f64 * d.bytes_per_param()).ceil() as u64),
+                None => t.stored_bytes(),
+            })
             .sum::<Option<u64>>();
         let it = shapes.iter().map(|(k, s)| (*k, s.as_slice()));
         if let Some(d) = crate::flux::FluxDescriptor::from_tensor_names(path, it, params, stored)? {

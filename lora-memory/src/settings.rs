@@ -31,13 +31,14 @@ pub enum BaseDtype {
     Q5_0,
     /// GGUF Q5_1: 24 bytes per 32 weights.
     Q5_1,
-    /// GGUF Q4_K: 144 bytes per super-block of 256 weights (4.5 bits).
+    /// GGUF Q4_K: 144 bytes per super-block of 256 in the file, held in memory as 148 (lora-core's
+    /// `QuantWeight` unpacks the 12 bytes of 6-bit sub-block scales and minimums to 16).
     Q4K,
-    /// GGUF Q5_K: 176 bytes per 256 weights (5.5 bits).
+    /// GGUF Q5_K: 176 bytes per 256 in the file, 180 in memory (as `Q4K`).
     Q5K,
-    /// GGUF Q6_K: 210 bytes per 256 weights (6.5625 bits).
+    /// GGUF Q6_K: 210 bytes per 256 weights.
     Q6K,
-    /// float8 e4m3fn storage, upcast per layer for the matmul (kohya's `fp8_base`): 1 B/param.
+    /// fp8 e4m3fn (kohya's `fp8_base`): 1 byte/param, no scale; upcast per layer for the product.
     Fp8,
     /// GPTQ int4 (AutoGPTQ layout): 0.5 B/param + per group of `group_size` one fp16 scale and one
     /// packed 4-bit zero (`(2 + 0.5) / group_size` B/param). Qwen's "Q-LoRA" uses this base.
@@ -62,8 +63,8 @@ impl BaseDtype {
             BaseDtype::Q4_1 => 20.0 / 32.0,
             BaseDtype::Q5_0 => 22.0 / 32.0,
             BaseDtype::Q5_1 => 24.0 / 32.0,
-            BaseDtype::Q4K => 144.0 / 256.0,
-            BaseDtype::Q5K => 176.0 / 256.0,
+            BaseDtype::Q4K => 148.0 / 256.0,
+            BaseDtype::Q5K => 180.0 / 256.0,
             BaseDtype::Q6K => 210.0 / 256.0,
             BaseDtype::Fp8 => 1.0,
             BaseDtype::Gptq4 { group_size } => 0.5 + 2.5 / f64::from(group_size.max(1)),
@@ -71,7 +72,8 @@ impl BaseDtype {
     }
 
     /// The name users write: `fp32`, `fp16`, `bf16`, `nf4`, `nf4 + double quant`, `Q8_0`,
-    /// `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`, `fp8 (e4m3fn)`, `GPTQ int4 (group 128)`.
+    /// `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`, `fp8 e4m3fn`,
+    /// `GPTQ int4 (group 128)`.
     pub fn name(self) -> String {
         match self {
             BaseDtype::F32 => "fp32".into(),
@@ -89,13 +91,13 @@ impl BaseDtype {
             BaseDtype::Q4K => "Q4_K".into(),
             BaseDtype::Q5K => "Q5_K".into(),
             BaseDtype::Q6K => "Q6_K".into(),
-            BaseDtype::Fp8 => "fp8 (e4m3fn)".into(),
+            BaseDtype::Fp8 => "fp8 e4m3fn".into(),
             BaseDtype::Gptq4 { group_size } => format!("GPTQ int4 (group {group_size})"),
         }
     }
 
     /// The storage type of a GGUF tensor type, for the types the estimator describes (`None` for
-    /// the others: Q2_K, Q3_K, Q8_K, integers).
+    /// the others: Q2_K, Q3_K, Q8_1, Q8_K, integers).
     pub fn from_ggml(t: crate::gguf::GgmlType) -> Option<BaseDtype> {
         use crate::gguf::GgmlType;
         match t {
@@ -114,7 +116,7 @@ impl BaseDtype {
         }
     }
 
-    /// True for the block-quantized types.
+    /// True for the quantized storage types (the block formats and fp8).
     pub fn is_quantized(self) -> bool {
         !matches!(self, BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16)
     }
@@ -780,6 +782,23 @@ mod tests {
         assert!((BaseDtype::Nf4 { double_quant: true }.bytes_per_param() - 0.516).abs() < 1e-3);
         assert_eq!(BaseDtype::Q4_1.bytes_per_param(), 0.625);
         assert_eq!(BaseDtype::Q8_0.bytes_per_param(), 1.0625);
+        // the GGUF types' in-memory sizes follow the file's block sizes (ggml type traits), the
+        // k-quants' 12 packed scale bytes held as 16
+        use crate::gguf::GgmlType;
+        for (t, extra) in [
+            (GgmlType::Q5_0, 0.0),
+            (GgmlType::Q5_1, 0.0),
+            (GgmlType::Q4K, 4.0),
+            (GgmlType::Q5K, 4.0),
+            (GgmlType::Q6K, 0.0),
+        ] {
+            let (w, b) = t.block_layout().unwrap();
+            let d = BaseDtype::from_ggml(t).unwrap();
+            assert_eq!(d.bytes_per_param(), (b as f64 + extra) / w as f64, "{t:?}");
+            assert!(d.is_quantized());
+        }
+        assert_eq!(BaseDtype::Fp8.bytes_per_param(), 1.0);
+        assert_eq!(BaseDtype::Q4K.name(), "Q4_K");
     }
 
     #[test]

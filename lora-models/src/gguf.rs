@@ -5,8 +5,9 @@
 //! GGUF header reader of the workspace, with arrays kept (the tokenizer's vocabulary and merges);
 //! its types are re-exported here. The layout is documented there.
 //!
-//! Dequantisation of the block formats (`F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_1`) follows
-//! `ggml/src/ggml-quants.c` (`dequantize_row_q8_0`, `_q4_0`, `_q4_1`).
+//! Dequantisation to `f32`: `F32`, `F16`, `BF16` here; the block formats (`Q8_0`, `Q4_0`, `Q4_1`,
+//! `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`) through lora-core's reference decoder
+//! ([`lora_core::quant::dequantize_gguf_reference`], after `ggml/src/ggml-quants.c`).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -22,15 +23,8 @@ pub use lora_memory::gguf::{
 
 /// Whether [`dequantize`] handles `ty`.
 pub fn is_dequantizable(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::F32
-            | GgmlType::F16
-            | GgmlType::BF16
-            | GgmlType::Q8_0
-            | GgmlType::Q4_0
-            | GgmlType::Q4_1
-    )
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+        || lora_core::quant::QuantKind::from_ggml_type(ty.id()).is_some()
 }
 
 /// An open, memory-mapped GGUF file: metadata, tensor infos and zero-copy access to tensor bytes.
@@ -269,26 +263,27 @@ impl GgufFile {
     }
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
+const SUPPORTED: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K";
 
 /// Dequantises `n` weights stored as `ty` in `raw` to `f32`, in storage order.
 ///
-/// Formulas from `ggml-quants.c`: `Q8_0`: `w = d·q` (q i8); `Q4_0`: `w[j] = d·((b[j] & 0xF) − 8)`,
-/// `w[j+16] = d·((b[j] >> 4) − 8)`; `Q4_1`: `w[j] = d·(b[j] & 0xF) + m`, `w[j+16] = d·(b[j] >> 4) + m`.
+/// Block formats: [`lora_core::quant::dequantize_gguf_reference`] (formulas of `ggml-quants.c`,
+/// listed in `lora_core::quant`).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when `raw` has the wrong length for `n`; [`Error::Unsupported`] for
-/// other types (k-quants, Q5_*, …).
+/// other types (Q2_K, Q3_K, IQ*, …).
 pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>> {
-    let (block, bytes) = ty.block_layout().ok_or_else(|| Error::Unsupported {
+    let unsupported = || Error::Unsupported {
         what: "GGUF tensor type",
         value: format!("{ty:?}"),
-        hint: "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1".into(),
-    })?;
+        hint: format!(
+            "supported: {SUPPORTED}; re-quantize the file with llama.cpp's llama-quantize to one of them"
+        ),
+    };
+    let (block, bytes) = ty.block_layout().ok_or_else(unsupported)?;
     let (block, bytes) = (block as usize, bytes as usize);
-    if n % block != 0 || raw.len() != n / block * bytes {
+    if !n.is_multiple_of(block) || raw.len() != n / block * bytes {
         return Err(Error::InvalidArgument(format!(
             "{ty:?}: {} bytes cannot hold {n} weights ({bytes} bytes per {block})",
             raw.len()
@@ -308,43 +303,15 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>> {
             raw.chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
         ),
-        GgmlType::Q8_0 => {
-            for b in raw.chunks_exact(34) {
-                let d = f16_at(b, 0);
-                out.extend(b[2..34].iter().map(|&q| d * f32::from(q as i8)));
-            }
-        }
-        GgmlType::Q4_0 => {
-            for b in raw.chunks_exact(18) {
-                let d = f16_at(b, 0);
-                let q = &b[2..18];
-                out.extend(q.iter().map(|&x| d * (f32::from(x & 0x0F) - 8.0)));
-                out.extend(q.iter().map(|&x| d * (f32::from(x >> 4) - 8.0)));
-            }
-        }
-        GgmlType::Q4_1 => {
-            for b in raw.chunks_exact(20) {
-                let d = f16_at(b, 0);
-                let m = f16_at(b, 2);
-                let q = &b[4..20];
-                out.extend(q.iter().map(|&x| d * f32::from(x & 0x0F) + m));
-                out.extend(q.iter().map(|&x| d * f32::from(x >> 4) + m));
-            }
-        }
         other => {
-            return Err(Error::Unsupported {
-                what: "GGUF tensor type",
-                value: format!("{other:?}"),
-                hint: "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1; re-quantize the file with llama.cpp's \
-                       llama-quantize to one of them"
-                    .into(),
-            });
+            let kind =
+                lora_core::quant::QuantKind::from_ggml_type(other.id()).ok_or_else(unsupported)?;
+            out = lora_core::quant::dequantize_gguf_reference(kind, raw)?;
         }
     }
     Ok(out)
 }
 
-/// Reorders the rows of a row-major stored matrix (`rows` rows of equal byte length), e.g. to
 /// undo llama.cpp's Q/K permutation on still-quantised block data: output row `r` is input row
 /// `src_row(r)`.
 ///
@@ -513,8 +480,13 @@ mod tests {
         assert_eq!(v[3], -0.25);
         assert_eq!(v[16], 2.75);
         assert!(dequantize(GgmlType::Q4_1, &b[..19], 32).is_err());
+        // k-quants decode (lora-core's reference); Q3_K does not
+        assert_eq!(
+            dequantize(GgmlType::Q4K, &[0; 144], 256).unwrap(),
+            vec![0.0; 256]
+        );
         assert!(matches!(
-            dequantize(GgmlType::Q4K, &[0; 144], 256),
+            dequantize(GgmlType::Q3K, &[0; 110], 256),
             Err(Error::Unsupported { .. })
         ));
     }

@@ -296,6 +296,8 @@ fn sites() -> Vec<Site> {
         Site::LinearQuant(QuantKind::Q8_0),
         Site::LinearQuant(QuantKind::Q4_0),
         Site::LinearQuant(QuantKind::Q4_1),
+        Site::LinearQuant(QuantKind::Q5_1),
+        Site::LinearQuant(QuantKind::Fp8E4m3),
         Site::LinearQuant(QuantKind::Nf4 {
             double_quant: false,
         }),
@@ -372,7 +374,7 @@ fn invariant_table() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 11 * 7 - 2 * 2);
+    assert_eq!(checked, 13 * 7 - 2 * 2);
 }
 
 fn check_case(site: Site, o: Opt) {

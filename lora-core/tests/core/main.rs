@@ -1,10 +1,12 @@
 //! lora-core's integration tests in one test executable (one link against libtorch): the adapter
 //! file formats ([`formats`]), PEFT interoperability through the real `peft` package
-//! ([`interop_peft`]), and the LoRA layers' invariants over every site kind and option
-//! ([`invariants`]).
+//! ([`interop_peft`]), the LoRA layers' invariants over every site kind and option
+//! ([`invariants`]), the tiled quantized linear ([`qlinear`]) and the quantized kinds against the
+//! `gguf` package, llama.cpp's quantizer and PyTorch's fp8 cast ([`quant_interop`]).
 
 mod common;
 mod formats;
 mod interop_peft;
 mod invariants;
 mod qlinear;
+mod quant_interop;

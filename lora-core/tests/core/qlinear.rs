@@ -7,14 +7,20 @@ use lora_core::sys;
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-const KINDS: [QuantKind; 5] = [
+const KINDS: [QuantKind; 11] = [
     QuantKind::Q8_0,
     QuantKind::Q4_0,
     QuantKind::Q4_1,
+    QuantKind::Q5_0,
+    QuantKind::Q5_1,
+    QuantKind::Q4_K,
+    QuantKind::Q5_K,
+    QuantKind::Q6_K,
     QuantKind::Nf4 {
         double_quant: false,
     },
     QuantKind::Nf4 { double_quant: true },
+    QuantKind::Fp8E4m3,
 ];
 
 fn randn(shape: &[i64], seed: i64) -> Tensor {
@@ -70,7 +76,7 @@ fn every_kind_matches_dequantize_then_matmul_across_tiles() {
 
 #[test]
 fn bf16_inputs_and_autocast_compute_in_bf16() {
-    let (out, inn, n) = (96i64, 128i64, 16i64);
+    let (out, inn, n) = (96i64, 256i64, 16i64);
     let w = randn(&[out, inn], 4) * 0.05;
     let x = randn(&[2, n / 2, inn], 5);
     for kind in KINDS {
@@ -152,6 +158,8 @@ fn bad_inputs_are_errors_not_aborts() {
             codes,
             scales,
             mins: None,
+            sub_scales: None,
+            hbits: None,
             dq_scales: None,
             table,
             dq_offset: 0.0,
@@ -170,19 +178,24 @@ fn bad_inputs_are_errors_not_aborts() {
     let e = sys::qlinear(
         &randn(&[3, 32], 12),
         &sys::QuantParts {
-            kind: 9,
+            kind: 99,
             out: 8,
             inn: 32,
             codes: &codes,
             scales: &scales,
             mins: None,
+            sub_scales: None,
+            hbits: None,
             dq_scales: None,
             table: None,
             dq_offset: 0.0,
         },
     )
     .unwrap_err();
-    assert!(e.to_string().contains("unknown quantization kind 9"), "{e}");
+    assert!(
+        e.to_string().contains("unknown quantization kind 99"),
+        "{e}"
+    );
 }
 
 proptest! {
@@ -191,11 +204,11 @@ proptest! {
     /// Any shape, any kind: forward and input gradient equal the reference within 1e-5 (f32).
     #[test]
     fn any_shape_matches_the_reference(out in 1i64..48, in_blocks in 1i64..6, n in 1i64..7,
-                                       kind in 0usize..5, seed in 0i64..1000) {
+                                       kind in 0usize..11, seed in 0i64..1000) {
         let kind = KINDS[kind];
         let block = if matches!(kind, QuantKind::Nf4 { .. }) { 64 } else { 32 };
-        // NF4 needs out·in divisible by 64; GGUF needs in divisible by 32
-        let inn = in_blocks * 32;
+        // NF4 needs out·in divisible by 64; GGUF needs in divisible by 32 (256 for the k-quants)
+        let inn = in_blocks * if kind.is_k_quant() { 256 } else { 32 };
         let out = if block == 64 && (out * inn) % 64 != 0 { out * 2 } else { out };
         let w = randn(&[out, inn], seed) * 0.05;
         let q = QuantWeight::quantize(&w, kind).unwrap();

@@ -14,7 +14,8 @@ use crate::gguf::{GgmlType, GgufFile, dequantize, permute_rows, unpermute_qk_src
 /// How frozen base weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightMode {
-    /// GGUF `Q8_0`/`Q4_0`/`Q4_1` linear and embedding weights stay in their block format
+    /// GGUF `Q8_0`/`Q4_0`/`Q4_1`/`Q5_0`/`Q5_1`/`Q4_K`/`Q5_K`/`Q6_K` linear and embedding weights
+    /// stay in their block format
     /// ([`QuantWeight`], dequantised per forward); everything else (norms, f16/f32 tensors) is
     /// float32, and the model computes in float32. For safetensors checkpoints (never quantised)
     /// this is the same as `Dense(Kind::Float)`.
@@ -41,12 +42,7 @@ fn dense_tensor(values: &[f32], shape: &[i64], kind: Kind, device: Device) -> Re
 }
 
 fn quant_kind(ty: GgmlType) -> Option<QuantKind> {
-    match ty {
-        GgmlType::Q8_0 => Some(QuantKind::Q8_0),
-        GgmlType::Q4_0 => Some(QuantKind::Q4_0),
-        GgmlType::Q4_1 => Some(QuantKind::Q4_1),
-        _ => None,
-    }
+    QuantKind::from_ggml_type(ty.id())
 }
 
 type KeyMap = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;

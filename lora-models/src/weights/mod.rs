@@ -68,8 +68,8 @@ pub trait TensorSource {
     fn origin(&self) -> PathBuf;
 
     /// A 2-D weight `[out, in]` (torch order) as a frozen base, checked against `shape`: dense in
-    /// `kind` here; a [`GgufSource`] in [`WeightMode::KeepQuantized`] keeps `Q8_0`/`Q4_0`/`Q4_1`
-    /// blocks. `rope_head_dim` is set for the query/key projections of a rotary-attention model:
+    /// `kind` here; a [`GgufSource`] in [`WeightMode::KeepQuantized`] keeps its GGUF blocks
+    /// (the types of `lora_core::quant::QuantKind::from_ggml_type`). `rope_head_dim` is set for the query/key projections of a rotary-attention model:
     /// sources whose converter permuted those rows (llama.cpp's `LlamaModel.permute`) undo it;
     /// the others ignore it.
     ///

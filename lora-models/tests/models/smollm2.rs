@@ -267,3 +267,62 @@ fn kept_quantized_matches_dense_and_memory() {
     assert!(q_bytes < bf16_bytes / 2, "{q_bytes} vs {bf16_bytes}");
     assert!((nll_bf16 - 2.7718).abs() < 0.05, "bf16 NLL {nll_bf16}");
 }
+
+/// SmolLM2 re-quantized by llama.cpp's own quantizer to `Q4_K_M` (llama-cpp-python,
+/// `lora-core/tests/interop/gguf_kquants.py`): Q4_K and Q6_K tensors where rows are 1536 wide,
+/// Q5_0 / Q8_0 fallbacks for the 576-wide ones. Kept quantized (the tiled kernel), the model gives
+/// the logits of its dense f32 dequantization and still continues "Once upon a time" with ",".
+#[test]
+fn q4_k_m_requantized_file_runs_kept_quantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("lora-core/tests/interop/gguf_kquants.py"))
+        .arg("requant")
+        .arg(common::gguf_path())
+        .arg(dir.path())
+        .arg("Q4_K_M")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "re-quantizing with llama-cpp-python failed (run `cargo xtask setup`):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = dir.path().join("Q4_K_M.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let types: std::collections::BTreeSet<String> = file
+        .tensors()
+        .iter()
+        .map(|t| format!("{:?}", t.ggml_type))
+        .collect();
+    assert!(
+        types.contains("Q4K") && types.contains("Q6K") && types.contains("Q5_0"),
+        "{types:?}"
+    );
+    common::init_threads();
+    let x = ids_tensor(&[6403, 1980, 253, 655]);
+    let q = Llama::from_gguf_file(&file, WeightMode::KeepQuantized, Device::Cpu).unwrap();
+    let q_logits = q.forward_t(&x, None, None, false).unwrap();
+    let q_bytes = q.weights_resident_bytes();
+    drop(q);
+    let dense = Llama::from_gguf_file(&file, WeightMode::Dense(Kind::Float), Device::Cpu).unwrap();
+    let dense_logits = dense.forward_t(&x, None, None, false).unwrap();
+    let d = max_abs_diff(&q_logits, &dense_logits);
+    assert!(
+        d < 1e-3,
+        "kept-quantized logits differ from dense f32 by {d}"
+    );
+    let last = q_logits.select(1, 3).select(0, 0);
+    let (vals, idx) = last.topk(3, -1, true, true);
+    let idx = Vec::<i64>::try_from(&idx).unwrap();
+    println!(
+        "Q4_K_M: top-3 after {ONCE:?}: {idx:?} ({:?}) logits {vals:?}; kept quantized {q_bytes} B \
+         ({:.1} MiB), dense f32 {} B; max |kept − dense| logit {d:.2e}",
+        tokenizer().decode(&idx, false).unwrap(),
+        q_bytes as f64 / 1048576.0,
+        dense.weights_resident_bytes()
+    );
+    assert_eq!(idx[0], 28, "top-1 after {ONCE:?} is not ','");
+    assert!(q_bytes < dense.weights_resident_bytes() / 4);
+}

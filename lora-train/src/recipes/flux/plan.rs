@@ -356,9 +356,10 @@ mod tests {
             panic!("{:?}", p.descriptor)
         };
         assert_eq!((d.double_blocks, d.single_blocks), (19, 38));
-        // the file's own bytes: Q4_K at 144 B per 256 weights plus the f16 inputs
+        // the tensors as held: Q4_K at 148 B per 256 weights (144 in the file, the packed
+        // sub-block scales unpacked) plus the f16 inputs
         let stored = d.stored_bytes.unwrap();
-        let q4k = (19 * 3072 * 9216 + 38 * 3072 * 21504) / 256 * 144;
+        let q4k = (19 * 3072 * 9216 + 38 * 3072 * 21504) / 256 * 148;
         let f16 = (64 + 4096 + 256) * 3072 * 2;
         assert_eq!(stored, q4k + f16);
         assert_eq!(
