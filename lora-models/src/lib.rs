@@ -54,6 +54,7 @@ pub mod error;
 pub mod gguf;
 pub mod llama;
 pub mod sd;
+pub mod t5;
 pub mod tokenizer;
 pub mod weights;
 
