@@ -14,6 +14,7 @@ Builds tiny T5 encoders with random weights (fixed seed) and writes, under --out
 - `reference.safetensors`: `ids` [2, 24] (row 1 padded after 15 tokens), `mask`, `hidden`
   (last_hidden_state with the mask), `hidden_nomask`, `hidden_relu` (the relu model, masked),
   `hidden_f16w` (the gated model with its weights rounded to f16, computed in f32, masked),
+  `hidden_bf16` / `hidden_f16` (the same model run by transformers in bf16 / f16, as f32),
   `num_params`, `num_params_relu`.
 
 Usage: t5_encoder.py --out DIR
@@ -52,7 +53,7 @@ def build(cfg, seed):
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
         # norms near 1, as trained models have them
         for n, p in m.named_parameters():
             if "layer_norm" in n:
@@ -106,6 +107,9 @@ def main():
         for p in gated.parameters():
             p.copy_(p.to(torch.float16).to(torch.float32))
         hidden_f16w = gated(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden_bf16 = gated.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        gated.to(torch.float32)
+        hidden_f16 = gated.to(torch.float16)(input_ids=ids, attention_mask=mask).last_hidden_state.float()
     ref = {
         "ids": ids,
         "mask": mask,
@@ -113,6 +117,8 @@ def main():
         "hidden_nomask": hidden_nomask,
         "hidden_relu": hidden_relu,
         "hidden_f16w": hidden_f16w,
+        "hidden_bf16": hidden_bf16,
+        "hidden_f16": hidden_f16,
         "num_params": torch.tensor([sum(p.numel() for p in gated.parameters())], dtype=torch.int64),
         "num_params_relu": torch.tensor([sum(p.numel() for p in relu.parameters())], dtype=torch.int64),
     }

@@ -147,7 +147,7 @@ fn flow_euler_sampling_matches_diffusers_and_passes_guidance() {
     assert!(d < 1e-5, "{d}");
     // schnell: no guidance tensor
     let s = FlowMatchEulerSampler::flux(FlowMatchConfig::flux_schnell(), 2, 4096).unwrap();
-    sample_flow(&s, &x0, None, |x, _t, g| {
+    let _ = sample_flow(&s, &x0, None, |x, _t, g| {
         assert!(g.is_none());
         Ok(x.zeros_like())
     })
