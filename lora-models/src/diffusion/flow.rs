@@ -10,7 +10,7 @@
 //! - [`TimestepSampling`] / [`FlowMatchingLoss`]: kohya sd-scripts
 //!   `library/flux_train_utils.py::get_noisy_model_input_and_timesteps` (`--timestep_sampling`
 //!   `uniform`, `sigmoid`, `shift`, `flux_shift`, and the `sigma` branch with
-//!   `--weighting_scheme logit_normal` / `mode`), the loss of diffusers'
+//!   `--weighting_scheme` `uniform`, `logit_normal` or `mode`), the loss of diffusers'
 //!   `examples/dreambooth/train_dreambooth_lora_flux.py` (raw velocity prediction, MSE in f32,
 //!   optional SD3 loss weighting `sigma_sqrt` / `cosmap`).
 //! - [`FlowMatchEulerSampler`] / [`sample_flow`]: `FlowMatchEulerDiscreteScheduler` of
@@ -84,6 +84,13 @@ pub enum TimestepSampling {
         /// `--sigmoid_scale`.
         sigmoid_scale: f64,
     },
+    /// kohya's default `sigma`: `u ~ U(0, 1)` (its `--weighting_scheme` `uniform` / `none`), then
+    /// the discrete training sigma of index `⌊u·1000⌋`, `σ = shift(1 − ⌊1000·u⌋ / 1000)`
+    /// ([`shift_sigma`] with `discrete_flow_shift`, kohya's default 3.0).
+    Sigma {
+        /// `--discrete_flow_shift` of the training scheduler.
+        discrete_flow_shift: f64,
+    },
     /// SD3's logit-normal density (Esser et al. 2024 §3.1): `u = sigmoid(n)`,
     /// `n ~ N(logit_mean, logit_std²)`, then, as kohya's `sigma` branch and diffusers' FLUX
     /// training script do, the discrete training sigma of index `⌊u·1000⌋`:
@@ -154,6 +161,11 @@ impl TimestepSampling {
                     Ok(())
                 }
             }
+            Self::Sigma {
+                discrete_flow_shift,
+            } if !(discrete_flow_shift.is_finite() && discrete_flow_shift > 0.0) => {
+                bad("discrete_flow_shift", discrete_flow_shift)
+            }
             Self::Mode {
                 mode_scale,
                 discrete_flow_shift,
@@ -217,6 +229,9 @@ impl TimestepSampling {
                 let mu = calculate_shift(((h / 2) * (w / 2)) as f64, 256.0, 4096.0, 0.5, 1.15);
                 time_shift_tensor(&sig(sigmoid_scale)?, mu)
             }
+            Self::Sigma {
+                discrete_flow_shift,
+            } => discrete(Tensor::f_rand([batch], opts)?, discrete_flow_shift),
             Self::LogitNormal {
                 logit_mean,
                 logit_std,

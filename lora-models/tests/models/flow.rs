@@ -225,6 +225,15 @@ fn timestep_samplings_follow_their_distributions() {
             None,
         ),
         (
+            "sigma, shift 3",
+            TimestepSampling::Sigma {
+                discrete_flow_shift: 3.0,
+            },
+            // σ = shift(1 − ⌊1000u⌋/1000) decreases in u: its q-quantile is shift(q) (± 0.001)
+            Box::new(|i| shift_sigma(3.0, QS[i])),
+            None,
+        ),
+        (
             "logit_normal (0.5, 0.8), shift 2",
             TimestepSampling::LogitNormal {
                 logit_mean: 0.5,
