@@ -619,9 +619,15 @@ impl FlowMatchEulerSampler {
     /// timesteps `σ·T`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for no sigmas, sigmas outside `(0, 1]`, or no `mu` under
-    /// dynamic shifting.
+    /// [`Error::InvalidArgument`] for no sigmas, sigmas outside `(0, 1]`, no `mu` under
+    /// dynamic shifting, or `num_train_timesteps < 1`.
     pub fn from_sigmas(config: FlowMatchConfig, sigmas: &[f64], mu: Option<f64>) -> Result<Self> {
+        if config.num_train_timesteps < 1 {
+            return Err(Error::InvalidArgument(format!(
+                "num_train_timesteps must be at least 1, got {}",
+                config.num_train_timesteps
+            )));
+        }
         if sigmas.is_empty() || sigmas.iter().any(|s| !(*s > 0.0 && *s <= 1.0)) {
             return Err(Error::InvalidArgument(format!(
                 "flow-matching sigmas must be a non-empty list in (0, 1], got {sigmas:?}"

@@ -227,7 +227,9 @@ impl Block {
 ///
 /// LoRA sites are named as those modules (`encoder.block.0.layer.0.SelfAttention.q`,
 /// `encoder.block.0.layer.1.DenseReluDense.wi_0`, …), so PEFT keys and kohya's
-/// `lora_te3_encoder_block_0_layer_0_SelfAttention_q` map 1:1. FLUX LoRA training normally
+/// `lora_te3_encoder_block_0_layer_0_SelfAttention_q` map 1:1 (kohya sd-scripts
+/// `networks/lora_flux.py` targets the linear layers of `T5Attention` and
+/// `T5DenseGatedActDense`, exactly these sites). FLUX LoRA training normally
 /// keeps T5 frozen; the sites are there for the runs that do not.
 ///
 /// # Shapes
