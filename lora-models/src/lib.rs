@@ -43,8 +43,10 @@
 //! - [`sd`]: Stable Diffusion 1.x / 2.x / SDXL UNet and VAE (diffusers folders, single files).
 //! - [`clip`]: the CLIP text encoders of Stable Diffusion (SD1.x, SD2, SDXL) and the CLIP BPE
 //!   tokenizer.
+//! - [`t5`]: the T5 v1.1 text encoder of FLUX.1 (transformers `T5EncoderModel`) and its tokenizer.
 //! - [`diffusion`]: the DDPM noise schedule, the diffusion training loss (ε / v targets, min-SNR-γ,
-//!   noise offset), DDIM / Euler samplers with classifier-free guidance, and a PNG grid writer.
+//!   noise offset), DDIM / Euler samplers with classifier-free guidance, a PNG grid writer, and
+//!   FLUX.1's flow matching (loss with timestep sampling, Euler flow sampler).
 #![deny(missing_docs)]
 
 pub mod checkpoint;
@@ -54,6 +56,7 @@ pub mod error;
 pub mod gguf;
 pub mod llama;
 pub mod sd;
+pub mod t5;
 pub mod tokenizer;
 pub mod weights;
 

@@ -29,4 +29,5 @@ mod tokenizer;
 pub use config::{ClipActivation, ClipTextConfig};
 pub use convert::{canonical_module_path, canonicalize_adapter};
 pub use model::{ClipTextModel, ClipTextModelWithProjection, ClipTextOutput, sdxl_conditioning};
+pub(crate) use model::{linear_bytes, linear_numel};
 pub use tokenizer::{BOS_TOKEN, CLIP_MAX_LENGTH, CLIP_SPLIT_REGEX, ClipTokenizer, EOS_TOKEN};

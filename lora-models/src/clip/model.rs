@@ -50,11 +50,11 @@ impl LayerNorm {
     }
 }
 
-fn linear_bytes(l: &LoraLinear) -> u64 {
+pub(crate) fn linear_bytes(l: &LoraLinear) -> u64 {
     l.base().storage_bytes() + l.bias().map_or(0, tensor_bytes)
 }
 
-fn linear_numel(l: &LoraLinear) -> i64 {
+pub(crate) fn linear_numel(l: &LoraLinear) -> i64 {
     l.base().numel() + l.bias().map_or(0, |b| b.numel() as i64)
 }
 

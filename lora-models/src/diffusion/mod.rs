@@ -1,7 +1,9 @@
 //! Diffusion training and sampling math, independent of the denoiser: the DDPM noise schedule
 //! ([`NoiseSchedule`]), the training loss ([`DiffusionLoss`]: ε / v targets, min-SNR-γ, noise
 //! offset, timestep range), DDIM and Euler samplers with classifier-free guidance
-//! ([`sample`]), and a PNG grid writer ([`save_grid`]).
+//! ([`sample`]), and a PNG grid writer ([`save_grid`]); and rectified flow for FLUX.1: the
+//! flow-matching loss with kohya's timestep samplings ([`FlowMatchingLoss`]) and the Euler
+//! flow-matching sampler ([`FlowMatchEulerSampler`], [`sample_flow`]).
 //!
 //! The denoiser is a closure `(noisy_latents, timesteps) -> prediction`, so the same code serves
 //! any UNet.
@@ -26,11 +28,16 @@
 //! # let _ = (loss, z); Ok(()) }
 //! ```
 
+mod flow;
 mod grid;
 mod objective;
 mod sampler;
 mod schedule;
 
+pub use flow::{
+    FlowMatchConfig, FlowMatchEulerSampler, FlowMatchingLoss, FlowNoisedBatch, LossWeighting,
+    TimestepSampling, calculate_shift, sample_flow, shift_sigma, time_shift,
+};
 pub use grid::{make_grid, save_grid, to_rgb_images};
 pub use objective::{DiffusionLoss, LossConfig, MultiresNoise, NoisedBatch, multires_noise};
 pub use sampler::{

@@ -11,4 +11,5 @@ pub use config::{LlamaConfig, RopeScaling};
 pub use generate::{
     GenerateOptions, Generation, PerplexityOptions, PerplexityReport, StopReason, sample_token,
 };
+pub(crate) use model::RmsNorm;
 pub use model::{IGNORE_INDEX, KvCache, Llama};

@@ -37,13 +37,13 @@ pub const FUSED_CE_CHUNK_BYTES: i64 = lora_memory::estimate::OURS_CE_CHUNK_BYTES
 /// RMSNorm: `y = w ⊙ x / sqrt(mean(x²) + ε)`, the normalisation in f32, the result cast back to
 /// the input dtype before the weight is applied (HF `LlamaRMSNorm`).
 #[derive(Debug)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f64,
+pub(crate) struct RmsNorm {
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f64,
 }
 
 impl RmsNorm {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let kind = x.kind();
         let xf = x.f_to_kind(Kind::Float)?;
         let var = xf.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
@@ -53,7 +53,7 @@ impl RmsNorm {
         Ok(y.f_mul(&self.weight)?)
     }
 
-    fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         tensor_bytes(&self.weight)
     }
 }

@@ -604,6 +604,22 @@ impl VaeConfig {
         }
     }
 
+    /// The FLUX.1 autoencoder (`black-forest-labs/FLUX.1-dev/vae/config.json`, BFL's
+    /// `ae.safetensors`): the SD block layout (`[128, 256, 512, 512]`, `layers_per_block` 2) with
+    /// 16 latent channels, no `quant_conv` / `post_quant_conv`, `scaling_factor` 0.3611,
+    /// `shift_factor` 0.1159 and `sample_size` 1024.
+    pub fn flux() -> Self {
+        Self {
+            latent_channels: 16,
+            scaling_factor: 0.3611,
+            shift_factor: Some(0.1159),
+            use_quant_conv: false,
+            use_post_quant_conv: false,
+            sample_size: Some(1024.into()),
+            ..Self::sd15()
+        }
+    }
+
     /// Parses a `config.json` object (`_`-prefixed keys dropped; unknown keys are an error).
     ///
     /// # Errors

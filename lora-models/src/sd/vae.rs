@@ -28,7 +28,9 @@ use super::blocks::{
     Downsample2D, GroupNorm, NormLayers, ResnetBlock2D, SpatialAttention, Upsample2D, Vb, Visitor,
     site_params,
 };
-use super::load::{LoadOptions, component_dir, diffusers_weight_files, ldm_vae_key};
+use super::load::{
+    LDM_VAE_PREFIX, LoadOptions, component_dir, diffusers_weight_files, ldm_vae_key,
+};
 use crate::error::{Error, Result};
 use crate::weights::{SafetensorsFiles, TensorSource};
 
@@ -391,16 +393,38 @@ impl AutoencoderKL {
         Self::new(config, &src, opts)
     }
 
-    /// Loads the VAE of an original single-file checkpoint (`first_stage_model.*` keys), keys
-    /// translated with [`ldm_vae_key`]; `config` is e.g. [`VaeConfig::sd15`].
+    /// Loads the VAE of an original single-file checkpoint, keys translated with
+    /// [`ldm_vae_key`]: the VAE inside an SD checkpoint (`first_stage_model.encoder.down.0…`),
+    /// or a file holding only the VAE under the same names without that prefix
+    /// (`encoder.down.0.block.0.norm1.weight`, `decoder.up.3…`: BFL's FLUX.1 `ae.safetensors`,
+    /// the standalone SD VAE files). The prefix is used when any stored key carries it. `config`
+    /// is e.g. [`VaeConfig::sd15`] or [`VaeConfig::flux`] (no `quant_conv`).
     ///
     /// # Errors
     /// As [`Self::new`].
     pub fn from_single_file(path: &Path, config: VaeConfig, opts: &LoadOptions) -> Result<Self> {
         let n_up = config.block_out_channels.len();
-        let src = SafetensorsFiles::open(&[path.to_path_buf()], path, opts.device)?
-            .with_key_map(move |name| ldm_vae_key(name, n_up));
+        let files = SafetensorsFiles::open(&[path.to_path_buf()], path, opts.device)?;
+        let prefixed = files.names().any(|n| n.starts_with(LDM_VAE_PREFIX));
+        let src = files.with_key_map(move |name| {
+            let key = ldm_vae_key(name, n_up)?;
+            if prefixed {
+                Some(key)
+            } else {
+                key.strip_prefix(LDM_VAE_PREFIX).map(str::to_string)
+            }
+        });
         Self::new(config, &src, opts)
+    }
+
+    /// Loads BFL's FLUX.1 autoencoder file `ae.safetensors` ([`VaeConfig::flux`]: 16 latent
+    /// channels, no quant convs, `scaling_factor` 0.3611, `shift_factor` 0.1159): as
+    /// [`Self::from_single_file`].
+    ///
+    /// # Errors
+    /// As [`Self::new`].
+    pub fn from_flux_ae(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        Self::from_single_file(path, VaeConfig::flux(), opts)
     }
 
     /// The configuration.

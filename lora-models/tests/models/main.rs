@@ -8,9 +8,11 @@
 mod clip;
 mod common;
 mod diffusion;
+mod flow;
 mod gguf_tiny;
 mod interop;
 mod smollm2;
+mod t5;
 mod tiny;
 mod unet;
 mod vae;

@@ -203,3 +203,107 @@ fn vae_sites_cover_every_conv_and_attention_projection() {
         .to_string();
     assert!(e.contains("[batch, 3, height, width]"), "{e}");
 }
+
+/// The FLUX.1 autoencoder's fixtures: `tests/interop/flux_vae.py`'s output.
+fn flux_fixtures() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+        let out = tempfile::tempdir().unwrap();
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/flux_vae.py");
+        let res = Command::new(py)
+            .arg(&script)
+            .arg("--out")
+            .arg(out.path())
+            .env("OMP_NUM_THREADS", "1")
+            .output()
+            .unwrap();
+        assert!(
+            res.status.success(),
+            "flux_vae.py failed:\n{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        out
+    })
+    .path()
+}
+
+fn flux_r(name: &str) -> Tensor {
+    static R: OnceLock<Vec<u8>> = OnceLock::new();
+    let bytes =
+        R.get_or_init(|| std::fs::read(flux_fixtures().join("reference.safetensors")).unwrap());
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let v = st.tensor(name).unwrap();
+    let kind = match v.dtype() {
+        safetensors::Dtype::F32 => Kind::Float,
+        safetensors::Dtype::I64 => Kind::Int64,
+        d => panic!("unexpected dtype {d:?}"),
+    };
+    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+    Tensor::from_data_size(v.data(), &shape, kind)
+}
+
+#[test]
+fn flux_vae_matches_diffusers_from_the_folder_and_ae_safetensors() {
+    tch::set_num_threads(1);
+    let _g = tch::no_grad_guard();
+    let folder = AutoencoderKL::from_diffusers(flux_fixtures(), &LoadOptions::default()).unwrap();
+    let cfg = folder.config().clone();
+    assert_eq!(cfg.latent_channels, 16);
+    assert!(!cfg.use_quant_conv && !cfg.use_post_quant_conv);
+    assert_eq!(
+        (cfg.scaling_factor, cfg.shift_factor),
+        (0.3611, Some(0.1159))
+    );
+    let ae = AutoencoderKL::from_single_file(
+        &flux_fixtures().join("ae.safetensors"),
+        cfg,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    for (label, vae) in [("diffusers folder", &folder), ("ae.safetensors", &ae)] {
+        assert_eq!(
+            vae.num_params(),
+            i64::try_from(flux_r("num_params").get(0)).unwrap()
+        );
+        let dist = vae.encode(&flux_r("image")).unwrap();
+        for (name, ours) in [
+            ("mean", dist.mean.shallow_clone()),
+            ("logvar", dist.logvar.shallow_clone()),
+            ("decoded", vae.decode(&flux_r("latents")).unwrap()),
+        ] {
+            let (abs, rel) = diff(&ours, &flux_r(name));
+            println!("FLUX VAE {label} {name}: max abs diff {abs:.3e}, relative {rel:.3e}");
+            assert!(rel < TOL_F32, "{label} {name}: relative diff {rel:.3e}");
+        }
+    }
+    // same weights either way
+    let a = ae.decode(&flux_r("latents")).unwrap();
+    let b = folder.decode(&flux_r("latents")).unwrap();
+    assert_eq!(diff(&a, &b).0, 0.0);
+    // no quant convs among the sites
+    let mut ae = ae;
+    let names = site_names(&mut ae).unwrap();
+    assert!(!names.iter().any(|(n, _)| n.contains("quant_conv")));
+    // (z − 0.1159) · 0.3611 and back
+    let z = Tensor::from_slice(&[1.1159f32]);
+    let s = f64::try_from(ae.scale_latents(&z).unwrap().get(0)).unwrap();
+    assert!((s - 0.3611).abs() < 1e-6, "{s}");
+}
+
+#[test]
+fn flux_vae_preset_is_flux1s_config() {
+    let f = VaeConfig::flux();
+    assert_eq!(f.block_out_channels, vec![128, 256, 512, 512]);
+    assert_eq!((f.latent_channels, f.layers_per_block), (16, 2));
+    assert_eq!((f.scaling_factor, f.shift_factor), (0.3611, Some(0.1159)));
+    assert!(!f.use_quant_conv && !f.use_post_quant_conv);
+    // a file without the VAE's keys names the first missing one without the prefix
+    let e = AutoencoderKL::from_flux_ae(
+        &flux_fixtures().join("vae/diffusion_pytorch_model.safetensors"),
+        &LoadOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`encoder."), "{e}");
+}
