@@ -41,6 +41,8 @@
 //! - [`checkpoint`]: activation checkpointing by segment recomputation.
 //! - [`llama`]: the LLaMA family (Llama 2/3, Mistral, Qwen2/3, SmolLM2).
 //! - [`sd`]: Stable Diffusion 1.x / 2.x / SDXL UNet and VAE (diffusers folders, single files).
+//! - [`flux`]: the FLUX.1 transformer (dev, schnell) from diffusers folders or BFL single files,
+//!   the BFL ↔ diffusers key mapping, and latent packing.
 //! - [`clip`]: the CLIP text encoders of Stable Diffusion (SD1.x, SD2, SDXL) and the CLIP BPE
 //!   tokenizer.
 //! - [`diffusion`]: the DDPM noise schedule, the diffusion training loss (ε / v targets, min-SNR-γ,
@@ -51,6 +53,7 @@ pub mod checkpoint;
 pub mod clip;
 pub mod diffusion;
 pub mod error;
+pub mod flux;
 pub mod gguf;
 pub mod llama;
 pub mod sd;

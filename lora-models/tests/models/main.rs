@@ -8,6 +8,7 @@
 mod clip;
 mod common;
 mod diffusion;
+mod flux;
 mod gguf_tiny;
 mod interop;
 mod smollm2;
