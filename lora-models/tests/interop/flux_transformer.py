@@ -5,7 +5,8 @@ Writes, under --out:
 - `dev/transformer/`, `schnell/transformer/` (save_pretrained): two tiny random-weight FLUX
   transformers (2 double + 2 single blocks, 2 heads x 16, RoPE axes (4, 6, 6), T5 width 32,
   pooled 24, 16 input channels), one with the guidance embedder (dev-like), one without
-  (schnell-like); the RMSNorm scales are randomised too;
+  (schnell-like, saved in shards with a `.safetensors.index.json`); the RMSNorm scales are
+  randomised too;
 - `dev_bfl.safetensors` (no prefix) and `schnell_bfl.safetensors` (ComfyUI's
   `model.diffusion_model.` prefix): the same weights in Black Forest Labs' original layout. The
   diffusers -> BFL map used here is written in this script, independently of the Rust code;
@@ -16,8 +17,10 @@ Writes, under --out:
   so each converted tensor's first column says which BFL key and rows it was cut from. Recorded:
   `bfl` (BFL name -> shape) and `diffusers` (name -> {shape, runs: [[bfl name, start, rows]]});
 - `params.json`: parameter counts of diffusers' model for the FLUX.1-dev and schnell configs
-  (built on the meta device) and of the two tiny models;
-- `reference.safetensors`: inputs and outputs of both tiny models (`dev.*`, `schnell.*`), and
+  (built on the meta device) and of the two tiny models, and the tiny models' `nn.Linear`
+  module names (`tiny_dev_linears`, `tiny_schnell_linears`);
+- `reference.safetensors`: inputs and outputs of both tiny models (`dev.*`, `schnell.*`; `out_bf16`
+  is the model and inputs cast to bfloat16), and
   latent packing by `FluxPipeline._pack_latents` / `_unpack_latents` /
   `_prepare_latent_image_ids` (`pack.*`).
 
@@ -135,7 +138,22 @@ def reference_run(m, prefix, ref, guidance):
             guidance=g,
             return_dict=False,
         )[0]
-    for k, v in dict(hs=hs, ehs=ehs, pooled=pooled, t=t, img_ids=img_ids, txt_ids=txt_ids, out=out).items():
+        # the same in bfloat16 (weights and inputs), returned in float32
+        mb = m.to(torch.bfloat16)
+        out_bf16 = mb(
+            hidden_states=hs.bfloat16(),
+            encoder_hidden_states=ehs.bfloat16(),
+            pooled_projections=pooled.bfloat16(),
+            timestep=t,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=g,
+            return_dict=False,
+        )[0].float()
+        m.to(torch.float32)
+    for k, v in dict(
+        hs=hs, ehs=ehs, pooled=pooled, t=t, img_ids=img_ids, txt_ids=txt_ids, out=out, out_bf16=out_bf16
+    ).items():
         ref[f"{prefix}.{k}"] = v.contiguous()
     if g is not None:
         ref[f"{prefix}.guidance"] = g
@@ -200,12 +218,15 @@ def main():
     counts = {}
     for name, guidance, seed, prefix in (("dev", True, 1, ""), ("schnell", False, 2, "model.diffusion_model.")):
         m = tiny_model(guidance, seed)
-        m.save_pretrained(os.path.join(out, name, "transformer"))
+        # schnell is written as shards with an index, as the published FLUX.1 folders are
+        shard = "200KB" if name == "schnell" else "10GB"
+        m.save_pretrained(os.path.join(out, name, "transformer"), max_shard_size=shard)
         sd = {k: v.contiguous() for k, v in m.state_dict().items()}
         bfl = to_bfl(sd, TINY["num_layers"], TINY["num_single_layers"], 32)
         save_file({prefix + k: v.contiguous() for k, v in bfl.items()}, os.path.join(out, f"{name}_bfl.safetensors"))
         reference_run(m, name, ref, guidance)
         counts[f"tiny_{name}"] = sum(p.numel() for p in m.parameters())
+        counts[f"tiny_{name}_linears"] = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name, guidance in (("dev", True), ("schnell", False)):
         with torch.device("meta"):
             m = FluxTransformer2DModel(guidance_embeds=guidance)
