@@ -1,4 +1,4 @@
-//! `FluxTransformer2DModel`: the rectified-flow transformer of FLUX.1 [dev] / [schnell]
+//! `FluxTransformer2DModel`: the rectified-flow transformer of FLUX.1-dev / FLUX.1-schnell
 //! (Black Forest Labs, <https://blackforestlabs.ai/announcing-black-forest-labs/>, reference code
 //! `github.com/black-forest-labs/flux`, `src/flux/model.py`), as diffusers builds and computes it
 //! (`diffusers/models/transformers/transformer_flux.py`, `normalization.py`, `embeddings.py`,
@@ -447,9 +447,9 @@ impl SingleBlock {
 #[derive(Debug)]
 pub enum FluxBlock {
     /// `transformer_blocks.{i}`.
-    Double(DoubleBlock),
+    Double(Box<DoubleBlock>),
     /// `single_transformer_blocks.{i}`.
-    Single(SingleBlock),
+    Single(Box<SingleBlock>),
 }
 
 impl FluxBlock {
@@ -563,18 +563,18 @@ impl FluxTransformer2DModel {
         let x_embedder = vb.pp("x_embedder").linear(config.in_channels, d, true)?;
         let mut blocks = Vec::new();
         for i in 0..config.num_layers {
-            blocks.push(FluxBlock::Double(DoubleBlock::load(
+            blocks.push(FluxBlock::Double(Box::new(DoubleBlock::load(
                 &vb.pp("transformer_blocks").pp(i),
                 &config,
                 opts.attention,
-            )?));
+            )?)));
         }
         for i in 0..config.num_single_layers {
-            blocks.push(FluxBlock::Single(SingleBlock::load(
+            blocks.push(FluxBlock::Single(Box::new(SingleBlock::load(
                 &vb.pp("single_transformer_blocks").pp(i),
                 &config,
                 opts.attention,
-            )?));
+            )?)));
         }
         let norm_out = vb.pp("norm_out.linear").linear(d, 2 * d, true)?;
         let proj_out = vb.pp("proj_out").linear(d, config.proj_out_dim(), true)?;
