@@ -19,8 +19,12 @@ Writes, under --out:
 - `params.json`: parameter counts of diffusers' model for the FLUX.1-dev and schnell configs
   (built on the meta device) and of the two tiny models, and the tiny models' `nn.Linear`
   module names (`tiny_dev_linears`, `tiny_schnell_linears`);
+- `lora/`: a PEFT adapter (r=4, alpha=8, random non-zero A and B) on the dev model's attention,
+  MLP, modulation and time-embedding linears, added with `transformer.add_adapter(LoraConfig(...))`
+  and saved as adapter_config.json + adapter_model.safetensors (keys
+  `base_model.model.<module>.lora_A.weight`), with `modules.json` listing the adapted modules;
 - `reference.safetensors`: inputs and outputs of both tiny models (`dev.*`, `schnell.*`; `out_bf16`
-  is the model and inputs cast to bfloat16), and
+  is the model and inputs cast to bfloat16; `lora.out` the dev model with the adapter), and
   latent packing by `FluxPipeline._pack_latents` / `_unpack_latents` /
   `_prepare_latent_image_ids` (`pack.*`).
 
@@ -28,6 +32,7 @@ Usage: flux_transformer.py --out DIR
 """
 
 import argparse
+import copy
 import json
 import os
 
@@ -40,6 +45,8 @@ from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: E402
 from diffusers.loaders.single_file_utils import (  # noqa: E402
     convert_flux_transformer_checkpoint_to_diffusers,
 )
+from peft import LoraConfig  # noqa: E402
+from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 TINY = dict(
     patch_size=1,
@@ -139,7 +146,7 @@ def reference_run(m, prefix, ref, guidance):
             return_dict=False,
         )[0]
         # the same in bfloat16 (weights and inputs), returned in float32
-        mb = m.to(torch.bfloat16)
+        mb = copy.deepcopy(m).to(torch.bfloat16)
         out_bf16 = mb(
             hidden_states=hs.bfloat16(),
             encoder_hidden_states=ehs.bfloat16(),
@@ -150,13 +157,46 @@ def reference_run(m, prefix, ref, guidance):
             guidance=g,
             return_dict=False,
         )[0].float()
-        m.to(torch.float32)
     for k, v in dict(
         hs=hs, ehs=ehs, pooled=pooled, t=t, img_ids=img_ids, txt_ids=txt_ids, out=out, out_bf16=out_bf16
     ).items():
         ref[f"{prefix}.{k}"] = v.contiguous()
     if g is not None:
         ref[f"{prefix}.guidance"] = g
+
+
+LORA_TARGETS = [
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "proj_out",
+    "norm1.linear", "norm1_context.linear", "norm.linear", "ff.net.2", "timestep_embedder.linear_1",
+]
+
+
+def lora_run(m, out, ref):
+    """A PEFT adapter on the dev model (random non-zero A and B) and its output."""
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=True)
+    m.add_adapter(cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        ref["lora.out"] = m(
+            hidden_states=ref["dev.hs"],
+            encoder_hidden_states=ref["dev.ehs"],
+            pooled_projections=ref["dev.pooled"],
+            timestep=ref["dev.t"],
+            img_ids=ref["dev.img_ids"],
+            txt_ids=ref["dev.txt_ids"],
+            guidance=ref["dev.guidance"],
+            return_dict=False,
+        )[0]
+    state = get_peft_model_state_dict(m)
+    lora_dir = os.path.join(out, "lora")
+    os.makedirs(lora_dir, exist_ok=True)
+    save_file({"base_model.model." + k: v.contiguous() for k, v in state.items()}, os.path.join(lora_dir, "adapter_model.safetensors"))
+    cfg.save_pretrained(lora_dir)
+    with open(os.path.join(lora_dir, "modules.json"), "w") as f:
+        json.dump(sorted({k.rsplit(".lora_", 1)[0] for k in state}), f)
 
 
 def keymap(path):
@@ -227,6 +267,8 @@ def main():
         reference_run(m, name, ref, guidance)
         counts[f"tiny_{name}"] = sum(p.numel() for p in m.parameters())
         counts[f"tiny_{name}_linears"] = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
+        if guidance:
+            lora_run(m, out, ref)
     for name, guidance in (("dev", True), ("schnell", False)):
         with torch.device("meta"):
             m = FluxTransformer2DModel(guidance_embeds=guidance)
