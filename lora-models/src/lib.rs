@@ -1,5 +1,5 @@
-//! Architectures over tch with injectable linear sites: the LLaMA family (HF safetensors, GGUF)
-//! and Stable Diffusion.
+//! Architectures over tch with injectable linear sites: the LLaMA family (HF safetensors, GGUF),
+//! Stable Diffusion and FLUX.1.
 //!
 //! These are the base models adapters are trained on and evaluated with. Each model loads from
 //! the files it is published in and implements [`lora_core::inject::Adaptable`], so LoRA is

@@ -402,6 +402,92 @@ mod tests {
         assert!(e.to_string().contains("num_layer"), "{e}");
     }
 
+    /// Names and shapes of a checkpoint of `c`'s shape in `layout` under `prefix`, from the
+    /// conversion table (BFL) or its inverse (diffusers).
+    fn checkpoint(c: &FluxConfig, layout: FluxLayout, prefix: &str) -> Vec<(String, Vec<i64>)> {
+        let map = super::super::convert::BflKeyMap::new(c);
+        let d = c.inner_dim();
+        let names: Vec<String> = match layout {
+            FluxLayout::Bfl => map.bfl_names().map(String::from).collect(),
+            FluxLayout::Diffusers => map.diffusers_names().map(String::from).collect(),
+        };
+        // only the shapes `detect` reads need to be right
+        let shape = |n: &str| -> Vec<i64> {
+            if n.contains("norm_q") || n.contains("query_norm") {
+                vec![c.attention_head_dim]
+            } else if n.ends_with("img_in.weight") || n.ends_with("x_embedder.weight") {
+                vec![d, c.in_channels]
+            } else if n.ends_with("txt_in.weight") || n.ends_with("context_embedder.weight") {
+                vec![d, c.joint_attention_dim]
+            } else if n.contains("vector_in.in_layer.weight")
+                || n.contains("text_embedder.linear_1.weight")
+            {
+                vec![d, c.pooled_projection_dim]
+            } else if n == "final_layer.linear.weight" || n == "proj_out.weight" {
+                vec![c.proj_out_dim(), d]
+            } else {
+                vec![d]
+            }
+        };
+        names
+            .iter()
+            .map(|n| (format!("{prefix}{n}"), shape(n)))
+            .collect()
+    }
+
+    #[test]
+    fn detection_reads_layout_prefix_variant_and_shape() {
+        let cases = [
+            (FluxConfig::dev(), FluxLayout::Bfl, "model.diffusion_model."),
+            (FluxConfig::schnell(), FluxLayout::Bfl, ""),
+            (
+                FluxConfig {
+                    num_layers: 0,
+                    num_single_layers: 3,
+                    ..FluxConfig::schnell()
+                },
+                FluxLayout::Diffusers,
+                "transformer.",
+            ),
+            (
+                FluxConfig {
+                    num_layers: 2,
+                    num_single_layers: 1,
+                    ..FluxConfig::dev()
+                },
+                FluxLayout::Diffusers,
+                "",
+            ),
+        ];
+        for (c, layout, prefix) in cases {
+            let ck = checkpoint(&c, layout, prefix);
+            let shapes: std::collections::HashMap<&str, &Vec<i64>> =
+                ck.iter().map(|(n, s)| (n.as_str(), s)).collect();
+            let info = FluxCheckpointInfo::detect(
+                Path::new("x.safetensors"),
+                ck.iter().map(|(n, _)| n.as_str()),
+                |n| shapes.get(n).map(|s| (*s).clone()),
+                None,
+            )
+            .unwrap();
+            assert_eq!(info.layout, layout);
+            assert_eq!(info.prefix, prefix);
+            assert_eq!(info.config, c, "{layout:?} {prefix:?}");
+        }
+        let e = FluxCheckpointInfo::detect(
+            Path::new("unet.safetensors"),
+            ["conv_in.weight"],
+            |_| None,
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("unet.safetensors") && e.contains("conv_in.weight"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn validation_names_the_rope_axes() {
         let c = FluxConfig {
