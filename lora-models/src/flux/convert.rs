@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use lora_core::base::BaseWeight;
 use tch::{Kind, Tensor};
 
 use super::config::FluxConfig;
@@ -418,8 +419,9 @@ impl BflKeyMap {
 /// so `to_q`, `to_k`, `to_v` (and `proj_mlp`) read their fused tensor once; results are copies
 /// that do not keep the fused tensor alive.
 ///
-/// Linear weights come back dense ([`TensorSource::base`]'s default): a source that keeps
-/// block-quantised weights would need the row cuts on whole blocks.
+/// [`TensorSource::base`] hands a weight that is a whole BFL tensor (`img_mlp.0`, `linear2`,
+/// `img_mod.lin`, …) to the inner source's `base`, so a source that keeps block-quantised
+/// weights keeps them; the row cuts of fused tensors (`qkv`, `linear1`) come back dense.
 pub struct BflSource<'a> {
     inner: &'a dyn TensorSource,
     prefix: String,
@@ -497,6 +499,34 @@ impl TensorSource for BflSource<'_> {
         }
         // a fresh tensor (also for one piece), so the fused tensor is not kept alive
         Ok(Some(Tensor::f_cat(&cuts, 0)?))
+    }
+
+    fn base(
+        &self,
+        name: &str,
+        shape: [i64; 2],
+        kind: Kind,
+        rope_head_dim: Option<i64>,
+    ) -> Result<BaseWeight> {
+        let _ = rope_head_dim; // BFL checkpoints store q/k rows unpermuted
+        if let Some([p]) = self.map.diffusers_from_bfl(name)
+            && p.start == 0
+            && self
+                .map
+                .bfl_from_diffusers(&p.name)
+                .is_some_and(|parts| parts.len() == 1)
+        {
+            let full = format!("{}{}", self.prefix, p.name);
+            return self.inner.base(&full, shape, kind, None);
+        }
+        let t = self
+            .tensor(name, kind)?
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.into(),
+                path: self.inner.origin(),
+            })?;
+        crate::weights::check_shape(name, &shape, &t.size())?;
+        Ok(BaseWeight::Dense(t))
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -578,6 +608,21 @@ mod tests {
         let d = cfg.inner_dim();
         assert!(fw.narrow(0, 0, d).equal(&nw.narrow(0, d, d)));
         assert!(src.tensor("not.a.tensor", Kind::Float).unwrap().is_none());
+        // frozen bases: whole tensors through the inner source, fused cuts dense; same values
+        for name in [
+            "transformer_blocks.0.ff.net.2.weight",
+            "single_transformer_blocks.0.attn.to_k.weight",
+            "norm_out.linear.weight",
+        ] {
+            let t = &diff[name];
+            let (o, i) = (t.size()[0], t.size()[1]);
+            let b = src.base(name, [o, i], Kind::Float, None).unwrap();
+            assert!(b.weight(Kind::Float).unwrap().equal(t), "{name}");
+        }
+        assert!(
+            src.base("norm_out.linear.weight", [1, 3], Kind::Float, None)
+                .is_err()
+        );
     }
 
     #[test]

@@ -226,6 +226,14 @@ fn split_heads(x: &Tensor, head_dim: i64, norm: Option<&RmsNorm>) -> Result<Tens
     Ok(h.f_transpose(1, 2)?)
 }
 
+/// `nn.Linear(i, o)` with bias at `vb`, its weight taken as the source's frozen base
+/// ([`WeightPath::base`]: dense here, kept block-quantised by a source that keeps it so).
+fn base_linear(vb: &WeightPath, i: i64, o: i64) -> Result<Site<LoraLinear>> {
+    let w = vb.base("weight", [o, i], None)?;
+    let b = vb.get("bias", &[o])?;
+    Ok(vb.site(LoraLinear::new(w, Some(b))?))
+}
+
 /// One stream's q/k/v projections and q/k norms.
 #[derive(Debug)]
 struct Qkv {
@@ -249,9 +257,9 @@ impl Qkv {
         nk: &str,
     ) -> Result<Self> {
         Ok(Self {
-            q: vb.pp(q).linear(d, d, true)?,
-            k: vb.pp(k).linear(d, d, true)?,
-            v: vb.pp(v).linear(d, d, true)?,
+            q: base_linear(&vb.pp(q), d, d)?,
+            k: base_linear(&vb.pp(k), d, d)?,
+            v: base_linear(&vb.pp(v), d, d)?,
             norm_q: RmsNorm::load(&vb.pp(nq), hd)?,
             norm_k: RmsNorm::load(&vb.pp(nk), hd)?,
         })
@@ -287,8 +295,8 @@ struct FeedForward {
 impl FeedForward {
     fn load(vb: &WeightPath, d: i64, m: i64) -> Result<Self> {
         Ok(Self {
-            proj: vb.pp("net.0.proj").linear(d, m, true)?,
-            out: vb.pp("net.2").linear(m, d, true)?,
+            proj: base_linear(&vb.pp("net.0.proj"), d, m)?,
+            out: base_linear(&vb.pp("net.2"), m, d)?,
         })
     }
 
@@ -323,8 +331,8 @@ impl DoubleBlock {
         let (d, hd, m) = (c.inner_dim(), c.attention_head_dim, c.mlp_hidden_dim());
         let attn = vb.pp("attn");
         Ok(Self {
-            norm1: vb.pp("norm1.linear").linear(d, 6 * d, true)?,
-            norm1_context: vb.pp("norm1_context.linear").linear(d, 6 * d, true)?,
+            norm1: base_linear(&vb.pp("norm1.linear"), d, 6 * d)?,
+            norm1_context: base_linear(&vb.pp("norm1_context.linear"), d, 6 * d)?,
             img: Qkv::load(&attn, d, hd, "to_q", "to_k", "to_v", "norm_q", "norm_k")?,
             txt: Qkv::load(
                 &attn,
@@ -336,8 +344,8 @@ impl DoubleBlock {
                 "norm_added_q",
                 "norm_added_k",
             )?,
-            to_out: attn.pp("to_out.0").linear(d, d, true)?,
-            to_add_out: attn.pp("to_add_out").linear(d, d, true)?,
+            to_out: base_linear(&attn.pp("to_out.0"), d, d)?,
+            to_add_out: base_linear(&attn.pp("to_add_out"), d, d)?,
             ff: FeedForward::load(&vb.pp("ff"), d, m)?,
             ff_context: FeedForward::load(&vb.pp("ff_context"), d, m)?,
             head_dim: hd,
@@ -402,7 +410,7 @@ impl SingleBlock {
     fn load(vb: &WeightPath, c: &FluxConfig, backend: AttentionBackend) -> Result<Self> {
         let (d, hd, m) = (c.inner_dim(), c.attention_head_dim, c.mlp_hidden_dim());
         Ok(Self {
-            norm: vb.pp("norm.linear").linear(d, 3 * d, true)?,
+            norm: base_linear(&vb.pp("norm.linear"), d, 3 * d)?,
             qkv: Qkv::load(
                 &vb.pp("attn"),
                 d,
@@ -413,8 +421,8 @@ impl SingleBlock {
                 "norm_q",
                 "norm_k",
             )?,
-            proj_mlp: vb.pp("proj_mlp").linear(d, m, true)?,
-            proj_out: vb.pp("proj_out").linear(d + m, d, true)?,
+            proj_mlp: base_linear(&vb.pp("proj_mlp"), d, m)?,
+            proj_out: base_linear(&vb.pp("proj_out"), d + m, d)?,
             head_dim: hd,
             backend,
         })

@@ -520,6 +520,43 @@ fn checkpointed_gradients_equal_plain_ones() {
 }
 
 #[test]
+fn blocks_run_one_by_one_equal_the_forward_pass() {
+    let m =
+        FluxTransformer2DModel::from_diffusers(&fixtures().join("dev"), &LoadOptions::default())
+            .unwrap();
+    let (hs, ehs, pooled, t, img_ids, txt_ids, g) = (
+        r("dev.hs"),
+        r("dev.ehs"),
+        r("dev.pooled"),
+        r("dev.t"),
+        r("dev.img_ids"),
+        r("dev.txt_ids"),
+        r("dev.guidance"),
+    );
+    let inputs = FluxInputs {
+        hidden_states: &hs,
+        encoder_hidden_states: &ehs,
+        pooled_projections: &pooled,
+        timestep: &t,
+        img_ids: &img_ids,
+        txt_ids: &txt_ids,
+        guidance: Some(&g),
+    };
+    let whole = m.forward(&inputs).unwrap();
+    let (mut x, ctx) = m.prepare(&inputs, false).unwrap();
+    assert_eq!(x.size(), [2, 5 + 12, 32]);
+    assert_eq!(ctx.txt_len, 5);
+    for block in m.blocks() {
+        // each block's inputs as a block-swapping caller would hand them over
+        let moved = ctx.to_device(tch::Device::Cpu).unwrap();
+        x = block.forward(&x, &moved, false).unwrap();
+    }
+    let out = m.head(&x, &ctx, false).unwrap();
+    assert!(out.equal(&whole));
+    assert!(diff(&out, &r("dev.out")).1 < 1e-5);
+}
+
+#[test]
 fn inputs_are_checked() {
     let m =
         FluxTransformer2DModel::from_diffusers(&fixtures().join("dev"), &LoadOptions::default())
