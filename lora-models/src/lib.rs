@@ -1,5 +1,5 @@
-//! Architectures over tch with injectable linear sites: the LLaMA family (HF safetensors, GGUF)
-//! and Stable Diffusion.
+//! Architectures over tch with injectable linear sites: the LLaMA family (HF safetensors, GGUF),
+//! Stable Diffusion and FLUX.1.
 //!
 //! These are the base models adapters are trained on and evaluated with. Each model loads from
 //! the files it is published in and implements [`lora_core::inject::Adaptable`], so LoRA is
@@ -41,6 +41,8 @@
 //! - [`checkpoint`]: activation checkpointing by segment recomputation.
 //! - [`llama`]: the LLaMA family (Llama 2/3, Mistral, Qwen2/3, SmolLM2).
 //! - [`sd`]: Stable Diffusion 1.x / 2.x / SDXL UNet and VAE (diffusers folders, single files).
+//! - [`flux`]: the FLUX.1 transformer (dev, schnell) from diffusers folders or BFL single files,
+//!   the BFL ↔ diffusers key mapping, and latent packing.
 //! - [`clip`]: the CLIP text encoders of Stable Diffusion (SD1.x, SD2, SDXL) and the CLIP BPE
 //!   tokenizer.
 //! - [`t5`]: the T5 v1.1 text encoder of FLUX.1 (transformers `T5EncoderModel`) and its tokenizer.
@@ -53,6 +55,7 @@ pub mod checkpoint;
 pub mod clip;
 pub mod diffusion;
 pub mod error;
+pub mod flux;
 pub mod gguf;
 pub mod llama;
 pub mod sd;

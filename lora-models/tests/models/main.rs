@@ -2,13 +2,15 @@
 //! real SmolLM2 GGUF ([`smollm2`]) and its logits against transformers ([`interop`]), tiny
 //! random-weight LLaMA-family models ([`tiny`], [`gguf_tiny`]), and Stable Diffusion: the CLIP
 //! tokenizer and text encoders ([`clip`]), the noise schedule, loss and samplers
-//! ([`diffusion`]), the UNet ([`unet`]) and the VAE ([`vae`]), each against its Python
-//! reference.
+//! ([`diffusion`]), the UNet ([`unet`]) and the VAE ([`vae`]); FLUX.1: the transformer and its
+//! key mapping ([`flux`]), the T5 encoder ([`t5`]) and flow matching ([`flow`]) — each against
+//! its Python reference.
 
 mod clip;
 mod common;
 mod diffusion;
 mod flow;
+mod flux;
 mod gguf_tiny;
 mod interop;
 mod smollm2;
