@@ -436,7 +436,8 @@ pub struct Llama {
 impl Llama {
     /// Loads a GGUF file (`llama`, `qwen2` or `qwen3` architecture).
     ///
-    /// With [`WeightMode::KeepQuantized`], `Q8_0`/`Q4_0`/`Q4_1` weights stay in block format on
+    /// With [`WeightMode::KeepQuantized`], block-quantized weights (`Q8_0`, `Q4_0`, `Q4_1`,
+    /// `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`) stay in block format on
     /// `device`; with [`WeightMode::Dense`] they are dequantised once. llama.cpp's Q/K row
     /// permutation (architecture `llama`) is undone on the stored rows, so the HF layout and
     /// HF's rotate-half RoPE apply, and a PEFT adapter trained on the HF model fits.
@@ -444,7 +445,7 @@ impl Llama {
     /// # Errors
     /// [`Error::Io`]/[`Error::Gguf`] for an unreadable file, [`Error::Metadata`] for missing
     /// keys, [`Error::MissingTensor`]/[`Error::Shape`] when tensors do not match the metadata,
-    /// [`Error::Unsupported`] for tensor types other than F32/F16/BF16/Q8_0/Q4_0/Q4_1.
+    /// [`Error::Unsupported`] for other tensor types (Q2_K, Q3_K, the IQ types).
     pub fn from_gguf(path: impl AsRef<Path>, mode: WeightMode, device: Device) -> Result<Self> {
         let file = GgufFile::open(path)?;
         Self::from_gguf_file(&file, mode, device)

@@ -6,6 +6,7 @@ mod cli_basic;
 mod cli_dist;
 mod cli_errors;
 mod cli_interop;
+mod cli_plan_flux;
 mod cli_plan_sd;
 mod cli_tag;
 #[path = "../../../lora-tagger/tests/tagger/vlm_server.rs"]
