@@ -51,8 +51,10 @@
 //!   follows) and adapter export with run metadata.
 //! - `recipes` (feature `jobs`): one folder per model family behind its feature, each a
 //!   `job::sequence::RunSteps` implementation plus its plan — `recipes::llm` (feature `llm`:
-//!   the causal-LM recipe, LLaMA family, GGUF or safetensors bases) and `recipes::sd` (feature
-//!   `sd`: Stable Diffusion 1.x / SDXL, with `recipes::sd::plan`) — and the registry:
+//!   the causal-LM recipe, LLaMA family, GGUF or safetensors bases), `recipes::sd` (feature
+//!   `sd`: Stable Diffusion 1.x / SDXL, with `recipes::sd::plan`) and `recipes::flux` (feature
+//!   `flux`: FLUX.1 configs recognised and planned; training is not in this version) — and the
+//!   registry:
 //!   `recipes::for_config` says which compiled-in recipe a config is for. Adding a family is a
 //!   folder and one registration line. `lora_train::llm`, `lora_train::sd` and
 //!   `lora_train::sd_plan` are short names for the recipe modules.
@@ -62,6 +64,7 @@
 //! |---|---|---|
 //! | `llm` | yes | the causal-LM recipe (`jobs`, lora-models, lora-data) |
 //! | `sd` | yes | the Stable Diffusion recipe (`jobs`, image decoding) |
+//! | `flux` | yes | the FLUX.1 recipe: its configs recognised and planned (`sd`) |
 //! | `jobs` | with a recipe | `config`, `job`, `export` |
 //! | `plot` | yes | the loss-curve PNG of [`engine::metrics::MetricsLogger`] |
 //! | `progress` | yes | the terminal progress bar callback |
