@@ -32,6 +32,7 @@
 
 pub mod config;
 pub mod convert;
+pub mod lora;
 pub mod model;
 
 use tch::{Device, Kind, Tensor};
