@@ -12,7 +12,12 @@ writes the output under `--out` (a safetensors file):
   FLUX.1's widths for `single_blocks.N.linear1`, and names the modules outside the blocks
   (`time_in`, `final_layer`, ...) without the `transformer.` prefix so that `load_lora_weights`
   ignores them: this file holds double- and single-block modules other than linear1;
-- `diffusers.modules`, `kohya.modules`: how many LoRA modules the transformer got;
+- `diffusers.modules`, `kohya.modules`: how many LoRA modules the transformer got.
+
+`--convert FILE --converted OUT`: a kohya file of FLUX.1-dev's widths (one double and one single
+block) converted by `FluxPipeline.lora_state_dict` (the conversion `load_lora_weights` runs) and
+saved as it comes out (`transformer.<module>.lora_A.weight` / `.lora_B.weight`, scaling folded).
+This is the path of `single_blocks.N.linear1`, which the converter splits only at these widths.
 - `comfy.out`: `--comfy FILE` (the same layout, all modules) applied as ComfyUI applies a LoRA to
   a BFL-layout model: `W += alpha / rank * (lora_up @ lora_down)` on each BFL weight (ComfyUI
   `comfy/lora.py`), the BFL weights being the model's own converted with `flux_transformer.py`'s
@@ -20,6 +25,7 @@ writes the output under `--out` (a safetensors file):
   `to_bfl` applied to row-index tensors) and loaded into the model.
 
 Usage: flux_lora_export.py --model DIR --inputs FILE --out FILE [--diffusers F] [--kohya F] [--comfy F]
+                           [--convert F --converted F]
 """
 
 import argparse
@@ -114,6 +120,8 @@ def main():
     ap.add_argument("--diffusers")
     ap.add_argument("--kohya")
     ap.add_argument("--comfy")
+    ap.add_argument("--convert")
+    ap.add_argument("--converted")
     a = ap.parse_args()
     torch.set_num_threads(1)
     ref = load_file(a.inputs)
@@ -125,6 +133,10 @@ def main():
     if a.comfy:
         out["comfy.out"] = comfy_lora(a.model, a.comfy, ref)
     save_file(out, a.out)
+    if a.convert:
+        sd = FluxPipeline.lora_state_dict(a.convert)
+        save_file({k: v.contiguous() for k, v in sd.items()}, a.converted)
+        print(f"{os.path.basename(a.convert)}: converted to {len(sd)} diffusers tensors")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ use super::flux::{diff, fixtures, python, run};
 use crate::rng_lock;
 use lora_core::config::{LoraConfig, TargetModules};
 use lora_core::formats::{AdapterWeights, read_header};
-use lora_models::flux::FluxTransformer2DModel;
 use lora_models::flux::lora::{read_adapter, to_bfl_lora, write_diffusers, write_kohya};
+use lora_models::flux::{FluxConfig, FluxTransformer2DModel};
 use lora_models::sd::LoadOptions;
 use safetensors::SafeTensors;
 use tch::{Kind, Tensor};
@@ -100,6 +100,45 @@ fn is_single_linear1_member(module: &str) -> bool {
         && ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]
             .iter()
             .any(|s| module.ends_with(s))
+}
+
+/// A FLUX.1-dev-shaped config with one double and one single block, and a random rank-4 adapter
+/// (alpha 6; `proj_mlp` alpha 2) on its attention, MLP and modulation linears.
+fn full_width_adapter() -> (FluxConfig, AdapterWeights) {
+    let cfg = FluxConfig {
+        num_layers: 1,
+        num_single_layers: 1,
+        ..FluxConfig::dev()
+    };
+    let (d, mlp) = (cfg.inner_dim(), cfg.mlp_hidden_dim());
+    let _lock = rng_lock();
+    tch::manual_seed(3);
+    let mut w = AdapterWeights::default();
+    let f = (Kind::Float, tch::Device::Cpu);
+    for (name, out, inp, alpha) in [
+        ("transformer_blocks.0.attn.to_q", d, d, 6.0),
+        ("transformer_blocks.0.attn.to_k", d, d, 6.0),
+        ("transformer_blocks.0.attn.to_v", d, d, 6.0),
+        ("transformer_blocks.0.norm1.linear", 6 * d, d, 6.0),
+        ("transformer_blocks.0.ff.net.2", d, mlp, 6.0),
+        ("single_transformer_blocks.0.attn.to_q", d, d, 6.0),
+        ("single_transformer_blocks.0.attn.to_k", d, d, 6.0),
+        ("single_transformer_blocks.0.attn.to_v", d, d, 6.0),
+        ("single_transformer_blocks.0.proj_mlp", mlp, d, 2.0),
+        ("single_transformer_blocks.0.proj_out", d, d + mlp, 6.0),
+    ] {
+        w.modules.insert(
+            name.into(),
+            lora_core::formats::ModuleLora {
+                kind: lora_core::layer::SiteKind::Linear,
+                lora_a: Tensor::randn([4, inp], f) * 0.1,
+                lora_b: Tensor::randn([out, 4], f) * 0.1,
+                alpha,
+                magnitude: None,
+            },
+        );
+    }
+    (cfg, w)
 }
 
 #[test]
@@ -240,14 +279,35 @@ fn exported_adapters_load_in_diffusers_with_our_outputs() {
     );
     assert!(hd.tensors.keys().all(|k| !k.ends_with(".alpha")));
 
+    // FLUX.1-dev's widths, one block of each kind: linear1 through diffusers' converter
+    let (full_cfg, full) = full_width_adapter();
+    let full_file = dir.path().join("flux1_widths_kohya.safetensors");
+    let converted = dir.path().join("flux1_widths_converted.safetensors");
+    write_kohya(&full, &full_cfg, &full_file).unwrap();
+
     // diffusers (and ComfyUI's formula) on the three files
     let out = python_outputs(
         &[
             ("diffusers", &diffusers_file),
             ("kohya", &kohya_no_linear1),
             ("comfy", &kohya_file),
+            ("convert", &full_file),
+            ("converted", &converted),
         ],
         dir.path(),
+    );
+    let mut conv = lora_core::formats::diffusers::read(&converted).unwrap();
+    let conv = conv.remove("transformer").unwrap();
+    let worst = worst_delta(&conv, &full);
+    println!(
+        "kohya keys at FLUX.1-dev widths through FluxPipeline.lora_state_dict: worst relative \
+         module delta {worst:.3e}"
+    );
+    assert!(worst < 1e-6, "{worst:.3e}");
+    // the block-diagonal up was recognised: each member came back with its own rank
+    assert_eq!(
+        conv.modules["single_transformer_blocks.0.proj_mlp"].rank(),
+        4
     );
     // diffusers loaded every module of the files (add_v_proj's zero block included)
     let loaded = |k: &str| f64::try_from(tensor(&out, k)).unwrap() as usize;
