@@ -417,3 +417,173 @@ pub fn read_adapter(path: &Path, config: &FluxConfig) -> Result<AdapterWeights> 
     }
     Ok(w)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn tiny() -> FluxConfig {
+        FluxConfig {
+            in_channels: 4,
+            num_layers: 1,
+            num_single_layers: 1,
+            attention_head_dim: 4,
+            num_attention_heads: 2,
+            joint_attention_dim: 6,
+            pooled_projection_dim: 5,
+            guidance_embeds: true,
+            axes_dims_rope: vec![2, 2],
+            ..FluxConfig::default()
+        }
+    }
+
+    fn module(r: i64, out: i64, inp: i64, alpha: f64) -> ModuleLora {
+        let f = (Kind::Double, Device::Cpu);
+        ModuleLora {
+            kind: SiteKind::Linear,
+            lora_a: Tensor::randn([r, inp], f),
+            lora_b: Tensor::randn([out, r], f),
+            alpha,
+            magnitude: None,
+        }
+    }
+
+    /// `scaling · B·A`
+    fn delta(w: &AdapterWeights, name: &str) -> Tensor {
+        let m = &w.modules[name];
+        m.lora_b.matmul(&m.lora_a) * w.scaling(name).unwrap()
+    }
+
+    fn close(a: &Tensor, b: &Tensor) -> bool {
+        a.size() == b.size() && f64::try_from((a - b).abs().max()).unwrap() < 1e-12
+    }
+
+    #[test]
+    fn fused_modules_hold_each_members_product_and_split_back() {
+        let cfg = tiny();
+        let (d, m) = (cfg.inner_dim(), cfg.mlp_hidden_dim());
+        let mut w = AdapterWeights::default();
+        // img qkv: ranks 2 / 3, scalings 2 and 1 (folded); v left out
+        w.modules.insert(
+            "transformer_blocks.0.attn.to_q".into(),
+            module(2, d, d, 4.0),
+        );
+        w.modules.insert(
+            "transformer_blocks.0.attn.to_k".into(),
+            module(3, d, d, 3.0),
+        );
+        // linear1: only the MLP member (scaling 1)
+        w.modules.insert(
+            "single_transformer_blocks.0.proj_mlp".into(),
+            module(2, m, d, 2.0),
+        );
+        w.modules
+            .insert("norm_out.linear".into(), module(2, 2 * d, d, 4.0));
+        w.modules
+            .insert("transformer_blocks.0.ff.net.2".into(), module(2, d, m, 6.0));
+        let bfl = to_bfl_lora(&w, &cfg).unwrap();
+        let names: Vec<&str> = bfl.modules.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "double_blocks.0.img_attn.qkv",
+                "double_blocks.0.img_mlp.2",
+                "final_layer.adaLN_modulation.1",
+                "single_blocks.0.linear1",
+            ]
+        );
+        let qkv = &bfl.modules["double_blocks.0.img_attn.qkv"];
+        assert_eq!(qkv.lora_a.size(), [5, d]);
+        assert_eq!(qkv.lora_b.size(), [3 * d, 5]);
+        assert_eq!(qkv.alpha, 5.0);
+        let fused = delta(&bfl, "double_blocks.0.img_attn.qkv");
+        assert!(close(
+            &fused.narrow(0, 0, d),
+            &delta(&w, "transformer_blocks.0.attn.to_q")
+        ));
+        assert!(close(
+            &fused.narrow(0, d, d),
+            &delta(&w, "transformer_blocks.0.attn.to_k")
+        ));
+        assert_eq!(
+            f64::try_from(fused.narrow(0, 2 * d, d).abs().max()).unwrap(),
+            0.0
+        );
+        // uniform scaling kept as alpha: 1.0 · 2
+        let l1 = &bfl.modules["single_blocks.0.linear1"];
+        assert_eq!((l1.alpha, l1.lora_b.size()), (2.0, vec![3 * d + m, 2]));
+        assert!(
+            l1.lora_b
+                .narrow(0, 3 * d, m)
+                .equal(&w.modules["single_transformer_blocks.0.proj_mlp"].lora_b)
+        );
+        // a rename keeps its alpha; the final layer's is folded
+        assert_eq!(bfl.modules["double_blocks.0.img_mlp.2"].alpha, 6.0);
+        assert_eq!(bfl.modules["final_layer.adaLN_modulation.1"].alpha, 2.0);
+        let fl = delta(&bfl, "final_layer.adaLN_modulation.1");
+        let no = delta(&w, "norm_out.linear");
+        assert!(close(&fl.narrow(0, 0, d), &no.narrow(0, d, d)));
+        assert!(close(&fl.narrow(0, d, d), &no.narrow(0, 0, d)));
+
+        let back = from_bfl_lora(&bfl, &cfg).unwrap();
+        assert_eq!(
+            back.modules.keys().collect::<Vec<_>>(),
+            w.modules.keys().collect::<Vec<_>>()
+        );
+        for (name, m) in &w.modules {
+            assert_eq!(back.modules[name].rank(), m.rank(), "{name}");
+            assert!(close(&delta(&back, name), &delta(&w, name)), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_shared_down_is_given_to_every_member() {
+        // sd-scripts' split_qkv = false: one down for q, k and v, a dense up
+        let cfg = tiny();
+        let d = cfg.inner_dim();
+        let mut bfl = AdapterWeights::default();
+        bfl.modules.insert(
+            "double_blocks.0.txt_attn.qkv".into(),
+            module(4, 3 * d, d, 2.0),
+        );
+        let fused = delta(&bfl, "double_blocks.0.txt_attn.qkv");
+        let w = from_bfl_lora(&bfl, &cfg).unwrap();
+        for (i, p) in ["add_q_proj", "add_k_proj", "add_v_proj"]
+            .iter()
+            .enumerate()
+        {
+            let name = format!("transformer_blocks.0.attn.{p}");
+            assert_eq!(w.modules[&name].rank(), 4);
+            assert!(close(&delta(&w, &name), &fused.narrow(0, i as i64 * d, d)));
+        }
+    }
+
+    #[test]
+    fn what_kohya_cannot_hold_is_refused_by_name() {
+        let cfg = tiny();
+        let d = cfg.inner_dim();
+        let mut w = AdapterWeights::default();
+        let mut dora = module(2, d, d, 2.0);
+        dora.magnitude = Some(Tensor::ones([d], (Kind::Double, Device::Cpu)));
+        w.modules
+            .insert("transformer_blocks.0.attn.to_v".into(), dora);
+        let e = to_bfl_lora(&w, &cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("transformer_blocks.0.attn.to_v") && e.contains("DoRA"),
+            "{e}"
+        );
+        let mut bfl = AdapterWeights::default();
+        bfl.modules.insert(
+            "double_blocks.7.img_attn.qkv".into(),
+            module(2, 3 * d, d, 2.0),
+        );
+        let e = from_bfl_lora(&bfl, &cfg).unwrap_err().to_string();
+        assert!(e.contains("double_blocks.7.img_attn.qkv"), "{e}");
+        let mut bfl = AdapterWeights::default();
+        bfl.modules
+            .insert("double_blocks.0.img_attn.qkv".into(), module(2, d, d, 2.0));
+        let e = from_bfl_lora(&bfl, &cfg).unwrap_err().to_string();
+        assert!(e.contains("double_blocks.0.img_attn.qkv.lora_up"), "{e}");
+    }
+}
