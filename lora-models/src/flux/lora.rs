@@ -21,6 +21,23 @@
 //! [`read_adapter`] reads either layout back into per-module adapters on diffusers' paths
 //! ([`from_bfl_lora`] splits fused modules exactly).
 //!
+//! ```no_run
+//! # fn main() -> lora_models::Result<()> {
+//! use lora_core::formats::AdapterWeights;
+//! use lora_models::flux::FluxTransformer2DModel;
+//! use lora_models::flux::lora::{read_adapter, write_diffusers, write_kohya};
+//! use lora_models::sd::LoadOptions;
+//! let opts = LoadOptions::default();
+//! let mut model = FluxTransformer2DModel::from_single_file("flux1-dev.safetensors".as_ref(), &opts, None)?;
+//! // … inject and train adapter "default" …
+//! let w = AdapterWeights::from_model(&mut model, "default")?;
+//! write_diffusers(&w, "out/pytorch_lora_weights.safetensors".as_ref())?; // FluxPipeline.load_lora_weights
+//! write_kohya(&w, model.config(), "out/my_flux_lora.safetensors".as_ref())?; // ComfyUI, Forge, kohya
+//! let back = read_adapter("out/my_flux_lora.safetensors".as_ref(), model.config())?;
+//! println!("{} modules on diffusers paths", back.modules.len());
+//! # Ok(()) }
+//! ```
+//!
 //! # Fusing adapters exactly
 //! A fused BFL module is the row concatenation of diffusers modules (`img_attn.qkv` = `to_q` ‖
 //! `to_k` ‖ `to_v`). With member adapters `(A_i [r_i, in], B_i [out_i, r_i], s_i)` the fused
