@@ -183,21 +183,21 @@ pub fn to_bfl_lora(w: &AdapterWeights, config: &FluxConfig) -> Result<AdapterWei
         let downs: Vec<&Tensor> = adapted.iter().map(|(_, l)| &l.lora_a).collect();
         let down = Tensor::f_cat(&downs, 0)?;
         // each member's column block of `up`
-        let mut cols: BTreeMap<&str, (i64, i64, f64)> = BTreeMap::new();
+        let mut cols: BTreeMap<&str, (i64, i64, f64, &Tensor)> = BTreeMap::new();
         let mut offset = 0;
         for ((name, l), s) in adapted.iter().zip(&scales) {
-            cols.insert(name, (offset, l.rank(), if fold { *s } else { 1.0 }));
+            let s = if fold { *s } else { 1.0 };
+            cols.insert(name, (offset, l.rank(), s, &l.lora_b));
             offset += l.rank();
         }
         let b_kind = adapted[0].1.lora_b.kind();
         let device = adapted[0].1.lora_b.device();
         let mut rows = Vec::with_capacity(m.parts.len());
         for p in &m.parts {
-            let Some(&(start, r, s)) = cols.get(p.module.as_str()) else {
+            let Some(&(start, r, s, b)) = cols.get(p.module.as_str()) else {
                 rows.push(Tensor::f_zeros([p.rows, r_total], (b_kind, device))?);
                 continue;
             };
-            let b = &w.modules[p.module.as_str()].lora_b;
             let out_rows = m
                 .parts
                 .iter()
