@@ -292,7 +292,7 @@ impl AdapterWeights {
     }
 
     /// The most common rank and alpha (for a config's `r` / `lora_alpha`).
-    pub(crate) fn dominant_rank_alpha(&self) -> (i64, f64) {
+    pub fn dominant_rank_alpha(&self) -> (i64, f64) {
         let mut counts: BTreeMap<(i64, u64), usize> = BTreeMap::new();
         for m in self.modules.values() {
             *counts.entry((m.rank(), m.alpha.to_bits())).or_default() += 1;

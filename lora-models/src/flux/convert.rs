@@ -15,9 +15,9 @@
 //! `convert_flux_transformer_checkpoint_to_diffusers` (`loaders/single_file_utils.py`, 0.42.1),
 //! which the interop test checks it against in both directions.
 //!
-//! A LoRA exporter to kohya/ComfyUI keys uses the same table: the adapter of a fused BFL module
-//! is built from the adapters of its parts in [`BflModule::parts`] order (for `img_attn.qkv`:
-//! `to_q`, `to_k`, `to_v`).
+//! The LoRA files in kohya/ComfyUI keys ([`super::lora`]) use the same table: the adapter of a
+//! fused BFL module is built from the adapters of its parts in [`BflModule::parts`] order (for
+//! `img_attn.qkv`: `to_q`, `to_k`, `to_v`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;

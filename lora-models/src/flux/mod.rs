@@ -6,7 +6,8 @@
 //! Every linear is a LoRA site named as diffusers names the module
 //! (`transformer_blocks.0.attn.to_q`, `single_transformer_blocks.0.proj_mlp`, `norm1.linear`), so
 //! PEFT / diffusers adapter keys map onto them unchanged; [`convert::bfl_modules`] says which of
-//! them make up each fused module of the BFL / kohya / ComfyUI layout.
+//! them make up each fused module of the BFL / kohya / ComfyUI layout; [`lora`] writes and reads
+//! adapters in diffusers' and in kohya / ComfyUI's keys through it.
 //!
 //! ```no_run
 //! # fn main() -> lora_models::Result<()> {
@@ -32,6 +33,7 @@
 
 pub mod config;
 pub mod convert;
+pub mod lora;
 pub mod model;
 
 use tch::{Device, Kind, Tensor};

@@ -20,7 +20,7 @@ use lora_models::sd::{AttentionBackend, LoadOptions};
 use safetensors::SafeTensors;
 use tch::{Kind, Tensor};
 
-fn python() -> PathBuf {
+pub(super) fn python() -> PathBuf {
     let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
     assert!(
         py.exists(),
@@ -31,7 +31,7 @@ fn python() -> PathBuf {
 }
 
 /// Runs the script once per test binary; returns its output folder.
-fn fixtures() -> &'static Path {
+pub(super) fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let out = tempfile::tempdir().unwrap();
@@ -59,7 +59,7 @@ fn reference() -> &'static [u8] {
     R.get_or_init(|| std::fs::read(fixtures().join("reference.safetensors")).unwrap())
 }
 
-fn r(name: &str) -> Tensor {
+pub(super) fn r(name: &str) -> Tensor {
     let st = SafeTensors::deserialize(reference()).unwrap();
     let v = st
         .tensor(name)
@@ -74,7 +74,7 @@ fn json(name: &str) -> serde_json::Value {
 }
 
 /// (max |a − b|, max |a − b| / max |b|)
-fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
+pub(super) fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
     assert_eq!(a.size(), b.size());
     let a = a.to_kind(Kind::Float);
     let d = f64::try_from((&a - b).abs().max()).unwrap();
@@ -90,7 +90,7 @@ fn opts(attention: AttentionBackend) -> LoadOptions {
 }
 
 /// Runs `m` on the reference inputs of `prefix` and returns (output, reference output).
-fn run(m: &FluxTransformer2DModel, prefix: &str) -> (Tensor, Tensor) {
+pub(super) fn run(m: &FluxTransformer2DModel, prefix: &str) -> (Tensor, Tensor) {
     let g = m
         .config()
         .guidance_embeds

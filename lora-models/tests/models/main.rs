@@ -11,6 +11,7 @@ mod common;
 mod diffusion;
 mod flow;
 mod flux;
+mod flux_lora;
 mod gguf_tiny;
 mod interop;
 mod smollm2;
