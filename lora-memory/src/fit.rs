@@ -254,7 +254,7 @@ fn fp8_text_encoders(s: &Settings) -> Option<(Settings, String, String, String)>
         n,
         "16-bit".into(),
         BaseDtype::Fp8.name(),
-        "T5-XXL in float8 (ComfyUI's t5xxl_fp8_e4m3fn): 4.8 GB instead of 9.5 GB while it encodes the captions".into(),
+        "T5-XXL in float8, 4.8 GB instead of 9.5 GB while it encodes the captions: point flux.t5xxl (kohya t5xxl) at an fp8 file such as ComfyUI's t5xxl_fp8_e4m3fn.safetensors".into(),
     ))
 }
 

@@ -679,10 +679,12 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
         let stored = h
             .tensors
             .iter()
-            .map(|t| match crate::settings::BaseDtype::from_ggml(t.ggml_type) {
-                Some(d) => Some((t.numel() as f64 * d.bytes_per_param()).ceil() as u64),
-                None => t.stored_bytes(),
-            })
+            .map(
+                |t| match crate::settings::BaseDtype::from_ggml(t.ggml_type) {
+                    Some(d) => Some((t.numel() as f64 * d.bytes_per_param()).ceil() as u64),
+                    None => t.stored_bytes(),
+                },
+            )
             .sum::<Option<u64>>();
         let it = shapes.iter().map(|(k, s)| (*k, s.as_slice()));
         if let Some(d) = crate::flux::FluxDescriptor::from_tensor_names(path, it, params, stored)? {

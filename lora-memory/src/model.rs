@@ -903,7 +903,9 @@ impl ModelDescriptor {
         }
     }
 
-    /// Total parameters (decoder; or UNet + text encoders + VAE).
+    /// Total parameters: a decoder's; UNet + text encoders + VAE (Stable Diffusion); transformer
+    /// + T5-XXL + CLIP-L + autoencoder (FLUX — the transformer alone is
+    /// [`crate::FluxDescriptor::transformer_params`]).
     pub fn params(&self) -> u64 {
         match self {
             ModelDescriptor::Decoder(d) => d.params(),

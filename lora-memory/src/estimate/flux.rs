@@ -176,8 +176,16 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         d.double_block_params() as f64,
         d.single_block_params() as f64,
     );
-    let host = (swap_d as f64 * pd + swap_s as f64 * ps) * per_param;
-    let staging = if swap_d > 0 {
+    // on the CPU the host memory is the device's: swapped blocks stay in the same memory
+    let swaps = s.device.is_cuda();
+    let host = if swaps {
+        (swap_d as f64 * pd + swap_s as f64 * ps) * per_param
+    } else {
+        0.0
+    };
+    let staging = if !swaps {
+        0.0
+    } else if swap_d > 0 {
         pd
     } else if swap_s > 0 {
         ps
@@ -186,7 +194,12 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
     } * per_param
         * FLUX_SWAP_STAGING_BLOCKS as f64;
     let transformer_weights = total - host + staging;
-    if swap_d + swap_s > 0 {
+    if swap_d + swap_s > 0 && !swaps {
+        notes.push(format!(
+            "blocks_to_swap {} saves nothing on the CPU: host memory is the memory the run is planned for",
+            s.blocks_to_swap
+        ));
+    } else if swap_d + swap_s > 0 {
         notes.push(format!(
             "blocks_to_swap {}: {swap_d} double-stream and {swap_s} single-stream blocks ({}) stay in host memory and are copied in for their forward and backward passes; the device keeps one block-sized staging buffer",
             s.blocks_to_swap,
@@ -419,6 +432,16 @@ mod tests {
         assert_eq!(fa.host_bytes, Bytes::ZERO);
         // activations do not change
         assert_eq!(fa.transformer_activations, fb.transformer_activations);
+        // on the CPU nothing moves anywhere
+        let cpu = s.clone().with_device(crate::settings::Device::cpu());
+        let c0 = estimate(&m, &cpu).unwrap();
+        let c16 = estimate(&m, &cpu.clone().with_blocks_to_swap(16)).unwrap();
+        assert_eq!(c0.peak, c16.peak);
+        assert!(
+            c16.notes
+                .iter()
+                .any(|n| n.contains("saves nothing on the CPU"))
+        );
         // past 35 is refused by name
         let e = estimate(&m, &s.with_blocks_to_swap(36)).unwrap_err();
         assert!(e.to_string().contains("blocks_to_swap"), "{e}");

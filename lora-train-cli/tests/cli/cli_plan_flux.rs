@@ -80,7 +80,11 @@ fn training_a_flux_config_is_refused_by_name() {
     let cfg = write(dir.path(), "flux.yaml", KOHYA_FLUX);
     let o = run("train", &cfg, &["--force"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("FLUX.1 LoRA training is not in this version"), "{}", text(&o));
+    assert!(
+        text(&o).contains("FLUX.1 LoRA training is not in this version"),
+        "{}",
+        text(&o)
+    );
     // nothing was written
     assert!(!dir.path().join("out").exists());
     // a wrong value of a FLUX key names the key and the choices

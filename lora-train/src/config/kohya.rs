@@ -79,6 +79,7 @@ const TRACKERS: &str =
 const NOT_YET: &str = "not implemented here yet: training runs without it";
 const METADATA: &str = "not written into the adapter's metadata yet";
 const LOADER: &str = "lora-data does not implement it: training runs without it";
+const FLUX_TRAIN: &str = "a FLUX.1 training option: FLUX training is not in this version, and the plan does not depend on it";
 
 /// kohya arguments (and keys the kohya_ss GUI writes into the TOML it passes to sd-scripts)
 /// that are accepted but change nothing here, with the reason shown when their value is not off.
@@ -115,6 +116,17 @@ pub(super) const NO_EFFECT: &[(&str, &str)] = &[
     (
         "highvram",
         "frozen models move off the device by the memory plan",
+    ),
+    // flux_train_network.py
+    (
+        "split_mode",
+        "deprecated in sd-scripts, where it means blocks_to_swap 18: set blocks_to_swap",
+    ),
+    ("weighting_scheme", FLUX_TRAIN),
+    ("mode_scale", FLUX_TRAIN),
+    (
+        "text_encoder_batch_size",
+        "text-encoder outputs are computed caption by caption before training",
     ),
     // SAI model-spec metadata
     ("metadata_title", METADATA),

@@ -112,6 +112,36 @@ fn stored_in_fp8(path: &Path) -> bool {
     })
 }
 
+/// Checks `data.resolution` for a FLUX run: both sides positive multiples of 16 (the
+/// autoencoder divides by 8, then latents are packed in 2 × 2 patches).
+///
+/// # Errors
+/// [`JobError::Config`] naming `data.resolution`, the value and a multiple to use.
+pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
+    if let Some([w, h]) = cfg.data.resolution
+        && (w == 0 || h == 0 || w % 16 != 0 || h % 16 != 0)
+    {
+        let near = |v: u32| (v.max(16) + 8) / 16 * 16;
+        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "data.resolution".into(),
+            value: if w == h {
+                w.to_string()
+            } else {
+                format!("[{w}, {h}]")
+            },
+            expected: format!(
+                "a multiple of 16 pixels on each side for FLUX (latents are 1/8 of it, packed in 2×2 patches), e.g. {}",
+                if w == h {
+                    near(w).to_string()
+                } else {
+                    format!("[{}, {}]", near(w), near(h))
+                }
+            ),
+        }));
+    }
+    Ok(())
+}
+
 /// lora-memory settings for a FLUX run of `cfg` on `desc`, and notes on what was assumed.
 ///
 /// # Errors
@@ -155,6 +185,19 @@ pub fn settings_for(
         }
     } else if cfg.flux.fp8_base || transformer.as_deref().is_some_and(stored_in_fp8) {
         s.base_dtype = BaseDtype::Fp8;
+    } else if cuda && s.base_dtype == BaseDtype::F32 {
+        // kohya loads the frozen transformer in the training dtype; 47.6 GB of fp32 weights is
+        // never what a FLUX run means
+        s.base_dtype = match s.mixed_precision {
+            lora_memory::MixedPrecision::Fp16 | lora_memory::MixedPrecision::FullFp16 => {
+                BaseDtype::F16
+            }
+            _ => BaseDtype::Bf16,
+        };
+        notes.push(format!(
+            "the frozen transformer is held in {} on the GPU (the training dtype, as kohya loads it); flux.fp8_base halves it",
+            s.base_dtype.name()
+        ));
     }
     if s.base_dtype.is_quantized() {
         // FLUX computes in 16 bit over a float8 / block-quantized base (one layer decoded at a
@@ -190,7 +233,13 @@ pub fn settings_for(
     s.largest_bucket = (res[0] != res[1]).then_some(res);
     // latents and the text encoders' outputs are computed once, before training; the encoders
     // then leave the device
-    s.cache_latents = true;
+    s.cache_latents = cfg.data.cache_latents != Some(false);
+    if !s.cache_latents {
+        notes.push(
+            "cache_latents: false — the autoencoder stays on the device and encodes every step"
+                .into(),
+        );
+    }
     s.keep_models_loaded = false;
     s.train_text_encoder = cfg.train.train_text_encoder;
     s.cache_text_encoder_outputs = !cfg.train.train_text_encoder;
@@ -201,6 +250,15 @@ pub fn settings_for(
     }
     if let ModelDescriptor::Flux(d) = desc {
         d.swapped_blocks(s.blocks_to_swap)?;
+        let full = lora_memory::FluxDescriptor::dev();
+        if (d.double_blocks, d.single_blocks, d.hidden)
+            != (full.double_blocks, full.single_blocks, full.hidden)
+        {
+            notes.push(format!(
+                "this transformer has {} double- and {} single-stream blocks {} wide, not FLUX.1's 19 and 38 at 3072: a partial or damaged file? (planned as read)",
+                d.double_blocks, d.single_blocks, d.hidden
+            ));
+        }
     }
     Ok((s, notes))
 }
@@ -220,7 +278,7 @@ pub fn plan(
 ) -> Result<Plan> {
     let (desc, source) = read_descriptor(cfg, config_dir)?;
     let base = resolve_base_model(cfg.base_model()?, config_dir).ok();
-    crate::sd_plan::check_resolution(cfg)?;
+    check_resolution(cfg)?;
     let (settings, mut notes) = settings_for(cfg, &desc, base.as_deref(), config_dir, cuda)?;
     notes.extend(cfg.notes());
     let (budget, budget_note) = crate::job::budget_for(cfg, override_budget)?;
@@ -298,6 +356,25 @@ mod tests {
         assert_eq!(fixed.flux.blocks_to_swap, p.settings.blocks_to_swap);
         assert!(fixed.flux.fp8_base);
         assert_eq!(fixed.model.weights, crate::config::BaseWeights::Dense);
+    }
+
+    #[test]
+    fn a_dense_base_is_16_bit_on_the_gpu_and_resolutions_are_multiples_of_16() {
+        let c = cfg("model: {base_model: flux1-dev}\ntrain: {mixed_precision: bf16}\n");
+        let p = plan(&c, None, None, true).unwrap();
+        assert_eq!(p.settings.base_dtype, BaseDtype::Bf16);
+        assert!(
+            p.notes.iter().any(|n| n.contains("held in bf16")),
+            "{:?}",
+            p.notes
+        );
+        let c = cfg("model: {base_model: flux1-dev}\ndata: {resolution: 1000}\n");
+        let e = plan(&c, None, None, true).unwrap_err().to_string();
+        assert!(e.contains("data.resolution") && e.contains("1008"), "{e}");
+        let c = cfg("model: {base_model: flux1-dev}\ndata: {cache_latents: false}\n");
+        let p = plan(&c, None, None, true).unwrap();
+        assert!(!p.settings.cache_latents);
+        assert!(p.estimate.flux.as_ref().unwrap().vae_weights.0 > 0);
     }
 
     #[test]
