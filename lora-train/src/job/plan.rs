@@ -644,7 +644,7 @@ pub fn diffusion_report(p: &Plan) -> String {
             "frozen, runs every step"
         }
     );
-    let rows: Vec<(&str, Bytes, String)> = vec![
+    let mut rows: Vec<(&str, Bytes, String)> = vec![
         (
             "UNet weights",
             d.unet_weights,
@@ -673,22 +673,9 @@ pub fn diffusion_report(p: &Plan) -> String {
             b.autocast_weight_copies,
             "2 B × UNet linear params (32-bit base under autocast)".into(),
         ),
-        (
-            "adapter params",
-            b.adapter_params,
-            format!("{} trainable × adapter bytes", e.trainable_params),
-        ),
-        ("gradients", b.gradients, "trainable × grad bytes".into()),
-        (
-            "optimizer states",
-            b.optimizer_states,
-            "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B".into(),
-        ),
-        (
-            "optimizer step temporaries",
-            b.optimizer_step_temporaries,
-            "largest tensor's state (or one foreach list)".into(),
-        ),
+    ];
+    rows.extend(trainable_rows(p));
+    rows.extend([
         (
             "UNet activations",
             d.unet_activations,
@@ -712,6 +699,41 @@ pub fn diffusion_report(p: &Plan) -> String {
             b.batch_data,
             "latents, noise, noisy latents, prediction + conditioning (fp32)".into(),
         ),
+    ]);
+    rows.extend(runtime_rows(p));
+    out += &rows_and_verdict(p, rows);
+    out
+}
+
+/// The rows of the trainable state every report shows: adapter, gradients, optimizer states and
+/// step temporaries.
+fn trainable_rows(p: &Plan) -> Vec<(&'static str, Bytes, String)> {
+    let (b, e) = (&p.estimate.breakdown, &p.estimate);
+    vec![
+        (
+            "adapter params",
+            b.adapter_params,
+            format!("{} trainable × adapter bytes", e.trainable_params),
+        ),
+        ("gradients", b.gradients, "trainable × grad bytes".into()),
+        (
+            "optimizer states",
+            b.optimizer_states,
+            "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B".into(),
+        ),
+        (
+            "optimizer step temporaries",
+            b.optimizer_step_temporaries,
+            "largest tensor's state (or one foreach list)".into(),
+        ),
+    ]
+}
+
+/// The runtime rows every report shows: CUDA context / CPU runtime and the allocator margin.
+fn runtime_rows(p: &Plan) -> Vec<(&'static str, Bytes, String)> {
+    let b = &p.estimate.breakdown;
+    let cuda = p.settings.device.is_cuda();
+    vec![
         (
             "context / workspace",
             b.context_workspace,
@@ -730,9 +752,7 @@ pub fn diffusion_report(p: &Plan) -> String {
                 "none on CPU (no caching allocator)".into()
             },
         ),
-    ];
-    out += &rows_and_verdict(p, rows);
-    out
+    ]
 }
 
 /// The term table of an image-model plan (`rows`: name, bytes, formula), then the totals,
@@ -868,7 +888,7 @@ pub fn flux_report(p: &Plan) -> String {
             "latents only"
         }
     );
-    let rows: Vec<(&str, Bytes, String)> = vec![
+    let mut rows: Vec<(&str, Bytes, String)> = vec![
         (
             "transformer weights",
             d.transformer_weights,
@@ -896,22 +916,9 @@ pub fn flux_report(p: &Plan) -> String {
                 "16-bit".into()
             },
         ),
-        (
-            "adapter params",
-            b.adapter_params,
-            format!("{} trainable × adapter bytes", e.trainable_params),
-        ),
-        ("gradients", b.gradients, "trainable × grad bytes".into()),
-        (
-            "optimizer states",
-            b.optimizer_states,
-            "AdamW 8 B / 8-bit 2 B / Adafactor 4(n+m) / SGD 4 B".into(),
-        ),
-        (
-            "optimizer step temporaries",
-            b.optimizer_step_temporaries,
-            "largest tensor's state (or one foreach list)".into(),
-        ),
+    ];
+    rows.extend(trainable_rows(p));
+    rows.extend([
         (
             "transformer activations",
             d.transformer_activations,
@@ -931,30 +938,13 @@ pub fn flux_report(p: &Plan) -> String {
             b.batch_data,
             "packed latents, noise, target + T5/CLIP embeddings (fp32)".into(),
         ),
-        (
-            "context / workspace",
-            b.context_workspace,
-            if cuda {
-                "CUDA context + cuBLAS workspace".into()
-            } else {
-                "CPU runtime: libtorch, heap, threads".into()
-            },
-        ),
-        (
-            "allocator margin",
-            b.allocator_margin,
-            if cuda {
-                "caching allocator: reserved − allocated".into()
-            } else {
-                "none on CPU (no caching allocator)".into()
-            },
-        ),
-        (
-            "caching phase (process)",
-            d.caching_peak,
-            "before training: T5 + CLIP, then the autoencoder, alone on the device".into(),
-        ),
-    ];
+    ]);
+    rows.extend(runtime_rows(p));
+    rows.extend([(
+        "caching phase (process)",
+        d.caching_peak,
+        "before training: T5 + CLIP, then the autoencoder, alone on the device".into(),
+    )]);
     out += &rows_and_verdict(p, rows);
     out
 }

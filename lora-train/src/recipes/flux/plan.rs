@@ -118,28 +118,12 @@ fn stored_in_fp8(path: &Path) -> bool {
 /// # Errors
 /// [`JobError::Config`] naming `data.resolution`, the value and a multiple to use.
 pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
-    if let Some([w, h]) = cfg.data.resolution
-        && (w == 0 || h == 0 || w % 16 != 0 || h % 16 != 0)
-    {
-        let near = |v: u32| (v.max(16) + 8) / 16 * 16;
-        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
-            key: "data.resolution".into(),
-            value: if w == h {
-                w.to_string()
-            } else {
-                format!("[{w}, {h}]")
-            },
-            expected: format!(
-                "a multiple of 16 pixels on each side for FLUX (latents are 1/8 of it, packed in 2×2 patches), e.g. {}",
-                if w == h {
-                    near(w).to_string()
-                } else {
-                    format!("[{}, {}]", near(w), near(h))
-                }
-            ),
-        }));
-    }
-    Ok(())
+    crate::sd_plan::check_resolution_multiple(
+        cfg,
+        16,
+        "for FLUX (latents are 1/8 of it, packed in 2×2 patches)",
+        "",
+    )
 }
 
 /// lora-memory settings for a FLUX run of `cfg` on `desc`, and notes on what was assumed.

@@ -96,10 +96,29 @@ pub fn is_sd_config(cfg: &TrainConfig, config_dir: Option<&Path>) -> bool {
 /// # Errors
 /// [`JobError::Config`] naming `data.resolution`, the value and a multiple to use.
 pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
+    check_resolution_multiple(
+        cfg,
+        8,
+        "(latents are 1/8 of it)",
+        "; multiples of 64 suit SD best",
+    )
+}
+
+/// Checks that both sides of `data.resolution` are positive multiples of `multiple` pixels;
+/// `why` follows "a multiple of N pixels on each side" in the error, `tail` its example.
+///
+/// # Errors
+/// [`JobError::Config`] naming `data.resolution`, the value and the nearest multiple.
+pub fn check_resolution_multiple(
+    cfg: &TrainConfig,
+    multiple: u32,
+    why: &str,
+    tail: &str,
+) -> Result<()> {
     if let Some([w, h]) = cfg.data.resolution
-        && (w == 0 || h == 0 || w % 8 != 0 || h % 8 != 0)
+        && (w == 0 || h == 0 || w % multiple != 0 || h % multiple != 0)
     {
-        let near = |v: u32| (v.max(8) + 4) / 8 * 8;
+        let near = |v: u32| (v.max(multiple) + multiple / 2) / multiple * multiple;
         return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
             key: "data.resolution".into(),
             value: if w == h {
@@ -108,7 +127,7 @@ pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
                 format!("[{w}, {h}]")
             },
             expected: format!(
-                "a multiple of 8 pixels on each side (latents are 1/8 of it), e.g. {}; multiples of 64 suit SD best",
+                "a multiple of {multiple} pixels on each side {why}, e.g. {}{tail}",
                 if w == h {
                     near(w).to_string()
                 } else {
