@@ -16,6 +16,33 @@
 //! (`h → 6h`); per single-stream block: `attn.to_q`, `attn.to_k`, `attn.to_v` (`h → h`),
 //! `proj_mlp` (`h → 4h`), `proj_out` (`5h → h`), `norm.linear` (`h → 3h`); and the embedders
 //! and output layers outside the blocks.
+//!
+//! Planning a FLUX.1-dev LoRA as kohya's sample command sets it up (LoRA on every block linear,
+//! fp8 base, checkpointing, latents and text-encoder outputs cached, 1024 px), and what a 12 GiB
+//! card needs:
+//!
+//! ```
+//! use lora_memory::{
+//!     BaseDtype, Bytes, FLUX_BLOCK_LINEARS, MixedPrecision, ModelDescriptor, Settings, estimate,
+//!     fit,
+//! };
+//! let flux = ModelDescriptor::preset("FLUX.1-dev").unwrap();
+//! let s = Settings::default()
+//!     .with_target_modules(&FLUX_BLOCK_LINEARS) // the default q_proj/v_proj are an LLM's
+//!     .with_base_dtype(BaseDtype::Fp8)
+//!     .with_mixed_precision(MixedPrecision::Bf16)
+//!     .with_gradient_checkpointing(true)
+//!     .with_cache_latents(true)
+//!     .with_cache_text_encoder_outputs(true)
+//!     .with_resolution(1024);
+//! let e = estimate(&flux, &s).unwrap();
+//! let detail = e.flux.as_ref().unwrap();
+//! assert_eq!((detail.image_tokens, detail.text_tokens), (4096, 512));
+//! assert!(e.peak > Bytes::from_gib(12.0));
+//! // fit() keeps the resolution and moves blocks to the host instead
+//! let f = fit(&flux, &s, Bytes::from_gib(12.0)).unwrap();
+//! assert!(f.settings.blocks_to_swap > 0 && f.settings.resolution == 1024);
+//! ```
 
 use crate::error::{Error, Result};
 use crate::model::{LinearSite, TextEncoderDescriptor};

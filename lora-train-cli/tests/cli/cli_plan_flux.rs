@@ -75,6 +75,23 @@ fn a_kohya_flux_config_plans_for_the_cards_of_kohyas_table() {
 }
 
 #[test]
+fn the_example_flux_config_plans() {
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs/flux-dev-kohya.toml");
+    // its own card (24 GB): fits
+    let o = run("plan", &cfg, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains("FLUX.1 LoRA") && text(&o).contains("LoRA r16"),
+        "{}",
+        text(&o)
+    );
+    // a 12 GB card: does not fit as written, and the suggestion swaps blocks
+    let o = run("plan", &cfg, &["--gpu", "RTX 3060 12GB"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("blocks_to_swap"), "{}", text(&o));
+}
+
+#[test]
 fn training_a_flux_config_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(dir.path(), "flux.yaml", KOHYA_FLUX);
