@@ -642,11 +642,39 @@ pub(super) fn rewrite(doc: &mut Doc, warnings: &mut ConfigWarnings) -> Result<()
             mark(doc, "cache_latents_to_disk");
         }
     }
+    // a kohya config (one naming its network module or file container) takes sd-scripts'
+    // defaults for what it leaves out: rank 4 and alpha 1 (`networks/lora.py`
+    // `create_network`: `network_dim` None → 4, `network_alpha` None → 1.0), not this SDK's
+    // PEFT-like 8 and 8 — the scale alpha/rank would otherwise differ by 8× at rank 4
+    let kohya = !written(doc, &["network_module", "save_model_as"]).is_empty();
+    for (spellings, canonical, value) in [
+        (
+            &["network_dim", "lora.rank", "lora.r", "model.lora_rank"][..],
+            "lora.rank",
+            Value::from(4),
+        ),
+        (
+            &[
+                "network_alpha",
+                "lora.alpha",
+                "lora.lora_alpha",
+                "model.lora_alpha",
+            ][..],
+            "lora.alpha",
+            Value::from(1.0),
+        ),
+    ] {
+        if kohya && written(doc, spellings).is_empty() {
+            doc.entries.push(super::keys::Entry {
+                path: canonical.into(),
+                value,
+                used: false,
+            });
+        }
+    }
     // sd-scripts writes one kohya-format file, `<output_name>.safetensors`: a kohya config
-    // (one naming its network module or file container) gets that unless it names our formats
-    if !written(doc, &["network_module", "save_model_as"]).is_empty()
-        && written(doc, &["train.export_formats"]).is_empty()
-    {
+    // gets that unless it names our formats
+    if kohya && written(doc, &["train.export_formats"]).is_empty() {
         doc.entries.push(super::keys::Entry {
             path: "train.export_formats".into(),
             value: Value::Array(vec![Value::from("kohya")]),

@@ -424,6 +424,22 @@ fn gui_lora_types_this_sdk_does_not_train_are_an_error_naming_the_value() {
 }
 
 #[test]
+fn a_kohya_config_takes_sd_scripts_rank_and_alpha_defaults() {
+    // sd-scripts' networks/lora.py: network_dim None → 4, network_alpha None → 1.0
+    let c = TrainConfig::from_toml_str("network_module = \"networks.lora\"\n").unwrap();
+    assert_eq!((c.lora.rank, c.lora.alpha), (4, 1.0));
+    let c = TrainConfig::from_toml_str("network_module = \"networks.lora\"\nnetwork_dim = 16\n")
+        .unwrap();
+    assert_eq!((c.lora.rank, c.lora.alpha), (16, 1.0));
+    let c =
+        TrainConfig::from_toml_str("save_model_as = \"safetensors\"\nnetwork_alpha = 8\n").unwrap();
+    assert_eq!((c.lora.rank, c.lora.alpha), (4, 8.0));
+    // a config of this SDK's own names keeps its defaults (PEFT's r8 α8)
+    let c = TrainConfig::from_yaml_str("lora: {dropout: 0.1}\n").unwrap();
+    assert_eq!((c.lora.rank, c.lora.alpha), (8, 8.0));
+}
+
+#[test]
 fn a_gui_flux_config_reads_its_flux_tab() {
     // the kohya_ss GUI's FLUX.1 LoRA: LoRA_type Flux1 with the FLUX tab's fields
     let text = std::fs::read_to_string(fixture("kohya_ss_gui_locon.json")).unwrap();
