@@ -2,7 +2,11 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use safetensors::SafeTensors;
+use tch::Tensor;
 
 use lora_models::llama::{Llama, WeightMode};
 use lora_models::tokenizer::{Tokenizer, load_tokenizer_from_gguf};
@@ -54,3 +58,58 @@ pub fn tokenizer() -> &'static Tokenizer {
 
 pub const ONCE: &str = "Once upon a time";
 pub const FOX: &str = "The quick brown fox jumps over the lazy dog. It was a sunny day and the children were playing in the park.";
+
+/// The interop venv's Python (`.venv/bin/python`, created by `cargo xtask setup`).
+pub fn python() -> PathBuf {
+    let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    assert!(
+        py.exists(),
+        "{} is missing: run `cargo xtask setup` (it creates the interop venv)",
+        py.display()
+    );
+    py
+}
+
+/// Runs `tests/interop/<script> --out <a new temporary folder>` with one OpenMP thread and
+/// returns the folder (callers keep it in a `OnceLock`, so each script runs once per binary).
+pub fn interop_fixtures(script: &str) -> tempfile::TempDir {
+    let out = tempfile::tempdir().unwrap();
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/interop")
+        .join(script);
+    let res = Command::new(python())
+        .arg(&path)
+        .arg("--out")
+        .arg(out.path())
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{script} failed:\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    out
+}
+
+/// The tensor `name` of safetensors `bytes` (F32 → `Kind::Float`, I64 → `Kind::Int64`).
+pub fn st_tensor(bytes: &[u8], name: &str) -> Tensor {
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let v = st
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("reference tensor {name} missing"));
+    let kind = match v.dtype() {
+        safetensors::Dtype::F32 => Kind::Float,
+        safetensors::Dtype::I64 => Kind::Int64,
+        d => panic!("unexpected dtype {d:?} of {name}"),
+    };
+    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+    Tensor::from_data_size(v.data(), &shape, kind)
+}
+
+/// (max |a − b|, max |a − b| / max |b|), `a` compared in f32.
+pub fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    assert_eq!(a.size(), b.size());
+    let d = f64::try_from((&a.to_kind(Kind::Float) - b).abs().max()).unwrap();
+    (d, d / f64::try_from(b.abs().max()).unwrap())
+}

@@ -3,8 +3,7 @@
 //! timestep samplings' quantiles against their closed forms, and the objective on fixed
 //! tensors.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::OnceLock;
 
 use lora_models::diffusion::{
@@ -15,25 +14,8 @@ use tch::{Device, Kind, Tensor};
 
 fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-        let out = tempfile::tempdir().unwrap();
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/flux_flow.py");
-        let res = Command::new(py)
-            .arg(&script)
-            .arg("--out")
-            .arg(out.path())
-            .env("OMP_NUM_THREADS", "1")
-            .output()
-            .unwrap();
-        assert!(
-            res.status.success(),
-            "flux_flow.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        out
-    })
-    .path()
+    DIR.get_or_init(|| crate::common::interop_fixtures("flux_flow.py"))
+        .path()
 }
 
 fn reference() -> &'static serde_json::Value {

@@ -5,10 +5,10 @@
 //! `FluxPipeline`'s static methods; checkpointed gradients against plain ones.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::OnceLock;
 
+pub(super) use crate::common::{diff, python};
 use crate::rng_lock;
 use lora_core::inject::{Adaptable, site_names};
 use lora_core::layer::SiteKind;
@@ -17,41 +17,13 @@ use lora_models::flux::{
     latent_image_ids, pack_latents, unpack_latents,
 };
 use lora_models::sd::{AttentionBackend, LoadOptions};
-use safetensors::SafeTensors;
 use tch::{Kind, Tensor};
-
-pub(super) fn python() -> PathBuf {
-    let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} is missing: run `cargo xtask setup` (it creates the interop venv)",
-        py.display()
-    );
-    py
-}
 
 /// Runs the script once per test binary; returns its output folder.
 pub(super) fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let out = tempfile::tempdir().unwrap();
-        let script =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/flux_transformer.py");
-        let res = Command::new(python())
-            .arg(&script)
-            .arg("--out")
-            .arg(out.path())
-            .env("OMP_NUM_THREADS", "1")
-            .output()
-            .unwrap();
-        assert!(
-            res.status.success(),
-            "flux_transformer.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        out
-    })
-    .path()
+    DIR.get_or_init(|| crate::common::interop_fixtures("flux_transformer.py"))
+        .path()
 }
 
 fn reference() -> &'static [u8] {
@@ -60,26 +32,11 @@ fn reference() -> &'static [u8] {
 }
 
 pub(super) fn r(name: &str) -> Tensor {
-    let st = SafeTensors::deserialize(reference()).unwrap();
-    let v = st
-        .tensor(name)
-        .unwrap_or_else(|_| panic!("reference tensor {name} missing"));
-    assert_eq!(v.dtype(), safetensors::Dtype::F32, "{name}");
-    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
-    Tensor::from_data_size(v.data(), &shape, Kind::Float)
+    crate::common::st_tensor(reference(), name)
 }
 
 fn json(name: &str) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(fixtures().join(name)).unwrap()).unwrap()
-}
-
-/// (max |a − b|, max |a − b| / max |b|)
-pub(super) fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
-    assert_eq!(a.size(), b.size());
-    let a = a.to_kind(Kind::Float);
-    let d = f64::try_from((&a - b).abs().max()).unwrap();
-    let m = f64::try_from(b.abs().max()).unwrap();
-    (d, d / m)
 }
 
 fn opts(attention: AttentionBackend) -> LoadOptions {

@@ -5,8 +5,7 @@
 //! tokenizer's padding and truncation.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::OnceLock;
 
 use lora_core::inject::{Adaptable, site_names};
@@ -16,51 +15,19 @@ use tch::{Device, Kind, Tensor};
 
 fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-        assert!(
-            py.exists(),
-            "{} is missing: run `cargo xtask setup`",
-            py.display()
-        );
-        let out = tempfile::tempdir().unwrap();
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/t5_encoder.py");
-        let res = Command::new(py)
-            .arg(&script)
-            .arg("--out")
-            .arg(out.path())
-            .env("OMP_NUM_THREADS", "1")
-            .output()
-            .unwrap();
-        assert!(
-            res.status.success(),
-            "t5_encoder.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        out
-    })
-    .path()
+    DIR.get_or_init(|| crate::common::interop_fixtures("t5_encoder.py"))
+        .path()
 }
 
 fn r(name: &str) -> Tensor {
     static R: OnceLock<Vec<u8>> = OnceLock::new();
     let bytes = R.get_or_init(|| std::fs::read(fixtures().join("reference.safetensors")).unwrap());
-    let st = SafeTensors::deserialize(bytes).unwrap();
-    let v = st.tensor(name).unwrap();
-    let kind = match v.dtype() {
-        safetensors::Dtype::F32 => Kind::Float,
-        safetensors::Dtype::I64 => Kind::Int64,
-        d => panic!("unexpected dtype {d:?}"),
-    };
-    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
-    Tensor::from_data_size(v.data(), &shape, kind)
+    crate::common::st_tensor(bytes, name)
 }
 
 /// max |a − b| / max |b|
 fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size());
-    let d = f64::try_from((&a.to_kind(Kind::Float) - b).abs().max()).unwrap();
-    d / f64::try_from(b.abs().max()).unwrap()
+    crate::common::diff(a, b).1
 }
 
 fn check(label: &str, ours: &Tensor, reference: &str, tol: f64) {

@@ -2,10 +2,10 @@
 //! `tests/interop/sd_unet.py` builds and writes (SD 1.x-style and SDXL-style), loaded from the
 //! diffusers folder and from the original single-file layout, and with a PEFT LoRA adapter.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::OnceLock;
 
+use crate::common::diff;
 use crate::rng_lock;
 use lora_core::inject::{Adaptable, site_names};
 use lora_core::layer::SiteKind;
@@ -13,37 +13,11 @@ use lora_models::sd::{AttentionBackend, LoadOptions, UNet2DConditionModel, UNetC
 use safetensors::SafeTensors;
 use tch::{Kind, Tensor};
 
-fn python() -> PathBuf {
-    let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} is missing: run `cargo xtask setup` (it creates the interop venv)",
-        py.display()
-    );
-    py
-}
-
 /// Runs the script once per test binary; returns its output folder.
 fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let out = tempfile::tempdir().unwrap();
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/sd_unet.py");
-        let res = Command::new(python())
-            .arg(&script)
-            .arg("--out")
-            .arg(out.path())
-            .env("OMP_NUM_THREADS", "1")
-            .output()
-            .unwrap();
-        assert!(
-            res.status.success(),
-            "sd_unet.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        out
-    })
-    .path()
+    DIR.get_or_init(|| crate::common::interop_fixtures("sd_unet.py"))
+        .path()
 }
 
 fn reference() -> &'static [u8] {
@@ -52,26 +26,7 @@ fn reference() -> &'static [u8] {
 }
 
 fn r(name: &str) -> Tensor {
-    let st = SafeTensors::deserialize(reference()).unwrap();
-    let v = st
-        .tensor(name)
-        .unwrap_or_else(|_| panic!("reference tensor {name} missing"));
-    let kind = match v.dtype() {
-        safetensors::Dtype::F32 => Kind::Float,
-        safetensors::Dtype::I64 => Kind::Int64,
-        d => panic!("unexpected dtype {d:?}"),
-    };
-    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
-    Tensor::from_data_size(v.data(), &shape, kind)
-}
-
-/// (max |a − b|, max |a − b| / max |b|)
-fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
-    assert_eq!(a.size(), b.size());
-    let a = a.to_kind(Kind::Float);
-    let d = f64::try_from((&a - b).abs().max()).unwrap();
-    let m = f64::try_from(b.abs().max()).unwrap();
-    (d, d / m)
+    crate::common::st_tensor(reference(), name)
 }
 
 fn opts(kind: Kind, attention: AttentionBackend) -> LoadOptions {

@@ -2,10 +2,10 @@
 //! `tests/interop/sd_vae.py` builds and writes: encode (mean, logvar, seeded sample), decode,
 //! the original single-file layout, latent scaling, LoRA sites.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::OnceLock;
 
+use crate::common::diff;
 use lora_core::inject::{Adaptable, site_names};
 use lora_core::layer::SiteKind;
 use lora_models::sd::{AttentionBackend, AutoencoderKL, LoadOptions, VaeConfig};
@@ -14,51 +14,14 @@ use tch::{Kind, Tensor};
 
 fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-        assert!(
-            py.exists(),
-            "{} is missing: run `cargo xtask setup`",
-            py.display()
-        );
-        let out = tempfile::tempdir().unwrap();
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/sd_vae.py");
-        let res = Command::new(py)
-            .arg(&script)
-            .arg("--out")
-            .arg(out.path())
-            .env("OMP_NUM_THREADS", "1")
-            .output()
-            .unwrap();
-        assert!(
-            res.status.success(),
-            "sd_vae.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        out
-    })
-    .path()
+    DIR.get_or_init(|| crate::common::interop_fixtures("sd_vae.py"))
+        .path()
 }
 
 fn r(name: &str) -> Tensor {
     static R: OnceLock<Vec<u8>> = OnceLock::new();
     let bytes = R.get_or_init(|| std::fs::read(fixtures().join("reference.safetensors")).unwrap());
-    let st = SafeTensors::deserialize(bytes).unwrap();
-    let v = st.tensor(name).unwrap();
-    let kind = match v.dtype() {
-        safetensors::Dtype::F32 => Kind::Float,
-        safetensors::Dtype::I64 => Kind::Int64,
-        d => panic!("unexpected dtype {d:?}"),
-    };
-    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
-    Tensor::from_data_size(v.data(), &shape, kind)
-}
-
-/// (max |a − b|, max |a − b| / max |b|)
-fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
-    assert_eq!(a.size(), b.size());
-    let d = f64::try_from((&a.to_kind(Kind::Float) - b).abs().max()).unwrap();
-    (d, d / f64::try_from(b.abs().max()).unwrap())
+    crate::common::st_tensor(bytes, name)
 }
 
 const TOL_F32: f64 = 1e-4;
@@ -207,40 +170,15 @@ fn vae_sites_cover_every_conv_and_attention_projection() {
 /// The FLUX.1 autoencoder's fixtures: `tests/interop/flux_vae.py`'s output.
 fn flux_fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-        let out = tempfile::tempdir().unwrap();
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/flux_vae.py");
-        let res = Command::new(py)
-            .arg(&script)
-            .arg("--out")
-            .arg(out.path())
-            .env("OMP_NUM_THREADS", "1")
-            .output()
-            .unwrap();
-        assert!(
-            res.status.success(),
-            "flux_vae.py failed:\n{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
-        out
-    })
-    .path()
+    DIR.get_or_init(|| crate::common::interop_fixtures("flux_vae.py"))
+        .path()
 }
 
 fn flux_r(name: &str) -> Tensor {
     static R: OnceLock<Vec<u8>> = OnceLock::new();
     let bytes =
         R.get_or_init(|| std::fs::read(flux_fixtures().join("reference.safetensors")).unwrap());
-    let st = SafeTensors::deserialize(bytes).unwrap();
-    let v = st.tensor(name).unwrap();
-    let kind = match v.dtype() {
-        safetensors::Dtype::F32 => Kind::Float,
-        safetensors::Dtype::I64 => Kind::Int64,
-        d => panic!("unexpected dtype {d:?}"),
-    };
-    let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
-    Tensor::from_data_size(v.data(), &shape, kind)
+    crate::common::st_tensor(bytes, name)
 }
 
 #[test]
