@@ -500,6 +500,40 @@ fn lora_trainable(sites: &[&LinearSite], s: &Settings) -> Trainable {
     t
 }
 
+/// A full fine-tune of an image model: `params` trainable in the base's 16-bit dtype (32 bit for
+/// an fp32 base), Adafactor's factored sizes from the `usable` sites, `largest` the biggest
+/// tensor. Returns `(trainable, adapter bytes = 0, gradient bytes, state bytes)` per parameter.
+fn full_trainable(
+    s: &Settings,
+    usable: &[LinearSite],
+    params: u64,
+    largest: u64,
+) -> (Trainable, f64, f64, f64) {
+    let t = Trainable {
+        params,
+        factored: usable
+            .iter()
+            .map(|x| (x.in_features * x.kernel_area + x.out_features) * x.count)
+            .sum(),
+        small: 0,
+        largest,
+    };
+    let pb = if s.base_dtype == BaseDtype::F32 {
+        4.0
+    } else {
+        2.0
+    };
+    (t, 0.0, pb, pb)
+}
+
+/// LoRA on `sites`: `(trainable, adapter bytes, gradient bytes, state bytes)` (adapters, their
+/// gradients in the adapter dtype, optimizer states at least 32-bit).
+fn lora_state(c: &Ctx, s: &Settings, sites: &[&LinearSite]) -> (Trainable, f64, f64, f64) {
+    let t = lora_trainable(sites, s);
+    let ab = t.params as f64 * c.ad;
+    (t, ab, c.ad, c.ad.max(4.0))
+}
+
 /// `(elements, count)` of each trainable LoRA tensor (A, B, DoRA magnitude) of the sites.
 fn trainable_tensors(sites: &[&LinearSite], s: &Settings) -> Vec<(u64, u64)> {
     let mut v = Vec::new();
@@ -1534,25 +1568,9 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         if s.train_text_encoder {
             p += d.text_encoder_params();
         }
-        let t = Trainable {
-            params: p,
-            factored: usable
-                .iter()
-                .map(|x| (x.in_features * x.kernel_area + x.out_features) * x.count)
-                .sum(),
-            small: 0,
-            largest: 1280 * 1280 * 9,
-        };
-        let pb = if s.base_dtype == BaseDtype::F32 {
-            4.0
-        } else {
-            2.0
-        };
-        (t, 0.0, pb, pb)
+        full_trainable(s, &usable, p, 1280 * 1280 * 9)
     } else {
-        let t = lora_trainable(&sites, s);
-        let ab = t.params as f64 * c.ad;
-        (t, ab, c.ad, c.ad.max(4.0))
+        lora_state(&c, s, &sites)
     };
     let gradients = trainable.params as f64 * grad_bytes;
     let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);

@@ -4,8 +4,8 @@
 //! caches.
 
 use super::{
-    Ctx, FinishArgs, ctx, finish, frozen_models_on_device, lora_input_bytes, lora_trainable,
-    no_target_error, optimizer_bytes, step_temporaries, targeted,
+    Ctx, FinishArgs, ctx, finish, frozen_models_on_device, full_trainable, lora_input_bytes,
+    lora_state, no_target_error, optimizer_bytes, step_temporaries, targeted,
 };
 use crate::error::{Error, Result};
 use crate::flux::{FLUX_MLP_RATIO, FluxDescriptor};
@@ -241,25 +241,9 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         if s.train_text_encoder {
             p += d.text_encoders.first().map_or(0, |t| t.params);
         }
-        let t = super::Trainable {
-            params: p,
-            factored: usable
-                .iter()
-                .map(|x| (x.in_features + x.out_features) * x.count)
-                .sum(),
-            small: 0,
-            largest: (h * (3.0 * h + f)) as u64,
-        };
-        let pb = if s.base_dtype == BaseDtype::F32 {
-            4.0
-        } else {
-            2.0
-        };
-        (t, 0.0, pb, pb)
+        full_trainable(s, &usable, p, (h * (3.0 * h + f)) as u64)
     } else {
-        let t = lora_trainable(&sites, s);
-        let ab = t.params as f64 * c.ad;
-        (t, ab, c.ad, c.ad.max(4.0))
+        lora_state(&c, s, &sites)
     };
     let gradients = trainable.params as f64 * grad_bytes;
     let (states, foreach_tmp) = optimizer_bytes(&trainable, s.optimizer, state_bytes);
