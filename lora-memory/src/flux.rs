@@ -265,6 +265,19 @@ impl FluxDescriptor {
     /// text encoders' `self_attn.{q,k,v,out}_proj`, `mlp.fc1/fc2` (CLIP-L) and
     /// `SelfAttention.{q,k,v,o}`, `DenseReluDense.{wi_0,wi_1,wo}` (T5)).
     pub fn sites(&self) -> Vec<LinearSite> {
+        self.sites_with_blocks(self.double_blocks, self.single_blocks, true)
+    }
+
+    /// [`Self::sites`] with the block sites counted over `double` double-stream and `single`
+    /// single-stream blocks instead of all of them (the blocks that carry LoRA when only some
+    /// are trained), and the transformer's sites outside the blocks (embedders, output head)
+    /// only with `outside_blocks`.
+    pub fn sites_with_blocks(
+        &self,
+        double: u64,
+        single: u64,
+        outside_blocks: bool,
+    ) -> Vec<LinearSite> {
         let h = self.hidden;
         let f = FLUX_MLP_RATIO * h;
         let site = |name: &str, comp: &str, i: u64, o: u64, n: u64| LinearSite {
@@ -277,8 +290,8 @@ impl FluxDescriptor {
             conv: false,
         };
         let t = "transformer";
-        let nd = self.double_blocks;
-        let ns = self.single_blocks;
+        let nd = double;
+        let ns = single;
         let mut out = Vec::new();
         for n in [
             "attn.to_q",
@@ -307,18 +320,20 @@ impl FluxDescriptor {
         out.push(site("proj_mlp", t, h, f, ns));
         out.push(site("proj_out", t, h + f, h, ns));
         out.push(site("norm.linear", t, h, 3 * h, ns));
-        out.push(site("x_embedder", t, self.in_channels, h, 1));
-        out.push(site("context_embedder", t, self.joint_attention_dim, h, 1));
-        let emb = if self.variant == FluxVariant::Dev {
-            2
-        } else {
-            1
-        };
-        out.push(site("linear_1", t, 256, h, emb));
-        out.push(site("linear_2", t, h, h, emb + 1));
-        out.push(site("linear_1", t, self.pooled_projection_dim, h, 1));
-        out.push(site("norm_out.linear", t, h, 2 * h, 1));
-        out.push(site("proj_out", t, h, self.in_channels, 1));
+        if outside_blocks {
+            out.push(site("x_embedder", t, self.in_channels, h, 1));
+            out.push(site("context_embedder", t, self.joint_attention_dim, h, 1));
+            let emb = if self.variant == FluxVariant::Dev {
+                2
+            } else {
+                1
+            };
+            out.push(site("linear_1", t, 256, h, emb));
+            out.push(site("linear_2", t, h, h, emb + 1));
+            out.push(site("linear_1", t, self.pooled_projection_dim, h, 1));
+            out.push(site("norm_out.linear", t, h, 2 * h, 1));
+            out.push(site("proj_out", t, h, self.in_channels, 1));
+        }
         for te in &self.text_encoders {
             let (th, ti, l) = (te.hidden, te.intermediate, te.layers);
             if te.name == "text_encoder_2" {

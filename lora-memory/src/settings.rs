@@ -607,6 +607,12 @@ pub struct Settings {
     /// (`library/flux_models.py`, `enable_block_swap`): `N / 2` double-stream blocks and
     /// `2·(N − N / 2)` single-stream blocks. 0 (the default) keeps every block on the device.
     pub blocks_to_swap: u32,
+    /// FLUX: LoRA only inside the blocks, on `(double, single)` of the double- and
+    /// single-stream blocks (kohya's `networks.lora_flux`, with its `train_blocks` /
+    /// `train_double_block_indices` / `train_single_block_indices` network arguments); the
+    /// embedders and the output head carry none. `None` (the default): `target_modules` is
+    /// matched against every transformer linear.
+    pub flux_trained_blocks: Option<(u64, u64)>,
     /// Storage of the frozen text encoders while they are on the device (T5-XXL is 9.5 GB in
     /// 16 bit; kohya recommends an fp8 T5 below 10 GB cards). `None`: 16 bit (32 bit for an
     /// fp32 base).
@@ -645,6 +651,7 @@ impl Default for Settings {
             profile: Profile::ours(),
             world_size: 1,
             blocks_to_swap: 0,
+            flux_trained_blocks: None,
             text_encoder_dtype: None,
             text_tokens: None,
         }
@@ -676,6 +683,8 @@ impl Settings {
         with_world_size, world_size: u32);
     setter!(/// Sets `blocks_to_swap` (FLUX).
         with_blocks_to_swap, blocks_to_swap: u32);
+    setter!(/// Sets `flux_trained_blocks` (FLUX: `(double, single)` blocks with LoRA).
+        with_flux_trained_blocks, flux_trained_blocks: Option<(u64, u64)>);
     setter!(/// Sets `text_encoder_dtype`.
         with_text_encoder_dtype, text_encoder_dtype: Option<BaseDtype>);
     setter!(/// Sets `text_tokens` (FLUX T5 tokens per caption).

@@ -141,8 +141,16 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
     let (swap_d, swap_s) = d.swapped_blocks(s.blocks_to_swap)?;
     let c = ctx(s);
     let all_sites = d.sites();
+    // only the trained blocks' sites can carry LoRA (kohya's `networks.lora_flux`: the blocks,
+    // selected by `train_blocks` and block indices)
+    let trainable_sites = match s.flux_trained_blocks {
+        Some((td, ts)) => {
+            d.sites_with_blocks(td.min(d.double_blocks), ts.min(d.single_blocks), false)
+        }
+        None => all_sites.clone(),
+    };
     // a trained text encoder is CLIP-L (kohya trains T5 only with `train_t5xxl`)
-    let usable: Vec<LinearSite> = all_sites
+    let usable: Vec<LinearSite> = trainable_sites
         .iter()
         .filter(|x| {
             x.component == "transformer" || (s.train_text_encoder && x.component == "text_encoder")
@@ -429,6 +437,35 @@ mod tests {
         // past 35 is refused by name
         let e = estimate(&m, &s.with_blocks_to_swap(36)).unwrap_err();
         assert!(e.to_string().contains("blocks_to_swap"), "{e}");
+    }
+
+    #[test]
+    fn training_only_some_blocks_counts_only_their_adapters() {
+        let m = dev();
+        let s = kohya();
+        let all = estimate(&m, &s.clone().with_flux_trained_blocks(Some((19, 38))))
+            .unwrap()
+            .trainable_params;
+        // without a block selection the list `proj_out` also reaches the output head
+        let head = 4 * (3072 + 64);
+        assert_eq!(estimate(&m, &s).unwrap().trainable_params, all + head);
+        let single = estimate(&m, &s.clone().with_flux_trained_blocks(Some((0, 38))))
+            .unwrap()
+            .trainable_params;
+        let double = estimate(&m, &s.clone().with_flux_trained_blocks(Some((19, 0))))
+            .unwrap()
+            .trainable_params;
+        // r4 on every block linear of 3072 wide blocks: single-stream q, k, v (3072 → 3072),
+        // proj_mlp (3072 → 12288), proj_out (15360 → 3072), norm.linear (3072 → 9216)
+        let per_single =
+            4 * ((3 * (3072 + 3072)) + (3072 + 12288) + (15360 + 3072) + (3072 + 9216));
+        assert_eq!(single, 38 * per_single);
+        assert_eq!(single + double, all);
+        // half the single-stream blocks: half their adapters
+        let half = estimate(&m, &s.with_flux_trained_blocks(Some((0, 19))))
+            .unwrap()
+            .trainable_params;
+        assert_eq!(half, 19 * per_single);
     }
 
     #[test]

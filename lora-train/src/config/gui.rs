@@ -165,6 +165,14 @@ const FLUX_FIELDS: &[&str] = &[
     "ae",
 ];
 
+/// FLUX tab fields that become `networks.lora_flux` network arguments (`all` is the default
+/// and is not passed).
+const FLUX_NETWORK_ARGS: &[&str] = &[
+    "train_blocks",
+    "train_double_block_indices",
+    "train_single_block_indices",
+];
+
 /// GUI field-name prefixes of other model families' tabs.
 const OTHER_MODEL_PREFIXES: &[&str] = &[
     "flux1_", "flux_", "sd3_", "lumina_", "anima_", "hunyuan_", "chroma_",
@@ -240,6 +248,18 @@ pub(super) fn to_kohya(
             for (k, arg) in [("conv_dim", "conv_dim"), ("conv_alpha", "conv_alpha")] {
                 if let Some(x) = num(k).filter(|x| *x > 0.0) {
                     network_args.push(format!("{arg}={x}"));
+                }
+            }
+        }
+    }
+    // the FLUX tab's block selection goes into network_args, as the GUI passes it to
+    // sd-scripts' networks.lora_flux
+    if flux {
+        for k in FLUX_NETWORK_ARGS {
+            if let Some(Value::String(t)) = get(k) {
+                let t = t.trim();
+                if !t.is_empty() && !t.eq_ignore_ascii_case("all") {
+                    network_args.push(format!("{k}={}", t.replace(' ', "")));
                 }
             }
         }
@@ -355,6 +375,7 @@ pub(super) fn to_kohya(
                 }
             }
             "additional_parameters" => {} // after the fields: the command line wins
+            _ if flux && FLUX_NETWORK_ARGS.contains(&k) => {}
             _ if flux && FLUX_FIELDS.contains(&k) => {
                 out.insert(k.to_string(), v.clone());
             }

@@ -79,7 +79,7 @@ const TRACKERS: &str =
 const NOT_YET: &str = "not implemented here yet: training runs without it";
 const METADATA: &str = "not written into the adapter's metadata yet";
 const LOADER: &str = "lora-data does not implement it: training runs without it";
-const FLUX_TRAIN: &str = "a FLUX.1 training option: FLUX training is not in this version, and the plan does not depend on it";
+const FLUX_TRAIN: &str = "SD3-style loss weighting is not implemented for FLUX here: σ is drawn by `timestep_sampling` and the loss is unweighted";
 
 /// kohya arguments (and keys the kohya_ss GUI writes into the TOML it passes to sd-scripts)
 /// that are accepted but change nothing here, with the reason shown when their value is not off.
@@ -884,6 +884,11 @@ const NETWORK_ARGS_NO_EFFECT: &[(&str, &str)] = &[
     ("exclude_patterns", "use `lora.exclude_modules`"),
     ("use_cp", "used only by LyCORIS LoHa/LoKr"),
     ("include_patterns", "use `lora.target_modules`"),
+    (
+        "split_qkv",
+        "FLUX adapters are per projection here; the kohya file fuses them into BFL's modules, exactly",
+    ),
+    ("train_t5xxl", "T5-XXL is not trained here"),
 ];
 
 /// Reads kohya's `network_args` into the config; whether they name an `algo` (LyCORIS).
@@ -958,6 +963,49 @@ fn network_args(
                     }
                     c.lora.dropout = p;
                 }
+            }
+            // networks.lora_flux
+            "train_blocks" => {
+                let t = x.as_str().unwrap_or_default().trim().to_ascii_lowercase();
+                c.flux.train_blocks = match t.as_str() {
+                    "all" => crate::config::FluxTrainBlocks::All,
+                    "single" => crate::config::FluxTrainBlocks::Single,
+                    "double" => crate::config::FluxTrainBlocks::Double,
+                    _ => return Err(invalid(&key, x, "\"all\", \"single\" or \"double\"")),
+                };
+            }
+            "train_double_block_indices" | "train_single_block_indices" => {
+                // `0,2-4` arrives split at its commas, as other list-valued arguments do
+                let one = |v: &Value| match v {
+                    Value::String(t) => t.trim().to_string(),
+                    Value::Number(n) => n.to_string(),
+                    _ => String::new(),
+                };
+                let t = match x {
+                    Value::Array(a) => a.iter().map(one).collect::<Vec<_>>().join(","),
+                    other => one(other),
+                };
+                if let Err(m) = crate::config::parse_block_indices(&t, u32::MAX) {
+                    return Err(ConfigError::InvalidValue {
+                        key,
+                        value: render(x),
+                        expected: format!(
+                            "\"all\", \"none\" or comma-separated indices and ranges such as \"0,1,8-12\" ({m})"
+                        ),
+                    });
+                }
+                if name == "train_double_block_indices" {
+                    c.flux.train_double_block_indices = Some(t);
+                } else {
+                    c.flux.train_single_block_indices = Some(t);
+                }
+            }
+            "train_t5xxl" if !is_off(x) => {
+                return Err(ConfigError::InvalidValue {
+                    key,
+                    value: render(x),
+                    expected: "false: T5-XXL is not trained here (it stays frozen and its outputs are cached); remove train_t5xxl".into(),
+                });
             }
             other => {
                 let reason = NETWORK_ARGS_NO_EFFECT

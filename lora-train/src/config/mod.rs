@@ -803,9 +803,26 @@ section! {
         /// The guidance value fed to FLUX.1-dev's guidance embedder in training (kohya
         /// `guidance_scale`, default 1.0; schnell has none).
         guidance_scale: f64 = 1.0, Typed("a number"), aka ["guidance_scale"];
+        /// Which blocks get LoRA (kohya `network_args = ["train_blocks=single"]`): `all`
+        /// (default), `single` (the single-stream blocks only) or `double`.
+        train_blocks: FluxTrainBlocks = FluxTrainBlocks::All, Choice(FLUX_TRAIN_BLOCKS),
+            aka ["train_blocks"];
+        /// The double-stream blocks that get LoRA (kohya `train_double_block_indices`): `all`,
+        /// `none`, or indices and ranges such as `"0,1,8-12"`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        train_double_block_indices: Option<String> = None, Typed("\"all\", \"none\" or indices such as \"0,1,8-12\""),
+            aka ["train_double_block_indices"],
+            check |v| v.as_deref().is_none_or(|s| parse_block_indices(s, u32::MAX).is_ok()) => "\"all\", \"none\" or comma-separated indices and ranges such as \"0,1,8-12\"";
+        /// The single-stream blocks that get LoRA (kohya `train_single_block_indices`), as
+        /// `train_double_block_indices`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        train_single_block_indices: Option<String> = None, Typed("\"all\", \"none\" or indices such as \"0,1,8-12\""),
+            aka ["train_single_block_indices"],
+            check |v| v.as_deref().is_none_or(|s| parse_block_indices(s, u32::MAX).is_ok()) => "\"all\", \"none\" or comma-separated indices and ranges such as \"0,1,8-12\"";
         /// How the transformer's output becomes the prediction (kohya
-        /// `model_prediction_type`).
-        model_prediction_type: ModelPredictionType = ModelPredictionType::SigmaScaled,
+        /// `model_prediction_type`; default `raw`, which kohya's FLUX guide recommends —
+        /// sd-scripts' own default is `sigma_scaled`).
+        model_prediction_type: ModelPredictionType = ModelPredictionType::Raw,
             Choice(MODEL_PREDICTION_TYPES), aka ["model_prediction_type"];
     }
 }
@@ -990,6 +1007,73 @@ pub enum TimestepSampling {
     LogitNormal,
 }
 
+/// `flux.train_blocks` names (kohya sd-scripts' `networks/lora_flux.py`).
+const FLUX_TRAIN_BLOCKS: &[(&str, FluxTrainBlocks)] = &[
+    ("all", FluxTrainBlocks::All),
+    ("single", FluxTrainBlocks::Single),
+    ("double", FluxTrainBlocks::Double),
+];
+
+/// Which FLUX blocks get LoRA (kohya's `train_blocks` network argument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FluxTrainBlocks {
+    /// Double- and single-stream blocks.
+    #[default]
+    All,
+    /// The single-stream blocks only.
+    Single,
+    /// The double-stream blocks only.
+    Double,
+}
+
+/// The block indices a kohya `train_double_block_indices` / `train_single_block_indices`
+/// value names (`all`, `none`, or comma-separated indices and inclusive ranges `a-b`), sorted
+/// and without repeats; `None` for `all`. `n_blocks` bounds the indices (`u32::MAX` checks the
+/// syntax only).
+///
+/// # Errors
+/// A message saying what is wrong with `text`.
+pub fn parse_block_indices(
+    text: &str,
+    n_blocks: u32,
+) -> std::result::Result<Option<Vec<u32>>, String> {
+    let t = text.trim().to_ascii_lowercase();
+    match t.as_str() {
+        "all" => return Ok(None),
+        "none" | "" => return Ok(Some(Vec::new())),
+        _ => {}
+    }
+    let mut out = Vec::new();
+    for part in t.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let num = |x: &str| {
+            x.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{x:?} in {text:?} is not a block index"))
+        };
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let a = num(part)?;
+                (a, a)
+            }
+        };
+        if a > b {
+            return Err(format!("the range {part:?} in {text:?} runs backwards"));
+        }
+        if b >= n_blocks {
+            return Err(format!(
+                "block {b} in {text:?} does not exist: this model has {n_blocks} (0 to {})",
+                n_blocks.saturating_sub(1)
+            ));
+        }
+        out.extend(a..=b);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(Some(out))
+}
+
 /// `flux.model_prediction_type` names (kohya sd-scripts).
 const MODEL_PREDICTION_TYPES: &[(&str, ModelPredictionType)] = &[
     ("raw", ModelPredictionType::Raw),
@@ -1002,14 +1086,15 @@ const MODEL_PREDICTION_TYPES: &[(&str, ModelPredictionType)] = &[
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelPredictionType {
-    /// The output as is (the velocity `noise − latents`).
+    /// The output as is (the velocity `noise − latents`): the default here, kohya's
+    /// recommendation (`docs/flux_train_network.md`).
+    #[default]
     Raw,
     /// The output added to the noisy input.
     Additive,
-    /// kohya's default: the output becomes `output · (−σ) + noisy input` (an estimate of the
-    /// clean latents), compared with the same target as [`Self::Raw`]
-    /// (`flux_train_utils.apply_model_prediction_type`).
-    #[default]
+    /// sd-scripts' argparse default: the output becomes `output · (−σ) + noisy input` (an
+    /// estimate of the clean latents), compared with the same target as [`Self::Raw`]
+    /// (`flux_train_utils.apply_model_prediction_type`, as written there).
     SigmaScaled,
 }
 

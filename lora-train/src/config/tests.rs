@@ -207,7 +207,10 @@ fn every_key_set() -> TrainConfig {
     c.flux.logit_mean = 0.5;
     c.flux.logit_std = 1.5;
     c.flux.guidance_scale = 3.5;
-    c.flux.model_prediction_type = super::ModelPredictionType::Raw;
+    c.flux.model_prediction_type = super::ModelPredictionType::SigmaScaled;
+    c.flux.train_blocks = super::FluxTrainBlocks::Single;
+    c.flux.train_double_block_indices = Some("0-3".into());
+    c.flux.train_single_block_indices = Some("1,4-6".into());
     let mut t = TaggerSection::default();
     t.model_settings.precision = Some("bf16".into());
     t.model_settings.device = Some("cpu".into());
@@ -465,4 +468,48 @@ fn engine_settings_written_as_mappings_are_checked_like_names() {
     // a negative clipping norm is no longer read as "off"
     let e = err("train:\n  max_grad_norm: -1\n");
     assert!(e.contains("train.max_grad_norm"), "{e}");
+}
+
+#[test]
+fn kohya_flux_network_args_select_blocks_and_bad_indices_name_the_key() {
+    let c = TrainConfig::from_toml_str(
+        "network_module = \"networks.lora_flux\"\nnetwork_args = [\"train_blocks=single\", \"train_single_block_indices=0,2-4\", \"split_qkv=True\"]\n",
+    )
+    .unwrap();
+    assert_eq!(c.flux.train_blocks, super::FluxTrainBlocks::Single);
+    assert_eq!(c.flux.train_single_block_indices.as_deref(), Some("0,2-4"));
+    assert_eq!(
+        super::parse_block_indices("0,2-4,3", 38).unwrap(),
+        Some(vec![0, 2, 3, 4])
+    );
+    assert_eq!(super::parse_block_indices("all", 38).unwrap(), None);
+    assert_eq!(
+        super::parse_block_indices("none", 38).unwrap(),
+        Some(vec![])
+    );
+    assert!(super::parse_block_indices("4-2", 38).is_err());
+    assert!(super::parse_block_indices("38", 38).is_err());
+    let e = TrainConfig::from_toml_str("network_args = [\"train_double_block_indices=0,x\"]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("train_double_block_indices") && e.contains("0,1,8-12"),
+        "{e}"
+    );
+    let e = TrainConfig::from_toml_str("network_args = [\"train_blocks=triple\"]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train_blocks") && e.contains("single"), "{e}");
+    let e = TrainConfig::from_toml_str("network_args = [\"train_t5xxl=True\"]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train_t5xxl"), "{e}");
+    // the kohya_ss GUI's FLUX tab
+    let c = TrainConfig::from_json_str(
+        "{\"LoRA_type\": \"Flux1\", \"flux1_checkbox\": true, \"train_blocks\": \"double\", \"train_double_block_indices\": \"0, 5-7\", \"train_single_block_indices\": \"all\", \"network_dim\": 8, \"network_alpha\": 8}",
+    )
+    .unwrap();
+    assert_eq!(c.flux.train_blocks, super::FluxTrainBlocks::Double);
+    assert_eq!(c.flux.train_double_block_indices.as_deref(), Some("0,5-7"));
+    assert_eq!(c.flux.train_single_block_indices, None);
 }

@@ -4,6 +4,8 @@
 
 #[cfg(feature = "flux")]
 pub mod flux;
+#[cfg(feature = "sd")]
+pub mod images;
 #[cfg(feature = "llm")]
 pub mod llm;
 #[cfg(feature = "sd")]

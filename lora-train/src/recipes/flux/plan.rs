@@ -118,12 +118,69 @@ fn stored_in_fp8(path: &Path) -> bool {
 /// # Errors
 /// [`JobError::Config`] naming `data.resolution`, the value and a multiple to use.
 pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
-    crate::sd_plan::check_resolution_multiple(
+    crate::recipes::images::check_resolution_multiple(
         cfg,
         16,
         "for FLUX (latents are 1/8 of it, packed in 2×2 patches)",
         "",
     )
+}
+
+/// The blocks that get LoRA in a model of `double` double-stream and `single` single-stream
+/// blocks: `(double, single)` index lists (`None` = every block of that kind), from
+/// `flux.train_blocks` and `flux.train_double_block_indices` / `train_single_block_indices`
+/// (kohya `networks.lora_flux`'s network arguments: `train_blocks=single` leaves the
+/// double-stream blocks out whatever their indices say).
+///
+/// # Errors
+/// [`JobError::Config`] naming the key whose indices do not exist in this model, or when no
+/// block is left to train.
+pub fn trained_blocks(
+    cfg: &TrainConfig,
+    double: u32,
+    single: u32,
+) -> Result<(Option<Vec<u32>>, Option<Vec<u32>>)> {
+    use crate::config::{ConfigError, FluxTrainBlocks, parse_block_indices};
+    let f = &cfg.flux;
+    let pick = |key: &str, v: &Option<String>, n: u32| -> Result<Option<Vec<u32>>> {
+        match v {
+            None => Ok(None),
+            Some(t) => parse_block_indices(t, n).map_err(|m| {
+                JobError::Config(ConfigError::InvalidValue {
+                    key: key.into(),
+                    value: t.clone(),
+                    expected: format!("indices of this model's blocks ({m})"),
+                })
+            }),
+        }
+    };
+    let d = match f.train_blocks {
+        FluxTrainBlocks::Single => Some(Vec::new()),
+        _ => pick(
+            "flux.train_double_block_indices",
+            &f.train_double_block_indices,
+            double,
+        )?,
+    };
+    let s = match f.train_blocks {
+        FluxTrainBlocks::Double => Some(Vec::new()),
+        _ => pick(
+            "flux.train_single_block_indices",
+            &f.train_single_block_indices,
+            single,
+        )?,
+    };
+    if d.as_ref().is_some_and(Vec::is_empty) && s.as_ref().is_some_and(Vec::is_empty) {
+        return Err(JobError::Config(ConfigError::InvalidValue {
+            key: "flux.train_blocks".into(),
+            value: format!(
+                "{:?} with double-stream indices {:?} and single-stream indices {:?}",
+                f.train_blocks, f.train_double_block_indices, f.train_single_block_indices
+            ),
+            expected: "settings that leave at least one block to train".into(),
+        }));
+    }
+    Ok((d, s))
 }
 
 /// lora-memory settings for a FLUX run of `cfg` on `desc`, and notes on what was assumed.
@@ -234,6 +291,20 @@ pub fn settings_for(
     }
     if let ModelDescriptor::Flux(d) = desc {
         d.swapped_blocks(s.blocks_to_swap)?;
+        // the job puts LoRA inside the blocks only (kohya's lora_flux), unless the targets are
+        // a regex of the user's own
+        if !matches!(&cfg.lora.target_modules, TargetModules::Regex(r) if r != "all-linear") {
+            let (td, ts) = trained_blocks(cfg, d.double_blocks as u32, d.single_blocks as u32)?;
+            let count = |v: &Option<Vec<u32>>, n: u64| v.as_ref().map_or(n, |v| v.len() as u64);
+            let (cd, cs) = (count(&td, d.double_blocks), count(&ts, d.single_blocks));
+            s.flux_trained_blocks = Some((cd, cs));
+            if td.is_some() || ts.is_some() {
+                notes.push(format!(
+                    "LoRA on {cd} of {} double-stream and {cs} of {} single-stream blocks (flux.train_blocks / block indices)",
+                    d.double_blocks, d.single_blocks
+                ));
+            }
+        }
         let full = lora_memory::FluxDescriptor::dev();
         if (d.double_blocks, d.single_blocks, d.hidden)
             != (full.double_blocks, full.single_blocks, full.hidden)

@@ -53,14 +53,13 @@
 //!   into B) — the file `StableDiffusion[XL]Pipeline.load_lora_weights` reads.
 
 use crate::config::{Dtype, ExportFormat, TargetModules, TrainConfig};
-use crate::engine::{BatchSource, TrainError, TrainStep};
+use crate::engine::TrainStep;
 use crate::job::error::During;
 use crate::job::sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};
 use crate::job::{JobError, Plan, Result, RunOptions, resolve_path};
 use lora_core::formats::AdapterWeights;
-use lora_data::cache::{CacheKey, LatentCache};
-use lora_data::image::{ImageBatch, ImageCollate, ImageDataset, config::DatasetConfig};
-use lora_data::loader::{Batches, Collate, Dataset, Loader, LoaderConfig};
+use lora_data::image::{ImageBatch, ImageDataset};
+use lora_data::loader::Dataset;
 use lora_models::diffusion::{DiffusionLoss, LossConfig, NoiseSchedule, PredictionType};
 use lora_models::sd::UNet2DConditionModel;
 mod adapter;
@@ -79,7 +78,6 @@ pub use task::*;
 
 use serde::Serialize;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use tch::{Device, Kind, Tensor};
@@ -149,67 +147,7 @@ pub struct SdRunSummary {
 /// Timesteps of the fixed evaluation (spread over the schedule).
 pub const EVAL_TIMESTEPS: [i64; 5] = [50, 250, 450, 650, 850];
 
-fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConfig> {
-    let lower = data_path.to_string_lossy().to_ascii_lowercase();
-    if lower.ends_with(".toml") {
-        return DatasetConfig::from_toml_file(data_path)
-            .during(format!("reading {}", data_path.display()));
-    }
-    let d = &cfg.data;
-    let mut set = lora_data::image::config::ImageSetConfig {
-        bucket: crate::sd_plan::bucket_config(cfg),
-        ..Default::default()
-    };
-    set.batch_size = cfg.train.batch_size.max(1) as usize;
-    let mut sub = lora_data::image::config::SubsetConfig::new(data_path);
-    if let Some(e) = &d.caption_extension {
-        sub.caption_extension = if e.starts_with('.') {
-            e.clone()
-        } else {
-            format!(".{e}")
-        };
-    }
-    if let Some(k) = d.keep_tokens {
-        sub.keep_tokens = k as usize;
-    }
-    if let Some(s) = d.shuffle_caption {
-        sub.shuffle_caption = s;
-    }
-    if let Some(s) = &d.caption_separator {
-        sub.caption_separator = s.clone();
-    }
-    sub.caption_dropout_rate = d.caption_dropout_rate.unwrap_or(sub.caption_dropout_rate);
-    sub.caption_tag_dropout_rate = d
-        .caption_tag_dropout_rate
-        .unwrap_or(sub.caption_tag_dropout_rate);
-    sub.caption_prefix = d.caption_prefix.clone().or(sub.caption_prefix);
-    sub.caption_suffix = d.caption_suffix.clone().or(sub.caption_suffix);
-    sub.flip_aug = d.flip_aug.unwrap_or(sub.flip_aug);
-    sub.random_crop = d.random_crop.unwrap_or(sub.random_crop);
-    set.subsets.push(sub);
-    // kohya `reg_data_dir`: regularization images in the same folder layout, relative paths
-    // against the training folder's parent (where kohya users keep `img/` and `reg/`)
-    let reg = d.reg_data_dir.as_deref().map(|r| {
-        let p = Path::new(r);
-        if p.is_relative() && !p.exists() {
-            data_path
-                .parent()
-                .map(|b| b.join(p))
-                .unwrap_or_else(|| p.to_path_buf())
-        } else {
-            p.to_path_buf()
-        }
-    });
-    let dc = DatasetConfig::from_kohya_folders(data_path, reg.as_deref(), &set)
-        .during(format!("listing {}", data_path.display()))?;
-    if dc.datasets.iter().all(|s| s.subsets.is_empty()) {
-        // a plain folder of images: one subset, one repeat
-        return Ok(DatasetConfig {
-            datasets: vec![set],
-        });
-    }
-    Ok(dc)
-}
+pub use crate::recipes::images::dataset_config;
 
 fn sd_plan(cfg: &TrainConfig, path: &Path, cuda: bool) -> Result<Plan> {
     // what the job loads: a diffusers folder or a single-file checkpoint (its header);
@@ -280,46 +218,7 @@ impl RunSteps for SdSteps {
     }
 
     fn read_data(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()> {
-        let data_written = cfg.data.train_data_dir.clone().ok_or_else(|| {
-            crate::config::ConfigError::Missing {
-                key: "data.train_data_dir".into(),
-                hint: "set it to a kohya image folder (`<repeats>_<concept>` subfolders) or a dataset TOML".into(),
-            }
-        })?;
-        let data_path = resolve_path("data.train_data_dir", &data_written, ctx.config_dir())?;
-        let dcfg = dataset_config(cfg, &data_path)?;
-        let policy = match cfg.data.bad_images {
-            crate::config::BadImages::Skip => lora_data::validate::Policy::Skip,
-            crate::config::BadImages::Stop => lora_data::validate::Policy::Fail,
-        };
-        let ds = ImageDataset::new(dcfg, policy).map_err(|e| match e {
-            // unusable images (with `stop`) or none usable at all: the user's data, exit 2
-            lora_data::Error::Invalid { .. } => JobError::Input(format!(
-                "data.train_data_dir {}: {e}\nfix or remove those files{}",
-                data_path.display(),
-                if cfg.data.bad_images == crate::config::BadImages::Stop {
-                    ", or set data.bad_images: skip to train without them"
-                } else {
-                    ""
-                }
-            )),
-            other => JobError::Data {
-                during: format!("scanning {}", data_path.display()),
-                source: other,
-            },
-        })?;
-        ctx.say(&format!(
-            "data: {} images, {} items per epoch\n{}",
-            ds.num_images(),
-            ds.len(),
-            ds.bucket_report()
-        ));
-        // name every file left out or without a caption (the Display of a problem gives the
-        // path, what is wrong and what to do)
-        for p in ds.problems() {
-            eprintln!("warning: {p}");
-        }
-        self.data = Some((data_path, ds));
+        self.data = Some(crate::recipes::images::read_dataset(cfg, ctx)?);
         Ok(())
     }
 
@@ -492,31 +391,7 @@ struct SdRun {
     bucket_batches: Vec<((u32, u32), u64)>,
 }
 
-/// The prompts of kohya prompt-file lines (`a cat --n blurry --w 512 --d 1`): each line's text
-/// before its first ` --` option, without empty and `#` comment lines; and the options seen
-/// (`--n`, `--w`, …), which the sampler here does not apply per prompt.
-pub fn kohya_prompts(lines: &[String]) -> (Vec<String>, Vec<String>) {
-    let mut prompts = Vec::new();
-    let mut options: Vec<String> = Vec::new();
-    for line in lines {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let mut parts = line.split(" --");
-        let prompt = parts.next().unwrap_or_default().trim();
-        for opt in parts {
-            let name = format!("--{}", opt.split_whitespace().next().unwrap_or_default());
-            if !options.contains(&name) {
-                options.push(name);
-            }
-        }
-        if !prompt.is_empty() {
-            prompts.push(prompt.to_string());
-        }
-    }
-    (prompts, options)
-}
+pub use crate::recipes::images::kohya_prompts;
 
 /// The seed of the fixed evaluation's noise.
 fn eval_seed(cfg: &TrainConfig) -> u64 {
@@ -570,39 +445,11 @@ impl LoadedRun for SdRun {
             .ok_or(JobError::Internal("the image dataset was taken twice"))?;
         self.images = ds.num_images();
         self.items = ds.len();
-        let loader = ds
-            .into_loader(LoaderConfig {
-                batch_size: cfg.train.batch_size.max(1) as usize,
-                shuffle: cfg.data_loader.shuffle,
-                drop_last: false,
-                seed: cfg.system.seed,
-                num_workers: cfg.data_loader.num_workers as usize,
-                prefetch_factor: cfg.data_loader.prefetch_factor.max(1) as usize,
-                persistent_workers: cfg.data_loader.persistent_workers,
-                // data-parallel: this rank's share of each epoch, as DistributedSampler deals
-                num_replicas: ctx.loader_shard().0,
-                rank: ctx.loader_shard().1,
-            })
-            .during("building the image loader")?;
+        let loader = crate::recipes::images::image_loader(ds, cfg, ctx)?;
         let base_path = ctx.base_path()?;
-        let out_dir = &ctx.out_dir;
-        std::fs::create_dir_all(out_dir).during(format!("creating {}", out_dir.display()))?;
-        let disk = if cfg.data.cache_latents == Some(true) {
-            Some(
-                LatentCache::new(out_dir.join("latent_cache"))
-                    .during("opening the latent cache")?,
-            )
-        } else {
-            None
-        };
+        let disk = crate::recipes::images::disk_cache(cfg, &ctx.out_dir)?;
         // the VAE (its file or folder) and the dtype it encodes in name the cached latents
-        let model_id = format!(
-            "vae:{}:{:?}",
-            std::fs::canonicalize(&base_path)
-                .unwrap_or_else(|_| base_path.clone())
-                .display(),
-            self.kind
-        );
+        let model_id = crate::recipes::images::vae_model_id(&base_path, self.kind);
         // Cache before training what can be (kohya's cache_latents / cache_text_encoder_outputs),
         // then move the VAE and the frozen text encoders off the device: they come back only to
         // draw sample images.
@@ -621,43 +468,22 @@ impl LoadedRun for SdRun {
                 );
             }
         }
-        let say = |s: &str| ctx.say(s);
-        let precached = precache(
-            &self.pipe,
-            loader.dataset(),
-            &model_id,
-            disk.as_ref(),
+        let Some(source) = crate::recipes::images::cached_source(
+            &mut self.pipe,
+            loader,
+            model_id,
+            disk,
             (pre_latents, pre_text),
-            &say,
-        )
-        .during("caching before training")?;
-        let Some(precached) = precached else {
+            !train_te,
+            ctx,
+            |pipe, (latents, text)| {
+                pipe.move_frozen(Device::Cpu, latents, text)
+                    .map_err(pipeline_err)
+            },
+        )?
+        else {
             return Err(ctx.interrupted_before_training());
         };
-        if pre_latents || pre_text {
-            let pipe = Rc::get_mut(&mut self.pipe)
-                .ok_or(JobError::Internal("the pipeline is shared before training"))?;
-            let moved = pipe
-                .move_frozen(Device::Cpu, pre_latents, pre_text)
-                .map_err(pipeline_err)?;
-            let (which, verb) = match (pre_latents, pre_text) {
-                (true, true) => ("the VAE and the text encoders", "stay"),
-                (true, false) => ("the VAE", "stays"),
-                _ => ("the text encoders", "stay"),
-            };
-            if moved.is_empty() {
-                ctx.say(&format!(
-                    "{which} {verb} in memory (a CPU run: the device is the CPU)"
-                ));
-            } else {
-                ctx.say(&format!(
-                    "moved {} to the CPU until sample images are drawn",
-                    moved.join(", ")
-                ));
-            }
-        }
-        let mut source = ImageSource::new(self.pipe.clone(), loader, model_id, disk, !train_te);
-        source.preload(precached);
         self.encoded = source.encoded.clone();
         Ok(source)
     }
@@ -691,43 +517,15 @@ impl LoadedRun for SdRun {
         cfg: &TrainConfig,
         ctx: &RunContext<'_>,
     ) -> Result<Vec<Box<dyn crate::engine::Callback>>> {
-        // sample prompts: logging.sample_prompts, else kohya's prompt file, else the lines of
-        // logging.sample_prompt; kohya's per-line options are taken off the prompt
-        let mut prompts: Vec<String> = cfg.logging.sample_prompts.clone();
-        if prompts.is_empty()
-            && let Some(file) = &cfg.logging.sample_prompts_file
-        {
-            let path = resolve_path("sample_prompts", file, ctx.config_dir())?;
-            let text = std::fs::read_to_string(&path)
-                .during(format!("reading the sample prompts {}", path.display()))?;
-            prompts = text.lines().map(String::from).collect();
-        }
-        let (prompts, ignored) = kohya_prompts(&prompts);
-        if !ignored.is_empty() {
-            ctx.say(&format!(
-                "sample prompts: kohya's per-prompt options {} are not applied; the samples use logging.sample_steps, sample_guidance_scale, the training size and system.seed",
-                ignored.join(", ")
-            ));
-        }
-        let mut prompts = prompts;
-        if prompts.is_empty() {
-            prompts = cfg
-                .logging
-                .sample_prompt
-                .as_deref()
-                .unwrap_or("")
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .map(String::from)
-                .collect();
-        }
+        let prompts = crate::recipes::images::sample_prompts(cfg, ctx)?;
         let sampler = SampleCallback::new(
-            self.pipe.clone(),
+            SdSampler {
+                pipe: self.pipe.clone(),
+                opts: sample_options(cfg),
+            },
             prompts.clone(),
             cfg.logging.sample_every_n_steps,
             ctx.out_dir.join("samples"),
-            sample_options(cfg),
         );
         self.written = sampler.written.clone();
         self.prompts = prompts;
@@ -820,11 +618,13 @@ impl LoadedRun for SdRun {
                 .any(|p| p.ends_with(format!("step-{}.png", report.steps)))
         {
             let final_sampler = SampleCallback::new(
-                self.pipe.clone(),
+                SdSampler {
+                    pipe: self.pipe.clone(),
+                    opts: sample_options(cfg),
+                },
                 self.prompts.clone(),
                 0,
                 ctx.out_dir.join("samples"),
-                sample_options(cfg),
             );
             let p = final_sampler
                 .write(report.steps)
@@ -1021,36 +821,6 @@ mod tests {
     }
 
     #[test]
-    fn kohya_folders_give_subsets_with_repeats_and_a_plain_folder_is_one_subset() {
-        let d = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(d.path().join("3_cat")).unwrap();
-        std::fs::create_dir_all(d.path().join("notes")).unwrap();
-        let mut cfg = TrainConfig::default();
-        cfg.data.resolution = Some([64, 96]);
-        cfg.data.caption_extension = Some("caption".into());
-        cfg.data.keep_tokens = Some(2);
-        cfg.data.shuffle_caption = Some(true);
-        cfg.train.batch_size = 3;
-        let dc = dataset_config(&cfg, d.path()).unwrap();
-        let set = &dc.datasets[0];
-        assert_eq!(set.bucket.resolution, (64, 96));
-        assert_eq!(set.batch_size, 3);
-        assert_eq!(set.subsets.len(), 1);
-        let s = &set.subsets[0];
-        assert_eq!(s.image_dir, d.path().join("3_cat"));
-        assert_eq!(s.num_repeats, 3);
-        assert_eq!(s.class_tokens.as_deref(), Some("cat"));
-        assert_eq!(s.caption_extension, ".caption");
-        assert_eq!((s.keep_tokens, s.shuffle_caption), (2, true));
-        // no `<repeats>_<name>` folder: the folder itself, one repeat
-        let plain = tempfile::tempdir().unwrap();
-        let dc = dataset_config(&cfg, plain.path()).unwrap();
-        let s = &dc.datasets[0].subsets[0];
-        assert_eq!(s.image_dir, plain.path());
-        assert_eq!(s.num_repeats, 1);
-    }
-
-    #[test]
     fn kohya_metadata_names_the_base_version_as_sd_scripts_does() {
         let m = sd_metadata(Default::default(), SdVersion::V1, true);
         assert_eq!(m["ss_base_model_version"], "sd_v1");
@@ -1073,15 +843,6 @@ mod tests {
             [480.0, 640.0, 8.0, 16.0, 384.0, 512.0]
         );
         assert_eq!(kohya_prefix("unet", true), "lora_unet");
-        let (p, o) = kohya_prompts(&[
-            "a cat --n blurry --w 512 --h 768".into(),
-            "# a comment".into(),
-            "".into(),
-            "a dog --d 7".into(),
-            "plain".into(),
-        ]);
-        assert_eq!(p, vec!["a cat", "a dog", "plain"]);
-        assert_eq!(o, vec!["--n", "--w", "--h", "--d"]);
         assert_eq!(kohya_prefix("text_encoder", false), "lora_te");
         assert_eq!(kohya_prefix("text_encoder", true), "lora_te1");
         assert_eq!(kohya_prefix("text_encoder_2", true), "lora_te2");

@@ -104,40 +104,7 @@ pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
     )
 }
 
-/// Checks that both sides of `data.resolution` are positive multiples of `multiple` pixels;
-/// `why` follows "a multiple of N pixels on each side" in the error, `tail` its example.
-///
-/// # Errors
-/// [`JobError::Config`] naming `data.resolution`, the value and the nearest multiple.
-pub fn check_resolution_multiple(
-    cfg: &TrainConfig,
-    multiple: u32,
-    why: &str,
-    tail: &str,
-) -> Result<()> {
-    if let Some([w, h]) = cfg.data.resolution
-        && (w == 0 || h == 0 || w % multiple != 0 || h % multiple != 0)
-    {
-        let near = |v: u32| (v.max(multiple) + multiple / 2) / multiple * multiple;
-        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
-            key: "data.resolution".into(),
-            value: if w == h {
-                w.to_string()
-            } else {
-                format!("[{w}, {h}]")
-            },
-            expected: format!(
-                "a multiple of {multiple} pixels on each side {why}, e.g. {}{tail}",
-                if w == h {
-                    near(w).to_string()
-                } else {
-                    format!("[{}, {}]", near(w), near(h))
-                }
-            ),
-        }));
-    }
-    Ok(())
-}
+pub use crate::recipes::images::{bucket_config, check_resolution_multiple};
 
 // ---------------------------------------------------------------------------------------------
 // Checks shared by `lora-train plan` and `lora-train train` (the SD job runs them before anything
@@ -534,29 +501,6 @@ fn check_data_format(format: DataFormat) -> Result<()> {
             format!("{other:?}").to_lowercase()
         ))),
     }
-}
-
-/// The aspect-bucket settings of `cfg`'s data section (`data.resolution`, `enable_bucket`,
-/// `min_bucket_reso`, `max_bucket_reso`, `bucket_reso_steps`) over lora-data's defaults.
-pub fn bucket_config(cfg: &TrainConfig) -> lora_data::image::BucketConfig {
-    let d = &cfg.data;
-    let mut b = lora_data::image::BucketConfig::default();
-    if let Some([w, h]) = d.resolution {
-        b.resolution = (w, h);
-    }
-    if let Some(v) = d.enable_bucket {
-        b.enable_bucket = v;
-    }
-    if let Some(v) = d.min_bucket_reso {
-        b.min_bucket_reso = v;
-    }
-    if let Some(v) = d.max_bucket_reso {
-        b.max_bucket_reso = v;
-    }
-    if let Some(v) = d.bucket_reso_steps {
-        b.bucket_reso_steps = v;
-    }
-    b
 }
 
 /// The diffusion descriptor of `model.base_model` and where it came from: a diffusers folder

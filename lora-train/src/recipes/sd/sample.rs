@@ -2,66 +2,24 @@
 
 use super::*;
 
-/// Writes a sample grid every `every` optimizer steps (see [`SdPipeline::sample_images`]).
-pub struct SampleCallback {
-    pipe: Rc<SdPipeline>,
-    prompts: Vec<String>,
-    every: u64,
-    dir: PathBuf,
-    opts: SampleOptions,
-    /// Files written.
-    pub written: Rc<RefCell<Vec<PathBuf>>>,
+/// The SD pipeline drawing sample grids with fixed options (see [`SdPipeline::sample_images`]).
+pub struct SdSampler {
+    /// The pipeline (shared with the batch source and the training step).
+    pub pipe: Rc<SdPipeline>,
+    /// Size, steps, guidance, seed and sampler.
+    pub opts: SampleOptions,
 }
 
-impl SampleCallback {
-    /// Writes `<dir>/step-N.png` for `prompts` every `every` steps (0 = never during training;
-    /// [`Self::write`] can still be called).
-    pub fn new(
-        pipe: Rc<SdPipeline>,
-        prompts: Vec<String>,
-        every: u64,
-        dir: PathBuf,
-        opts: SampleOptions,
-    ) -> Self {
-        SampleCallback {
-            pipe,
-            prompts,
-            every,
-            dir,
-            opts,
-            written: Rc::new(RefCell::new(Vec::new())),
-        }
-    }
-
-    /// Samples now and writes `<dir>/step-{step}.png` (one column per prompt).
-    ///
-    /// # Errors
-    /// Model errors; I/O errors naming the file.
-    pub fn write(&self, step: u64) -> std::result::Result<PathBuf, String> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
-        let imgs = self
-            .pipe
-            .sample_images(&self.prompts, &self.opts)
-            .map_err(|e| format!("sampling: {e}"))?;
-        let path = self.dir.join(format!("step-{step}.png"));
-        lora_models::diffusion::save_grid(&imgs, self.prompts.len().max(1), &path)
-            .map_err(|e| format!("writing {}: {e}", path.display()))?;
-        self.written.borrow_mut().push(path.clone());
-        Ok(path)
+impl crate::recipes::images::GridSampler for SdSampler {
+    fn sample(&self, prompts: &[String]) -> std::result::Result<Tensor, String> {
+        self.pipe
+            .sample_images(prompts, &self.opts)
+            .map_err(|e| e.to_string())
     }
 }
 
-impl crate::engine::callbacks::Callback for SampleCallback {
-    fn on_step(
-        &mut self,
-        info: &crate::engine::callbacks::StepInfo,
-    ) -> crate::engine::Result<crate::engine::callbacks::Control> {
-        if self.every > 0 && !self.prompts.is_empty() && info.step % self.every == 0 {
-            self.write(info.step).map_err(TrainError::App)?;
-        }
-        Ok(crate::engine::callbacks::Control::Continue)
-    }
-}
+/// The SD job's sample-grid callback.
+pub type SampleCallback = crate::recipes::images::SampleCallback<SdSampler>;
 
 // ---------------------------------------------------------------------------------------------
 // Evaluation, export
