@@ -35,6 +35,7 @@ pub mod config;
 pub mod convert;
 pub mod lora;
 pub mod model;
+pub mod pipeline;
 
 use tch::{Device, Kind, Tensor};
 
@@ -43,6 +44,7 @@ use crate::error::{Error, Result};
 pub use config::{FluxCheckpointInfo, FluxConfig, FluxLayout};
 pub use convert::{BflKeyMap, BflModule, BflSource, bfl_modules};
 pub use model::{BlockInputs, FluxBlock, FluxInputs, FluxTransformer2DModel};
+pub use pipeline::{FluxFiles, FluxPipeline, FluxSampleOptions, FluxTextCond};
 
 /// Packs VAE latents into the transformer's tokens: each 2×2 patch of `C` channels becomes one
 /// token of `4C` values, channel-major then row, column (diffusers

@@ -12,6 +12,7 @@ mod diffusion;
 mod flow;
 mod flux;
 mod flux_lora;
+mod flux_pipeline;
 mod gguf_tiny;
 mod interop;
 mod smollm2;
