@@ -46,10 +46,22 @@ impl<T, E: Into<Error>> During<T> for std::result::Result<T, E> {
 /// The folders of a diffusers FLUX.1 pipeline (`FluxPipeline.save_pretrained`), each with what
 /// it must hold; `scheduler/` is optional.
 const COMPONENTS: [(&str, &str); 6] = [
-    ("transformer", "FluxTransformer2DModel: config.json + weights"),
-    ("text_encoder", "CLIPTextModel: config.json + model.safetensors"),
-    ("text_encoder_2", "T5EncoderModel: config.json + model.safetensors"),
-    ("tokenizer", "the CLIP tokenizer: tokenizer.json or vocab.json + merges.txt"),
+    (
+        "transformer",
+        "FluxTransformer2DModel: config.json + weights",
+    ),
+    (
+        "text_encoder",
+        "CLIPTextModel: config.json + model.safetensors",
+    ),
+    (
+        "text_encoder_2",
+        "T5EncoderModel: config.json + model.safetensors",
+    ),
+    (
+        "tokenizer",
+        "the CLIP tokenizer: tokenizer.json or vocab.json + merges.txt",
+    ),
     ("tokenizer_2", "the T5 tokenizer: tokenizer.json"),
     ("vae", "AutoencoderKL: config.json + weights"),
 ];
@@ -76,38 +88,51 @@ pub struct FluxTextCond {
 }
 
 impl FluxTextCond {
-    /// Row `i` of the batch, kept as a batch of one (`[1, L, D]`, `[1, P]`, `[1, L]`).
+    /// Row `i` of the batch as one sample, without the batch axis (`t5` `[L, D]`, `pooled`
+    /// `[P]`, `t5_mask` `[L]`), as [`crate::sd::TextCond::row`] gives it: what a text cache
+    /// keeps per caption.
     ///
     /// # Errors
     /// [`Error::Torch`] when `i` is out of range.
     pub fn row(&self, i: i64) -> Result<Self> {
         Ok(Self {
-            t5: self.t5.f_narrow(0, i, 1)?,
-            pooled: self.pooled.f_narrow(0, i, 1)?,
-            t5_mask: self.t5_mask.f_narrow(0, i, 1)?,
+            t5: self.t5.f_select(0, i)?,
+            pooled: self.pooled.f_select(0, i)?,
+            t5_mask: self.t5_mask.f_select(0, i)?,
         })
     }
 
-    /// Concatenates conditionings (each a batch, e.g. rows of [`Self::row`]) along the batch
-    /// axis.
+    /// A batch from per-sample conditionings ([`Self::row`]s: `t5` `[L, D]`, stacked on a new
+    /// batch axis) or from batches (`t5` `[B_i, L, D]`, concatenated on the batch axis).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an empty list; [`Error::Torch`] for mismatched shapes
-    /// (different T5 lengths), dtypes or devices.
+    /// [`Error::InvalidArgument`] for an empty list or a mix of samples and batches;
+    /// [`Error::Torch`] for mismatched shapes (different T5 lengths), dtypes or devices.
     pub fn stack(conds: &[Self]) -> Result<Self> {
-        if conds.is_empty() {
+        let Some(first) = conds.first() else {
             return Err(Error::InvalidArgument(
                 "FluxTextCond::stack needs at least one conditioning".into(),
             ));
+        };
+        let rank = first.t5.dim();
+        if conds.iter().any(|c| c.t5.dim() != rank) || !(rank == 2 || rank == 3) {
+            return Err(Error::InvalidArgument(format!(
+                "FluxTextCond::stack takes samples (t5 [seq, dim]) or batches (t5 [batch, seq, dim]), not a mix; got t5 ranks {:?}",
+                conds.iter().map(|c| c.t5.dim()).collect::<Vec<_>>()
+            )));
         }
-        let cat = |f: fn(&Self) -> &Tensor| -> Result<Tensor> {
+        let join = |f: fn(&Self) -> &Tensor| -> Result<Tensor> {
             let v: Vec<&Tensor> = conds.iter().map(f).collect();
-            Ok(Tensor::f_cat(&v, 0)?)
+            Ok(if rank == 2 {
+                Tensor::f_stack(&v, 0)?
+            } else {
+                Tensor::f_cat(&v, 0)?
+            })
         };
         Ok(Self {
-            t5: cat(|c| &c.t5)?,
-            pooled: cat(|c| &c.pooled)?,
-            t5_mask: cat(|c| &c.t5_mask)?,
+            t5: join(|c| &c.t5)?,
+            pooled: join(|c| &c.pooled)?,
+            t5_mask: join(|c| &c.t5_mask)?,
         })
     }
 
@@ -123,6 +148,22 @@ impl FluxTextCond {
         })
     }
 
+    /// The conditioning as a batch: a sample of [`Self::row`] gets a batch axis of 1, a batch
+    /// is returned as it is (shared tensors).
+    ///
+    /// # Errors
+    /// [`Error::Torch`].
+    pub fn batched(&self) -> Result<Self> {
+        if self.t5.dim() == 3 {
+            return Ok(self.shallow_clone());
+        }
+        Ok(Self {
+            t5: self.t5.f_unsqueeze(0)?,
+            pooled: self.pooled.f_unsqueeze(0)?,
+            t5_mask: self.t5_mask.f_unsqueeze(0)?,
+        })
+    }
+
     /// A second handle on the same tensors.
     pub fn shallow_clone(&self) -> Self {
         Self {
@@ -132,9 +173,12 @@ impl FluxTextCond {
         }
     }
 
-    /// The batch size `B`.
+    /// The batch size `B` (1 for a sample of [`Self::row`]).
     pub fn batch_size(&self) -> i64 {
-        self.t5.size().first().copied().unwrap_or(0)
+        match self.t5.size().as_slice() {
+            [b, _, _] => *b,
+            _ => 1,
+        }
     }
 
     /// The transformer's `txt_ids`: zeros `[L, 3]` float32 on the conditioning's device
@@ -142,18 +186,18 @@ impl FluxTextCond {
     /// zeros per sample).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `t5` is not 3-D; [`Error::Torch`].
+    /// [`Error::InvalidArgument`] when `t5` is neither `[B, L, D]` nor `[L, D]`;
+    /// [`Error::Torch`].
     pub fn txt_ids(&self) -> Result<Tensor> {
-        let sz = self.t5.size();
-        if sz.len() != 3 {
-            return Err(Error::InvalidArgument(format!(
-                "FLUX text conditioning must be [batch, seq, dim], got {sz:?}"
-            )));
-        }
-        Ok(Tensor::f_zeros(
-            [sz[1], 3],
-            (Kind::Float, self.t5.device()),
-        )?)
+        let len = match self.t5.size().as_slice() {
+            [_, l, _] | [l, _] => *l,
+            sz => {
+                return Err(Error::InvalidArgument(format!(
+                    "FLUX text conditioning must be [batch, seq, dim] or [seq, dim], got {sz:?}"
+                )));
+            }
+        };
+        Ok(Tensor::f_zeros([len, 3], (Kind::Float, self.t5.device()))?)
     }
 }
 
@@ -225,7 +269,11 @@ impl Origin {
 // ---------------------------------------------------------------------------------------------
 
 /// The first of `prefixes` under which `probe` is stored in `files`.
-fn find_prefix<'p>(files: &SafetensorsFiles, prefixes: &[&'p str], probe: &[&str]) -> Option<&'p str> {
+fn find_prefix<'p>(
+    files: &SafetensorsFiles,
+    prefixes: &[&'p str],
+    probe: &[&str],
+) -> Option<&'p str> {
     prefixes.iter().copied().find(|p| {
         probe
             .iter()
@@ -273,7 +321,11 @@ fn t5_config_from_shapes(files: &SafetensorsFiles, prefix: &str, path: &Path) ->
         &p("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
         path,
     )?;
-    let q = stored_shape(files, &p("encoder.block.0.layer.0.SelfAttention.q.weight"), path)?;
+    let q = stored_shape(
+        files,
+        &p("encoder.block.0.layer.0.SelfAttention.q.weight"),
+        path,
+    )?;
     let gated = files
         .shape(&p("encoder.block.0.layer.1.DenseReluDense.wi_0.weight"))
         .is_some();
@@ -305,7 +357,11 @@ fn t5_config_from_shapes(files: &SafetensorsFiles, prefix: &str, path: &Path) ->
         num_layers: count_indexed(files, &p("encoder.block.")),
         num_heads: heads,
         relative_attention_num_buckets: buckets,
-        feed_forward_proj: if gated { base.feed_forward_proj.clone() } else { "relu".into() },
+        feed_forward_proj: if gated {
+            base.feed_forward_proj.clone()
+        } else {
+            "relu".into()
+        },
         ..base
     })
 }
@@ -314,16 +370,26 @@ fn t5_config_from_shapes(files: &SafetensorsFiles, prefix: &str, path: &Path) ->
 /// without `first_stage_model.`) over [`VaeConfig::flux`]: block widths, layers per block,
 /// latent channels, image channels and the mid-block attention.
 fn vae_config_from_shapes(files: &SafetensorsFiles, path: &Path) -> Result<VaeConfig> {
-    let pre = find_prefix(files, &["", "first_stage_model."], &["encoder.conv_in.weight"])
-        .ok_or_else(|| Error::MissingTensor {
-            name: "encoder.conv_in.weight".into(),
-            path: path.to_path_buf(),
-        })?;
+    let pre = find_prefix(
+        files,
+        &["", "first_stage_model."],
+        &["encoder.conv_in.weight"],
+    )
+    .ok_or_else(|| Error::MissingTensor {
+        name: "encoder.conv_in.weight".into(),
+        path: path.to_path_buf(),
+    })?;
     let p = |k: &str| format!("{pre}{k}");
     let levels = count_indexed(files, &p("encoder.down."));
     let mut widths = Vec::with_capacity(levels as usize);
     for i in 0..levels {
-        widths.push(stored_shape(files, &p(&format!("encoder.down.{i}.block.0.conv1.weight")), path)?[0]);
+        widths.push(
+            stored_shape(
+                files,
+                &p(&format!("encoder.down.{i}.block.0.conv1.weight")),
+                path,
+            )?[0],
+        );
     }
     let conv_in = stored_shape(files, &p("encoder.conv_in.weight"), path)?;
     let conv_out = stored_shape(files, &p("encoder.conv_out.weight"), path)?;
@@ -408,8 +474,9 @@ impl FluxPipeline {
         let text_encoder = ClipTextModel::from_pretrained(dir.join("text_encoder"), kind, device)
             .during(ctx("text_encoder"))?;
         let tokenizer = ClipTokenizer::from_dir(dir.join("tokenizer")).during(ctx("tokenizer"))?;
-        let text_encoder_2 = T5EncoderModel::from_pretrained(dir.join("text_encoder_2"), kind, device)
-            .during(ctx("text_encoder_2"))?;
+        let text_encoder_2 =
+            T5EncoderModel::from_pretrained(dir.join("text_encoder_2"), kind, device)
+                .during(ctx("text_encoder_2"))?;
         let tokenizer_2 = t5_tokenizer(&dir.join("tokenizer_2"))?;
         let vae = AutoencoderKL::from_diffusers(dir, &opts).during(ctx("vae"))?;
         let scheduler = read_scheduler(dir, transformer.config())?;
@@ -480,8 +547,8 @@ impl FluxPipeline {
             Some(p) => Some(T5Config::from_file(&p).during(ctx("the T5 config", &p))?),
             None => None,
         };
-        let text_encoder_2 = load_t5(&files.t5xxl, t5_cfg, kind, device)
-            .during(ctx("T5-XXL", &files.t5xxl))?;
+        let text_encoder_2 =
+            load_t5(&files.t5xxl, t5_cfg, kind, device).during(ctx("T5-XXL", &files.t5xxl))?;
         let vae_cfg = match companion(comp, "vae/config.json") {
             Some(p) => Some(VaeConfig::from_file(&p).during(ctx("the VAE config", &p))?),
             None => None,
@@ -566,7 +633,9 @@ impl FluxPipeline {
             .text_encoder
             .forward_t(&ids.f_to_device(self.text_encoder.device())?, false)?
             .pooled;
-        let (ids2, mask) = self.tokenizer_2.encode_batch(prompts, max_sequence_length)?;
+        let (ids2, mask) = self
+            .tokenizer_2
+            .encode_batch(prompts, max_sequence_length)?;
         let dev2 = self.text_encoder_2.device();
         let mask = mask.f_to_device(dev2)?;
         let t5 = self.text_encoder_2.forward_t(
@@ -623,7 +692,9 @@ impl FluxPipeline {
 
     /// The velocity the transformer predicts for packed latents `x` `[B, N, 4C]` at `timestep`
     /// `[B]` f32 (σ, i.e. `t / 1000`) for latents of `latent_size = (h, w)` (even), under `cond`
-    /// (moved to the transformer's device); `guidance` `[B]` f32 for dev (`None` for schnell).
+    /// (a batch, or one sample; moved to the transformer's device and dtype); `guidance` `[B]`
+    /// f32 for dev (ignored by schnell). `img_ids` are [`latent_image_ids`] of the
+    /// `(h/2) × (w/2)` token grid, `txt_ids` zeros.
     /// `train` turns LoRA dropout on and keeps the graph.
     ///
     /// # Errors
@@ -638,6 +709,7 @@ impl FluxPipeline {
         train: bool,
     ) -> Result<Tensor> {
         let dev = self.device;
+        let cond = cond.batched()?;
         let img_ids = latent_image_ids(latent_size.0 / 2, latent_size.1 / 2, dev)?;
         let t5 = cond.t5.f_to_device(dev)?.f_to_kind(self.kind)?;
         let pooled = cond.pooled.f_to_device(dev)?.f_to_kind(self.kind)?;
@@ -698,9 +770,10 @@ impl FluxPipeline {
         let _g = tch::no_grad_guard();
         let (h, w) = (sz[2], sz[3]);
         let dev = self.device;
-        let cond = cond.to_device(dev)?;
+        let cond = cond.batched()?.to_device(dev)?;
         let packed = pack_latents(&noise.f_to_device(dev)?.f_to_kind(self.kind)?)?;
-        let sampler = FlowMatchEulerSampler::flux(self.scheduler.clone(), steps, (h / 2) * (w / 2))?;
+        let sampler =
+            FlowMatchEulerSampler::flux(self.scheduler.clone(), steps, (h / 2) * (w / 2))?;
         let guidance = self.is_dev().then_some(guidance_scale);
         let out = sample_flow(&sampler, &packed, guidance, |x, t, g| {
             self.predict(x, t, &cond, (h, w), g, false)
@@ -718,10 +791,7 @@ impl FluxPipeline {
     /// [`Error::InvalidArgument`] when the size is smaller than `2f` pixels; [`Error::Torch`].
     pub fn initial_noise(&self, n: i64, size: (u32, u32), seed: u64) -> Result<Tensor> {
         let f2 = 2 * self.vae_factor();
-        let (h, w) = (
-            2 * (i64::from(size.1) / f2),
-            2 * (i64::from(size.0) / f2),
-        );
+        let (h, w) = (2 * (i64::from(size.1) / f2), 2 * (i64::from(size.0) / f2));
         if h == 0 || w == 0 {
             return Err(Error::InvalidArgument(format!(
                 "sample size {}×{} px is smaller than {f2} px (2 × the VAE factor)",
@@ -730,7 +800,10 @@ impl FluxPipeline {
         }
         let saved = lora_core::sys::rng_state(Device::Cpu).ok();
         tch::manual_seed(seed as i64);
-        let noise = Tensor::f_randn([n, self.latent_channels(), h, w], (Kind::Float, Device::Cpu));
+        let noise = Tensor::f_randn(
+            [n, self.latent_channels(), h, w],
+            (Kind::Float, Device::Cpu),
+        );
         if let Some(s) = saved {
             let _ = lora_core::sys::set_rng_state(Device::Cpu, &s);
         }
@@ -764,7 +837,12 @@ impl FluxPipeline {
     /// [`Error::Context`] naming the component and the files when loading fails;
     /// [`Error::Unusable`] when the text encoders carry LoRA adapters (loading them again would
     /// drop the adapters).
-    pub fn move_frozen(&mut self, to: Device, vae: bool, text_encoders: bool) -> Result<Vec<&'static str>> {
+    pub fn move_frozen(
+        &mut self,
+        to: Device,
+        vae: bool,
+        text_encoders: bool,
+    ) -> Result<Vec<&'static str>> {
         let origin = self.origin.display();
         let ctx = |c: &str| format!("loading {c} of {origin} on {to:?}");
         let mut moved = Vec::new();
@@ -809,10 +887,20 @@ impl FluxPipeline {
                     .during(ctx("text_encoder_2", dir))?,
             )),
             Origin::Files(f) => Ok((
-                load_clip_l(&f.clip_l, Some(self.text_encoder.config().clone()), kind, device)
-                    .during(ctx("CLIP-L", &f.clip_l))?,
-                load_t5(&f.t5xxl, Some(self.text_encoder_2.config().clone()), kind, device)
-                    .during(ctx("T5-XXL", &f.t5xxl))?,
+                load_clip_l(
+                    &f.clip_l,
+                    Some(self.text_encoder.config().clone()),
+                    kind,
+                    device,
+                )
+                .during(ctx("CLIP-L", &f.clip_l))?,
+                load_t5(
+                    &f.t5xxl,
+                    Some(self.text_encoder_2.config().clone()),
+                    kind,
+                    device,
+                )
+                .during(ctx("T5-XXL", &f.t5xxl))?,
             )),
         }
     }
@@ -950,12 +1038,22 @@ mod tests {
     fn rows_stack_back_into_the_batch() {
         let c = cond(3, 4);
         let rows: Vec<FluxTextCond> = (0..3).map(|i| c.row(i).unwrap()).collect();
-        assert_eq!(rows[1].t5.size(), [1, 4, 2]);
-        assert_eq!(rows[2].pooled.size(), [1, 3]);
+        assert_eq!(rows[1].t5.size(), [4, 2]);
+        assert_eq!(rows[2].pooled.size(), [3]);
+        assert_eq!(rows[2].t5_mask.size(), [4]);
+        assert!(rows[1].t5.equal(&c.t5.get(1)));
+        assert_eq!(rows[0].txt_ids().unwrap().size(), [4, 3]);
         let back = FluxTextCond::stack(&rows).unwrap();
-        assert!(back.t5.equal(&c.t5) && back.pooled.equal(&c.pooled) && back.t5_mask.equal(&c.t5_mask));
-        assert_eq!(back.batch_size(), 3);
+        assert!(
+            back.t5.equal(&c.t5) && back.pooled.equal(&c.pooled) && back.t5_mask.equal(&c.t5_mask)
+        );
+        assert_eq!((back.batch_size(), rows[0].batch_size()), (3, 1));
+        // batches concatenate
+        let two = FluxTextCond::stack(&[c.shallow_clone(), c.shallow_clone()]).unwrap();
+        assert_eq!(two.t5.size(), [6, 4, 2]);
+        assert!(two.pooled.narrow(0, 3, 3).equal(&c.pooled));
         assert!(FluxTextCond::stack(&[]).is_err());
+        assert!(FluxTextCond::stack(&[c.shallow_clone(), rows[0].shallow_clone()]).is_err());
         assert!(c.row(3).is_err());
         let ids = c.txt_ids().unwrap();
         assert_eq!((ids.size(), ids.kind()), (vec![4, 3], Kind::Float));

@@ -12,7 +12,10 @@ use crate::rng_lock;
 use lora_models::flux::{FluxFiles, FluxPipeline, FluxSampleOptions, FluxTextCond};
 use tch::{Device, Kind, Tensor};
 
-const PROMPTS: [&str; 2] = ["a photo of a cat", "the red car on the street, a photo of a dog"];
+const PROMPTS: [&str; 2] = [
+    "a photo of a cat",
+    "the red car on the street, a photo of a dog",
+];
 const MAX_SEQ: usize = 16;
 
 fn fixtures() -> &'static Path {
@@ -51,7 +54,10 @@ fn single_files(tokenizers: PathBuf) -> FluxFiles {
 fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     let (abs, rel) = diff(got, want);
     eprintln!("{what}: max abs {abs:.3e}, rel {rel:.3e}");
-    assert!(rel < tol, "{what}: relative error {rel:.3e} ≥ {tol:e} (abs {abs:.3e})");
+    assert!(
+        rel < tol,
+        "{what}: relative error {rel:.3e} ≥ {tol:e} (abs {abs:.3e})"
+    );
 }
 
 /// The reference conditioning (diffusers' own prompt embeddings).
@@ -67,14 +73,24 @@ fn reference_cond() -> FluxTextCond {
 fn check_outputs(label: &str, p: &FluxPipeline) {
     let c = p.encode_prompts(&PROMPTS, MAX_SEQ, false).unwrap();
     check(&format!("{label} t5"), &c.t5, &r("prompt_embeds"), 1e-5);
-    check(&format!("{label} pooled"), &c.pooled, &r("pooled_prompt_embeds"), 1e-5);
+    check(
+        &format!("{label} pooled"),
+        &c.pooled,
+        &r("pooled_prompt_embeds"),
+        1e-5,
+    );
     assert!(c.t5_mask.equal(&r("t5_mask")), "{label}: T5 mask differs");
     let z = p.encode_images(&r("image")).unwrap();
     check(&format!("{label} latents"), &z, &r("latents"), 1e-5);
     let s = p
         .sample_from_noise(&reference_cond(), &r("noise"), 4, 3.5)
         .unwrap();
-    check(&format!("{label} sampled"), &s, &r("sampled_unpacked"), 1e-4);
+    check(
+        &format!("{label} sampled"),
+        &s,
+        &r("sampled_unpacked"),
+        1e-4,
+    );
 }
 
 #[test]
@@ -96,7 +112,7 @@ fn flux_pipeline_encodes_prompts_like_diffusers() {
     assert!(m.pooled.equal(&c.pooled));
     // rows and stacking keep the values
     let back = FluxTextCond::stack(&[c.row(1).unwrap(), c.row(0).unwrap()]).unwrap();
-    assert!(back.t5.get(0).equal(&c.t5.get(1)));
+    assert!(back.t5.get(0).equal(&c.t5.get(1)) && back.pooled.get(1).equal(&c.pooled.get(0)));
     assert!(p.encode_prompts(&[], MAX_SEQ, false).is_err());
 }
 
@@ -106,7 +122,12 @@ fn flux_pipeline_latents_and_decoding_match_diffusers() {
     assert_eq!((p.vae_factor(), p.latent_channels()), (2, 16));
     let z = p.encode_images(&r("image")).unwrap();
     assert_eq!((z.size(), z.kind()), (vec![2, 16, 16, 24], Kind::Float));
-    check("latents (posterior mean, shifted and scaled)", &z, &r("latents"), 1e-5);
+    check(
+        "latents (posterior mean, shifted and scaled)",
+        &z,
+        &r("latents"),
+        1e-5,
+    );
     let img = p.decode_latents(&r("sampled_unpacked")).unwrap();
     check("decoded image in [0, 1]", &img, &r("decoded"), 1e-5);
     assert!(p.encode_images(&r("image").narrow(1, 0, 2)).is_err());
@@ -120,16 +141,30 @@ fn flux_pipeline_samples_like_diffusers_from_the_same_noise() {
     let cond = reference_cond();
     let s = p.sample_from_noise(&cond, &r("noise"), 4, 3.5).unwrap();
     assert_eq!((s.size(), s.kind()), (vec![2, 16, 16, 24], Kind::Float));
-    check("sampled latents (4 steps, guidance 3.5)", &s, &r("sampled_unpacked"), 1e-4);
+    check(
+        "sampled latents (4 steps, guidance 3.5)",
+        &s,
+        &r("sampled_unpacked"),
+        1e-4,
+    );
     let packed = lora_models::flux::pack_latents(&s).unwrap();
     check("sampled latents, packed", &packed, &r("sampled"), 1e-4);
-    check("sample → decoded", &p.decode_latents(&s).unwrap(), &r("decoded_pt"), 1e-4);
+    check(
+        "sample → decoded",
+        &p.decode_latents(&s).unwrap(),
+        &r("decoded_pt"),
+        1e-4,
+    );
     // the guidance value reaches the model
     let s2 = p.sample_from_noise(&cond, &r("noise"), 4, 1.0).unwrap();
     assert!(diff(&s2, &r("sampled_unpacked")).1 > 1e-3);
     // wrong noise shapes and batch sizes are refused
-    assert!(p.sample_from_noise(&cond, &r("noise").narrow(1, 0, 4), 4, 3.5).is_err());
-    assert!(p.sample_from_noise(&cond.row(0).unwrap(), &r("noise"), 4, 3.5).is_err());
+    assert!(
+        p.sample_from_noise(&cond, &r("noise").narrow(1, 0, 4), 4, 3.5)
+            .is_err()
+    );
+    let one = FluxTextCond::stack(&[cond.row(0).unwrap()]).unwrap();
+    assert!(p.sample_from_noise(&one, &r("noise"), 4, 3.5).is_err());
     assert!(p.sample_from_noise(&cond, &r("noise"), 0, 3.5).is_err());
 }
 
@@ -149,13 +184,27 @@ fn flux_pipeline_sample_is_seeded_and_restores_the_generator() {
     let after = Tensor::randn([4], (Kind::Float, Device::Cpu));
     tch::manual_seed(123);
     let expected = Tensor::randn([4], (Kind::Float, Device::Cpu));
-    assert!(after.equal(&expected), "sampling changed the global generator");
+    assert!(
+        after.equal(&expected),
+        "sampling changed the global generator"
+    );
     assert_eq!(a.size(), [2, 3, 32, 48]);
-    let (lo, hi) = (f64::try_from(a.min()).unwrap(), f64::try_from(a.max()).unwrap());
+    let (lo, hi) = (
+        f64::try_from(a.min()).unwrap(),
+        f64::try_from(a.max()).unwrap(),
+    );
     assert!((0.0..=1.0).contains(&lo) && (0.0..=1.0).contains(&hi) && hi > lo);
     let b = p.sample(&cond, &opts).unwrap();
     assert!(a.equal(&b));
-    let c = p.sample(&cond, &FluxSampleOptions { seed: 8, ..opts.clone() }).unwrap();
+    let c = p
+        .sample(
+            &cond,
+            &FluxSampleOptions {
+                seed: 8,
+                ..opts.clone()
+            },
+        )
+        .unwrap();
     assert!(!a.equal(&c));
     // noise of the seed, sampled by hand, gives the same image
     let noise = p.initial_noise(2, opts.size, opts.seed).unwrap();
@@ -168,8 +217,8 @@ fn flux_pipeline_sample_is_seeded_and_restores_the_generator() {
 fn flux_pipeline_from_single_files_matches_diffusers() {
     crate::common::init_threads();
     // configs from the diffusers folder next to the tokenizers
-    let p = FluxPipeline::from_single_files(&single_files(folder()), Kind::Float, Device::Cpu)
-        .unwrap();
+    let p =
+        FluxPipeline::from_single_files(&single_files(folder()), Kind::Float, Device::Cpu).unwrap();
     assert!(p.is_dev());
     check_outputs("single files, folder configs", &p);
     // configs read off the files' shapes: a folder with the tokenizers and the transformer's
@@ -192,14 +241,30 @@ fn flux_pipeline_from_single_files_matches_diffusers() {
     .unwrap();
     let (a, b) = (q.text_encoder.config(), p.text_encoder.config());
     assert_eq!(
-        (a.hidden_size, a.num_hidden_layers, a.num_attention_heads, a.intermediate_size),
-        (b.hidden_size, b.num_hidden_layers, b.num_attention_heads, b.intermediate_size)
+        (
+            a.hidden_size,
+            a.num_hidden_layers,
+            a.num_attention_heads,
+            a.intermediate_size
+        ),
+        (
+            b.hidden_size,
+            b.num_hidden_layers,
+            b.num_attention_heads,
+            b.intermediate_size
+        )
     );
-    assert_eq!((a.hidden_act, a.eos_token_id), (b.hidden_act, b.eos_token_id));
+    assert_eq!(
+        (a.hidden_act, a.eos_token_id),
+        (b.hidden_act, b.eos_token_id)
+    );
     assert_eq!(q.vae.config().block_out_channels, [32, 64]);
     assert_eq!(q.text_encoder_2.config().num_heads, 4);
     // no scheduler config: FLUX.1-dev's schedule (dynamic shift, as the folder's)
-    assert_eq!(q.scheduler.use_dynamic_shifting, p.scheduler.use_dynamic_shifting);
+    assert_eq!(
+        q.scheduler.use_dynamic_shifting,
+        p.scheduler.use_dynamic_shifting
+    );
     check_outputs("single files, shapes", &q);
 }
 
@@ -207,7 +272,10 @@ fn flux_pipeline_from_single_files_matches_diffusers() {
 fn flux_pipeline_move_frozen_to_the_same_device_moves_nothing() {
     let mut p = load();
     assert!(p.move_frozen(Device::Cpu, true, true).unwrap().is_empty());
-    assert_eq!((p.vae_device(), p.text_encoder_device()), (Device::Cpu, Device::Cpu));
+    assert_eq!(
+        (p.vae_device(), p.text_encoder_device()),
+        (Device::Cpu, Device::Cpu)
+    );
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -251,7 +319,10 @@ fn flux_pipeline_names_missing_components() {
     let err = FluxPipeline::from_diffusers(tmp.path(), Kind::Float, Device::Cpu)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("tokenizer.json") && err.contains("spiece.model"), "{err}");
+    assert!(
+        err.contains("tokenizer.json") && err.contains("spiece.model"),
+        "{err}"
+    );
     // single files without tokenizer_2/ in the tokenizer folder
     let tmp = tempfile::tempdir().unwrap();
     copy_dir(&folder().join("tokenizer"), &tmp.path().join("tokenizer"));
@@ -262,5 +333,8 @@ fn flux_pipeline_names_missing_components() {
     )
     .unwrap_err()
     .to_string();
-    assert!(err.contains(&tmp.path().join("tokenizer_2").display().to_string()), "{err}");
+    assert!(
+        err.contains(&tmp.path().join("tokenizer_2").display().to_string()),
+        "{err}"
+    );
 }
