@@ -32,7 +32,12 @@ Builds a tiny random-weight FLUX.1-dev-like pipeline (fixed seeds) and writes, u
     [2, 16, 16, 24]; `decoded` [2, 3, 32, 48] in [0, 1]: the VAE decode of the sample as the
     pipeline's `output_type="pt"` postprocesses it (`(x / 2 + 0.5).clamp(0, 1)`), and
     `decoded_pt` the pipeline's own `output_type="pt"` image;
-  - `sigmas`: the scheduler's sigmas of that call.
+  - `sigmas`: the scheduler's sigmas of that call;
+  - `schnell.sampled_unpacked`: the same noise and embeddings through the schnell-like pipeline
+    (2 steps, guidance_scale 0), unpacked;
+- `schnell/`: a schnell-like pipeline (save_pretrained): the same text encoders, tokenizers and
+  VAE, a transformer without guidance embedder (seed 2) and FLUX.1-schnell's scheduler (static
+  shift 1.0, no dynamic shifting).
 
 Usage: flux_pipeline.py --out DIR
 """
@@ -123,6 +128,7 @@ VAE = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
+SCHNELL_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 SCHEDULER = dict(
     num_train_timesteps=1000,
     shift=3.0,
@@ -203,7 +209,21 @@ def build(out):
     )
     pipe.set_progress_bar_config(disable=True)
     pipe.save_pretrained(os.path.join(out, "pipe"))
-    return pipe
+    # schnell-like: the same text encoders and VAE, a transformer without guidance embedder and
+    # FLUX.1-schnell's scheduler (static shift 1)
+    torch.manual_seed(2)
+    schnell = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHNELL_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=pipe.tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=pipe.tokenizer_2,
+        transformer=FluxTransformer2DModel(**dict(TRANSFORMER, guidance_embeds=False)).eval(),
+    )
+    schnell.set_progress_bar_config(disable=True)
+    schnell.save_pretrained(os.path.join(out, "schnell"))
+    return pipe, schnell
 
 
 def single_files(pipe, out):
@@ -231,7 +251,7 @@ def main():
     ap.add_argument("--out", required=True)
     out = ap.parse_args().out
     torch.set_num_threads(1)
-    pipe = build(out)
+    pipe, schnell = build(out)
     single_files(pipe, out)
     ref = {}
     gen = torch.Generator().manual_seed(21)
@@ -272,6 +292,8 @@ def main():
         decoded = (decoded / 2 + 0.5).clamp(0, 1)
         decoded_pt = pipe(latents=packed.clone(), output_type="pt", **common).images
         assert torch.allclose(decoded, decoded_pt, atol=1e-5), (decoded - decoded_pt).abs().max()
+        s_latent = schnell(latents=packed.clone(), output_type="latent", **dict(common, num_inference_steps=2, guidance_scale=0.0)).images
+        ref["schnell.sampled_unpacked"] = FluxPipeline._unpack_latents(s_latent, HEIGHT, WIDTH, f)
         ref.update(
             noise=noise,
             sampled=sampled,

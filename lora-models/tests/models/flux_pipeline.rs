@@ -338,3 +338,50 @@ fn flux_pipeline_names_missing_components() {
         "{err}"
     );
 }
+
+#[test]
+fn flux_pipeline_in_bf16_stays_close_to_the_f32_reference() {
+    crate::common::init_threads();
+    let p = FluxPipeline::from_diffusers(&folder(), Kind::BFloat16, Device::Cpu).unwrap();
+    assert_eq!(p.kind(), Kind::BFloat16);
+    let c = p.encode_prompts(&PROMPTS, MAX_SEQ, false).unwrap();
+    assert_eq!(
+        (c.t5.kind(), c.pooled.kind()),
+        (Kind::BFloat16, Kind::BFloat16)
+    );
+    check("bf16 t5", &c.t5, &r("prompt_embeds"), 5e-2);
+    check("bf16 pooled", &c.pooled, &r("pooled_prompt_embeds"), 5e-2);
+    let z = p.encode_images(&r("image")).unwrap();
+    assert_eq!(z.kind(), Kind::Float);
+    check("bf16 latents", &z, &r("latents"), 3e-2);
+    // the f32 conditioning is cast to the pipeline's dtype
+    let s = p
+        .sample_from_noise(&reference_cond(), &r("noise"), 4, 3.5)
+        .unwrap();
+    assert_eq!(s.kind(), Kind::Float);
+    check("bf16 sampled", &s, &r("sampled_unpacked"), 5e-2);
+    let img = p.decode_latents(&r("sampled_unpacked")).unwrap();
+    check("bf16 decoded", &img, &r("decoded"), 5e-2);
+}
+
+#[test]
+fn flux_pipeline_schnell_samples_without_guidance_like_diffusers() {
+    crate::common::init_threads();
+    let p = FluxPipeline::from_diffusers(&fixtures().join("schnell"), Kind::Float, Device::Cpu)
+        .unwrap();
+    assert!(!p.is_dev());
+    // FLUX.1-schnell's schedule: static shift 1, no dynamic shifting
+    assert!(!p.scheduler.use_dynamic_shifting);
+    // the guidance scale is ignored (no guidance embedder)
+    for g in [0.0, 3.5] {
+        let s = p
+            .sample_from_noise(&reference_cond(), &r("noise"), 2, g)
+            .unwrap();
+        check(
+            &format!("schnell sampled (2 steps, guidance {g})"),
+            &s,
+            &r("schnell.sampled_unpacked"),
+            1e-4,
+        );
+    }
+}
