@@ -42,7 +42,8 @@
 //! - [`llama`]: the LLaMA family (Llama 2/3, Mistral, Qwen2/3, SmolLM2).
 //! - [`sd`]: Stable Diffusion 1.x / 2.x / SDXL UNet and VAE (diffusers folders, single files).
 //! - [`flux`]: the FLUX.1 transformer (dev, schnell) from diffusers folders or BFL single files,
-//!   the BFL ↔ diffusers key mapping, and latent packing.
+//!   the BFL ↔ diffusers key mapping, latent packing, and the FLUX.1 pipeline (text encoders,
+//!   autoencoder, sampling) from diffusers folders or ComfyUI's single files.
 //! - [`clip`]: the CLIP text encoders of Stable Diffusion (SD1.x, SD2, SDXL) and the CLIP BPE
 //!   tokenizer.
 //! - [`t5`]: the T5 v1.1 text encoder of FLUX.1 (transformers `T5EncoderModel`) and its tokenizer.

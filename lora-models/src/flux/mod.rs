@@ -1,7 +1,9 @@
 //! FLUX.1 (Black Forest Labs, 2024): the rectified-flow transformer
 //! ([`model::FluxTransformer2DModel`], dev and schnell), numerically matching diffusers 0.42.1,
 //! loaded from diffusers folders or from BFL's original single files ([`convert`]), and the
-//! latent packing of diffusers' `FluxPipeline`.
+//! latent packing of diffusers' `FluxPipeline`, and the pipeline itself ([`pipeline::FluxPipeline`]:
+//! transformer, CLIP-L, T5-XXL, tokenizers, autoencoder and flow-matching schedule from a
+//! diffusers folder or ComfyUI's single files; prompt encoding, latents, sampling).
 //!
 //! Every linear is a LoRA site named as diffusers names the module
 //! (`transformer_blocks.0.attn.to_q`, `single_transformer_blocks.0.proj_mlp`, `norm1.linear`), so
@@ -35,6 +37,7 @@ pub mod config;
 pub mod convert;
 pub mod lora;
 pub mod model;
+pub mod pipeline;
 
 use tch::{Device, Kind, Tensor};
 
@@ -43,6 +46,7 @@ use crate::error::{Error, Result};
 pub use config::{FluxCheckpointInfo, FluxConfig, FluxLayout};
 pub use convert::{BflKeyMap, BflModule, BflSource, bfl_modules};
 pub use model::{BlockInputs, FluxBlock, FluxInputs, FluxTransformer2DModel};
+pub use pipeline::{FluxFiles, FluxPipeline, FluxSampleOptions, FluxTextCond};
 
 /// Packs VAE latents into the transformer's tokens: each 2×2 patch of `C` channels becomes one
 /// token of `4C` values, channel-major then row, column (diffusers

@@ -3,8 +3,8 @@
 //! random-weight LLaMA-family models ([`tiny`], [`gguf_tiny`]), and Stable Diffusion: the CLIP
 //! tokenizer and text encoders ([`clip`]), the noise schedule, loss and samplers
 //! ([`diffusion`]), the UNet ([`unet`]) and the VAE ([`vae`]); FLUX.1: the transformer and its
-//! key mapping ([`flux`]), the T5 encoder ([`t5`]) and flow matching ([`flow`]) — each against
-//! its Python reference.
+//! key mapping ([`flux`]), the T5 encoder ([`t5`]), flow matching ([`flow`]) and the whole
+//! pipeline ([`flux_pipeline`]) — each against its Python reference.
 
 mod clip;
 mod common;
@@ -12,6 +12,7 @@ mod diffusion;
 mod flow;
 mod flux;
 mod flux_lora;
+mod flux_pipeline;
 mod gguf_tiny;
 mod interop;
 mod smollm2;
