@@ -441,11 +441,21 @@ impl FluxDescriptor {
         let (hidden, in_channels) = wide_narrow(&x_in);
         let joint = other_dim(&ctx, hidden);
         let pooled = pooled.map_or(768, |p| other_dim(&p, hidden));
-        if hidden == 0 || hidden % 128 != 0 {
+        // the head width: the q RMSNorm scale of the first block ([head_dim]); FLUX.1's 128
+        // when the file has none
+        let head_dim = if bfl {
+            find("double_blocks.0.img_attn.norm.query_norm.scale")
+        } else {
+            find("transformer_blocks.0.attn.norm_q.weight")
+        }
+        .and_then(|s| s.first().copied())
+        .filter(|&d| d > 0)
+        .unwrap_or(128);
+        if hidden == 0 || hidden % head_dim != 0 {
             return Err(Error::UnsupportedArchitecture {
                 path: path.into(),
                 arch: format!("FLUX transformer {hidden} wide"),
-                hint: "the width must be a multiple of the 128-wide heads".into(),
+                hint: format!("the width must be a multiple of the {head_dim}-wide heads"),
             });
         }
         let base = if guidance {
@@ -459,7 +469,7 @@ impl FluxDescriptor {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or(base.name.clone()),
             hidden,
-            heads: hidden / 128,
+            heads: hidden / head_dim,
             double_blocks: double,
             single_blocks: single,
             in_channels,

@@ -53,7 +53,7 @@
 //!   `job::sequence::RunSteps` implementation plus its plan — `recipes::llm` (feature `llm`:
 //!   the causal-LM recipe, LLaMA family, GGUF or safetensors bases), `recipes::sd` (feature
 //!   `sd`: Stable Diffusion 1.x / SDXL, with `recipes::sd::plan`) and `recipes::flux` (feature
-//!   `flux`: FLUX.1 configs recognised and planned; training is not in this version) — and the
+//!   `flux`: FLUX.1 LoRA, planned from headers and trained on cached latents and T5/CLIP outputs) — and the
 //!   registry:
 //!   `recipes::for_config` says which compiled-in recipe a config is for. Adding a family is a
 //!   folder and one registration line. `lora_train::llm`, `lora_train::sd` and
@@ -64,7 +64,7 @@
 //! |---|---|---|
 //! | `llm` | yes | the causal-LM recipe (`jobs`, lora-models, lora-data) |
 //! | `sd` | yes | the Stable Diffusion recipe (`jobs`, image decoding) |
-//! | `flux` | yes | the FLUX.1 recipe: its configs recognised and planned (`sd`) |
+//! | `flux` | yes | the FLUX.1 recipe: plan and training (`sd`) |
 //! | `jobs` | with a recipe | `config`, `job`, `export` |
 //! | `plot` | yes | the loss-curve PNG of [`engine::metrics::MetricsLogger`] |
 //! | `progress` | yes | the terminal progress bar callback |

@@ -1,6 +1,6 @@
 //! `lora-train plan` and `train` on FLUX.1 configs written with kohya sd-scripts' names: the
 //! FLUX report, the verdict on the cards of kohya's VRAM table, `--json` fields, and `train`'s
-//! refusal.
+//! refusal of a preset name (training needs the weights).
 
 use crate::{bin, text};
 use std::path::{Path, PathBuf};
@@ -92,13 +92,13 @@ fn the_example_flux_config_plans() {
 }
 
 #[test]
-fn training_a_flux_config_is_refused_by_name() {
+fn training_on_a_flux_preset_name_is_refused_before_anything_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(dir.path(), "flux.yaml", KOHYA_FLUX);
     let o = run("train", &cfg, &["--force"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
-        text(&o).contains("FLUX.1 LoRA training is not in this version"),
+        text(&o).contains("memory-planning preset") && text(&o).contains("flux.t5xxl"),
         "{}",
         text(&o)
     );

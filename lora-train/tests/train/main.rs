@@ -17,6 +17,7 @@ mod engine_optim;
 mod engine_sys;
 mod engine_tensorboard;
 mod engine_trainer;
+mod flux_job;
 mod job_checkpointing;
 mod job_long_sequence_plan;
 mod job_quantized_plan;

@@ -1,0 +1,248 @@
+//! The FLUX.1 LoRA job end to end on CPU, and its adapters against diffusers 0.42.1.
+//!
+//! `tests/flux_interop/make_fixture.py` writes a tiny FLUX.1-dev-shaped pipeline with random
+//! weights (diffusers `FluxPipeline.save_pretrained`) and a kohya folder of 16 real emoji with
+//! openmoji captions; `examples/configs/flux-emoji-tiny.yaml` is trained on it (30 steps);
+//! `tests/flux_interop/check_adapters.py` loads the diffusers file we wrote with diffusers'
+//! `FluxPipeline.load_lora_weights`, applies the kohya file as ComfyUI applies a LoRA to BFL
+//! weights, and runs the transformer on fixed inputs, which ours must reproduce with the same
+//! files.
+
+use lora_train::config::TrainConfig;
+use lora_train::job::RunOptions;
+use lora_train::models::flux::{FluxInputs, FluxTransformer2DModel};
+use lora_train::models::sd::LoadOptions;
+use lora_train::recipes::flux::run::{FluxRunSummary, run_with};
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use tch::{Kind, Tensor};
+
+use crate::sd_fixture::{python, root};
+use crate::serial;
+
+struct Run {
+    dir: PathBuf,
+    summary: FluxRunSummary,
+}
+
+/// Runs `tests/flux_interop/<name>` with `args`, one OpenMP thread, asserting it succeeds.
+fn script(name: &str, args: &[&OsStr]) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/flux_interop")
+        .join(name);
+    let res = Command::new(python())
+        .arg(&path)
+        .args(args)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{name} failed:\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+fn config(dir: &Path, out: &str) -> TrainConfig {
+    let mut cfg =
+        TrainConfig::from_file(root().join("examples/configs/flux-emoji-tiny.yaml")).unwrap();
+    cfg.model.base_model = Some(dir.join("pipeline").display().to_string());
+    cfg.data.train_data_dir = Some(dir.join("data").display().to_string());
+    cfg.train.output_dir = dir.join(out).display().to_string();
+    cfg
+}
+
+/// Builds the fixture and runs the job once per test binary.
+fn run() -> &'static Run {
+    static RUN: OnceLock<Run> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let _serial = serial();
+        // one folder per test binary, emptied at each start (a static is never dropped)
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("flux_job");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let assets = root().join("assets");
+        assert!(
+            assets.join("emoji/openmoji.csv").is_file(),
+            "assets/emoji is missing: run `cargo xtask setup`"
+        );
+        script(
+            "make_fixture.py",
+            &[
+                "--assets".as_ref(),
+                assets.as_os_str(),
+                "--out".as_ref(),
+                dir.as_os_str(),
+            ],
+        );
+        let summary = run_with(
+            config(&dir, "out"),
+            &RunOptions {
+                verbose: true,
+                ..RunOptions::default()
+            },
+            Vec::new(),
+        )
+        .unwrap();
+        Run { dir, summary }
+    })
+}
+
+fn read(path: &Path) -> Vec<(String, Tensor)> {
+    Tensor::read_safetensors(path).unwrap()
+}
+
+fn get(ts: &[(String, Tensor)], name: &str) -> Tensor {
+    ts.iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("{name} missing"))
+        .1
+        .shallow_clone()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn flux_job_lowers_the_fixed_noise_loss_and_writes_samples_snapshots_and_both_layouts() {
+    let r = run();
+    let s = &r.summary;
+    let out = r.dir.join("out");
+    assert_eq!(s.steps, 30);
+    assert_eq!(s.images, 16);
+    assert_eq!(s.items, 32, "2 repeats of 16 images");
+    // latents cached before training: each image encoded once
+    assert_eq!(s.vae_encodings, 16);
+    eprintln!(
+        "fixed-noise loss {:.5} → {:.5}; losses {:?}",
+        s.eval_loss_before, s.eval_loss_after, s.losses
+    );
+    assert!(s.eval_loss_before.is_finite() && s.eval_loss_after.is_finite());
+    assert!(
+        s.eval_loss_after < 0.95 * s.eval_loss_before,
+        "loss {} → {}",
+        s.eval_loss_before,
+        s.eval_loss_after
+    );
+    // samples at steps 15 and 30: 2 prompts side by side at 32 × 32
+    for step in [15, 30] {
+        let p = out.join(format!("samples/step-{step}.png"));
+        let img = image::open(&p).unwrap().to_rgb8();
+        assert_eq!(img.dimensions(), (2 * 32, 32), "{}", p.display());
+        let (lo, hi) = img
+            .pixels()
+            .fold((255u8, 0u8), |(lo, hi), px| (lo.min(px[0]), hi.max(px[0])));
+        assert!(hi > lo, "a flat sample image");
+    }
+    // kohya / ComfyUI: BFL's fused modules, f32 0-d alpha, sd-scripts' metadata
+    let kohya = out.join("emoji-flux-tiny.safetensors");
+    let t = read(&kohya);
+    let qkv = "lora_unet_double_blocks_0_img_attn_qkv";
+    let down = get(&t, &format!("{qkv}.lora_down.weight"));
+    let up = get(&t, &format!("{qkv}.lora_up.weight"));
+    assert_eq!(down.size()[0], 3 * 4, "to_q ‖ to_k ‖ to_v at rank 4");
+    assert_eq!(up.size()[1], 3 * 4);
+    assert!(up.abs().max().double_value(&[]) > 0.0, "B was trained");
+    let alpha = get(&t, &format!("{qkv}.alpha"));
+    assert_eq!((alpha.kind(), alpha.dim()), (Kind::Float, 0));
+    assert!(
+        t.iter()
+            .all(|(n, _)| n.starts_with("lora_unet_double_blocks_")
+                || n.starts_with("lora_unet_single_blocks_")),
+        "blocks only (not the embedders or the head)"
+    );
+    let h = lora_train::core::formats::read_header(&kohya).unwrap();
+    assert_eq!(h.metadata["ss_base_model_version"], "flux1");
+    assert_eq!(h.metadata["ss_network_module"], "networks.lora_flux");
+    assert_eq!(h.metadata["ss_timestep_sampling"], "shift");
+    // diffusers: transformer.<module>.lora_A / lora_B
+    let d = read(&out.join("emoji-flux-tiny/pytorch_lora_weights.safetensors"));
+    let a = get(
+        &d,
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",
+    );
+    assert_eq!(a.size()[0], 4);
+    get(
+        &d,
+        "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight",
+    );
+    // the snapshot at step 15, in both layouts
+    let snap = out.join("emoji-flux-tiny-step00000015.safetensors");
+    assert!(snap.is_file(), "{}", snap.display());
+    assert!(
+        out.join("emoji-flux-tiny-step00000015/pytorch_lora_weights.safetensors")
+            .is_file()
+    );
+}
+
+#[test]
+fn both_flux_adapter_layouts_give_in_diffusers_and_comfyui_style_the_outputs_ours_gives() {
+    let r = run();
+    let dir = r.dir.as_path();
+    let pipe = dir.join("pipeline");
+    let kohya = dir.join("out/emoji-flux-tiny.safetensors");
+    let diffusers = dir.join("out/emoji-flux-tiny/pytorch_lora_weights.safetensors");
+    let check = dir.join("check");
+    script(
+        "check_adapters.py",
+        &[
+            "--pipeline".as_ref(),
+            pipe.as_os_str(),
+            "--kohya".as_ref(),
+            kohya.as_os_str(),
+            "--diffusers".as_ref(),
+            diffusers.as_os_str(),
+            "--out".as_ref(),
+            check.as_os_str(),
+        ],
+    );
+    let _serial = serial();
+    let inputs = read(&check.join("inputs.safetensors"));
+    let outputs = read(&check.join("outputs.safetensors"));
+    let forward = |adapter: Option<&Path>| {
+        let opts = LoadOptions::default();
+        let mut m = FluxTransformer2DModel::from_diffusers(&pipe, &opts).unwrap();
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        if let Some(a) = adapter {
+            let w = lora_train::models::flux::lora::read_adapter(a, m.config()).unwrap();
+            w.load_into(&mut m, "default", &vs.root(), 0.0).unwrap();
+        }
+        let g = inputs.iter().find(|(n, _)| n == "guidance").map(|(_, t)| t);
+        tch::no_grad(|| {
+            m.forward(&FluxInputs {
+                hidden_states: &get(&inputs, "hidden_states"),
+                encoder_hidden_states: &get(&inputs, "encoder_hidden_states"),
+                pooled_projections: &get(&inputs, "pooled_projections"),
+                timestep: &get(&inputs, "timestep"),
+                img_ids: &get(&inputs, "img_ids"),
+                txt_ids: &get(&inputs, "txt_ids"),
+                guidance: g,
+            })
+            .unwrap()
+        })
+    };
+    let base = get(&outputs, "base");
+    let tol = 1e-4;
+    assert!(max_abs(&forward(None), &base) < tol, "base transformer");
+    // diffusers put a LoRA on every module we trained: 2 double blocks × 14 linears (q, k, v,
+    // out, the context stream's four, both MLPs' two, both modulations) and 2 single blocks × 6
+    assert_eq!(
+        get(&outputs, "diffusers_modules").int64_value(&[0]),
+        2 * 14 + 2 * 6
+    );
+    for (name, file) in [("kohya", &kohya), ("diffusers", &diffusers)] {
+        let theirs = get(&outputs, name);
+        let ours = forward(Some(file));
+        let effect = max_abs(&theirs, &base);
+        let diff = max_abs(&ours, &theirs);
+        eprintln!("{name} adapter: effect {effect:.3e}, ours vs theirs {diff:.3e}");
+        assert!(
+            effect > 1e-4,
+            "{name}: the adapter changes the output ({effect})"
+        );
+        assert!(diff < tol * effect.max(1.0), "{name}: {diff}");
+    }
+}
