@@ -152,10 +152,18 @@ impl FluxTextCond {
     /// is returned as it is (shared tensors).
     ///
     /// # Errors
+    /// [`Error::InvalidArgument`] when `t5` is neither `[B, L, D]` nor `[L, D]`;
     /// [`Error::Torch`].
     pub fn batched(&self) -> Result<Self> {
-        if self.t5.dim() == 3 {
-            return Ok(self.shallow_clone());
+        match self.t5.dim() {
+            3 => return Ok(self.shallow_clone()),
+            2 => {}
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "FLUX text conditioning must be [batch, seq, dim] or [seq, dim], got {:?}",
+                    self.t5.size()
+                )));
+            }
         }
         Ok(Self {
             t5: self.t5.f_unsqueeze(0)?,
@@ -292,11 +300,24 @@ fn count_indexed(files: &SafetensorsFiles, head: &str) -> i64 {
         .unwrap_or(0)
 }
 
-fn stored_shape(files: &SafetensorsFiles, name: &str, path: &Path) -> Result<Vec<i64>> {
-    files.shape(name).ok_or_else(|| Error::MissingTensor {
+/// The shape of the stored tensor `name`, which must have `rank` dimensions.
+fn stored_shape(
+    files: &SafetensorsFiles,
+    name: &str,
+    rank: usize,
+    path: &Path,
+) -> Result<Vec<i64>> {
+    let sz = files.shape(name).ok_or_else(|| Error::MissingTensor {
         name: name.to_string(),
         path: path.to_path_buf(),
-    })
+    })?;
+    if sz.len() != rank {
+        return Err(Error::Config {
+            path: path.to_path_buf(),
+            msg: format!("tensor `{name}` has shape {sz:?}, expected {rank} dimensions"),
+        });
+    }
+    Ok(sz)
 }
 
 /// Prefixes of T5-XXL inside a file: none (`t5xxl_fp16.safetensors`) or SD3-style combined files.
@@ -309,21 +330,22 @@ const CLIP_PREFIXES: [&str; 2] = ["", "text_encoders.clip_l.transformer."];
 /// `[buckets, heads]`, `d_kv = inner / heads`, `d_ff` and gating from the first feed-forward.
 fn t5_config_from_shapes(files: &SafetensorsFiles, prefix: &str, path: &Path) -> Result<T5Config> {
     let p = |k: &str| format!("{prefix}{k}");
-    let emb = files
-        .shape(&p("shared.weight"))
-        .or_else(|| files.shape(&p("encoder.embed_tokens.weight")))
-        .ok_or_else(|| Error::MissingTensor {
-            name: p("shared.weight"),
-            path: path.to_path_buf(),
-        })?;
+    let emb_name = if files.shape(&p("shared.weight")).is_some() {
+        p("shared.weight")
+    } else {
+        p("encoder.embed_tokens.weight")
+    };
+    let emb = stored_shape(files, &emb_name, 2, path)?;
     let bias = stored_shape(
         files,
         &p("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+        2,
         path,
     )?;
     let q = stored_shape(
         files,
         &p("encoder.block.0.layer.0.SelfAttention.q.weight"),
+        2,
         path,
     )?;
     let gated = files
@@ -336,6 +358,7 @@ fn t5_config_from_shapes(files: &SafetensorsFiles, prefix: &str, path: &Path) ->
         } else {
             "encoder.block.0.layer.1.DenseReluDense.wi.weight"
         }),
+        2,
         path,
     )?;
     let (vocab, d, buckets, heads) = (emb[0], emb[1], bias[0], bias[1]);
@@ -387,13 +410,14 @@ fn vae_config_from_shapes(files: &SafetensorsFiles, path: &Path) -> Result<VaeCo
             stored_shape(
                 files,
                 &p(&format!("encoder.down.{i}.block.0.conv1.weight")),
+                4,
                 path,
             )?[0],
         );
     }
-    let conv_in = stored_shape(files, &p("encoder.conv_in.weight"), path)?;
-    let conv_out = stored_shape(files, &p("encoder.conv_out.weight"), path)?;
-    let dec_out = stored_shape(files, &p("decoder.conv_out.weight"), path)?;
+    let conv_in = stored_shape(files, &p("encoder.conv_in.weight"), 4, path)?;
+    let conv_out = stored_shape(files, &p("encoder.conv_out.weight"), 4, path)?;
+    let dec_out = stored_shape(files, &p("decoder.conv_out.weight"), 4, path)?;
     let n = widths.len();
     Ok(VaeConfig {
         in_channels: conv_in[1],
@@ -713,7 +737,7 @@ impl FluxPipeline {
         let img_ids = latent_image_ids(latent_size.0 / 2, latent_size.1 / 2, dev)?;
         let t5 = cond.t5.f_to_device(dev)?.f_to_kind(self.kind)?;
         let pooled = cond.pooled.f_to_device(dev)?.f_to_kind(self.kind)?;
-        let txt_ids = Tensor::f_zeros([t5.size()[1], 3], (Kind::Float, dev))?;
+        let txt_ids = cond.txt_ids()?.f_to_device(dev)?;
         let g = if self.is_dev() {
             guidance.map(|g| g.f_to_device(dev)).transpose()?
         } else {
