@@ -33,6 +33,7 @@
 //! # let _ = v; Ok(()) }
 //! ```
 
+pub mod base;
 pub mod config;
 pub mod convert;
 pub mod lora;
@@ -43,9 +44,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 
+pub use base::{FluxBaseFormat, FluxBaseSource};
 pub use config::{FluxCheckpointInfo, FluxConfig, FluxLayout};
 pub use convert::{BflKeyMap, BflModule, BflSource, bfl_modules};
-pub use model::{BlockInputs, FluxBlock, FluxInputs, FluxTransformer2DModel};
+pub use model::{BlockInputs, FluxBlock, FluxInputs, FluxTransformer2DModel, FluxWeightBytes};
 pub use pipeline::{FluxFiles, FluxPipeline, FluxSampleOptions, FluxTextCond};
 
 /// Packs VAE latents into the transformer's tokens: each 2×2 patch of `C` channels becomes one
