@@ -77,20 +77,16 @@ impl LoraEmbedding {
         };
         let mut out_shape = ids.size();
         out_shape.push(self.embedding_dim());
-        let base_out = match &self.base {
-            BaseWeight::Dense(w) => {
-                let w = if w.kind() == self.kind {
-                    w.shallow_clone()
-                } else {
-                    w.f_to_kind(self.kind).ctx(ctx)?
-                };
-                Tensor::f_embedding(&w, ids, -1, false, false).ctx(ctx)?
-            }
+        let base_out = self.base.with_resident(|base| match base {
             BaseWeight::Quant(q) => q
                 .dequantize_rows(ids, self.kind)?
                 .f_reshape(out_shape.as_slice())
-                .ctx(ctx)?,
-        };
+                .ctx(ctx),
+            b => {
+                let w = b.weight(self.kind)?;
+                Tensor::f_embedding(&w, ids, -1, false, false).ctx(ctx)
+            }
+        })?;
         add_branches(
             self,
             ids,

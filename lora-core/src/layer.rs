@@ -215,7 +215,7 @@ pub trait LoraLayer {
     /// [`Error::Unsupported`] on a quantized base; [`Error::NonFinite`] (safe merge);
     /// [`Error::Adapter`] for an unknown name.
     fn merge(&mut self, names: Option<&[&str]>, safe: bool) -> Result<()> {
-        let w = dense_base(self.base(), "merge")?;
+        let w = self.base().dense("merge")?;
         let selected: Vec<String> = match names {
             Some(n) => {
                 for name in n {
@@ -272,7 +272,7 @@ pub trait LoraLayer {
         if !self.adapters().iter().any(|a| a.merged) {
             return Ok(());
         }
-        let w = dense_base(self.base(), "unmerge")?;
+        let w = self.base().dense("unmerge")?;
         let names: Vec<String> = self
             .adapters()
             .iter()
@@ -318,16 +318,6 @@ pub(crate) fn find_mut<'a>(ads: &'a mut [Adapter], name: &str) -> Result<&'a mut
     ads.iter_mut()
         .find(|a| a.name == name)
         .ok_or_else(|| missing(name))
-}
-
-fn dense_base(base: &BaseWeight, what: &str) -> Result<Tensor> {
-    match base {
-        BaseWeight::Dense(t) => Ok(t.shallow_clone()),
-        BaseWeight::Quant(q) => Err(Error::Unsupported(format!(
-            "{what} into a quantized {:?} base; dequantize the base (BaseWeight::Dense) first",
-            q.kind()
-        ))),
-    }
 }
 
 /// Dimensions over which DoRA takes the weight norm (all but the output dim), `None` for Embedding.

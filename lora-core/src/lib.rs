@@ -4,7 +4,8 @@
 //!
 //! - [`linear::LoraLinear`], [`conv::LoraConv2d`] (LoCon), [`embedding::LoraEmbedding`]: a frozen base
 //!   ([`base::BaseWeight`]: dense fp32/fp16/bf16, or [`quant::QuantWeight`] NF4 / fp8 e4m3fn / GGUF
-//!   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K kept quantized) plus named adapters, `y = base(x) + B(A(dropout(x))) · scaling · weight`.
+//!   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K kept quantized, or either kept on a host device
+//!   and copied in per use, [`base::OffloadedWeight`]) plus named adapters, `y = base(x) + B(A(dropout(x))) · scaling · weight`.
 //! - [`config::LoraConfig`]: PEFT's field names and defaults; [`inject::inject`] with PEFT's
 //!   `target_modules` semantics over any model implementing [`inject::Adaptable`].
 //! - [`layer::LoraLayer`]: merge / unmerge (safe merge), enable / disable, adapter weights;

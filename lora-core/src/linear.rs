@@ -69,6 +69,44 @@ impl LoraLinear {
         self.bias.as_ref()
     }
 
+    /// Replaces the frozen base weight by `base` (the same logical shape: the same weight held
+    /// another way — quantized, moved, offloaded) and returns the old one. Adapters are kept.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `base`'s shape differs from the current one (the layer is left
+    /// unchanged).
+    pub fn replace_base(&mut self, base: BaseWeight) -> Result<BaseWeight> {
+        if base.shape() != self.base.shape() {
+            return Err(Error::Shape {
+                key: "replacement linear weight".into(),
+                expected: self.base.shape(),
+                found: base.shape(),
+            });
+        }
+        Ok(std::mem::replace(&mut self.base, base))
+    }
+
+    /// Moves the frozen parts (base weight and bias) to `device`: a dense or quantized base is
+    /// copied there as stored; an offloaded base keeps its host copy and computes on `device`
+    /// from now on ([`BaseWeight::moved_to`]). Adapters are not moved (they live in their
+    /// `VarStore`: inject them on the device after moving the model).
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when a copy fails (the layer is left unchanged).
+    pub fn move_frozen(&mut self, device: tch::Device) -> Result<()> {
+        let base = self.base.moved_to(device)?;
+        let bias = match &self.bias {
+            Some(b) => Some(
+                b.f_to_device(device)
+                    .ctx(|| format!("moving a bias {:?} to {device:?}", b.size()))?,
+            ),
+            None => None,
+        };
+        self.base = base;
+        self.bias = bias;
+        Ok(())
+    }
+
     /// Forward pass; `x` `[..., in]` → `[..., out]` in `x`'s dtype. `train` turns dropout on.
     ///
     /// DoRA adapters follow `peft/tuners/lora/dora.py::DoraLinearLayer.forward`:
@@ -85,14 +123,14 @@ impl LoraLinear {
                 x.size()
             )
         };
-        let base_out = match &self.base {
+        let base_out = self.base.with_resident(|base| match base {
             // the tiled kernel on the CPU: no dense copy of the weight kept for the backward
-            BaseWeight::Quant(q) => q.linear(x)?,
-            _ => {
-                let w = self.base.weight(x.kind())?;
-                x.f_linear::<Tensor>(&w, None).ctx(ctx)?
+            BaseWeight::Quant(q) => q.linear(x),
+            b => {
+                let w = b.weight(x.kind())?;
+                x.f_linear::<Tensor>(&w, None).ctx(ctx)
             }
-        };
+        })?;
         self.forward_from_base(x, base_out, train)
     }
 

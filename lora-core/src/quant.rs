@@ -1043,6 +1043,164 @@ impl QuantWeight {
         })
     }
 
+    /// Output rows `start .. start + len` of the weight, still quantized: `[len, in]` of the same
+    /// kind, equal to `dequantize()` then `narrow(0, start, len)` bit for bit.
+    ///
+    /// Every GGUF kind and fp8 are quantized row by row (GGUF blocks run along `in`, whole
+    /// blocks per row), so the rows' codes, scales, minimums and high bits are themselves a
+    /// valid quantized tensor: the result is made of views of this weight's tensors (no copy,
+    /// no dequantization; it shares their storage, so keeping a slice keeps the whole weight's
+    /// memory alive unless every slice is kept, as in a fused `qkv` cut into `q`, `k`, `v`).
+    /// This is how a checkpoint's fused projections (BFL FLUX's `img_attn.qkv`, `linear1`) are
+    /// cut into separately adapted modules without leaving their block format.
+    ///
+    /// NF4 blocks of 64 run over the flattened matrix, so `start·in` and `len·in` must be
+    /// multiples of 64; with double quantization, a slice whose first block is not the first of a
+    /// second-level group of 256 cannot keep the 8-bit constants and comes back as single-level
+    /// NF4 (`double_quant: false`) with the same f32 absmax values (0.0625 instead of 0.0159
+    /// bytes/param of constants).
+    ///
+    /// # Errors
+    /// [`Error::Quant`] for an empty or out-of-range row range or an NF4 range that cuts a block;
+    /// [`Error::Torch`] when an op fails.
+    pub fn narrow_rows(&self, start: i64, len: i64) -> Result<Self> {
+        let [out, inn] = self.shape;
+        if start < 0 || len <= 0 || start + len > out {
+            return Err(qerr(
+                self.kind,
+                format!(
+                    "rows {start}..{} are not inside the {out} rows of the weight",
+                    start + len
+                ),
+            ));
+        }
+        let ctx = || {
+            format!(
+                "narrowing {:?} weight {:?} to rows {start}..{}",
+                self.kind,
+                self.shape,
+                start + len
+            )
+        };
+        let rows = |t: &Tensor| t.f_narrow(0, start, len).ctx(ctx);
+        let rows_opt = |t: &Option<Tensor>| t.as_ref().map(rows).transpose();
+        let mut kind = self.kind;
+        let (codes, scales, dq_scales) = match self.kind {
+            QuantKind::Nf4 { double_quant } => {
+                let b = NF4_BLOCK as i64;
+                if (start * inn) % b != 0 || (len * inn) % b != 0 {
+                    return Err(qerr(
+                        self.kind,
+                        format!(
+                            "rows {start}..{} of a [{out}, {inn}] weight cut an NF4 block of 64 \
+                             (start·in and len·in must be multiples of 64)",
+                            start + len
+                        ),
+                    ));
+                }
+                let (b0, nb) = (start * inn / b, len * inn / b);
+                let codes = self.codes.f_narrow(0, b0, nb).ctx(ctx)?;
+                let g = NF4_DQ_BLOCK as i64;
+                match (&self.dq_scales, double_quant) {
+                    (Some(s2), true) if b0 % g == 0 => {
+                        let groups = (nb + g - 1) / g;
+                        (
+                            codes,
+                            self.scales.f_narrow(0, b0, nb).ctx(ctx)?,
+                            Some(s2.f_narrow(0, b0 / g, groups).ctx(ctx)?),
+                        )
+                    }
+                    (Some(_), _) => {
+                        kind = QuantKind::Nf4 {
+                            double_quant: false,
+                        };
+                        let absmax = self.nf4_absmax().and_then(|a| a.f_narrow(0, b0, nb));
+                        (codes, absmax.ctx(ctx)?, None)
+                    }
+                    (None, _) => (codes, self.scales.f_narrow(0, b0, nb).ctx(ctx)?, None),
+                }
+            }
+            QuantKind::Fp8E4m3 => (rows(&self.codes)?, self.scales.shallow_clone(), None),
+            _ => (rows(&self.codes)?, rows(&self.scales)?, None),
+        };
+        let dq_offset = if dq_scales.is_some() {
+            self.dq_offset
+        } else {
+            0.0
+        };
+        Ok(Self {
+            kind,
+            shape: [len, inn],
+            codes,
+            scales,
+            mins: rows_opt(&self.mins)?,
+            sub_scales: rows_opt(&self.sub_scales)?,
+            hbits: rows_opt(&self.hbits)?,
+            dq_scales,
+            dq_offset,
+            table: self.table.as_ref().map(Tensor::shallow_clone),
+        })
+    }
+
+    /// The weights of `parts` stacked along the output rows: `[Σ outᵢ, in]`, still quantized
+    /// (the inverse of [`QuantWeight::narrow_rows`]; how a module made of row ranges of a fused
+    /// checkpoint tensor in another order is assembled, e.g. diffusers' FLUX `norm_out.linear`
+    /// from BFL's `final_layer.adaLN_modulation.1` halves). New tensors, on the first part's
+    /// device.
+    ///
+    /// # Errors
+    /// [`Error::Quant`] when `parts` is empty, mixes kinds or input widths, or is NF4 (its
+    /// blocks run over the flattened matrix: dequantize instead); [`Error::Torch`] when an op
+    /// fails.
+    pub fn cat_rows(parts: &[&QuantWeight]) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            return Err(qerr(QuantKind::Q8_0, "no weights to stack"));
+        };
+        let kind = first.kind;
+        if matches!(kind, QuantKind::Nf4 { .. }) {
+            return Err(qerr(
+                kind,
+                "NF4 blocks run over the flattened matrix: stack the dequantized rows instead",
+            ));
+        }
+        let inn = first.shape[1];
+        if let Some(p) = parts.iter().find(|p| p.kind != kind || p.shape[1] != inn) {
+            return Err(qerr(
+                kind,
+                format!(
+                    "cannot stack a {:?} {:?} weight under a {kind:?} [_, {inn}] one",
+                    p.kind, p.shape
+                ),
+            ));
+        }
+        let ctx = || format!("stacking {} {kind:?} weights of width {inn}", parts.len());
+        let cat = |pick: &dyn Fn(&QuantWeight) -> Option<&Tensor>| -> Result<Option<Tensor>> {
+            let ts: Vec<&Tensor> = parts.iter().filter_map(|p| pick(p)).collect();
+            if ts.is_empty() {
+                return Ok(None);
+            }
+            Tensor::f_cat(&ts, 0).ctx(ctx).map(Some)
+        };
+        let codes = cat(&|p| Some(&p.codes))?.ok_or_else(|| qerr(kind, "no codes"))?;
+        let scales = if kind == QuantKind::Fp8E4m3 {
+            first.scales.shallow_clone()
+        } else {
+            cat(&|p| Some(&p.scales))?.ok_or_else(|| qerr(kind, "no scales"))?
+        };
+        Ok(Self {
+            kind,
+            shape: [parts.iter().map(|p| p.shape[0]).sum(), inn],
+            codes,
+            scales,
+            mins: cat(&|p| p.mins.as_ref())?,
+            sub_scales: cat(&|p| p.sub_scales.as_ref())?,
+            hbits: cat(&|p| p.hbits.as_ref())?,
+            dq_scales: None,
+            dq_offset: 0.0,
+            table: first.table.as_ref().map(Tensor::shallow_clone),
+        })
+    }
+
     /// NF4 absmax per block as f32 `[blocks]` (undoing double quantization when present).
     fn nf4_absmax(&self) -> std::result::Result<Tensor, tch::TchError> {
         match &self.dq_scales {
@@ -1761,6 +1919,97 @@ mod tests {
             let rows = q.dequantize_rows(&ids, Kind::Float).unwrap();
             assert!(full.equal(&rows), "{kind:?}");
         }
+    }
+
+    /// Row slices stay quantized and equal the dequantized matrix's rows, bit for bit, for every
+    /// kind; stacking them back gives the whole weight; they run through the CPU kernel.
+    #[test]
+    fn narrow_rows_equals_dequantize_then_narrow() {
+        // 12 rows of 512: NF4 blocks of 64 never straddle rows; 12·512/64 = 96 blocks, so a
+        // double-quant slice starting at row 4 (block 32) is not aligned to a group of 256
+        let (out, inn) = (12i64, 512i64);
+        let w = Tensor::f_from_slice(&pseudo_random((out * inn) as usize, 21))
+            .unwrap()
+            .reshape([out, inn]);
+        let x = Tensor::f_from_slice(&pseudo_random(3 * inn as usize, 22))
+            .unwrap()
+            .reshape([3, inn]);
+        for kind in ALL_KINDS {
+            let q = QuantWeight::quantize(&w, kind).unwrap();
+            let full = q.dequantize(Kind::Float).unwrap();
+            for (start, len) in [(0, 4), (4, 5), (9, 3), (0, 12)] {
+                let s = q.narrow_rows(start, len).unwrap();
+                assert_eq!(s.shape(), [len, inn]);
+                let want = full.narrow(0, start, len);
+                assert!(
+                    s.dequantize(Kind::Float).unwrap().equal(&want),
+                    "{kind:?} rows {start}+{len}"
+                );
+                // the tiled kernel reads the views
+                let y = s.linear(&x).unwrap();
+                let y_ref = x.matmul(&want.tr());
+                let err = f64::try_from((y - &y_ref).abs().max()).unwrap();
+                assert!(
+                    err < 1e-4,
+                    "{kind:?} rows {start}+{len}: kernel error {err}"
+                );
+                if matches!(kind, QuantKind::Nf4 { double_quant: true }) {
+                    // only a slice starting a group of 256 blocks keeps the 8-bit constants
+                    assert_eq!(
+                        s.kind(),
+                        QuantKind::Nf4 {
+                            double_quant: start == 0
+                        }
+                    );
+                } else {
+                    assert_eq!(s.kind(), kind);
+                }
+            }
+            if !matches!(kind, QuantKind::Nf4 { .. }) {
+                let (a, b, c) = (
+                    q.narrow_rows(0, 4).unwrap(),
+                    q.narrow_rows(4, 5).unwrap(),
+                    q.narrow_rows(9, 3).unwrap(),
+                );
+                // reordered halves, as BFL's final modulation is stored
+                let back = QuantWeight::cat_rows(&[&c, &a, &b]).unwrap();
+                assert_eq!(back.shape(), [12, inn]);
+                assert_eq!(back.storage_bytes(), q.storage_bytes(), "{kind:?}");
+                let want = Tensor::cat(
+                    &[
+                        full.narrow(0, 9, 3),
+                        full.narrow(0, 0, 4),
+                        full.narrow(0, 4, 5),
+                    ],
+                    0,
+                );
+                assert!(
+                    back.dequantize(Kind::Float).unwrap().equal(&want),
+                    "{kind:?}"
+                );
+            } else {
+                assert!(QuantWeight::cat_rows(&[&q]).is_err());
+            }
+            assert!(q.narrow_rows(10, 3).is_err());
+            assert!(q.narrow_rows(0, 0).is_err());
+        }
+        // NF4 slices must not cut a block of 64
+        let narrow = Tensor::ones([8, 32], (Kind::Float, Device::Cpu));
+        let q = QuantWeight::quantize(
+            &narrow,
+            QuantKind::Nf4 {
+                double_quant: false,
+            },
+        )
+        .unwrap();
+        let e = q.narrow_rows(1, 2).unwrap_err().to_string();
+        assert!(e.contains("multiples of 64"), "{e}");
+        assert!(q.narrow_rows(2, 4).is_ok());
+        // mixed kinds are refused
+        let a = QuantWeight::quantize(&w, QuantKind::Q8_0).unwrap();
+        let b = QuantWeight::quantize(&w, QuantKind::Q4_0).unwrap();
+        assert!(QuantWeight::cat_rows(&[&a, &b]).is_err());
+        assert!(QuantWeight::cat_rows(&[]).is_err());
     }
 
     #[test]

@@ -31,8 +31,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result, TchContext};
 
-/// The tch dtype of a safetensors dtype, or `None` for dtypes tch cannot hold (F8 variants,
-/// U16/U32/U64, sub-byte types).
+/// The tch dtype of a safetensors dtype, or `None` for dtypes tch cannot hold (U16/U32/U64,
+/// the fnuz F8 variants, sub-byte types). `F8_E4M3` is `float8_e4m3fn` (what PyTorch writes for
+/// it, e.g. `flux1-dev-fp8.safetensors`), `F8_E5M2` is `float8_e5m2`.
 pub fn kind_of(dtype: Dtype) -> Option<Kind> {
     Some(match dtype {
         Dtype::F32 => Kind::Float,
@@ -45,12 +46,15 @@ pub fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::I8 => Kind::Int8,
         Dtype::U8 => Kind::Uint8,
         Dtype::BOOL => Kind::Bool,
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
     })
 }
 
 /// The safetensors dtype of a tch dtype, for the dtypes this workspace writes (the inverse of
-/// [`kind_of`]: f32, f16, bf16, f64, i64, i32, i16, i8, u8, bool); `None` for others.
+/// [`kind_of`]: f32, f16, bf16, f64, i64, i32, i16, i8, u8, bool, fp8 e4m3fn / e5m2); `None`
+/// for others.
 pub fn dtype_of(kind: Kind) -> Option<Dtype> {
     Some(match kind {
         Kind::Float => Dtype::F32,
@@ -63,6 +67,8 @@ pub fn dtype_of(kind: Kind) -> Option<Dtype> {
         Kind::Int8 => Dtype::I8,
         Kind::Uint8 => Dtype::U8,
         Kind::Bool => Dtype::BOOL,
+        Kind::Float8e4m3fn => Dtype::F8_E4M3,
+        Kind::Float8e5m2 => Dtype::F8_E5M2,
         _ => return None,
     })
 }
@@ -202,7 +208,7 @@ impl SafetensorsFile {
             key: name.to_string(),
             found: format!("{:?}", info.dtype),
             what: format!(
-                "in {}: readable dtypes are F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL",
+                "in {}: readable dtypes are F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2",
                 self.path.display()
             ),
         })
@@ -293,6 +299,31 @@ fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `F8_E4M3` tensors (PyTorch's `float8_e4m3fn`, as in `flux1-dev-fp8.safetensors`) read as
+    /// `Float8e4m3fn` and convert exactly: 0x38 = 1, 0xC0 = −2, 0x7E = 448 (largest finite),
+    /// 0x01 = 2⁻⁹ (smallest subnormal), 0x30 = 0.5.
+    #[test]
+    fn reads_fp8_e4m3_tensors() {
+        let header = br#"{"w":{"dtype":"F8_E4M3","shape":[5],"data_offsets":[0,5]}}"#;
+        let mut header = header.to_vec();
+        while !header.len().is_multiple_of(8) {
+            header.push(b' ');
+        }
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend(&header);
+        file.extend([0x38u8, 0xC0, 0x7E, 0x01, 0x30]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f8.safetensors");
+        std::fs::write(&path, file).unwrap();
+        let f = SafetensorsFile::open(&path).unwrap();
+        let t = f.tensor("w").unwrap().unwrap();
+        assert_eq!(t.kind(), Kind::Float8e4m3fn);
+        let v = f.tensor_as("w", Kind::Float, Device::Cpu).unwrap().unwrap();
+        let v: Vec<f32> = Vec::try_from(v).unwrap();
+        assert_eq!(v, [1.0, -2.0, 448.0, 2f32.powi(-9), 0.5]);
+        assert_eq!(dtype_of(Kind::Float8e4m3fn), Some(Dtype::F8_E4M3));
+    }
 
     #[test]
     fn reads_aligned_and_unaligned_tensors() {

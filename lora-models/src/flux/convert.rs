@@ -24,6 +24,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use lora_core::base::BaseWeight;
+use lora_core::quant::QuantWeight;
 use tch::{Kind, Tensor};
 
 use super::config::FluxConfig;
@@ -421,12 +422,17 @@ impl BflKeyMap {
 ///
 /// [`TensorSource::base`] hands a weight that is a whole BFL tensor (`img_mlp.0`, `linear2`,
 /// `img_mod.lin`, …) to the inner source's `base`, so a source that keeps block-quantised
-/// weights keeps them; the row cuts of fused tensors (`qkv`, `linear1`) come back dense.
+/// weights keeps them; the row cuts of fused tensors (`qkv`, `linear1`) are cut out of the inner
+/// source's base of the fused tensor without leaving its format: a GGUF block-quantized tensor
+/// is quantized row by row, so its rows are narrowed as they are stored
+/// ([`QuantWeight::narrow_rows`]; `to_q`, `to_k`, `to_v` are views of one read), and the
+/// reordered halves of `norm_out.linear` are stacked as stored ([`QuantWeight::cat_rows`]).
 pub struct BflSource<'a> {
     inner: &'a dyn TensorSource,
     prefix: String,
     map: BflKeyMap,
     last: Mutex<Option<(String, Kind, Tensor)>>,
+    last_base: Mutex<Option<(String, Kind, BaseWeight)>>,
 }
 
 impl std::fmt::Debug for BflSource<'_> {
@@ -447,6 +453,7 @@ impl<'a> BflSource<'a> {
             prefix: prefix.to_string(),
             map: BflKeyMap::new(config),
             last: Mutex::new(None),
+            last_base: Mutex::new(None),
         }
     }
 
@@ -473,6 +480,46 @@ impl<'a> BflSource<'a> {
             })?;
         *last = Some((full, kind, t.shallow_clone()));
         Ok(t)
+    }
+}
+
+impl BflSource<'_> {
+    /// Rows `p.start .. p.start + p.rows` of the BFL tensor `p.name` (of full shape `full`) as a
+    /// frozen base: the inner source's base of the whole tensor (read once for consecutive
+    /// pieces of one tensor), cut without leaving its format — a kept-quantized tensor is
+    /// narrowed block row by block row ([`QuantWeight::narrow_rows`]), a dense one copied.
+    fn stored_base_rows(&self, p: &Piece, full: [i64; 2], kind: Kind) -> Result<BaseWeight> {
+        let name = format!("{}{}", self.prefix, p.name);
+        let mut last = self.last_base.lock().unwrap_or_else(|e| e.into_inner());
+        let hit = matches!(last.as_ref(), Some((n, k, _)) if *n == name && *k == kind);
+        if !hit {
+            *last = None; // free the previous fused tensor before reading the next one
+            let b = self.inner.base(&name, full, kind, None)?;
+            *last = Some((name.clone(), kind, b));
+        }
+        let Some((_, _, base)) = last.as_ref() else {
+            return Err(Error::MissingTensor {
+                name,
+                path: self.inner.origin(),
+            });
+        };
+        if p.start + p.rows > full[0] {
+            return Err(Error::Shape {
+                name,
+                expected: vec![p.start + p.rows, full[1]],
+                found: full.to_vec(),
+            });
+        }
+        match base {
+            BaseWeight::Quant(q) => Ok(BaseWeight::Quant(q.narrow_rows(p.start, p.rows)?)),
+            b => {
+                let t = b.weight(kind)?;
+                Ok(BaseWeight::Dense(Tensor::f_cat(
+                    &[t.f_narrow(0, p.start, p.rows)?],
+                    0,
+                )?))
+            }
+        }
     }
 }
 
@@ -509,24 +556,51 @@ impl TensorSource for BflSource<'_> {
         rope_head_dim: Option<i64>,
     ) -> Result<BaseWeight> {
         let _ = rope_head_dim; // BFL checkpoints store q/k rows unpermuted
-        if let Some([p]) = self.map.diffusers_from_bfl(name)
-            && p.start == 0
-            && self
-                .map
-                .bfl_from_diffusers(&p.name)
-                .is_some_and(|parts| parts.len() == 1)
-        {
-            let full = format!("{}{}", self.prefix, p.name);
-            return self.inner.base(&full, shape, kind, None);
-        }
-        let t = self
-            .tensor(name, kind)?
+        let pieces = self
+            .map
+            .diffusers_from_bfl(name)
             .ok_or_else(|| Error::MissingTensor {
                 name: name.into(),
                 path: self.inner.origin(),
             })?;
-        crate::weights::check_shape(name, &shape, &t.size())?;
-        Ok(BaseWeight::Dense(t))
+        let total = |p: &Piece| -> i64 {
+            self.map
+                .bfl_from_diffusers(&p.name)
+                .map_or(0, |parts| parts.iter().map(|x| x.rows).sum())
+        };
+        if let [p] = pieces
+            && p.start == 0
+            && p.rows == total(p)
+        {
+            let full = format!("{}{}", self.prefix, p.name);
+            return self.inner.base(&full, shape, kind, None);
+        }
+        let rows: i64 = pieces.iter().map(|p| p.rows).sum();
+        crate::weights::check_shape(name, &shape, &[rows, shape[1]])?;
+        let mut cuts = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            cuts.push(self.stored_base_rows(p, [total(p), shape[1]], kind)?);
+        }
+        if cuts.len() == 1 {
+            return Ok(cuts.remove(0));
+        }
+        let quant: Vec<&QuantWeight> = cuts
+            .iter()
+            .filter_map(|c| match c {
+                BaseWeight::Quant(q) => Some(q),
+                _ => None,
+            })
+            .collect();
+        if quant.len() == cuts.len()
+            && let Ok(q) = QuantWeight::cat_rows(&quant)
+        {
+            return Ok(BaseWeight::Quant(q));
+        }
+        let dense = cuts
+            .iter()
+            .map(|c| c.weight(kind))
+            .collect::<lora_core::Result<Vec<_>>>()?;
+        Ok(BaseWeight::Dense(Tensor::f_cat(&dense, 0)?))
     }
 
     fn contains(&self, name: &str) -> bool {

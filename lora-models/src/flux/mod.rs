@@ -11,6 +11,12 @@
 //! them make up each fused module of the BFL / kohya / ComfyUI layout; [`lora`] writes and reads
 //! adapters in diffusers' and in kohya / ComfyUI's keys through it.
 //!
+//! Frozen weights can be held compact ([`base`]): fp8 as kohya's `fp8_base` and NF4 as QLoRA
+//! ([`FluxBaseFormat`], [`FluxTransformer2DModel::from_single_file_with_base`]), or a GGUF file's
+//! blocks as stored ([`FluxTransformer2DModel::from_gguf`]), fused BFL rows cut as blocks. Block
+//! swapping ([`FluxTransformer2DModel::set_blocks_to_swap`]) keeps some blocks' base weights on
+//! the host and copies them in per use.
+//!
 //! ```no_run
 //! # fn main() -> lora_models::Result<()> {
 //! use lora_models::flux::{FluxInputs, FluxTransformer2DModel, latent_image_ids, pack_latents};
@@ -33,6 +39,7 @@
 //! # let _ = v; Ok(()) }
 //! ```
 
+pub mod base;
 pub mod config;
 pub mod convert;
 pub mod lora;
@@ -43,9 +50,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 
+pub use base::{FluxBaseFormat, FluxBaseSource};
 pub use config::{FluxCheckpointInfo, FluxConfig, FluxLayout};
 pub use convert::{BflKeyMap, BflModule, BflSource, bfl_modules};
-pub use model::{BlockInputs, FluxBlock, FluxInputs, FluxTransformer2DModel};
+pub use model::{BlockInputs, FluxBlock, FluxInputs, FluxTransformer2DModel, FluxWeightBytes};
 pub use pipeline::{FluxFiles, FluxPipeline, FluxSampleOptions, FluxTextCond};
 
 /// Packs VAE latents into the transformer's tokens: each 2×2 patch of `C` channels becomes one

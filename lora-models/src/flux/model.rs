@@ -42,18 +42,22 @@
 
 use std::path::Path;
 
-use lora_core::inject::Adaptable;
+use lora_core::inject::{Adaptable, SiteMut};
 use lora_core::linear::LoraLinear;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
+use super::base::{FluxBaseFormat, FluxBaseSource};
 use super::config::{FluxCheckpointInfo, FluxConfig, FluxLayout, ROPE_THETA, TIME_PROJ_DIM};
 use super::convert::BflSource;
 use crate::checkpoint::SegmentTape;
 use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
 use crate::sd::AttentionBackend;
 use crate::sd::blocks::{TimestepEmbedding, timestep_embedding};
 use crate::sd::load::{LoadOptions, component_dir, diffusers_weight_files};
-use crate::weights::{SafetensorsFiles, Site, TensorSource, Visitor, WeightPath};
+use crate::weights::{
+    GgufSource, SafetensorsFiles, Site, TensorSource, Visitor, WeightMode, WeightPath,
+};
 
 /// Epsilon of every LayerNorm and RMSNorm of the model (diffusers: `eps=1e-6`).
 const NORM_EPS: f64 = 1e-6;
@@ -280,6 +284,14 @@ impl Qkv {
         self.v.visit(f)
     }
 
+    fn linears(&self) -> [&Site<LoraLinear>; 3] {
+        [&self.q, &self.k, &self.v]
+    }
+
+    fn norms(&self) -> [&Tensor; 2] {
+        [&self.norm_q.weight, &self.norm_k.weight]
+    }
+
     fn norms_mut(&mut self) -> [&mut Tensor; 2] {
         [&mut self.norm_q.weight, &mut self.norm_k.weight]
     }
@@ -308,6 +320,10 @@ impl FeedForward {
     fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
         self.proj.visit(f)?;
         self.out.visit(f)
+    }
+
+    fn linears(&self) -> [&Site<LoraLinear>; 2] {
+        [&self.proj, &self.out]
     }
 }
 
@@ -393,6 +409,17 @@ impl DoubleBlock {
         self.ff.visit(f)?;
         self.ff_context.visit(f)
     }
+
+    fn linears(&self) -> Vec<&Site<LoraLinear>> {
+        let mut v = vec![&self.norm1, &self.norm1_context];
+        v.extend(self.img.linears());
+        v.push(&self.to_out);
+        v.extend(self.txt.linears());
+        v.push(&self.to_add_out);
+        v.extend(self.ff.linears());
+        v.extend(self.ff_context.linears());
+        v
+    }
 }
 
 /// A single-stream block (`FluxSingleTransformerBlock`, BFL `SingleStreamBlock`).
@@ -448,6 +475,14 @@ impl SingleBlock {
         self.proj_mlp.visit(f)?;
         self.proj_out.visit(f)
     }
+
+    fn linears(&self) -> Vec<&Site<LoraLinear>> {
+        let mut v = vec![&self.norm];
+        v.extend(self.qkv.linears());
+        v.push(&self.proj_mlp);
+        v.push(&self.proj_out);
+        v
+    }
 }
 
 /// One block of the transformer, in forward order: the `num_layers` double-stream blocks,
@@ -486,6 +521,82 @@ impl FluxBlock {
             }
             FluxBlock::Single(b) => b.qkv.norms_mut().into_iter().collect(),
         }
+    }
+
+    /// The block's linear sites (module path and layer), in visit order.
+    pub fn linears(&self) -> Vec<&Site<LoraLinear>> {
+        match self {
+            FluxBlock::Double(b) => b.linears(),
+            FluxBlock::Single(b) => b.linears(),
+        }
+    }
+
+    /// The q/k RMSNorm scales (`[head_dim]` each).
+    fn norms(&self) -> Vec<&Tensor> {
+        match self {
+            FluxBlock::Double(b) => {
+                let mut v: Vec<&Tensor> = b.img.norms().into_iter().collect();
+                v.extend(b.txt.norms());
+                v
+            }
+            FluxBlock::Single(b) => b.qkv.norms().into_iter().collect(),
+        }
+    }
+
+    /// Whether the block's frozen base weights are held on a host device and copied in per use
+    /// ([`FluxTransformer2DModel::set_blocks_to_swap`]).
+    pub fn is_swapped(&self) -> bool {
+        self.linears()
+            .iter()
+            .any(|l| lora_core::layer::LoraLayer::base(&***l).is_offloaded())
+    }
+
+    /// Bytes of the block's frozen tensors by where they live ([`FluxWeightBytes`]).
+    pub fn weight_bytes(&self) -> FluxWeightBytes {
+        let mut b = FluxWeightBytes::default();
+        for l in self.linears() {
+            b.add_linear(l);
+        }
+        for n in self.norms() {
+            b.compute += tensor_bytes(n);
+        }
+        b
+    }
+}
+
+/// Bytes of a tensor's elements.
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// Bytes of a model's (or a block's) frozen tensors by where they live: base weights as stored
+/// (dense, fp8, NF4 or GGUF blocks), biases and norm scales. Adapters are not counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FluxWeightBytes {
+    /// Bytes on the compute device (everything but the swapped blocks' base weights).
+    pub compute: u64,
+    /// Bytes of the swapped blocks' base weights, held on the host device
+    /// ([`FluxTransformer2DModel::set_blocks_to_swap`]); lora-memory's FLUX estimate calls them
+    /// the swapped blocks' host memory.
+    pub host: u64,
+}
+
+impl FluxWeightBytes {
+    fn add_linear(&mut self, l: &LoraLinear) {
+        let base = lora_core::layer::LoraLayer::base(l);
+        if base.is_offloaded() {
+            self.host += base.storage_bytes();
+        } else {
+            self.compute += base.storage_bytes();
+        }
+        if let Some(b) = l.bias() {
+            self.compute += tensor_bytes(b);
+        }
+    }
+
+    /// `compute + host`.
+    pub fn total(&self) -> u64 {
+        self.compute + self.host
     }
 }
 
@@ -538,7 +649,12 @@ pub struct FluxTransformer2DModel {
     proj_out: Site<LoraLinear>,
     param_count: i64,
     gradient_checkpointing: bool,
+    /// `(blocks_to_swap, host device)` while blocks are swapped.
+    swap: Option<(u32, Device)>,
 }
+
+/// The first bytes of a GGUF file.
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 
 impl FluxTransformer2DModel {
     /// Builds the model from `config`, reading every weight (diffusers names) from `src` in
@@ -548,14 +664,36 @@ impl FluxTransformer2DModel {
     /// [`Error::InvalidArgument`] for an invalid config ([`FluxConfig::validate`]);
     /// [`Error::MissingTensor`] / [`Error::Shape`] when the weights do not match it.
     pub fn new(config: FluxConfig, src: &dyn TensorSource, opts: &LoadOptions) -> Result<Self> {
+        Self::new_with_base(config, src, opts, FluxBaseFormat::Dense)
+    }
+
+    /// [`Self::new`] with the frozen weights held as `base` says ([`FluxBaseFormat`]: fp8 as
+    /// kohya's `fp8_base`, NF4 as QLoRA), computing in `opts.kind`. Every linear weight is read
+    /// through [`TensorSource::base`], so a source that keeps quantized blocks (a GGUF file) keeps
+    /// them whatever `base` is.
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::Core`] when a weight cannot be quantized.
+    pub fn new_with_base(
+        config: FluxConfig,
+        src: &dyn TensorSource,
+        opts: &LoadOptions,
+        base: FluxBaseFormat,
+    ) -> Result<Self> {
+        let wrapped = FluxBaseSource::new(src, base);
+        let src: &dyn TensorSource = if base == FluxBaseFormat::Dense {
+            src
+        } else {
+            &wrapped
+        };
         config.validate()?;
         let vb = WeightPath::new(src, "", opts.kind);
         let d = config.inner_dim();
         let tte = vb.pp("time_text_embed");
         let timestep_embedder =
-            TimestepEmbedding::load(&tte.pp("timestep_embedder"), TIME_PROJ_DIM, d)?;
+            TimestepEmbedding::load_base(&tte.pp("timestep_embedder"), TIME_PROJ_DIM, d)?;
         let guidance_embedder = if config.guidance_embeds {
-            Some(TimestepEmbedding::load(
+            Some(TimestepEmbedding::load_base(
                 &tte.pp("guidance_embedder"),
                 TIME_PROJ_DIM,
                 d,
@@ -563,12 +701,14 @@ impl FluxTransformer2DModel {
         } else {
             None
         };
-        let text_embedder =
-            TimestepEmbedding::load(&tte.pp("text_embedder"), config.pooled_projection_dim, d)?;
+        let text_embedder = TimestepEmbedding::load_base(
+            &tte.pp("text_embedder"),
+            config.pooled_projection_dim,
+            d,
+        )?;
         let context_embedder =
-            vb.pp("context_embedder")
-                .linear(config.joint_attention_dim, d, true)?;
-        let x_embedder = vb.pp("x_embedder").linear(config.in_channels, d, true)?;
+            base_linear(&vb.pp("context_embedder"), config.joint_attention_dim, d)?;
+        let x_embedder = base_linear(&vb.pp("x_embedder"), config.in_channels, d)?;
         let mut blocks = Vec::new();
         for i in 0..config.num_layers {
             blocks.push(FluxBlock::Double(Box::new(DoubleBlock::load(
@@ -584,8 +724,8 @@ impl FluxTransformer2DModel {
                 opts.attention,
             )?)));
         }
-        let norm_out = vb.pp("norm_out.linear").linear(d, 2 * d, true)?;
-        let proj_out = vb.pp("proj_out").linear(d, config.proj_out_dim(), true)?;
+        let norm_out = base_linear(&vb.pp("norm_out.linear"), d, 2 * d)?;
+        let proj_out = base_linear(&vb.pp("proj_out"), d, config.proj_out_dim())?;
         let mut m = Self {
             config,
             kind: opts.kind,
@@ -599,6 +739,7 @@ impl FluxTransformer2DModel {
             proj_out,
             param_count: 0,
             gradient_checkpointing: false,
+            swap: None,
         };
         let norms: i64 = m
             .blocks
@@ -622,19 +763,33 @@ impl FluxTransformer2DModel {
     /// # Errors
     /// [`Error::Io`] / [`Error::Config`] for missing or malformed files; see [`Self::new`].
     pub fn from_diffusers(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        Self::from_diffusers_with_base(dir, opts, FluxBaseFormat::Dense)
+    }
+
+    /// [`Self::from_diffusers`] with the frozen weights held as `base` says
+    /// ([`Self::new_with_base`]).
+    ///
+    /// # Errors
+    /// As [`Self::from_diffusers`] and [`Self::new_with_base`].
+    pub fn from_diffusers_with_base(
+        dir: &Path,
+        opts: &LoadOptions,
+        base: FluxBaseFormat,
+    ) -> Result<Self> {
         let dir = component_dir(dir, "transformer")?;
         let config = FluxConfig::from_file(&dir.join("config.json"))?;
         let files = diffusers_weight_files(&dir, opts.variant.as_deref())?;
         let src = SafetensorsFiles::open(&files, &dir, opts.device)?;
-        Self::new(config, &src, opts)
+        Self::new_with_base(config, &src, opts, base)
     }
 
     /// Loads one safetensors file without a config: BFL's original layout
     /// (`flux1-dev.safetensors`, `flux1-schnell.safetensors`, ComfyUI checkpoints under
-    /// `model.diffusion_model.`) or diffusers names (optionally under `transformer.`). The
-    /// layout, dev vs schnell and the shape are read off the keys
-    /// ([`FluxCheckpointInfo::detect`]); `axes_dims_rope` is needed only for a head width other
-    /// than FLUX.1's 128.
+    /// `model.diffusion_model.`, `flux1-dev-fp8.safetensors` whose `F8_E4M3` tensors are read
+    /// exactly) or diffusers names (optionally under `transformer.`). The layout, dev vs schnell
+    /// and the shape are read off the keys ([`FluxCheckpointInfo::detect`]); `axes_dims_rope`
+    /// is needed only for a head width other than FLUX.1's 128. A GGUF file (recognised by its
+    /// magic bytes) is loaded by [`Self::from_gguf`] in [`WeightMode::KeepQuantized`].
     ///
     /// # Errors
     /// As [`FluxCheckpointInfo::detect`] and [`Self::new`].
@@ -643,18 +798,110 @@ impl FluxTransformer2DModel {
         opts: &LoadOptions,
         axes_dims_rope: Option<Vec<i64>>,
     ) -> Result<Self> {
+        Self::from_single_file_with_base(path, opts, axes_dims_rope, FluxBaseFormat::Dense)
+    }
+
+    /// [`Self::from_single_file`] with the frozen weights held as `base` says
+    /// ([`Self::new_with_base`]): `FluxBaseFormat::Fp8` on `flux1-dev.safetensors` converts
+    /// at load, on `flux1-dev-fp8.safetensors` keeps the stored bits.
+    ///
+    /// # Errors
+    /// As [`Self::from_single_file`]; [`Error::InvalidArgument`] for a GGUF file with a `base`
+    /// other than `Dense` (a GGUF file keeps the types it was written with).
+    pub fn from_single_file_with_base(
+        path: &Path,
+        opts: &LoadOptions,
+        axes_dims_rope: Option<Vec<i64>>,
+        base: FluxBaseFormat,
+    ) -> Result<Self> {
+        if is_gguf(path) {
+            if base != FluxBaseFormat::Dense {
+                return Err(Error::InvalidArgument(format!(
+                    "{} is a GGUF file: it keeps the types it was written with, so the base \
+                     format {base:?} does not apply; load it with FluxBaseFormat::Dense \
+                     (or from_gguf)",
+                    path.display()
+                )));
+            }
+            return Self::from_gguf(path, WeightMode::KeepQuantized, opts, axes_dims_rope);
+        }
         let files = SafetensorsFiles::open(&[path.to_path_buf()], path, opts.device)?;
         let info =
             FluxCheckpointInfo::detect(path, files.names(), |n| files.shape(n), axes_dims_rope)?;
         match info.layout {
             FluxLayout::Bfl => {
                 let src = BflSource::new(&files, &info.prefix, &info.config);
-                Self::new(info.config, &src, opts)
+                Self::new_with_base(info.config, &src, opts, base)
             }
             FluxLayout::Diffusers => {
                 let prefix = info.prefix.clone();
                 let src = files.with_key_map(move |n| Some(format!("{prefix}{n}")));
-                Self::new(info.config, &src, opts)
+                Self::new_with_base(info.config, &src, opts, base)
+            }
+        }
+    }
+
+    /// Loads a FLUX GGUF file as city96's ComfyUI-GGUF converter writes them
+    /// (`general.architecture = flux`, BFL tensor names such as
+    /// `double_blocks.0.img_attn.qkv.weight`, optionally under `model.diffusion_model.`; or
+    /// diffusers names), the layout and shape read off the names and shapes as in
+    /// [`Self::from_single_file`].
+    ///
+    /// With [`WeightMode::KeepQuantized`] every linear weight stored as `Q8_0`, `Q4_0`, `Q4_1`,
+    /// `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` or `Q6_K` stays in its blocks
+    /// ([`lora_core::quant::QuantWeight`], dequantized per layer on the compute device); the
+    /// fused BFL tensors (`img_attn.qkv`, `txt_attn.qkv`, `linear1`) are cut into diffusers'
+    /// `to_q`/`to_k`/`to_v`/`proj_mlp` as block rows, never dequantized (a block-quantized
+    /// tensor is quantized row by row); F32/F16/BF16 tensors (biases, norm scales, the small
+    /// embedders) are read in `opts.kind`, and the model computes in `opts.kind`. With
+    /// [`WeightMode::Dense`]`(k)` everything is dequantized to `k` at load and the model
+    /// computes in `k` (`opts.kind` is not used).
+    ///
+    /// # Errors
+    /// [`Error::Io`] / [`Error::Gguf`] for an unreadable file; [`Error::Unusable`] when
+    /// `general.architecture` is present and not `flux`, or as [`FluxCheckpointInfo::detect`];
+    /// [`Error::Unsupported`] for tensor types this reader lacks (Q2_K, Q3_K, IQ*); as
+    /// [`Self::new`].
+    pub fn from_gguf(
+        path: &Path,
+        mode: WeightMode,
+        opts: &LoadOptions,
+        axes_dims_rope: Option<Vec<i64>>,
+    ) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        if let Ok(arch) = file.get_str("general.architecture")
+            && arch != "flux"
+        {
+            return Err(Error::Unusable {
+                what: path.display().to_string(),
+                reason: format!(
+                    "general.architecture is `{arch}`, not `flux`: not a FLUX transformer GGUF"
+                ),
+            });
+        }
+        let info = FluxCheckpointInfo::detect(
+            path,
+            file.tensors().iter().map(|t| t.name.as_str()),
+            |n| file.tensor_info(n).map(|t| t.torch_shape()),
+            axes_dims_rope,
+        )?;
+        let opts = LoadOptions {
+            kind: match mode {
+                WeightMode::KeepQuantized => opts.kind,
+                WeightMode::Dense(k) => k,
+            },
+            ..opts.clone()
+        };
+        let gsrc = GgufSource::new(&file, mode, opts.device);
+        match info.layout {
+            FluxLayout::Bfl => {
+                let src = BflSource::new(&gsrc, &info.prefix, &info.config);
+                Self::new(info.config, &src, &opts)
+            }
+            FluxLayout::Diffusers => {
+                let prefix = info.prefix.clone();
+                let src = gsrc.with_key_map(move |n| Some(format!("{prefix}{n}")));
+                Self::new(info.config, &src, &opts)
             }
         }
     }
@@ -686,9 +933,149 @@ impl FluxTransformer2DModel {
         &mut self.blocks
     }
 
-    /// Turns per-block activation checkpointing on or off for [`Self::loss_backward`].
+    /// Turns per-block activation checkpointing on or off for [`Self::loss_backward`] (which
+    /// refuses to run without it while blocks are swapped, see [`Self::set_blocks_to_swap`]).
     pub fn set_gradient_checkpointing(&mut self, on: bool) {
         self.gradient_checkpointing = on;
+    }
+
+    /// The device the model computes on (where its inputs, and the adapters, must be).
+    pub fn device(&self) -> Device {
+        lora_core::layer::LoraLayer::base(&*self.x_embedder).device()
+    }
+
+    /// The model's linear sites outside the blocks.
+    fn outer_linears(&self) -> Vec<&Site<LoraLinear>> {
+        let mut v = vec![
+            &self.timestep_embedder.linear_1,
+            &self.timestep_embedder.linear_2,
+        ];
+        if let Some(g) = &self.guidance_embedder {
+            v.extend([&g.linear_1, &g.linear_2]);
+        }
+        v.extend([
+            &self.text_embedder.linear_1,
+            &self.text_embedder.linear_2,
+            &self.context_embedder,
+            &self.x_embedder,
+            &self.norm_out,
+            &self.proj_out,
+        ]);
+        v
+    }
+
+    /// Bytes of the frozen tensors (base weights as stored, biases, norm scales) by where they
+    /// live: `host` is what [`Self::set_blocks_to_swap`] keeps on the host device (compare with
+    /// lora-memory's FLUX estimate, `swapped_blocks` × block bytes), `compute` the rest.
+    pub fn weight_bytes(&self) -> FluxWeightBytes {
+        let mut b = FluxWeightBytes::default();
+        for l in self.outer_linears() {
+            b.add_linear(l);
+        }
+        for block in &self.blocks {
+            let x = block.weight_bytes();
+            b.compute += x.compute;
+            b.host += x.host;
+        }
+        b
+    }
+
+    /// Moves the frozen tensors to `device` (base weights as stored, biases, norm scales); the
+    /// base weights of swapped blocks stay on their host device and are copied to `device` per
+    /// use from now on. With [`Self::set_blocks_to_swap`] called first on a model loaded on the
+    /// CPU, the swapped blocks never occupy `device` (kohya's
+    /// `move_to_device_except_swap_blocks`). Adapters are not moved: inject after moving.
+    ///
+    /// # Errors
+    /// [`Error::Core`] / [`Error::Torch`] when a copy fails (out of memory included); the
+    /// model may then be split across devices.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        self.visit_sites(&mut |_, site| match site {
+            SiteMut::Linear(l) => l.move_frozen(device),
+            _ => Ok(()),
+        })?;
+        for b in &mut self.blocks {
+            for t in b.norm_tensors_mut() {
+                *t = t.f_to_device(device)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// kohya's block swapping (`--blocks_to_swap n`, `library/flux_models.py`
+    /// `Flux.enable_block_swap` and `custom_offloading_utils.py`): the base weights of the last
+    /// `n / 2` double-stream blocks and the last `2·(n − n / 2)` single-stream blocks (the
+    /// count is [`lora_memory::FluxDescriptor::swapped_blocks`]) are stored on `host` and
+    /// copied to the compute device ([`Self::device`]) for each use, layer by layer
+    /// ([`lora_core::base::OffloadedWeight`]: a quantized weight moves its blocks, never
+    /// dequantized on the host); their biases and norm scales stay on the compute device, as in
+    /// kohya, which moves only the `weight` tensors. Blocks no longer swapped come back to the
+    /// compute device; `n = 0` brings all back. [`Self::weight_bytes`] says how many bytes stay
+    /// on the host.
+    ///
+    /// Under autograd the device copy a layer's product saves for its backward lives until the
+    /// backward pass, so swapping saves device memory only with activation checkpointing, whose
+    /// forward runs without a graph and whose backward recomputes one block at a time (kohya
+    /// pairs the two as well): a non-zero `n` turns [`Self::set_gradient_checkpointing`] on, and
+    /// [`Self::loss_backward`] refuses to run with swapped blocks and checkpointing off.
+    /// Inference ([`Self::forward`] under `no_grad`) needs nothing more. There is no prefetch:
+    /// each copy is made when its layer runs (kohya overlaps the next block's copy with the
+    /// current block's compute on a side stream).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `n` leaves fewer than two blocks of either kind on the
+    /// device (kohya's limit, 35 for FLUX.1); [`Error::Core`] when a copy fails (the blocks
+    /// already handled stay as they were moved).
+    pub fn set_blocks_to_swap(&mut self, n: u32, host: Device) -> Result<()> {
+        let c = &self.config;
+        let desc = lora_memory::FluxDescriptor {
+            double_blocks: c.num_layers.max(0) as u64,
+            single_blocks: c.num_single_layers.max(0) as u64,
+            ..lora_memory::FluxDescriptor::dev()
+        };
+        let (nd, ns) = desc
+            .swapped_blocks(n)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let (double, single) = (c.num_layers as usize, c.num_single_layers as usize);
+        let swapped = |i: usize| {
+            if i < double {
+                i + nd as usize >= double
+            } else {
+                i - double + ns as usize >= single
+            }
+        };
+        // offload first, then bring blocks back, so the device never holds both
+        for pass_offload in [true, false] {
+            for (i, block) in self.blocks.iter_mut().enumerate() {
+                if swapped(i) != pass_offload {
+                    continue;
+                }
+                block.visit_sites(&mut |_, site| {
+                    let SiteMut::Linear(l) = site else {
+                        return Ok(());
+                    };
+                    let base = lora_core::layer::LoraLayer::base(&*l);
+                    let next = if pass_offload {
+                        base.offloaded(host)?
+                    } else if base.is_offloaded() {
+                        base.onloaded()?
+                    } else {
+                        return Ok(());
+                    };
+                    l.replace_base(next).map(|_| ())
+                })?;
+            }
+        }
+        self.swap = (n > 0).then_some((n, host));
+        if n > 0 {
+            self.gradient_checkpointing = true;
+        }
+        Ok(())
+    }
+
+    /// The `blocks_to_swap` in effect (0 when none are swapped).
+    pub fn blocks_to_swap(&self) -> u32 {
+        self.swap.map_or(0, |(n, _)| n)
     }
 
     /// Whether [`Self::loss_backward`] checkpoints activations.
@@ -879,6 +1266,15 @@ impl FluxTransformer2DModel {
         loss_scale: f64,
         loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        if let Some((n, host)) = self.swap
+            && !self.gradient_checkpointing
+        {
+            return Err(Error::InvalidArgument(format!(
+                "blocks_to_swap {n} keeps block weights on {host:?} and copies them in per use: \
+                 without gradient checkpointing every copy would stay on the device until the \
+                 backward pass; call set_gradient_checkpointing(true) (or set_blocks_to_swap(0))"
+            )));
+        }
         if !self.gradient_checkpointing {
             let pred = self.forward_t(inp, train)?;
             let loss = loss_fn(&pred)?;
@@ -926,6 +1322,16 @@ impl FluxTransformer2DModel {
         }
         Ok(loss.f_detach()?)
     }
+}
+
+/// Whether `path` starts with the GGUF magic bytes.
+fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == GGUF_MAGIC
 }
 
 impl Adaptable for FluxTransformer2DModel {

@@ -259,7 +259,7 @@ fn fuse_bases(bases: Vec<BaseWeight>) -> Result<(Vec<BaseWeight>, Option<Tensor>
         .iter()
         .filter_map(|b| match b {
             BaseWeight::Dense(t) => Some(t),
-            BaseWeight::Quant(_) => None,
+            BaseWeight::Quant(_) | BaseWeight::Offloaded(_) => None,
         })
         .collect();
     let same = dense.len() == bases.len()

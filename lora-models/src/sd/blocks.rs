@@ -193,6 +193,20 @@ impl TimestepEmbedding {
         })
     }
 
+    /// As `load`, the weights taken as the source's frozen bases ([`crate::weights::WeightPath::base`]:
+    /// kept quantized by a source that keeps them so).
+    pub(crate) fn load_base(vb: &Vb, i: i64, o: i64) -> Result<Self> {
+        let lin = |vb: &Vb, i: i64, o: i64| -> Result<Site<LoraLinear>> {
+            let w = vb.base("weight", [o, i], None)?;
+            let b = vb.get("bias", &[o])?;
+            Ok(vb.site(LoraLinear::new(w, Some(b))?))
+        };
+        Ok(Self {
+            linear_1: lin(&vb.pp("linear_1"), i, o)?,
+            linear_2: lin(&vb.pp("linear_2"), o, o)?,
+        })
+    }
+
     /// Forward pass; `train` enables LoRA dropout.
     ///
     /// # Errors

@@ -11,6 +11,7 @@ mod common;
 mod diffusion;
 mod flow;
 mod flux;
+mod flux_bases;
 mod flux_lora;
 mod flux_pipeline;
 mod gguf_tiny;
