@@ -47,6 +47,7 @@
 use crate::error::{Error, Result};
 use crate::model::{LinearSite, TextEncoderDescriptor};
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 
 /// Which FLUX.1 model: dev (guidance-distilled, a guidance embedder, 512 T5 tokens) or schnell
 /// (timestep-distilled, no guidance embedder, 256 T5 tokens).
@@ -259,6 +260,29 @@ impl FluxDescriptor {
             }
             n += 1;
         }
+    }
+
+    /// This descriptor with the text encoders and autoencoder of the diffusers FLUX folder
+    /// `dir` (`text_encoder/`, `text_encoder_2/`, `vae/`: their configs and safetensors
+    /// headers) in place of FLUX.1's, for each component the folder holds.
+    ///
+    /// # Errors
+    /// I/O, JSON and safetensors-header errors naming the file; a config missing a size key.
+    pub fn with_diffusers_components(mut self, dir: &Path) -> Result<Self> {
+        for name in ["text_encoder", "text_encoder_2"] {
+            if let Some(te) = crate::sd_header::text_encoder(dir, name)? {
+                match self.text_encoders.iter_mut().find(|t| t.name == name) {
+                    Some(t) => *t = te,
+                    None => self.text_encoders.push(te),
+                }
+            }
+        }
+        if let Some((params, latent, scale)) = crate::sd_header::vae(dir)? {
+            self.vae_params = params;
+            self.latent_channels = latent;
+            self.vae_scale = scale;
+        }
+        Ok(self)
     }
 
     /// All LoRA-targetable linear sites (diffusers names, component `"transformer"`, then the

@@ -107,7 +107,11 @@ fn per_level(
     }
 }
 
-fn text_encoder(dir: &Path, name: &str) -> Result<Option<TextEncoderDescriptor>> {
+/// The text encoder in `dir/<name>` (its `config.json` and safetensors headers): a CLIP text
+/// model (`hidden_size`, `intermediate_size`, …) or a T5 encoder (`d_model`, `d_ff`,
+/// `num_layers`, `num_heads`; 512 tokens, FLUX's longest); `None` when the folder has no
+/// config.
+pub(crate) fn text_encoder(dir: &Path, name: &str) -> Result<Option<TextEncoderDescriptor>> {
     let sub = dir.join(name);
     let cfg_path = sub.join("config.json");
     if !cfg_path.exists() {
@@ -121,15 +125,52 @@ fn text_encoder(dir: &Path, name: &str) -> Result<Option<TextEncoderDescriptor>>
             .and_then(|v| v.as_u64())
             .ok_or_else(|| cfg_err(&cfg_path, key, "missing or not an integer"))
     };
+    let params = param_count(&weight_files(&sub, "model")?)?;
+    if c.get("d_model").is_some() {
+        // transformers' T5Config
+        return Ok(Some(TextEncoderDescriptor {
+            name: name.into(),
+            params,
+            hidden: get("d_model")?,
+            intermediate: get("d_ff")?,
+            layers: get("num_layers")?,
+            heads: get("num_heads")?,
+            max_tokens: 512,
+        }));
+    }
     Ok(Some(TextEncoderDescriptor {
         name: name.into(),
-        params: param_count(&weight_files(&sub, "model")?)?,
+        params,
         hidden: get("hidden_size")?,
         intermediate: get("intermediate_size")?,
         layers: get("num_hidden_layers")?,
         heads: get("num_attention_heads")?,
         max_tokens: get("max_position_embeddings")?,
     }))
+}
+
+/// The autoencoder in `dir/vae` as `(parameters, latent channels, down-scaling factor)` (the
+/// factor `2^(levels − 1)` of its `block_out_channels`); `None` without `vae/config.json`.
+pub(crate) fn vae(dir: &Path) -> Result<Option<(u64, u64, u64)>> {
+    let vae_dir = dir.join("vae");
+    let vp = vae_dir.join("config.json");
+    if !vp.exists() {
+        return Ok(None);
+    }
+    let v = read_json(&vp)?;
+    let levels = v
+        .get("block_out_channels")
+        .and_then(|x| x.as_array())
+        .map_or(4, |a| a.len()) as u32;
+    let latent = v
+        .get("latent_channels")
+        .and_then(|x| x.as_u64())
+        .unwrap_or(4);
+    Ok(Some((
+        param_count(&weight_files(&vae_dir, "diffusion_pytorch_model")?)?,
+        latent,
+        1u64 << levels.saturating_sub(1),
+    )))
 }
 
 /// Describes the Stable Diffusion pipeline in diffusers folder `dir` (or a bare `unet` folder)
@@ -222,29 +263,13 @@ pub fn diffusion_from_diffusers_folder(dir: &Path) -> Result<DiffusionDescriptor
         _ => DiffusionFamily::Sd1,
     };
     let unet_params = param_count(&weight_files(&unet_dir, "diffusion_pytorch_model")?)?;
-    let vae_dir = dir.join("vae");
-    let (vae_params, latent_channels, vae_scale) = if vae_dir.join("config.json").exists() {
-        let vp = vae_dir.join("config.json");
-        let v = read_json(&vp)?;
-        let levels = v
-            .get("block_out_channels")
-            .and_then(|x| x.as_array())
-            .map_or(4, |a| a.len()) as u32;
-        let latent = v
-            .get("latent_channels")
-            .and_then(|x| x.as_u64())
-            .unwrap_or(4);
-        (
-            param_count(&weight_files(&vae_dir, "diffusion_pytorch_model")?)?,
-            latent,
-            1u64 << levels.saturating_sub(1),
-        )
-    } else {
-        (
+    let (vae_params, latent_channels, vae_scale) = match vae(dir)? {
+        Some(v) => v,
+        None => (
             0,
             c.get("in_channels").and_then(|x| x.as_u64()).unwrap_or(4),
             8,
-        )
+        ),
     };
     let text_encoders = ["text_encoder", "text_encoder_2"]
         .iter()

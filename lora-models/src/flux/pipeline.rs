@@ -23,7 +23,9 @@ use tch::{Device, Kind, Tensor};
 use crate::clip::{ClipTextConfig, ClipTextModel, ClipTokenizer};
 use crate::diffusion::{FlowMatchConfig, FlowMatchEulerSampler, sample_flow};
 use crate::error::{Error, Result};
-use crate::flux::{FluxConfig, FluxInputs, FluxTransformer2DModel, latent_image_ids};
+use crate::flux::{
+    FluxBaseFormat, FluxConfig, FluxInputs, FluxTransformer2DModel, latent_image_ids,
+};
 use crate::flux::{pack_latents, unpack_latents};
 use crate::sd::{AutoencoderKL, LoadOptions, VaeConfig};
 use crate::t5::{T5Config, T5EncoderModel, T5Tokenizer};
@@ -475,6 +477,20 @@ impl FluxPipeline {
     /// [`Error::Unusable`] naming a missing component folder or tokenizer file and what it must
     /// hold; [`Error::Context`] naming the component, with the loader's error as the source.
     pub fn from_diffusers(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
+        Self::from_diffusers_with_base(dir, kind, device, FluxBaseFormat::Dense)
+    }
+
+    /// [`Self::from_diffusers`] with the frozen transformer held as `base` says (kohya's
+    /// `fp8_base`, or NF4 at load; see [`FluxBaseFormat`]).
+    ///
+    /// # Errors
+    /// As [`Self::from_diffusers`].
+    pub fn from_diffusers_with_base(
+        dir: &Path,
+        kind: Kind,
+        device: Device,
+        base: FluxBaseFormat,
+    ) -> Result<Self> {
         for (c, what) in COMPONENTS {
             let sub = dir.join(c);
             if !sub.is_dir() {
@@ -493,8 +509,9 @@ impl FluxPipeline {
             device,
             ..LoadOptions::default()
         };
-        let transformer = FluxTransformer2DModel::from_diffusers(&dir.join("transformer"), &opts)
-            .during(ctx("transformer"))?;
+        let transformer =
+            FluxTransformer2DModel::from_diffusers_with_base(&dir.join("transformer"), &opts, base)
+                .during(ctx("transformer"))?;
         let text_encoder = ClipTextModel::from_pretrained(dir.join("text_encoder"), kind, device)
             .during(ctx("text_encoder"))?;
         let tokenizer = ClipTokenizer::from_dir(dir.join("tokenizer")).during(ctx("tokenizer"))?;
@@ -530,6 +547,21 @@ impl FluxPipeline {
     /// component and file, with the loader's error as the source ([`Error::MissingTensor`] /
     /// [`Error::Shape`] when a file is not what its field says).
     pub fn from_single_files(files: &FluxFiles, kind: Kind, device: Device) -> Result<Self> {
+        Self::from_single_files_with_base(files, kind, device, FluxBaseFormat::Dense)
+    }
+
+    /// [`Self::from_single_files`] with the frozen transformer held as `base` says; a GGUF
+    /// transformer file (`flux1-dev-Q4_K_S.gguf`) is kept in its own block types and takes
+    /// only [`FluxBaseFormat::Dense`].
+    ///
+    /// # Errors
+    /// As [`Self::from_single_files`].
+    pub fn from_single_files_with_base(
+        files: &FluxFiles,
+        kind: Kind,
+        device: Device,
+        base: FluxBaseFormat,
+    ) -> Result<Self> {
         let comp = &files.tokenizers;
         for c in ["tokenizer", "tokenizer_2"] {
             if !comp.join(c).is_dir() {
@@ -559,8 +591,13 @@ impl FluxPipeline {
             ),
             None => None,
         };
-        let transformer = FluxTransformer2DModel::from_single_file(&files.transformer, &opts, axes)
-            .during(ctx("the transformer", &files.transformer))?;
+        let transformer = FluxTransformer2DModel::from_single_file_with_base(
+            &files.transformer,
+            &opts,
+            axes,
+            base,
+        )
+        .during(ctx("the transformer", &files.transformer))?;
         let clip_cfg = match companion(comp, "text_encoder/config.json") {
             Some(p) => Some(ClipTextConfig::from_file(&p).during(ctx("the CLIP config", &p))?),
             None => None,

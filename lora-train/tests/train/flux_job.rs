@@ -246,3 +246,32 @@ fn both_flux_adapter_layouts_give_in_diffusers_and_comfyui_style_the_outputs_our
         assert!(diff < tol * effect.max(1.0), "{name}: {diff}");
     }
 }
+
+#[test]
+fn an_fp8_base_trains_and_a_swap_count_the_model_cannot_hold_names_the_key() {
+    let r = run();
+    let _serial = serial();
+    let mut cfg = config(&r.dir, "out-fp8");
+    cfg.flux.fp8_base = true;
+    cfg.train.max_steps = Some(10);
+    cfg.train.save_every_n_steps = None;
+    cfg.logging.sample_every_n_steps = 0;
+    cfg.logging.sample_prompts.clear();
+    let s = run_with(cfg.clone(), &RunOptions::default(), Vec::new()).unwrap();
+    eprintln!(
+        "fp8 base: fixed-noise loss {:.5} → {:.5}",
+        s.eval_loss_before, s.eval_loss_after
+    );
+    assert_eq!(s.steps, 10);
+    assert!(s.eval_loss_after < s.eval_loss_before, "{s:?}");
+    // the fp8 base's loss differs from the dense base's (its weights are rounded)
+    assert!((s.eval_loss_before - r.summary.eval_loss_before).abs() > 1e-6);
+    // 2 double- and 2 single-stream blocks: kohya's counting keeps two of each on the device
+    cfg.flux.fp8_base = false;
+    cfg.flux.blocks_to_swap = 1;
+    cfg.train.output_dir = r.dir.join("out-swap").display().to_string();
+    let e = run_with(cfg, &RunOptions::default(), Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("flux.blocks_to_swap"), "{e}");
+}

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 /// The transformer files of a FLUX base: the path itself (a `.safetensors` or `.gguf` file, or
 /// a folder of safetensors shards), or a diffusers pipeline folder's `transformer/`.
-fn transformer_path(path: &Path) -> PathBuf {
+pub(crate) fn transformer_path(path: &Path) -> PathBuf {
     if path.is_dir() && path.join("transformer").is_dir() {
         path.join("transformer")
     } else {
@@ -36,7 +36,14 @@ fn flux_descriptor(path: &Path) -> Option<ModelDescriptor> {
     } else {
         ModelDescriptor::from_safetensors(&t).ok()?
     };
-    matches!(d, ModelDescriptor::Flux(_)).then_some(d)
+    match d {
+        // a diffusers folder: its own text encoders and autoencoder
+        ModelDescriptor::Flux(f) if path.is_dir() && path.join("transformer").is_dir() => Some(
+            ModelDescriptor::Flux(f.clone().with_diffusers_components(path).unwrap_or(f)),
+        ),
+        ModelDescriptor::Flux(_) => Some(d),
+        _ => None,
+    }
 }
 
 /// Whether `cfg` is a FLUX run: `model.kind: flux`, a base whose header is a FLUX transformer
@@ -104,7 +111,7 @@ fn gguf_storage(path: &Path) -> Option<BaseDtype> {
 
 /// Whether the first tensor of a safetensors file (or of the first shard of a folder) is
 /// float8: ComfyUI's `t5xxl_fp8_e4m3fn.safetensors`, an fp8 FLUX file.
-fn stored_in_fp8(path: &Path) -> bool {
+pub(crate) fn stored_in_fp8(path: &Path) -> bool {
     lora_memory::safetensors_header::read_header(path).is_ok_and(|h| {
         h.values()
             .filter(|t| t.shape.len() == 2)
@@ -281,7 +288,8 @@ pub fn settings_for(
                 .into(),
         );
     }
-    s.keep_models_loaded = false;
+    // on the CPU the encoders "leave the device" into the same memory
+    s.keep_models_loaded = !cuda;
     s.train_text_encoder = cfg.train.train_text_encoder;
     s.cache_text_encoder_outputs = !cfg.train.train_text_encoder;
     s.varying_captions = cfg.data.shuffle_caption == Some(true)

@@ -11,7 +11,7 @@ use lora_core::formats::AdapterWeights;
 use lora_data::image::ImageDataset;
 use lora_data::loader::Dataset;
 use lora_memory::FLUX_BLOCK_LINEARS;
-use lora_models::flux::pipeline::{FluxFiles, FluxPipeline, FluxSampleOptions};
+use lora_models::flux::{FluxBaseFormat, FluxFiles, FluxPipeline, FluxSampleOptions};
 use serde::Serialize;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
@@ -151,8 +151,9 @@ fn load_pipeline(
     device: Device,
 ) -> Result<FluxPipeline> {
     let err = |e| super::pipeline_err(e);
+    let format = base_format(cfg, base);
     if base.is_dir() {
-        return FluxPipeline::from_diffusers(base, kind, device).map_err(err);
+        return FluxPipeline::from_diffusers_with_base(base, kind, device, format).map_err(err);
     }
     let need = |key: &str, v: &Option<String>, what: &str| -> Result<PathBuf> {
         match v {
@@ -186,7 +187,26 @@ fn load_pipeline(
             "a folder with tokenizer/ (CLIP) and tokenizer_2/ (T5), such as a diffusers FLUX.1 folder",
         )?,
     };
-    FluxPipeline::from_single_files(&files, kind, device).map_err(err)
+    FluxPipeline::from_single_files_with_base(&files, kind, device, format).map_err(err)
+}
+
+/// How the frozen transformer is held: a GGUF file as stored (its own block types); float8
+/// (e4m3fn, upcast per layer) with `flux.fp8_base` or a file stored in fp8; NF4 (double
+/// quant) with `model.weights: quantized`; else dense in `model.dtype`. What
+/// [`super::plan::settings_for`] plans.
+pub fn base_format(cfg: &TrainConfig, base: &Path) -> FluxBaseFormat {
+    let t = super::plan::transformer_path(base);
+    if t.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        FluxBaseFormat::Dense
+    } else if cfg.flux.fp8_base || super::plan::stored_in_fp8(&t) {
+        FluxBaseFormat::Fp8
+    } else if cfg.model.weights == crate::config::BaseWeights::Quantized {
+        FluxBaseFormat::Nf4 { double_quant: true }
+    } else {
+        FluxBaseFormat::Dense
+    }
 }
 
 /// The seed of the fixed evaluation's noise.
@@ -249,6 +269,34 @@ impl RunSteps for FluxSteps {
         let mut pipe = load_pipeline(cfg, &base_path, ctx.config_dir(), kind, ctx.device)?;
         pipe.transformer
             .set_gradient_checkpointing(cfg.train.gradient_checkpointing);
+        let format = base_format(cfg, &base_path);
+        if format != FluxBaseFormat::Dense {
+            ctx.say(&format!(
+                "the frozen transformer is held as {format:?}, each layer decoded to {kind:?} when it runs"
+            ));
+        }
+        let n = cfg.flux.blocks_to_swap;
+        if n > 0 {
+            pipe.transformer
+                .set_blocks_to_swap(n, Device::Cpu)
+                .map_err(|e| {
+                    JobError::Config(crate::config::ConfigError::InvalidValue {
+                        key: "flux.blocks_to_swap".into(),
+                        value: n.to_string(),
+                        expected: format!("a number of blocks this transformer can swap ({e})"),
+                    })
+                })?;
+            let b = pipe.transformer.weight_bytes();
+            ctx.say(&format!(
+                "blocks_to_swap {n}: {} of the frozen weights stay in host memory and are copied in layer by layer{}; gradient checkpointing is on",
+                lora_memory::Bytes(b.host),
+                if ctx.cuda {
+                    ""
+                } else {
+                    " (a CPU run: host and device are the same memory, nothing is saved)"
+                }
+            ));
+        }
         if cfg.flux.apply_t5_attn_mask {
             ctx.say("apply_t5_attn_mask: T5 masks its padding tokens; the transformer's joint attention sees every token");
         }
