@@ -461,8 +461,15 @@ impl FluxDescriptor {
                 hint: "expected img_in.weight and txt_in.weight (BFL) or x_embedder.weight and context_embedder.weight (diffusers)".into(),
             });
         };
-        // the image input is the one projection narrower than the width
-        let (hidden, in_channels) = wide_narrow(&x_in);
+        // the width is the dimension the image and text input projections share; when that is
+        // ambiguous, the image input is the one projection narrower than the width
+        let (hidden, in_channels) =
+            match (x_in.as_slice(), ctx.as_slice()) {
+                ([a, b], [c, d]) if (a == c || a == d) != (b == c || b == d) => {
+                    if a == c || a == d { (*a, *b) } else { (*b, *a) }
+                }
+                _ => wide_narrow(&x_in),
+            };
         let joint = other_dim(&ctx, hidden);
         let pooled = pooled.map_or(768, |p| other_dim(&p, hidden));
         // the head width: the q RMSNorm scale of the first block ([head_dim]); FLUX.1's 128

@@ -123,7 +123,10 @@ impl BucketConfig {
             return Err(Error::config(
                 "min_bucket_reso",
                 self.min_bucket_reso,
-                "no bucket fits between min_bucket_reso and max_bucket_reso at this resolution",
+                format!(
+                    "no bucket fits: resolution {}×{} with bucket_reso_steps {}, min_bucket_reso {lo} and max_bucket_reso {hi}; set min_bucket_reso and bucket_reso_steps at or below the resolution's side, or enable_bucket: false",
+                    self.resolution.0, self.resolution.1, self.bucket_reso_steps
+                ),
             ));
         }
         Ok(set.into_iter().collect())

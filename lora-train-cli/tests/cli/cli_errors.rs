@@ -721,8 +721,8 @@ fn a_resumed_re_export_leaves_no_temporary_or_prev_files() {
 
 /// A fresh run in a folder that holds a previous run keeps that run's files aside — but only
 /// once it really starts: a run refused on its input leaves the previous one as it was (so
-/// `--resume` still continues it), and a run that starts keeps the checkpoints, logs, adapter
-/// and summary as `.prev-*` copies instead of overwriting them.
+/// `--resume` still continues it), and a run that starts keeps the checkpoints, logs, adapter,
+/// adapter snapshots and summary as `.prev-*` copies instead of overwriting them.
 #[test]
 fn a_previous_run_is_set_aside_only_when_the_new_one_starts() {
     let dir = tempfile::tempdir().unwrap();
@@ -753,7 +753,18 @@ fn a_previous_run_is_set_aside_only_when_the_new_one_starts() {
     // a fresh run that starts: the previous run's files kept aside, none overwritten
     let o = train(&cfg, &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert_eq!(prev(&out), vec!["checkpoints", "logs", "r", "summary.json"]);
+    // the adapter snapshots of each save too: this run writes the same names
+    assert_eq!(
+        prev(&out),
+        vec![
+            "checkpoints",
+            "logs",
+            "r",
+            "r-step00000001",
+            "r-step00000002",
+            "summary.json"
+        ]
+    );
     let kept = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().path())

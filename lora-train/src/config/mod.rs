@@ -222,6 +222,17 @@ pub enum Dtype {
     F16,
 }
 
+impl Dtype {
+    /// The tensor dtype.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Dtype::F32 => tch::Kind::Float,
+            Dtype::Bf16 => tch::Kind::BFloat16,
+            Dtype::F16 => tch::Kind::Half,
+        }
+    }
+}
+
 /// Which job a model is trained by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]

@@ -77,6 +77,9 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<OutputLo
     }
     // its adapters and summary go aside when this run exports ([`ExportAside`])
     names.push("samples".to_string());
+    // its adapter snapshots (`<name>-step00000500.safetensors`, `<name>-000002/`, …): this run
+    // writes the same names at its saves
+    names.extend(previous_snapshots(&out, &cfg.train.output_name));
     if opts.verbose {
         eprintln!(
             "{} holds a previous run; a new one starts (use --resume to continue it); its files are kept aside once training begins",
@@ -88,6 +91,36 @@ pub fn check_output_dir(cfg: &TrainConfig, opts: &RunOptions) -> Result<OutputLo
     lock.previous_run = names;
     lock.verbose = opts.verbose;
     Ok(lock)
+}
+
+/// The adapter snapshots a run named `output_name` left in `out` (files and folders
+/// `<output_name>-step<8 digits>[.safetensors]` and `<output_name>-<6 digits>[.safetensors]`,
+/// sd-scripts' names, see [`crate::job::snapshots::AdapterSnapshots::stem`]), by name.
+fn previous_snapshots(out: &Path, output_name: &str) -> Vec<String> {
+    let is_snapshot = |name: &str| {
+        let Some(rest) = name
+            .strip_prefix(output_name)
+            .and_then(|r| r.strip_prefix('-'))
+        else {
+            return false;
+        };
+        let stem = rest.strip_suffix(".safetensors").unwrap_or(rest);
+        let digits = |d: &str, n: usize| d.len() == n && d.bytes().all(|b| b.is_ascii_digit());
+        match stem.strip_prefix("step") {
+            Some(d) => digits(d, 8),
+            None => digits(stem, 6),
+        }
+    };
+    let mut names: Vec<String> = std::fs::read_dir(out)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| is_snapshot(n))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
 }
 
 /// `train.output_name` names files inside `train.output_dir` (`<name>.safetensors`, `<name>/`):
@@ -570,6 +603,29 @@ impl Drop for OutputLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_previous_runs_snapshots_are_found_by_sd_scripts_names() {
+        let d = tempfile::tempdir().unwrap();
+        for f in [
+            "lora-step00000015.safetensors",
+            "lora-000002.safetensors",
+            "lora.safetensors",
+            "lora-step15.safetensors",
+            "other-step00000015.safetensors",
+        ] {
+            std::fs::write(d.path().join(f), b"x").unwrap();
+        }
+        std::fs::create_dir(d.path().join("lora-step00000015")).unwrap();
+        assert_eq!(
+            previous_snapshots(d.path(), "lora"),
+            [
+                "lora-000002.safetensors",
+                "lora-step00000015",
+                "lora-step00000015.safetensors"
+            ]
+        );
+    }
 
     #[test]
     fn output_names_stay_inside_the_output_folder() {

@@ -859,6 +859,68 @@ impl<S: GridSampler> crate::engine::callbacks::Callback for SampleCallback<S> {
     }
 }
 
+/// Writes the grid of the last step `step` with `sampler` when there are prompts and none was
+/// written for that step during training (`written` lists the grids so far; the new one is
+/// added).
+///
+/// # Errors
+/// [`JobError`] naming the final sample grid, with the sampler's or the file's error.
+pub fn final_grid<S: GridSampler>(
+    sampler: S,
+    prompts: &[String],
+    written: &Rc<RefCell<Vec<PathBuf>>>,
+    dir: PathBuf,
+    step: u64,
+) -> Result<()> {
+    let done = written
+        .borrow()
+        .iter()
+        .any(|p| p.ends_with(format!("step-{step}.png")));
+    if prompts.is_empty() || done {
+        return Ok(());
+    }
+    let cb = SampleCallback::new(sampler, prompts.to_vec(), 0, dir);
+    let p = cb
+        .write(step)
+        .map_err(TrainError::App)
+        .during("writing the final sample grid")?;
+    written.borrow_mut().push(p);
+    Ok(())
+}
+
+/// The closing report of an image job: steps, time, the fixed-noise loss before → after, on a
+/// CPU run the measured memory against the plan, and every file written.
+#[allow(clippy::too_many_arguments)]
+pub fn run_report(
+    steps: u64,
+    train_seconds: f64,
+    (before, after): (f64, f64),
+    plan: Option<&crate::job::Plan>,
+    memory: &crate::job::MeasuredMemory,
+    files: &[PathBuf],
+    ctx: &RunContext<'_>,
+) -> String {
+    let mut out = format!(
+        "summary: {steps} optimizer steps in {train_seconds:.1} s; fixed-noise loss {before:.5} → {after:.5} ({:+.1}%)\n",
+        100.0 * (after / before - 1.0)
+    );
+    if let Some(p) = plan
+        && !ctx.cuda
+    {
+        out += &format!(
+            "memory (CPU): tensor peak (counting allocator) {} vs predicted allocated peak {}; process peak RSS {} vs predicted {}\n",
+            lora_memory::Bytes(memory.tensor_peak),
+            p.estimate.peak_allocated,
+            lora_memory::Bytes(memory.rss_peak_process),
+            p.estimate.peak_process
+        );
+    }
+    for o in files {
+        out += &format!("wrote {}\n", o.display());
+    }
+    out
+}
+
 /// The prompts of kohya prompt-file lines (`a cat --n blurry --w 512 --d 1`): each line's text
 /// before its first ` --` option, without empty and `#` comment lines; and the options seen
 /// (`--n`, `--w`, …), which the samplers here do not apply per prompt.

@@ -165,10 +165,11 @@ fn flux_job_lowers_the_fixed_noise_loss_and_writes_samples_snapshots_and_both_la
         "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",
     );
     assert_eq!(a.size()[0], 4);
-    get(
+    let b = get(
         &d,
         "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight",
     );
+    assert_eq!(b.size()[1], 4);
     // the snapshot at step 15, in both layouts
     let snap = out.join("emoji-flux-tiny-step00000015.safetensors");
     assert!(snap.is_file(), "{}", snap.display());

@@ -133,6 +133,10 @@ pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
     )
 }
 
+/// The double- and single-stream block indices that get LoRA (`None` = every block of that
+/// kind), as [`trained_blocks`] returns them.
+pub type BlockSelection = (Option<Vec<u32>>, Option<Vec<u32>>);
+
 /// The blocks that get LoRA in a model of `double` double-stream and `single` single-stream
 /// blocks: `(double, single)` index lists (`None` = every block of that kind), from
 /// `flux.train_blocks` and `flux.train_double_block_indices` / `train_single_block_indices`
@@ -142,11 +146,7 @@ pub fn check_resolution(cfg: &TrainConfig) -> Result<()> {
 /// # Errors
 /// [`JobError::Config`] naming the key whose indices do not exist in this model, or when no
 /// block is left to train.
-pub fn trained_blocks(
-    cfg: &TrainConfig,
-    double: u32,
-    single: u32,
-) -> Result<(Option<Vec<u32>>, Option<Vec<u32>>)> {
+pub fn trained_blocks(cfg: &TrainConfig, double: u32, single: u32) -> Result<BlockSelection> {
     use crate::config::{ConfigError, FluxTrainBlocks, parse_block_indices};
     let f = &cfg.flux;
     let pick = |key: &str, v: &Option<String>, n: u32| -> Result<Option<Vec<u32>>> {
@@ -298,7 +298,16 @@ pub fn settings_for(
         notes.push("captions change between epochs (shuffle_caption / caption dropout): T5 and CLIP stay on the device to encode them as they come".into());
     }
     if let ModelDescriptor::Flux(d) = desc {
-        d.swapped_blocks(s.blocks_to_swap)?;
+        d.swapped_blocks(s.blocks_to_swap).map_err(|e| {
+            JobError::Config(crate::config::ConfigError::InvalidValue {
+                key: "flux.blocks_to_swap".into(),
+                value: s.blocks_to_swap.to_string(),
+                expected: format!(
+                    "a number of blocks this transformer can swap ({} double- and {} single-stream blocks; kohya keeps at least two of each on the device): {e}",
+                    d.double_blocks, d.single_blocks
+                ),
+            })
+        })?;
         // the job puts LoRA inside the blocks only (kohya's lora_flux), unless the targets are
         // a regex of the user's own
         if !matches!(&cfg.lora.target_modules, TargetModules::Regex(r) if r != "all-linear") {

@@ -2,7 +2,7 @@
 //! sample → export.
 
 use super::task::{FluxBatch, FluxConditioning, FluxImages, FluxObjective, FluxTask};
-use crate::config::{Dtype, ExportFormat, TargetModules, TrainConfig};
+use crate::config::{ExportFormat, TargetModules, TrainConfig};
 use crate::job::error::During;
 use crate::job::sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};
 use crate::job::{JobError, Plan, Result, RunOptions, resolve_path};
@@ -127,15 +127,6 @@ pub fn flux_lora_config(
     Ok(cfg.lora.to_lora_config(targets, base_model, None))
 }
 
-/// The compute dtype of a FLUX run (`model.dtype`).
-fn kind_of(cfg: &TrainConfig) -> Kind {
-    match cfg.model.dtype {
-        Dtype::F32 => Kind::Float,
-        Dtype::Bf16 => Kind::BFloat16,
-        Dtype::F16 => Kind::Half,
-    }
-}
-
 /// Loads the pipeline a FLUX config names: a diffusers `FluxPipeline` folder, or BFL's single
 /// transformer file with `flux.t5xxl`, `flux.clip_l`, `flux.ae` and `model.tokenizer` (a folder
 /// holding `tokenizer/` and `tokenizer_2/`, e.g. a diffusers FLUX folder).
@@ -155,39 +146,67 @@ fn load_pipeline(
     if base.is_dir() {
         return FluxPipeline::from_diffusers_with_base(base, kind, device, format).map_err(err);
     }
-    let need = |key: &str, v: &Option<String>, what: &str| -> Result<PathBuf> {
-        match v {
-            Some(p) => resolve_path(key, p, config_dir),
-            None => Err(crate::config::ConfigError::Missing {
-                key: key.into(),
-                hint: format!(
-                    "model.base_model {} is a single transformer file: set {key} to {what} (or use a diffusers FLUX folder as the base)",
-                    base.display()
-                ),
-            }
-            .into()),
-        }
-    };
-    let files = FluxFiles {
-        transformer: base.to_path_buf(),
-        t5xxl: need(
+    let files = single_files(cfg, base, config_dir)?;
+    FluxPipeline::from_single_files_with_base(&files, kind, device, format).map_err(err)
+}
+
+/// The companion files a single-file FLUX base needs (`flux.t5xxl`, `flux.clip_l`, `flux.ae`,
+/// `model.tokenizer`), resolved against the config's folder.
+///
+/// # Errors
+/// [`crate::config::ConfigError::Missing`] naming every key that is not set, at once, and
+/// what each must point at; [`JobError::MissingFile`] for a set path that does not exist.
+fn single_files(cfg: &TrainConfig, base: &Path, config_dir: Option<&Path>) -> Result<FluxFiles> {
+    let wanted: [(&str, &Option<String>, &str); 4] = [
+        (
             "flux.t5xxl",
             &cfg.flux.t5xxl,
             "the T5-XXL file (t5xxl_fp16.safetensors)",
-        )?,
-        clip_l: need(
+        ),
+        (
             "flux.clip_l",
             &cfg.flux.clip_l,
             "the CLIP-L file (clip_l.safetensors)",
-        )?,
-        ae: need("flux.ae", &cfg.flux.ae, "the autoencoder (ae.safetensors)")?,
-        tokenizers: need(
+        ),
+        (
+            "flux.ae",
+            &cfg.flux.ae,
+            "BFL's autoencoder file (ae.safetensors)",
+        ),
+        (
             "model.tokenizer",
             &cfg.model.tokenizer,
             "a folder with tokenizer/ (CLIP) and tokenizer_2/ (T5), such as a diffusers FLUX.1 folder",
-        )?,
+        ),
+    ];
+    let unset: Vec<&(&str, &Option<String>, &str)> =
+        wanted.iter().filter(|(_, v, _)| v.is_none()).collect();
+    if !unset.is_empty() {
+        return Err(crate::config::ConfigError::Missing {
+            key: unset.iter().map(|(k, ..)| *k).collect::<Vec<_>>().join(", "),
+            hint: format!(
+                "model.base_model {} is a single transformer file: set {} (or use a diffusers FLUX.1 folder as the base)",
+                base.display(),
+                unset
+                    .iter()
+                    .map(|(k, _, what)| format!("{k} to {what}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        }
+        .into());
+    }
+    let path = |i: usize| -> Result<PathBuf> {
+        let (key, v, _) = wanted[i];
+        resolve_path(key, v.as_deref().unwrap_or_default(), config_dir)
     };
-    FluxPipeline::from_single_files_with_base(&files, kind, device, format).map_err(err)
+    Ok(FluxFiles {
+        transformer: base.to_path_buf(),
+        t5xxl: path(0)?,
+        clip_l: path(1)?,
+        ae: path(2)?,
+        tokenizers: path(3)?,
+    })
 }
 
 /// How the frozen transformer is held: a GGUF file as stored (its own block types); float8
@@ -227,6 +246,23 @@ impl RunSteps for FluxSteps {
     fn check(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()> {
         super::plan::read_descriptor(cfg, ctx.config_dir())?;
         super::plan::check_resolution(cfg)?;
+        let base = ctx.base_path()?;
+        if base.is_dir() && !base.join("transformer").is_dir() {
+            let parent = base
+                .parent()
+                .filter(|p| p.join("model_index.json").is_file() || p.join("vae").is_dir());
+            return Err(JobError::Input(format!(
+                "model.base_model {} is a transformer folder, not a FLUX.1 pipeline: training needs the text encoders, tokenizers and autoencoder too — {}",
+                base.display(),
+                match parent {
+                    Some(p) => format!("use the pipeline folder above it ({})", p.display()),
+                    None => "give a diffusers FLUX.1 folder (transformer/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/, vae/) or BFL's single file with flux.t5xxl, flux.clip_l, flux.ae and model.tokenizer".into(),
+                }
+            )));
+        }
+        if base.is_file() {
+            single_files(cfg, &base, ctx.config_dir())?;
+        }
         if cfg.train.train_text_encoder {
             return Err(JobError::Input(
                 "train.train_text_encoder: FLUX.1 LoRA here trains the transformer only (kohya's network_train_unet_only); T5 and CLIP stay frozen and their outputs are cached — remove the key or set it to false".into(),
@@ -235,14 +271,11 @@ impl RunSteps for FluxSteps {
         Ok(())
     }
 
+    /// The plan from the headers [`RunSteps::check`] read: a plan that fails is a config error
+    /// (targets that match nothing, blocks to swap or train that do not exist), reported before
+    /// anything loads.
     fn plan(&self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<Option<Plan>> {
-        match super::plan::plan(cfg, ctx.config_dir(), None, ctx.cuda) {
-            Ok(p) => Ok(Some(p)),
-            Err(e) => {
-                ctx.say(&format!("memory plan unavailable: {e}"));
-                Ok(None)
-            }
-        }
+        super::plan::plan(cfg, ctx.config_dir(), None, ctx.cuda).map(Some)
     }
 
     fn read_data(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()> {
@@ -259,7 +292,7 @@ impl RunSteps for FluxSteps {
         let (data_path, ds) = self
             .data
             .ok_or(JobError::Internal("the image dataset was not read"))?;
-        let kind = kind_of(cfg);
+        let kind = cfg.model.dtype.kind();
         let base_path = ctx.base_path()?;
         ctx.say(&format!(
             "loading {} ({kind:?}) on {:?}",
@@ -629,28 +662,16 @@ impl LoadedRun for FluxRun {
         ctx: &RunContext<'_>,
         report: &crate::engine::TrainReport,
     ) -> Result<()> {
-        if !self.prompts.is_empty()
-            && !self
-                .written
-                .borrow()
-                .iter()
-                .any(|p| p.ends_with(format!("step-{}.png", report.steps)))
-        {
-            let final_sampler = SampleCallback::new(
-                FluxSampler {
-                    images: self.images.clone(),
-                    opts: sample_options(cfg),
-                },
-                self.prompts.clone(),
-                0,
-                ctx.out_dir.join("samples"),
-            );
-            let p = final_sampler
-                .write(report.steps)
-                .map_err(crate::engine::TrainError::App)
-                .during("writing the final sample grid")?;
-            self.written.borrow_mut().push(p);
-        }
+        images::final_grid(
+            FluxSampler {
+                images: self.images.clone(),
+                opts: sample_options(cfg),
+            },
+            &self.prompts,
+            &self.written,
+            ctx.out_dir.join("samples"),
+            report.steps,
+        )?;
         Ok(())
     }
 
@@ -706,29 +727,21 @@ impl LoadedRun for FluxRun {
     }
 
     fn report(summary: &FluxRunSummary, ctx: &RunContext<'_>) -> String {
-        let mut out = format!(
-            "summary: {} optimizer steps in {:.1} s; fixed-noise loss {:.5} → {:.5} ({:+.1}%)\n",
+        let files: Vec<PathBuf> = summary
+            .outputs
+            .iter()
+            .chain(&summary.samples)
+            .cloned()
+            .collect();
+        crate::recipes::images::run_report(
             summary.steps,
             summary.train_seconds,
-            summary.eval_loss_before,
-            summary.eval_loss_after,
-            100.0 * (summary.eval_loss_after / summary.eval_loss_before - 1.0)
-        );
-        if let Some(p) = &summary.plan
-            && !ctx.cuda
-        {
-            out += &format!(
-                "memory (CPU): tensor peak (counting allocator) {} vs predicted allocated peak {}; process peak RSS {} vs predicted {}\n",
-                lora_memory::Bytes(summary.memory.tensor_peak),
-                p.estimate.peak_allocated,
-                lora_memory::Bytes(summary.memory.rss_peak_process),
-                p.estimate.peak_process
-            );
-        }
-        for o in summary.outputs.iter().chain(&summary.samples) {
-            out += &format!("wrote {}\n", o.display());
-        }
-        out
+            (summary.eval_loss_before, summary.eval_loss_after),
+            summary.plan.as_ref(),
+            &summary.memory,
+            &files,
+            ctx,
+        )
     }
 }
 

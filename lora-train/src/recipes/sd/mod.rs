@@ -52,7 +52,7 @@
 //!   (`unet.<module>.lora_A/B.weight`, `text_encoder.…`, `text_encoder_2.…`, scaling folded
 //!   into B) — the file `StableDiffusion[XL]Pipeline.load_lora_weights` reads.
 
-use crate::config::{Dtype, ExportFormat, TargetModules, TrainConfig};
+use crate::config::{ExportFormat, TargetModules, TrainConfig};
 use crate::engine::TrainStep;
 use crate::job::error::During;
 use crate::job::sequence::{LoadedRun, RunContext, RunOutcome, RunSteps};
@@ -231,11 +231,7 @@ impl RunSteps for SdSteps {
         let (data_path, ds) = self
             .data
             .ok_or(JobError::Internal("the image dataset was not read"))?;
-        let kind = match cfg.model.dtype {
-            Dtype::F32 => Kind::Float,
-            Dtype::Bf16 => Kind::BFloat16,
-            Dtype::F16 => Kind::Half,
-        };
+        let kind = cfg.model.dtype.kind();
         let base_path = &ctx.base_path()?;
         ctx.say(&format!(
             "loading {} ({kind:?}) on {:?}",
@@ -610,28 +606,16 @@ impl LoadedRun for SdRun {
         ctx: &RunContext<'_>,
         report: &crate::engine::TrainReport,
     ) -> Result<()> {
-        if !self.prompts.is_empty()
-            && !self
-                .written
-                .borrow()
-                .iter()
-                .any(|p| p.ends_with(format!("step-{}.png", report.steps)))
-        {
-            let final_sampler = SampleCallback::new(
-                SdSampler {
-                    pipe: self.pipe.clone(),
-                    opts: sample_options(cfg),
-                },
-                self.prompts.clone(),
-                0,
-                ctx.out_dir.join("samples"),
-            );
-            let p = final_sampler
-                .write(report.steps)
-                .map_err(crate::engine::TrainError::App)
-                .during("writing the final sample grid")?;
-            self.written.borrow_mut().push(p);
-        }
+        crate::recipes::images::final_grid(
+            SdSampler {
+                pipe: self.pipe.clone(),
+                opts: sample_options(cfg),
+            },
+            &self.prompts,
+            &self.written,
+            ctx.out_dir.join("samples"),
+            report.steps,
+        )?;
         Ok(())
     }
 
@@ -710,29 +694,21 @@ impl LoadedRun for SdRun {
     }
 
     fn report(summary: &SdRunSummary, ctx: &RunContext<'_>) -> String {
-        let mut out = format!(
-            "summary: {} optimizer steps in {:.1} s; fixed-noise loss {:.5} → {:.5} ({:+.1}%)\n",
+        let files: Vec<PathBuf> = summary
+            .outputs
+            .iter()
+            .chain(&summary.samples)
+            .cloned()
+            .collect();
+        crate::recipes::images::run_report(
             summary.steps,
             summary.train_seconds,
-            summary.eval_loss_before,
-            summary.eval_loss_after,
-            100.0 * (summary.eval_loss_after / summary.eval_loss_before - 1.0)
-        );
-        if let Some(p) = &summary.plan
-            && !ctx.cuda
-        {
-            out += &format!(
-                "memory (CPU): tensor peak (counting allocator) {} vs predicted allocated peak {}; process peak RSS {} vs predicted {}\n",
-                lora_memory::Bytes(summary.memory.tensor_peak),
-                p.estimate.peak_allocated,
-                lora_memory::Bytes(summary.memory.rss_peak_process),
-                p.estimate.peak_process
-            );
-        }
-        for o in summary.outputs.iter().chain(&summary.samples) {
-            out += &format!("wrote {}\n", o.display());
-        }
-        out
+            (summary.eval_loss_before, summary.eval_loss_after),
+            summary.plan.as_ref(),
+            &summary.memory,
+            &files,
+            ctx,
+        )
     }
 }
 
