@@ -23,7 +23,7 @@
 //!   (`caption_extension`, `shuffle_caption`, `keep_tokens`), aspect buckets; latents are
 //!   encoded once per (image, bucket, crop, flip, VAE, dtype) and kept in memory, and also on
 //!   disk under `<output_dir>/latent_cache` with `data.cache_latents: true` (lora-data's
-//!   [`LatentCache`]).
+//!   [`LatentCache`](lora_data::cache::LatentCache)).
 //! - **Caching before training** (`data.cache_latents: true`, as kohya's `cache_latents` /
 //!   `cache_text_encoder_outputs`): every latent (both orientations with `flip_aug`) and, with
 //!   frozen text encoders, every caption's conditioning are computed before the first step
