@@ -208,8 +208,8 @@ fn packed_inputs(
     Ok((packed, img_ids, txt_ids, g))
 }
 
-/// The velocity the transformer predicts for `nb` under `cond`, unpacked to the latents' shape
-/// `[b, C, h, w]` (inference or training forward by `train`).
+/// The velocity the transformer predicts for `nb` under `cond` ([`FluxPipeline::predict`]),
+/// unpacked to the latents' shape `[b, C, h, w]` (inference or training forward by `train`).
 ///
 /// # Errors
 /// Model errors.
@@ -220,21 +220,14 @@ pub fn predict(
     guidance: Option<f64>,
     train: bool,
 ) -> lora_models::Result<Tensor> {
+    // the pipeline's own forward on packed latents (ids, dtype and device as it samples)
     let sz = nb.noisy_latents.size();
-    let (packed, img_ids, txt_ids, g) =
-        packed_inputs(&nb.noisy_latents, cond, pipe.transformer.kind(), guidance)?;
-    let out = pipe.transformer.forward_t(
-        &FluxInputs {
-            hidden_states: &packed,
-            encoder_hidden_states: &cond.t5,
-            pooled_projections: &cond.pooled,
-            timestep: &nb.sigmas,
-            img_ids: &img_ids,
-            txt_ids: &txt_ids,
-            guidance: g.as_ref(),
-        },
-        train,
-    )?;
+    let packed = pack_latents(&nb.noisy_latents.f_to_kind(pipe.kind())?)?;
+    let g = match guidance {
+        Some(g) => Some(Tensor::f_full([sz[0]], g, (Kind::Float, packed.device()))?),
+        None => None,
+    };
+    let out = pipe.predict(&packed, &nb.sigmas, cond, (sz[2], sz[3]), g.as_ref(), train)?;
     unpack_latents(&out, sz[2], sz[3])
 }
 
