@@ -52,13 +52,15 @@ pub trait GradSync {
         Ok((samples, tokens))
     }
 
-    /// Whether `flag` is set on any rank (one small all-reduce): how the ranks agree to stop at
-    /// the same step when a stop signal reaches them at different moments. Default: `flag`.
+    /// For each of `flags`, whether it is set on any rank (one small all-reduce for all of
+    /// them): how the ranks agree to stop at the same step when a stop signal (or a callback's
+    /// stop) reaches them at different moments. Every rank passes the same number of flags.
+    /// Default: `flags` as given.
     ///
     /// # Errors
     /// A failed collective.
-    fn any_rank(&mut self, flag: bool) -> Result<bool> {
-        Ok(flag)
+    fn any_rank(&mut self, flags: &[bool]) -> Result<Vec<bool>> {
+        Ok(flags.to_vec())
     }
 
     /// Whether this rank writes checkpoints (every rank holds the same state, so one writes:
@@ -138,13 +140,19 @@ impl GradSync for lora_core::dist::ProcessGroup {
         Ok((get(0)?, get(1)?))
     }
 
-    fn any_rank(&mut self, flag: bool) -> Result<bool> {
-        let t = Tensor::from_slice(&[if flag { 1f32 } else { 0f32 }]);
+    fn any_rank(&mut self, flags: &[bool]) -> Result<Vec<bool>> {
+        let votes: Vec<f32> = flags.iter().map(|&f| if f { 1.0 } else { 0.0 }).collect();
+        let t = Tensor::f_from_slice(&votes)
+            .map_err(|e| TrainError::App(format!("data-parallel stop vote: {e}")))?;
         self.all_reduce_sum(&t)
             .map_err(|e| collective(self, "stop vote", e))?;
-        t.f_double_value(&[0])
-            .map(|v| v > 0.0)
-            .map_err(|e| TrainError::App(format!("data-parallel stop vote: {e}")))
+        (0..flags.len())
+            .map(|i| {
+                t.f_double_value(&[i as i64])
+                    .map(|v| v > 0.0)
+                    .map_err(|e| TrainError::App(format!("data-parallel stop vote: {e}")))
+            })
+            .collect()
     }
 
     fn writes_checkpoints(&self) -> bool {

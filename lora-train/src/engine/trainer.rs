@@ -609,10 +609,14 @@ impl<S: TrainStep> Trainer<S> {
                 let mut stop_now = stop_requested();
                 if let Some(sync) = self.grad_sync.as_mut() {
                     // every rank stops at the same step, or one would wait for the others at
-                    // the next collective: a signal, or a callback's stop, on any rank
-                    let local = stop_now || control == Control::Stop;
-                    if sync.any_rank(local)? && !local {
+                    // the next collective: a signal on any rank is an interruption on all of
+                    // them; a callback's stop on any rank (early stopping on rank 0's
+                    // evaluation, …) is a stop on all of them, not an interruption
+                    let votes = sync.any_rank(&[stop_now, control == Control::Stop])?;
+                    if votes.first() == Some(&true) {
                         stop_now = true;
+                    } else if votes.get(1) == Some(&true) {
+                        control = Control::Stop;
                     }
                 }
                 if stop_now && run.counters.step < total {

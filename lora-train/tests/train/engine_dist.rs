@@ -68,12 +68,14 @@ impl BatchSource<Batch> for Shard {
     }
 }
 
-/// Trains 5 steps of AdamW (clipped) on this process's shard; with `dist`, data-parallel.
+/// Trains 5 steps of AdamW (clipped) on this process's shard; with `dist`, data-parallel;
+/// with `stop_at`, a callback of this process stops the run after that step.
 fn train(
     rank: i64,
     world: i64,
     dist: Option<ProcessGroup>,
     nan_on_call: Option<u64>,
+    stop_at: Option<u64>,
 ) -> serde_json::Value {
     tch::set_num_threads(1);
     let (x, y) = rows();
@@ -104,10 +106,15 @@ fn train(
     if let Some(pg) = dist {
         trainer.set_grad_sync(Box::new(pg));
     }
+    if let Some(at) = stop_at {
+        trainer.add_callback(Box::new(lora_train::engine::StopAfter(at)));
+    }
     let report = trainer.fit(&mut task, &mut data, Resume::No).unwrap();
     serde_json::json!({
         "adapter": task.trainable_bits(),
         "steps": report.steps,
+        "interrupted": report.interrupted,
+        "stopped_early": report.stopped_early,
         "skipped": report.skipped_steps,
         "losses": report.losses.iter().map(|l| l.1).collect::<Vec<f64>>(),
     })
@@ -131,11 +138,15 @@ fn data_parallel_worker() {
     let nan_on_call = std::env::var("LORA_DIST_TEST_NAN")
         .ok()
         .and_then(|v| v.parse().ok());
+    let stop_at = std::env::var("LORA_DIST_TEST_STOP_AT")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let r = train(
         env.rank as i64,
         env.world_size as i64,
         Some(pg),
         nan_on_call,
+        stop_at,
     );
     std::fs::write(out, r.to_string()).unwrap();
 }
@@ -148,8 +159,17 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Starts `world` workers of this test binary and returns each rank's result.
-fn launch(dir: &Path, world: usize, nan_on: Option<(usize, u64)>) -> Vec<serde_json::Value> {
+/// What one rank of a [`launch`] does besides training: a non-finite loss at a call, or a
+/// callback stop after a step.
+#[derive(Clone, Copy)]
+enum Event {
+    NanOnCall(u64),
+    StopAfterStep(u64),
+}
+
+/// Starts `world` workers of this test binary and returns each rank's result; `event` happens
+/// on the rank given with it only.
+fn launch(dir: &Path, world: usize, event: Option<(usize, Event)>) -> Vec<serde_json::Value> {
     let port = free_port();
     let exe = std::env::current_exe().unwrap();
     let mut children = Vec::new();
@@ -170,10 +190,14 @@ fn launch(dir: &Path, world: usize, nan_on: Option<(usize, u64)>) -> Vec<serde_j
         .env("OMP_NUM_THREADS", "1")
         .env("LORA_DIST_TEST_OUT", dir.join(format!("rank{rank}.json")))
         .stdout(Stdio::null());
-        if let Some((r, call)) = nan_on
-            && r == rank
-        {
-            c.env("LORA_DIST_TEST_NAN", call.to_string());
+        match event {
+            Some((r, Event::NanOnCall(call))) if r == rank => {
+                c.env("LORA_DIST_TEST_NAN", call.to_string());
+            }
+            Some((r, Event::StopAfterStep(step))) if r == rank => {
+                c.env("LORA_DIST_TEST_STOP_AT", step.to_string());
+            }
+            _ => {}
         }
         children.push(c.spawn().unwrap());
     }
@@ -220,16 +244,26 @@ fn two_gloo_ranks_on_half_batches_train_the_single_process_adapter() {
     let dir = tempfile::tempdir().unwrap();
 
     // a non-finite loss on rank 1 only (its 2nd step): both ranks skip that step
-    let ranks = launch(dir.path(), 2, Some((1, 2)));
+    let ranks = launch(dir.path(), 2, Some((1, Event::NanOnCall(2))));
     assert_eq!(ranks[0]["skipped"], 1, "{}", ranks[0]);
     assert_eq!(ranks[1]["skipped"], 1, "{}", ranks[1]);
+    assert_eq!(adapter(&ranks[0]), adapter(&ranks[1]));
+
+    // a callback on rank 0 stops the run after step 2 (early stopping on rank 0's evaluation):
+    // both ranks stop there, and neither calls it an interruption
+    let ranks = launch(dir.path(), 2, Some((0, Event::StopAfterStep(2))));
+    for r in &ranks {
+        assert_eq!(r["steps"], 2, "{r}");
+        assert_eq!(r["stopped_early"], true, "{r}");
+        assert_eq!(r["interrupted"], false, "{r}");
+    }
     assert_eq!(adapter(&ranks[0]), adapter(&ranks[1]));
 }
 
 /// The adapters of `world` Gloo ranks on `GLOBAL_BATCH / world` rows each against one process on
 /// the whole batches; prints the loss curves side by side and returns the worst difference.
 fn ranks_against_single_process(world: usize) -> f32 {
-    let single = train(0, 1, None, None);
+    let single = train(0, 1, None, None, None);
     let dir = tempfile::tempdir().unwrap();
     let ranks = launch(dir.path(), world, None);
     let a0 = adapter(&ranks[0]);

@@ -31,14 +31,52 @@ fn config(dir: &Path, out: &str, batch_size: u32, accumulation: u32) -> TrainCon
     cfg
 }
 
-/// A rank's role when this binary was started as a worker by the test below.
+/// A rank's role when this binary was started as a worker by the test below, or the
+/// single-process reference (`LORA_SD_DIST_ROLE=single`).
 #[test]
 fn sd_data_parallel_worker() {
     let Ok(dir) = std::env::var("LORA_SD_DIST_DIR") else {
         return; // not started as a worker
     };
-    let cfg = config(Path::new(&dir), "dp", 2, 1);
-    sd::run(cfg, &RunOptions::default()).unwrap();
+    let cfg = if std::env::var("LORA_SD_DIST_ROLE").as_deref() == Ok("single") {
+        config(Path::new(&dir), "single", 2, 2)
+    } else {
+        config(Path::new(&dir), "dp", 2, 1)
+    };
+    let report = sd::run(cfg, &RunOptions::default()).unwrap();
+    assert_eq!(report.steps, 3);
+}
+
+/// Starts this test binary as a worker on `dir` with `env` added; stdout discarded.
+fn worker(dir: &Path, env: &[(&str, String)]) -> std::process::Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "sd_dist::sd_data_parallel_worker",
+        "--exact",
+        "--test-threads=1",
+        "--nocapture",
+    ])
+    .env("OMP_NUM_THREADS", "1")
+    .env("LORA_SD_DIST_DIR", dir)
+    .stdout(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
+/// Waits for `workers` (named by index in messages) until `deadline`; each must succeed.
+fn wait_all(workers: &mut [std::process::Child], what: &str, deadline: Instant) {
+    for (rank, w) in workers.iter_mut().enumerate() {
+        loop {
+            if let Some(status) = w.try_wait().unwrap() {
+                assert!(status.success(), "{what} {rank} failed: {status}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "{what} {rank} did not finish");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 fn kohya(out: &Path) -> Vec<(String, Tensor)> {
@@ -58,50 +96,35 @@ fn two_sd_ranks_train_the_adapter_of_one_process_accumulating_two_micro_batches(
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     make_pipeline(&dir, &[]);
-    // one process, 2 micro-batches of 2 per step
-    let single = sd::run(config(&dir, "single", 2, 2), &RunOptions::default()).unwrap();
-    assert_eq!(single.steps, 3);
+    let deadline = Instant::now() + Duration::from_secs(600);
+    // one process, 2 micro-batches of 2 per step: a process of its own too, so that tests
+    // running beside this one in the harness (and the intra-op thread count they set, which is
+    // process-wide) cannot change its last bits
+    let mut single = [worker(&dir, &[("LORA_SD_DIST_ROLE", "single".into())])];
+    wait_all(&mut single, "the single-process run", deadline);
     // two ranks, 1 micro-batch of 2 each per step
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let exe = std::env::current_exe().unwrap();
     let mut workers: Vec<_> = (0..2)
         .map(|rank| {
-            Command::new(&exe)
-                .args([
-                    "sd_dist::sd_data_parallel_worker",
-                    "--exact",
-                    "--test-threads=1",
-                    "--nocapture",
-                ])
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("LORA_DIST_TIMEOUT_S", "300")
-                .env("OMP_NUM_THREADS", "1")
-                .env("LORA_SD_DIST_DIR", &dir)
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap()
+            worker(
+                &dir,
+                &[
+                    ("RANK", rank.to_string()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("LOCAL_WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("LORA_DIST_TIMEOUT_S", "300".into()),
+                ],
+            )
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    for (rank, w) in workers.iter_mut().enumerate() {
-        loop {
-            if let Some(status) = w.try_wait().unwrap() {
-                assert!(status.success(), "rank {rank} failed: {status}");
-                break;
-            }
-            assert!(Instant::now() < deadline, "rank {rank} did not finish");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
+    wait_all(&mut workers, "rank", deadline);
     let (a, b) = (kohya(&dir.join("dp")), kohya(&dir.join("single")));
     assert_eq!(a.len(), b.len());
     let mut worst = 0f64;
