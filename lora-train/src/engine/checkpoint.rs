@@ -142,6 +142,14 @@ pub struct Checkpoint {
     pub rng_cpu: Vec<u8>,
     /// CUDA generator state of the training device, if training on CUDA.
     pub rng_cuda: Option<Vec<u8>>,
+    /// Data-parallel runs: every rank's CPU generator state, in rank order (`rng_cpu` is rank
+    /// 0's); empty for a single process. A resume on the same world size gives each rank its own
+    /// state back, so ranks that drew differently (LoRA dropout over micro-batches of other
+    /// shapes) continue exactly.
+    pub rng_cpu_ranks: Vec<Vec<u8>>,
+    /// Data-parallel runs on CUDA: every rank's generator state of its device, in rank order;
+    /// empty otherwise.
+    pub rng_cuda_ranks: Vec<Vec<u8>>,
     /// The data loader's position (opaque; from [`crate::engine::trainer::BatchSource::state`]).
     pub loader: serde_json::Value,
     /// The run's configuration (opaque JSON), for the record and for resume checks.
@@ -158,6 +166,10 @@ struct StateFile {
     scheduler: Option<Scheduler>,
     rng_cpu: String,
     rng_cuda: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    rng_cpu_ranks: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    rng_cuda_ranks: Vec<String>,
     loader: serde_json::Value,
     config: serde_json::Value,
     scaler: Option<ScalerState>,
@@ -301,6 +313,8 @@ impl Checkpoint {
             scheduler: self.scheduler.clone(),
             rng_cpu: hex_encode(&self.rng_cpu),
             rng_cuda: self.rng_cuda.as_deref().map(hex_encode),
+            rng_cpu_ranks: self.rng_cpu_ranks.iter().map(|s| hex_encode(s)).collect(),
+            rng_cuda_ranks: self.rng_cuda_ranks.iter().map(|s| hex_encode(s)).collect(),
             loader: self.loader.clone(),
             config: self.config.clone(),
             scaler: self.scaler,
@@ -365,6 +379,16 @@ impl Checkpoint {
             counters: st.counters,
             rng_cpu: hex_decode(&st.rng_cpu)?,
             rng_cuda: st.rng_cuda.as_deref().map(hex_decode).transpose()?,
+            rng_cpu_ranks: st
+                .rng_cpu_ranks
+                .iter()
+                .map(|s| hex_decode(s))
+                .collect::<Result<_>>()?,
+            rng_cuda_ranks: st
+                .rng_cuda_ranks
+                .iter()
+                .map(|s| hex_decode(s))
+                .collect::<Result<_>>()?,
             loader: st.loader,
             config: st.config,
             scaler: st.scaler,
@@ -618,6 +642,8 @@ mod tests {
             },
             rng_cpu: vec![0, 1, 254, 255],
             rng_cuda: None,
+            rng_cpu_ranks: vec![vec![0, 1, 254, 255], vec![7, 8]],
+            rng_cuda_ranks: Vec::new(),
             loader: serde_json::json!({"cursor": step}),
             config: serde_json::json!({"lr": 1e-4}),
             scaler: None,
@@ -685,6 +711,8 @@ mod tests {
         assert!(c.adapter[0].1.equal(&sample(3, 0.3).adapter[0].1));
         assert_eq!(c.adapter[1].1.kind(), Kind::BFloat16);
         assert_eq!(c.rng_cpu, vec![0, 1, 254, 255]);
+        assert_eq!(c.rng_cpu_ranks, vec![vec![0, 1, 254, 255], vec![7, 8]]);
+        assert!(c.rng_cuda_ranks.is_empty());
         assert_eq!(c.loader["cursor"], 3);
         assert_eq!(c.optimizer.tensors["g0.p0.codes"].kind(), Kind::Uint8);
         assert_eq!(c.counters.step, 3);

@@ -63,6 +63,20 @@ pub trait GradSync {
         Ok(flags.to_vec())
     }
 
+    /// Every rank's `bytes`, in rank order (an all-gather): how the rank that writes checkpoints
+    /// records each rank's generator state. Default: `[bytes]`.
+    ///
+    /// # Errors
+    /// A failed collective; [`TrainError::App`] when the ranks' lengths differ.
+    fn gather_bytes(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Ok(vec![bytes.to_vec()])
+    }
+
+    /// This rank's number (`RANK`; rank 0 writes checkpoints). Default 0.
+    fn rank(&self) -> usize {
+        0
+    }
+
     /// Whether this rank writes checkpoints (every rank holds the same state, so one writes:
     /// rank 0). Default `true`.
     fn writes_checkpoints(&self) -> bool {
@@ -155,8 +169,36 @@ impl GradSync for lora_core::dist::ProcessGroup {
             .collect()
     }
 
+    fn gather_bytes(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let app = |e: tch::TchError| TrainError::App(format!("data-parallel state gather: {e}"));
+        let world = lora_core::dist::ProcessGroup::world_size(self);
+        let lens = self
+            .all_gather(&Tensor::from_slice(&[bytes.len() as i64]))
+            .map_err(|e| collective(self, "all-gather of the generator states' lengths", e))?;
+        let lens = Vec::<i64>::try_from(&lens.f_reshape([-1]).map_err(app)?).map_err(app)?;
+        if lens.iter().any(|&l| l != bytes.len() as i64) {
+            return Err(TrainError::App(format!(
+                "data-parallel state gather: the ranks' generator states have different lengths \
+                 ({lens:?} bytes); every rank must run the same libtorch on the same kind of device"
+            )));
+        }
+        let all = self
+            .all_gather(&Tensor::from_slice(bytes))
+            .map_err(|e| collective(self, "all-gather of the generator states", e))?;
+        (0..world as i64)
+            .map(|r| {
+                let row = all.f_get(r).map_err(app)?;
+                Vec::<u8>::try_from(&row).map_err(app)
+            })
+            .collect()
+    }
+
+    fn rank(&self) -> usize {
+        lora_core::dist::ProcessGroup::rank(self)
+    }
+
     fn writes_checkpoints(&self) -> bool {
-        self.rank() == 0
+        lora_core::dist::ProcessGroup::rank(self) == 0
     }
 
     fn world_size(&self) -> usize {

@@ -732,9 +732,22 @@ impl<S: TrainStep> Trainer<S> {
         if run.counters.micro_batch_split == 0 {
             run.counters.micro_batch_split = 1;
         }
-        sys::set_rng_state(Device::Cpu, &ck.rng_cpu)?;
-        if let (Device::Cuda(i), Some(st)) = (self.cfg.device, &ck.rng_cuda) {
-            sys::set_rng_state(Device::Cuda(i), st)?;
+        // each rank its own generator state when the checkpoint has one per rank of this world
+        // size (rank 0's otherwise: a single-process checkpoint, or another world size)
+        let rank = self.grad_sync.as_ref().map_or(0, |s| s.rank());
+        let own = |ranks: &[Vec<u8>]| {
+            if ranks.len() == world_size {
+                ranks.get(rank).cloned()
+            } else {
+                None
+            }
+        };
+        let cpu = own(&ck.rng_cpu_ranks).unwrap_or_else(|| ck.rng_cpu.clone());
+        sys::set_rng_state(Device::Cpu, &cpu)?;
+        if let Device::Cuda(i) = self.cfg.device
+            && let Some(st) = own(&ck.rng_cuda_ranks).or_else(|| ck.rng_cuda.clone())
+        {
+            sys::set_rng_state(Device::Cuda(i), &st)?;
         }
         if let (Some(s), Some(st)) = (run.scaler.as_mut(), ck.scaler) {
             s.load_state(st)?;
@@ -761,25 +774,33 @@ impl<S: TrainStep> Trainer<S> {
         let Some(mgr) = run.ckpt.clone() else {
             return Ok(());
         };
-        if self
-            .grad_sync
-            .as_ref()
-            .is_some_and(|s| !s.writes_checkpoints())
-        {
-            // data-parallel: one rank writes what every rank holds
-            run.last_saved = Some(run.counters.step);
-            return Ok(());
+        let rng_cpu = sys::rng_state(Device::Cpu)?;
+        let rng_cuda = match self.cfg.device {
+            Device::Cuda(i) => Some(sys::rng_state(Device::Cuda(i))?),
+            _ => None,
+        };
+        // data-parallel: every rank's generator states go to the writer (a collective, so every
+        // rank takes part); one rank writes what every rank holds
+        let (mut rng_cpu_ranks, mut rng_cuda_ranks) = (Vec::new(), Vec::new());
+        if let Some(sync) = self.grad_sync.as_mut() {
+            rng_cpu_ranks = sync.gather_bytes(&rng_cpu)?;
+            if let Some(st) = &rng_cuda {
+                rng_cuda_ranks = sync.gather_bytes(st)?;
+            }
+            if !sync.writes_checkpoints() {
+                run.last_saved = Some(run.counters.step);
+                return Ok(());
+            }
         }
         let ck = Checkpoint {
             adapter: task.named_trainable(),
             optimizer: run.opt.state_dict()?,
             scheduler: Some(run.sched.clone()),
             counters: run.counters.clone(),
-            rng_cpu: sys::rng_state(Device::Cpu)?,
-            rng_cuda: match self.cfg.device {
-                Device::Cuda(i) => Some(sys::rng_state(Device::Cuda(i))?),
-                _ => None,
-            },
+            rng_cpu,
+            rng_cuda,
+            rng_cpu_ranks,
+            rng_cuda_ranks,
             loader: data.state(),
             config: self.cfg.run_config.clone(),
             scaler: run.scaler.as_ref().map(|s| s.state()).transpose()?,

@@ -68,6 +68,14 @@ impl BatchSource<Batch> for Shard {
     }
 }
 
+/// Checkpointing of a [`train`] run: every step into `dir`; `resume` continues from the latest.
+/// Such a run draws LoRA dropout (0.3) from a generator seeded per rank, so that the ranks'
+/// generator states differ.
+struct Checkpoints {
+    dir: std::path::PathBuf,
+    resume: bool,
+}
+
 /// Trains 5 steps of AdamW (clipped) on this process's shard; with `dist`, data-parallel;
 /// with `stop_at`, a callback of this process stops the run after that step.
 fn train(
@@ -76,11 +84,12 @@ fn train(
     dist: Option<ProcessGroup>,
     nan_on_call: Option<u64>,
     stop_at: Option<u64>,
+    ckpt: Option<Checkpoints>,
 ) -> serde_json::Value {
     tch::set_num_threads(1);
     let (x, y) = rows();
     let mut task = ToyLora::new();
-    task.dropout = 0.0;
+    task.dropout = if ckpt.is_some() { 0.3 } else { 0.0 };
     task.nan_on_call = nan_on_call;
     if rank != 0 {
         // a rank that starts elsewhere is brought to rank 0's parameters
@@ -100,7 +109,9 @@ fn train(
         scheduler: SchedulerKind::Constant,
         epochs: 1,
         max_grad_norm: Some(1.0),
-        seed: Some(7),
+        seed: Some(7 + if ckpt.is_some() { rank as u64 } else { 0 }),
+        checkpoint_dir: ckpt.as_ref().map(|c| c.dir.clone()),
+        save_every_n_steps: ckpt.as_ref().map(|_| 1),
         ..Default::default()
     });
     if let Some(pg) = dist {
@@ -109,7 +120,11 @@ fn train(
     if let Some(at) = stop_at {
         trainer.add_callback(Box::new(lora_train::engine::StopAfter(at)));
     }
-    let report = trainer.fit(&mut task, &mut data, Resume::No).unwrap();
+    let resume = match &ckpt {
+        Some(c) if c.resume => Resume::Latest,
+        _ => Resume::No,
+    };
+    let report = trainer.fit(&mut task, &mut data, resume).unwrap();
     serde_json::json!({
         "adapter": task.trainable_bits(),
         "steps": report.steps,
@@ -141,12 +156,19 @@ fn data_parallel_worker() {
     let stop_at = std::env::var("LORA_DIST_TEST_STOP_AT")
         .ok()
         .and_then(|v| v.parse().ok());
+    let ckpt = std::env::var("LORA_DIST_TEST_CKPT")
+        .ok()
+        .map(|dir| Checkpoints {
+            dir: dir.into(),
+            resume: std::env::var("LORA_DIST_TEST_RESUME").is_ok(),
+        });
     let r = train(
         env.rank as i64,
         env.world_size as i64,
         Some(pg),
         nan_on_call,
         stop_at,
+        ckpt,
     );
     std::fs::write(out, r.to_string()).unwrap();
 }
@@ -160,11 +182,14 @@ fn free_port() -> u16 {
 }
 
 /// What one rank of a [`launch`] does besides training: a non-finite loss at a call, or a
-/// callback stop after a step.
-#[derive(Clone, Copy)]
+/// callback stop after a step; or what every rank does: checkpoint into a folder (`Resume`:
+/// and continue from its latest checkpoint), stopping after a step if given.
+#[derive(Clone)]
 enum Event {
     NanOnCall(u64),
     StopAfterStep(u64),
+    Checkpoint(std::path::PathBuf, Option<u64>),
+    Resume(std::path::PathBuf),
 }
 
 /// Starts `world` workers of this test binary and returns each rank's result; `event` happens
@@ -190,12 +215,22 @@ fn launch(dir: &Path, world: usize, event: Option<(usize, Event)>) -> Vec<serde_
         .env("OMP_NUM_THREADS", "1")
         .env("LORA_DIST_TEST_OUT", dir.join(format!("rank{rank}.json")))
         .stdout(Stdio::null());
-        match event {
-            Some((r, Event::NanOnCall(call))) if r == rank => {
+        match &event {
+            Some((r, Event::NanOnCall(call))) if *r == rank => {
                 c.env("LORA_DIST_TEST_NAN", call.to_string());
             }
-            Some((r, Event::StopAfterStep(step))) if r == rank => {
+            Some((r, Event::StopAfterStep(step))) if *r == rank => {
                 c.env("LORA_DIST_TEST_STOP_AT", step.to_string());
+            }
+            Some((_, Event::Checkpoint(dir, stop))) => {
+                c.env("LORA_DIST_TEST_CKPT", dir);
+                if let Some(step) = stop {
+                    c.env("LORA_DIST_TEST_STOP_AT", step.to_string());
+                }
+            }
+            Some((_, Event::Resume(dir))) => {
+                c.env("LORA_DIST_TEST_CKPT", dir)
+                    .env("LORA_DIST_TEST_RESUME", "1");
             }
             _ => {}
         }
@@ -258,12 +293,39 @@ fn two_gloo_ranks_on_half_batches_train_the_single_process_adapter() {
         assert_eq!(r["interrupted"], false, "{r}");
     }
     assert_eq!(adapter(&ranks[0]), adapter(&ranks[1]));
+
+    // LoRA dropout drawn from generators seeded per rank: a run stopped after step 2 and
+    // resumed ends bit-identical to an uninterrupted one, because each rank gets its own
+    // generator state back (not rank 0's)
+    let full = launch(
+        dir.path(),
+        2,
+        Some((0, Event::Checkpoint(dir.path().join("full"), None))),
+    );
+    let part = dir.path().join("part");
+    let first = launch(
+        dir.path(),
+        2,
+        Some((0, Event::Checkpoint(part.clone(), Some(2)))),
+    );
+    assert_eq!(first[0]["steps"], 2, "{}", first[0]);
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(part.join("step-00000002/state.json")).unwrap(),
+    )
+    .unwrap();
+    let gens = state["rng_cpu_ranks"].as_array().unwrap();
+    assert_eq!(gens.len(), 2);
+    assert_ne!(gens[0], gens[1], "the ranks' generators should differ");
+    let resumed = launch(dir.path(), 2, Some((0, Event::Resume(part))));
+    assert_eq!(resumed[0]["steps"], 5, "{}", resumed[0]);
+    assert_eq!(adapter(&resumed[0]), adapter(&full[0]));
+    assert_eq!(adapter(&resumed[1]), adapter(&full[1]));
 }
 
 /// The adapters of `world` Gloo ranks on `GLOBAL_BATCH / world` rows each against one process on
 /// the whole batches; prints the loss curves side by side and returns the worst difference.
 fn ranks_against_single_process(world: usize) -> f32 {
-    let single = train(0, 1, None, None, None);
+    let single = train(0, 1, None, None, None, None);
     let dir = tempfile::tempdir().unwrap();
     let ranks = launch(dir.path(), world, None);
     let a0 = adapter(&ranks[0]);
