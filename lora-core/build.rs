@@ -1,14 +1,18 @@
 /// Compiles `shim/shim.cpp` (bf16 autocast, allocator statistics, RNG state),
-/// `shim/qlinear.cpp` (linear layers over quantized weights) and `shim/dist.cpp` (c10d
-/// collectives; with Gloo when [`gloo_include`] finds gloo's headers) against the libtorch
-/// that torch-sys found. torch-sys publishes its library folder as `DEP_TCH_LIBTORCH_LIB`; the
+/// `shim/qlinear.cpp` (linear layers over quantized weights), `shim/dist.cpp` (c10d
+/// collectives; with Gloo when [`gloo_include`] finds gloo's headers) and, when
+/// [`nccl_includes`] finds what it needs, `shim/dist_nccl.cpp` (c10d's NCCL process group)
+/// against the libtorch that torch-sys found. torch-sys publishes its library folder as `DEP_TCH_LIBTORCH_LIB`; the
 /// headers sit next to it in `../include`.
 fn build_shim() {
     println!("cargo::rustc-check-cfg=cfg(lora_gloo)");
+    println!("cargo::rustc-check-cfg=cfg(lora_nccl)");
     for f in [
         "shim/shim.cpp",
         "shim/qlinear.cpp",
         "shim/dist.cpp",
+        "shim/dist.h",
+        "shim/dist_nccl.cpp",
         "shim/guard.h",
     ] {
         println!("cargo:rerun-if-changed={f}");
@@ -24,6 +28,16 @@ fn build_shim() {
     if let Some(gloo) = gloo_include(&include) {
         build.include(&gloo).define("USE_C10D_GLOO", None);
         println!("cargo:rustc-cfg=lora_gloo");
+    }
+    let nccl = nccl_includes(std::path::Path::new(&lib), &include);
+    if let Some(dirs) = &nccl {
+        for d in dirs {
+            build.include(d);
+        }
+        build
+            .define("USE_C10D_NCCL", None)
+            .file("shim/dist_nccl.cpp");
+        println!("cargo:rustc-cfg=lora_nccl");
     }
     build
         .cpp(true)
@@ -46,6 +60,74 @@ fn build_shim() {
         .flag_if_supported("-Wno-deprecated-declarations")
         .warnings(false)
         .compile("lora_core_shim");
+    if nccl.is_some() {
+        // ProcessGroupNCCL and c10::cuda live in these; named after the shim so they resolve it
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    }
+}
+
+/// The include folders c10d's `ProcessGroupNCCL.hpp` needs besides libtorch's, or `None` (the
+/// shim is then built without NCCL) when libtorch has no `libtorch_cuda.so` or a header is
+/// missing: `nccl.h`, the CUDA runtime's `cuda_runtime_api.h`, `crt/host_config.h` and CCCL's
+/// `nv/target`. Looked for in `LORA_CUDA_INCLUDE` (folders separated by `:`; `cargo xtask
+/// setup` provisions `assets/cuda/include`), the NVIDIA wheels beside a Python torch
+/// (`site-packages/nvidia/{cu13,nccl,…}/include`), `$CUDA_HOME/include`,
+/// `/usr/local/cuda/include` and `/usr/include`.
+fn nccl_includes(
+    lib: &std::path::Path,
+    libtorch_include: &std::path::Path,
+) -> Option<Vec<std::path::PathBuf>> {
+    use std::path::PathBuf;
+    println!("cargo:rerun-if-env-changed=LORA_CUDA_INCLUDE");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    if !lib.join("libtorch_cuda.so").exists()
+        || !libtorch_include
+            .join("torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp")
+            .is_file()
+    {
+        return None;
+    }
+    let mut candidates: Vec<PathBuf> = std::env::var("LORA_CUDA_INCLUDE")
+        .map(|v| {
+            v.split(':')
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    // a Python torch: <site-packages>/torch/lib → <site-packages>/nvidia/*/include
+    if let Ok(real) = lib.canonicalize()
+        && let Some(site) = real.parent().and_then(|t| t.parent())
+        && let Ok(entries) = std::fs::read_dir(site.join("nvidia"))
+    {
+        let mut wheels: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path().join("include"))
+            .filter(|p| p.is_dir())
+            .collect();
+        wheels.sort();
+        candidates.extend(wheels);
+    }
+    if let Some(home) = std::env::var_os("CUDA_HOME") {
+        candidates.push(PathBuf::from(home).join("include"));
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    candidates.push(PathBuf::from("/usr/include"));
+    let mut dirs = Vec::new();
+    for header in [
+        "nccl.h",
+        "cuda_runtime_api.h",
+        "crt/host_config.h",
+        "nv/target",
+    ] {
+        let dir = candidates.iter().find(|d| d.join(header).is_file())?;
+        println!("cargo:rerun-if-changed={}", dir.join(header).display());
+        if !dirs.contains(dir) {
+            dirs.push(dir.clone());
+        }
+    }
+    Some(dirs)
 }
 
 /// The folder holding gloo's headers (`gloo/algorithm.h`), which c10d's `ProcessGroupGloo.hpp`

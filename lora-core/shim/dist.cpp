@@ -1,42 +1,26 @@
 // Data-parallel collectives over PyTorch's own c10d, as libtorch 2.13 ships it: a TCPStore for
 // the rendezvous (torchrun's MASTER_ADDR / MASTER_PORT protocol: rank 0 serves the store, the
-// others connect) and ProcessGroupGloo for the collectives (its code lives in libtorch_cpu.so;
-// the wheel carries c10d's headers but not gloo's, which the build takes from Debian's
-// libgloo-dev). Compiled with USE_C10D_GLOO only when those headers were found; otherwise every
-// entry point reports that this build has no Gloo.
+// others connect) and a c10d backend for the collectives: ProcessGroupGloo on the CPU (its code
+// lives in libtorch_cpu.so; the wheel carries c10d's headers but not gloo's, which the build
+// takes from Debian's libgloo-dev), ProcessGroupNCCL on CUDA (`dist_nccl.cpp`, its code in
+// libtorch_cuda.so). Compiled with USE_C10D_GLOO / USE_C10D_NCCL only when their headers were
+// found; otherwise the entry points report which backend this build lacks.
 //
 // Same error convention as shim.cpp: NULL on success, else a malloc'ed message.
 //
 // Headers checked against libtorch 2.13: torch/csrc/distributed/c10d/{TCPStore,PrefixStore,
-// ProcessGroupGloo,Types}.hpp.
+// ProcessGroupGloo,ProcessGroupNCCL,Backend,Types}.hpp.
 
-#include <ATen/core/Tensor.h>
-
-#include "guard.h"
-
-#include <chrono>
-#include <cstdint>
-#include <string>
-#include <vector>
-
-#ifdef USE_C10D_GLOO
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/csrc/distributed/c10d/Types.hpp>
-#endif
+#include "dist.h"
 
 namespace {
 
 using lsdk::guarded;
 
-#ifdef USE_C10D_GLOO
-struct ProcessGroup {
-  c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
-};
+#ifdef LSDK_C10D
+using lsdk::ProcessGroup;
 
-// Gloo's collectives take one tensor per device; a CPU process hands over one tensor.
+// A c10d backend's collectives take one tensor per device; a process hands over one tensor.
 std::vector<at::Tensor> one_tensor(const at::Tensor* t) {
   TORCH_CHECK(t != nullptr, "null tensor");
   TORCH_CHECK(t->is_contiguous(), "the tensor of a collective must be contiguous");
@@ -49,6 +33,13 @@ ProcessGroup* group_of(void* pg) {
 }
 #endif
 
+#ifndef USE_C10D_NCCL
+const char* kNoNccl =
+    "this build of lora-core has no NCCL: c10d's NCCL process group needs libtorch_cuda, nccl.h "
+    "and the CUDA runtime headers when it is compiled (`cargo xtask setup` provisions "
+    "assets/cuda/include; LORA_CUDA_INCLUDE names another folder), then rebuild";
+#endif
+
 const char* kNoGloo =
     "this build of lora-core has no Gloo: gloo's C++ headers were not found when it was compiled "
     "(set LORA_GLOO_INCLUDE to a folder holding gloo/algorithm.h — `cargo xtask setup` provisions "
@@ -57,6 +48,30 @@ const char* kNoGloo =
 }  // namespace
 
 extern "C" {
+
+// 1 when this build has c10d's NCCL process group.
+char* lsdk_dist_has_nccl(int32_t* has) {
+  return guarded([&] {
+#ifdef USE_C10D_NCCL
+    *has = 1;
+#else
+    *has = 0;
+#endif
+  });
+}
+
+#ifndef USE_C10D_NCCL
+// The NCCL process group's constructor; this build has none (see dist_nccl.cpp).
+char* lsdk_dist_nccl_new(const char* host, int32_t port, int32_t rank, int32_t world_size,
+                         int64_t timeout_ms, const char* prefix, int32_t device_index,
+                         void** out) {
+  return guarded([&] {
+    (void)host, (void)port, (void)rank, (void)world_size, (void)timeout_ms, (void)prefix;
+    (void)device_index, (void)out;
+    TORCH_CHECK(false, kNoNccl);
+  });
+}
+#endif
 
 // 1 when this build has c10d's Gloo process group.
 char* lsdk_dist_has_gloo(int32_t* has) {
@@ -82,19 +97,9 @@ char* lsdk_dist_gloo_new(
     void** out) {
   return guarded([&] {
 #ifdef USE_C10D_GLOO
-    TORCH_CHECK(host != nullptr && out != nullptr && prefix != nullptr, "null argument");
-    TORCH_CHECK(world_size >= 1, "world_size must be at least 1, got ", world_size);
-    TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is outside 0..", world_size);
-    TORCH_CHECK(port > 0 && port < 65536, "port ", port, " is not a TCP port");
     auto timeout = std::chrono::milliseconds(timeout_ms);
-    c10d::TCPStoreOptions o;
-    o.port = static_cast<uint16_t>(port);
-    o.isServer = rank == 0;
-    o.numWorkers = world_size;
-    o.waitWorkers = true;
-    o.timeout = timeout;
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), o);
-    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
+    auto store = lsdk::join_store(host, port, rank, world_size, timeout, prefix);
+    TORCH_CHECK(out != nullptr, "null argument");
     auto opts = c10d::ProcessGroupGloo::Options::create();
     opts->timeout = timeout;
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(host)));
@@ -110,7 +115,7 @@ char* lsdk_dist_gloo_new(
 
 char* lsdk_dist_free(void* pg) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
+#ifdef LSDK_C10D
     delete static_cast<ProcessGroup*>(pg);
 #else
     (void)pg;
@@ -122,11 +127,11 @@ char* lsdk_dist_free(void* pg) {
 // contiguous and of the same shape and dtype on every rank.
 char* lsdk_dist_all_reduce_sum(void* pg, const at::Tensor* t) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
+#ifdef LSDK_C10D
     auto tensors = one_tensor(t);
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    group_of(pg)->gloo->allreduce(tensors, o)->wait();
+    group_of(pg)->backend->allreduce(tensors, o)->wait();
 #else
     (void)pg, (void)t;
     TORCH_CHECK(false, kNoGloo);
@@ -137,11 +142,11 @@ char* lsdk_dist_all_reduce_sum(void* pg, const at::Tensor* t) {
 // In place: every rank's `t` becomes rank `root`'s.
 char* lsdk_dist_broadcast(void* pg, const at::Tensor* t, int32_t root) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
+#ifdef LSDK_C10D
     auto tensors = one_tensor(t);
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    group_of(pg)->gloo->broadcast(tensors, o)->wait();
+    group_of(pg)->backend->broadcast(tensors, o)->wait();
 #else
     (void)pg, (void)t, (void)root;
     TORCH_CHECK(false, kNoGloo);
@@ -153,11 +158,11 @@ char* lsdk_dist_broadcast(void* pg, const at::Tensor* t, int32_t root) {
 // Gloo's all-gather takes one output tensor per rank: rows of `out`, written back in place.
 char* lsdk_dist_all_gather(void* pg, const at::Tensor* t, const at::Tensor* out) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
+#ifdef LSDK_C10D
     auto inputs = one_tensor(t);
     TORCH_CHECK(out != nullptr, "null output tensor");
     auto* g = group_of(pg);
-    const int64_t world = g->gloo->getSize();
+    const int64_t world = g->backend->getSize();
     TORCH_CHECK(out->is_contiguous(), "the all-gather output must be contiguous");
     TORCH_CHECK(out->dim() == t->dim() + 1 && out->size(0) == world,
                 "the all-gather output must be [world_size=", world, ", *input.shape], got ",
@@ -172,7 +177,7 @@ char* lsdk_dist_all_gather(void* pg, const at::Tensor* t, const at::Tensor* out)
                   rows.back().sizes(), ", the input ", t->sizes());
     }
     std::vector<std::vector<at::Tensor>> outputs{rows};
-    group_of(pg)->gloo->allgather(outputs, inputs, c10d::AllgatherOptions())->wait();
+    group_of(pg)->backend->allgather(outputs, inputs, c10d::AllgatherOptions())->wait();
 #else
     (void)pg, (void)t, (void)out;
     TORCH_CHECK(false, kNoGloo);
@@ -184,7 +189,7 @@ char* lsdk_dist_all_gather(void* pg, const at::Tensor* t, const at::Tensor* out)
 // sum in `value`: how ranks leave marks for each other outside the collectives.
 char* lsdk_dist_store_add(void* pg, const char* key, int64_t delta, int64_t* value) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
+#ifdef LSDK_C10D
     TORCH_CHECK(key != nullptr && value != nullptr, "null argument");
     *value = group_of(pg)->store->add(std::string(key), delta);
 #else
@@ -197,7 +202,7 @@ char* lsdk_dist_store_add(void* pg, const char* key, int64_t delta, int64_t* val
 // Whether `key` is in the group's store (without waiting for it).
 char* lsdk_dist_store_check(void* pg, const char* key, int32_t* present) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
+#ifdef LSDK_C10D
     TORCH_CHECK(key != nullptr && present != nullptr, "null argument");
     *present = group_of(pg)->store->check({std::string(key)}) ? 1 : 0;
 #else
@@ -210,8 +215,8 @@ char* lsdk_dist_store_check(void* pg, const char* key, int32_t* present) {
 // Waits until every rank has reached the barrier.
 char* lsdk_dist_barrier(void* pg) {
   return guarded([&] {
-#ifdef USE_C10D_GLOO
-    group_of(pg)->gloo->barrier()->wait();
+#ifdef LSDK_C10D
+    group_of(pg)->backend->barrier()->wait();
 #else
     (void)pg;
     TORCH_CHECK(false, kNoGloo);

@@ -11,8 +11,13 @@
 //! of the batches, and before each optimizer step the gradients are averaged over the ranks
 //! ([`ProcessGroup::average_gradients`]), so every rank takes the same step.
 //!
+//! On CUDA the collectives run over `ProcessGroupNCCL` instead ([`ProcessGroup::new_nccl`],
+//! one device per local rank, as `init_process_group("nccl")`), the code in the
+//! `libtorch_cuda.so` this crate links.
+//!
 //! The Gloo backend needs gloo's C++ headers when this crate is compiled
-//! ([`ProcessGroup::gloo_available`]); see the build script for where they are looked for.
+//! ([`ProcessGroup::gloo_available`]), the NCCL backend `nccl.h` and CUDA's runtime headers
+//! ([`ProcessGroup::nccl_available`]); see the build script for where they are looked for.
 //!
 //! ```no_run
 //! use lora_core::dist::ProcessGroup;
@@ -28,15 +33,17 @@
 use crate::error::{Error, Result, TchContext};
 use crate::sys::dist as raw;
 use std::time::Duration;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// A group of `world_size` processes joined through a c10d `TCPStore`, with collectives over
-/// Gloo. Dropping it leaves the group.
+/// Gloo (CPU tensors) or NCCL (tensors on this rank's CUDA device). Dropping it leaves the
+/// group.
 pub struct ProcessGroup {
     raw: raw::RawGroup,
     rank: usize,
     world_size: usize,
     timeout: Duration,
+    device: Device,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -44,6 +51,7 @@ impl std::fmt::Debug for ProcessGroup {
         f.debug_struct("ProcessGroup")
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
+            .field("device", &self.device)
             .finish()
     }
 }
@@ -61,6 +69,43 @@ impl ProcessGroup {
         raw::has_gloo().unwrap_or(false)
     }
 
+    /// Whether this build has the NCCL backend (libtorch_cuda, `nccl.h` and the CUDA runtime
+    /// headers were found at compile time). A CUDA device is still needed to use it.
+    pub fn nccl_available() -> bool {
+        raw::has_nccl().unwrap_or(false)
+    }
+
+    /// Joins the group as [`ProcessGroup::new_gloo`] does, with collectives over NCCL on
+    /// `cuda:device_index` (torchrun's `LOCAL_RANK`, one device per process), which becomes
+    /// this thread's current device. Collectives take tensors on any device: those not on the
+    /// group's device are copied there and back.
+    ///
+    /// A collective that times out (a rank that hangs) is an error, not an abort: unless set,
+    /// `TORCH_NCCL_BLOCKING_WAIT=1` and `TORCH_NCCL_ASYNC_ERROR_HANDLING=0` are set for the
+    /// process before the group is made.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a rank outside `0..world_size`; [`Error::Torch`] when this build has
+    /// no NCCL, the process sees no CUDA device or not `device_index`, the port is taken, the
+    /// rendezvous times out, or NCCL fails to start.
+    pub fn new_nccl(
+        master_addr: &str,
+        master_port: u16,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        device_index: usize,
+    ) -> Result<ProcessGroup> {
+        Self::join(
+            master_addr,
+            master_port,
+            rank,
+            world_size,
+            timeout,
+            Device::Cuda(device_index),
+        )
+    }
+
     /// Joins the group: rank 0 listens at `master_addr:master_port` (torchrun's `MASTER_ADDR`
     /// and `MASTER_PORT`), the other ranks connect there; returns once all `world_size` ranks
     /// have joined. `timeout` bounds the rendezvous and every later collective.
@@ -76,23 +121,47 @@ impl ProcessGroup {
         world_size: usize,
         timeout: Duration,
     ) -> Result<ProcessGroup> {
+        Self::join(
+            master_addr,
+            master_port,
+            rank,
+            world_size,
+            timeout,
+            Device::Cpu,
+        )
+    }
+
+    /// Gloo for `Device::Cpu`, NCCL on the device otherwise.
+    fn join(
+        master_addr: &str,
+        master_port: u16,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        device: Device,
+    ) -> Result<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(Error::Config(format!(
                 "process rank {rank} is outside 0..{world_size} (world_size {world_size})"
             )));
         }
-        let raw = raw::gloo_new(
+        let (backend, nccl_device) = match device {
+            Device::Cuda(i) => ("NCCL", Some(i)),
+            _ => ("Gloo", None),
+        };
+        let raw = raw::group_new(
             master_addr,
             master_port,
             rank,
             world_size,
             timeout.as_millis() as u64,
             "lora-sdk/",
+            nccl_device,
         )
         .map_err(|e| {
             shim(
                 &format!(
-                    "joining the process group at {master_addr}:{master_port} as rank {rank} of {world_size}"
+                    "joining the process group at {master_addr}:{master_port} as rank {rank} of {world_size} ({backend})"
                 ),
                 e,
             )
@@ -102,7 +171,36 @@ impl ProcessGroup {
             rank,
             world_size,
             timeout,
+            device,
         })
+    }
+
+    /// Where the collectives run: the CPU (Gloo) or this rank's CUDA device (NCCL).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// `t` itself when it is on the group's device, else a contiguous copy there (written back
+    /// by [`ProcessGroup::write_back`] after an in-place collective).
+    fn on_device(&self, t: &Tensor) -> Result<Tensor> {
+        if t.device() == self.device {
+            Ok(t.shallow_clone())
+        } else {
+            t.f_to_device(self.device)
+                .and_then(|d| d.f_contiguous())
+                .ctx(|| format!("copying a tensor to {:?} for a collective", self.device))
+        }
+    }
+
+    /// Copies the result of an in-place collective on `moved` back into `t` when
+    /// [`ProcessGroup::on_device`] had to copy it.
+    fn write_back(t: &Tensor, moved: &Tensor) -> Result<()> {
+        if t.device() != moved.device() {
+            let mut t = t.shallow_clone();
+            t.f_copy_(moved)
+                .ctx(|| "copying a collective's result back")?;
+        }
+        Ok(())
     }
 
     /// This process's rank, `0..world_size`.
@@ -128,7 +226,9 @@ impl ProcessGroup {
     /// # Errors
     /// [`Error::Torch`] on a mismatch between ranks, a timeout or a lost peer.
     pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
-        raw::all_reduce_sum(&self.raw, t).map_err(|e| shim("all-reducing a tensor", e))
+        let moved = self.on_device(t)?;
+        raw::all_reduce_sum(&self.raw, &moved).map_err(|e| shim("all-reducing a tensor", e))?;
+        Self::write_back(t, &moved)
     }
 
     /// In place: `t` becomes rank `root`'s `t`.
@@ -136,7 +236,9 @@ impl ProcessGroup {
     /// # Errors
     /// As [`ProcessGroup::all_reduce_sum`].
     pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
-        raw::broadcast(&self.raw, t, root).map_err(|e| shim("broadcasting a tensor", e))
+        let moved = self.on_device(t)?;
+        raw::broadcast(&self.raw, &moved, root).map_err(|e| shim("broadcasting a tensor", e))?;
+        Self::write_back(t, &moved)
     }
 
     /// Waits until every rank has called it.
@@ -152,13 +254,14 @@ impl ProcessGroup {
     ///
     /// # Shapes
     /// `t`: any shape and dtype, the same on every rank → `[world_size, *t.shape]`, `t`'s dtype,
-    /// on the CPU.
+    /// on `t`'s device.
     ///
     /// # Errors
     /// [`Error::Torch`] when the ranks' shapes or dtypes differ (Gloo reports it, or the
     /// collective times out), on a timeout or a lost peer — never an abort.
     pub fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        let input = t
+        let input = self
+            .on_device(t)?
             .f_contiguous()
             .ctx(|| "making the all-gather input contiguous")?;
         let mut shape = vec![self.world_size as i64];
@@ -166,7 +269,12 @@ impl ProcessGroup {
         let out = Tensor::f_empty(shape.as_slice(), (input.kind(), input.device()))
             .ctx(|| "allocating the all-gather output")?;
         raw::all_gather(&self.raw, &input, &out).map_err(|e| shim("all-gathering a tensor", e))?;
-        Ok(out)
+        if t.device() == out.device() {
+            Ok(out)
+        } else {
+            out.f_to_device(t.device())
+                .ctx(|| "copying the all-gather result back")
+        }
     }
 
     /// After a failed collective: the ranks that are gone. This rank marks itself present in
@@ -230,7 +338,7 @@ impl ProcessGroup {
             }
         }
         grads.push(Tensor::from_slice(&[if skip { 1f32 } else { 0f32 }]));
-        let mut flat = flatten_f32(&grads)?;
+        let mut flat = flatten_f32(&grads, self.device)?;
         self.all_reduce_sum(&flat)?;
         let votes = flat
             .f_get(flat.numel() as i64 - 1)
@@ -261,7 +369,7 @@ impl ProcessGroup {
             return Ok(());
         }
         let _no_grad = tch::no_grad_guard();
-        let flat = flatten_f32(tensors)?;
+        let flat = flatten_f32(tensors, self.device)?;
         self.broadcast(&flat, root)?;
         for (t, chunk) in tensors.iter().zip(unflatten(&flat, tensors)?) {
             let mut t = t.shallow_clone();
@@ -271,12 +379,14 @@ impl ProcessGroup {
     }
 }
 
-/// The tensors, flattened and converted to fp32, concatenated into one contiguous CPU buffer.
-fn flatten_f32(ts: &[Tensor]) -> Result<Tensor> {
+/// The tensors, flattened and converted to fp32, concatenated into one contiguous buffer on
+/// `device` (the group's).
+fn flatten_f32(ts: &[Tensor], device: Device) -> Result<Tensor> {
     let parts = ts
         .iter()
         .map(|t| {
-            t.f_to_kind(Kind::Float)
+            t.f_to_device(device)
+                .and_then(|t| t.f_to_kind(Kind::Float))
                 .and_then(|t| t.f_reshape([-1]))
                 .ctx(|| "flattening a tensor for a collective")
         })

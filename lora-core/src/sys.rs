@@ -64,6 +64,18 @@ mod ffi {
             prefix: *const c_char,
             out: *mut *mut std::ffi::c_void,
         ) -> *mut c_char;
+        pub fn lsdk_dist_has_nccl(has: *mut i32) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn lsdk_dist_nccl_new(
+            host: *const c_char,
+            port: i32,
+            rank: i32,
+            world_size: i32,
+            timeout_ms: i64,
+            prefix: *const c_char,
+            device_index: i32,
+            out: *mut *mut std::ffi::c_void,
+        ) -> *mut c_char;
         pub fn lsdk_dist_free(pg: *mut std::ffi::c_void) -> *mut c_char;
         pub fn lsdk_dist_all_reduce_sum(
             pg: *mut std::ffi::c_void,
@@ -1110,7 +1122,17 @@ pub(crate) mod dist {
         Ok(has == 1)
     }
 
-    /// An owned c10d process group (store + Gloo backend) behind the shim.
+    /// Whether the shim was compiled with c10d's NCCL process group.
+    pub fn has_nccl() -> ShimResult<bool> {
+        let mut has = 0i32;
+        // SAFETY: writes one i32 through a valid pointer.
+        check("dist_has_nccl", unsafe {
+            ffi::lsdk_dist_has_nccl(&mut has)
+        })?;
+        Ok(has == 1)
+    }
+
+    /// An owned c10d process group (store + Gloo or NCCL backend) behind the shim.
     pub struct RawGroup(*mut c_void);
 
     // SAFETY: c10d process groups are thread-safe objects (PyTorch calls them from any thread);
@@ -1119,7 +1141,8 @@ pub(crate) mod dist {
 
     impl Drop for RawGroup {
         fn drop(&mut self) {
-            // SAFETY: the pointer came from `lsdk_dist_gloo_new` and is freed once; a failure
+            // SAFETY: the pointer came from `lsdk_dist_gloo_new` or `lsdk_dist_nccl_new` and is
+            // freed once; a failure
             // to free has nothing left to report to.
             let _ = check("dist_free", unsafe { ffi::lsdk_dist_free(self.0) });
         }
@@ -1132,36 +1155,61 @@ pub(crate) mod dist {
         })
     }
 
-    /// See [`crate::dist::ProcessGroup::new_gloo`].
-    pub fn gloo_new(
+    /// Joins a group: over Gloo when `nccl_device` is `None` (see
+    /// [`crate::dist::ProcessGroup::new_gloo`]), else over NCCL on that CUDA device (see
+    /// [`crate::dist::ProcessGroup::new_nccl`]).
+    pub fn group_new(
         host: &str,
         port: u16,
         rank: usize,
         world_size: usize,
         timeout_ms: u64,
         prefix: &str,
+        nccl_device: Option<usize>,
     ) -> ShimResult<RawGroup> {
-        const OP: &str = "dist_gloo_new";
-        let host = c_string(OP, "host", host)?;
-        let prefix = c_string(OP, "prefix", prefix)?;
+        let op = if nccl_device.is_some() {
+            "dist_nccl_new"
+        } else {
+            "dist_gloo_new"
+        };
+        let host = c_string(op, "host", host)?;
+        let prefix = c_string(op, "prefix", prefix)?;
         let int = |what: &str, v: usize| {
             i32::try_from(v).map_err(|_| ShimError {
-                op: OP,
+                op,
                 message: format!("{what} {v} is out of range"),
             })
         };
+        let (port, rank, world_size) = (
+            i32::from(port),
+            int("rank", rank)?,
+            int("world_size", world_size)?,
+        );
+        let timeout_ms = i64::try_from(timeout_ms).unwrap_or(i64::MAX);
         let mut out: *mut c_void = std::ptr::null_mut();
         // SAFETY: the strings live for the call; `out` is written once on success.
-        check(OP, unsafe {
-            ffi::lsdk_dist_gloo_new(
-                host.as_ptr(),
-                i32::from(port),
-                int("rank", rank)?,
-                int("world_size", world_size)?,
-                i64::try_from(timeout_ms).unwrap_or(i64::MAX),
-                prefix.as_ptr(),
-                &mut out,
-            )
+        check(op, unsafe {
+            match nccl_device {
+                None => ffi::lsdk_dist_gloo_new(
+                    host.as_ptr(),
+                    port,
+                    rank,
+                    world_size,
+                    timeout_ms,
+                    prefix.as_ptr(),
+                    &mut out,
+                ),
+                Some(device) => ffi::lsdk_dist_nccl_new(
+                    host.as_ptr(),
+                    port,
+                    rank,
+                    world_size,
+                    timeout_ms,
+                    prefix.as_ptr(),
+                    int("device index", device)?,
+                    &mut out,
+                ),
+            }
         })?;
         Ok(RawGroup(out))
     }

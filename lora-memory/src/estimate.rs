@@ -93,8 +93,8 @@ pub struct Breakdown {
     /// all-reduce, alive between the backward pass and the optimizer step — every trainable
     /// gradient cast to fp32 into one contiguous buffer plus a 4-byte skip vote, `4·(trainable
     /// + 1)` bytes (lora-core's `ProcessGroup::average_gradients`; Gloo reduces it in place).
-    /// Counted here when that moment is the peak. NCCL's own buffers are not counted: this SDK
-    /// has no NCCL backend yet.
+    /// Counted here when that moment is the peak. NCCL's own buffers (its communicator's
+    /// channels, allocated outside PyTorch's caching allocator) are not counted.
     #[serde(default)]
     pub communication_buffers: Bytes,
     /// CUDA context and cuBLAS/cuDNN workspaces (CPU: runtime baseline).

@@ -16,6 +16,12 @@
 //!   (`apt-get download`, no root needed): the torch wheel ships c10d's `ProcessGroupGloo.hpp`
 //!   but not the gloo headers it includes; the gloo code itself is in the wheel's
 //!   `libtorch_cpu.so`
+//! - `assets/cuda/include/{crt,nv}/**` — the two CUDA header sets that c10d's
+//!   `ProcessGroupNCCL.hpp` needs beyond what the torch wheel's own dependencies install
+//!   (`nvidia/cu13/include`: the CUDA runtime's headers; `nvidia/nccl/include`: `nccl.h`):
+//!   `crt/host_config.h` & co. from PyPI `nvidia-cuda-crt==13.0.88` and CCCL's `nv/target`
+//!   from `nvidia-cuda-cccl==13.0.85` (headers only; the NCCL and CUDA code is in the wheel's
+//!   libraries)
 //! - `assets/chat_templates/*.jinja` — the chat templates of real models (Llama 3.x, Mistral, Qwen2.5,
 //!   Gemma, …) that llama.cpp keeps in `models/templates/`, from the llama.cpp vendored in PyPI's
 //!   `llama-cpp-python==0.3.36` sdist (the version `python/requirements.txt` pins)
@@ -204,6 +210,38 @@ const ASSETS: &[Asset] = &[
                 "include/gloo",
             )],
         )],
+        post: None,
+    },
+    Asset {
+        name: "cuda",
+        what: "CUDA host-config and CCCL headers, for c10d's ProcessGroupNCCL in the shim",
+        downloads: &[
+            (
+                Download {
+                    source: Source::Pypi("nvidia-cuda-crt==13.0.88", &[]),
+                    file: "nvidia_cuda_crt-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+                    sha256: "2c8043c7c9e02492716426e9919fc78d2c5b3b2a7a768a88e952676b08aa55a4",
+                },
+                &[Extract::Tree(
+                    "nvidia/cu13/include/crt/",
+                    &[".h", ".hpp"],
+                    "include/crt",
+                )],
+            ),
+            (
+                Download {
+                    source: Source::Pypi("nvidia-cuda-cccl==13.0.85", &[]),
+                    file: "nvidia_cuda_cccl-13.0.85-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+                    sha256: "e0da7ad981f3a8aff08241b5bfc1af868742a63e2762f53a5171c492ef242649",
+                },
+                // `nv/target` and its two helpers have no file extension
+                &[Extract::Tree(
+                    "nvidia/cu13/include/nv/",
+                    &[""],
+                    "include/nv",
+                )],
+            ),
+        ],
         post: None,
     },
     Asset {

@@ -360,18 +360,37 @@ impl DistEnv {
         }))
     }
 
-    /// Joins the run's process group over Gloo (see [`lora_core::dist::ProcessGroup::new_gloo`]).
+    /// Joins the run's process group: over Gloo for a CPU run
+    /// ([`lora_core::dist::ProcessGroup::new_gloo`]), over NCCL on `device` for a CUDA run
+    /// ([`lora_core::dist::ProcessGroup::new_nccl`]; `device` is this rank's, normally
+    /// `cuda:LOCAL_RANK`).
     ///
     /// # Errors
-    /// No Gloo in this build, a rendezvous timeout, a port in use.
-    pub fn join(&self, timeout: std::time::Duration) -> Result<lora_core::dist::ProcessGroup> {
-        lora_core::dist::ProcessGroup::new_gloo(
-            &self.master_addr,
-            self.master_port,
-            self.rank,
-            self.world_size,
-            timeout,
-        )
+    /// The backend missing from this build (or no such CUDA device), a rendezvous timeout, a
+    /// port in use.
+    pub fn join(
+        &self,
+        timeout: std::time::Duration,
+        device: tch::Device,
+    ) -> Result<lora_core::dist::ProcessGroup> {
+        use lora_core::dist::ProcessGroup;
+        match device {
+            tch::Device::Cuda(i) => ProcessGroup::new_nccl(
+                &self.master_addr,
+                self.master_port,
+                self.rank,
+                self.world_size,
+                timeout,
+                i,
+            ),
+            _ => ProcessGroup::new_gloo(
+                &self.master_addr,
+                self.master_port,
+                self.rank,
+                self.world_size,
+                timeout,
+            ),
+        }
         .map_err(|e| TrainError::App(format!("data-parallel set-up: {e}")))
     }
 

@@ -354,15 +354,22 @@ pub fn run<S: RunSteps>(
     if let Some(n) = cfg.system.num_threads {
         tch::set_num_threads(n as i32);
     }
-    check_device(&cfg)?;
-    let device = device_of(&cfg);
-    let base_written = cfg.base_model()?.to_string();
     // a data-parallel run (torchrun / srun / `--nproc-per-node`): join the group first, so a
     // rank that fails its checks does not leave the others waiting at the rendezvous
     let data_parallel = crate::engine::dist::DistEnv::from_env().map_err(|e| JobError::Train {
         during: "reading the data-parallel environment".into(),
         source: e,
     })?;
+    if let Some(d) = &data_parallel
+        && device_of(&cfg) != Device::Cpu
+    {
+        // one CUDA device per process, picked by the local rank (as torchrun's workers call
+        // `torch.cuda.set_device(LOCAL_RANK)`)
+        cfg.system.device = format!("cuda:{}", d.local_rank);
+    }
+    check_device(&cfg)?;
+    let device = device_of(&cfg);
+    let base_written = cfg.base_model()?.to_string();
     let mut group = None;
     // the other ranks say nothing: rank 0 prints the plan, progress and summary
     let quiet;
@@ -377,19 +384,16 @@ pub fn run<S: RunSteps>(
         _ => opts,
     };
     if let Some(d) = &data_parallel {
-        if device != Device::Cpu {
-            return Err(JobError::Input(format!(
-                "a data-parallel run (WORLD_SIZE {}) runs on the CPU over Gloo for now; NCCL for CUDA is not built yet: set system.device: cpu, or run one process per GPU job",
-                d.world_size
-            )));
-        }
-        group = Some(d.join(dist_timeout()).map_err(|e| JobError::Train {
-            during: format!(
-                "joining the data-parallel group at {}:{} as rank {} of {}",
-                d.master_addr, d.master_port, d.rank, d.world_size
-            ),
-            source: e,
-        })?);
+        group = Some(
+            d.join(dist_timeout(), device)
+                .map_err(|e| JobError::Train {
+                    during: format!(
+                        "joining the data-parallel group at {}:{} as rank {} of {}",
+                        d.master_addr, d.master_port, d.rank, d.world_size
+                    ),
+                    source: e,
+                })?,
+        );
     }
     let mut ctx = RunContext {
         opts,

@@ -142,7 +142,7 @@ fn data_parallel_worker() {
         return; // not started as a worker
     };
     let env = DistEnv::from_env().unwrap().expect("WORLD_SIZE > 1");
-    let pg = env.join(Duration::from_secs(60)).unwrap();
+    let pg = env.join(Duration::from_secs(60), Device::Cpu).unwrap();
     assert_eq!((pg.rank(), pg.world_size()), (env.rank, env.world_size));
     // every rank's row, in rank order, in the tensor's own dtype
     let g = pg
@@ -481,4 +481,28 @@ fn rendezvous_failures_are_errors_that_say_where() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("rank 2") && e.contains("world_size 2"), "{e}");
+}
+
+/// This build carries c10d's NCCL process group (the set-up provisions the CUDA headers it
+/// needs); on a machine without a CUDA device joining over NCCL is an error that says so,
+/// before any rendezvous — not an abort.
+#[test]
+fn nccl_is_built_in_and_without_a_gpu_it_is_an_error() {
+    if std::env::var("LORA_DIST_TEST_OUT").is_ok() {
+        return;
+    }
+    assert!(
+        ProcessGroup::nccl_available(),
+        "this build has no NCCL: run `cargo xtask setup` (it provisions assets/cuda/include) and rebuild"
+    );
+    if tch::Cuda::device_count() > 0 {
+        return; // the GPU check (benches/gpu/run.sh) covers a machine with devices
+    }
+    let e = ProcessGroup::new_nccl("127.0.0.1", free_port(), 0, 2, Duration::from_secs(2), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("NCCL") && e.contains("CUDA device") && e.contains("rank 0 of 2"),
+        "{e}"
+    );
 }
