@@ -49,11 +49,13 @@ pub fn quantizable(kind: QuantKind, shape: [i64; 2]) -> bool {
 ///
 /// ```no_run
 /// # fn main() -> lora_models::Result<()> {
+/// use std::path::Path;
+///
 /// use lora_core::quant::QuantKind;
 /// use lora_models::weights::{QuantizeOnLoad, SafetensorsFiles, TensorSource};
 /// use tch::{Device, Kind};
 ///
-/// let files = SafetensorsFiles::open_dir("Llama-3.2-1B", "model", Device::Cpu)?;
+/// let files = SafetensorsFiles::open_dir(Path::new("Llama-3.2-1B"), "model", Device::Cpu)?;
 /// let src = QuantizeOnLoad::new(&files, QuantKind::Nf4 { double_quant: true })
 ///     .keeping_dense(|name| !name.starts_with("model.layers."));
 /// let w = src.base("model.layers.0.mlp.up_proj.weight", [8192, 2048], Kind::Float, None)?;
