@@ -3,7 +3,7 @@ LM folder (make_models.py writes them), timed and measured the way lora-train's 
 reports its own steps, written as one JSON object.
 
     python peft_side.py --model DIR --batch 4 --seq 2048 --steps 12 --rank 16 \
-        --precision bf16 [--checkpointing] [--device cuda] --out peft.json
+        --precision bf16 [--checkpointing] [--nf4] [--device cuda] --out peft.json
 
 The step: forward with labels = input_ids (transformers shifts them), loss.backward(),
 optimizer.step(), optimizer.zero_grad(set_to_none=True); LoRA r/alpha on every linear layer of the
@@ -11,6 +11,10 @@ decoder blocks (q,k,v,o,gate,up,down), dropout 0, torch.optim.AdamW (lr 1e-4, we
 PyTorch's default foreach implementation); bf16/fp16: torch.autocast on the frozen bf16/fp16 base
 with fp32 adapter weights (fp16 adds torch.amp.GradScaler), fp32: no autocast. Tokens are random
 ids below the tokenizer's 256 bytes, the same distribution the bundle's text gives our side.
+--nf4: QLoRA's base, `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=<the precision's dtype>)` (bitsandbytes,
+CUDA only; the embedding and lm_head stay in the precision's dtype, transformers' default skips),
+without prepare_model_for_kbit_training (no fp32 cast of the other weights).
 Peaks: torch.cuda.max_memory_allocated / max_memory_reserved, reset after the model and adapter
 are on the device (weights included, as lora-train's cuda_peak_bytes); on the CPU: VmHWM.
 The first step is a warm-up, left out of the median.
@@ -42,6 +46,7 @@ def main():
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--nf4", action="store_true", help="QLoRA base: bitsandbytes NF4 with double quantization (CUDA)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -57,7 +62,21 @@ def main():
     cuda = dev.type == "cuda"
     base_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.precision]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=base_dtype, attn_implementation="sdpa").to(dev)
+    if a.nf4:
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=base_dtype,
+        )
+        # bitsandbytes places the 4-bit weights itself: no .to() after loading
+        model = AutoModelForCausalLM.from_pretrained(
+            a.model, dtype=base_dtype, attn_implementation="sdpa", quantization_config=quant, device_map={"": dev}
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=base_dtype, attn_implementation="sdpa").to(dev)
     if a.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

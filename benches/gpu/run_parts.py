@@ -12,14 +12,19 @@ Parts:
                 batch x seq 4 x 2048 and 1 x 8192: median step time, tokens/s, peak allocated and
                 reserved memory on each side, and the planner's prediction beside our peak;
   3 variants    the 4 x 2048 case with gradient checkpointing, and with fp16 + loss scaling;
-                an NF4 (QLoRA) base is skipped: the CLI quantizes GGUF bases only, and the
-                random-init folders are safetensors;
+  3b nf4        the 4 x 2048 bf16 case on an NF4 (QLoRA) base: ours with `model.weights:
+                quantized` on the same random-init folder (NF4 double-quant layer linears, the
+                embedding and head dense f32, computing under bf16 autocast); PEFT with
+                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16) when bitsandbytes
+                imports and CUDA is present, else that side is skipped with the reason;
   4 oom         skipped: the CLI has no CUDA memory-fraction setting to force an OOM with;
   5 unet        skipped: our SD job needs a whole pipeline folder (VAE, text encoders,
                 tokenizers); make_models.py writes the UNet alone;
   6 plan        folded into 2 and 3: every measured peak of ours sits beside its prediction.
---cpu: part 1 on the CPU, parts 2-3 with the tiny Llama shape, batch x seq 2 x 64, fp32
-(bf16 autocast for the bf16 case), 4 steps.
+--cpu: part 1 on the CPU, parts 2-3b with the tiny Llama shape, batch x seq 2 x 64, fp32
+(bf16 autocast for the bf16 case), 4 steps; 3b's PEFT side is skipped (bitsandbytes' 4-bit
+layers need CUDA).
 """
 
 import argparse
@@ -176,10 +181,14 @@ def text_file(path, n_bytes, seed=0):
 
 def ours_config(path, model, text, out_dir, case, device):
     prec = case["precision"]
+    # a base kept quantized computes in f32 whatever model.dtype says (its embedding, norms and
+    # head held in f32): say so, so the plan counts what is loaded; autocast still applies
+    nf4 = case.get("nf4", False)
     lines = [
         "model:",
         f"  base_model: {model}",
-        f"  dtype: {'f32' if prec == 'fp32' else ('f16' if prec == 'fp16' else 'bf16')}",
+        f"  dtype: {'f32' if prec == 'fp32' or nf4 else ('f16' if prec == 'fp16' else 'bf16')}",
+    ] + (["  weights: quantized"] if nf4 else []) + [
         "lora:",
         f"  rank: {case['rank']}",
         f"  alpha: {2 * case['rank']}",
@@ -263,6 +272,8 @@ def peft_side(a, model, case, device, work):
            "--precision", case["precision"], "--device", device, "--out", out]
     if case["checkpointing"]:
         cmd.append("--checkpointing")
+    if case.get("nf4"):
+        cmd.append("--nf4")
     r, wall = run(cmd, timeout=a.part_timeout)
     if r.returncode != 0:
         return {"status": "failed", "error": (r.stdout + r.stderr)[-3000:]}
@@ -278,7 +289,19 @@ def have(module):
     return importlib.util.find_spec(module) is not None
 
 
-def part_llm(res, a, name, cases, model, device, work):
+def nf4_peft_skip(device):
+    """Why PEFT's NF4 side cannot run here (None when it can): bitsandbytes' 4-bit layers need
+    the package and a CUDA device."""
+    if device != "cuda":
+        return "bitsandbytes' NF4 layers (Linear4bit) run on CUDA only; this run is on the CPU"
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as e:  # an ImportError, or a broken CUDA setup raising at import
+        return f"bitsandbytes does not import in this python ({type(e).__name__}: {e})"
+    return None
+
+
+def part_llm(res, a, name, cases, model, device, work, peft_skip=None):
     text = os.path.join(work, "text.txt")
     need = max(c["batch"] * c["seq"] * (c["steps"] + 2) for c in cases)
     text_file(text, int(need * 1.2))
@@ -287,10 +310,12 @@ def part_llm(res, a, name, cases, model, device, work):
     for c in cases:
         row = {"case": c["case"], "settings": c}
         row["ours"] = ours_side(a, model, text, work, c, device)
-        if peft_ok:
-            row["peft"] = peft_side(a, model, c, device, work)
-        else:
+        if not peft_ok:
             row["peft"] = {"status": "skipped", "reason": "peft or transformers not installed in this python"}
+        elif peft_skip:
+            row["peft"] = {"status": "skipped", "reason": peft_skip}
+        else:
+            row["peft"] = peft_side(a, model, c, device, work)
         done.append(row)
         status = "ok" if all(r["ours"]["status"] == "ok" for r in done) else "failed"
         res.record(name, status, cases=done)
@@ -341,6 +366,7 @@ def main():
         base = dict(batch=2, seq=64, steps=4, rank=16, checkpointing=False)
         main_cases = [dict(base, case="2x64-fp32", precision="fp32"), dict(base, case="2x64-bf16", precision="bf16")]
         variants = [dict(base, case="2x64-fp32-ckpt", precision="fp32", checkpointing=True)]
+        nf4_cases = [dict(base, case="2x64-fp32-nf4", precision="fp32", nf4=True)]
     elif cuda:
         model_name, device = "llama-3.2-1b", "cuda"
         main_cases = [
@@ -351,13 +377,16 @@ def main():
             dict(case="4x2048-bf16-ckpt", batch=4, seq=2048, steps=12, rank=16, precision="bf16", checkpointing=True),
             dict(case="4x2048-fp16", batch=4, seq=2048, steps=12, rank=16, precision="fp16", checkpointing=False),
         ]
+        nf4_cases = [
+            dict(case="4x2048-bf16-nf4", batch=4, seq=2048, steps=12, rank=16, precision="bf16", checkpointing=False, nf4=True),
+        ]
     else:
-        for part in ("2 llm", "3 variants", "4 oom", "5 unet"):
+        for part in ("2 llm", "3 variants", "3b nf4", "4 oom", "5 unet"):
             res.record(part, "skipped", reason="no CUDA device (run with --cpu for the small CPU shapes)")
         return 0
 
     if not (have("transformers") and have("safetensors") and have("tokenizers")):
-        for part in ("2 llm", "3 variants"):
+        for part in ("2 llm", "3 variants", "3b nf4"):
             res.record(part, "skipped", reason="make_models.py needs transformers, safetensors and tokenizers in this python")
     else:
         r, _ = run([sys.executable, os.path.join(HERE, "make_models.py"), models, model_name], timeout=900)
@@ -367,7 +396,7 @@ def main():
             model = os.path.join(models, model_name)
             part_llm(res, a, "2 llm", main_cases, model, device, work)
             part_llm(res, a, "3 variants", variants, model, device, work)
-    res.record("3b nf4", "skipped", reason="the CLI keeps quantized bases only for GGUF files (Q4/Q8 blocks); NF4 of a safetensors base is not a CLI setting yet")
+            part_llm(res, a, "3b nf4", nf4_cases, model, device, work, peft_skip=nf4_peft_skip(device))
     res.record("4 oom", "skipped", reason="the CLI has no CUDA memory-fraction setting to force an out-of-memory step with")
     res.record("5 unet", "skipped", reason="our SD job trains from a whole pipeline folder (VAE, text encoders, tokenizers); make_models.py writes UNets only")
     failed = [k for k, v in res.doc["parts"].items() if v["status"] == "failed"]

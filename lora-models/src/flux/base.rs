@@ -25,11 +25,11 @@
 use std::path::PathBuf;
 
 use lora_core::base::BaseWeight;
-use lora_core::quant::{NF4_BLOCK, QuantKind, QuantWeight};
+use lora_core::quant::QuantKind;
 use tch::{Kind, Tensor};
 
 use crate::error::Result;
-use crate::weights::TensorSource;
+use crate::weights::{QuantizeOnLoad, TensorSource};
 
 /// How the frozen weights of a FLUX transformer loaded from a dense checkpoint are held (see the
 /// module docs for what each does and where it comes from).
@@ -66,12 +66,15 @@ fn round_fp8(t: &Tensor, kind: Kind) -> Result<Tensor> {
 
 /// A [`TensorSource`] that applies a [`FluxBaseFormat`] to the tensors of `inner` (diffusers
 /// names): [`TensorSource::base`] quantizes the linear weights the inner source gives dense
-/// (weights it already keeps quantized, a GGUF file's blocks, are passed on as they are), and for
-/// [`FluxBaseFormat::Fp8`] [`TensorSource::tensor`] rounds the other tensors through fp8. Both
-/// read the inner tensors as f32, so a value is rounded once whatever the file's dtype.
+/// through the shared [`QuantizeOnLoad`] (weights it already keeps quantized, a GGUF file's
+/// blocks, are passed on as they are; an NF4 weight whose `out·in` is not a multiple of 64 stays
+/// dense), and for [`FluxBaseFormat::Fp8`] [`TensorSource::tensor`] rounds the other tensors
+/// through fp8. Both read the inner tensors as f32, so a value is rounded once whatever the
+/// file's dtype.
 pub struct FluxBaseSource<'a> {
     inner: &'a dyn TensorSource,
     format: FluxBaseFormat,
+    quantized: Option<QuantizeOnLoad<'a>>,
 }
 
 impl std::fmt::Debug for FluxBaseSource<'_> {
@@ -86,7 +89,11 @@ impl std::fmt::Debug for FluxBaseSource<'_> {
 impl<'a> FluxBaseSource<'a> {
     /// `inner`'s tensors held as `format` says.
     pub fn new(inner: &'a dyn TensorSource, format: FluxBaseFormat) -> Self {
-        Self { inner, format }
+        Self {
+            inner,
+            format,
+            quantized: format.quant_kind().map(|q| QuantizeOnLoad::new(inner, q)),
+        }
     }
 }
 
@@ -117,20 +124,9 @@ impl TensorSource for FluxBaseSource<'_> {
         kind: Kind,
         rope_head_dim: Option<i64>,
     ) -> Result<BaseWeight> {
-        let Some(q) = self.format.quant_kind() else {
-            return self.inner.base(name, shape, kind, rope_head_dim);
-        };
-        match self.inner.base(name, shape, Kind::Float, rope_head_dim)? {
-            BaseWeight::Dense(t) => {
-                let nf4_misfit = matches!(q, QuantKind::Nf4 { .. })
-                    && (shape[0] * shape[1]) % NF4_BLOCK as i64 != 0;
-                if nf4_misfit {
-                    Ok(BaseWeight::Dense(t.f_to_kind(kind)?))
-                } else {
-                    Ok(BaseWeight::Quant(QuantWeight::quantize(&t, q)?))
-                }
-            }
-            b => Ok(b),
+        match &self.quantized {
+            Some(q) => q.base(name, shape, kind, rope_head_dim),
+            None => self.inner.base(name, shape, kind, rope_head_dim),
         }
     }
 }

@@ -14,6 +14,7 @@ use lora_core::embedding::LoraEmbedding;
 use lora_core::inject::{Adaptable, SiteMut};
 use lora_core::layer::LoraLayer;
 use lora_core::linear::LoraLinear;
+use lora_core::quant::QuantKind;
 use tch::{Device, Kind, Tensor};
 
 use super::config::LlamaConfig;
@@ -22,7 +23,7 @@ use crate::checkpoint::SegmentTape;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::weights::{
-    GgufSource, SafetensorsFiles, TensorMap, TensorSource, WeightMode, WeightPath,
+    GgufSource, QuantizeOnLoad, SafetensorsFiles, TensorMap, TensorSource, WeightMode, WeightPath,
 };
 
 /// The label value that [`Llama::loss`] ignores (PyTorch's `ignore_index` default, HF's
@@ -464,8 +465,18 @@ impl Llama {
     }
 
     /// Loads an HF checkpoint folder: `config.json` plus `model.safetensors` or the shards of
-    /// `model.safetensors.index.json`, memory-mapped and copied into tensors of the mode's dtype
-    /// (`KeepQuantized` = float32: safetensors weights are not block-quantised).
+    /// `model.safetensors.index.json`, memory-mapped and copied into tensors of the mode's dtype.
+    ///
+    /// With [`WeightMode::KeepQuantized`] the base is QLoRA's (Dettmers et al. 2023,
+    /// arXiv:2305.14314), as transformers loads it with `BitsAndBytesConfig(load_in_4bit=True,
+    /// bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`: every linear of the decoder
+    /// layers (`model.layers.N.{self_attn,mlp}.*_proj`) is quantized to NF4 with double
+    /// quantization at load ([`QuantizeOnLoad`], [`QuantKind::Nf4`]), from the file's values read
+    /// as f32; the embedding, the norms, the biases and the LM head stay dense in f32, the
+    /// compute dtype. bitsandbytes converts only `nn.Linear` modules, so the embedding stays, and
+    /// transformers skips the output embedding `lm_head` (`quantizers/base.py`
+    /// `get_keys_to_not_convert`, the default of `llm_int8_skip_modules`). A linear whose
+    /// `out·in` is not a multiple of 64 (the NF4 block) stays dense too.
     ///
     /// # Errors
     /// [`Error::Io`]/[`Error::Config`] for the folder's files, [`Error::Safetensors`] for bad
@@ -478,7 +489,14 @@ impl Llama {
         let dir = dir.as_ref();
         let config = LlamaConfig::from_hf_json(dir.join("config.json"))?;
         let src = SafetensorsFiles::open_dir(dir, "model", device)?;
-        Self::build(config, &src, mode.compute_kind(), device)
+        match mode {
+            WeightMode::Dense(kind) => Self::build(config, &src, kind, device),
+            WeightMode::KeepQuantized => {
+                let nf4 = QuantizeOnLoad::new(&src, QuantKind::Nf4 { double_quant: true })
+                    .keeping_dense(|name| !name.starts_with("model.layers."));
+                Self::build(config, &nf4, mode.compute_kind(), device)
+            }
+        }
     }
 
     /// Builds the model from tensors keyed by HF parameter name (`model.layers.0.mlp.up_proj.weight`,

@@ -17,8 +17,9 @@ pub enum WeightMode {
     /// GGUF `Q8_0`/`Q4_0`/`Q4_1`/`Q5_0`/`Q5_1`/`Q4_K`/`Q5_K`/`Q6_K` linear and embedding weights
     /// stay in their block format
     /// ([`QuantWeight`], dequantised per forward); everything else (norms, f16/f32 tensors) is
-    /// float32, and the model computes in float32. For safetensors checkpoints (never quantised)
-    /// this is the same as `Dense(Kind::Float)`.
+    /// float32, and the model computes in float32. A dense safetensors checkpoint loaded this
+    /// way gets QLoRA's base: its layer linears are quantized to NF4 with double quantization
+    /// at load (`Llama::from_safetensors`, [`super::QuantizeOnLoad`]).
     KeepQuantized,
     /// Every weight dequantised / converted to this dtype once at load; the model computes in it.
     Dense(Kind),

@@ -8,6 +8,8 @@
 //! - [`GgufSource`]: a GGUF file, its tensors dequantised or, for linear weights, kept in their
 //!   block format ([`WeightMode`]), with a name translation (HF → llama.cpp names).
 //! - [`TensorMap`]: tensors already in memory.
+//! - [`QuantizeOnLoad`]: a wrapper over any of these that quantizes the frozen linear weights
+//!   as they load (QLoRA's NF4 base from a dense checkpoint, kohya's fp8 base).
 //!
 //! A model never spells a full weight name: it steps into sub-paths as candle's `VarBuilder`
 //! does, so a name is written once and equals the checkpoint key:
@@ -32,6 +34,7 @@
 //! ```
 
 mod gguf;
+mod quantize;
 mod safetensors;
 
 use std::collections::HashMap;
@@ -47,6 +50,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 
 pub use gguf::{GgufSource, WeightMode};
+pub use quantize::{QuantizeOnLoad, quantizable};
 pub(crate) use safetensors::read_config_json;
 pub use safetensors::{SafetensorsFiles, weight_files};
 

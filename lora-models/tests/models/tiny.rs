@@ -3,8 +3,11 @@
 
 use std::collections::HashMap;
 
+use lora_core::base::BaseWeight;
 use lora_core::config::LoraConfig;
-use lora_core::inject::{inject, site_names};
+use lora_core::inject::{Adaptable, SiteMut, inject, site_names};
+use lora_core::layer::LoraLayer;
+use lora_core::quant::{QuantKind, QuantWeight};
 use lora_models::llama::{KvCache, Llama, LlamaConfig, WeightMode};
 use safetensors::tensor::TensorView;
 use tch::{Device, Kind, Tensor, nn};
@@ -392,7 +395,8 @@ fn loads_single_and_sharded_safetensors() {
     .unwrap();
     let ts: Vec<(&String, &Tensor)> = names.iter().map(|k| (*k, &w[*k])).collect();
     write_safetensors(&dir2.path().join("model.safetensors"), &ts, Kind::BFloat16);
-    let m2 = Llama::from_safetensors(dir2.path(), WeightMode::KeepQuantized, Device::Cpu).unwrap();
+    let m2 =
+        Llama::from_safetensors(dir2.path(), WeightMode::Dense(Kind::Float), Device::Cpu).unwrap();
     let rounded: HashMap<String, Tensor> = w
         .iter()
         .map(|(k, t)| (k.clone(), t.to_kind(Kind::BFloat16).to_kind(Kind::Float)))
@@ -412,6 +416,92 @@ fn loads_single_and_sharded_safetensors() {
         e.to_string().contains("model-00002-of-00002.safetensors"),
         "{e}"
     );
+}
+
+/// `WeightMode::KeepQuantized` on a dense safetensors folder is QLoRA's base (transformers +
+/// bitsandbytes `load_in_4bit`, `nf4`, double quantization): the decoder layers' linears are NF4,
+/// the embedding and the untied LM head stay dense f32, a linear whose `out·in` is no multiple of
+/// 64 stays dense; and the forward is the dense model's on the NF4-rounded weights.
+#[test]
+fn keep_quantized_safetensors_folder_loads_an_nf4_base() {
+    let _g = crate::rng_lock();
+    let mut c = tiny_config("llama");
+    // the MLP's [49, 32] / [32, 49] weights hold 1568 values, not a multiple of 64
+    c.intermediate_size = 49;
+    let w = random_weights(&c, 11);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_string(&c).unwrap(),
+    )
+    .unwrap();
+    let mut names: Vec<&String> = w.keys().collect();
+    names.sort();
+    let ts: Vec<(&String, &Tensor)> = names.iter().map(|k| (*k, &w[*k])).collect();
+    write_safetensors(&dir.path().join("model.safetensors"), &ts, Kind::Float);
+    let mut m =
+        Llama::from_safetensors(dir.path(), WeightMode::KeepQuantized, Device::Cpu).unwrap();
+    assert_eq!(m.kind(), Kind::Float);
+
+    let nf4 = QuantKind::Nf4 { double_quant: true };
+    let mut held: Vec<(String, Option<QuantKind>, Kind)> = Vec::new();
+    m.visit_sites(&mut |name, s| {
+        let b = match s {
+            SiteMut::Linear(l) => l.base(),
+            SiteMut::Embedding(e) => e.base(),
+            _ => unreachable!("a decoder has linear and embedding sites only"),
+        };
+        let q = match b {
+            BaseWeight::Quant(q) => Some(q.kind()),
+            _ => None,
+        };
+        held.push((name.to_string(), q, b.kind()));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(held.len(), 1 + 2 * 7 + 1, "{held:?}");
+    for (name, q, kind) in &held {
+        let attn = name.contains(".self_attn.");
+        if attn {
+            assert_eq!(*q, Some(nf4), "{name}");
+        } else {
+            // embedding, LM head (bitsandbytes' defaults), the MLP's misfits (the NF4 block)
+            assert_eq!(*q, None, "{name}");
+            assert_eq!(*kind, Kind::Float, "{name}");
+        }
+    }
+    // NF4 double-quant: 4 bits a weight + 1 byte per 64 + 4 bytes per 256 blocks (+ the offset)
+    let dense = Llama::from_tensors(c.clone(), &w, Kind::Float, Device::Cpu).unwrap();
+    assert!(m.weights_resident_bytes() < dense.weights_resident_bytes());
+
+    // the reference: dense f32, each quantized weight replaced by its NF4 rounding
+    let rounded: HashMap<String, Tensor> = w
+        .iter()
+        .map(|(k, t)| {
+            let t = if k.contains(".self_attn.") && k.ends_with("_proj.weight") {
+                QuantWeight::quantize(t, nf4)
+                    .unwrap()
+                    .dequantize(Kind::Float)
+                    .unwrap()
+            } else {
+                t.shallow_clone()
+            };
+            (k.clone(), t)
+        })
+        .collect();
+    let reference = Llama::from_tensors(c.clone(), &rounded, Kind::Float, Device::Cpu).unwrap();
+    let x = ids(2, 12);
+    let out = m.forward_t(&x, None, None, false).unwrap();
+    let want = reference.forward_t(&x, None, None, false).unwrap();
+    let scale = want.abs().max().double_value(&[]);
+    let rel = max_diff(&out, &want) / scale;
+    let rel_unrounded = max_diff(&out, &dense.forward_t(&x, None, None, false).unwrap()) / scale;
+    println!(
+        "NF4 base vs dense on NF4-rounded weights: rel {rel:.3e}; vs unrounded {rel_unrounded:.3e}"
+    );
+    assert!(rel < 1e-5, "relative error {rel:.3e}");
+    // the rounding is real: the unrounded model differs far more
+    assert!(rel_unrounded > 1e-3, "{rel_unrounded:.3e}");
 }
 
 /// `Llama::loss` runs the LM head and the cross-entropy chunk by chunk and hands the gradient to

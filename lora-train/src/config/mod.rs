@@ -205,7 +205,10 @@ pub enum BaseWeights {
     /// Dequantize quantized files once at load into `model.dtype` (fastest on CPU).
     #[default]
     Dense,
-    /// Keep GGUF blocks quantized; dequantize per forward (least memory).
+    /// Keep the base quantized, dequantized per forward (least memory): a GGUF file's blocks as
+    /// stored; a dense safetensors base as QLoRA's NF4 with double quantization at load (an LLM
+    /// folder's decoder-layer linears, the embedding and head staying dense; a FLUX
+    /// transformer's linears).
     Quantized,
 }
 

@@ -409,7 +409,9 @@ pub fn budget_source(b: &Budget) -> String {
 }
 
 /// lora-memory settings for a config. `file_quant` is the storage type of the file's layer
-/// linears (GGUF), used when `model.weights: quantized`; `cuda` selects the device model.
+/// linears (GGUF), used when `model.weights: quantized`; a dense base kept quantized (`None`:
+/// safetensors) is planned as NF4 with double quantization, what the loaders quantize it to
+/// (QLoRA); `cuda` selects the device model.
 pub fn settings_for(
     cfg: &TrainConfig,
     file_quant: Option<BaseDtype>,

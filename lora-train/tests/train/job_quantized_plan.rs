@@ -2,7 +2,8 @@
 //! GGUF with its Q8_0 tied head): the plan describes what this SDK's quantized linears hold on
 //! the CPU — one decoded tile at a time, no dense weight kept for the backward pass, the fused
 //! loss multiplying the quantized head tile by tile too — so the predicted tensor peak matches
-//! the counting allocator's.
+//! the counting allocator's. And the same on a dense HF safetensors folder kept quantized: QLoRA's
+//! NF4 double-quant layer linears, the tied head dense f32.
 
 use std::path::PathBuf;
 
@@ -62,6 +63,43 @@ fn the_plan_of_a_quantized_base_matches_the_measured_tensor_peak() {
             100.0 * err
         );
         // −0.9% at batch 1 (250 MB) and +2.2% at batch 3 (481 MB) when written.
+        assert!(
+            (-0.03..=0.06).contains(&err),
+            "batch {batch}: {:+.1}%",
+            100.0 * err
+        );
+    }
+}
+
+#[test]
+fn the_plan_of_an_nf4_safetensors_base_matches_the_measured_tensor_peak() {
+    let _serial = crate::serial();
+    let base = crate::job_nf4_base::smollm2_hf();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("job_quantized_plan_nf4");
+    let _ = std::fs::remove_dir_all(&dir);
+    for batch in [1u32, 3] {
+        let out = dir.join(format!("b{batch}"));
+        let cfg = crate::job_nf4_base::nf4_config(&base, &out, batch, 2, 96);
+        let s = run(cfg, &RunOptions::default()).unwrap();
+        let plan = &s.plan;
+        assert!(
+            plan.settings.base_dtype == lora_memory::BaseDtype::Nf4 { double_quant: true }
+                && !plan.settings.quantize_lm_head
+                && plan.settings.quantized_compute_f32,
+            "{:?}",
+            plan.settings
+        );
+        let predicted = plan.estimate.peak_allocated.as_f64();
+        let measured = s.memory.tensor_peak as f64;
+        assert!(measured > 0.0, "no tensor peak measured");
+        let err = predicted / measured - 1.0;
+        println!(
+            "NF4 folder, batch {batch}: tensor peak measured {:.1} MB, predicted {:.1} MB ({:+.1}%)",
+            measured / 1e6,
+            predicted / 1e6,
+            100.0 * err
+        );
+        // the bounds of the GGUF case above
         assert!(
             (-0.03..=0.06).contains(&err),
             "batch {batch}: {:+.1}%",

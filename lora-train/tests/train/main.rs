@@ -20,6 +20,7 @@ mod engine_trainer;
 mod flux_job;
 mod job_checkpointing;
 mod job_long_sequence_plan;
+mod job_nf4_base;
 mod job_quantized_plan;
 mod sd_caching;
 mod sd_dist;

@@ -23,7 +23,10 @@ use lora_memory::{BaseDtype, Budget, ModelDescriptor};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// How a GGUF base stores its weights (from the header).
+/// How a GGUF base stores its weights (from the header). The default (nothing quantized) is
+/// what a dense safetensors folder or `config.json` reads as: with `model.weights: quantized`
+/// the plan then counts QLoRA's base, as `Llama::from_safetensors` loads it — layer linears NF4
+/// with double quantization ([`settings_for`]), the head dense (`quantize_lm_head` off).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct FileStorage {
     /// Storage type of the layer linears (`attn_q.weight`).
@@ -230,7 +233,8 @@ pub fn plan(
         ));
     }
     settings.lora.target_modules = targets;
-    // a quantized base keeps a quantized head quantized (GGUF files quantize it)
+    // a quantized base keeps a quantized head quantized (GGUF files quantize it); a dense
+    // safetensors base quantized to NF4 at load keeps its head dense, as bitsandbytes does
     settings.quantize_lm_head =
         cfg.model.weights == BaseWeights::Quantized && storage.head_quantized;
     notes.extend(cfg.notes());
