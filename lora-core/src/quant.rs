@@ -1,4 +1,5 @@
-//! Frozen weights kept quantized in memory and dequantized per forward with tensor ops.
+//! Frozen weights kept quantized in memory and decoded per forward one tile of rows at a time
+//! (by the shim's kernel on the CPU, with tensor ops elsewhere), never kept dense.
 //!
 //! Supported layouts:
 //! - GGUF block formats (llama.cpp `ggml-common.h` / `ggml-quants.c`; the `gguf` Python package's
@@ -658,9 +659,9 @@ pub fn nf4_double_dequantize_reference(
 
 /// A frozen 2-D weight `[out, in]` kept quantized in memory.
 ///
-/// Dequantized per forward with a handful of tensor ops on the tensors' device (so it runs on the GPU
-/// when the model does). Storage, by kind (`nb` blocks per row: `in/32`, or `in/256` for the
-/// k-quants):
+/// Dequantized with a handful of tensor ops on the tensors' device (so it runs on the GPU when the
+/// model does; [`QuantWeight::linear`] decodes one tile of rows at a time). Storage, by kind
+/// (`nb` blocks per row: `in/32`, or `in/256` for the k-quants):
 /// - GGUF kinds: `codes` `[out, nb, 32]` i8 (Q8_0), `[out, nb, 16]` u8 (Q4_*, Q5_0, Q5_1) or
 ///   `[out, nb, 128]` u8 (k-quants); `scales` `[out, nb]` f16 (the block's `d`); `mins`
 ///   `[out, nb]` f16 (`m` of Q4_1/Q5_1, `dmin` of Q4_K/Q5_K).
@@ -1463,8 +1464,8 @@ impl QuantWeight {
     /// `x · Wᵀ` (`x` `[..., in]` → `[..., out]`), the frozen product of a linear layer, computed
     /// one tile of output rows at a time: no dense copy of `W` is kept, in the forward pass or
     /// for the backward one, and about [`crate::sys::QLINEAR_TILE_ELEMENTS`] weights are dense at
-    /// a time (QLoRA's saving: bitsandbytes' `MatMul4Bit` also dequantizes again in the backward
-    /// instead of keeping the weight).
+    /// a time (QLoRA's saving: bitsandbytes' `MatMul4Bit`, `bitsandbytes/autograd/_functions.py`,
+    /// also dequantizes again in the backward instead of keeping the weight).
     ///
     /// On the CPU, for f32 and bf16 computation ([`QuantWeight::has_kernel`]), the tiles are
     /// decoded by the shim's kernel ([`crate::sys::qlinear`]); everywhere else (CUDA, f16, f64)

@@ -857,10 +857,11 @@ pub fn set_malloc_mmap_threshold(bytes: usize) -> bool {
     }
 }
 
-/// Weights decoded at once by [`qlinear`]: one tile of output rows holds at most this many
-/// values (4 MiB as f32; plus its bf16 copy for a bf16 product) — the memory planner's transient
-/// for this SDK's quantized linears, whose value it is
-/// ([`lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS`]).
+/// Weights decoded at once by [`qlinear`] and by `QuantWeight::linear`'s tiles on the
+/// device-generic path ([`tiled_linear`]): one tile of output rows holds at most this many values
+/// (4 MiB as f32; plus its bf16 copy for a bf16 product on the CPU kernel, or the tensor-op
+/// decode's temporaries elsewhere) — the memory planner's transient for this SDK's quantized
+/// linears, whose value it is ([`lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS`]).
 pub const QLINEAR_TILE_ELEMENTS: u64 = lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS;
 
 /// The quantized tensors of one frozen `[out, in]` weight, as [`qlinear`] reads them (layouts:
@@ -1126,7 +1127,7 @@ fn tiled_call(
     // `torch::Tensor*` in `y`, whose ownership `Tensor::from_ptr` takes.
     let ret = unsafe {
         ffi::lsdk_tiled_linear(
-            x.as_ptr() as *const torch_sys::C_tensor,
+            x.as_ptr(),
             mode,
             out,
             inn,
