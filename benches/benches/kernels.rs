@@ -5,8 +5,11 @@
 //   alone vs with a rank-8 LoRA adapter (gradients for A and B) — the LoRA overhead;
 // - `quant_linear`: forward, and forward + input gradient, of the same linear with its base kept
 //   quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, NF4, fp8 e4m3fn), and of the 1536→576 down_proj
-//   (`down_` prefix) as Q4_K, Q5_K, Q6_K: the shim's tiled kernel (`_tiled`, the layers' path) and
-//   dequantize-with-tensor-ops-then-matmul (`_dequant_matmul`), vs the dense f32 base;
+//   (`down_` prefix) as Q4_K, Q5_K, Q6_K: the shim's tiled kernel (`_tiled`, the layers' path on
+//   the CPU for f32 / bf16), the device-generic tiled path forced onto f32 (`_ops_tiled`:
+//   `QuantWeight::linear_tiled`, tensor-op decodes per tile, what CUDA, f16 and f64 take) and
+//   dequantize-with-tensor-ops-then-matmul (`_dequant_matmul`, which keeps the dense weight for
+//   the backward pass), vs the dense f32 base;
 // - `optimizer_step`: one step of AdamW, AdamW8bit and Adafactor over the SmolLM2 adapter
 //   (rank 8 on q,k,v,o,gate,up,down × 30 layers: 4.88 M parameters);
 // - `quantize_8bit`: AdamW8bit's nearest-code search over 4.88 M block-normalized moment values
@@ -155,6 +158,14 @@ fn quant_linear(c: &mut Criterion) {
             let BaseWeight::Quant(q) = layer.base() else {
                 unreachable!()
             };
+            // the device-generic path: each tile dequantized with tensor ops, again in backward
+            let tile = lora_core::sys::QLINEAR_TILE_ELEMENTS;
+            group.bench_function(format!("{prefix}{name}_ops_tiled"), |b| {
+                b.iter(|| black_box(q.linear_tiled(&x, tile).unwrap()))
+            });
+            group.bench_function(format!("{prefix}{name}_ops_tiled_fwd_bwd"), |b| {
+                b.iter(|| black_box(fwd_bwd(&|x| q.linear_tiled(x, tile).unwrap())))
+            });
             group.bench_function(format!("{prefix}{name}_dequant_matmul"), |b| {
                 b.iter(|| black_box(x.linear::<Tensor>(&q.dequantize(Kind::Float).unwrap(), None)))
             });

@@ -1,12 +1,18 @@
-// Linear layers over a frozen quantized weight on the CPU, computed from the quantized blocks one
-// tile of output rows at a time: `y = x · Wᵀ` forward and `∂x = g · W` backward, W never held
-// dense beyond one tile (at most `tile_elements` values, the caller's bound).
+// Linear layers over a frozen quantized weight, computed one tile of output rows at a time:
+// `y = x · Wᵀ` forward and `∂x = g · W` backward, W never held dense beyond one tile. One
+// autograd node (`TiledLinearBackward`) serves two sources of tiles:
 //
-// Each tile is decoded into a float buffer by the loops below (compiled for AVX-512, AVX2 and
-// baseline x86-64 and picked at run time by the loader, GCC `target_clones`; threaded over rows
-// with libtorch's intra-op pool) and multiplied with libtorch's GEMM. The autograd function saves
-// only the quantized tensors, so a backward pass decodes the tiles again instead of keeping each
-// layer's dense weight alive from the forward pass.
+// - On the CPU, for f32 and bf16 products (`lsdk_qlinear`), each tile (at most `tile_elements`
+//   values, the caller's bound) is decoded into a reused float buffer by the loops below
+//   (compiled for AVX-512, AVX2 and baseline x86-64 and picked at run time by the loader, GCC
+//   `target_clones`; threaded over rows with libtorch's intra-op pool).
+// - Everywhere else (CUDA; f16 and f64 on the CPU; `lsdk_tiled_linear`), the caller decodes each
+//   tile through a callback: lora-core's `QuantWeight::dequantize` of the rows, with tensor ops
+//   on the weight's device, so the decoding is written once for every device.
+//
+// Either way the product is libtorch's GEMM per tile, and the node saves only the source (the
+// quantized tensors), so a backward pass decodes the tiles again instead of keeping each layer's
+// dense weight alive from the forward pass (what a plain `x · dequantize(W)ᵀ` would do).
 //
 // Layouts (lora-core `quant.rs`, `QuantWeight`):
 // - GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1: `codes` `[out, in/32, 32]` i8 (Q8_0) or
@@ -37,14 +43,28 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 #include "guard.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+extern "C" {
+// The callbacks of `lsdk_tiled_linear` (see there).
+typedef char* (*lsdk_rows_fn)(void* ctx, int64_t r0, int64_t r1, int32_t dtype, at::Tensor** rows);
+typedef void (*lsdk_free_fn)(void* ctx);
+}
 
 namespace {
+
+void free_nothing(void*) {}
 
 enum QKind : int32_t {
   kQ8_0 = 0,
@@ -296,11 +316,6 @@ void decode_rows(const QWeight& w, int64_t r0, int64_t r1, float* dst) {
   }
 }
 
-// Output rows per tile.
-int64_t tile_rows(const QWeight& w) {
-  return std::max<int64_t>(1, std::min(w.out, w.tile_elements / std::max<int64_t>(w.in, 1)));
-}
-
 // A `[rows, cols]` buffer of `kind` for this thread, reused from call to call: a fresh tile per
 // call would be a fresh mapping (large allocations are mmap'ed) whose pages fault in on every
 // decode. It grows to the largest tile asked for (at most `tile_elements` values).
@@ -313,49 +328,156 @@ at::Tensor tile_buffer(int slot, at::ScalarType kind, int64_t rows, int64_t cols
   return b.narrow(0, 0, rows * cols).view({rows, cols});
 }
 
-// Calls `f(r0, rows, tile)` for each tile of output rows, `tile` `[rows, in]` in `kind`.
-template <typename F>
-void for_each_tile(const QWeight& w, at::ScalarType kind, F&& f) {
-  const int64_t t = tile_rows(w);
-  auto fbuf = tile_buffer(0, at::kFloat, t, w.in);
-  at::Tensor kbuf;
-  if (kind != at::kFloat) {
-    kbuf = tile_buffer(1, kind, t, w.in);
+// ---------------------------------------------------------------------------------------------
+// Tile sources: a frozen weight W `[out, in]` handed out one tile of output rows at a time.
+
+// Called with (first row, rows, tile `[rows, in]`); the tile is valid until the call returns.
+using TileFn = std::function<void(int64_t, int64_t, const at::Tensor&)>;
+
+struct TileSource {
+  virtual ~TileSource() = default;
+  virtual int64_t out() const = 0;
+  virtual int64_t in() const = 0;
+  // Output rows per tile (the last tile may be shorter).
+  virtual int64_t tile_rows() const = 0;
+  // Calls `f` for each tile, in row order, as `kind` on the weight's device.
+  virtual void for_each_tile(at::ScalarType kind, const TileFn& f) const = 0;
+};
+
+// The quantized tensors decoded by the loops above into reused buffers (CPU; f32 or bf16).
+struct KernelTiles final : TileSource {
+  QWeight w;
+
+  explicit KernelTiles(QWeight weight) : w(std::move(weight)) {}
+
+  int64_t out() const override {
+    return w.out;
   }
-  for (int64_t r0 = 0; r0 < w.out; r0 += t) {
-    const int64_t rows = std::min(t, w.out - r0);
-    decode_rows(w, r0, r0 + rows, fbuf.data_ptr<float>());
-    at::Tensor tile = fbuf.narrow(0, 0, rows);
+  int64_t in() const override {
+    return w.in;
+  }
+  int64_t tile_rows() const override {
+    return std::max<int64_t>(1, std::min(w.out, w.tile_elements / std::max<int64_t>(w.in, 1)));
+  }
+  void for_each_tile(at::ScalarType kind, const TileFn& f) const override {
+    const int64_t t = tile_rows();
+    auto fbuf = tile_buffer(0, at::kFloat, t, w.in);
+    at::Tensor kbuf;
     if (kind != at::kFloat) {
-      at::Tensor k = kbuf.narrow(0, 0, rows);
-      k.copy_(tile);
-      tile = k;
+      kbuf = tile_buffer(1, kind, t, w.in);
     }
-    f(r0, rows, tile);
+    for (int64_t r0 = 0; r0 < w.out; r0 += t) {
+      const int64_t rows = std::min(t, w.out - r0);
+      decode_rows(w, r0, r0 + rows, fbuf.data_ptr<float>());
+      at::Tensor tile = fbuf.narrow(0, 0, rows);
+      if (kind != at::kFloat) {
+        at::Tensor k = kbuf.narrow(0, 0, rows);
+        k.copy_(tile);
+        tile = k;
+      }
+      f(r0, rows, tile);
+    }
   }
+};
+
+// The caller's decoder of rows (see `lsdk_tiled_linear`): each tile is a new tensor it returns.
+struct CallbackTiles final : TileSource {
+  int64_t out_rows;
+  int64_t in_cols;
+  int64_t per_tile;
+  lsdk_rows_fn rows_fn;
+  void* ctx = nullptr;
+  lsdk_free_fn free_ctx = nullptr;
+
+  CallbackTiles(int64_t out, int64_t in, int64_t tile_rows, lsdk_rows_fn rows)
+      : out_rows(out), in_cols(in), per_tile(tile_rows), rows_fn(rows) {}
+  CallbackTiles(const CallbackTiles&) = delete;
+  CallbackTiles& operator=(const CallbackTiles&) = delete;
+  ~CallbackTiles() override {
+    if (ctx != nullptr && free_ctx != nullptr) {
+      free_ctx(ctx);
+    }
+  }
+
+  int64_t out() const override {
+    return out_rows;
+  }
+  int64_t in() const override {
+    return in_cols;
+  }
+  int64_t tile_rows() const override {
+    return std::min(per_tile, out_rows);
+  }
+
+  // Rows [r0, r1) as `kind`, checked.
+  at::Tensor fetch(int64_t r0, int64_t r1, at::ScalarType kind) const {
+    at::Tensor* raw = nullptr;
+    char* err = rows_fn(ctx, r0, r1, static_cast<int32_t>(kind), &raw);
+    std::unique_ptr<at::Tensor> owned(raw);
+    if (err != nullptr) {
+      std::string message(err);
+      std::free(err);
+      TORCH_CHECK(false, "decoding rows ", r0, "..", r1, " of the weight: ", message);
+    }
+    TORCH_CHECK(owned != nullptr && owned->defined(), "the row decoder gave no tensor for rows ", r0, "..", r1);
+    at::Tensor t = std::move(*owned);
+    TORCH_CHECK(
+        t.dim() == 2 && t.size(0) == r1 - r0 && t.size(1) == in_cols,
+        "the row decoder gave ",
+        t.sizes(),
+        " for rows ",
+        r0,
+        "..",
+        r1,
+        ", expected [",
+        r1 - r0,
+        ", ",
+        in_cols,
+        "]");
+    TORCH_CHECK(t.scalar_type() == kind, "the row decoder gave ", t.scalar_type(), " rows, expected ", kind);
+    return t;
+  }
+
+  void for_each_tile(at::ScalarType kind, const TileFn& f) const override {
+    const int64_t t = tile_rows();
+    for (int64_t r0 = 0; r0 < out_rows; r0 += t) {
+      const int64_t rows = std::min(t, out_rows - r0);
+      // the previous tile is freed before the next one is decoded
+      const at::Tensor tile = fetch(r0, r0 + rows, kind);
+      f(r0, rows, tile);
+    }
+  }
+};
+
+void check_same_device(const at::Tensor& tile, const at::Tensor& x) {
+  TORCH_CHECK(
+      tile.device() == x.device(), "the weight's rows are on ", tile.device(), " but the input is on ", x.device());
 }
 
 // y `[n, out]` = x `[n, in]` · Wᵀ in x's dtype.
-at::Tensor qlinear_forward(const QWeight& w, const at::Tensor& x) {
+at::Tensor tiled_forward(const TileSource& s, const at::Tensor& x) {
   const int64_t n = x.size(0);
-  if (tile_rows(w) >= w.out) {
+  if (s.tile_rows() >= s.out()) {
     at::Tensor y;
-    for_each_tile(w, x.scalar_type(), [&](int64_t, int64_t, const at::Tensor& tile) {
+    s.for_each_tile(x.scalar_type(), [&](int64_t, int64_t, const at::Tensor& tile) {
+      check_same_device(tile, x);
       y = at::mm(x, tile.t());
     });
     return y;
   }
-  auto y = at::empty({n, w.out}, x.options());
-  for_each_tile(w, x.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+  auto y = at::empty({n, s.out()}, x.options());
+  s.for_each_tile(x.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+    check_same_device(tile, x);
     y.narrow(1, r0, rows).copy_(at::mm(x, tile.t()));
   });
   return y;
 }
 
 // ∂x `[n, in]` = g `[n, out]` · W in g's dtype.
-at::Tensor qlinear_input_grad(const QWeight& w, const at::Tensor& g) {
+at::Tensor tiled_input_grad(const TileSource& s, const at::Tensor& g) {
   at::Tensor gx;
-  for_each_tile(w, g.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+  s.for_each_tile(g.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+    check_same_device(tile, g);
     auto gs = g.narrow(1, r0, rows);
     if (gx.defined()) {
       gx.addmm_(gs, tile);
@@ -366,54 +488,70 @@ at::Tensor qlinear_input_grad(const QWeight& w, const at::Tensor& g) {
   return gx;
 }
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+// The backward of `y = x · Wᵀ`: `∂x = g · W`, tile by tile from the source (no gradient for the
+// frozen W). The node holds the source — the quantized tensors, never a dense W — until the
+// graph lets it go (after a backward without `retain_graph`, or when the graph is dropped).
+struct TiledLinearBackward final : torch::autograd::Node {
+  std::mutex mu;
+  std::shared_ptr<const TileSource> src;
 
-QWeight saved_weight(AutogradContext* ctx) {
-  const auto& d = ctx->saved_data;
-  QWeight w;
-  w.kind = static_cast<int32_t>(d.at("kind").toInt());
-  w.out = d.at("out").toInt();
-  w.in = d.at("in").toInt();
-  w.tile_elements = d.at("tile_elements").toInt();
-  w.dq_offset = d.at("dq_offset").toDouble();
-  w.codes = d.at("codes").toTensor();
-  w.scales = d.at("scales").toTensor();
-  w.mins = d.at("mins").toTensor();
-  w.sub_scales = d.at("sub_scales").toTensor();
-  w.hbits = d.at("hbits").toTensor();
-  w.dq_scales = d.at("dq_scales").toTensor();
-  w.table = d.at("table").toTensor();
-  return w;
-}
+  TiledLinearBackward(std::shared_ptr<const TileSource> s, torch::autograd::edge_list&& next)
+      : Node(std::move(next)), src(std::move(s)) {}
 
-// The autograd function: only `x` takes a gradient; the quantized tensors are saved as they are.
-struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const QWeight& w) {
-    ctx->saved_data["kind"] = static_cast<int64_t>(w.kind);
-    ctx->saved_data["out"] = w.out;
-    ctx->saved_data["in"] = w.in;
-    ctx->saved_data["tile_elements"] = w.tile_elements;
-    ctx->saved_data["dq_offset"] = w.dq_offset;
-    ctx->saved_data["codes"] = w.codes;
-    ctx->saved_data["scales"] = w.scales;
-    ctx->saved_data["mins"] = w.mins;
-    ctx->saved_data["sub_scales"] = w.sub_scales;
-    ctx->saved_data["hbits"] = w.hbits;
-    ctx->saved_data["dq_scales"] = w.dq_scales;
-    ctx->saved_data["table"] = w.table;
-    return qlinear_forward(w, x);
+  std::string name() const override {
+    return "QuantTiledLinearBackward";
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::shared_ptr<const TileSource> s;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      s = src;
+    }
+    TORCH_CHECK(
+        s != nullptr,
+        "the quantized linear's backward already ran and released its weight (pass retain_graph "
+        "to backpropagate through the same graph twice)");
+    if (grads.empty() || !grads[0].defined() || !task_should_compute_output(0)) {
+      return {at::Tensor()};
+    }
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const QWeight w = saved_weight(ctx);
-    auto g = grads[0].contiguous();
-    return {qlinear_input_grad(w, g), at::Tensor()};
+    return {tiled_input_grad(*s, grads[0].contiguous())};
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mu);
+    src.reset();
   }
 };
 
-// The weight's tensors, checked against `kind`'s layout for an `[out, in]` matrix.
+// `x · Wᵀ` with a `TiledLinearBackward` node when x takes a gradient.
+at::Tensor tiled_apply(const at::Tensor& x, std::shared_ptr<const TileSource> src) {
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = tiled_forward(*src, x);
+  }
+  if (torch::autograd::compute_requires_grad(x)) {
+    c10::intrusive_ptr<torch::autograd::Node> node =
+        c10::make_intrusive<TiledLinearBackward>(std::move(src), torch::autograd::collect_next_edges(x));
+    torch::autograd::set_history(y, node);
+  }
+  return y;
+}
+
+// Mode 0: the autograd product `x · Wᵀ`; 1: the same without autograd; 2: `x · W` without
+// autograd. The products are in x's dtype: autocast must not recast the tiles or the GEMM.
+at::Tensor run_mode(int32_t mode, const at::Tensor& x, std::shared_ptr<const TileSource> src) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  auto xc = x.contiguous();
+  if (mode == 0) {
+    return tiled_apply(xc, std::move(src));
+  }
+  at::NoGradGuard no_grad;
+  return mode == 2 ? tiled_input_grad(*src, xc) : tiled_forward(*src, xc);
+}
+
 QWeight make_weight(
     int32_t kind,
     int64_t out,
@@ -503,7 +641,7 @@ QWeight make_weight(
   return w;
 }
 
-// Checks an input `[n, width]` of the kernel's dtypes on the CPU.
+// Checks an input `[n, width]` of the decoding loops' dtypes on the CPU.
 void check_input(const at::Tensor* x, int64_t width, const char* what) {
   TORCH_CHECK(x != nullptr, "null ", what);
   TORCH_CHECK(x->dim() == 2 && x->size(1) == width, what, " must be [n, ", width, "], got ", x->sizes());
@@ -547,16 +685,52 @@ char* lsdk_qlinear(
     TORCH_CHECK(y != nullptr, "null output");
     TORCH_CHECK(mode >= 0 && mode <= 2, "unknown mode ", mode);
     check_input(x, mode == 2 ? out : in, "input");
-    QWeight w = make_weight(kind, out, in, codes, scales, mins, sub_scales, hbits, dq_scales, table, dq_offset, tile_elements);
-    // The kernel picks its own dtypes: autocast must not recast the tiles or the GEMM.
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    auto xc = x->contiguous();
-    if (mode == 0) {
-      *y = new at::Tensor(QLinearFunction::apply(xc, w));
-      return;
-    }
-    at::NoGradGuard no_grad;
-    *y = new at::Tensor(mode == 2 ? qlinear_input_grad(w, xc) : qlinear_forward(w, xc));
+    auto src = std::make_shared<KernelTiles>(
+        make_weight(kind, out, in, codes, scales, mins, sub_scales, hbits, dq_scales, table, dq_offset, tile_elements));
+    *y = new at::Tensor(run_mode(mode, *x, std::move(src)));
+  });
+}
+
+// The products of `lsdk_qlinear` (same `mode`s) for a weight W `[out, in]` whose rows the caller
+// decodes: `rows(ctx, r0, r1, dtype, &t)` stores in `t` a new heap `at::Tensor*` (ownership
+// passes to the shim) holding rows [r0, r1) of W, `[r1 − r0, in]` of `dtype` (a
+// `c10::ScalarType` code: the input's, or the incoming gradient's) on the input's device, and
+// returns nullptr, or a `malloc`'ed message the shim frees and raises. Tiles of `tile_rows` rows
+// are asked for in order, each released before the next. x: `[n, in]` (`[n, out]` for mode 2) of
+// f16, bf16, f32 or f64 on any device.
+//
+// The shim owns `ctx` from the call on, in every case (errors included): it calls
+// `free_ctx(ctx)` exactly once, when no product can ask for rows any more — before returning
+// for modes 1 and 2 or an input that takes no gradient, else when the autograd node dies (after
+// a backward pass without `retain_graph`, or with its graph), possibly on another thread.
+char* lsdk_tiled_linear(
+    const at::Tensor* x,
+    int32_t mode,
+    int64_t out,
+    int64_t in,
+    int64_t tile_rows,
+    void* ctx,
+    lsdk_rows_fn rows,
+    lsdk_free_fn free_ctx,
+    at::Tensor** y) {
+  // owns ctx until the source takes it (the deleter runs only for a non-null ctx)
+  std::unique_ptr<void, lsdk_free_fn> owner(ctx, free_ctx != nullptr ? free_ctx : &free_nothing);
+  return lsdk::guarded([&] {
+    TORCH_CHECK(y != nullptr && rows != nullptr && free_ctx != nullptr, "null output or callback");
+    TORCH_CHECK(mode >= 0 && mode <= 2, "unknown mode ", mode);
+    TORCH_CHECK(out > 0 && in > 0 && tile_rows > 0, "shape [", out, ", ", in, "] and tile rows ", tile_rows, " must be positive");
+    const int64_t width = mode == 2 ? out : in;
+    TORCH_CHECK(x != nullptr, "null input");
+    TORCH_CHECK(x->dim() == 2 && x->size(1) == width, "input must be [n, ", width, "], got ", x->sizes());
+    const auto k = x->scalar_type();
+    TORCH_CHECK(
+        k == at::kHalf || k == at::kBFloat16 || k == at::kFloat || k == at::kDouble,
+        "input must be float16, bfloat16, float32 or float64, got ",
+        k);
+    auto src = std::make_shared<CallbackTiles>(out, in, tile_rows, rows);
+    src->ctx = owner.release();
+    src->free_ctx = free_ctx;
+    *y = new at::Tensor(run_mode(mode, *x, std::move(src)));
   });
 }
 

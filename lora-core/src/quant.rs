@@ -1,4 +1,5 @@
-//! Frozen weights kept quantized in memory and dequantized per forward with tensor ops.
+//! Frozen weights kept quantized in memory and decoded per forward one tile of rows at a time
+//! (by the shim's kernel on the CPU, with tensor ops elsewhere), never kept dense.
 //!
 //! Supported layouts:
 //! - GGUF block formats (llama.cpp `ggml-common.h` / `ggml-quants.c`; the `gguf` Python package's
@@ -658,9 +659,9 @@ pub fn nf4_double_dequantize_reference(
 
 /// A frozen 2-D weight `[out, in]` kept quantized in memory.
 ///
-/// Dequantized per forward with a handful of tensor ops on the tensors' device (so it runs on the GPU
-/// when the model does). Storage, by kind (`nb` blocks per row: `in/32`, or `in/256` for the
-/// k-quants):
+/// Dequantized with a handful of tensor ops on the tensors' device (so it runs on the GPU when the
+/// model does; [`QuantWeight::linear`] decodes one tile of rows at a time). Storage, by kind
+/// (`nb` blocks per row: `in/32`, or `in/256` for the k-quants):
 /// - GGUF kinds: `codes` `[out, nb, 32]` i8 (Q8_0), `[out, nb, 16]` u8 (Q4_*, Q5_0, Q5_1) or
 ///   `[out, nb, 128]` u8 (k-quants); `scales` `[out, nb]` f16 (the block's `d`); `mins`
 ///   `[out, nb]` f16 (`m` of Q4_1/Q5_1, `dmin` of Q4_K/Q5_K).
@@ -1114,8 +1115,7 @@ impl QuantWeight {
                         kind = QuantKind::Nf4 {
                             double_quant: false,
                         };
-                        let absmax = self.nf4_absmax().and_then(|a| a.f_narrow(0, b0, nb));
-                        (codes, absmax.ctx(ctx)?, None)
+                        (codes, self.nf4_absmax_blocks(b0, nb).ctx(ctx)?, None)
                     }
                     (None, _) => (codes, self.scales.f_narrow(0, b0, nb).ctx(ctx)?, None),
                 }
@@ -1203,19 +1203,28 @@ impl QuantWeight {
 
     /// NF4 absmax per block as f32 `[blocks]` (undoing double quantization when present).
     fn nf4_absmax(&self) -> std::result::Result<Tensor, tch::TchError> {
+        self.nf4_absmax_blocks(0, self.shape[0] * self.shape[1] / NF4_BLOCK as i64)
+    }
+
+    /// NF4 absmax of blocks `b0 .. b0 + nb` as f32 `[nb]`: with double quantization, only the
+    /// second-level groups of 256 that hold them are expanded (the same per-value ops as the
+    /// whole matrix's, so the same values bit for bit).
+    fn nf4_absmax_blocks(&self, b0: i64, nb: i64) -> std::result::Result<Tensor, tch::TchError> {
         match &self.dq_scales {
-            None => Ok(self.scales.shallow_clone()),
+            None => self.scales.f_narrow(0, b0, nb),
             Some(s2) => {
-                let nb = self.shape[0] * self.shape[1] / NF4_BLOCK as i64;
-                let blocks = s2.size()[0];
-                let pad = blocks * NF4_DQ_BLOCK as i64 - nb;
+                let g = NF4_DQ_BLOCK as i64;
+                let total = self.shape[0] * self.shape[1] / NF4_BLOCK as i64;
+                let (g0, g1) = (b0 / g, (b0 + nb + g - 1) / g);
+                let len = (g1 * g).min(total) - g0 * g;
                 self.scales
+                    .f_narrow(0, g0 * g, len)?
                     .f_to_kind(Kind::Float)?
-                    .f_constant_pad_nd([0, pad])?
-                    .f_reshape([blocks, NF4_DQ_BLOCK as i64])?
-                    .f_mul(&s2.f_unsqueeze(1)?)?
+                    .f_constant_pad_nd([0, (g1 - g0) * g - len])?
+                    .f_reshape([g1 - g0, g])?
+                    .f_mul(&s2.f_narrow(0, g0, g1 - g0)?.f_unsqueeze(1)?)?
                     .f_reshape([-1])?
-                    .f_narrow(0, 0, nb)?
+                    .f_narrow(0, b0 - g0 * g, nb)?
                     .f_add_scalar(f64::from(self.dq_offset))
             }
         }
@@ -1452,18 +1461,64 @@ impl QuantWeight {
         }
     }
 
-    /// `x · Wᵀ` (`x` `[..., in]` → `[..., out]`), the frozen product of a linear layer.
+    /// `x · Wᵀ` (`x` `[..., in]` → `[..., out]`), the frozen product of a linear layer, computed
+    /// one tile of output rows at a time: no dense copy of `W` is kept, in the forward pass or
+    /// for the backward one, and about [`crate::sys::QLINEAR_TILE_ELEMENTS`] weights are dense at
+    /// a time (QLoRA's saving: bitsandbytes' `MatMul4Bit`, `bitsandbytes/autograd/_functions.py`,
+    /// also dequantizes again in the backward instead of keeping the weight).
     ///
-    /// On the CPU, for f32 and bf16 computation, this is the shim's tiled kernel
-    /// ([`crate::sys::qlinear`]): no dense copy of `W` is kept, in the forward pass or for the
-    /// backward one, and at most [`crate::sys::QLINEAR_TILE_ELEMENTS`] weights are decoded at a
-    /// time. Elsewhere (CUDA, f16, f64) it multiplies by [`QuantWeight::dequantize`]'s dense
-    /// matrix. Under autocast the product is computed in the autocast dtype, as a plain matmul
-    /// would be.
+    /// On the CPU, for f32 and bf16 computation ([`QuantWeight::has_kernel`]), the tiles are
+    /// decoded by the shim's kernel ([`crate::sys::qlinear`]); everywhere else (CUDA, f16, f64)
+    /// by [`QuantWeight::linear_tiled`]'s tensor ops on the weight's device. The backward pass
+    /// gives the input gradient `g · W` (the weight is frozen: no gradient for it) by decoding
+    /// the tiles again. Under autocast the product is computed in the autocast dtype, as a plain
+    /// matmul would be (a float64 input stays float64). Each value equals
+    /// `x.linear(dequantize(W))` up to the GEMM's summation order.
+    ///
+    /// # Shapes
+    /// `x` `[..., in]` → `[..., out]`, of `x`'s dtype (or the autocast dtype).
     ///
     /// # Errors
-    /// [`Error::Shape`] when `x`'s last dimension is not `in`; [`Error::Torch`] when an op fails.
+    /// [`Error::Shape`] when `x`'s last dimension is not `in`; [`Error::Torch`] when an op fails
+    /// (e.g. `x` on another device than the weight, out of memory).
     pub fn linear(&self, x: &Tensor) -> Result<Tensor> {
+        self.linear_by(x, |x2, kind| {
+            if x2.device() == Device::Cpu && self.has_kernel(kind) {
+                crate::sys::qlinear(x2, &self.parts())
+            } else {
+                crate::sys::tiled_linear(x2, self.tiled_weight(crate::sys::QLINEAR_TILE_ELEMENTS))
+            }
+        })
+    }
+
+    /// [`QuantWeight::linear`] through the device-generic tiled path whatever the device and
+    /// dtype (the path `linear` takes where the CPU kernel does not apply), with at most
+    /// `tile_elements` weights dense at once (at least one row; an NF4 tile is a whole number of
+    /// 64-weight blocks, and with double quantization, where it fits, of 256-block groups). Each
+    /// tile is [`QuantWeight::narrow_rows`] then [`QuantWeight::dequantize`] in the product's
+    /// dtype, multiplied with libtorch's GEMM ([`crate::sys::tiled_linear`]); the backward pass
+    /// decodes the tiles again. For tests and benchmarks of that path on the CPU, and to pick
+    /// another tile size.
+    ///
+    /// # Shapes
+    /// As [`QuantWeight::linear`].
+    ///
+    /// # Errors
+    /// As [`QuantWeight::linear`].
+    pub fn linear_tiled(&self, x: &Tensor, tile_elements: u64) -> Result<Tensor> {
+        self.linear_by(x, |x2, _| {
+            crate::sys::tiled_linear(x2, self.tiled_weight(tile_elements))
+        })
+    }
+
+    /// The common part of the linear products: checks `x` `[..., in]`, casts it to the product's
+    /// dtype (autocast's for an f16 / bf16 / f32 input when autocast is on for its device, else
+    /// its own) as `[n, in]`, runs `product(x2, dtype)` and gives the result `x`'s leading dims.
+    fn linear_by(
+        &self,
+        x: &Tensor,
+        product: impl FnOnce(&Tensor, Kind) -> crate::sys::ShimResult<Tensor>,
+    ) -> Result<Tensor> {
         let ctx = || {
             format!(
                 "{:?} linear {:?} on input {:?}",
@@ -1481,18 +1536,13 @@ impl QuantWeight {
                 found: size,
             });
         }
-        let device = x.device();
-        let autocast = crate::sys::autocast_state(device)
+        let autocast = crate::sys::autocast_state(x.device())
             .map_err(tch::TchError::from)
             .ctx(ctx)?;
-        let kind = match (autocast.enabled, autocast.dtype) {
-            (true, Some(k)) => k,
+        let kind = match (autocast.enabled, autocast.dtype, x.kind()) {
+            (true, Some(k), Kind::Half | Kind::BFloat16 | Kind::Float) => k,
             _ => x.kind(),
         };
-        if device != Device::Cpu || !self.has_kernel(kind) {
-            let w = self.dequantize(x.kind())?;
-            return x.f_linear::<Tensor>(&w, None).ctx(ctx);
-        }
         let x2 = (|| {
             let x = if x.kind() == kind {
                 x.shallow_clone()
@@ -1502,15 +1552,77 @@ impl QuantWeight {
             x.f_reshape([-1, inn])
         })()
         .ctx(ctx)?;
-        let parts = self.parts();
-        let y = crate::sys::qlinear(&x2, &parts)
-            .map_err(tch::TchError::from)
-            .ctx(ctx)?;
+        let y = product(&x2, kind).map_err(tch::TchError::from).ctx(ctx)?;
         let mut shape = size;
         if let Some(last) = shape.last_mut() {
             *last = out;
         }
         y.f_reshape(shape.as_slice()).ctx(ctx)
+    }
+
+    /// The tensors as a [`crate::sys::TiledWeight`]: tiles of whole rows, at most
+    /// `tile_elements` weights (at least one row; NF4 tiles aligned as
+    /// [`QuantWeight::linear_tiled`] says), each [`QuantWeight::narrow_rows`] (views of this
+    /// weight's tensors) then [`QuantWeight::dequantize`].
+    fn tiled_weight(&self, tile_elements: u64) -> crate::sys::TiledWeight {
+        let [out, inn] = self.shape;
+        let tile_rows = self.tile_rows(tile_elements);
+        let w = self.shallow_clone();
+        crate::sys::TiledWeight {
+            out,
+            inn,
+            tile_rows,
+            rows: Box::new(move |r0, r1, kind| {
+                if r0 == 0 && r1 == out {
+                    w.dequantize(kind)
+                } else {
+                    w.narrow_rows(r0, r1 - r0)?.dequantize(kind)
+                }
+            }),
+        }
+    }
+
+    /// Output rows per tile of [`QuantWeight::tiled_weight`]: `tile_elements / in` rows (at
+    /// least one), at most `out`; for NF4 a multiple of the rows that make whole 64-weight
+    /// blocks, and with double quantization of those that make whole groups of 256 blocks when
+    /// such a tile fits (a tile starting inside a group would expand that group's constants).
+    fn tile_rows(&self, tile_elements: u64) -> i64 {
+        let [out, inn] = self.shape;
+        let fit = (i64::try_from(tile_elements).unwrap_or(i64::MAX) / inn).max(1);
+        fn gcd(a: i64, b: i64) -> i64 {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        let align = match self.kind {
+            QuantKind::Nf4 { .. } => {
+                let block = NF4_BLOCK as i64;
+                let group = block * NF4_DQ_BLOCK as i64;
+                let group_rows = group / gcd(inn, group);
+                if self.dq_scales.is_some() && group_rows <= fit {
+                    group_rows
+                } else {
+                    block / gcd(inn, block)
+                }
+            }
+            _ => 1,
+        };
+        ((fit / align).max(1) * align).min(out)
+    }
+
+    /// A second handle on the same tensors (no copy).
+    fn shallow_clone(&self) -> Self {
+        let opt = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone);
+        Self {
+            kind: self.kind,
+            shape: self.shape,
+            codes: self.codes.shallow_clone(),
+            scales: self.scales.shallow_clone(),
+            mins: opt(&self.mins),
+            sub_scales: opt(&self.sub_scales),
+            hbits: opt(&self.hbits),
+            dq_scales: opt(&self.dq_scales),
+            dq_offset: self.dq_offset,
+            table: opt(&self.table),
+        }
     }
 
     /// The tensors the shim's kernels read.
@@ -1551,9 +1663,11 @@ impl QuantWeight {
     }
 
     /// `x · Wᵀ` (`x` `[n, in]` → `[n, out]`) or, with `transposed`, `x · W` (`x` `[n, out]` →
-    /// `[n, in]`), without autograd, in `x`'s dtype: the tiled CPU kernel
-    /// ([`crate::sys::qmatmul`]) when [`QuantWeight::has_kernel`], else a product with the
-    /// dense [`QuantWeight::dequantize`]. For a frozen head evaluated in chunks.
+    /// `[n, in]`), without autograd, in `x`'s dtype, one tile of output rows at a time (at most
+    /// about [`crate::sys::QLINEAR_TILE_ELEMENTS`] weights dense at once): the tiled CPU kernel
+    /// ([`crate::sys::qmatmul`]) when [`QuantWeight::has_kernel`], else
+    /// [`QuantWeight::dequantize`] of each tile's rows on the weight's device
+    /// ([`crate::sys::tiled_matmul`]). For a frozen head evaluated in chunks.
     ///
     /// # Errors
     /// [`Error::Shape`] for a mismatched `x`; [`Error::Torch`] when an op fails.
@@ -1577,13 +1691,10 @@ impl QuantWeight {
         }
         if !self.has_kernel(x.kind()) || x.device() != Device::Cpu {
             let _ng = tch::no_grad_guard();
-            let w = self.dequantize(x.kind())?;
-            return if transposed {
-                x.f_mm(&w)
-            } else {
-                x.f_mm(&w.f_tr().ctx(ctx)?)
-            }
-            .ctx(ctx);
+            let tiles = self.tiled_weight(crate::sys::QLINEAR_TILE_ELEMENTS);
+            return crate::sys::tiled_matmul(x, tiles, transposed)
+                .map_err(tch::TchError::from)
+                .ctx(ctx);
         }
         crate::sys::qmatmul(x, &self.parts(), transposed)
             .map_err(tch::TchError::from)

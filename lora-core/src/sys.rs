@@ -1,8 +1,9 @@
 //! Bindings to the small C++ shim over libtorch (`lora-core/shim/shim.cpp`): bf16/fp16 autocast,
 //! CUDA caching-allocator statistics, a counting CPU allocator with exact tensor bytes and an
 //! optional limit, RNG generator state and the deterministic-algorithms switch, and linear
-//! products over quantized weights computed tile by tile from the blocks ([`qlinear`],
-//! [`qmatmul`]); plus glibc's mmap threshold ([`set_malloc_mmap_threshold`]) so CPU RSS tracks
+//! products over quantized weights computed tile by tile ([`qlinear`], [`qmatmul`]: decoded from
+//! the blocks on the CPU; [`tiled_linear`], [`tiled_matmul`]: any device, rows decoded by a Rust
+//! callback); plus glibc's mmap threshold ([`set_malloc_mmap_threshold`]) so CPU RSS tracks
 //! live tensors.
 //!
 //! tch 0.26 exposes none of these (its `autocast` is fp16-only and a no-op on CPU). Every call
@@ -137,7 +138,30 @@ mod ffi {
             tile_elements: i64,
             y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn lsdk_tiled_linear(
+            x: *const torch_sys::C_tensor,
+            mode: i32,
+            out: i64,
+            inn: i64,
+            tile_rows: i64,
+            ctx: *mut std::ffi::c_void,
+            rows: RowsFn,
+            free_ctx: FreeFn,
+            y: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
     }
+
+    /// `lsdk_rows_fn`: rows `[r0, r1)` as a new heap tensor of the `c10::ScalarType` code given.
+    pub type RowsFn = unsafe extern "C" fn(
+        ctx: *mut std::ffi::c_void,
+        r0: i64,
+        r1: i64,
+        dtype: i32,
+        rows: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
+    /// `lsdk_free_fn`: frees the context handed to `lsdk_tiled_linear`.
+    pub type FreeFn = unsafe extern "C" fn(ctx: *mut std::ffi::c_void);
 }
 
 /// An error reported by the libtorch shim: the operation and libtorch's message.
@@ -203,6 +227,7 @@ fn kind_from_code(code: i32) -> Option<Kind> {
     match code {
         5 => Some(Kind::Half),
         6 => Some(Kind::Float),
+        7 => Some(Kind::Double),
         15 => Some(Kind::BFloat16),
         _ => None,
     }
@@ -844,10 +869,11 @@ pub fn set_malloc_mmap_threshold(bytes: usize) -> bool {
     }
 }
 
-/// Weights decoded at once by [`qlinear`]: one tile of output rows holds at most this many
-/// values (4 MiB as f32; plus its bf16 copy for a bf16 product) — the memory planner's transient
-/// for this SDK's quantized linears, whose value it is
-/// ([`lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS`]).
+/// Weights decoded at once by [`qlinear`] and by `QuantWeight::linear`'s tiles on the
+/// device-generic path ([`tiled_linear`]): one tile of output rows holds at most this many values
+/// (4 MiB as f32; plus its bf16 copy for a bf16 product on the CPU kernel, or the tensor-op
+/// decode's temporaries elsewhere) — the memory planner's transient for this SDK's quantized
+/// linears, whose value it is ([`lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS`]).
 pub const QLINEAR_TILE_ELEMENTS: u64 = lora_memory::estimate::OURS_QLINEAR_TILE_ELEMENTS;
 
 /// The quantized tensors of one frozen `[out, in]` weight, as [`qlinear`] reads them (layouts:
@@ -948,6 +974,179 @@ fn quant_call(
             opt(parts.table),
             f64::from(parts.dq_offset),
             QLINEAR_TILE_ELEMENTS as i64,
+            &mut y,
+        )
+    };
+    check(op, ret)?;
+    if y.is_null() {
+        return Err(ShimError {
+            op,
+            message: "the shim returned no tensor".into(),
+        });
+    }
+    // SAFETY: see above; `y` is non-null and owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(y) })
+}
+
+/// Decodes rows `r0 .. r1` of a frozen `[out, in]` weight into a new dense `[r1 − r0, in]`
+/// tensor of the dtype asked for, on the weight's device (what [`tiled_linear`] multiplies by).
+pub type RowDecoder = Box<dyn FnMut(i64, i64, Kind) -> crate::Result<Tensor> + Send>;
+
+/// A frozen weight `W` `[out, in]` that [`tiled_linear`] and [`tiled_matmul`] read one tile of
+/// `tile_rows` output rows at a time, through `rows`.
+pub struct TiledWeight {
+    /// Output features (rows of `W`).
+    pub out: i64,
+    /// Input features.
+    pub inn: i64,
+    /// Rows per tile (the last tile may be shorter); `tile_rows · in` bounds the dense values
+    /// alive at once.
+    pub tile_rows: i64,
+    /// The decoder of a tile's rows; called from the thread that runs the product (for the
+    /// backward pass, the autograd engine's thread for the device), never concurrently.
+    pub rows: RowDecoder,
+}
+
+impl std::fmt::Debug for TiledWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TiledWeight")
+            .field("out", &self.out)
+            .field("inn", &self.inn)
+            .field("tile_rows", &self.tile_rows)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `x · Wᵀ` for a frozen weight `W` whose rows `rows` decodes, one tile of output rows at a time
+/// (the device-generic form of [`qlinear`], in `lora-core/shim/qlinear.cpp`), as an autograd op:
+/// the forward multiplies `x` by each tile as it is decoded; the backward gives `g · W` for `x` by
+/// decoding the tiles again, so no dense copy of `W` outlives a tile. No gradient for `W`. The
+/// autograd node keeps `w.rows` (and what it captures) until the graph releases it: after a
+/// backward pass without `retain_graph`, or when the graph is dropped, possibly on another thread.
+/// Autocast does not apply: the product is in `x`'s dtype.
+///
+/// `x`: `[n, in]` f16, bf16, f32 or f64 on the weight's device. Returns `[n, out]` of `x`'s dtype;
+/// each value equals `x.matmul(Wᵀ)` up to the GEMM's summation order.
+///
+/// # Errors
+/// A shape or dtype the product does not take, an error of `w.rows` (its message, after the rows
+/// it was decoding) or a panic in it, a tile of the wrong shape, dtype or device, or a libtorch
+/// error (e.g. out of memory). An error in the backward pass comes back from the backward call.
+pub fn tiled_linear(x: &Tensor, w: TiledWeight) -> ShimResult<Tensor> {
+    tiled_call("tiled_linear", x, w, None)
+}
+
+/// The products of [`tiled_linear`] without autograd: `x · Wᵀ` (`x` `[n, in]` → `[n, out]`) or,
+/// with `transposed`, `x · W` (`x` `[n, out]` → `[n, in]`), in `x`'s dtype, one tile at a time.
+///
+/// # Errors
+/// As [`tiled_linear`].
+pub fn tiled_matmul(x: &Tensor, w: TiledWeight, transposed: bool) -> ShimResult<Tensor> {
+    tiled_call("tiled_matmul", x, w, Some(transposed))
+}
+
+/// What `lsdk_tiled_linear` hands back to [`decode_rows_callback`]: the decoder behind a lock,
+/// so the node may call it from whichever thread runs the backward pass.
+struct RowsContext(std::sync::Mutex<RowDecoder>);
+
+/// A message for the shim: a `malloc`'ed NUL-terminated copy (the shim frees it), or null when
+/// allocation fails (the shim then reports a missing tensor).
+fn c_message(msg: &str) -> *mut c_char {
+    let bytes = msg.replace('\0', " ");
+    // SAFETY: a fresh block of len + 1 bytes, filled and terminated below.
+    unsafe {
+        let p = libc::malloc(bytes.len() + 1) as *mut u8;
+        if !p.is_null() {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
+            *p.add(bytes.len()) = 0;
+        }
+        p as *mut c_char
+    }
+}
+
+/// `lsdk_rows_fn` over a [`RowsContext`]: never unwinds into C++ (a panic becomes an error).
+unsafe extern "C" fn decode_rows_callback(
+    ctx: *mut std::ffi::c_void,
+    r0: i64,
+    r1: i64,
+    dtype: i32,
+    rows: *mut *mut torch_sys::C_tensor,
+) -> *mut c_char {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `ctx` is the `RowsContext` leaked by `tiled_call`, alive until the shim calls
+        // `free_rows_context`, which it does only after its last call of this function.
+        let context = unsafe { &*(ctx as *const RowsContext) };
+        let kind = kind_from_code(dtype)
+            .ok_or_else(|| format!("the shim asked for rows of dtype code {dtype}"))?;
+        let mut decode = context
+            .0
+            .lock()
+            .map_err(|_| "an earlier call of the row decoder panicked".to_string())?;
+        (decode)(r0, r1, kind).map_err(|e| e.to_string())
+    }));
+    let outcome = match result {
+        Ok(outcome) => outcome,
+        Err(panic) => Err(format!(
+            "the row decoder panicked: {}",
+            panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(no message)")
+        )),
+    };
+    match outcome {
+        Ok(t) => {
+            // ownership of the heap `torch::Tensor` passes to the shim, which deletes it
+            let mut t = std::mem::ManuallyDrop::new(t);
+            // SAFETY: `rows` is the shim's out-pointer for this call.
+            unsafe { *rows = t.as_mut_ptr() };
+            std::ptr::null_mut()
+        }
+        Err(msg) => c_message(&msg),
+    }
+}
+
+/// `lsdk_free_fn` over a [`RowsContext`].
+unsafe extern "C" fn free_rows_context(ctx: *mut std::ffi::c_void) {
+    // SAFETY: `ctx` came from `Box::into_raw` in `tiled_call`; the shim frees it exactly once.
+    let context = unsafe { Box::from_raw(ctx as *mut RowsContext) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(context)));
+}
+
+/// Calls `lsdk_tiled_linear`: the autograd op (`transposed` `None`) or a plain product.
+fn tiled_call(
+    op: &'static str,
+    x: &Tensor,
+    w: TiledWeight,
+    transposed: Option<bool>,
+) -> ShimResult<Tensor> {
+    let mode = match transposed {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    let TiledWeight {
+        out,
+        inn,
+        tile_rows,
+        rows,
+    } = w;
+    let ctx = Box::into_raw(Box::new(RowsContext(std::sync::Mutex::new(rows))));
+    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: `x` is a live `torch::Tensor*` for the whole call; the shim takes ownership of
+    // `ctx` in every case and frees it with `free_rows_context`; on success it stores a new heap
+    // `torch::Tensor*` in `y`, whose ownership `Tensor::from_ptr` takes.
+    let ret = unsafe {
+        ffi::lsdk_tiled_linear(
+            x.as_ptr(),
+            mode,
+            out,
+            inn,
+            tile_rows,
+            ctx as *mut std::ffi::c_void,
+            decode_rows_callback,
+            free_rows_context,
             &mut y,
         )
     };

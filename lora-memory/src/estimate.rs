@@ -573,10 +573,43 @@ pub const OURS_FOREACH_CHUNK_ELEMENTS: u64 = 4 << 20;
 /// Largest peak [`estimate`] answers with a number: 2^60 bytes (1 EiB); above it, an error.
 pub const MAX_ESTIMATE_BYTES: u64 = 1 << 60;
 
-/// Weights of a quantized linear decoded at once by lora-core's tiled CPU kernel
-/// (`lora_core::sys::QLINEAR_TILE_ELEMENTS`): the transient of this SDK's quantized linears on
-/// the CPU, which keep no dense weight for the backward pass.
+/// Weights of a quantized linear decoded at once by lora-core's tiled linears
+/// (`lora_core::sys::QLINEAR_TILE_ELEMENTS`; the CPU kernel and the tensor-op path of CUDA,
+/// f16 and f64 alike): the transient of this SDK's quantized linears, which keep no dense
+/// weight for the backward pass.
 pub const OURS_QLINEAR_TILE_ELEMENTS: u64 = 1 << 20;
+
+/// Bytes per weight that lora-core's tensor-op decode of a `base`-quantized weight
+/// (`QuantWeight::dequantize`, what its tiled linears use off the CPU kernel: CUDA, f16, f64)
+/// holds at its peak, the result of `e` bytes per value included; 0 for a dense base.
+///
+/// Measured with the shim's counting CPU allocator (exact tensor bytes): peak − live bytes
+/// around `dequantize` of a `[1536, 1024]` weight, divided by its 1,572,864 weights
+/// (`lora-core/tests/qlinear_memory.rs`, which checks these values against the measurement for
+/// every kind and f16, bf16, f32 and f64 results). Measured (f16 / bf16 / f32): Q8_0, Q4_0
+/// 4.06 / 4.06 / 8.13; Q4_1 4.00 / 8.25 / 8.25 (bf16 goes through f32); NF4 4.03 / 4.03 / 8.00,
+/// with double quantization 4.09 / 4.09 / 8.06; fp8 2 / 2 / 4; the 5- and 6-bit kinds compute in
+/// f32 whatever the result (their products need up to 25 bits): Q5_0 20.13, Q5_1 16.25, Q4_K
+/// 12.52, Q5_K 14.02, Q6_K 16.02. The ops run the same on CUDA (same dtypes, same
+/// temporaries), so the factors carry over; `e` = 2 stands for bf16 (Q4_1's larger case).
+pub fn ours_dequant_bytes_per_weight(base: BaseDtype, e: f64) -> f64 {
+    match base {
+        BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16 => 0.0,
+        // f32 codes, high bits and block scales beside the scaled values
+        BaseDtype::Q5_0 => 20.25,
+        BaseDtype::Q5_1 | BaseDtype::Q6K => 16.5,
+        BaseDtype::Q5K => 14.25,
+        BaseDtype::Q4K => 12.75,
+        // bf16 through f32: the f32 values and the bf16 result
+        BaseDtype::Q4_1 => (2.0 * e + 0.25).max(8.25),
+        // a single cast
+        BaseDtype::Fp8 => e,
+        // the looked-up (or cast) values and the scaled result, plus the scales in `e`
+        BaseDtype::Q8_0 | BaseDtype::Q4_0 | BaseDtype::Nf4 { .. } | BaseDtype::Gptq4 { .. } => {
+            2.0 * e + 0.25
+        }
+    }
+}
 
 /// Bytes of fp32 logits per chunk of lora-train's fused LM head + cross-entropy
 /// (`lora_models::llama::Llama::loss`): 32 MiB, at least 16 rows.
@@ -1108,7 +1141,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         && s.profile.gptq_kernel == crate::settings::GptqKernel::Dequantize;
     let dq_bytes = match s.profile.framework {
         _ if gptq_dequantize => 8.0,
-        Framework::Ours => 2.0 * c.e,
+        Framework::Ours => ours_dequant_bytes_per_weight(s.base_dtype, c.e),
         _ => c.e,
     };
     let dequant = |params: f64| {
@@ -1123,54 +1156,60 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         .iter()
         .map(|x| x.weight_params() as f64)
         .fold(0.0, f64::max);
-    // This SDK's quantized linears on the CPU run the shim's tiled kernel
-    // (`lora_core::sys::qlinear`): one tile of at most `OURS_QLINEAR_TILE_ELEMENTS` weights
-    // decoded at a time (f32, plus its bf16 copy for a bf16 product), none kept for the backward.
-    let ours_tiled = s.profile.framework == Framework::Ours
-        && s.base_dtype.is_quantized()
-        && !s.device.is_cuda();
+    // This SDK's quantized linears compute one tile of output rows at a time and keep no dense
+    // weight for the backward pass, which decodes the tiles again (`QuantWeight::linear`): at
+    // most `OURS_QLINEAR_TILE_ELEMENTS` weights dense at once. On the CPU for f32 / bf16 the
+    // shim's kernel decodes each tile (`lora_core::sys::qlinear`: f32, plus its bf16 copy for a
+    // bf16 product); elsewhere (CUDA; f16 on the CPU) `QuantWeight::dequantize` of the tile's
+    // rows does (`lora_core::sys::tiled_linear`), holding `ours_dequant_bytes_per_weight`.
+    let ours_quantized = s.profile.framework == Framework::Ours && s.base_dtype.is_quantized();
+    let ours_kernel = ours_quantized
+        && !s.device.is_cuda()
+        && !matches!(
+            s.mixed_precision,
+            MixedPrecision::Fp16 | MixedPrecision::FullFp16
+        );
     let tile = |params: f64| {
-        params.min(OURS_QLINEAR_TILE_ELEMENTS as f64) * if c.e < 4.0 { 4.0 + c.e } else { 4.0 }
+        params.min(OURS_QLINEAR_TILE_ELEMENTS as f64)
+            * if !ours_kernel {
+                ours_dequant_bytes_per_weight(s.base_dtype, c.e)
+            } else if c.e < 4.0 {
+                4.0 + c.e
+            } else {
+                4.0
+            }
     };
-    // (the fused loss multiplies a quantized head the same way, chunk by chunk)
-    let head_dq = if ours_tiled {
+    // The fused loss multiplies a quantized head through the CPU kernel chunk by chunk; without
+    // the kernel it dequantizes the head whole under no-grad and holds it through the chunks
+    // (`lora_models::llama::Llama::loss`).
+    let head_dq = if ours_kernel {
         tile(head_quantized)
     } else {
         dequant(head_quantized)
     };
-    let layer_dq = if ours_tiled {
+    let layer_dq = if ours_quantized {
         tile(largest_linear)
     } else {
         dequant(largest_linear)
     };
-    // On CUDA this SDK's quantized linears multiply by the dequantized weight with an ordinary
-    // matmul, so autograd keeps that dense weight (compute dtype) for the input gradient: every
-    // layer linear the forward ran with grad — all of them without checkpointing, the recomputed
-    // layer's with it. (There the fused loss dequantizes a quantized head under no-grad and holds
-    // it through the chunks: `head_dq`, the two copies of its decode, covers it.)
-    // AutoGPTQ's dequantize path multiplies with `torch.matmul(x, weights)` too, so autograd keeps
-    // its fp16 `weights` the same way (bitsandbytes' `MatMul4Bit` dequantizes again instead).
-    let kept_dense =
-        if (s.profile.framework == Framework::Ours && s.base_dtype.is_quantized() && !ours_tiled)
-            || gptq_dequantize
-        {
-            c.e * if s.gradient_checkpointing {
-                linear / layers.max(1.0)
-            } else {
-                linear
-            }
+    // AutoGPTQ's dequantize path multiplies with `torch.matmul(x, weights)`, so autograd keeps
+    // its fp16 `weights` (compute dtype) for the input gradient: every layer linear the forward
+    // ran with grad — all of them without checkpointing, the recomputed layer's with it
+    // (bitsandbytes' `MatMul4Bit` and this SDK's tiled linears decode again instead).
+    let kept_dense = if gptq_dequantize {
+        c.e * if s.gradient_checkpointing {
+            linear / layers.max(1.0)
         } else {
-            0.0
-        };
+            linear
+        }
+    } else {
+        0.0
+    };
     if kept_dense > 0.0 {
         notes.push(format!(
-            "activations include {:.2} GB of dequantized weights {} keeps for the backward pass ({}); {}",
+            "activations include {:.2} GB of dequantized weights AutoGPTQ's training path keeps \
+             for the backward pass ({}); {}",
             kept_dense / 1e9,
-            if gptq_dequantize {
-                "AutoGPTQ's training path"
-            } else {
-                "this trainer (on CUDA)"
-            },
             if s.gradient_checkpointing {
                 "one layer's, with gradient checkpointing"
             } else {
@@ -2305,25 +2344,38 @@ mod tests {
     }
 
     #[test]
-    fn this_sdks_quantized_linears_keep_no_dense_weight_on_the_cpu() {
+    fn this_sdks_quantized_linears_keep_no_dense_weight() {
         let m = ModelDescriptor::preset("Llama-2-7B").unwrap();
-        let ModelDescriptor::Decoder(d) = &m else {
-            panic!()
-        };
-        let s = Settings::default().with_base_dtype(BaseDtype::Q4_0);
-        let cuda = estimate(&m, &s).unwrap();
-        let cpu = estimate(&m, &s.clone().with_device(Device::cpu())).unwrap();
-        // on CUDA autograd keeps every layer linear's dense bf16 weight (no checkpointing); the
-        // CPU kernel decodes one tile of at most 1 Mi weights at a time instead
-        let kept = 2.0 * d.layer_linear_params() as f64;
-        let diff = cuda.peak_allocated.as_f64() - cpu.peak_allocated.as_f64();
-        // (plus at most the CUDA decode of the largest linear, 2 copies of 2 B per weight,
-        // depending on which backward phase is the peak)
-        let cuda_transient = 2.0 * 2.0 * 4096.0 * 11008.0;
-        assert!(
-            diff >= kept && diff <= kept + cuda_transient,
-            "{diff} vs {kept} + ≤ {cuda_transient}"
-        );
+        let q4 = Settings::default().with_base_dtype(BaseDtype::Q4_0);
+        let bf16 = Settings::default().with_base_dtype(BaseDtype::Bf16);
+        assert!(q4.device.is_cuda());
+        // On CUDA (tensor-op decode, 4.25 B per weight for a bf16 Q4_0 tile) and on the CPU (the
+        // kernel: an f32 tile and its bf16 copy, 6 B per weight), the activations of a Q4_0 base
+        // exceed a bf16 base's by one tile's decode at most — not by the 2 B per weight of every
+        // layer linear (13 GB for Llama-2-7B) that a dense copy kept for the backward would cost.
+        let tile = OURS_QLINEAR_TILE_ELEMENTS as f64;
+        for (device, per_weight) in [
+            (
+                q4.device,
+                ours_dequant_bytes_per_weight(BaseDtype::Q4_0, 2.0),
+            ),
+            (Device::cpu(), 6.0),
+        ] {
+            let q = estimate(&m, &q4.clone().with_device(device)).unwrap();
+            let d = estimate(&m, &bf16.clone().with_device(device)).unwrap();
+            let diff = q.breakdown.activations.as_f64() - d.breakdown.activations.as_f64();
+            assert!(
+                (0.0..=tile * per_weight).contains(&diff),
+                "{device:?}: {diff} vs ≤ {}",
+                tile * per_weight
+            );
+            assert!(
+                !q.notes.iter().any(|n| n.contains("dequantized weights")),
+                "{:?}",
+                q.notes
+            );
+        }
+        assert_eq!(ours_dequant_bytes_per_weight(BaseDtype::Q4_0, 2.0), 4.25);
     }
 
     #[test]

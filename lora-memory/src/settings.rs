@@ -387,7 +387,7 @@ impl GptqKernel {
 ///
 /// | profile | describes | checked on |
 /// |---|---|---|
-/// | [`Profile::ours`] | this SDK's trainer (fused chunked LM head + loss, fp32 adapters and optimizer states, chunked AdamW; quantized linears: the tiled kernel on the CPU, which keeps no dense weight, and on CUDA a matmul by the dequantized weight, which autograd keeps) | lora-train's measured-plan tests (counting allocator: dense and quantized SmolLM2, the SD runs) |
+/// | [`Profile::ours`] | this SDK's trainer (fused chunked LM head + loss, fp32 adapters and optimizer states, chunked AdamW; quantized linears computed one tile of ≤ 1 Mi weights at a time, none kept dense for the backward: the shim's kernel on the CPU, tensor-op decodes on CUDA) | lora-train's measured-plan tests (counting allocator: dense and quantized SmolLM2, the SD runs) |
 /// | [`Profile::peft_transformers`] | PEFT ≥ 0.12 with transformers ≥ 4.45 (fp32 logits upcast inside the loss, `repeat_kv`, foreach AdamW on CUDA); a bitsandbytes base prepared by `prepare_model_for_kbit_training` (TRL's `SFTTrainer`) | P1–P5 (PEFT MetaMathQA), `cpu-*` (PUBLIC.md CPU table), Q4/Q4q (Qwen), S1 (PEFT DreamBooth, with `zero_grad_keeps_buffers` for torch < 2.0), the Unsloth HF+FA2 boundary cases |
 /// | `legacy_fp32_logits` | transformers < 4.45 (`.float()` logits and the shifted copy) | T1–T4, F1 |
 /// | [`Profile::bitsandbytes_old`] | bitsandbytes < 0.43.2 (`MatMul4Bit` saves the input of every 4-bit linear) | F1 (bitsandbytes 0.43.0) |
