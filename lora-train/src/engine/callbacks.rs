@@ -44,6 +44,11 @@ pub struct MemSnapshot {
     pub cuda_allocated_bytes: Option<u64>,
     /// CUDA peak allocated bytes since the run started, if on CUDA.
     pub cuda_peak_bytes: Option<u64>,
+    /// CUDA peak reserved bytes since the run started (the caching allocator's segments,
+    /// `torch.cuda.max_memory_reserved`), if on CUDA (`null` on the CPU; missing in metrics files
+    /// written before it existed, read as `None`).
+    #[serde(default)]
+    pub cuda_peak_reserved_bytes: Option<u64>,
 }
 
 impl MemSnapshot {
