@@ -357,4 +357,28 @@ mod tests {
             Control::Continue
         );
     }
+
+    #[test]
+    fn mem_snapshot_carries_the_reserved_peak_and_reads_older_lines() {
+        let m = MemSnapshot {
+            cuda_allocated_bytes: Some(10),
+            cuda_peak_bytes: Some(30),
+            cuda_peak_reserved_bytes: Some(64),
+            ..Default::default()
+        };
+        let v = serde_json::to_value(m).unwrap();
+        assert_eq!(v["cuda_peak_reserved_bytes"], 64);
+        assert_eq!(v["cuda_peak_bytes"], 30);
+        assert_eq!(serde_json::from_value::<MemSnapshot>(v).unwrap(), m);
+        // a CPU snapshot writes null
+        let v = serde_json::to_value(MemSnapshot::default()).unwrap();
+        assert!(v["cuda_peak_reserved_bytes"].is_null(), "{v}");
+        // a metrics line written before the field existed
+        let old = r#"{"cpu_current_bytes":1,"cpu_peak_bytes":2,"cuda_allocated_bytes":3,"cuda_peak_bytes":4}"#;
+        let m: MemSnapshot = serde_json::from_str(old).unwrap();
+        assert_eq!(
+            (m.cuda_peak_bytes, m.cuda_peak_reserved_bytes),
+            (Some(4), None)
+        );
+    }
 }
