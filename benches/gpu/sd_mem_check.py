@@ -23,11 +23,57 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(HERE, "sd_mem_configs.json")
 
 
-def one(run_id, out_path):
+def lora_unet(unet, rank, checkpointing):
+    """The script's UNet setup: frozen base, PEFT LoRA r=alpha=`rank` (gaussian init) on
+    to_q/to_k/to_v/to_out.0, the trainable parameters cast to fp32, train mode. Returns them."""
+    from peft import LoraConfig
+
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    params = [p for p in unet.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    return params
+
+
+def ddpm():
+    """SD's training noise schedule (scaled_linear 0.00085-0.012, 1000 steps)."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                         beta_schedule="scaled_linear")
+
+
+def train_step(unet, sched, opt, latents, ehs, dtype, added=None, params=None, max_grad_norm=0.0):
+    """One optimizer step on cached latents [b, 4, h/8, w/8] and text states [b, 77, d]: DDPM
+    noising at uniform timesteps, autocast in `dtype` (none for fp32), epsilon MSE in fp32,
+    backward, optional clipping of `params` by global norm, AdamW step, zero_grad(set_to_none).
+    Returns the loss (a tensor on the device: reading it synchronises)."""
     import torch
     import torch.nn.functional as F
-    from diffusers import DDPMScheduler, UNet2DConditionModel
-    from peft import LoraConfig
+
+    dev = latents.device
+    noise = torch.randn_like(latents)
+    t = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), device=dev).long()
+    noisy = sched.add_noise(latents, noise, t)
+    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+        pred = unet(noisy, t, ehs, added_cond_kwargs=added, return_dict=False)[0]
+    loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
+    loss.backward()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def one(run_id, out_path):
+    import torch
+    from diffusers import UNet2DConditionModel
 
     spec = json.load(open(SPEC))
     run = next(r for r in spec["runs"] + spec.get("smoke", []) if r["id"] == run_id)
@@ -40,18 +86,9 @@ def one(run_id, out_path):
     with torch.device(dev):
         unet = UNet2DConditionModel(**cfg)
     torch.set_default_dtype(torch.float32)
-    unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=run["rank"], lora_alpha=run["rank"], init_lora_weights="gaussian",
-                                target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
-    params = [p for p in unet.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    if run["checkpointing"]:
-        unet.enable_gradient_checkpointing()
-    unet.train()
+    params = lora_unet(unet, run["rank"], run["checkpointing"])
     opt = torch.optim.AdamW(params, lr=1e-4)
-    sched = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                          beta_schedule="scaled_linear")
+    sched = ddpm()
     b, lat = run["batch"], run["res"] // 8
     ctx_dim = cfg["cross_attention_dim"]
     added = None
@@ -69,15 +106,7 @@ def one(run_id, out_path):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     for _ in range(3):
-        noise = torch.randn_like(latents)
-        t = torch.randint(0, 1000, (b,), device=dev).long()
-        noisy = sched.add_noise(latents, noise, t)
-        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-            pred = unet(noisy, t, ehs, added_cond_kwargs=added, return_dict=False)[0]
-        loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(unet, sched, opt, latents, ehs, dtype, added)
     res = dict(run, trainable_params=trainable, loss=float(loss), seconds=time.time() - t0,
                torch=torch.__version__)
     if cuda:

@@ -85,6 +85,65 @@ class TinyModels(unittest.TestCase):
         out = unet(torch.randn(1, 4, s, s), 10, encoder_hidden_states=torch.randn(1, 7, spec["cross_attention_dim"])).sample
         self.assertEqual(tuple(out.shape), (1, 4, s, s))
 
+    def test_sd_pipeline_loads_in_diffusers_and_encodes_a_prompt(self):
+        import torch
+        from diffusers import StableDiffusionPipeline
+
+        folder = os.path.join(self.out, "tiny-sd")
+        for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+            self.assertTrue(os.path.isdir(os.path.join(folder, part)), part)
+        from safetensors import safe_open
+
+        for part, f in (("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")):
+            with safe_open(os.path.join(folder, part, f + ".safetensors"), "pt") as h:
+                self.assertEqual({h.get_slice(k).get_dtype() for k in h.keys()}, {"F16"}, part)
+        pipe = StableDiffusionPipeline.from_pretrained(folder)
+        # the tiny configs of lora-train's SD test fixture
+        mp = make_models.sd_fixture_module()
+        self.assertEqual(list(pipe.unet.config.block_out_channels), list(mp.UNET["block_out_channels"]))
+        self.assertEqual(list(pipe.vae.config.block_out_channels), list(mp.VAE["block_out_channels"]))
+        ids = pipe.tokenizer(["shapes, red circle"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+        self.assertEqual(ids[0, 0].item(), pipe.tokenizer.bos_token_id)
+        states = pipe.text_encoder.float()(ids)[0]
+        self.assertEqual(tuple(states.shape), (1, 77, pipe.unet.config.cross_attention_dim))
+        self.assertTrue(torch.isfinite(states).all().item())
+
+    def test_images_are_a_kohya_folder_with_captions(self):
+        from PIL import Image
+
+        n, side = make_models.IMAGES["tiny-images"]
+        d = os.path.join(self.out, "tiny-images", "1_shapes")
+        pngs = sorted(f for f in os.listdir(d) if f.endswith(".png"))
+        self.assertEqual(len(pngs), n)
+        for f in pngs:
+            img = Image.open(os.path.join(d, f))
+            self.assertEqual((img.size, img.mode), ((side, side), "RGB"))
+            cap = open(os.path.join(d, f[:-4] + ".txt")).read()
+            self.assertTrue(cap.startswith("shapes, "), cap)
+            words = cap.strip().split(", ")[1:]
+            self.assertTrue(words and all(w.split()[0] in make_models.COLOURS and w.split()[1] in make_models.SHAPES for w in words), cap)
+        # not one flat colour: shapes and gradient differ across the image
+        import numpy as np
+
+        a = np.asarray(Image.open(os.path.join(d, pngs[0]))).astype(np.float32)
+        self.assertGreater(a.std(), 10.0)
+
+    def test_sd15_shapes_give_the_published_parameter_counts(self):
+        # Counted on the meta device. Published (stable-diffusion-v1-5): UNet 859.52 M,
+        # VAE 83.65 M, CLIP ViT-L/14 text encoder 123.06 M.
+        import torch
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        spec = make_models.PIPELINES["sd15"]
+        with torch.device("meta"):
+            unet = UNet2DConditionModel(**make_models.UNETS[spec["unet"]])
+            vae = AutoencoderKL(**spec["vae"])
+            te = CLIPTextModel(CLIPTextConfig(hidden_act="quick_gelu", **spec["text"]))
+        for m, millions in ((unet, 859.52), (vae, 83.65), (te, 123.06)):
+            n = sum(p.numel() for p in m.parameters()) / 1e6
+            self.assertAlmostEqual(n, millions, delta=0.05, msg=type(m).__name__)
+
     def test_second_run_keeps_the_folders(self):
         weights = os.path.join(self.out, "tiny-llama", "model.safetensors")
         before = os.stat(weights).st_mtime_ns

@@ -45,8 +45,9 @@ const SIZE_GOAL_BYTES: u64 = 50 * 1024 * 1024;
 /// The rpath of the bundled binary: `bin/../libtorch/lib`, a libtorch placed beside the bundle.
 const BUNDLE_RPATH: &str = "$ORIGIN/../libtorch/lib";
 
-/// Files of the repository copied into the bundle, as (source, destination in the bundle).
-const BENCH_FILES: [&str; 8] = [
+/// Files of the repository copied into the bundle's `benches/gpu/` (by file name). The SD test
+/// fixture's builders go too: make_models.py builds its SD pipelines with them.
+const BENCH_FILES: [&str; 11] = [
     "benches/gpu/run.sh",
     "benches/gpu/run_parts.py",
     "benches/gpu/make_models.py",
@@ -55,6 +56,9 @@ const BENCH_FILES: [&str; 8] = [
     "benches/gpu/mem_configs.json",
     "benches/gpu/sd_mem_check.py",
     "benches/gpu/sd_mem_configs.json",
+    "benches/gpu/sd_side.py",
+    "lora-train/tests/sd_interop/make_pipeline.py",
+    "lora-models/tests/interop/sd_clip.py",
 ];
 
 struct Options {

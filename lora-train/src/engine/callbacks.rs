@@ -44,6 +44,11 @@ pub struct MemSnapshot {
     pub cuda_allocated_bytes: Option<u64>,
     /// CUDA peak allocated bytes since the run started, if on CUDA.
     pub cuda_peak_bytes: Option<u64>,
+    /// CUDA peak reserved bytes since the run started (the caching allocator's segments,
+    /// `torch.cuda.max_memory_reserved`), if on CUDA (`null` on the CPU; missing in metrics files
+    /// written before it existed, read as `None`).
+    #[serde(default)]
+    pub cuda_peak_reserved_bytes: Option<u64>,
 }
 
 impl MemSnapshot {
@@ -350,6 +355,30 @@ mod tests {
         assert_eq!(
             Control::Continue.merge(Control::Continue),
             Control::Continue
+        );
+    }
+
+    #[test]
+    fn mem_snapshot_carries_the_reserved_peak_and_reads_older_lines() {
+        let m = MemSnapshot {
+            cuda_allocated_bytes: Some(10),
+            cuda_peak_bytes: Some(30),
+            cuda_peak_reserved_bytes: Some(64),
+            ..Default::default()
+        };
+        let v = serde_json::to_value(m).unwrap();
+        assert_eq!(v["cuda_peak_reserved_bytes"], 64);
+        assert_eq!(v["cuda_peak_bytes"], 30);
+        assert_eq!(serde_json::from_value::<MemSnapshot>(v).unwrap(), m);
+        // a CPU snapshot writes null
+        let v = serde_json::to_value(MemSnapshot::default()).unwrap();
+        assert!(v["cuda_peak_reserved_bytes"].is_null(), "{v}");
+        // a metrics line written before the field existed
+        let old = r#"{"cpu_current_bytes":1,"cpu_peak_bytes":2,"cuda_allocated_bytes":3,"cuda_peak_bytes":4}"#;
+        let m: MemSnapshot = serde_json::from_str(old).unwrap();
+        assert_eq!(
+            (m.cuda_peak_bytes, m.cuda_peak_reserved_bytes),
+            (Some(4), None)
         );
     }
 }

@@ -386,6 +386,7 @@ fn mem_snapshot(device: Device, track_cpu: bool) -> MemSnapshot {
     {
         m.cuda_allocated_bytes = Some(s.allocated_bytes);
         m.cuda_peak_bytes = Some(s.peak_allocated_bytes);
+        m.cuda_peak_reserved_bytes = Some(s.peak_reserved_bytes);
     }
     m
 }

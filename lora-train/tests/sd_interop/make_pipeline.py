@@ -109,34 +109,29 @@ def tokenizer(out):
     return tok
 
 
-def pipeline(out):
+def pipeline(out, unet=UNET, vae=VAE, text=None, folder="pipeline", jitter=0.05, dtype=None):
+    """Writes `<out>/<folder>` (diffusers `StableDiffusionPipeline.save_pretrained`) from the UNet and
+    VAE configs and the text-encoder config keys `text` (over `clip_config`'s tiny defaults); every
+    parameter moved by N(0, jitter) (None: the default init as it is), saved in `dtype` (None: fp32).
+    The defaults are this fixture's tiny pipeline; `benches/gpu/make_models.py` passes SD 1.5's shapes."""
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     tok = tokenizer(out)
-    te = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            hidden_act="quick_gelu",
-        )
-    )
-    unet = UNet2DConditionModel(**UNET)
-    vae = AutoencoderKL(**VAE)
-    with torch.no_grad():
-        # default init leaves norms at 1 / 0; move every parameter a little
+    te = CLIPTextModel(clip_config(tok, hidden_act="quick_gelu", **(text or {})))
+    unet = UNet2DConditionModel(**unet)
+    vae = AutoencoderKL(**vae)
+    if jitter:
+        with torch.no_grad():
+            # default init leaves norms at 1 / 0; move every parameter a little
+            for m in (unet, vae, te):
+                for p in m.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * jitter)
+    if dtype is not None:
         for m in (unet, vae, te):
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            m.to(dtype)
     sched = DDPMScheduler(
         num_train_timesteps=1000,
         beta_start=0.00085,
@@ -156,7 +151,7 @@ def pipeline(out):
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    pipe.save_pretrained(os.path.join(out, "pipeline"), safe_serialization=True)
+    pipe.save_pretrained(os.path.join(out, folder), safe_serialization=True)
 
 
 UNET_XL = dict(
@@ -179,9 +174,10 @@ UNET_XL = dict(
 
 
 def clip_config(tok, **kw):
+    """A CLIP text config for `tok`: hidden 32, 2 layers, 4 heads, 77 positions; `kw` overrides."""
     from transformers import CLIPTextConfig
 
-    return CLIPTextConfig(
+    keys = dict(
         vocab_size=len(tok),
         hidden_size=32,
         intermediate_size=64,
@@ -191,8 +187,9 @@ def clip_config(tok, **kw):
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **kw,
     )
+    keys.update(kw)
+    return CLIPTextConfig(**keys)
 
 
 def pipeline_xl(out):
