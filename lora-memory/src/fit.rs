@@ -95,7 +95,22 @@ fn halve_batch(s: &Settings) -> Option<(Settings, String, String, String)> {
 }
 
 fn mixed_precision(s: &Settings) -> Option<(Settings, String, String, String)> {
-    if s.base_dtype.is_quantized() && s.quantized_compute_f32 {
+    if s.base_dtype.is_quantized()
+        && s.quantized_compute_f32
+        && s.quantized_compute_f32_only
+        && s.mixed_precision == MixedPrecision::No
+    {
+        // the trainer keeps the base's other weights in fp32: autocast the matmuls only
+        let mut n = s.clone();
+        n.mixed_precision = MixedPrecision::Bf16;
+        return Some((
+            n,
+            format!("{} base, no mixed precision", s.base_dtype.name()),
+            format!("{} base, bf16 mixed precision", s.base_dtype.name()),
+            "bf16 autocast halves most activations".into(),
+        ));
+    }
+    if s.base_dtype.is_quantized() && s.quantized_compute_f32 && !s.quantized_compute_f32_only {
         // a quantized base dequantized to fp32: dequantize to bf16 and compute in bf16
         let mut n = s.clone();
         n.quantized_compute_f32 = false;
@@ -214,8 +229,8 @@ fn quantize(s: &Settings) -> Option<(Settings, String, String, String)> {
     }
     let mut n = s.clone();
     n.base_dtype = BaseDtype::Nf4 { double_quant: true };
-    // QLoRA computes in 16 bit
-    n.quantized_compute_f32 = false;
+    // QLoRA computes in 16 bit, unless the trainer holds the other weights in fp32
+    n.quantized_compute_f32 = s.quantized_compute_f32_only;
     if n.mixed_precision == MixedPrecision::No {
         n.mixed_precision = MixedPrecision::Bf16;
     }
@@ -782,6 +797,41 @@ mod tests {
         let s = Settings::default().with_micro_batch(1_000_000_000);
         let (n, _, _, _) = halve_batch(&s).unwrap();
         assert_eq!(n.effective_batch(), 1_000_000_000);
+    }
+
+    #[test]
+    fn a_trainer_holding_fp32_beside_a_quantized_base_is_offered_autocast_only() {
+        let m = ModelDescriptor::preset("Llama-3.1-8B").unwrap();
+        let s = Settings::default()
+            .with_quantized_compute_f32_only(true)
+            .with_gradient_checkpointing(true);
+        // from a dense fp32 base: the NF4 rung keeps fp32 compute
+        let f = fit(&m, &s, Bytes(12 * GIB)).unwrap();
+        assert!(f.settings.base_dtype.is_quantized(), "{:?}", f.changes);
+        assert!(f.settings.quantized_compute_f32, "{:?}", f.changes);
+        // an NF4 base computing in fp32 is offered bf16 autocast, not 16-bit weights
+        let s = s
+            .with_base_dtype(BaseDtype::Nf4 { double_quant: true })
+            .with_quantized_compute_f32(true);
+        // the smallest budget the autocast run fits (to 1 MiB), which this one does not
+        let fits = |s: &Settings, b: u64| {
+            Check::new(&estimate(&m, s).unwrap(), Bytes(b), Bytes::ZERO).fits()
+        };
+        let autocast = s.clone().with_mixed_precision(MixedPrecision::Bf16);
+        let (mut lo, mut hi) = (0u64, 64 * GIB);
+        while hi - lo > 1 << 20 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(&autocast, mid) {
+                hi = mid
+            } else {
+                lo = mid
+            }
+        }
+        assert!(!fits(&s, hi));
+        let f = fit(&m, &s, Bytes(hi)).unwrap();
+        assert_eq!(f.changes[0].setting, "mixed_precision", "{:?}", f.changes);
+        assert!(f.settings.quantized_compute_f32);
+        assert_eq!(f.settings.mixed_precision, MixedPrecision::Bf16);
     }
 
     #[test]

@@ -593,6 +593,12 @@ pub struct Settings {
     /// CPU default). `false`: 16-bit compute (bitsandbytes' `bnb_4bit_compute_dtype`). No
     /// effect on a dense base.
     pub quantized_compute_f32: bool,
+    /// The trainer cannot hold a quantized base's other weights in 16 bit: they stay fp32
+    /// whatever is asked (this SDK's LLaMA-family loader keeping blocks quantized,
+    /// lora-models `WeightMode::KeepQuantized`), so [`crate::fit`] keeps
+    /// [`Settings::quantized_compute_f32`] on instead of proposing 16-bit compute. Default
+    /// `false`.
+    pub quantized_compute_f32_only: bool,
     /// Device.
     pub device: Device,
     /// Reference framework.
@@ -647,6 +653,7 @@ impl Default for Settings {
             modules_to_save: Vec::new(),
             quantize_lm_head: false,
             quantized_compute_f32: false,
+            quantized_compute_f32_only: false,
             device: Device::cuda(),
             profile: Profile::ours(),
             world_size: 1,
@@ -719,6 +726,8 @@ impl Settings {
         with_quantize_lm_head, quantize_lm_head: bool);
     setter!(/// Sets `quantized_compute_f32`.
         with_quantized_compute_f32, quantized_compute_f32: bool);
+    setter!(/// Sets `quantized_compute_f32_only`.
+        with_quantized_compute_f32_only, quantized_compute_f32_only: bool);
     setter!(/// Sets `device`.
         with_device, device: Device);
     setter!(/// Sets `profile`.

@@ -468,7 +468,12 @@ pub fn settings_for(
         .with_gradient_checkpointing(cfg.train.gradient_checkpointing)
         .with_optimizer(optimizer)
         .with_device(if cuda { Device::cuda() } else { Device::cpu() })
-        .with_quantized_compute_f32(cfg.model.dtype == Dtype::F32);
+        // a base kept quantized holds its other weights (embedding, norms, head) in fp32
+        // whatever `model.dtype` says (lora-models `WeightMode::KeepQuantized`)
+        .with_quantized_compute_f32(
+            cfg.model.dtype == Dtype::F32 || cfg.model.weights == BaseWeights::Quantized,
+        )
+        .with_quantized_compute_f32_only(true);
     if let Some([w, h]) = cfg.data.resolution {
         s = s.with_resolution(w.max(h));
     }

@@ -247,6 +247,8 @@ pub fn settings_for(
             s.base_dtype.name()
         ));
     }
+    // the FLUX loader holds the non-quantized weights in `model.dtype`
+    s.quantized_compute_f32_only = false;
     if s.base_dtype.is_quantized() {
         // FLUX computes in 16 bit over a float8 / block-quantized base (one layer decoded at a
         // time); fp32 compute only when asked for on the CPU
