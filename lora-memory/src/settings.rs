@@ -595,7 +595,7 @@ pub struct Settings {
     pub quantized_compute_f32: bool,
     /// The trainer cannot hold a quantized base's other weights in 16 bit: they stay fp32
     /// whatever is asked (this SDK's LLaMA-family loader keeping blocks quantized,
-    /// lora-models `WeightMode::KeepQuantized`), so [`crate::fit`] keeps
+    /// lora-models `WeightMode::KeepQuantized`), so [`crate::fit()`] keeps
     /// [`Settings::quantized_compute_f32`] on instead of proposing 16-bit compute. Default
     /// `false`.
     pub quantized_compute_f32_only: bool,
