@@ -163,21 +163,116 @@ impl LoraLinear {
                 &|xd, w| xd.f_linear::<Tensor>(w, None),
             )?
         };
-        match &self.bias {
-            None => Ok(y),
-            Some(b) => {
-                let b = if b.kind() == y.kind() {
-                    b.shallow_clone()
-                } else {
-                    b.f_to_kind(y.kind()).ctx(ctx)?
-                };
-                y.f_add(&b).ctx(ctx)
-            }
+        self.add_bias(y).ctx(ctx)
+    }
+
+    /// [`LoraLinear::forward_from_base`] of sibling layers that read the same input `x`, given
+    /// their frozen products side by side: `base_out` `[..., Σ outᵢ]` (e.g. one GEMM over the
+    /// siblings' stacked weights, q/k/v or gate/up) → each site's output `[..., outᵢ]` in site
+    /// order, as each site's own forward would give.
+    ///
+    /// When every site holds exactly one active plain LoRA adapter (no DoRA, dropout off or not
+    /// training) in `x`'s dtype, the branches are computed together as well:
+    /// `h = x·[A₁; …; Aₙ]ᵀ`, each rank row scaled by its site's scaling, and
+    /// `y = base_out + h·blockdiag(B₁, …, Bₙ)ᵀ` in one `addmm` — two GEMMs forward and four
+    /// backward for the group instead of two and four per site. The function is PEFT's
+    /// `base(x) + B(A(x))·scaling` for each site (`peft/tuners/lora/layer.py::Linear.forward`);
+    /// the block-diagonal product adds exact zeros outside each site's block. Otherwise each site
+    /// adds its own branches ([`LoraLinear::forward_from_base`] on its slice). The outputs are
+    /// views of one `[..., Σ outᵢ]` tensor when fused (each contiguous along its last dimension).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `base_out`'s last dimension is not the sum of the sites' output
+    /// features or the sites' input features differ; [`Error::Torch`] when an op fails.
+    pub fn forward_siblings(
+        sites: &[&LoraLinear],
+        x: &Tensor,
+        base_out: Tensor,
+        train: bool,
+    ) -> Result<Vec<Tensor>> {
+        let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
+        let total: i64 = outs.iter().sum();
+        let size = base_out.size();
+        if size.last() != Some(&total)
+            || sites
+                .windows(2)
+                .any(|w| w[0].in_features() != w[1].in_features())
+        {
+            return Err(Error::Shape {
+                key: "sibling linears' frozen products".into(),
+                expected: vec![-1, total],
+                found: size,
+            });
         }
+        let ctx = || format!("sibling linears {outs:?} forward on input {:?}", x.size());
+        let single: Option<Vec<&Adapter>> = sites
+            .iter()
+            .map(|s| {
+                let mut active = s.adapters.iter().filter(|a| a.in_branch());
+                match (active.next(), active.next()) {
+                    (Some(a), None)
+                        if s.plain_branches(x, &base_out) && !(train && a.spec.dropout > 0.0) =>
+                    {
+                        Some(a)
+                    }
+                    _ => None,
+                }
+            })
+            .collect();
+        let Some(adapters) = single.filter(|a| a.len() > 1) else {
+            let parts = base_out.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
+            return sites
+                .iter()
+                .zip(parts)
+                .map(|(s, b)| s.forward_from_base(x, b, train))
+                .collect();
+        };
+        let y = (|| -> std::result::Result<Tensor, tch::TchError> {
+            let a: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_a).collect();
+            let b: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_b).collect();
+            let ranks: Vec<i64> = a.iter().map(|t| t.size()[0]).collect();
+            let rank_total: i64 = ranks.iter().sum();
+            let h = x.f_linear::<Tensor>(&Tensor::f_cat(&a, 0)?, None)?;
+            let scales: Vec<f64> = adapters.iter().map(|a| a.effective_scale()).collect();
+            let h = if scales.windows(2).all(|w| w[0] == w[1]) {
+                h.f_mul_scalar(scales[0])?
+            } else {
+                let per_row: Vec<f64> = scales
+                    .iter()
+                    .zip(&ranks)
+                    .flat_map(|(&s, &r)| std::iter::repeat_n(s, r as usize))
+                    .collect();
+                let per_row = Tensor::f_from_slice(&per_row)?
+                    .f_to_kind(h.kind())?
+                    .f_to_device(h.device())?;
+                h.f_mul(&per_row)?
+            };
+            let b = Tensor::f_block_diag(&b)?;
+            base_out
+                .f_reshape([-1, total])?
+                .f_addmm(&h.f_reshape([-1, rank_total])?, &b.f_tr()?)?
+                .f_reshape(size.as_slice())
+        })()
+        .ctx(ctx)?;
+        let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
+        sites
+            .iter()
+            .zip(parts)
+            .map(|(s, p)| s.add_bias(p).ctx(ctx))
+            .collect()
     }
 }
 
 impl LoraLinear {
+    /// `y + b` with the frozen bias cast to `y`'s dtype; `y` unchanged without a bias.
+    fn add_bias(&self, y: Tensor) -> std::result::Result<Tensor, tch::TchError> {
+        match &self.bias {
+            None => Ok(y),
+            Some(b) if b.kind() == y.kind() => y.f_add(b),
+            Some(b) => y.f_add(&b.f_to_kind(y.kind())?),
+        }
+    }
+
     /// True when every active adapter is plain LoRA (no DoRA magnitude) in the dtype of `x` and of
     /// the base output, so [`Self::add_plain_branches`] gives the same function as the general path.
     fn plain_branches(&self, x: &Tensor, base_out: &Tensor) -> bool {

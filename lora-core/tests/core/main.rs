@@ -2,7 +2,8 @@
 //! file formats ([`formats`]), PEFT interoperability through the real `peft` package
 //! ([`interop_peft`]), the LoRA layers' invariants over every site kind and option
 //! ([`invariants`]), the tiled quantized linear ([`qlinear`]) and the quantized kinds against the
-//! `gguf` package, llama.cpp's quantizer and PyTorch's fp8 cast ([`quant_interop`]).
+//! `gguf` package, llama.cpp's quantizer and PyTorch's fp8 cast ([`quant_interop`]), and sibling
+//! linears computed together ([`siblings`]).
 
 mod common;
 mod formats;
@@ -10,3 +11,4 @@ mod interop_peft;
 mod invariants;
 mod qlinear;
 mod quant_interop;
+mod siblings;

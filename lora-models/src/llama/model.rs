@@ -158,18 +158,7 @@ impl Attention {
             Ok(t.f_transpose(1, 2)?)
         };
         let sites = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let [q, k, v] = match fused_products(self.qkv.as_ref(), &sites, x)? {
-            Some([qb, kb, vb]) => [
-                self.q_proj.forward_from_base(x, qb, train)?,
-                self.k_proj.forward_from_base(x, kb, train)?,
-                self.v_proj.forward_from_base(x, vb, train)?,
-            ],
-            None => [
-                self.q_proj.forward_t(x, train)?,
-                self.k_proj.forward_t(x, train)?,
-                self.v_proj.forward_t(x, train)?,
-            ],
-        };
+        let [q, k, v] = sibling_forward(self.qkv.as_ref(), &sites, x, train)?;
         let q = heads(q, self.n_head, &self.q_norm)?;
         let k = heads(k, self.n_kv, &self.k_norm)?;
         let v = heads(v, self.n_kv, &None)?;
@@ -238,16 +227,7 @@ struct Mlp {
 impl Mlp {
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let sites = [&self.gate_proj, &self.up_proj];
-        let [g, u] = match fused_products(self.gate_up.as_ref(), &sites, x)? {
-            Some([gb, ub]) => [
-                self.gate_proj.forward_from_base(x, gb, train)?,
-                self.up_proj.forward_from_base(x, ub, train)?,
-            ],
-            None => [
-                self.gate_proj.forward_t(x, train)?,
-                self.up_proj.forward_t(x, train)?,
-            ],
-        };
+        let [g, u] = sibling_forward(self.gate_up.as_ref(), &sites, x, train)?;
         Ok(self.down_proj.forward_t(&g.f_silu()?.f_mul(&u)?, train)?)
     }
 }
@@ -284,23 +264,22 @@ fn fuse_bases(bases: Vec<BaseWeight>) -> Result<(Vec<BaseWeight>, Option<Tensor>
     Ok((views, Some(fused)))
 }
 
-/// The frozen products `x·Wᵢᵀ` of sibling sites in one GEMM with their `fused` weight, split
-/// into views `[..., outᵢ]`; `None` (each site then multiplies on its own) unless every site's
-/// base is still the view of `fused` that [`fuse_bases`] made — a base replaced since (merged
-/// into a new tensor, moved, quantized) takes the plain path.
+/// The frozen products `x·Wᵢᵀ` of sibling sites in one GEMM with their `fused` weight,
+/// side by side `[..., Σ outᵢ]`; `None` (each site then multiplies on its own) unless every
+/// site's base is still the view of `fused` that [`fuse_bases`] made — a base replaced since
+/// (merged into a new tensor, moved, quantized) takes the plain path.
 fn fused_products<const N: usize>(
     fused: Option<&Tensor>,
     sites: &[&Site<LoraLinear>; N],
     x: &Tensor,
-) -> Result<Option<[Tensor; N]>> {
+) -> Result<Option<Tensor>> {
     let Some(f) = fused else {
         return Ok(None);
     };
     let row_bytes = f.size()[1] as usize * f.kind().elt_size_in_bytes();
     let base = f.data_ptr() as usize;
     let mut at = 0usize;
-    let mut sizes = [0i64; N];
-    for (i, s) in sites.iter().enumerate() {
+    for s in sites {
         let BaseWeight::Dense(w) = s.base() else {
             return Ok(None);
         };
@@ -311,7 +290,6 @@ fn fused_products<const N: usize>(
         {
             return Ok(None);
         }
-        sizes[i] = rows;
         at += rows as usize;
     }
     if at as i64 != f.size()[0] {
@@ -322,9 +300,31 @@ fn fused_products<const N: usize>(
     } else {
         f.f_to_kind(x.kind())?
     };
-    let y = x.f_linear::<Tensor>(&w, None)?;
-    let parts = y.f_split_with_sizes(sizes.as_slice(), -1)?;
-    Ok(parts.try_into().ok())
+    Ok(Some(x.f_linear::<Tensor>(&w, None)?))
+}
+
+/// The outputs `[..., outᵢ]` of sibling sites that read the same input `x`: with their frozen
+/// products in one GEMM ([`fused_products`]) and their plain LoRA branches together
+/// ([`LoraLinear::forward_siblings`]) where they allow it, else each site's own forward.
+fn sibling_forward<const N: usize>(
+    fused: Option<&Tensor>,
+    sites: &[&Site<LoraLinear>; N],
+    x: &Tensor,
+    train: bool,
+) -> Result<[Tensor; N]> {
+    let outs: Vec<Tensor> = match fused_products(fused, sites, x)? {
+        Some(base_out) => {
+            let layers: Vec<&LoraLinear> = sites.iter().map(|s| &***s).collect();
+            LoraLinear::forward_siblings(&layers, x, base_out, train)?
+        }
+        None => sites
+            .iter()
+            .map(|s| s.forward_t(x, train))
+            .collect::<lora_core::Result<_>>()?,
+    };
+    outs.try_into().map_err(|v: Vec<Tensor>| {
+        crate::Error::InvalidArgument(format!("{} sibling outputs for {N} sites", v.len()))
+    })
 }
 
 #[derive(Debug)]
@@ -1268,9 +1268,10 @@ mod tests {
             .collect();
         let x = Tensor::randn([2, 3, 32], (Kind::Float, Device::Cpu));
         let refs = [&sites[0], &sites[1], &sites[2]];
-        let parts = fused_products(Some(&fused), &refs, &x)
+        let both = fused_products(Some(&fused), &refs, &x)
             .unwrap()
             .expect("views of the fused weight");
+        let parts = both.split_with_sizes([8, 4, 4], -1);
         for (p, (site, w)) in parts.iter().zip(sites.iter().zip(&ws)) {
             let own = site.forward_t(&x, false).unwrap();
             assert_eq!(p.size(), own.size());
