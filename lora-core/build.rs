@@ -1,5 +1,6 @@
 /// Compiles `shim/shim.cpp` (bf16 autocast, allocator statistics, RNG state),
-/// `shim/qlinear.cpp` (linear layers over quantized weights), `shim/dist.cpp` (c10d
+/// `shim/qlinear.cpp` (linear layers over quantized weights), `shim/bf16_linear.cpp` (bf16
+/// autocast's linear by f32 GEMMs), `shim/dist.cpp` (c10d
 /// collectives; with Gloo when [`gloo_include`] finds gloo's headers) and, when
 /// [`nccl_includes`] finds what it needs, `shim/dist_nccl.cpp` (c10d's NCCL process group)
 /// against the libtorch that torch-sys found. torch-sys publishes its library folder as `DEP_TCH_LIBTORCH_LIB`; the
@@ -10,6 +11,7 @@ fn build_shim() {
     for f in [
         "shim/shim.cpp",
         "shim/qlinear.cpp",
+        "shim/bf16_linear.cpp",
         "shim/dist.cpp",
         "shim/dist.h",
         "shim/dist_nccl.cpp",
@@ -43,6 +45,7 @@ fn build_shim() {
         .cpp(true)
         .file("shim/shim.cpp")
         .file("shim/qlinear.cpp")
+        .file("shim/bf16_linear.cpp")
         .file("shim/dist.cpp")
         // the quantized-linear kernels are hot loops: optimized in every profile
         .opt_level(3)

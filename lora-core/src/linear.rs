@@ -5,6 +5,39 @@ use crate::error::{Error, Result, TchContext};
 use crate::layer::{Adapter, LoraLayer, SiteKind, add_branches};
 use tch::{Kind, Tensor};
 
+/// `x·wᵀ` (`F.linear` without a bias; `x` `[..., in]`, `w` `[out, in]` → `[..., out]`) under the
+/// calling thread's autocast state, the product every linear of this crate and of lora-models'
+/// models goes through. It is libtorch's `linear`, except under bf16 autocast on a CPU where
+/// libtorch has no fast bf16 GEMM ([`crate::sys::cpu_has_fast_bf16_gemm`]): there it is
+/// [`crate::sys::bf16_linear`], autocast's numbers (bf16 operands, f32 sums, a bf16 result) by f32
+/// GEMMs, the same function up to the summation order at about a tenth of the time forward and
+/// less backward (measured on an AVX2 CPU: 16 vs 111 GFLOP/s for `x·Wᵀ`, 1.7 vs 72 for `g·W`).
+///
+/// # Errors
+/// [`tch::TchError`] when the shapes do not fit or an op fails.
+pub fn linear_product(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
+    if x.kind() != Kind::Double && bf16_autocast_by_f32(x.device())? {
+        return Ok(crate::sys::bf16_linear(x, w)?);
+    }
+    x.f_linear::<Tensor>(w, None)
+}
+
+/// True when bf16 autocast is on for `device` on this thread, `device` is the CPU and libtorch
+/// has no fast bf16 GEMM there ([`crate::sys::cpu_has_fast_bf16_gemm`], read once): then
+/// [`linear_product`] and the other matrix products of this workspace compute autocast's bf16
+/// numbers by f32 GEMMs over the widened bf16 operands, rounding each result to bf16.
+///
+/// # Errors
+/// [`tch::TchError`] when the autocast state cannot be read.
+pub fn bf16_autocast_by_f32(device: tch::Device) -> std::result::Result<bool, tch::TchError> {
+    static FAST_BF16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if device != tch::Device::Cpu || *FAST_BF16.get_or_init(crate::sys::cpu_has_fast_bf16_gemm) {
+        return Ok(false);
+    }
+    let ac = crate::sys::autocast_state(device)?;
+    Ok(ac.enabled && ac.dtype == Some(Kind::BFloat16))
+}
+
 /// A frozen linear layer (`y = x·Wᵀ + b`) plus zero or more named LoRA adapters.
 ///
 /// # Shapes
@@ -128,7 +161,7 @@ impl LoraLinear {
             BaseWeight::Quant(q) => q.linear(x),
             b => {
                 let w = b.weight(x.kind())?;
-                x.f_linear::<Tensor>(&w, None).ctx(ctx)
+                linear_product(x, &w).ctx(ctx)
             }
         })?;
         self.forward_from_base(x, base_out, train)
@@ -156,11 +189,8 @@ impl LoraLinear {
                 x,
                 &base_out,
                 train,
-                &|ad, xd| {
-                    xd.f_linear::<Tensor>(&ad.lora_a, None)?
-                        .f_linear::<Tensor>(&ad.lora_b, None)
-                },
-                &|xd, w| xd.f_linear::<Tensor>(w, None),
+                &|ad, xd| linear_product(&linear_product(xd, &ad.lora_a)?, &ad.lora_b),
+                &|xd, w| linear_product(xd, w),
             )?
         };
         self.add_bias(y).ctx(ctx)
@@ -232,7 +262,7 @@ impl LoraLinear {
             let b: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_b).collect();
             let ranks: Vec<i64> = a.iter().map(|t| t.size()[0]).collect();
             let rank_total: i64 = ranks.iter().sum();
-            let h = x.f_linear::<Tensor>(&Tensor::f_cat(&a, 0)?, None)?;
+            let h = linear_product(x, &Tensor::f_cat(&a, 0)?)?;
             let scales: Vec<f64> = adapters.iter().map(|a| a.effective_scale()).collect();
             let h = if scales.windows(2).all(|w| w[0] == w[1]) {
                 h.f_mul_scalar(scales[0])?
@@ -306,8 +336,7 @@ impl LoraLinear {
                 x.shallow_clone()
             };
             let r = ad.lora_a.size()[0];
-            let h = xd
-                .f_linear::<Tensor>(&ad.lora_a, None)?
+            let h = linear_product(&xd, &ad.lora_a)?
                 .f_mul_scalar(ad.effective_scale())?
                 .f_reshape([-1, r])?;
             y = y.f_addmm(&h, &ad.lora_b.f_tr()?)?;

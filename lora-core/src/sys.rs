@@ -120,6 +120,11 @@ mod ffi {
             one_minus_beta2: f64,
             eps: f64,
         ) -> *mut c_char;
+        pub fn lsdk_bf16_linear(
+            x: *const torch_sys::C_tensor,
+            w: *const torch_sys::C_tensor,
+            y: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
         pub fn lsdk_qlinear(
             x: *const torch_sys::C_tensor,
@@ -988,6 +993,56 @@ fn quant_call(
     Ok(unsafe { Tensor::from_ptr(y) })
 }
 
+/// `x · Wᵀ` as bf16 autocast computes a linear — both operands rounded to bf16, products summed
+/// in f32, the result rounded to bf16 — but by f32 GEMMs over the widened bf16 operands, forward
+/// and backward (`shim/bf16_linear.cpp`). On a CPU where libtorch has no fast bf16 GEMM (see
+/// [`cpu_has_fast_bf16_gemm`]) this is the same function up to the summation order at a fraction
+/// of the time. Autocast does not apply inside. An autograd op when `x` or `w` takes a gradient:
+/// it saves the bf16 operands the gradients need, as autocast's graph does, and returns each
+/// gradient rounded to bf16 in its input's dtype.
+///
+/// `x`: `[..., in]`, `w`: `[out, in]`, any floating dtypes on one device. Returns `[..., out]`
+/// bf16.
+///
+/// # Errors
+/// Shapes that do not fit, non-floating dtypes, two devices, or a libtorch error (e.g. out of
+/// memory).
+pub fn bf16_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
+    let op = "bf16_linear";
+    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: `x` and `w` are live `torch::Tensor*` owned by borrowed `Tensor`s for the whole
+    // call; on success the shim stores a new heap `torch::Tensor*` in `y`, whose ownership
+    // `Tensor::from_ptr` takes.
+    let ret = unsafe { ffi::lsdk_bf16_linear(x.as_ptr(), w.as_ptr(), &mut y) };
+    check(op, ret)?;
+    if y.is_null() {
+        return Err(ShimError {
+            op,
+            message: "the shim returned no tensor".into(),
+        });
+    }
+    // SAFETY: see above; `y` is non-null and owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(y) })
+}
+
+/// Whether libtorch multiplies bf16 matrices on this CPU with oneDNN's vectorized kernels: the
+/// condition of PyTorch's `mkldnn_bf16_device_check()` (`aten/src/ATen/native/mkldnn/Utils.h`),
+/// AVX-512 BW, VL and DQ on x86-64 (other architectures answer true: libtorch's own choice is
+/// kept there). Where it is false, libtorch's bf16 GEMM runs scalar loops and [`bf16_linear`] is
+/// the fast way to bf16 autocast's numbers.
+pub fn cpu_has_fast_bf16_gemm() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        true
+    }
+}
+
 /// Decodes rows `r0 .. r1` of a frozen `[out, in]` weight into a new dense `[r1 − r0, in]`
 /// tensor of the dtype asked for, on the weight's device (what [`tiled_linear`] multiplies by).
 pub type RowDecoder = Box<dyn FnMut(i64, i64, Kind) -> crate::Result<Tensor> + Send>;
@@ -1165,6 +1220,63 @@ fn tiled_call(
 mod tests {
     use super::*;
     use tch::Tensor;
+
+    #[test]
+    fn bf16_linear_gives_autocasts_linear_and_gradients() {
+        tch::manual_seed(3);
+        let x0 = Tensor::randn([3, 5, 40], (Kind::Float, Device::Cpu));
+        let w0 = Tensor::randn([24, 40], (Kind::Float, Device::Cpu));
+        let g = Tensor::randn([3, 5, 24], (Kind::Float, Device::Cpu));
+        // (y, ∂x, ∂w) by libtorch's bf16 autocast and by `bf16_linear` (under autocast too: it
+        // must not be recast)
+        let run = |ours: bool| {
+            let x = x0.copy().set_requires_grad(true);
+            let w = w0.copy().set_requires_grad(true);
+            let y = {
+                let _g = AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+                if ours {
+                    bf16_linear(&x, &w).unwrap()
+                } else {
+                    x.linear::<Tensor>(&w, None)
+                }
+            };
+            (y.to_kind(Kind::Float) * &g).sum(Kind::Float).backward();
+            (y.detach(), x.grad(), w.grad())
+        };
+        let (y_ref, gx_ref, gw_ref) = run(false);
+        let (y, gx, gw) = run(true);
+        assert_eq!(y.kind(), Kind::BFloat16);
+        assert_eq!(y.size(), [3, 5, 24]);
+        assert_eq!((gx.kind(), gw.kind()), (Kind::Float, Kind::Float));
+        // the same bf16 roundings; only the f32 summation order differs: at most one bf16 step
+        // (2⁻⁸ relative) apart, and most values equal
+        for (a, b) in [(&y, &y_ref), (&gx, &gx_ref), (&gw, &gw_ref)] {
+            let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+            let rel = (&a - &b).abs() / (b.abs() + 1e-3);
+            assert!(rel.max().double_value(&[]) <= 1.0 / 128.0, "{}", rel.max());
+            let same = a
+                .eq_tensor(&b)
+                .to_kind(Kind::Float)
+                .mean(Kind::Float)
+                .double_value(&[]);
+            assert!(same > 0.9, "only {same} of the values equal");
+            // every value is a bf16 value
+            assert!(a.to_kind(Kind::BFloat16).to_kind(Kind::Float).equal(&a));
+        }
+        // frozen W: no gradient for it, x's still right
+        let x = x0.copy().set_requires_grad(true);
+        let y = bf16_linear(&x, &w0).unwrap();
+        (y.to_kind(Kind::Float) * &g).sum(Kind::Float).backward();
+        assert!(
+            x.grad()
+                .to_kind(Kind::Float)
+                .allclose(&gx_ref, 1e-2, 1e-2, false)
+        );
+        assert!(!w0.grad().defined());
+        // a weight that does not fit is an error, not a crash
+        let err = bf16_linear(&x0, &Tensor::zeros([4, 7], (Kind::Float, Device::Cpu))).unwrap_err();
+        assert!(err.message.contains("does not fit"), "{err}");
+    }
 
     #[test]
     fn autocast_bf16_on_cpu_and_restore() {

@@ -264,6 +264,49 @@ fn fuse_bases(bases: Vec<BaseWeight>) -> Result<(Vec<BaseWeight>, Option<Tensor>
     Ok((views, Some(fused)))
 }
 
+/// Vocabulary rows of the head widened to f32 at a time by [`bf16_logits_by_f32`] and
+/// [`bf16_input_grad_by_f32`]: 8 Ki rows (18 MiB at a width of 576).
+const HEAD_F32_SLICE_ROWS: i64 = 8192;
+
+/// `x·Wᵀ` as a bf16 GEMM gives it (bf16 operands, f32 sums, each logit rounded to bf16), as f32
+/// `[r, V]`, computed by f32 GEMMs over slices of [`HEAD_F32_SLICE_ROWS`] rows of `W` widened
+/// from bf16 — libtorch's bf16 GEMM on a CPU without AVX-512 runs scalar loops
+/// ([`lora_core::linear::linear_product`]). `x` `[r, d]` and `w` `[V, d]` bf16; no autograd.
+fn bf16_logits_by_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let _f32 = lora_core::sys::AutocastGuard::with_enabled(x.device(), Kind::BFloat16, false)?;
+    let v = w.size()[0];
+    let xf = x.f_to_kind(Kind::Float)?;
+    let mut out = Tensor::f_empty([x.size()[0], v], (Kind::Float, x.device()))?;
+    let mut s = 0;
+    while s < v {
+        let n = HEAD_F32_SLICE_ROWS.min(v - s);
+        let ws = w.f_narrow(0, s, n)?.f_to_kind(Kind::Float)?;
+        out.f_narrow(1, s, n)?.f_copy_(&xf.f_mm(&ws.f_tr()?)?)?;
+        s += n;
+    }
+    // round every logit to bf16, as the bf16 GEMM's result
+    out.f_copy_(&out.f_to_kind(Kind::BFloat16)?)?;
+    Ok(out)
+}
+
+/// `round(g)·W` as a bf16 GEMM gives it (the f32 `g` `[r, V]` rounded to bf16, f32 sums over
+/// the vocabulary, the result `[r, d]` rounded to bf16), by f32 GEMMs over slices of `w` `[V, d]`
+/// (bf16) as [`bf16_logits_by_f32`]. No autograd.
+fn bf16_input_grad_by_f32(g: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let _f32 = lora_core::sys::AutocastGuard::with_enabled(g.device(), Kind::BFloat16, false)?;
+    let v = w.size()[0];
+    let gf = g.f_to_kind(Kind::BFloat16)?.f_to_kind(Kind::Float)?;
+    let mut acc = Tensor::f_zeros([g.size()[0], w.size()[1]], (Kind::Float, g.device()))?;
+    let mut s = 0;
+    while s < v {
+        let n = HEAD_F32_SLICE_ROWS.min(v - s);
+        let ws = w.f_narrow(0, s, n)?.f_to_kind(Kind::Float)?;
+        let _ = acc.f_addmm_(&gf.f_narrow(1, s, n)?, &ws)?;
+        s += n;
+    }
+    Ok(acc.f_to_kind(Kind::BFloat16)?)
+}
+
 /// The frozen products `x·Wᵢᵀ` of sibling sites in one GEMM with their `fused` weight,
 /// side by side `[..., Σ outᵢ]`; `None` (each site then multiplies on its own) unless every
 /// site's base is still the view of `fused` that [`fuse_bases`] made — a base replaced since
@@ -300,7 +343,7 @@ fn fused_products<const N: usize>(
     } else {
         f.f_to_kind(x.kind())?
     };
-    Ok(Some(x.f_linear::<Tensor>(&w, None)?))
+    Ok(Some(lora_core::linear::linear_product(x, &w)?))
 }
 
 /// The outputs `[..., outᵢ]` of sibling sites that read the same input `x`: with their frozen
@@ -1092,6 +1135,9 @@ impl Llama {
         let validf = valid.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
         // A dense fp32 head writes each chunk into one reused buffer.
         let reuse = mm_kind == Kind::Float && matches!(w, HeadWeight::Dense { .. });
+        // bf16 autocast on a CPU without a fast bf16 GEMM: the same bf16 numbers by f32 GEMMs
+        let by_f32 =
+            mm_kind == Kind::BFloat16 && lora_core::linear::bf16_autocast_by_f32(h.device())?;
         let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1)))
             .clamp(16, n.max(16))
             .min(n);
@@ -1118,6 +1164,7 @@ impl Llama {
                     let out = bf.f_narrow(0, 0, r)?;
                     x.f_mm_out(&out, wt)?
                 }
+                (HeadWeight::Dense { w, .. }, None) if by_f32 => bf16_logits_by_f32(&x, w)?,
                 (HeadWeight::Dense { wt, .. }, None) => x.f_mm(wt)?.f_to_kind(Kind::Float)?,
                 (HeadWeight::Quant(q), _) => q.matmul(&x, false)?.f_to_kind(Kind::Float)?,
             };
@@ -1135,6 +1182,9 @@ impl Llama {
                 match &w {
                     HeadWeight::Dense { w, .. } if reuse => {
                         let _ = lg.f_mm_out(&gx, w)?;
+                    }
+                    HeadWeight::Dense { w, .. } if by_f32 => {
+                        gx.f_copy_(&bf16_input_grad_by_f32(&lg, w)?)?;
                     }
                     HeadWeight::Dense { w, .. } => {
                         let _ = gx.f_copy_(&lg.f_to_kind(mm_kind)?.f_mm(w)?)?;
@@ -1250,6 +1300,47 @@ impl Adaptable for Llama {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn head_products_by_f32_equal_libtorchs_bf16_gemm() {
+        tch::manual_seed(5);
+        // a vocabulary of two slices and a bit, to cover the last short slice
+        let v = 2 * HEAD_F32_SLICE_ROWS + 100;
+        let x = Tensor::randn([6, 48], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
+        let w = Tensor::randn([v, 48], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
+        let g = Tensor::randn([6, v], (Kind::Float, Device::Cpu)) * 1e-3;
+        let pairs = [
+            (
+                bf16_logits_by_f32(&x, &w).unwrap(),
+                x.mm(&w.tr()).to_kind(Kind::Float),
+            ),
+            (
+                bf16_input_grad_by_f32(&g, &w).unwrap().to_kind(Kind::Float),
+                g.to_kind(Kind::BFloat16).mm(&w).to_kind(Kind::Float),
+            ),
+        ];
+        for (i, (ours, theirs)) in pairs.iter().enumerate() {
+            assert_eq!(ours.size(), theirs.size(), "product {i}");
+            // the same roundings, another summation order: at most one bf16 step apart
+            let floor = theirs.abs().max() * 1e-2;
+            let rel: Tensor = (ours - theirs).abs() / (theirs.abs() + floor);
+            assert!(
+                rel.max().double_value(&[]) <= 1.0 / 128.0,
+                "product {i}: {}",
+                rel.max()
+            );
+            assert!(
+                ours.to_kind(Kind::BFloat16)
+                    .to_kind(Kind::Float)
+                    .equal(ours)
+            );
+            let same = ours
+                .eq_tensor(theirs)
+                .to_kind(Kind::Float)
+                .mean(Kind::Float);
+            assert!(same.double_value(&[]) > 0.8, "product {i}: {same}");
+        }
+    }
 
     #[test]
     fn sibling_products_in_one_gemm_equal_each_sites_own() {
