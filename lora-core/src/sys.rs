@@ -983,13 +983,22 @@ fn quant_call(
         )
     };
     check(op, ret)?;
+    // SAFETY: see above.
+    unsafe { take_output(op, y) }
+}
+
+/// The tensor a shim call stored in its out-pointer `y`, after [`check`] passed.
+///
+/// # Safety
+/// `y` is null or a heap `torch::Tensor*` the shim created for the caller and nobody else owns.
+unsafe fn take_output(op: &'static str, y: *mut torch_sys::C_tensor) -> ShimResult<Tensor> {
     if y.is_null() {
         return Err(ShimError {
             op,
             message: "the shim returned no tensor".into(),
         });
     }
-    // SAFETY: see above; `y` is non-null and owned by nobody else.
+    // SAFETY: non-null, and owned by the caller alone (this function's contract).
     Ok(unsafe { Tensor::from_ptr(y) })
 }
 
@@ -1015,14 +1024,8 @@ pub fn bf16_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
     // `Tensor::from_ptr` takes.
     let ret = unsafe { ffi::lsdk_bf16_linear(x.as_ptr(), w.as_ptr(), &mut y) };
     check(op, ret)?;
-    if y.is_null() {
-        return Err(ShimError {
-            op,
-            message: "the shim returned no tensor".into(),
-        });
-    }
-    // SAFETY: see above; `y` is non-null and owned by nobody else.
-    Ok(unsafe { Tensor::from_ptr(y) })
+    // SAFETY: see above.
+    unsafe { take_output(op, y) }
 }
 
 /// Whether libtorch multiplies bf16 matrices on this CPU with oneDNN's vectorized kernels: the
@@ -1206,14 +1209,8 @@ fn tiled_call(
         )
     };
     check(op, ret)?;
-    if y.is_null() {
-        return Err(ShimError {
-            op,
-            message: "the shim returned no tensor".into(),
-        });
-    }
-    // SAFETY: see above; `y` is non-null and owned by nobody else.
-    Ok(unsafe { Tensor::from_ptr(y) })
+    // SAFETY: see above.
+    unsafe { take_output(op, y) }
 }
 
 #[cfg(test)]
