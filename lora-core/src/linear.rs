@@ -22,6 +22,25 @@ pub fn linear_product(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch
     x.f_linear::<Tensor>(w, None)
 }
 
+/// The frozen product `x·Wᵀ` of a base weight (`x` `[..., in]`, W `[out, in]` → `[..., out]`,
+/// no bias), as every LoRA linear computes it: a quantized weight through
+/// [`crate::quant::QuantWeight::linear`] (tile by tile, no dense copy kept for the backward
+/// pass), a dense or offloaded one by [`linear_product`] on its weight in `x`'s dtype. Also the
+/// product of a tied LM head, whose weight is the embedding's.
+///
+/// # Errors
+/// [`Error::Shape`] / [`Error::Torch`] when `x` does not fit the weight or an op fails.
+pub fn base_product(base: &BaseWeight, x: &Tensor) -> Result<Tensor> {
+    base.with_resident(|base| match base {
+        BaseWeight::Quant(q) => q.linear(x),
+        b => {
+            let w = b.weight(x.kind())?;
+            linear_product(x, &w)
+                .ctx(|| format!("linear forward {:?} on input {:?}", b.shape(), x.size()))
+        }
+    })
+}
+
 /// True when bf16 autocast is on for `device` on this thread, `device` is the CPU and libtorch
 /// has no fast bf16 GEMM there ([`crate::sys::cpu_has_fast_bf16_gemm`], read once): then
 /// [`linear_product`] and the other matrix products of this workspace compute autocast's bf16
@@ -149,21 +168,7 @@ impl LoraLinear {
     /// # Errors
     /// [`Error::Torch`] when a shape does not fit or an op fails.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let ctx = || {
-            format!(
-                "linear forward {:?} on input {:?}",
-                self.base.shape(),
-                x.size()
-            )
-        };
-        let base_out = self.base.with_resident(|base| match base {
-            // the tiled kernel on the CPU: no dense copy of the weight kept for the backward
-            BaseWeight::Quant(q) => q.linear(x),
-            b => {
-                let w = b.weight(x.kind())?;
-                linear_product(x, &w).ctx(ctx)
-            }
-        })?;
+        let base_out = base_product(&self.base, x)?;
         self.forward_from_base(x, base_out, train)
     }
 

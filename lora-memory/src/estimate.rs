@@ -933,9 +933,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         0.0
     };
+    let head_dtype = s.lm_head_dtype.unwrap_or(s.base_dtype);
     let base_weights = linear * s.base_dtype.bytes_per_param()
         + (rest - head_quantized) * rest_bytes
-        + head_quantized * s.base_dtype.bytes_per_param();
+        + head_quantized * head_dtype.bytes_per_param();
     // Persistent tensors as the caching allocator lays them out (see `cuda_block_overhead`).
     let mut rounding: f64 = d
         .layer_sites()

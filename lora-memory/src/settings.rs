@@ -588,6 +588,12 @@ pub struct Settings {
     /// files quantize `output.weight`; bitsandbytes when `lm_head` is not in
     /// `llm_int8_skip_modules`). Default: the head stays 16-bit, as QLoRA does.
     pub quantize_lm_head: bool,
+    /// With [`Settings::quantize_lm_head`]: the head's own stored format when it differs from
+    /// [`Settings::base_dtype`]. llama.cpp's quantization mixes keep `output.weight` (or the tied
+    /// `token_embd.weight`) at a wider type than the layers: the SmolLM2 Q4_1 file holds a Q8_0
+    /// head (1.0625 B per weight against Q4_1's 0.625: 12 MB more for its 28 M weights).
+    /// `None` (default): the head is stored as the layers are.
+    pub lm_head_dtype: Option<BaseDtype>,
     /// A quantized base computes in fp32: its blocks are dequantized to fp32 and the
     /// non-quantized weights (norms, embeddings) are fp32 (this SDK with `model.dtype: f32`, its
     /// CPU default). `false`: 16-bit compute (bitsandbytes' `bnb_4bit_compute_dtype`). No
@@ -652,6 +658,7 @@ impl Default for Settings {
             attention: Attention::Sdpa,
             modules_to_save: Vec::new(),
             quantize_lm_head: false,
+            lm_head_dtype: None,
             quantized_compute_f32: false,
             quantized_compute_f32_only: false,
             device: Device::cuda(),
@@ -724,6 +731,8 @@ impl Settings {
         with_attention, attention: Attention);
     setter!(/// Sets `quantize_lm_head`.
         with_quantize_lm_head, quantize_lm_head: bool);
+    setter!(/// Sets `lm_head_dtype`.
+        with_lm_head_dtype, lm_head_dtype: Option<BaseDtype>);
     setter!(/// Sets `quantized_compute_f32`.
         with_quantized_compute_f32, quantized_compute_f32: bool);
     setter!(/// Sets `quantized_compute_f32_only`.

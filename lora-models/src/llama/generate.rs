@@ -5,7 +5,7 @@ use std::path::Path;
 use lora_data::rng::Rng;
 use tch::{Kind, Tensor};
 
-use super::model::{KvCache, Llama};
+use super::model::{IGNORE_INDEX, KvCache, Llama};
 use crate::error::{Error, Result};
 use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -239,6 +239,10 @@ impl Llama {
 
     /// Perplexity of a token sequence with strided windows (see [`PerplexityOptions`]): every
     /// token but the first is scored exactly once, given up to `max_length − 1` tokens of context.
+    /// The head and its log-softmax run as in the training loss ([`Llama::loss`]): in chunks of
+    /// rows, so a window holds one chunk of logits rather than `[max_length, vocab]` logits and
+    /// log-probabilities, and a tied quantized head is never dequantized whole — evaluation
+    /// peaks below a training step of the same tokens.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for fewer than 2 tokens or `stride` not in `1..=max_length`;
@@ -264,24 +268,24 @@ impl Llama {
             // tokens [prev_end, end) are new; each needs its predecessor inside the window
             let first_scored = prev_end.max(begin + 1);
             let input = Tensor::f_from_slice(&ids[begin..end])?.f_view([1, -1])?;
-            let logits = self.forward_t(&input, None, None, false)?;
-            let s = (end - begin) as i64;
-            let logp = logits
-                .f_log_softmax(-1, Kind::Float)?
-                .f_select(0, 0)?
-                .f_narrow(0, 0, s - 1)?;
-            let targets = Tensor::f_from_slice(&ids[begin + 1..end])?
-                .f_to_device(logp.device())?
-                .f_view([-1, 1])?;
-            let tok_nll = logp.f_gather(1, &targets, false)?.f_neg()?.f_view([-1])?;
-            let from = (first_scored - begin - 1) as i64;
-            let cnt = (end - first_scored) as i64;
+            // Labels: the window's own ids where they are scored, IGNORE_INDEX elsewhere; the
+            // chunked head loss then gives their mean NLL without the window's `[s, V]` logits.
+            let labels: Vec<i64> = (begin..end)
+                .map(|t| {
+                    if t >= first_scored {
+                        ids[t]
+                    } else {
+                        IGNORE_INDEX
+                    }
+                })
+                .collect();
+            let labels = Tensor::f_from_slice(&labels)?.f_view([1, -1])?;
+            let cnt = end.saturating_sub(first_scored);
             if cnt > 0 {
-                nll_sum += tok_nll
-                    .f_narrow(0, from, cnt)?
-                    .f_sum(Kind::Double)?
-                    .f_double_value(&[])?;
-                scored += cnt as usize;
+                let h = self.hidden_states(&input, None, None, false)?;
+                let mean = self.head_loss(&h, &labels)?.f_double_value(&[])?;
+                nll_sum += mean * cnt as f64;
+                scored += cnt;
             }
             windows += 1;
             prev_end = end;

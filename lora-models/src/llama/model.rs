@@ -943,10 +943,9 @@ impl Llama {
         let h = self.norm.forward(h)?;
         let logits = match &self.lm_head {
             Some(l) => l.forward_t(&h, false)?,
-            None => {
-                let w = self.embed_tokens.base().weight(self.kind)?;
-                h.f_linear::<Tensor>(&w, None)?
-            }
+            // tied to the embedding: a quantized one multiplies tile by tile (no dense copy of
+            // the `[V, d]` matrix), a dense one through the same product as every linear
+            None => lora_core::linear::base_product(self.embed_tokens.base(), &h)?,
         };
         Ok(logits.f_to_kind(Kind::Float)?)
     }
@@ -1093,7 +1092,7 @@ impl Llama {
     /// `b·s·V·(e + 12)` bytes of logits, log-probabilities and their gradients it holds one chunk,
     /// and in fp32 without autocast that chunk is one buffer reused for every chunk (no page
     /// faults for fresh logits every step).
-    fn head_loss(&self, h: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    pub(crate) fn head_loss(&self, h: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let (b, s, d) = (h.size()[0], h.size()[1], h.size()[2]);
         if labels.size() != [b, s] {
             return Err(Error::InvalidArgument(format!(

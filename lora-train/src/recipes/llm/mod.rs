@@ -33,6 +33,9 @@ pub struct FileStorage {
     pub layers: Option<BaseDtype>,
     /// The output head (`output.weight`, or the tied `token_embd.weight`) is block-quantized.
     pub head_quantized: bool,
+    /// The head's block format when it is block-quantized (often wider than the layers': Q8_0
+    /// or Q6_K beside Q4 layers).
+    pub head: Option<BaseDtype>,
 }
 
 /// Reads the base model's header (no tensor data): GGUF, safetensors file/folder, `config.json`,
@@ -67,13 +70,24 @@ pub fn read_descriptor(
                 .find(|t| t.name.ends_with(name))
                 .map(|t| t.ggml_type)
         };
-        let head = type_of("output.weight").or_else(|| type_of("token_embd.weight"));
+        // the top-level names exactly: `blk.N.attn_output.weight` also ends in "output.weight"
+        let type_named = |name: &str| {
+            header
+                .tensors
+                .iter()
+                .find(|t| t.name == name)
+                .map(|t| t.ggml_type)
+        };
+        let head = type_named("output.weight").or_else(|| type_named("token_embd.weight"));
         let storage = FileStorage {
             layers: type_of("attn_q.weight").and_then(BaseDtype::from_ggml),
             // blocks of more than one element: a quantized type
             head_quantized: head
                 .and_then(|t| t.block_layout())
                 .is_some_and(|(n, _)| n > 1),
+            head: head
+                .and_then(BaseDtype::from_ggml)
+                .filter(|d| d.is_quantized()),
         };
         Ok((desc, path.display().to_string(), storage))
     } else if path.is_dir() && path.join("config.json").is_file() && !has_safetensors(&path) {
@@ -237,6 +251,7 @@ pub fn plan(
     // safetensors base quantized to NF4 at load keeps its head dense, as bitsandbytes does
     settings.quantize_lm_head =
         cfg.model.weights == BaseWeights::Quantized && storage.head_quantized;
+    settings.lm_head_dtype = storage.head.filter(|_| settings.quantize_lm_head);
     notes.extend(cfg.notes());
     notes.extend(cfg.image_only_settings().into_iter().map(|(key, value)| {
         format!("`{key}` = {value}: applies to image models (SD 1.x / SDXL) only; this language-model run does not use it")
