@@ -126,8 +126,8 @@ fn cpu_estimates_predict_process_rss_and_the_step_delta() {
     let e = estimate(&m, &s).unwrap();
     assert_eq!(e.metric, Metric::Process);
     assert_eq!(e.breakdown.allocator_margin, Bytes(0));
-    assert_eq!(e.breakdown.context_workspace, Bytes(440_000_000));
-    assert_eq!(e.peak, e.peak_allocated + Bytes(440_000_000));
+    assert_eq!(e.breakdown.context_workspace, Bytes(510_000_000));
+    assert_eq!(e.peak, e.peak_allocated + Bytes(510_000_000));
     // A CPU plan speaks of the CPU runtime and RSS, not of CUDA.
     let table = e.to_table();
     assert!(table.contains("CPU runtime"), "{table}");
