@@ -119,6 +119,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
 
 extern "C" {
 
+// `lsdk::cpu_has_fast_bf16_gemm()` (guard.h): 1 or 0 in `fast`.
+char* lsdk_cpu_has_fast_bf16_gemm(int32_t* fast) {
+  return lsdk::guarded([&] {
+    TORCH_CHECK(fast != nullptr, "null output");
+    *fast = lsdk::cpu_has_fast_bf16_gemm() ? 1 : 0;
+  });
+}
+
 // `x · Wᵀ` (x `[..., in]`, W `[out, in]`, any floating dtypes, one device) as bf16 autocast
 // computes it — operands rounded to bf16, the result `[..., out]` in bf16 — but by f32 GEMMs on
 // the widened operands, forward and backward (see the top of this file). An autograd op when x or

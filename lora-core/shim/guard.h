@@ -36,4 +36,19 @@ char* guarded(F&& f) {
   }
 }
 
+// Whether libtorch multiplies bf16 matrices on this CPU with oneDNN's vectorized kernels: the
+// condition of PyTorch's `mkldnn_bf16_device_check()` (aten/src/ATen/native/mkldnn/Utils.h),
+// AVX-512 BW, VL and DQ on x86-64; other architectures answer true (libtorch's own choice is kept
+// there). Where it is false, libtorch's bf16 GEMM runs scalar loops and the shim computes bf16
+// products by f32 GEMMs over the widened bf16 operands instead (bf16_linear.cpp, qlinear.cpp).
+inline bool cpu_has_fast_bf16_gemm() {
+#if defined(__x86_64__)
+  static const bool fast = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq");
+  return fast;
+#else
+  return true;
+#endif
+}
+
 }  // namespace lsdk

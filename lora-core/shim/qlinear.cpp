@@ -342,7 +342,21 @@ struct TileSource {
   virtual int64_t tile_rows() const = 0;
   // Calls `f` for each tile, in row order, as `kind` on the weight's device.
   virtual void for_each_tile(at::ScalarType kind, const TileFn& f) const = 0;
+  // Calls `f` for each tile as f32 holding the bf16 tile's values (each weight rounded to bf16,
+  // then widened exactly): the operand of a bf16 product computed by an f32 GEMM.
+  virtual void for_each_tile_bf16_widened(const TileFn& f) const {
+    for_each_tile(at::kBFloat16, [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+      f(r0, rows, tile.to(at::kFloat));
+    });
+  }
 };
+
+// A bf16 product on a CPU whose libtorch has no fast bf16 GEMM (`lsdk::cpu_has_fast_bf16_gemm`):
+// computed by f32 GEMMs over the widened bf16 operands and rounded to bf16 once, the numbers of a
+// bf16 GEMM (bf16 operands, f32 sums) up to the summation order, at f32 GEMM speed.
+bool bf16_by_f32(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && !lsdk::cpu_has_fast_bf16_gemm();
+}
 
 // The quantized tensors decoded by the loops above into reused buffers (CPU; f32 or bf16).
 struct KernelTiles final : TileSource {
@@ -375,6 +389,21 @@ struct KernelTiles final : TileSource {
         k.copy_(tile);
         tile = k;
       }
+      f(r0, rows, tile);
+    }
+  }
+  // Both buffers reused: decode to f32, round through the bf16 buffer, widen back in place.
+  void for_each_tile_bf16_widened(const TileFn& f) const override {
+    const int64_t t = tile_rows();
+    auto fbuf = tile_buffer(0, at::kFloat, t, w.in);
+    auto kbuf = tile_buffer(1, at::kBFloat16, t, w.in);
+    for (int64_t r0 = 0; r0 < w.out; r0 += t) {
+      const int64_t rows = std::min(t, w.out - r0);
+      decode_rows(w, r0, r0 + rows, fbuf.data_ptr<float>());
+      at::Tensor tile = fbuf.narrow(0, 0, rows);
+      at::Tensor k = kbuf.narrow(0, 0, rows);
+      k.copy_(tile);
+      tile.copy_(k);
       f(r0, rows, tile);
     }
   }
@@ -457,6 +486,14 @@ void check_same_device(const at::Tensor& tile, const at::Tensor& x) {
 // y `[n, out]` = x `[n, in]` · Wᵀ in x's dtype.
 at::Tensor tiled_forward(const TileSource& s, const at::Tensor& x) {
   const int64_t n = x.size(0);
+  if (bf16_by_f32(x)) {
+    const auto xf = x.to(at::kFloat);
+    auto y = at::empty({n, s.out()}, x.options());
+    s.for_each_tile_bf16_widened([&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+      y.narrow(1, r0, rows).copy_(at::mm(xf, tile.t()));
+    });
+    return y;
+  }
   if (s.tile_rows() >= s.out()) {
     at::Tensor y;
     s.for_each_tile(x.scalar_type(), [&](int64_t, int64_t, const at::Tensor& tile) {
@@ -475,6 +512,20 @@ at::Tensor tiled_forward(const TileSource& s, const at::Tensor& x) {
 
 // ∂x `[n, in]` = g `[n, out]` · W in g's dtype.
 at::Tensor tiled_input_grad(const TileSource& s, const at::Tensor& g) {
+  if (bf16_by_f32(g)) {
+    // f32 sums over every tile, one rounding at the end
+    const auto gf = g.to(at::kFloat);
+    at::Tensor acc;
+    s.for_each_tile_bf16_widened([&](int64_t r0, int64_t rows, const at::Tensor& tile) {
+      auto gs = gf.narrow(1, r0, rows);
+      if (acc.defined()) {
+        acc.addmm_(gs, tile);
+      } else {
+        acc = at::mm(gs, tile);
+      }
+    });
+    return acc.to(at::kBFloat16);
+  }
   at::Tensor gx;
   s.for_each_tile(g.scalar_type(), [&](int64_t r0, int64_t rows, const at::Tensor& tile) {
     check_same_device(tile, g);

@@ -125,6 +125,7 @@ mod ffi {
             w: *const torch_sys::C_tensor,
             y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
+        pub fn lsdk_cpu_has_fast_bf16_gemm(fast: *mut i32) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
         pub fn lsdk_qlinear(
             x: *const torch_sys::C_tensor,
@@ -1031,19 +1032,18 @@ pub fn bf16_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
 /// Whether libtorch multiplies bf16 matrices on this CPU with oneDNN's vectorized kernels: the
 /// condition of PyTorch's `mkldnn_bf16_device_check()` (`aten/src/ATen/native/mkldnn/Utils.h`),
 /// AVX-512 BW, VL and DQ on x86-64 (other architectures answer true: libtorch's own choice is
-/// kept there). Where it is false, libtorch's bf16 GEMM runs scalar loops and [`bf16_linear`] is
-/// the fast way to bf16 autocast's numbers.
+/// kept there). Where it is false, libtorch's bf16 GEMM runs scalar loops, and [`bf16_linear`]
+/// and the quantized kernels' bf16 products ([`qlinear`], [`qmatmul`]) compute the same numbers
+/// by f32 GEMMs. One answer for the workspace: the shim's, which its kernels use.
 pub fn cpu_has_fast_bf16_gemm() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        true
-    }
+    let mut fast = 1i32;
+    // SAFETY: valid out-pointer.
+    let ok = check("cpu_has_fast_bf16_gemm", unsafe {
+        ffi::lsdk_cpu_has_fast_bf16_gemm(&mut fast)
+    })
+    .is_ok();
+    // (the call cannot fail; if it did, libtorch's own kernels are kept)
+    !ok || fast != 0
 }
 
 /// Decodes rows `r0 .. r1` of a frozen `[out, in]` weight into a new dense `[r1 − r0, in]`

@@ -527,3 +527,56 @@ proptest! {
         prop_assert!(rel(&gx, &gxr) < 1e-5, "{:?} backward {}", kind, rel(&gx, &gxr));
     }
 }
+
+/// The CPU kernel's bf16 products have a bf16 GEMM's numbers — bf16 operands, f32 sums, one
+/// rounding — whichever way this CPU computes them (libtorch's bf16 GEMM with AVX-512, f32 GEMMs
+/// over the widened operands without it, `sys::cpu_has_fast_bf16_gemm`): forward and input
+/// gradient against libtorch's bf16 `mm` with the weight decoded in f32 and rounded to bf16, over a weight of
+/// two tiles, so the input gradient's sums run across tiles before their one rounding.
+#[test]
+fn bf16_products_equal_a_bf16_gemm_of_the_dequantized_weight() {
+    let (out, inn, n) = (2048i64, 768i64, 12i64);
+    assert!(
+        out * inn > sys::QLINEAR_TILE_ELEMENTS as i64,
+        "two tiles at least"
+    );
+    let w = randn(&[out, inn], 41) * 0.05;
+    let x = randn(&[n, inn], 42).to_kind(Kind::BFloat16);
+    let g = randn(&[n, out], 43).to_kind(Kind::BFloat16);
+    // |a − b| within one bf16 step of b (2⁻⁷ relative), and most values identical
+    let close = |a: &Tensor, b: &Tensor, what: &str| {
+        assert_eq!((a.kind(), a.size()), (Kind::BFloat16, b.size()), "{what}");
+        let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+        let d = (&a - &b).abs();
+        let bound = b.abs() * 2f64.powi(-7) + 1e-30;
+        let over = d.gt_tensor(&bound).sum(Kind::Int64).int64_value(&[]);
+        let same = d
+            .eq(0.0)
+            .to_kind(Kind::Double)
+            .mean(Kind::Double)
+            .double_value(&[]);
+        assert!(
+            over == 0 && same > 0.7,
+            "{what}: {over} values off by more than a bf16 step, {same:.3} identical"
+        );
+    };
+    for kind in [
+        QuantKind::Q4_1,
+        QuantKind::Q8_0,
+        QuantKind::Nf4 { double_quant: true },
+    ] {
+        let q = QuantWeight::quantize(&w, kind).unwrap();
+        // the kernel decodes in f32 and rounds each weight to bf16 once
+        let wb = q.dequantize(Kind::Float).unwrap().to_kind(Kind::BFloat16);
+        let xr = x.detach().set_requires_grad(true);
+        let y = q.linear(&xr).unwrap();
+        close(&y, &x.mm(&wb.tr()), &format!("{kind:?} forward"));
+        (&y * &g).sum(Kind::Float).backward();
+        close(&xr.grad(), &g.mm(&wb), &format!("{kind:?} input gradient"));
+        close(
+            &q.matmul(&g, true).unwrap(),
+            &g.mm(&wb),
+            &format!("{kind:?} x · W"),
+        );
+    }
+}
