@@ -257,6 +257,32 @@ fn quantize_8bit(c: &mut Criterion) {
     g.finish();
 }
 
+/// `QuantWeight::from_gguf_blocks` of one 4096 × 4096 tensor (a 7B model's attention projection)
+/// as Q4_1 and Q6_K, on one thread and on libtorch's intra-op count: the load-time unpacking.
+fn gguf_blocks(c: &mut Criterion) {
+    let (out, inn) = (4096i64, 4096i64);
+    let x: Vec<f32> = Tensor::randn([out * inn], (Kind::Float, Device::Cpu))
+        .try_into()
+        .unwrap();
+    let threads = tch::get_num_threads();
+    let mut g = c.benchmark_group("gguf_blocks");
+    for kind in [QuantKind::Q4_1, QuantKind::Q6_K] {
+        let raw = lora_core::quant::quantize_gguf_reference(kind, &x).unwrap();
+        for t in [1, threads] {
+            tch::set_num_threads(t);
+            g.bench_function(format!("{kind:?}_4096x4096_{t}_threads"), |b| {
+                b.iter(|| {
+                    black_box(
+                        QuantWeight::from_gguf_blocks(kind, &raw, [out, inn], Device::Cpu).unwrap(),
+                    )
+                })
+            });
+        }
+        tch::set_num_threads(threads);
+    }
+    g.finish();
+}
+
 fn image(c: &mut Criterion) {
     use lora_data::image::{
         BucketConfig, DatasetConfig, ImageDataset, ImageSetConfig, SubsetConfig,
@@ -442,6 +468,6 @@ fn lm_head_loss(c: &mut Criterion) {
 criterion_group! {
     name = kernels;
     config = short();
-    targets = lora_linear, quant_linear, optimizer_step, quantize_8bit, image, text, lm_head_loss
+    targets = lora_linear, quant_linear, optimizer_step, quantize_8bit, gguf_blocks, image, text, lm_head_loss
 }
 criterion_main!(kernels);

@@ -732,6 +732,155 @@ fn pack_bits(v: &[u8], bits: usize, out: &mut Vec<u8>) {
     }));
 }
 
+/// Bytes per block of each tensor a GGUF block is taken apart into: f16 `d`, f16 `m` (kinds with
+/// a minimum), the k-quants' 16 sub-block bytes, the packed high bits and the codes (Q8_0's i8,
+/// else nibble pairs in weight order); 0 for the fields a kind lacks.
+#[derive(Clone, Copy)]
+struct BlockStrides {
+    d: usize,
+    m: usize,
+    sub: usize,
+    h: usize,
+    q: usize,
+}
+
+impl BlockStrides {
+    fn of(kind: QuantKind, bw: usize) -> Self {
+        BlockStrides {
+            d: 2,
+            m: if has_min(kind) { 2 } else { 0 },
+            sub: if kind.is_k_quant() { 16 } else { 0 },
+            h: bw * high_bits(kind) / 8,
+            q: if kind == QuantKind::Q8_0 { bw } else { bw / 2 },
+        }
+    }
+}
+
+/// The tensors' bytes of a run of blocks (see [`BlockStrides`]), each in block order.
+struct BlockParts<T> {
+    d: T,
+    m: T,
+    sub: T,
+    h: T,
+    q: T,
+}
+
+/// True for the GGUF kinds whose blocks carry a minimum (`m` / `dmin`).
+fn has_min(kind: QuantKind) -> bool {
+    matches!(
+        kind,
+        QuantKind::Q4_1 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K
+    )
+}
+
+/// High bits per weight beyond the 4-bit (or Q8_0's 8-bit) codes: 1 for the 5-bit kinds, 2 for
+/// `Q6_K`, else 0.
+fn high_bits(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q5_K => 1,
+        QuantKind::Q6_K => 2,
+        _ => 0,
+    }
+}
+
+/// Takes the whole blocks of `kind` (`bb` bytes each) in `raw` apart into `out`, whose slices
+/// hold exactly these blocks' bytes at `st`'s strides.
+fn unpack_blocks(
+    kind: QuantKind,
+    raw: &[u8],
+    bb: usize,
+    st: BlockStrides,
+    out: BlockParts<&mut [u8]>,
+) {
+    let hb = high_bits(kind);
+    let mut u = Unpacked::default();
+    let mut packed = Vec::with_capacity(st.h);
+    for (i, block) in raw.chunks_exact(bb).enumerate() {
+        unpack_block(kind, block, &mut u);
+        out.d[i * 2..i * 2 + 2].copy_from_slice(&u.d.to_le_bytes());
+        if let Some(mv) = u.m {
+            out.m[i * 2..i * 2 + 2].copy_from_slice(&mv.to_le_bytes());
+        }
+        if st.sub > 0 {
+            out.sub[i * 16..i * 16 + 16].copy_from_slice(&u.sub);
+        }
+        if hb > 0 {
+            packed.clear();
+            pack_bits(&u.high, hb, &mut packed);
+            out.h[i * st.h..(i + 1) * st.h].copy_from_slice(&packed);
+        }
+        let q = &mut out.q[i * st.q..(i + 1) * st.q];
+        if kind == QuantKind::Q8_0 {
+            q.copy_from_slice(&u.low);
+        } else {
+            // consecutive pairs, first weight in the high nibble: one byte-indexed lookup
+            // yields the weights in order
+            for (o, x) in q.iter_mut().zip(u.low.chunks_exact(2)) {
+                *o = (x[0] << 4) | x[1];
+            }
+        }
+    }
+}
+
+/// All of `raw`'s blocks taken apart ([`unpack_blocks`]) on `threads` scoped threads, each writing
+/// a contiguous run of whole blocks straight into its share of the buffers (no copies joined
+/// afterwards); the bytes equal one thread's.
+fn unpack_blocks_on(
+    kind: QuantKind,
+    raw: &[u8],
+    bb: usize,
+    bw: usize,
+    threads: usize,
+) -> Result<BlockParts<Vec<u8>>> {
+    let blocks = raw.len() / bb;
+    let st = BlockStrides::of(kind, bw);
+    let mut p = BlockParts {
+        d: vec![0u8; blocks * st.d],
+        m: vec![0u8; blocks * st.m],
+        sub: vec![0u8; blocks * st.sub],
+        h: vec![0u8; blocks * st.h],
+        q: vec![0u8; blocks * st.q],
+    };
+    let per = blocks.div_ceil(threads.max(1)).max(1);
+    // `per` blocks' worth of `v` at a time (an empty slice per run for an absent field)
+    fn runs(v: &mut [u8], stride: usize, per: usize, n: usize) -> Vec<&mut [u8]> {
+        if stride == 0 {
+            return (0..n).map(|_| <&mut [u8]>::default()).collect();
+        }
+        v.chunks_mut(per * stride).collect()
+    }
+    let n = blocks.div_ceil(per);
+    let mut d = runs(&mut p.d, st.d, per, n).into_iter();
+    let mut m = runs(&mut p.m, st.m, per, n).into_iter();
+    let mut sub = runs(&mut p.sub, st.sub, per, n).into_iter();
+    let mut h = runs(&mut p.h, st.h, per, n).into_iter();
+    let mut q = runs(&mut p.q, st.q, per, n).into_iter();
+    let mut jobs = Vec::with_capacity(n);
+    for run in raw.chunks(per * bb) {
+        match (d.next(), m.next(), sub.next(), h.next(), q.next()) {
+            (Some(d), Some(m), Some(sub), Some(h), Some(q)) => {
+                jobs.push((run, BlockParts { d, m, sub, h, q }))
+            }
+            _ => return Err(qerr(kind, "internal: block runs and buffers disagree")),
+        }
+    }
+    if jobs.len() <= 1 {
+        for (run, out) in jobs {
+            unpack_blocks(kind, run, bb, st, out);
+        }
+        return Ok(p);
+    }
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = jobs
+            .into_iter()
+            .map(|(run, out)| sc.spawn(move || unpack_blocks(kind, run, bb, st, out)))
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join())
+    })
+    .map_err(|_| qerr(kind, "a thread taking the blocks apart panicked"))?;
+    Ok(p)
+}
+
 impl QuantWeight {
     /// Builds a quantized weight from a GGUF tensor's raw bytes.
     ///
@@ -763,42 +912,14 @@ impl QuantWeight {
                 ),
             ));
         }
-        let has_min = matches!(
-            kind,
-            QuantKind::Q4_1 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K
-        );
-        let high_bits = match kind {
-            QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q5_K => 1,
-            QuantKind::Q6_K => 2,
-            _ => 0,
-        };
+        let (has_min, high_bits) = (has_min(kind), high_bits(kind));
         let ncode = if kind == QuantKind::Q8_0 { bw } else { bw / 2 };
-        let mut d = Vec::with_capacity(blocks * 2);
-        let mut m = Vec::with_capacity(if has_min { blocks * 2 } else { 0 });
-        let mut sub = Vec::with_capacity(if kind.is_k_quant() { blocks * 16 } else { 0 });
-        let mut h = Vec::with_capacity(blocks * bw * high_bits / 8);
-        let mut q = Vec::with_capacity(blocks * ncode);
-        let mut u = Unpacked::default();
-        for block in raw.chunks_exact(bb) {
-            unpack_block(kind, block, &mut u);
-            d.extend(u.d.to_le_bytes());
-            if let Some(mv) = u.m {
-                m.extend(mv.to_le_bytes());
-            }
-            if kind.is_k_quant() {
-                sub.extend_from_slice(&u.sub);
-            }
-            if high_bits > 0 {
-                pack_bits(&u.high, high_bits, &mut h);
-            }
-            if kind == QuantKind::Q8_0 {
-                q.extend_from_slice(&u.low);
-            } else {
-                // consecutive pairs, first weight in the high nibble: one byte-indexed lookup
-                // yields the weights in order
-                q.extend(u.low.chunks_exact(2).map(|p| (p[0] << 4) | p[1]));
-            }
-        }
+        // on up to libtorch's intra-op thread count, at least 4096 blocks each
+        let threads = usize::try_from(tch::get_num_threads())
+            .unwrap_or(1)
+            .clamp(1, blocks.div_ceil(4096).max(1));
+        let BlockParts { d, m, sub, h, q } = unpack_blocks_on(kind, raw, bb, bw, threads)?;
+        debug_assert_eq!(q.len(), blocks * ncode);
         let ctx = || format!("building {kind:?} tensors of shape {shape:?}");
         let make = |data: &[u8], size: &[i64], k: Kind| {
             Tensor::f_from_data_size(data, size, k)
@@ -1889,6 +2010,31 @@ mod tests {
             };
             assert!(max_err <= bound, "{kind:?} max error {max_err}");
             assert!(max_err > 0.0);
+        }
+    }
+
+    #[test]
+    fn blocks_taken_apart_on_several_threads_equal_one_threads() {
+        // 8192 blocks of 32 (or 1024 of 256): runs of uneven length on 3 threads
+        let (out, inn) = (32i64, 8192i64);
+        let x = pseudo_random((out * inn) as usize, 11);
+        for kind in GGUF_KINDS {
+            let (bb, bw) = gguf_layout(kind).unwrap();
+            let raw = quantize_gguf_reference(kind, &x).unwrap();
+            let one = unpack_blocks_on(kind, &raw, bb, bw, 1).unwrap();
+            let three = unpack_blocks_on(kind, &raw, bb, bw, 3).unwrap();
+            assert!(
+                !one.q.is_empty() && one.d.iter().any(|&b| b != 0),
+                "{kind:?}"
+            );
+            assert!(
+                one.d == three.d
+                    && one.m == three.m
+                    && one.sub == three.sub
+                    && one.h == three.h
+                    && one.q == three.q,
+                "{kind:?}"
+            );
         }
     }
 
