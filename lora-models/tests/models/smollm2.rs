@@ -326,3 +326,50 @@ fn q4_k_m_requantized_file_runs_kept_quantized() {
     assert_eq!(idx[0], 28, "top-1 after {ONCE:?} is not ','");
     assert!(q_bytes < dense.weights_resident_bytes() / 4);
 }
+
+/// `perplexity_ids` scores through the chunked head loss (no `[window, vocab]` logits, a tied
+/// quantized head multiplied tile by tile): each window's NLL equals the plain path's, the full
+/// logits of `forward_t` and their log-softmax, for the dense and the kept-quantized model.
+#[test]
+fn perplexity_equals_the_full_logits_reference() {
+    let ids = tokenizer().encode(FOX, true).unwrap();
+    let opts = PerplexityOptions {
+        max_length: 8,
+        stride: 4,
+    };
+    for name in ["dense", "quantized"] {
+        // one model locked at a time
+        let m = if name == "dense" {
+            dense_f32()
+        } else {
+            quantized()
+        };
+        let r = m.perplexity_ids(&ids, &opts).unwrap();
+        // the same windows by hand: tokens [prev_end, end) scored, each given its window's context
+        let (mut sum, mut scored, mut prev_end, mut begin) = (0.0f64, 0usize, 0usize, 0usize);
+        loop {
+            let end = (begin + opts.max_length).min(ids.len());
+            let logp = m
+                .forward_t(&ids_tensor(&ids[begin..end]), None, None, false)
+                .unwrap()
+                .log_softmax(-1, Kind::Double)
+                .select(0, 0);
+            for t in prev_end.max(begin + 1)..end {
+                sum -= logp.double_value(&[(t - 1 - begin) as i64, ids[t]]);
+                scored += 1;
+            }
+            prev_end = end;
+            if end == ids.len() {
+                break;
+            }
+            begin += opts.stride;
+        }
+        assert_eq!(r.tokens_scored, scored, "{name}");
+        let want = sum / scored as f64;
+        assert!(
+            (r.mean_nll - want).abs() < 2e-5,
+            "{name}: {} vs {want}",
+            r.mean_nll
+        );
+    }
+}
