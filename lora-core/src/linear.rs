@@ -245,9 +245,7 @@ impl LoraLinear {
             .map(|s| {
                 let mut active = s.adapters.iter().filter(|a| a.in_branch());
                 match (active.next(), active.next()) {
-                    (Some(a), None)
-                        if s.plain_branches(x, &base_out) && !(train && a.spec.dropout > 0.0) =>
-                    {
+                    (Some(a), None) if s.plain_adapters(x) && !(train && a.spec.dropout > 0.0) => {
                         Some(a)
                     }
                     _ => None,
@@ -269,6 +267,32 @@ impl LoraLinear {
             let rank_total: i64 = ranks.iter().sum();
             let h = linear_product(x, &Tensor::f_cat(&a, 0)?)?;
             let scales: Vec<f64> = adapters.iter().map(|a| a.effective_scale()).collect();
+            if base_out.kind() != x.kind() {
+                // Under autocast (the frozen product in the autocast dtype, x and the adapters
+                // not): the general path's order of operations — `B(A(x))` in the autocast
+                // dtype, times the scaling, cast to the output's dtype, added — for the whole
+                // group at once, so each site's values are the ones its own forward gives.
+                let lora = linear_product(&h, &Tensor::f_block_diag(&b)?)?;
+                let lora = if scales.windows(2).all(|w| w[0] == w[1]) {
+                    lora.f_mul_scalar(scales[0])?
+                } else {
+                    let per_col: Vec<f64> = scales
+                        .iter()
+                        .zip(&outs)
+                        .flat_map(|(&s, &o)| std::iter::repeat_n(s, o as usize))
+                        .collect();
+                    let per_col = Tensor::f_from_slice(&per_col)?
+                        .f_to_kind(lora.kind())?
+                        .f_to_device(lora.device())?;
+                    lora.f_mul(&per_col)?
+                };
+                let lora = if lora.kind() == base_out.kind() {
+                    lora
+                } else {
+                    lora.f_to_kind(base_out.kind())?
+                };
+                return base_out.f_add(&lora);
+            }
             let h = if scales.windows(2).all(|w| w[0] == w[1]) {
                 h.f_mul_scalar(scales[0])?
             } else {
@@ -311,12 +335,15 @@ impl LoraLinear {
     /// True when every active adapter is plain LoRA (no DoRA magnitude) in the dtype of `x` and of
     /// the base output, so [`Self::add_plain_branches`] gives the same function as the general path.
     fn plain_branches(&self, x: &Tensor, base_out: &Tensor) -> bool {
+        self.plain_adapters(x) && base_out.kind() == x.kind()
+    }
+
+    /// True when the layer is enabled and every active adapter is plain LoRA (no DoRA magnitude)
+    /// in the dtype of `x`.
+    fn plain_adapters(&self, x: &Tensor) -> bool {
         !self.disabled
             && self.adapters.iter().filter(|a| a.in_branch()).all(|a| {
-                a.magnitude.is_none()
-                    && a.lora_a.kind() == x.kind()
-                    && a.lora_b.kind() == x.kind()
-                    && base_out.kind() == x.kind()
+                a.magnitude.is_none() && a.lora_a.kind() == x.kind() && a.lora_b.kind() == x.kind()
             })
     }
 

@@ -45,7 +45,8 @@ fn sites(specs: [AdapterSpec; 3]) -> (nn::VarStore, Vec<LoraLinear>) {
 /// fused path's result (each site's own branches give tensors of their own).
 fn side_by_side(outs: &[Tensor]) -> bool {
     let width = outs[0].size().last().copied().unwrap_or(0) as usize;
-    outs[1].data_ptr() as usize == outs[0].data_ptr() as usize + width * 4
+    let elem = outs[0].kind().elt_size_in_bytes();
+    outs[1].data_ptr() as usize == outs[0].data_ptr() as usize + width * elem
 }
 
 fn stacked_product(sites: &[LoraLinear], x: &Tensor) -> Tensor {
@@ -182,4 +183,43 @@ fn a_product_of_the_wrong_width_is_a_shape_error() {
         matches!(err, Error::Shape { ref expected, .. } if expected == &[-1, 16]),
         "{err}"
     );
+}
+
+#[test]
+fn siblings_under_bf16_autocast_equal_each_sites_own_forward() {
+    // The frozen product in bf16, x and the adapters in f32: the group takes the general path's
+    // order of operations (B(A(x)) in bf16, scaled, added) for all sites at once.
+    let mixed = [
+        AdapterSpec::new(4, 8.0),
+        AdapterSpec::new(3, 3.0),
+        AdapterSpec::new(2, 8.0),
+    ];
+    let same = [
+        AdapterSpec::new(2, 4.0),
+        AdapterSpec::new(2, 4.0),
+        AdapterSpec::new(2, 4.0),
+    ];
+    for specs in [mixed, same] {
+        let (vs, s) = sites(specs);
+        let _ac = lora_core::sys::AutocastGuard::new(tch::Device::Cpu, Kind::BFloat16).unwrap();
+        let x = dense(&[2, 5, IN], 7);
+        let refs: Vec<&LoraLinear> = s.iter().collect();
+        let outs = LoraLinear::forward_siblings(&refs, &x, stacked_product(&s, &x), true).unwrap();
+        assert_eq!(outs[0].kind(), Kind::BFloat16);
+        assert!(side_by_side(&outs), "the group was not computed together");
+        let fused = run(&s, &vs, true, true);
+        let own = run(&s, &vs, false, true);
+        for (i, (f, o)) in fused.iter().zip(&own).enumerate() {
+            assert_eq!((f.size(), f.kind()), (o.size(), o.kind()), "tensor {i}");
+            // the same ops on the same bf16 values, up to the GEMMs' summation order: within
+            // a bf16 step of the largest value
+            let top = o.abs().max().to_kind(Kind::Double).double_value(&[]);
+            let d = max_abs_diff(f, o);
+            assert!(
+                d <= top * 2f64.powi(-7),
+                "tensor {i} differs by {d} (max {top})"
+            );
+            assert!(top > 1e-3, "tensor {i} is zero");
+        }
+    }
 }
