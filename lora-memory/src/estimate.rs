@@ -818,7 +818,26 @@ fn decoder_layer(
                     saved += c.e * width;
                 }
             } else if per_module > 0.0 {
-                saved += per_module * width * adapted.len() as f64;
+                // This SDK computes the LoRA A products of dense siblings that all carry a plain
+                // adapter in one GEMM (lora_core `LoraLinear::forward_siblings`, lora_models'
+                // q/k/v and gate/up over one fused base): one cast of the shared input for the
+                // group, not one per module.
+                let layer = d.layer_sites();
+                let present = names
+                    .iter()
+                    .filter(|n| layer.iter().any(|x| x.name == **n))
+                    .count();
+                let fused_group = p.framework == Framework::Ours
+                    && !s.base_dtype.is_quantized()
+                    && s.method == Method::Lora
+                    && adapted.len() > 1
+                    && adapted.len() == present;
+                let casts = if fused_group {
+                    1.0
+                } else {
+                    adapted.len() as f64
+                };
+                saved += per_module * width * casts;
                 if bnb {
                     saved += c.e * width;
                 }
