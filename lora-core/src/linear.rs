@@ -273,19 +273,7 @@ impl LoraLinear {
                 // dtype, times the scaling, cast to the output's dtype, added — for the whole
                 // group at once, so each site's values are the ones its own forward gives.
                 let lora = linear_product(&h, &Tensor::f_block_diag(&b)?)?;
-                let lora = if scales.windows(2).all(|w| w[0] == w[1]) {
-                    lora.f_mul_scalar(scales[0])?
-                } else {
-                    let per_col: Vec<f64> = scales
-                        .iter()
-                        .zip(&outs)
-                        .flat_map(|(&s, &o)| std::iter::repeat_n(s, o as usize))
-                        .collect();
-                    let per_col = Tensor::f_from_slice(&per_col)?
-                        .f_to_kind(lora.kind())?
-                        .f_to_device(lora.device())?;
-                    lora.f_mul(&per_col)?
-                };
+                let lora = scale_columns(&lora, &scales, &outs)?;
                 let lora = if lora.kind() == base_out.kind() {
                     lora
                 } else {
@@ -293,19 +281,7 @@ impl LoraLinear {
                 };
                 return base_out.f_add(&lora);
             }
-            let h = if scales.windows(2).all(|w| w[0] == w[1]) {
-                h.f_mul_scalar(scales[0])?
-            } else {
-                let per_row: Vec<f64> = scales
-                    .iter()
-                    .zip(&ranks)
-                    .flat_map(|(&s, &r)| std::iter::repeat_n(s, r as usize))
-                    .collect();
-                let per_row = Tensor::f_from_slice(&per_row)?
-                    .f_to_kind(h.kind())?
-                    .f_to_device(h.device())?;
-                h.f_mul(&per_row)?
-            };
+            let h = scale_columns(&h, &scales, &ranks)?;
             let b = Tensor::f_block_diag(&b)?;
             base_out
                 .f_reshape([-1, total])?
@@ -320,6 +296,28 @@ impl LoraLinear {
             .map(|(s, p)| s.add_bias(p).ctx(ctx))
             .collect()
     }
+}
+
+/// `t` `[..., Σ widthsᵢ]` with its last-dimension columns scaled group by group: the first
+/// `widths[0]` by `scales[0]`, and so on (one scalar multiply when every scale agrees). The
+/// siblings' per-site scalings over their side-by-side ranks or outputs.
+fn scale_columns(
+    t: &Tensor,
+    scales: &[f64],
+    widths: &[i64],
+) -> std::result::Result<Tensor, tch::TchError> {
+    if scales.windows(2).all(|w| w[0] == w[1]) {
+        return t.f_mul_scalar(scales.first().copied().unwrap_or(1.0));
+    }
+    let per_col: Vec<f64> = scales
+        .iter()
+        .zip(widths)
+        .flat_map(|(&s, &n)| std::iter::repeat_n(s, n.max(0) as usize))
+        .collect();
+    let per_col = Tensor::f_from_slice(&per_col)?
+        .f_to_kind(t.kind())?
+        .f_to_device(t.device())?;
+    t.f_mul(&per_col)
 }
 
 impl LoraLinear {

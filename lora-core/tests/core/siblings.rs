@@ -90,20 +90,25 @@ fn run(sites: &[LoraLinear], vs: &nn::VarStore, fused: bool, train: bool) -> Vec
     got
 }
 
+/// Different ranks and scalings (2, 1, 4), and the same scaling everywhere.
+fn mixed_and_same_scalings() -> [[AdapterSpec; 3]; 2] {
+    [
+        [
+            AdapterSpec::new(4, 8.0),
+            AdapterSpec::new(3, 3.0),
+            AdapterSpec::new(2, 8.0),
+        ],
+        [
+            AdapterSpec::new(2, 4.0),
+            AdapterSpec::new(2, 4.0),
+            AdapterSpec::new(2, 4.0),
+        ],
+    ]
+}
+
 #[test]
 fn siblings_together_equal_each_sites_own_forward_and_gradients() {
-    // different ranks and scalings (2, 1, 4), and the same scaling everywhere
-    let mixed = [
-        AdapterSpec::new(4, 8.0),
-        AdapterSpec::new(3, 3.0),
-        AdapterSpec::new(2, 8.0),
-    ];
-    let same = [
-        AdapterSpec::new(2, 4.0),
-        AdapterSpec::new(2, 4.0),
-        AdapterSpec::new(2, 4.0),
-    ];
-    for specs in [mixed, same] {
+    for specs in mixed_and_same_scalings() {
         let (vs, s) = sites(specs);
         let x = dense(&[2, 5, IN], 7);
         let refs: Vec<&LoraLinear> = s.iter().collect();
@@ -189,17 +194,7 @@ fn a_product_of_the_wrong_width_is_a_shape_error() {
 fn siblings_under_bf16_autocast_equal_each_sites_own_forward() {
     // The frozen product in bf16, x and the adapters in f32: the group takes the general path's
     // order of operations (B(A(x)) in bf16, scaled, added) for all sites at once.
-    let mixed = [
-        AdapterSpec::new(4, 8.0),
-        AdapterSpec::new(3, 3.0),
-        AdapterSpec::new(2, 8.0),
-    ];
-    let same = [
-        AdapterSpec::new(2, 4.0),
-        AdapterSpec::new(2, 4.0),
-        AdapterSpec::new(2, 4.0),
-    ];
-    for specs in [mixed, same] {
+    for specs in mixed_and_same_scalings() {
         let (vs, s) = sites(specs);
         let _ac = lora_core::sys::AutocastGuard::new(tch::Device::Cpu, Kind::BFloat16).unwrap();
         let x = dense(&[2, 5, IN], 7);
