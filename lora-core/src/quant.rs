@@ -912,14 +912,12 @@ impl QuantWeight {
                 ),
             ));
         }
-        let (has_min, high_bits) = (has_min(kind), high_bits(kind));
-        let ncode = if kind == QuantKind::Q8_0 { bw } else { bw / 2 };
+        let st = BlockStrides::of(kind, bw);
         // on up to libtorch's intra-op thread count, at least 4096 blocks each
         let threads = usize::try_from(tch::get_num_threads())
             .unwrap_or(1)
             .clamp(1, blocks.div_ceil(4096).max(1));
         let BlockParts { d, m, sub, h, q } = unpack_blocks_on(kind, raw, bb, bw, threads)?;
-        debug_assert_eq!(q.len(), blocks * ncode);
         let ctx = || format!("building {kind:?} tensors of shape {shape:?}");
         let make = |data: &[u8], size: &[i64], k: Kind| {
             Tensor::f_from_data_size(data, size, k)
@@ -931,14 +929,14 @@ impl QuantWeight {
         } else {
             Kind::Uint8
         };
-        let codes = make(&q, &[out, nb, ncode as i64], code_kind)?;
+        let codes = make(&q, &[out, nb, st.q as i64], code_kind)?;
         let scales = make(&d, &[out, nb], Kind::Half)?;
-        let mins = if has_min {
+        let mins = if st.m > 0 {
             Some(make(&m, &[out, nb], Kind::Half)?)
         } else {
             None
         };
-        let sub_scales = if kind.is_k_quant() {
+        let sub_scales = if st.sub > 0 {
             let k = if kind == QuantKind::Q6_K {
                 Kind::Int8
             } else {
@@ -948,12 +946,8 @@ impl QuantWeight {
         } else {
             None
         };
-        let hbits = if high_bits > 0 {
-            Some(make(
-                &h,
-                &[out, nb, (bw * high_bits / 8) as i64],
-                Kind::Uint8,
-            )?)
+        let hbits = if st.h > 0 {
+            Some(make(&h, &[out, nb, st.h as i64], Kind::Uint8)?)
         } else {
             None
         };

@@ -790,6 +790,7 @@ fn decoder_layer(
         (&["mlp.down_proj"], f),
     ];
     let bnb = p.bnb_saves_4bit_inputs && matches!(s.base_dtype, BaseDtype::Nf4 { .. });
+    let layer_sites = d.layer_sites();
     for (names, width) in groups {
         let adapted: Vec<&&str> = names.iter().filter(|n| is(n)).collect();
         if full {
@@ -822,10 +823,9 @@ fn decoder_layer(
                 // adapter in one GEMM (lora_core `LoraLinear::forward_siblings`, lora_models'
                 // q/k/v and gate/up over one fused base): one cast of the shared input for the
                 // group, not one per module.
-                let layer = d.layer_sites();
                 let present = names
                     .iter()
-                    .filter(|n| layer.iter().any(|x| x.name == **n))
+                    .filter(|n| layer_sites.iter().any(|x| x.name == **n))
                     .count();
                 let fused_group = p.framework == Framework::Ours
                     && !s.base_dtype.is_quantized()
