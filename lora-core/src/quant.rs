@@ -1697,11 +1697,13 @@ impl QuantWeight {
         }
     }
 
-    /// Output rows per tile of [`QuantWeight::tiled_weight`]: `tile_elements / in` rows (at
-    /// least one), at most `out`; for NF4 a multiple of the rows that make whole 64-weight
-    /// blocks, and with double quantization of those that make whole groups of 256 blocks when
-    /// such a tile fits (a tile starting inside a group would expand that group's constants).
-    fn tile_rows(&self, tile_elements: u64) -> i64 {
+    /// Output rows per tile of the tiled products ([`QuantWeight::linear`] off the CPU kernel,
+    /// [`QuantWeight::matmul`]): `tile_elements / in` rows (at least one), at most `out`; for
+    /// NF4 a multiple of the rows that make whole 64-weight blocks, and with double quantization
+    /// of those that make whole groups of 256 blocks when such a tile fits (a tile starting
+    /// inside a group would expand that group's constants). Every tile `r0 .. r0 + rows` (the
+    /// last one shorter) is a valid [`QuantWeight::narrow_rows`] range.
+    pub fn tile_rows(&self, tile_elements: u64) -> i64 {
         let [out, inn] = self.shape;
         let fit = (i64::try_from(tile_elements).unwrap_or(i64::MAX) / inn).max(1);
         fn gcd(a: i64, b: i64) -> i64 {

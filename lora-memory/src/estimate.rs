@@ -1116,8 +1116,23 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         0.0
     };
+    // This SDK over a quantized base, and whether the shim's CPU kernel takes its products.
+    let ours_quantized = s.profile.framework == Framework::Ours && s.base_dtype.is_quantized();
+    let ours_kernel = ours_quantized
+        && !s.device.is_cuda()
+        && !matches!(
+            s.mixed_precision,
+            MixedPrecision::Fp16 | MixedPrecision::FullFp16
+        );
+    // Over a quantized head without the CPU kernel the gradient rows are summed over the
+    // vocabulary tiles in an f32 buffer beside the 16-bit rows (`vocab_tiled_head`).
+    let tiled_head_sums = if ours_quantized && !ours_kernel && head_quantized > 0.0 && c.e < 4.0 {
+        4.0 * h
+    } else {
+        0.0
+    };
     let (logits_peak, logits_kept) = if fused_ce {
-        ((8.0 + c.e) * h, 8.0 * h)
+        ((8.0 + c.e) * h + tiled_head_sums, 8.0 * h)
     } else if s.profile.compiled_loss {
         // fused cross-entropy: 16-bit logits + their gradient (one chunk at a time when chunked)
         let grad = if s.profile.chunked_cross_entropy {
@@ -1182,13 +1197,6 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     // shim's kernel decodes each tile (`lora_core::sys::qlinear`: f32, plus its bf16 copy for a
     // bf16 product); elsewhere (CUDA; f16 on the CPU) `QuantWeight::dequantize` of the tile's
     // rows does (`lora_core::sys::tiled_linear`), holding `ours_dequant_bytes_per_weight`.
-    let ours_quantized = s.profile.framework == Framework::Ours && s.base_dtype.is_quantized();
-    let ours_kernel = ours_quantized
-        && !s.device.is_cuda()
-        && !matches!(
-            s.mixed_precision,
-            MixedPrecision::Fp16 | MixedPrecision::FullFp16
-        );
     let tile = |params: f64| {
         params.min(OURS_QLINEAR_TILE_ELEMENTS as f64)
             * if !ours_kernel {
@@ -1199,10 +1207,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
                 4.0
             }
     };
-    // The fused loss multiplies a quantized head through the CPU kernel chunk by chunk; without
-    // the kernel it dequantizes the head whole under no-grad and holds it through the chunks
+    // This SDK's fused loss never decodes a quantized head whole: the CPU kernel multiplies it
+    // chunk by chunk, and elsewhere (CUDA; f16) one tile of vocabulary rows is decoded at a time
     // (`lora_models::llama::Llama::loss`).
-    let head_dq = if ours_kernel {
+    let head_dq = if ours_quantized {
         tile(head_quantized)
     } else {
         dequant(head_quantized)
@@ -2296,6 +2304,20 @@ mod tests {
         let got =
             dense_head.breakdown.base_weights.as_f64() - q_head.breakdown.base_weights.as_f64();
         assert!((got - saved).abs() < 2.0, "{got} vs {saved}");
+        // on CUDA this SDK's fused loss decodes that head one tile of vocabulary rows at a time
+        // (`lora-models/tests/head_memory.rs` counts it): a tile's decode more than the dense
+        // head's loss, not the 2·V·d bytes of the head decoded whole
+        let transient =
+            |e: &Estimate| e.breakdown.activations.as_f64() + e.breakdown.logits_loss.as_f64();
+        let extra = transient(&q_head) - transient(&dense_head);
+        let tile =
+            OURS_QLINEAR_TILE_ELEMENTS as f64 * ours_dequant_bytes_per_weight(BaseDtype::Q4_0, 4.0);
+        let sums = 4.0 * d.hidden as f64 * 512.0;
+        assert!(
+            extra > 0.0 && extra <= tile + sums,
+            "{extra} vs {tile} + {sums}"
+        );
+        assert!(extra < 0.05 * 2.0 * vh as f64, "{extra}");
         assert!(estimate(&m, &Settings::default().with_quantize_lm_head(true)).is_err());
         assert!(estimate(&m, &Settings::default().with_seq_len(0)).is_err());
     }

@@ -61,11 +61,14 @@ impl RmsNorm {
 
 use lora_core::sys::tensor_bytes;
 
-/// The frozen head of [`Llama::head_loss`]: dense `w` `[V, d]` with its transpose, or a
-/// quantized weight multiplied tile by tile (`QuantWeight::matmul`).
+/// The frozen head of [`Llama::head_loss`]: dense `w` `[V, d]` with its transpose; a quantized
+/// weight that the CPU kernel multiplies chunk by chunk (`QuantWeight::matmul`); or a quantized
+/// weight without that kernel (CUDA, f16, f64), decoded one vocabulary tile at a time
+/// ([`vocab_tiled_head`]).
 enum HeadWeight<'a> {
     Dense { w: Tensor, wt: Tensor },
     Quant(&'a lora_core::quant::QuantWeight),
+    QuantTiles(&'a lora_core::quant::QuantWeight),
 }
 
 use crate::weights::Site;
@@ -305,6 +308,121 @@ fn bf16_input_grad_by_f32(g: &Tensor, w: &Tensor) -> Result<Tensor> {
         s += n;
     }
     Ok(acc.f_to_kind(Kind::BFloat16)?)
+}
+
+/// The fused head + cross-entropy over a quantized head that the CPU kernel does not multiply
+/// (a weight on CUDA; f16 or f64 products): rows `[n, d]` (the normed hidden states of the
+/// predicting positions, no graph), their labels `idx` `[n, 1]` int64 (clamped to ≥ 0) and
+/// `valid` `[n, 1]` f32 (1 where the label counts). Returns the sum over valid rows of
+/// `logsumexp − logit[label]` (0-d) and, with `want_grad`, the rows' gradient
+/// `(softmax − onehot)·W · valid · inv` `[n, d]`, both f32 (f64 when `mm_kind` is f64).
+///
+/// The weight is decoded one tile of [`QuantWeight::tile_rows`] vocabulary rows at a time
+/// (at most [`lora_core::sys::QLINEAR_TILE_ELEMENTS`] weights dense at once, in `mm_kind`), and
+/// the rows go in chunks whose `[rows, tile]` f32 logits stay within [`FUSED_CE_CHUNK_BYTES`]
+/// (at least 16 rows). Per chunk, a first pass over the tiles keeps a running maximum and sum
+/// of exponentials per row (the online log-sum-exp of Milakov & Gimelshein, arXiv:1805.02867)
+/// and each row's target logit; a second pass decodes each tile again, recomputes its logits
+/// and adds `(softmax − onehot)·W_tile` to an f32 accumulator. So each chunk decodes the head
+/// twice, whatever the number of chunks the CPU path would use, and computes the head's logits
+/// twice (one GEMM more than the dense path); nothing `[V, d]`-sized is ever dense.
+///
+/// [`QuantWeight::tile_rows`]: lora_core::quant::QuantWeight::tile_rows
+fn vocab_tiled_head(
+    q: &lora_core::quant::QuantWeight,
+    rows: &Tensor,
+    idx: &Tensor,
+    valid: &Tensor,
+    mm_kind: Kind,
+    want_grad: bool,
+    inv: f64,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let [v, d] = q.shape();
+    let dev = rows.device();
+    let n = rows.size()[0];
+    // logits, statistics and the gradient's sums in f32, or f64 for f64 products
+    let acc = if mm_kind == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    };
+    let tile = q.tile_rows(lora_core::sys::QLINEAR_TILE_ELEMENTS).max(1);
+    let chunk = (FUSED_CE_CHUNK_BYTES / (4 * tile))
+        .clamp(16, n.max(16))
+        .min(n);
+    let decode = |v0: i64| -> Result<(i64, Tensor)> {
+        let len = tile.min(v - v0);
+        Ok((len, q.narrow_rows(v0, len)?.dequantize(mm_kind)?))
+    };
+    // f32 logits of `x` against the tile `w` starting at vocabulary row `v0`, with each row's
+    // label as an index into the tile and whether it falls inside it (f32 0/1).
+    let tile_logits = |x: &Tensor, w: &Tensor, ix: &Tensor, v0: i64, len: i64| {
+        let lg = x.f_mm(&w.f_tr()?)?.f_to_kind(acc)?;
+        let inside = ix.f_ge(v0)?.f_logical_and(&ix.f_lt(v0 + len)?)?;
+        let local = ix.f_sub_scalar(v0)?.f_clamp(0, len - 1)?;
+        Ok::<_, Error>((lg, local, inside.f_to_kind(acc)?))
+    };
+    let mut total = Tensor::f_zeros([], (acc, dev))?;
+    let grad = if want_grad {
+        Some(Tensor::f_zeros([n, d], (mm_kind, dev))?)
+    } else {
+        None
+    };
+    let mut start = 0;
+    while start < n {
+        let r = chunk.min(n - start);
+        let x = rows.f_narrow(0, start, r)?.f_to_kind(mm_kind)?;
+        let ix = idx.f_narrow(0, start, r)?;
+        let vf = valid.f_narrow(0, start, r)?;
+        let mut max = Tensor::f_full([r, 1], f64::NEG_INFINITY, (acc, dev))?;
+        let mut sum = Tensor::f_zeros([r, 1], (acc, dev))?;
+        let mut target = Tensor::f_zeros([r, 1], (acc, dev))?;
+        let mut v0 = 0;
+        while v0 < v {
+            let (len, w) = decode(v0)?;
+            let (lg, local, inside) = tile_logits(&x, &w, &ix, v0, len)?;
+            let new_max = max.f_maximum(&lg.f_amax([-1i64].as_slice(), true)?)?;
+            let kept = max.f_sub(&new_max)?.f_exp()?;
+            let tile_sum =
+                lg.f_sub(&new_max)?
+                    .f_exp()?
+                    .f_sum_dim_intlist([-1i64].as_slice(), true, acc)?;
+            sum = sum.f_mul(&kept)?.f_add(&tile_sum)?;
+            max = new_max;
+            target = target.f_add(&lg.f_gather(1, &local, false)?.f_mul(&inside)?)?;
+            v0 += len;
+        }
+        let lse = max.f_add(&sum.f_log()?)?;
+        total = total.f_add(&lse.f_sub(&target)?.f_mul(&vf)?.f_sum(acc)?)?;
+        if let Some(g) = &grad {
+            // the chunk's sums: in the gradient rows themselves when they are f32 / f64, else
+            // in an f32 buffer rounded into them once
+            let rows_out = g.f_narrow(0, start, r)?;
+            let mut sums = if mm_kind == acc {
+                rows_out.shallow_clone()
+            } else {
+                Tensor::f_zeros([r, d], (acc, dev))?
+            };
+            let scale = vf.f_mul_scalar(inv)?;
+            let mut v0 = 0;
+            while v0 < v {
+                let (len, w) = decode(v0)?;
+                let (mut p, local, inside) = tile_logits(&x, &w, &ix, v0, len)?;
+                // softmax − onehot(label), times valid / n_valid per row
+                let _ = p.f_sub_(&lse)?.f_exp_()?;
+                let _ = p.f_scatter_add_(1, &local, &inside.f_neg()?)?;
+                let _ = p.f_mul_(&scale)?;
+                let part = p.f_to_kind(mm_kind)?.f_mm(&w)?;
+                let _ = sums.f_add_(&part)?;
+                v0 += len;
+            }
+            if mm_kind != acc {
+                rows_out.shallow_clone().f_copy_(&sums)?;
+            }
+        }
+        start += r;
+    }
+    Ok((total, grad))
 }
 
 /// The frozen products `x·Wᵢᵀ` of sibling sites in one GEMM with their `fused` weight,
@@ -1051,8 +1169,7 @@ impl Llama {
 
     /// The frozen LM-head weight `[V, d]` when the head adds nothing to a plain `h·Wᵀ` (tied to
     /// the embedding, or an untied head with no active LoRA adapter and no bias): a quantized
-    /// one as it is when the tiled kernels take products in `mm_kind`, else dense in `mm_kind`;
-    /// `None` otherwise.
+    /// one as it is (never decoded whole), a dense one in `mm_kind`; `None` otherwise.
     fn plain_head_weight(&self, mm_kind: Kind) -> Result<Option<HeadWeight<'_>>> {
         let base = match &self.lm_head {
             None => self.embed_tokens.base(),
@@ -1069,6 +1186,7 @@ impl Llama {
         };
         Ok(Some(match base {
             BaseWeight::Quant(q) if q.has_kernel(mm_kind) => HeadWeight::Quant(q),
+            BaseWeight::Quant(q) => HeadWeight::QuantTiles(q),
             b => {
                 let w = b.weight(self.kind)?.f_to_kind(mm_kind)?;
                 HeadWeight::Dense { wt: w.f_tr()?, w }
@@ -1126,12 +1244,20 @@ impl Llama {
         let want_grad = hn.requires_grad();
         let v = match &w {
             HeadWeight::Dense { w, .. } => w.size()[0],
-            HeadWeight::Quant(q) => q.shape()[0],
+            HeadWeight::Quant(q) | HeadWeight::QuantTiles(q) => q.shape()[0],
         };
         let rows = hn.f_narrow(1, 0, s - 1)?.f_reshape([-1, d])?.f_detach()?;
         let n = rows.size()[0];
         let idx = lb.f_clamp_min(0)?.f_unsqueeze(1)?;
         let validf = valid.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
+        let inv = 1.0 / n_valid as f64;
+        if let HeadWeight::QuantTiles(q) = &w {
+            let (total, grad) = {
+                let _ng = tch::no_grad_guard();
+                vocab_tiled_head(q, &rows, &idx, &validf, mm_kind, want_grad, inv)?
+            };
+            return Self::fused_loss_output(&hn, total.f_mul_scalar(inv)?, grad, b, s, d);
+        }
         // A dense fp32 head writes each chunk into one reused buffer.
         let reuse = mm_kind == Kind::Float && matches!(w, HeadWeight::Dense { .. });
         // bf16 autocast on a CPU without a fast bf16 GEMM: the same bf16 numbers by f32 GEMMs
@@ -1153,7 +1279,6 @@ impl Llama {
         };
         let mut total = Tensor::f_zeros([], (Kind::Float, h.device()))?;
         let _ng = tch::no_grad_guard();
-        let inv = 1.0 / n_valid as f64;
         let mut start = 0;
         while start < n {
             let r = chunk.min(n - start);
@@ -1165,7 +1290,9 @@ impl Llama {
                 }
                 (HeadWeight::Dense { w, .. }, None) if by_f32 => bf16_logits_by_f32(&x, w)?,
                 (HeadWeight::Dense { wt, .. }, None) => x.f_mm(wt)?.f_to_kind(Kind::Float)?,
-                (HeadWeight::Quant(q), _) => q.matmul(&x, false)?.f_to_kind(Kind::Float)?,
+                (HeadWeight::Quant(q) | HeadWeight::QuantTiles(q), _) => {
+                    q.matmul(&x, false)?.f_to_kind(Kind::Float)?
+                }
             };
             let lse = lg.f_logsumexp([-1i64].as_slice(), true)?;
             let ix = idx.f_narrow(0, start, r)?;
@@ -1188,7 +1315,7 @@ impl Llama {
                     HeadWeight::Dense { w, .. } => {
                         let _ = gx.f_copy_(&lg.f_to_kind(mm_kind)?.f_mm(w)?)?;
                     }
-                    HeadWeight::Quant(q) => {
+                    HeadWeight::Quant(q) | HeadWeight::QuantTiles(q) => {
                         let _ = gx.f_copy_(&q.matmul(&lg.f_to_kind(mm_kind)?, true)?)?;
                     }
                 }
@@ -1197,10 +1324,24 @@ impl Llama {
         }
         let loss = total.f_mul_scalar(inv)?;
         drop(_ng);
+        Self::fused_loss_output(&hn, loss, grad, b, s, d)
+    }
+
+    /// The fused loss's result: `loss` (0-d, no graph) alone, or with the gradient rows `g`
+    /// `[b·(s − 1), d]` of the normed hidden states `hn` `[b, s, d]` attached as
+    /// `loss + Σ(hn·g') − sg(Σ(hn·g'))`, `g'` being `g` with a zero row for each sequence's last
+    /// position (it predicts nothing).
+    fn fused_loss_output(
+        hn: &Tensor,
+        loss: Tensor,
+        grad: Option<Tensor>,
+        b: i64,
+        s: i64,
+        d: i64,
+    ) -> Result<Tensor> {
         match grad {
             Some(g) => {
-                // The last position predicts nothing: its gradient is zero.
-                let last = Tensor::f_zeros([b, 1, d], (hn.kind(), h.device()))?;
+                let last = Tensor::f_zeros([b, 1, d], (hn.kind(), hn.device()))?;
                 let g = Tensor::f_cat(&[g.f_view([b, s - 1, d])?.f_to_kind(hn.kind())?, last], 1)?;
                 let dot = hn.f_mul(&g)?.f_sum(Kind::Float)?;
                 Ok(dot.f_sub(&dot.f_detach()?)?.f_add(&loss)?)

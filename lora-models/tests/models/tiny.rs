@@ -504,6 +504,132 @@ fn keep_quantized_safetensors_folder_loads_an_nf4_base() {
     assert!(rel_unrounded > 1e-3, "{rel_unrounded:.3e}");
 }
 
+/// A quantized head that the CPU kernel does not multiply (here: f64 products; on CUDA every
+/// quantized head) goes through the fused loss one vocabulary tile at a time, with an online
+/// log-sum-exp: its loss and every adapter gradient equal the plain cross-entropy of a model
+/// whose head is the same weight decoded whole. The Q8_0 head `[70,000, 32]` makes tiles of
+/// 32,768 rows (the last one 4,464), whose f32 logits fit 256 rows in a 32 MiB chunk: the
+/// 3 × 119 predicting positions run as two chunks, each over three tiles.
+#[test]
+fn vocab_tiled_quantized_head_loss_equals_cross_entropy_on_full_logits() {
+    let _g = crate::rng_lock();
+    let mut c = tiny_config("llama");
+    c.vocab_size = 70_000;
+    let w = random_weights(&c, 5);
+    let head = QuantWeight::quantize(&w["lm_head.weight"], QuantKind::Q8_0).unwrap();
+    assert_eq!(
+        head.tile_rows(lora_core::sys::QLINEAR_TILE_ELEMENTS),
+        32_768
+    );
+    let mut rounded: HashMap<String, Tensor> = w
+        .iter()
+        .map(|(k, t)| (k.clone(), t.shallow_clone()))
+        .collect();
+    rounded.insert(
+        "lm_head.weight".into(),
+        head.dequantize(Kind::Float).unwrap(),
+    );
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cfg = LoraConfig::new(4, 8.0, &["q_proj", "down_proj"]);
+    let mut m = Llama::from_tensors(c.clone(), &rounded, Kind::Double, Device::Cpu).unwrap();
+    inject(&mut m, &cfg, "default", &vs.root()).unwrap();
+    tch::no_grad(|| {
+        for v in vs.trainable_variables() {
+            let _ = v
+                .shallow_clone()
+                .f_add_(&(Tensor::randn_like(&v) * 0.05))
+                .unwrap();
+        }
+    });
+    let (b, s) = (3, 120);
+    let x = (Tensor::arange(b * s, (Kind::Int64, Device::Cpu)) * 7919).remainder(70_000);
+    let x = x.view([b, s]);
+    let labels = x.copy();
+    let _ = labels.get(0).narrow(0, 0, 7).fill_(-100);
+    let _ = labels.get(2).narrow(0, 100, 20).fill_(-100);
+    let zero = || {
+        for v in vs.trainable_variables() {
+            let mut g = v.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+    };
+    // the reference in f64 from the final norm on (the model's own logits are f32, as HF's):
+    // the final RMSNorm as HF's (normalized in f32), the decoded head weight, plain
+    // cross-entropy on full logits
+    zero();
+    let h = m.hidden_states(&x, None, None, false).unwrap();
+    let hf = h.to_kind(Kind::Float);
+    let hn = (&hf
+        * (hf.square().mean_dim([-1i64].as_slice(), true, Kind::Float) + c.rms_norm_eps).rsqrt())
+    .to_kind(Kind::Double)
+        * w["model.norm.weight"].to_kind(Kind::Double);
+    let logits = hn.matmul(&rounded["lm_head.weight"].to_kind(Kind::Double).tr());
+    let want = logits
+        .narrow(1, 0, s - 1)
+        .reshape([-1, 70_000])
+        .cross_entropy_loss::<Tensor>(
+            &labels.narrow(1, 1, s - 1).reshape([-1]),
+            None,
+            tch::Reduction::Mean,
+            -100,
+            0.0,
+        );
+    want.backward();
+    let (l_ref, g_ref) = (want.double_value(&[]), grads(&vs));
+    // the same model and adapters, the head swapped for the quantized weight
+    let mut head = Some(head);
+    m.visit_sites(&mut |name, site| {
+        if let (SiteMut::Linear(l), "lm_head") = (site, name) {
+            let q = head.take().expect("one lm_head");
+            l.replace_base(BaseWeight::Quant(q))?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert!(head.is_none(), "the head was swapped");
+    zero();
+    let loss = m.loss(&x, &labels, None, None, false).unwrap();
+    loss.backward();
+    let (l_tiled, g_tiled) = (loss.double_value(&[]), grads(&vs));
+
+    assert!(l_ref > 5.0, "a random model's loss is large: {l_ref}");
+    assert!(
+        (l_tiled - l_ref).abs() < 1e-12 * l_ref,
+        "loss {l_tiled} vs {l_ref}"
+    );
+    assert_eq!(g_tiled.len(), g_ref.len());
+    for ((name, a), (_, r)) in g_tiled.iter().zip(&g_ref) {
+        let scale = r.abs().max().double_value(&[]);
+        assert!(scale > 0.0, "{name} got no gradient");
+        let d = max_diff(a, r);
+        // both backward passes go through an f32 RMSNorm (built from different ops): an f32 ulp
+        assert!(d <= 1e-6 * scale, "{name}: {d} (scale {scale})");
+    }
+    let l_eval = tch::no_grad(|| m.loss(&x, &labels, None, None, false).unwrap());
+    assert!((l_eval.double_value(&[]) - l_tiled).abs() < 1e-12 * l_ref);
+
+    // Under f16 autocast the tiles decode to f16 and the products run in f16, the sums over the
+    // tiles in f32, each row's gradient rounded to f16 once: the loss and gradients to f16
+    // precision.
+    let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::Half).unwrap();
+    zero();
+    let loss = m.loss(&x, &labels, None, None, false).unwrap();
+    loss.backward();
+    let (l_half, g_half) = (loss.double_value(&[]), grads(&vs));
+    assert!(
+        (l_half - l_ref).abs() < 1e-3 * l_ref,
+        "f16 loss {l_half} vs {l_ref}"
+    );
+    assert!((l_half - l_ref).abs() > 0.0, "autocast changed nothing");
+    for ((name, a), (_, r)) in g_half.iter().zip(&g_ref) {
+        let scale = r.abs().max().double_value(&[]);
+        let d = max_diff(a, r);
+        assert!(d <= 1e-2 * scale, "f16 {name}: {d} (scale {scale})");
+    }
+}
+
 /// `Llama::loss` runs the LM head and the cross-entropy chunk by chunk and hands the gradient to
 /// autograd through a surrogate; value and every adapter gradient must equal the plain
 /// `cross_entropy(logits)` path. The vocabulary is large enough (300,000) that the 32 MiB chunks
