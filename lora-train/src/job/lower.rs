@@ -51,6 +51,37 @@ pub fn warmup_steps(t: &crate::config::TrainSection, total_steps: u64) -> u64 {
     }
 }
 
+/// The warning for a warm-up that covers the whole run: with `warmup` ≥ `total_steps` optimizer
+/// steps, a schedule with warm-up (every kind but `constant`) never reaches
+/// `train.learning_rate`, and its first update runs at learning rate 0 (transformers' warm-up
+/// lambda `step / warmup` at step 0) — a one-step run changes nothing. `None` when the run
+/// leaves its warm-up (or has none).
+pub fn warmup_warning(
+    kind: &crate::engine::sched::SchedulerKind,
+    warmup: u64,
+    total_steps: u64,
+) -> Option<String> {
+    if warmup == 0
+        || total_steps == 0
+        || warmup < total_steps
+        || *kind == crate::engine::sched::SchedulerKind::Constant
+    {
+        return None;
+    }
+    let reach = if total_steps == 1 {
+        "the only step runs at learning rate 0, so training changes nothing".to_string()
+    } else {
+        format!(
+            "the learning rate only reaches {:.0}% of train.learning_rate (the first step runs at 0)",
+            100.0 * (total_steps - 1) as f64 / warmup as f64
+        )
+    };
+    Some(format!(
+        "warning: {warmup} warm-up steps cover all {total_steps} optimizer steps of this run: \
+         {reach}; lower train.warmup_steps (or warmup_ratio) or raise train.max_steps"
+    ))
+}
+
 /// The PEFT `LoraConfig` of a run.
 ///
 /// # Errors
@@ -81,6 +112,26 @@ mod tests {
 
     fn lowered(cfg: &TrainConfig) -> TrainerConfig {
         trainer_config(cfg, tch::Device::Cpu, Path::new("out"), 10).unwrap()
+    }
+
+    #[test]
+    fn a_warmup_over_the_whole_run_is_a_warning() {
+        use crate::engine::sched::SchedulerKind as K;
+        let cosine = K::Cosine { num_cycles: 0.5 };
+        let one = warmup_warning(&cosine, 2, 1).unwrap();
+        assert!(one.contains("2 warm-up steps cover all 1"), "{one}");
+        assert!(
+            one.contains("changes nothing") && one.contains("train.warmup_steps"),
+            "{one}"
+        );
+        // 10 warm-up steps over 5: the last update (step 4) runs at 4/10 of the rate
+        let five = warmup_warning(&K::Linear, 10, 5).unwrap();
+        assert!(five.contains("40%"), "{five}");
+        assert_eq!(warmup_warning(&cosine, 4, 5), None);
+        assert_eq!(warmup_warning(&cosine, 0, 1), None);
+        assert_eq!(warmup_warning(&K::Constant, 10, 5), None);
+        assert_eq!(warmup_warning(&K::ConstantWithWarmup, 5, 0), None);
+        assert!(warmup_warning(&K::ConstantWithWarmup, 5, 5).is_some());
     }
 
     #[test]

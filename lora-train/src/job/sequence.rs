@@ -496,6 +496,15 @@ pub fn run<S: RunSteps>(
     let mut source = loaded.source(&cfg, &ctx)?;
     let (per_epoch, total_steps) = step_counts(&mut cfg, source.batches_per_epoch().unwrap_or(0));
     loaded.describe_data(&cfg, &ctx, total_steps);
+    if let Ok((_, kind)) = cfg.optimizer_and_schedule()
+        && let Some(w) = crate::job::lower::warmup_warning(
+            &kind,
+            crate::job::lower::warmup_steps(&cfg.train, total_steps),
+            total_steps,
+        )
+    {
+        ctx.say(&w);
+    }
     if let Some(step) = ctx.resume_from.as_ref().map(|r| r.1)
         && step >= total_steps
     {
