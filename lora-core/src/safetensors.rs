@@ -174,7 +174,11 @@ impl SafetensorsFile {
         let end = 8 + self.header_len + info.data_offsets.1;
         let bytes = self.mmap.get(start..end).ok_or_else(|| Error::Format {
             file: self.path.clone(),
-            reason: format!("tensor `{name}` data {start}..{end} lies outside the file"),
+            reason: format!(
+                "tensor `{name}` data {start}..{end} lies outside the file ({} bytes): the file \
+                 is truncated (an incomplete download or copy?); fetch it again",
+                self.mmap.len()
+            ),
         })?;
         Ok(Some((info, bytes)))
     }

@@ -32,6 +32,8 @@ const MAX_STRING: u64 = 16 << 20;
 const MAX_ITEMS: u64 = 1 << 24;
 /// Deepest nesting of arrays accepted (llama.cpp writes none).
 const MAX_DEPTH: u32 = 4;
+/// Most elements of a metadata array accepted (a tokenizer's vocabulary has a few 100k).
+const MAX_ARRAY: u64 = 1 << 32;
 
 /// The default tensor-data alignment when `general.alignment` is absent (`gguf.md`).
 pub const DEFAULT_ALIGNMENT: u64 = 32;
@@ -386,11 +388,23 @@ impl<R: Read> Reader<'_, R> {
         }
     }
 
+    /// The error for a `len`-byte `what` that starts inside the file and ends past its end.
+    fn truncated(&self, what: &str, len: u64) -> Error {
+        self.err(format!(
+            "the file is truncated: {what} of {len} bytes runs past its end at byte {} (an \
+             incomplete download or copy?); fetch the file again",
+            self.file_len
+        ))
+    }
+
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut b = [0u8; N];
+        if self.pos.saturating_add(N as u64) > self.file_len {
+            return Err(self.truncated("a value", N as u64));
+        }
         self.inner
             .read_exact(&mut b)
-            .map_err(|e| self.err(format!("truncated file ({e})")))?;
+            .map_err(|e| self.err(format!("read failed ({e})")))?;
         self.pos += N as u64;
         Ok(b)
     }
@@ -405,9 +419,7 @@ impl<R: Read> Reader<'_, R> {
 
     fn skip(&mut self, n: u64) -> Result<()> {
         if self.pos.saturating_add(n) > self.file_len {
-            return Err(self.err(format!(
-                "a length of {n} bytes runs past the end of the file"
-            )));
+            return Err(self.truncated("a value", n));
         }
         let skipped = std::io::copy(&mut (&mut self.inner).take(n), &mut std::io::sink())
             .map_err(|e| self.err(format!("read failed ({e})")))?;
@@ -420,8 +432,11 @@ impl<R: Read> Reader<'_, R> {
 
     fn string(&mut self) -> Result<String> {
         let len = self.u64()?;
-        if len > MAX_STRING || self.pos.saturating_add(len) > self.file_len {
+        if len > MAX_STRING {
             return Err(self.err(format!("string length {len} is implausible")));
+        }
+        if self.pos.saturating_add(len) > self.file_len {
+            return Err(self.truncated("a string", len));
         }
         let mut buf = vec![0u8; len as usize];
         self.inner
@@ -467,8 +482,11 @@ impl<R: Read> Reader<'_, R> {
         let elem_type = self.u32()?;
         let len = self.u64()?;
         // Every element takes at least one byte.
-        if self.pos.saturating_add(len) > self.file_len {
+        if len > MAX_ARRAY {
             return Err(self.err(format!("array length {len} is implausible")));
+        }
+        if self.pos.saturating_add(len) > self.file_len {
+            return Err(self.truncated(&format!("an array of {len} elements"), len));
         }
         if self.keep_arrays {
             let mut items = Vec::with_capacity(len.min(1 << 16) as usize);
@@ -575,7 +593,9 @@ impl<R: Read> Reader<'_, R> {
                             path: self.path.into(),
                             offset: h.data_start.saturating_add(t.offset),
                             reason: format!(
-                                "tensor `{}` ({n} bytes at offset {}) lies outside the file ({} bytes)",
+                                "tensor `{}` ({n} bytes at offset {}) lies outside the file ({} \
+                                 bytes): the file is truncated (an incomplete download or copy?); \
+                                 fetch it again",
                                 t.name, t.offset, self.file_len
                             ),
                         });
@@ -959,6 +979,27 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("version 1")
+        );
+        // Cut anywhere inside the header: the error says the file is truncated, where.
+        std::fs::write(&p, &full).unwrap();
+        let header = read_header(&p).unwrap().header_bytes as usize;
+        for cut in (8..header).step_by(5) {
+            std::fs::write(&p, &full[..cut]).unwrap();
+            let e = read_header(&p).unwrap_err().to_string();
+            assert!(
+                e.contains("truncated") && e.contains(&format!("at byte {cut}")),
+                "{cut}: {e}"
+            );
+        }
+        // cut inside the tensor data: the loaders' check of the extents says so
+        std::fs::write(&p, &full[..full.len() - 1]).unwrap();
+        assert!(read_header(&p).is_ok(), "the planner reads headers only");
+        let e = read_header_with(&p, HeaderOptions::full())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("outside the file") && e.contains("truncated"),
+            "{e}"
         );
         // A huge string length must not allocate.
         let mut huge = full[..24].to_vec();
