@@ -405,6 +405,16 @@ pub fn cuda_device_count() -> ShimResult<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// A device as configs spell it: `cpu`, `cuda:0`, `mps`, `vulkan`.
+pub fn device_name(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cpu => "cpu".into(),
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        tch::Device::Mps => "mps".into(),
+        tch::Device::Vulkan => "vulkan".into(),
+    }
+}
+
 /// Why CUDA device `index` cannot be used here, in one sentence: what was asked, what libtorch
 /// sees, and how to run on the CPU (`cuda:0 was asked for, but libtorch sees no CUDA device …`);
 /// `None` when libtorch sees that device. One wording for every command that takes a device.

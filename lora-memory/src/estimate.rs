@@ -121,7 +121,7 @@ impl Breakdown {
             Term {
                 name: "base weights",
                 bytes: self.base_weights,
-                formula: "linears × B/param(dtype) + embeddings/norms 16-bit",
+                formula: "linears × B/param(dtype) + embeddings, head, norms in their own dtypes",
             },
             Term {
                 name: "autocast weight copies",

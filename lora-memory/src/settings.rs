@@ -142,6 +142,17 @@ pub enum MixedPrecision {
 }
 
 impl MixedPrecision {
+    /// The mode as configs spell it: `no`, `fp16`, `bf16`, `full_bf16`, `full_fp16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MixedPrecision::No => "no",
+            MixedPrecision::Fp16 => "fp16",
+            MixedPrecision::Bf16 => "bf16",
+            MixedPrecision::FullBf16 => "full_bf16",
+            MixedPrecision::FullFp16 => "full_fp16",
+        }
+    }
+
     /// True for the modes that run the whole model in 16 bit without autocast.
     pub fn is_full_16bit(self) -> bool {
         matches!(self, MixedPrecision::FullBf16 | MixedPrecision::FullFp16)
@@ -798,6 +809,22 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mixed_precision_names_are_the_config_spellings() {
+        for m in [
+            MixedPrecision::No,
+            MixedPrecision::Fp16,
+            MixedPrecision::Bf16,
+            MixedPrecision::FullBf16,
+            MixedPrecision::FullFp16,
+        ] {
+            assert_eq!(
+                serde_json::to_string(&m).unwrap(),
+                format!("\"{}\"", m.name())
+            );
+        }
+    }
 
     #[test]
     fn bytes_per_param_match_the_formats() {

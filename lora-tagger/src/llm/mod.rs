@@ -230,10 +230,9 @@ pub fn from_config(cfg: &crate::config::TaggerConfig) -> Result<Box<dyn Tagger>>
         ..Default::default()
     };
     if !matches!(l.backend, Some(LlmBackend::Http)) {
-        settings.device = Some(match cfg.model_settings.resolve_device()? {
-            tch::Device::Cuda(i) => format!("cuda:{i}"),
-            _ => "cpu".to_string(),
-        });
+        settings.device = Some(lora_core::sys::device_name(
+            cfg.model_settings.resolve_device()?,
+        ));
     }
     from_settings(&settings)
 }

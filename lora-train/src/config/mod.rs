@@ -225,7 +225,25 @@ pub enum Dtype {
     F16,
 }
 
+impl BaseWeights {
+    /// The mode as configs spell it (`dense`, `quantized`).
+    pub fn name(self) -> &'static str {
+        WEIGHT_MODES
+            .iter()
+            .find(|(_, m)| *m == self)
+            .map_or("dense", |(n, _)| n)
+    }
+}
+
 impl Dtype {
+    /// The dtype as configs spell it first (`f32`, `bf16`, `f16`).
+    pub fn name(self) -> &'static str {
+        DTYPES
+            .iter()
+            .find(|(_, d)| *d == self)
+            .map_or("f32", |(n, _)| n)
+    }
+
     /// The tensor dtype.
     pub fn kind(self) -> tch::Kind {
         match self {

@@ -513,3 +513,18 @@ fn kohya_flux_network_args_select_blocks_and_bad_indices_name_the_key() {
     assert_eq!(c.flux.train_double_block_indices.as_deref(), Some("0,5-7"));
     assert_eq!(c.flux.train_single_block_indices, None);
 }
+
+#[test]
+fn weights_and_dtype_names_read_back_as_themselves() {
+    for (w, d) in [
+        (BaseWeights::Dense, Dtype::F32),
+        (BaseWeights::Quantized, Dtype::Bf16),
+        (BaseWeights::Dense, Dtype::F16),
+    ] {
+        let text = format!("model:\n  weights: {}\n  dtype: {}\n", w.name(), d.name());
+        let c = TrainConfig::from_yaml_str(&text).unwrap();
+        assert_eq!((c.model.weights, c.model.dtype), (w, d), "{text}");
+    }
+    assert_eq!(Dtype::Bf16.name(), "bf16");
+    assert_eq!(BaseWeights::Quantized.name(), "quantized");
+}

@@ -253,10 +253,10 @@ impl Plan {
             self.model, self.model_source, e.trainable_params
         );
         out += &format!(
-            "  device {}  base {}  mixed precision {:?}  LoRA r{} α{} on {:?}\n",
+            "  device {}  base {}  mixed precision {}  LoRA r{} α{} on {:?}\n",
             if s.device.is_cuda() { "cuda" } else { "cpu" },
             s.base_dtype.name(),
-            s.mixed_precision,
+            s.mixed_precision.name(),
             s.lora.rank,
             s.lora.alpha,
             s.lora.target_modules
@@ -603,10 +603,10 @@ pub fn diffusion_report(p: &Plan) -> String {
         p.model, p.model_source
     );
     out += &format!(
-        "  device {}  UNet {}  mixed precision {:?}  LoRA r{} α{} on {:?}{}\n",
+        "  device {}  UNet {}  mixed precision {}  LoRA r{} α{} on {:?}{}\n",
         if cuda { "cuda" } else { "cpu" },
         s.base_dtype.name(),
-        s.mixed_precision,
+        s.mixed_precision.name(),
         s.lora.rank,
         s.lora.alpha,
         s.lora.target_modules,
@@ -862,10 +862,10 @@ pub fn flux_report(p: &Plan) -> String {
     let cuda = s.device.is_cuda();
     let mut out = format!("plan: {} ({}) — FLUX.1 LoRA\n", p.model, p.model_source);
     out += &format!(
-        "  device {}  transformer {}  mixed precision {:?}  LoRA r{} α{} on {} module kinds\n",
+        "  device {}  transformer {}  mixed precision {}  LoRA r{} α{} on {} module kinds\n",
         if cuda { "cuda" } else { "cpu" },
         s.base_dtype.name(),
-        s.mixed_precision,
+        s.mixed_precision.name(),
         s.lora.rank,
         s.lora.alpha,
         s.lora.target_modules.len()

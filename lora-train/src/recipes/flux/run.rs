@@ -295,9 +295,10 @@ impl RunSteps for FluxSteps {
         let kind = cfg.model.dtype.kind();
         let base_path = ctx.base_path()?;
         ctx.say(&format!(
-            "loading {} ({kind:?}) on {:?}",
+            "loading {} ({}) on {}",
             base_path.display(),
-            ctx.device
+            cfg.model.dtype.name(),
+            lora_core::sys::device_name(ctx.device)
         ));
         let mut pipe = load_pipeline(cfg, &base_path, ctx.config_dir(), kind, ctx.device)?;
         pipe.transformer

@@ -517,11 +517,11 @@ impl RunSteps for LlmSteps {
             .ok_or(JobError::Internal("the training data was not read"))?;
         let base_path = ctx.base_path()?;
         ctx.say(&format!(
-            "loading {} ({:?}, {:?}) on {:?}",
+            "loading {} ({}, {}) on {}",
             base_path.display(),
-            cfg.model.weights,
-            cfg.model.dtype,
-            ctx.device
+            cfg.model.weights.name(),
+            cfg.model.dtype.name(),
+            lora_core::sys::device_name(ctx.device)
         ));
         let (mut model, tok) =
             load_base(&base_path, cfg.model.weights, cfg.model.dtype, ctx.device)?;

@@ -234,9 +234,10 @@ impl RunSteps for SdSteps {
         let kind = cfg.model.dtype.kind();
         let base_path = &ctx.base_path()?;
         ctx.say(&format!(
-            "loading {} ({kind:?}) on {:?}",
+            "loading {} ({}) on {}",
             base_path.display(),
-            ctx.device
+            cfg.model.dtype.name(),
+            lora_core::sys::device_name(ctx.device)
         ));
         let mut pipe = if base_path.is_file() {
             let companion = match &cfg.model.tokenizer {
