@@ -314,8 +314,9 @@ fn bf16_input_grad_by_f32(g: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// (a weight on CUDA; f16 or f64 products): rows `[n, d]` (the normed hidden states of the
 /// predicting positions, no graph), their labels `idx` `[n, 1]` int64 (clamped to ≥ 0) and
 /// `valid` `[n, 1]` f32 (1 where the label counts). Returns the sum over valid rows of
-/// `logsumexp − logit[label]` (0-d) and, with `want_grad`, the rows' gradient
-/// `(softmax − onehot)·W · valid · inv` `[n, d]`, both f32 (f64 when `mm_kind` is f64).
+/// `logsumexp − logit[label]` (0-d f32; f64 for f64 products) and, with `want_grad`, the rows'
+/// gradient `(softmax − onehot)·W · valid · inv` `[n, d]` in `mm_kind`, summed over the tiles in
+/// f32 (f64) and rounded once.
 ///
 /// The weight is decoded one tile of [`QuantWeight::tile_rows`] vocabulary rows at a time
 /// (at most [`lora_core::sys::QLINEAR_TILE_ELEMENTS`] weights dense at once, in `mm_kind`), and
@@ -1209,7 +1210,9 @@ impl Llama {
     /// loss, here built from libtorch ops. Same FLOPs as the plain path; instead of
     /// `b·s·V·(e + 12)` bytes of logits, log-probabilities and their gradients it holds one chunk,
     /// and in fp32 without autocast that chunk is one buffer reused for every chunk (no page
-    /// faults for fresh logits every step).
+    /// faults for fresh logits every step). A quantized head is never decoded whole: the CPU
+    /// kernel multiplies it chunk by chunk, and elsewhere ([`vocab_tiled_head`]: CUDA, f16, f64)
+    /// one tile of vocabulary rows is decoded at a time.
     pub(crate) fn head_loss(&self, h: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let (b, s, d) = (h.size()[0], h.size()[1], h.size()[2]);
         if labels.size() != [b, s] {

@@ -78,7 +78,7 @@ pub fn warmup_warning(
     };
     Some(format!(
         "warning: {warmup} warm-up steps cover all {total_steps} optimizer steps of this run: \
-         {reach}; lower train.warmup_steps (or warmup_ratio) or raise train.max_steps"
+         {reach}; lower train.warmup_steps (or train.warmup_ratio) or raise train.max_steps"
     ))
 }
 
