@@ -22,26 +22,16 @@ fn a_quantized_head_off_the_kernel_is_decoded_one_tile_at_a_time() {
     tch::set_num_threads(1);
     tch::manual_seed(0);
     let (v, d, ff) = (20_000i64, 1024i64, 256i64);
-    let c = LlamaConfig {
-        model_type: "llama".into(),
-        vocab_size: v,
-        hidden_size: d,
-        intermediate_size: ff,
-        num_hidden_layers: 1,
-        num_attention_heads: 8,
-        num_key_value_heads: Some(8),
-        head_dim: None,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 128,
-        tie_word_embeddings: false,
-        attention_bias: false,
-        mlp_bias: false,
-        hidden_act: "silu".into(),
-        bos_token_id: None,
-        eos_token_id: vec![],
-    };
+    // a one-layer LLaMA as an HF config.json gives it
+    let c = LlamaConfig::from_json_str(
+        &format!(
+            r#"{{"model_type": "llama", "vocab_size": {v}, "hidden_size": {d},
+                "intermediate_size": {ff}, "num_hidden_layers": 1, "num_attention_heads": 8,
+                "rms_norm_eps": 1e-5, "max_position_embeddings": 128}}"#
+        ),
+        std::path::Path::new("config.json"),
+    )
+    .unwrap();
     let o = (Kind::Float, Device::Cpu);
     let mut w: HashMap<String, Tensor> = HashMap::new();
     w.insert("model.embed_tokens.weight".into(), Tensor::randn([v, d], o));

@@ -179,16 +179,58 @@ fn sites_have_hf_names_and_peft_targets_map_one_to_one() {
     assert_eq!(vs.trainable_variables().len(), 8);
     let after = m.forward_t(&x, None, None, false).unwrap();
     assert_eq!(max_diff(&before, &after), 0.0);
+    perturb(&vs, 0.1);
+    let changed = m.forward_t(&x, None, None, false).unwrap();
+    assert!(max_diff(&before, &changed) > 1e-3);
+}
+
+/// Adds `scale`·N(0, 1) noise to every trainable variable (LoRA B starts at zero).
+fn perturb(vs: &nn::VarStore, scale: f64) {
     tch::no_grad(|| {
         for v in vs.trainable_variables() {
             let _ = v
                 .shallow_clone()
-                .f_add_(&(Tensor::randn_like(&v) * 0.1))
+                .f_add_(&(Tensor::randn_like(&v) * scale))
                 .unwrap();
         }
     });
-    let changed = m.forward_t(&x, None, None, false).unwrap();
-    assert!(max_diff(&before, &changed) > 1e-3);
+}
+
+/// Zeroes the gradients of `vs`'s trainable variables.
+fn zero_grads(vs: &nn::VarStore) {
+    for v in vs.trainable_variables() {
+        let mut g = v.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+}
+
+/// `[b, s]` ids from a stride through the vocabulary (0 … v − 1), and their labels with some
+/// positions masked (−100): the first 5 of row 0 and the last quarter of the last row.
+fn ids_and_masked_labels(b: i64, s: i64, v: i64) -> (Tensor, Tensor) {
+    let x = (Tensor::arange(b * s, (Kind::Int64, Device::Cpu)) * 7919).remainder(v);
+    let x = x.view([b, s]);
+    let labels = x.copy();
+    let _ = labels.get(0).narrow(0, 0, 5).fill_(-100);
+    let _ = labels.get(b - 1).narrow(0, s - s / 4, s / 4).fill_(-100);
+    (x, labels)
+}
+
+/// The plain causal-LM loss: mean cross-entropy of `logits` `[b, s, V]` at positions `0..s-1`
+/// against `labels` shifted by one (−100 ignored).
+fn shifted_cross_entropy(logits: &Tensor, labels: &Tensor) -> Tensor {
+    let (s, v) = (logits.size()[1], logits.size()[2]);
+    logits
+        .narrow(1, 0, s - 1)
+        .reshape([-1, v])
+        .cross_entropy_loss::<Tensor>(
+            &labels.narrow(1, 1, s - 1).reshape([-1]),
+            None,
+            tch::Reduction::Mean,
+            -100,
+            0.0,
+        )
 }
 
 fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
@@ -225,14 +267,7 @@ fn checkpointed_gradients_equal_plain_gradients() {
     );
     cfg.lora_dropout = 0.2; // the recomputation must redraw the same dropout masks
     inject(&mut m, &cfg, "default", &vs.root()).unwrap();
-    tch::no_grad(|| {
-        for v in vs.trainable_variables() {
-            let _ = v
-                .shallow_clone()
-                .f_add_(&(Tensor::randn_like(&v) * 0.05))
-                .unwrap();
-        }
-    });
+    perturb(&vs, 0.05);
     let x = ids(2, 9);
     let labels = x.copy();
     let _ = labels.narrow(1, 0, 3).fill_(-100);
@@ -533,32 +568,12 @@ fn vocab_tiled_quantized_head_loss_equals_cross_entropy_on_full_logits() {
     let cfg = LoraConfig::new(4, 8.0, &["q_proj", "down_proj"]);
     let mut m = Llama::from_tensors(c.clone(), &rounded, Kind::Double, Device::Cpu).unwrap();
     inject(&mut m, &cfg, "default", &vs.root()).unwrap();
-    tch::no_grad(|| {
-        for v in vs.trainable_variables() {
-            let _ = v
-                .shallow_clone()
-                .f_add_(&(Tensor::randn_like(&v) * 0.05))
-                .unwrap();
-        }
-    });
-    let (b, s) = (3, 120);
-    let x = (Tensor::arange(b * s, (Kind::Int64, Device::Cpu)) * 7919).remainder(70_000);
-    let x = x.view([b, s]);
-    let labels = x.copy();
-    let _ = labels.get(0).narrow(0, 0, 7).fill_(-100);
-    let _ = labels.get(2).narrow(0, 100, 20).fill_(-100);
-    let zero = || {
-        for v in vs.trainable_variables() {
-            let mut g = v.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
-        }
-    };
+    perturb(&vs, 0.05);
+    let (x, labels) = ids_and_masked_labels(3, 120, 70_000);
     // the reference in f64 from the final norm on (the model's own logits are f32, as HF's):
     // the final RMSNorm as HF's (normalized in f32), the decoded head weight, plain
     // cross-entropy on full logits
-    zero();
+    zero_grads(&vs);
     let h = m.hidden_states(&x, None, None, false).unwrap();
     let hf = h.to_kind(Kind::Float);
     let hn = (&hf
@@ -566,16 +581,7 @@ fn vocab_tiled_quantized_head_loss_equals_cross_entropy_on_full_logits() {
     .to_kind(Kind::Double)
         * w["model.norm.weight"].to_kind(Kind::Double);
     let logits = hn.matmul(&rounded["lm_head.weight"].to_kind(Kind::Double).tr());
-    let want = logits
-        .narrow(1, 0, s - 1)
-        .reshape([-1, 70_000])
-        .cross_entropy_loss::<Tensor>(
-            &labels.narrow(1, 1, s - 1).reshape([-1]),
-            None,
-            tch::Reduction::Mean,
-            -100,
-            0.0,
-        );
+    let want = shifted_cross_entropy(&logits, &labels);
     want.backward();
     let (l_ref, g_ref) = (want.double_value(&[]), grads(&vs));
     // the same model and adapters, the head swapped for the quantized weight
@@ -589,7 +595,7 @@ fn vocab_tiled_quantized_head_loss_equals_cross_entropy_on_full_logits() {
     })
     .unwrap();
     assert!(head.is_none(), "the head was swapped");
-    zero();
+    zero_grads(&vs);
     let loss = m.loss(&x, &labels, None, None, false).unwrap();
     loss.backward();
     let (l_tiled, g_tiled) = (loss.double_value(&[]), grads(&vs));
@@ -614,7 +620,7 @@ fn vocab_tiled_quantized_head_loss_equals_cross_entropy_on_full_logits() {
     // tiles in f32, each row's gradient rounded to f16 once: the loss and gradients to f16
     // precision.
     let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::Half).unwrap();
-    zero();
+    zero_grads(&vs);
     let loss = m.loss(&x, &labels, None, None, false).unwrap();
     loss.backward();
     let (l_half, g_half) = (loss.double_value(&[]), grads(&vs));
@@ -647,47 +653,16 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
         let vs = nn::VarStore::new(Device::Cpu);
         let cfg = LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj", "embed_tokens"]);
         inject(&mut m, &cfg, "default", &vs.root()).unwrap();
-        tch::no_grad(|| {
-            for v in vs.trainable_variables() {
-                let _ = v
-                    .shallow_clone()
-                    .f_add_(&(Tensor::randn_like(&v) * 0.05))
-                    .unwrap();
-            }
-        });
-        let (b, s) = (2, 40);
-        let x = (Tensor::arange(b * s, (Kind::Int64, Device::Cpu)) * 7919).remainder(300_000);
-        let x = x.view([b, s]);
-        let labels = x.copy();
-        let _ = labels.get(0).narrow(0, 0, 5).fill_(-100);
-        let _ = labels.get(1).narrow(0, 30, 10).fill_(-100);
-
-        let zero = || {
-            for v in vs.trainable_variables() {
-                let mut g = v.grad();
-                if g.defined() {
-                    let _ = g.zero_();
-                }
-            }
-        };
-        zero();
+        perturb(&vs, 0.05);
+        let (x, labels) = ids_and_masked_labels(2, 40, 300_000);
+        zero_grads(&vs);
         let loss = m.loss(&x, &labels, None, None, false).unwrap();
         loss.backward();
         let (l_fused, g_fused) = (loss.double_value(&[]), grads(&vs));
 
-        zero();
+        zero_grads(&vs);
         let logits = m.forward_t(&x, None, None, false).unwrap();
-        let v = logits.size()[2];
-        let reference = logits
-            .narrow(1, 0, s - 1)
-            .reshape([-1, v])
-            .cross_entropy_loss::<Tensor>(
-                &labels.narrow(1, 1, s - 1).reshape([-1]),
-                None,
-                tch::Reduction::Mean,
-                -100,
-                0.0,
-            );
+        let reference = shifted_cross_entropy(&logits, &labels);
         reference.backward();
         let (l_ref, g_ref) = (reference.double_value(&[]), grads(&vs));
 
@@ -713,17 +688,7 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
         let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
         let l_bf16 = tch::no_grad(|| m.loss(&x, &labels, None, None, false).unwrap());
         let logits = tch::no_grad(|| m.forward_t(&x, None, None, false).unwrap());
-        let r_bf16 = logits
-            .narrow(1, 0, s - 1)
-            .reshape([-1, v])
-            .cross_entropy_loss::<Tensor>(
-                &labels.narrow(1, 1, s - 1).reshape([-1]),
-                None,
-                tch::Reduction::Mean,
-                -100,
-                0.0,
-            )
-            .double_value(&[]);
+        let r_bf16 = shifted_cross_entropy(&logits, &labels).double_value(&[]);
         let l_bf16 = l_bf16.double_value(&[]);
         assert!(
             (l_bf16 - r_bf16).abs() < 1e-3 * r_bf16,
