@@ -735,14 +735,15 @@ impl FluxPipeline {
     /// The inverse of [`Self::encode_images`]: latents `[B, C, h, w]` (any device, any float
     /// dtype) → images `[B, 3, h·f, w·f]` f32 in `[0, 1]` on the CPU: `z / scaling_factor +
     /// shift_factor` decoded where the autoencoder is, then `(x / 2 + 0.5).clamp(0, 1)` as
-    /// diffusers' `VaeImageProcessor.postprocess` does.
+    /// diffusers' `VaeImageProcessor.postprocess` does. One image at a time
+    /// ([`AutoencoderKL::decode_each`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a wrong channel count; model errors.
     pub fn decode_latents(&self, latents: &Tensor) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
         let z = latents.f_to_device(self.vae_device)?;
-        let img = self.vae.decode(&self.vae.unscale_latents(&z)?)?;
+        let img = self.vae.decode_each(&self.vae.unscale_latents(&z)?)?;
         Ok(img
             .f_to_kind(Kind::Float)?
             .f_div_scalar(2.0)?

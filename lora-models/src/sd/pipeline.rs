@@ -833,7 +833,8 @@ impl SdPipeline {
     /// on the CPU. SDXL: time ids `(H, W, 0, 0, H, W)` of the sample size, and zeros as the
     /// unconditional embeddings (diffusers' `force_zeros_for_empty_prompt`, set in SDXL base's
     /// `model_index.json`). The global CPU generator is restored afterwards, so sampling during
-    /// training does not change the training noise.
+    /// training does not change the training noise. The latents are decoded one image at a time
+    /// ([`AutoencoderKL::decode_each`]).
     ///
     /// # Errors
     /// Model / sampler errors.
@@ -925,7 +926,7 @@ impl SdPipeline {
             self.predict(x, &ts, &c, ids.as_ref(), false)
         })?;
         let vae = on.vae.as_ref().unwrap_or(&self.vae);
-        let img = vae.decode(&vae.unscale_latents(&z)?)?;
+        let img = vae.decode_each(&vae.unscale_latents(&z)?)?;
         drop(on);
         if let Some(s) = saved {
             let _ = lora_core::sys::set_rng_state(Device::Cpu, &s);
