@@ -388,11 +388,15 @@ impl<R: Read> Reader<'_, R> {
         }
     }
 
-    /// The error for a `len`-byte `what` that starts inside the file and ends past its end.
-    fn truncated(&self, what: &str, len: u64) -> Error {
+    /// The error for `what` (with its size: "a string of 20 bytes") that starts inside the file
+    /// and ends past its end.
+    fn truncated(&self, what: &str) -> Error {
+        if self.file_len == 0 {
+            return self.err("the file is empty (0 bytes); fetch it again");
+        }
         self.err(format!(
-            "the file is truncated: {what} of {len} bytes runs past its end at byte {} (an \
-             incomplete download or copy?); fetch the file again",
+            "the file is truncated: {what} runs past its end at byte {} (an incomplete download \
+             or copy?); fetch the file again",
             self.file_len
         ))
     }
@@ -400,7 +404,7 @@ impl<R: Read> Reader<'_, R> {
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut b = [0u8; N];
         if self.pos.saturating_add(N as u64) > self.file_len {
-            return Err(self.truncated("a value", N as u64));
+            return Err(self.truncated(&format!("a value of {N} bytes")));
         }
         self.inner
             .read_exact(&mut b)
@@ -419,7 +423,7 @@ impl<R: Read> Reader<'_, R> {
 
     fn skip(&mut self, n: u64) -> Result<()> {
         if self.pos.saturating_add(n) > self.file_len {
-            return Err(self.truncated("a value", n));
+            return Err(self.truncated(&format!("a value of {n} bytes")));
         }
         let skipped = std::io::copy(&mut (&mut self.inner).take(n), &mut std::io::sink())
             .map_err(|e| self.err(format!("read failed ({e})")))?;
@@ -436,7 +440,7 @@ impl<R: Read> Reader<'_, R> {
             return Err(self.err(format!("string length {len} is implausible")));
         }
         if self.pos.saturating_add(len) > self.file_len {
-            return Err(self.truncated("a string", len));
+            return Err(self.truncated(&format!("a string of {len} bytes")));
         }
         let mut buf = vec![0u8; len as usize];
         self.inner
@@ -486,7 +490,7 @@ impl<R: Read> Reader<'_, R> {
             return Err(self.err(format!("array length {len} is implausible")));
         }
         if self.pos.saturating_add(len) > self.file_len {
-            return Err(self.truncated(&format!("an array of {len} elements"), len));
+            return Err(self.truncated(&format!("an array of {len} elements")));
         }
         if self.keep_arrays {
             let mut items = Vec::with_capacity(len.min(1 << 16) as usize);
@@ -593,10 +597,12 @@ impl<R: Read> Reader<'_, R> {
                             path: self.path.into(),
                             offset: h.data_start.saturating_add(t.offset),
                             reason: format!(
-                                "tensor `{}` ({n} bytes at offset {}) lies outside the file ({} \
-                                 bytes): the file is truncated (an incomplete download or copy?); \
-                                 fetch it again",
-                                t.name, t.offset, self.file_len
+                                "the file is truncated: tensor `{}` ({n} bytes from byte {}) \
+                                 lies outside the file, which ends at byte {} (an incomplete \
+                                 download or copy?); fetch it again",
+                                t.name,
+                                h.data_start.saturating_add(t.offset),
+                                self.file_len
                             ),
                         });
                     }

@@ -517,8 +517,8 @@ pub(super) fn rewrite(doc: &mut Doc, warnings: &mut ConfigWarnings) -> Result<()
                     "a number of steps >= 0, or a fraction below 1",
                 ));
             }
-            if x > 0.0 && x < 1.0 {
-                move_entry(doc, path, "train.warmup_ratio", Value::from(x));
+            let (to, value) = if x > 0.0 && x < 1.0 {
+                ("train.warmup_ratio", Value::from(x))
             } else if x.fract() != 0.0 {
                 return Err(invalid(
                     path,
@@ -526,8 +526,21 @@ pub(super) fn rewrite(doc: &mut Doc, warnings: &mut ConfigWarnings) -> Result<()
                     "a whole number of steps, or a fraction below 1",
                 ));
             } else {
-                move_entry(doc, path, "train.warmup_steps", Value::from(x as u64));
+                ("train.warmup_steps", Value::from(x as u64))
+            };
+            // the same setting written under its own name too: name both spellings
+            if let Some((k, old)) = written(doc, &[to]).pop()
+                && old != value
+            {
+                return Err(ConfigError::Conflict {
+                    canonical: to.into(),
+                    first_key: k,
+                    first_value: render(&old),
+                    second_key: path.into(),
+                    second_value: render(&v),
+                });
             }
+            move_entry(doc, path, to, value);
         }
     }
     // dataset_config: a kohya dataset TOML; it wins over train_data_dir, as in kohya

@@ -528,3 +528,18 @@ fn weights_and_dtype_names_read_back_as_themselves() {
     assert_eq!(Dtype::Bf16.name(), "bf16");
     assert_eq!(BaseWeights::Quantized.name(), "quantized");
 }
+
+#[test]
+fn kohyas_warmup_spelling_in_conflict_is_named_as_written() {
+    let e = TrainConfig::from_yaml_str("train:\n  warmup_steps: 2\n  lr_warmup_steps: 3\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`train.warmup_steps` = 2") && e.contains("`train.lr_warmup_steps` = 3"),
+        "{e}"
+    );
+    // the same value twice is no conflict
+    let c =
+        TrainConfig::from_yaml_str("train:\n  warmup_steps: 3\n  lr_warmup_steps: 3\n").unwrap();
+    assert_eq!(c.train.warmup_steps, 3);
+}

@@ -369,6 +369,16 @@ pub fn run<S: RunSteps>(
     }
     check_device(&cfg)?;
     let device = device_of(&cfg);
+    // a precision the device cannot run is a config error, found before anything loads
+    if cfg.train.mixed_precision.check_device(device).is_err() {
+        return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
+            key: "train.mixed_precision".into(),
+            value: "\"fp16\"".into(),
+            expected: "\"bf16\" or \"no\" on the CPU (fp16 with loss scaling needs a CUDA \
+                       device)"
+                .into(),
+        }));
+    }
     let base_written = cfg.base_model()?.to_string();
     let mut group = None;
     // the other ranks say nothing: rank 0 prints the plan, progress and summary

@@ -102,6 +102,31 @@ pub fn read_descriptor(
             path.display().to_string(),
             FileStorage::default(),
         ))
+    } else if path.is_dir() && !path.join("config.json").is_file() && !has_safetensors(&path) {
+        // a folder that is not a model: say what is in it that could be
+        let ggufs: Vec<String> = std::fs::read_dir(&path)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| {
+                        p.extension()
+                            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+                    })
+                    .map(|p| p.display().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let hint = match ggufs.as_slice() {
+            [] => "give a .gguf file, a .safetensors file, a model folder with config.json, or a \
+                   preset name"
+                .to_string(),
+            [one] => format!("it holds {one}: give that file"),
+            many => format!("it holds {}: give one of those files", many.join(", ")),
+        };
+        Err(JobError::Input(format!(
+            "model.base_model = {written:?}: the folder {} has no config.json and no \
+             *.safetensors file, so it is not a model folder; {hint}",
+            path.display()
+        )))
     } else if path.is_file() && !lower.ends_with(".safetensors") {
         Err(JobError::Input(format!(
             "model.base_model = {written:?}: {} is not a model file this recipe reads; give a \

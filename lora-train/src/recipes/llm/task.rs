@@ -37,10 +37,18 @@ pub fn load_base(
                 | M::MissingTensor { .. }
                 | M::Shape { .. }
                 | M::Config { .. }
-                | M::Unsupported { .. } => JobError::Input(format!(
-                    "{e}; the file is damaged (a truncated download?) or not a model this \
-                     tool reads — check its size and checksum, or download it again"
-                )),
+                | M::Unsupported { .. } => {
+                    let text = e.to_string();
+                    JobError::Input(if text.contains("truncated") {
+                        // the message says what happened and what to do
+                        text
+                    } else {
+                        format!(
+                            "{text}; the file is damaged (a truncated download?) or not a model \
+                             this tool reads — check its size and checksum, or download it again"
+                        )
+                    })
+                }
                 other => JobError::Model {
                     during: ctx.clone(),
                     source: other,
