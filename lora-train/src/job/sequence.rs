@@ -369,14 +369,15 @@ pub fn run<S: RunSteps>(
     }
     check_device(&cfg)?;
     let device = device_of(&cfg);
-    // a precision the device cannot run is a config error, found before anything loads
-    if cfg.train.mixed_precision.check_device(device).is_err() {
+    // a precision the device cannot run is a config error, found before anything loads (in
+    // the engine's words)
+    if let Err(crate::engine::TrainError::Invalid { value, hint, .. }) =
+        cfg.train.mixed_precision.check_device(device)
+    {
         return Err(JobError::Config(crate::config::ConfigError::InvalidValue {
             key: "train.mixed_precision".into(),
-            value: "\"fp16\"".into(),
-            expected: "\"bf16\" or \"no\" on the CPU (fp16 with loss scaling needs a CUDA \
-                       device)"
-                .into(),
+            value: format!("{value:?}"),
+            expected: format!("a precision the CPU runs: {hint}"),
         }));
     }
     let base_written = cfg.base_model()?.to_string();
