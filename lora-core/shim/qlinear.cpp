@@ -511,8 +511,16 @@ at::Tensor tiled_forward(const TileSource& s, const at::Tensor& x) {
 }
 
 // ∂x `[n, in]` = g `[n, out]` · W in g's dtype.
+//
+// The sums run over W's rows, which the tiles split: a bf16 product per tile would round each
+// tile's partial sum (libtorch's bf16 GEMM, `addmm_` included, rounds its output once per
+// call), so with more than one tile a bf16 gradient on the CPU is summed in f32 over every tile
+// and rounded once, by f32 GEMMs over the widened bf16 operands, even where libtorch has a fast
+// bf16 GEMM (bf16 GEMM numbers at f32 GEMM speed for this product; the forward pass's tiles
+// are output columns and keep the fast GEMM).
 at::Tensor tiled_input_grad(const TileSource& s, const at::Tensor& g) {
-  if (bf16_by_f32(g)) {
+  const bool split_sums = g.scalar_type() == at::kBFloat16 && g.device().is_cpu() && s.tile_rows() < s.out();
+  if (bf16_by_f32(g) || split_sums) {
     // f32 sums over every tile, one rounding at the end
     const auto gf = g.to(at::kFloat);
     at::Tensor acc;
