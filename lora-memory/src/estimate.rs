@@ -20,7 +20,8 @@
 use crate::error::{Error, Result};
 use crate::model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor, NormKind};
 use crate::settings::{
-    Attention, BaseDtype, Device, Framework, Method, MixedPrecision, Optimizer, Settings,
+    Attention, BaseDtype, Device, Framework, Method, MixedPrecision, Optimizer, SampleImages,
+    Settings,
 };
 use crate::units::Bytes;
 use serde::{Deserialize, Serialize};
@@ -97,6 +98,15 @@ pub struct Breakdown {
     /// channels, allocated outside PyTorch's caching allocator) are not counted.
     #[serde(default)]
     pub communication_buffers: Bytes,
+    /// Diffusion with [`crate::settings::Settings::sample_images`], when drawing them is the
+    /// peak: the frozen text encoders and VAE loaded back onto the device (when the run moved
+    /// them off), the UNet's activations without gradients for one prompt (batch 2 with
+    /// guidance: every skip connection of the down path held for the up path, plus the largest
+    /// block's working tensors), or one image's VAE decode (the larger of the two: they run one
+    /// after the other), and the finished images. Counted only at that moment; the training
+    /// step's activations are gone by then.
+    #[serde(default)]
+    pub sample_images: Bytes,
     /// CUDA context and cuBLAS/cuDNN workspaces (CPU: runtime baseline).
     pub context_workspace: Bytes,
     /// Caching-allocator cache above the live tensors (reserved − allocated).
@@ -172,6 +182,11 @@ impl Breakdown {
                 name: "communication buffers",
                 bytes: self.communication_buffers,
                 formula: "data-parallel: 4 B × (trainable + 1), flat fp32 all-reduce buffer",
+            },
+            Term {
+                name: "sample images",
+                bytes: self.sample_images,
+                formula: "frozen models back + max(UNet no-grad at CFG batch, one image's VAE decode)",
             },
             Term {
                 name: "context / workspace",
@@ -1310,6 +1325,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         diffusion: None,
         buffers_persistent,
         buffers_backward,
+        sample_images: 0.0,
     })
 }
 
@@ -1336,6 +1352,9 @@ struct FinishArgs<'a> {
     buffers_persistent: f64,
     /// buffers alive during the backward pass only (DeepSpeed gradient buckets)
     buffers_backward: f64,
+    /// diffusion: what drawing a sample grid adds next to the persistent tensors and the
+    /// gradients (frozen models loaded back, inference activations, one image's decode)
+    sample_images: f64,
 }
 
 fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
@@ -1369,9 +1388,17 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         0.0
     };
     let sync = persistent + a.gradients + communication;
-    let at_sync = sync > backward && sync > step;
-    let allocated = backward.max(step).max(sync);
-    let transient = a.activations + a.logits_loss + a.autocast_copies;
+    // a sample grid is drawn between optimizer steps: the gradients may still be there (LoRA:
+    // small, counted), the step's activations are gone
+    let sample = persistent + a.gradients + a.sample_images;
+    let at_sample = sample > backward && sample > step && sample > sync;
+    let at_sync = sync > backward && sync > step && !at_sample;
+    let allocated = backward.max(step).max(sync).max(sample);
+    let transient = if at_sample {
+        a.sample_images
+    } else {
+        a.activations + a.logits_loss + a.autocast_copies
+    };
     let (margin, context) = match s.device {
         Device::Cuda { context, workspace } => {
             let frac = if s.profile.variable_length {
@@ -1408,55 +1435,44 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
             if at_sync { ", the peak" } else { "" }
         ));
     }
+    if at_sample {
+        notes.push(format!(
+            "drawing sample images is the peak ({} on top of the weights, adapters, optimizer states and gradients: the frozen models back on the device, the UNet without gradients, one image's VAE decode); fewer or smaller sample images, or none, lower it to the training step's {}",
+            Bytes::from_f64(a.sample_images),
+            Bytes::from_f64(backward.max(step).max(sync))
+        ));
+    }
     if a.step_tmp > a.activations + a.logits_loss && s.optimizer == Optimizer::AdamW {
         notes.push(
             "the optimizer step is the peak: fused AdamW or a per-tensor loop would lower it"
                 .into(),
         );
     }
+    // the training step's transient terms, when a training moment is the peak
+    let in_step = backward >= step && !at_sync && !at_sample;
     let breakdown = Breakdown {
         base_weights: Bytes::from_f64(a.base_weights),
-        autocast_weight_copies: Bytes::from_f64(if backward >= step && !at_sync {
-            a.autocast_copies
-        } else {
-            0.0
-        }),
+        autocast_weight_copies: Bytes::from_f64(if in_step { a.autocast_copies } else { 0.0 }),
         adapter_params: Bytes::from_f64(a.adapter_bytes),
-        gradients: Bytes::from_f64(if backward >= step && !at_sync {
+        gradients: Bytes::from_f64(if in_step {
             grads_at_backward
         } else {
             a.gradients
         }),
         optimizer_states: Bytes::from_f64(a.states),
-        optimizer_step_temporaries: Bytes::from_f64(if backward >= step || at_sync {
+        optimizer_step_temporaries: Bytes::from_f64(if backward >= step || at_sync || at_sample {
             0.0
         } else {
             a.step_tmp
         }),
-        activations: Bytes::from_f64(if backward >= step && !at_sync {
-            a.activations
-        } else {
-            0.0
-        }),
-        logits_loss: Bytes::from_f64(if backward >= step && !at_sync {
-            a.logits_loss
-        } else {
-            0.0
-        }),
-        batch_data: Bytes::from_f64(if backward >= step && !at_sync {
-            a.batch
-        } else {
-            0.0
-        }),
+        activations: Bytes::from_f64(if in_step { a.activations } else { 0.0 }),
+        logits_loss: Bytes::from_f64(if in_step { a.logits_loss } else { 0.0 }),
+        batch_data: Bytes::from_f64(if in_step { a.batch } else { 0.0 }),
         framework_buffers: Bytes::from_f64(
-            a.buffers_persistent
-                + if backward >= step && !at_sync {
-                    a.buffers_backward
-                } else {
-                    0.0
-                },
+            a.buffers_persistent + if in_step { a.buffers_backward } else { 0.0 },
         ),
         communication_buffers: Bytes::from_f64(if at_sync { communication } else { 0.0 }),
+        sample_images: Bytes::from_f64(if at_sample { a.sample_images } else { 0.0 }),
         context_workspace: Bytes::from_f64(context),
         allocator_margin: Bytes::from_f64(margin),
     };
@@ -1501,6 +1517,11 @@ pub struct DiffusionDetail {
     pub unet_activations: Bytes,
     /// Saved text-encoder activations while it is trained (part of `activations`).
     pub text_encoder_activations: Bytes,
+    /// What drawing the sample grid of [`Settings::sample_images`] adds next to the weights,
+    /// adapters, optimizer states and gradients, whether or not it is the peak (see
+    /// [`Breakdown::sample_images`]); 0 without sample images.
+    #[serde(default)]
+    pub sample_images: Bytes,
 }
 
 /// Whether the VAE and the text encoder(s) are on the device during the training steps, as
@@ -1856,6 +1877,19 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     // Latents, noise, noisy latents, prediction (fp32) + text conditioning.
     let ctx_dim = d.cross_attention_dim as f64;
     let batch = samples * (4.0 * 4.0 * d.latent_channels as f64 * n0 + 4.0 * ctx_len * ctx_dim);
+    let sample_images = s.sample_images.as_ref().map_or(0.0, |g| {
+        // the frozen models the run moved off come back for the grid
+        let reload = if te_stays {
+            0.0
+        } else {
+            d.text_encoder_params() as f64 * te_bytes
+        } + if vae_stays {
+            0.0
+        } else {
+            d.vae_params as f64 * te_bytes
+        };
+        reload + sample_grid_bytes(d, s, &c, g, te_bytes)
+    });
     let detail = DiffusionDetail {
         image_size: [wpx, hpx],
         latent_size: [lw as u32, lh as u32],
@@ -1865,6 +1899,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         text_encoder_weights: Bytes::from_f64(te_weights),
         unet_activations: Bytes::from_f64(samples * act_per_sample),
         text_encoder_activations: Bytes::from_f64(samples * te_act),
+        sample_images: Bytes::from_f64(sample_images),
     };
 
     finish(FinishArgs {
@@ -1886,7 +1921,168 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         diffusion: Some(detail),
         buffers_persistent: 0.0,
         buffers_backward: 0.0,
+        sample_images,
     })
+}
+
+/// Live maps of `c` channels per position while one of this SDK's `Transformer2DModel`s runs
+/// without gradients (its input, the block's input and residual sum, a LayerNorm output, the
+/// GEGLU projection `8c`, `gelu(gate)` and the product `4c` each, and what the attention and
+/// the projections add): 25, from the counting allocator's peak over the tiny pipeline's UNet
+/// at batch 2 and latent sizes 16², 32² and 64² — 27.0 maps of its 32 level-0 channels per
+/// position at each size, 2.75 of them skip connections (`tests/train/sd_sample_memory.rs`
+/// of lora-train).
+const TRANSFORMER_INFERENCE_MAPS: f64 = 25.0;
+
+/// The tensors of drawing a sample grid, as this SDK's SD pipeline draws it
+/// (lora-models `SdPipeline::sample_images`), frozen weights not included: the text
+/// conditioning of every prompt, then the larger of the UNet's no-grad forward for one prompt and
+/// one image's VAE decode, plus the grid's noise and the finished images (fp32, moved to the CPU
+/// one by one: counted on a CPU run only). `vae_bytes` is the VAE's element size.
+///
+/// The UNet at batch `b` (2 with guidance): every skip connection of the down path (held until
+/// the up path reads it) plus the largest block's live tensors. A ResNet block releases each
+/// intermediate once the next exists (lora-models `ResnetBlock2D::forward`) and peaks in a
+/// convolution, whose input the CPU kernels (oneDNN) also hold reordered: `max(3·c_in + c_out,
+/// c_in + 3·c_out)` maps plus one reordered `3×3` weight; an up-path ResNet reads the
+/// concatenation of the previous output and a skip, both kept meanwhile. A transformer block:
+/// [`TRANSFORMER_INFERENCE_MAPS`]` · c` per position, plus eager attention's scores and
+/// probabilities `2·heads·n·(n + 77)`. An upsampler: the input, then the nearest-neighbour
+/// output, its reordered copy and the conv output, `c·n + 3·4c·n`. Activations are counted in
+/// fp32 under autocast (GroupNorm and LayerNorm run in fp32 there), in the compute dtype
+/// otherwise.
+///
+/// The VAE decoder (diffusers `Decoder`: `conv_in`, the mid block's ResNet + single-head
+/// attention + ResNet at latent size, `layers_per_block + 1` ResNets per level with an
+/// upsampler between levels, then GroupNorm, SiLU, `conv_out`) at one image's size, with the same
+/// per-block counts; checked against the counting allocator on the tiny pipeline
+/// (lora-train `tests/train/sd_sample_memory.rs`).
+fn sample_grid_bytes(
+    d: &DiffusionDescriptor,
+    s: &Settings,
+    c: &Ctx,
+    g: &SampleImages,
+    vae_bytes: f64,
+) -> f64 {
+    let ei = if c.autocast { 4.0 } else { c.e };
+    let scale = d.vae_scale.max(1) as f64;
+    let [w, h] = g.size;
+    let n0 = (f64::from(w) / scale).floor() * (f64::from(h) / scale).floor();
+    let b = if g.guidance { 2.0 } else { 1.0 };
+    let prompts = f64::from(g.prompts.max(1));
+    let ctx_len = 77.0;
+    let lc = d.latent_channels as f64;
+    let math = s.attention == Attention::Math;
+    let resnet = |cin: f64, cout: f64, n: f64| {
+        (3.0 * cin + cout).max(cin + 3.0 * cout) * n + 9.0 * cin * cout
+    };
+    let upsample = |ch: f64, n: f64| ch * n + 3.0 * 4.0 * ch * n;
+    let transformer = |ch: f64, heads: f64, n: f64| {
+        TRANSFORMER_INFERENCE_MAPS * ch * n
+            + if math {
+                2.0 * heads * n * (n + ctx_len)
+            } else {
+                0.0
+            }
+    };
+    // UNet, in elements for one row of the batch
+    let chan: Vec<f64> = d.levels.iter().map(|l| l.channels as f64).collect();
+    let nlev = chan.len();
+    let npos = |i: usize| n0 / 4f64.powi(i as i32);
+    let mut skips = chan[0] * n0;
+    let mut unit = 0.0f64;
+    for (i, lv) in d.levels.iter().enumerate() {
+        let (ch, n) = (chan[i], npos(i));
+        for j in 0..lv.resnets {
+            let cin = if j == 0 && i > 0 { chan[i - 1] } else { ch };
+            unit = unit.max(resnet(cin, ch, n));
+            if lv.transformer_depth > 0 {
+                unit = unit.max(transformer(ch, lv.heads as f64, n));
+            }
+            skips += ch * n;
+        }
+        if i + 1 < nlev {
+            skips += ch * npos(i + 1);
+        }
+    }
+    {
+        let i = nlev - 1;
+        let (ch, n) = (chan[i], npos(i));
+        unit = unit.max(resnet(ch, ch, n));
+        if d.mid_transformer_depth > 0 {
+            unit = unit.max(transformer(ch, d.levels[i].heads as f64, n));
+        }
+    }
+    for i in (0..nlev).rev() {
+        let lv = &d.levels[i];
+        let (ch, n) = (chan[i], npos(i));
+        for j in 0..=lv.resnets {
+            let prev = if j > 0 || i + 1 == nlev {
+                ch
+            } else {
+                chan[i + 1]
+            };
+            let skip = if j < lv.resnets {
+                ch
+            } else if i > 0 {
+                chan[i - 1]
+            } else {
+                chan[0]
+            };
+            unit = unit.max(prev * n + resnet(prev + skip, ch, n));
+            if lv.transformer_depth > 0 {
+                unit = unit.max(transformer(ch, lv.heads as f64, n));
+            }
+        }
+        if i > 0 {
+            // the upsampler into level i − 1
+            unit = unit.max(upsample(ch, n));
+        }
+    }
+    unit = unit.max(3.0 * chan[0] * n0);
+    // the sampler's latents (x, its scaled and doubled copies, the prediction and its halves)
+    let sampler = 4.0 * lc * n0 * (3.0 * b + 3.0);
+    let unet = ei * b * (skips + unit) + sampler;
+    // the text encoders over every prompt and the empty prompt, at once
+    let text = d
+        .text_encoders
+        .iter()
+        .map(|t| {
+            let th = t.hidden as f64;
+            let attn = if math { t.heads as f64 * ctx_len } else { 0.0 };
+            ei * 2.0 * prompts * ctx_len * (4.0 * th + t.intermediate as f64 + attn)
+        })
+        .fold(0.0, f64::max);
+    let cond = 4.0 * 2.0 * prompts * ctx_len * d.cross_attention_dim as f64;
+    // VAE decoder, one image
+    let (vch, per_level) = d.vae_decoder_shape();
+    let rev: Vec<f64> = vch.iter().rev().map(|&x| x as f64).collect();
+    let top = rev.len();
+    let mut dec = (lc + rev[0]) * n0 + resnet(rev[0], rev[0], n0);
+    dec = dec.max(6.0 * rev[0] * n0 + if math { 2.0 * n0 * n0 } else { 0.0 });
+    for j in 0..top {
+        let n = n0 * 4f64.powi(j as i32);
+        let cin = if j == 0 { rev[0] } else { rev[j - 1] };
+        dec = dec.max(resnet(cin, rev[j], n));
+        if per_level > 1 {
+            dec = dec.max(resnet(rev[j], rev[j], n));
+        }
+        if j + 1 < top {
+            dec = dec.max(upsample(rev[j], n));
+        }
+    }
+    let pixels = f64::from(w) * f64::from(h);
+    dec = dec.max(3.0 * rev[top - 1] * pixels);
+    let decode = vae_bytes * dec;
+    // the grid's noise (fp32, every prompt's row drawn at once); each finished image goes to
+    // the CPU before the next prompt: on a CPU run all of them stay in the same memory
+    let images = 4.0 * lc * n0 * prompts
+        + if s.device.is_cuda() {
+            0.0
+        } else {
+            4.0 * 3.0 * pixels * prompts
+        };
+    cond + images + unet.max(decode).max(text)
 }
 
 #[cfg(test)]
@@ -1937,6 +2133,83 @@ mod tests {
         );
         // a world of 0 processes is refused
         assert!(estimate(&m, &full.with_world_size(0)).is_err());
+    }
+
+    #[test]
+    fn a_sample_grid_above_the_training_step_is_the_peak() {
+        let m = ModelDescriptor::preset("SD1.5").unwrap();
+        let ModelDescriptor::Diffusion(d) = &m else {
+            panic!()
+        };
+        // a lean step: fp16 weights, cached latents and text-encoder outputs (both models off
+        // the device), checkpointing, AdamW8bit, 512²
+        let lean = Settings::default()
+            .with_base_dtype(BaseDtype::F16)
+            .with_target_modules(&["to_q", "to_k", "to_v", "to_out.0"])
+            .with_resolution(512)
+            .with_gradient_checkpointing(true)
+            .with_optimizer(Optimizer::AdamW8bit)
+            .with_cache_latents(true)
+            .with_cache_text_encoder_outputs(true);
+        let step = estimate(&m, &lean).unwrap();
+        assert_eq!(step.breakdown.sample_images.0, 0);
+        let grid = |size: u32, guidance: bool| {
+            lean.clone().with_sample_images(Some(SampleImages {
+                size: [size, size],
+                prompts: 4,
+                guidance,
+            }))
+        };
+        // samples at 1024²: the text encoder and the VAE come back (both in fp16) and the VAE
+        // decodes 1024² pixels through 128–512 channels
+        let big = estimate(&m, &grid(1024, true)).unwrap();
+        let b = &big.breakdown;
+        let detail = big.diffusion.as_ref().unwrap();
+        assert!(b.sample_images.0 > 0, "{b:?}");
+        assert_eq!(b.sample_images, detail.sample_images);
+        let reload = 2.0 * (d.text_encoder_params() + d.vae_params) as f64;
+        // the decoder's first full-resolution ResNet (512 → 128 channels after the last
+        // upsampler, 256 in SD's reversed list: 3 maps of 256 channels) bounds it from below
+        let decode_floor = 2.0 * 3.0 * 256.0 * 1024.0 * 1024.0;
+        assert!(b.sample_images.as_f64() >= reload + decode_floor, "{b:?}");
+        assert!(big.peak_allocated > step.peak_allocated);
+        assert_eq!(b.activations.0, 0);
+        assert_eq!(b.batch_data.0, 0);
+        assert!(
+            big.notes
+                .iter()
+                .any(|n| n.starts_with("drawing sample images is the peak")),
+            "{:?}",
+            big.notes
+        );
+        // the terms still add up to the allocated peak
+        let sum: u64 = b
+            .terms()
+            .iter()
+            .filter(|t| !matches!(t.name, "context / workspace" | "allocator margin"))
+            .map(|t| t.bytes.0)
+            .sum();
+        assert!(sum.abs_diff(big.peak_allocated.0) <= 16, "{sum} vs {big:?}");
+        // four times the pixels: the decode grows with them; guidance doubles the UNet's batch
+        let small = estimate(&m, &grid(512, true)).unwrap();
+        let small_grid = small.diffusion.as_ref().unwrap().sample_images;
+        assert!(detail.sample_images.as_f64() > 2.0 * (small_grid.as_f64() - reload));
+        let no_cfg = estimate(&m, &grid(512, false)).unwrap();
+        assert!(no_cfg.diffusion.unwrap().sample_images <= small_grid);
+        // a full step at 512² (no checkpointing, fp32 AdamW) stays above a 512² grid
+        let heavy = lean
+            .clone()
+            .with_gradient_checkpointing(false)
+            .with_optimizer(Optimizer::AdamW);
+        let e = estimate(
+            &m,
+            &heavy
+                .clone()
+                .with_sample_images(grid(512, true).sample_images),
+        )
+        .unwrap();
+        assert_eq!(e.breakdown.sample_images.0, 0);
+        assert_eq!(e.peak, estimate(&m, &heavy).unwrap().peak);
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub use model::{
 };
 pub use settings::{
     Attention, BaseDtype, DeepSpeedZero, Device, Framework, GptqKernel, LoraSettings, Method,
-    MixedPrecision, Optimizer, Profile, Settings,
+    MixedPrecision, Optimizer, Profile, SampleImages, Settings,
 };
 pub use units::{Bytes, ParsedSize, Size, parse_size};
 pub use verdict::{Check, Verdict};

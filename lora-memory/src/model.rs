@@ -511,6 +511,13 @@ pub struct DiffusionDescriptor {
     pub latent_channels: u64,
     /// VAE down-scaling factor (8).
     pub vae_scale: u64,
+    /// The VAE's `block_out_channels` (diffusers `AutoencoderKL` config; its decoder walks them
+    /// in reverse). Empty (older descriptors): SD's `[128, 256, 512, 512]`.
+    #[serde(default)]
+    pub vae_block_out_channels: Vec<u64>,
+    /// The VAE's `layers_per_block` (its decoder has one more ResNet per level). 0: SD's 2.
+    #[serde(default)]
+    pub vae_layers_per_block: u64,
 }
 
 impl DiffusionDescriptor {
@@ -673,6 +680,28 @@ fn clip_l() -> TextEncoderDescriptor {
     }
 }
 
+/// `block_out_channels` of the VAE of SD 1.x, SD 2.x and SDXL (diffusers `AutoencoderKL`
+/// config of runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-xl-base-1.0).
+pub const SD_VAE_CHANNELS: [u64; 4] = [128, 256, 512, 512];
+
+impl DiffusionDescriptor {
+    /// The VAE decoder's shape: `block_out_channels` (deepest last) and ResNets per decoder
+    /// level (`layers_per_block + 1`); SD's VAE when the descriptor does not say.
+    pub fn vae_decoder_shape(&self) -> (Vec<u64>, u64) {
+        let ch = if self.vae_block_out_channels.is_empty() {
+            SD_VAE_CHANNELS.to_vec()
+        } else {
+            self.vae_block_out_channels.clone()
+        };
+        let layers = if self.vae_layers_per_block == 0 {
+            2
+        } else {
+            self.vae_layers_per_block
+        };
+        (ch, layers + 1)
+    }
+}
+
 fn sd15() -> DiffusionDescriptor {
     // diffusers UNet2DConditionModel config of runwayml/stable-diffusion-v1-5: block_out_channels
     // [320, 640, 1280, 1280], layers_per_block 2, attention_head_dim 8 (= 8 heads),
@@ -694,6 +723,8 @@ fn sd15() -> DiffusionDescriptor {
         vae_params: 83_653_863,
         latent_channels: 4,
         vae_scale: 8,
+        vae_block_out_channels: SD_VAE_CHANNELS.to_vec(),
+        vae_layers_per_block: 2,
     }
 }
 
@@ -743,6 +774,8 @@ fn sdxl() -> DiffusionDescriptor {
         vae_params: 83_653_863,
         latent_channels: 4,
         vae_scale: 8,
+        vae_block_out_channels: SD_VAE_CHANNELS.to_vec(),
+        vae_layers_per_block: 2,
     }
 }
 

@@ -271,6 +271,7 @@ pub fn diffusion_from_diffusers_folder(dir: &Path) -> Result<DiffusionDescriptor
             8,
         ),
     };
+    let (vae_block_out_channels, vae_layers_per_block) = vae_decoder(dir)?;
     let text_encoders = ["text_encoder", "text_encoder_2"]
         .iter()
         .filter_map(|name| text_encoder(dir, name).transpose())
@@ -289,7 +290,34 @@ pub fn diffusion_from_diffusers_folder(dir: &Path) -> Result<DiffusionDescriptor
         vae_params,
         latent_channels,
         vae_scale,
+        vae_block_out_channels,
+        vae_layers_per_block,
     })
+}
+
+/// The VAE's `block_out_channels` and `layers_per_block` from `dir/vae/config.json` (empty and
+/// 0 when there is no such file: the planner then assumes SD's VAE).
+fn vae_decoder(dir: &Path) -> Result<(Vec<u64>, u64)> {
+    let vp = dir.join("vae/config.json");
+    if !vp.exists() {
+        return Ok((Vec::new(), 0));
+    }
+    let v = read_json(&vp)?;
+    let channels = match v.get("block_out_channels").and_then(|x| x.as_array()) {
+        Some(a) => a
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .ok_or_else(|| cfg_err(&vp, "block_out_channels", "entries must be integers"))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
+    let layers = v
+        .get("layers_per_block")
+        .and_then(|x| x.as_u64())
+        .unwrap_or(0);
+    Ok((channels, layers))
 }
 
 #[cfg(test)]

@@ -226,6 +226,20 @@ pub enum Optimizer {
     },
 }
 
+/// Diffusion: a sample grid drawn during or after training, as this SDK's SD job draws it
+/// (lora-models `SdPipeline::sample_images`): the text encoders and the VAE on the device, one
+/// prompt at a time through the UNet without gradients (batch 2 with classifier-free guidance:
+/// unconditional + conditional), then each image decoded by the VAE on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SampleImages {
+    /// Image size `[width, height]` in pixels.
+    pub size: [u32; 2],
+    /// Prompts in the grid: the finished images stay on the device until the grid is written.
+    pub prompts: u32,
+    /// Classifier-free guidance (scale > 1): the UNet runs at batch 2.
+    pub guidance: bool,
+}
+
 /// Attention kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -647,6 +661,11 @@ pub struct Settings {
     /// FLUX: T5 tokens per caption (kohya `t5xxl_max_token_length`). `None`: the model's
     /// default, 512 for FLUX.1-dev and 256 for schnell.
     pub text_tokens: Option<u32>,
+    /// Diffusion (SD 1.x / SDXL): sample images are drawn during or after the run; their
+    /// moment (frozen models back on the device, the UNet's inference activations, one image's
+    /// VAE decode) is planned next to the training step and the larger of the two is the peak.
+    /// `None` (default): no sample images.
+    pub sample_images: Option<SampleImages>,
 }
 
 impl Default for Settings {
@@ -683,6 +702,7 @@ impl Default for Settings {
             flux_trained_blocks: None,
             text_encoder_dtype: None,
             text_tokens: None,
+            sample_images: None,
         }
     }
 }
@@ -752,6 +772,8 @@ impl Settings {
         with_quantized_compute_f32, quantized_compute_f32: bool);
     setter!(/// Sets `quantized_compute_f32_only`.
         with_quantized_compute_f32_only, quantized_compute_f32_only: bool);
+    setter!(/// Sets `sample_images`.
+        with_sample_images, sample_images: Option<SampleImages>);
     setter!(/// Sets `device`.
         with_device, device: Device);
     setter!(/// Sets `profile`.

@@ -46,6 +46,8 @@ fn tiny() -> ModelDescriptor {
         vae_params: 658_375,
         latent_channels: 4,
         vae_scale: 2,
+        vae_block_out_channels: vec![32, 64],
+        vae_layers_per_block: 1,
     })
 }
 

@@ -354,6 +354,7 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         diffusion: None,
         buffers_persistent: 0.0,
         buffers_backward: decode_transient,
+        sample_images: 0.0,
     })?;
     if Bytes::from_f64(caching_peak) > e.peak_process {
         e.notes.push(format!(

@@ -278,8 +278,12 @@ impl ResnetBlock2D {
     /// # Errors
     /// [`Error::InvalidArgument`] when `temb` is missing; [`Error::Torch`] on a shape mismatch.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>, train: bool) -> Result<Tensor> {
-        let h = self.norm1.forward(x)?.f_silu()?;
-        let mut h = self.conv1.forward_t(&h, train)?;
+        // Each intermediate is released as soon as the next one exists (assignment drops the
+        // old value; shadowing would keep every one alive to the end): without grad — sample
+        // images, the VAE — the block then peaks at `max(3·c_in, c_in + 3·c_out)` maps instead
+        // of `2·c_in + 5·c_out`. With grad, autograd keeps what the backward needs either way.
+        let mut h = self.norm1.forward(x)?.f_silu()?;
+        h = self.conv1.forward_t(&h, train)?;
         if let Some(proj) = &self.time_emb_proj {
             let t = temb.ok_or_else(|| {
                 Error::InvalidArgument(
@@ -292,8 +296,8 @@ impl ResnetBlock2D {
                 .f_unsqueeze(-1)?;
             h = h.f_add(&t)?;
         }
-        let h = self.norm2.forward(&h)?.f_silu()?;
-        let h = self.conv2.forward_t(&h, train)?;
+        h = self.norm2.forward(&h)?.f_silu()?;
+        h = self.conv2.forward_t(&h, train)?;
         let skip = match &self.conv_shortcut {
             Some(c) => c.forward_t(x, train)?,
             None => x.shallow_clone(),
@@ -649,13 +653,15 @@ impl BasicTransformerBlock {
     /// # Errors
     /// [`Error::Torch`] on a shape mismatch.
     pub fn forward(&self, x: &Tensor, context: &Tensor, train: bool) -> Result<Tensor> {
-        let x = x.f_add(&self.attn1.forward(&self.norm1.forward(x)?, None, train)?)?;
-        let x = x.f_add(
+        // assignment releases each residual sum once the next exists (without grad: sample
+        // images); with grad, the layer norms keep their inputs either way
+        let mut h = x.f_add(&self.attn1.forward(&self.norm1.forward(x)?, None, train)?)?;
+        h = h.f_add(
             &self
                 .attn2
-                .forward(&self.norm2.forward(&x)?, Some(context), train)?,
+                .forward(&self.norm2.forward(&h)?, Some(context), train)?,
         )?;
-        Ok(x.f_add(&self.ff.forward(&self.norm3.forward(&x)?, train)?)?)
+        Ok(h.f_add(&self.ff.forward(&self.norm3.forward(&h)?, train)?)?)
     }
 
     pub(crate) fn visit(&mut self, f: &mut Visitor<'_>) -> lora_core::Result<()> {
@@ -757,16 +763,19 @@ impl Transformer2DModel {
     /// [`Error::Torch`] on a shape mismatch.
     pub fn forward(&self, x: &Tensor, context: &Tensor, train: bool) -> Result<Tensor> {
         let (b, c, h, w) = x.size4()?;
-        let n = self.norm.forward(x)?;
-        let mut t = match &self.proj_in {
-            Proj::Conv(conv) => {
-                let p = conv.forward_t(&n, train)?;
-                let inner = p.size()[1];
-                p.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, inner])?
-            }
-            Proj::Linear(lin) => {
-                let s = n.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, c])?;
-                lin.forward_t(&s, train)?
+        // the norm's output is released before the blocks run
+        let mut t = {
+            let n = self.norm.forward(x)?;
+            match &self.proj_in {
+                Proj::Conv(conv) => {
+                    let p = conv.forward_t(&n, train)?;
+                    let inner = p.size()[1];
+                    p.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, inner])?
+                }
+                Proj::Linear(lin) => {
+                    let s = n.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, c])?;
+                    lin.forward_t(&s, train)?
+                }
             }
         };
         for blk in &self.blocks {

@@ -833,8 +833,10 @@ impl SdPipeline {
     /// on the CPU. SDXL: time ids `(H, W, 0, 0, H, W)` of the sample size, and zeros as the
     /// unconditional embeddings (diffusers' `force_zeros_for_empty_prompt`, set in SDXL base's
     /// `model_index.json`). The global CPU generator is restored afterwards, so sampling during
-    /// training does not change the training noise. The latents are decoded one image at a time
-    /// ([`AutoencoderKL::decode_each`]).
+    /// training does not change the training noise. The prompts are sampled one at a time (the
+    /// UNet at batch 2 with guidance, 1 without: the grid's memory does not grow with the number
+    /// of prompts; prompt `i` starts from row `i` of one seeded `[n, C, h, w]` noise tensor), and
+    /// each image is decoded on its own and moved to the CPU before the next prompt.
     ///
     /// # Errors
     /// Model / sampler errors.
@@ -866,19 +868,34 @@ impl SdPipeline {
         } else {
             encode(&vec![""; prompts.len()])?
         };
-        let both = TextCond {
-            hidden: Tensor::f_cat(&[&uncond.hidden, &cond.hidden], 0)?,
-            pooled: match (&uncond.pooled, &cond.pooled) {
-                (Some(u), Some(c)) => Some(Tensor::f_cat(&[u, c], 0)?),
-                _ => None,
-            },
+        // one prompt at a time (kohya's sd-scripts draws its samples the same way): the UNet
+        // runs at batch 2 (unconditional + conditional) whatever the number of prompts, so the
+        // grid's memory does not grow with it
+        let row = |t: &Tensor, i: i64| t.f_narrow(0, i, 1);
+        let cond_of = |i: i64| -> crate::Result<TextCond> {
+            Ok(if guidance_scale > 1.0 {
+                TextCond {
+                    hidden: Tensor::f_cat(&[row(&uncond.hidden, i)?, row(&cond.hidden, i)?], 0)?,
+                    pooled: match (&uncond.pooled, &cond.pooled) {
+                        (Some(u), Some(c)) => Some(Tensor::f_cat(&[row(u, i)?, row(c, i)?], 0)?),
+                        _ => None,
+                    },
+                }
+            } else {
+                TextCond {
+                    hidden: row(&cond.hidden, i)?,
+                    pooled: cond.pooled.as_ref().map(|p| row(p, i)).transpose()?,
+                }
+            })
         };
         let time_ids = if self.is_sdxl() {
-            let row = sdxl_time_ids(size, (0, 0), size);
-            let rows: Vec<f32> = (0..2 * n).flat_map(|_| row).collect();
+            let rows = if guidance_scale > 1.0 { 2 } else { 1 };
+            let ids: Vec<f32> = (0..rows)
+                .flat_map(|_| sdxl_time_ids(size, (0, 0), size))
+                .collect();
             Some(
-                Tensor::f_from_slice(&rows)?
-                    .f_view([2 * n, 6])?
+                Tensor::f_from_slice(&ids)?
+                    .f_view([rows, 6])?
                     .f_to_device(dev)?,
             )
         } else {
@@ -886,6 +903,7 @@ impl SdPipeline {
         };
         let f = self.vae_factor();
         let c = self.unet.config().in_channels;
+        // the noise of the whole grid from one seed, as before: prompt i gets row i
         tch::manual_seed(seed as i64);
         let noise = Tensor::f_randn(
             [n, c, i64::from(size.1) / f, i64::from(size.0) / f],
@@ -903,35 +921,29 @@ impl SdPipeline {
                 &EulerOptions::default(),
             )?),
         };
-        let z = crate::diffusion::sample(sampler.as_ref(), &noise, guidance_scale, |x, t| {
-            let ts = Tensor::f_from_slice(&[t as f32])?.f_to_device(dev)?;
-            let (c, ids) = if guidance_scale > 1.0 {
-                (
-                    both.shallow_clone(),
-                    time_ids.as_ref().map(Tensor::shallow_clone),
-                )
-            } else {
-                (
-                    TextCond {
-                        hidden: both.hidden.f_narrow(0, n, n)?,
-                        pooled: both
-                            .pooled
-                            .as_ref()
-                            .map(|p| p.f_narrow(0, n, n))
-                            .transpose()?,
-                    },
-                    time_ids.as_ref().map(|t| t.f_narrow(0, n, n)).transpose()?,
-                )
-            };
-            self.predict(x, &ts, &c, ids.as_ref(), false)
-        })?;
         let vae = on.vae.as_ref().unwrap_or(&self.vae);
-        let img = vae.decode_each(&vae.unscale_latents(&z)?)?;
+        let mut images = Vec::with_capacity(prompts.len());
+        for i in 0..n {
+            let c = cond_of(i)?;
+            let z = crate::diffusion::sample(
+                sampler.as_ref(),
+                &row(&noise, i)?,
+                guidance_scale,
+                |x, t| {
+                    let ts = Tensor::f_from_slice(&[t as f32])?.f_to_device(dev)?;
+                    self.predict(x, &ts, &c, time_ids.as_ref(), false)
+                },
+            )?;
+            // decoded on its own and moved off the device at once: one image's decoder
+            // activations at a time, and no finished images on the device
+            let img = vae.decode(&vae.unscale_latents(&z)?)?;
+            images.push(img.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?);
+        }
         drop(on);
         if let Some(s) = saved {
             let _ = lora_core::sys::set_rng_state(Device::Cpu, &s);
         }
-        Ok(img.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?)
+        Ok(Tensor::f_cat(&images, 0)?)
     }
 
     /// The VAE's spatial factor `2^(levels − 1)` (8 for SD).

@@ -682,14 +682,21 @@ pub fn diffusion_report(p: &Plan) -> String {
         ),
     ];
     rows.extend(trainable_rows(p));
+    // at a sample-grid peak the training step's rows below are what the step holds, not part
+    // of the peak
+    let step_only = if b.sample_images.0 > 0 {
+        " (the training step's, below the peak)"
+    } else {
+        ""
+    };
     rows.extend([
         (
             "UNet activations",
             d.unet_activations,
             if s.gradient_checkpointing {
-                "unit inputs + one recomputed unit, × images".into()
+                format!("unit inputs + one recomputed unit, × images{step_only}")
             } else {
-                "saved ResNet/transformer tensors at the latent size, × images".into()
+                format!("saved ResNet/transformer tensors at the latent size, × images{step_only}")
             },
         ),
         (
@@ -707,6 +714,25 @@ pub fn diffusion_report(p: &Plan) -> String {
             "latents, noise, noisy latents, prediction + conditioning (fp32)".into(),
         ),
     ]);
+    if let Some(g) = &s.sample_images {
+        rows.push((
+            "sample images",
+            b.sample_images,
+            if b.sample_images.0 > 0 {
+                format!(
+                    "the peak: {}×{} px, one prompt at a time (UNet at batch {}, no grad), one image's VAE decode",
+                    g.size[0],
+                    g.size[1],
+                    if g.guidance { 2 } else { 1 }
+                )
+            } else {
+                format!(
+                    "{}×{} px, below the training step",
+                    g.size[0], g.size[1]
+                )
+            },
+        ));
+    }
     rows.extend(runtime_rows(p));
     out += &rows_and_verdict(p, rows);
     out

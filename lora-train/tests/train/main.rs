@@ -27,6 +27,7 @@ mod sd_dist;
 mod sd_fixture;
 mod sd_job;
 mod sd_plan_measured;
+mod sd_sample_memory;
 mod sd_targets;
 mod sd_xl_job;
 
