@@ -1437,7 +1437,7 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     }
     if at_sample {
         notes.push(format!(
-            "drawing sample images is the peak ({} on top of the weights, adapters, optimizer states and gradients: the frozen models back on the device, the UNet without gradients, one image's VAE decode); fewer or smaller sample images, or none, lower it to the training step's {}",
+            "drawing sample images is the peak ({} on top of the weights, adapters, optimizer states and gradients: the frozen models back on the device, the UNet without gradients, one image's VAE decode); without sample images the peak is the training step's {}",
             Bytes::from_f64(a.sample_images),
             Bytes::from_f64(backward.max(step).max(sync))
         ));
@@ -1925,6 +1925,59 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
     })
 }
 
+/// Live elements of a ResNet block without gradients, `c_in → c_out` channels over `n`
+/// positions: it releases each intermediate once the next exists (lora-models
+/// `ResnetBlock2D::forward`) and peaks in a convolution, whose input the CPU kernels (oneDNN)
+/// hold reordered too: `max(3·c_in + c_out, c_in + 3·c_out)` maps, plus one reordered `3×3`
+/// weight.
+pub(crate) fn resnet_inference_elements(c_in: f64, c_out: f64, n: f64) -> f64 {
+    (3.0 * c_in + c_out).max(c_in + 3.0 * c_out) * n + 9.0 * c_in * c_out
+}
+
+/// Live elements of an upsampler without gradients (`c` channels, `n` positions before it):
+/// its input, then the nearest-neighbour output, its reordered copy and the conv output,
+/// `c·n + 3·4c·n`.
+pub(crate) fn upsample_inference_elements(c: f64, n: f64) -> f64 {
+    c * n + 3.0 * 4.0 * c * n
+}
+
+/// Live elements of one image's `AutoencoderKL` decode (diffusers `Decoder`: `conv_in`, the mid
+/// block's ResNet + single-head attention + ResNet at the latent size, `resnets_per_level`
+/// ResNets per level with an upsampler between levels, then GroupNorm, SiLU, `conv_out`):
+/// `channels` is the config's `block_out_channels` (the decoder walks them in reverse),
+/// `latent_channels` the input's, `n0` latent positions, `pixels` output pixels; eager
+/// attention (`math`) adds its `n0²` scores and probabilities. The sampled latent and its
+/// unscaled copy (`z / scaling_factor + shift`, the decoder's input) stay alive throughout.
+pub(crate) fn vae_decode_elements(
+    channels: &[u64],
+    resnets_per_level: u64,
+    latent_channels: f64,
+    n0: f64,
+    pixels: f64,
+    math: bool,
+) -> f64 {
+    let rev: Vec<f64> = channels.iter().rev().map(|&x| x as f64).collect();
+    let Some(&deepest) = rev.first() else {
+        return 0.0;
+    };
+    let top = rev.len();
+    let mut dec = resnet_inference_elements(deepest, deepest, n0);
+    dec = dec.max(6.0 * deepest * n0 + if math { 2.0 * n0 * n0 } else { 0.0 });
+    for j in 0..top {
+        let n = n0 * 4f64.powi(j as i32);
+        let cin = if j == 0 { deepest } else { rev[j - 1] };
+        dec = dec.max(resnet_inference_elements(cin, rev[j], n));
+        if resnets_per_level > 1 {
+            dec = dec.max(resnet_inference_elements(rev[j], rev[j], n));
+        }
+        if j + 1 < top {
+            dec = dec.max(upsample_inference_elements(rev[j], n));
+        }
+    }
+    dec = dec.max(3.0 * rev[top - 1] * pixels);
+    2.0 * latent_channels * n0 + dec
+}
+
 /// Live maps of `c` channels per position while one of this SDK's `Transformer2DModel`s runs
 /// without gradients (its input, the block's input and residual sum, a LayerNorm output, the
 /// GEGLU projection `8c`, `gelu(gate)` and the product `4c` each, and what the attention and
@@ -1941,22 +1994,14 @@ const TRANSFORMER_INFERENCE_MAPS: f64 = 25.0;
 /// one by one: counted on a CPU run only). `vae_bytes` is the VAE's element size.
 ///
 /// The UNet at batch `b` (2 with guidance): every skip connection of the down path (held until
-/// the up path reads it) plus the largest block's live tensors. A ResNet block releases each
-/// intermediate once the next exists (lora-models `ResnetBlock2D::forward`) and peaks in a
-/// convolution, whose input the CPU kernels (oneDNN) also hold reordered: `max(3·c_in + c_out,
-/// c_in + 3·c_out)` maps plus one reordered `3×3` weight; an up-path ResNet reads the
-/// concatenation of the previous output and a skip, both kept meanwhile. A transformer block:
-/// [`TRANSFORMER_INFERENCE_MAPS`]` · c` per position, plus eager attention's scores and
-/// probabilities `2·heads·n·(n + 77)`. An upsampler: the input, then the nearest-neighbour
-/// output, its reordered copy and the conv output, `c·n + 3·4c·n`. Activations are counted in
-/// fp32 under autocast (GroupNorm and LayerNorm run in fp32 there), in the compute dtype
-/// otherwise.
-///
-/// The VAE decoder (diffusers `Decoder`: `conv_in`, the mid block's ResNet + single-head
-/// attention + ResNet at latent size, `layers_per_block + 1` ResNets per level with an
-/// upsampler between levels, then GroupNorm, SiLU, `conv_out`) at one image's size, with the same
-/// per-block counts; checked against the counting allocator on the tiny pipeline
-/// (lora-train `tests/train/sd_sample_memory.rs`).
+/// the up path reads it) plus the largest block's live tensors: a ResNet
+/// ([`resnet_inference_elements`]; an up-path ResNet reads the concatenation of the previous
+/// output and a skip, both kept meanwhile), an upsampler ([`upsample_inference_elements`]) or a
+/// transformer block, [`TRANSFORMER_INFERENCE_MAPS`]` · c` per position plus eager attention's
+/// scores and probabilities `2·heads·n·(n + 77)`. Activations are counted in fp32 under
+/// autocast (GroupNorm and LayerNorm run in fp32 there), in the compute dtype otherwise. The
+/// VAE decode: [`vae_decode_elements`] at one image's size. Checked against the counting
+/// allocator on the tiny pipeline (lora-train `tests/train/sd_sample_memory.rs`).
 fn sample_grid_bytes(
     d: &DiffusionDescriptor,
     s: &Settings,
@@ -1973,10 +2018,7 @@ fn sample_grid_bytes(
     let ctx_len = 77.0;
     let lc = d.latent_channels as f64;
     let math = s.attention == Attention::Math;
-    let resnet = |cin: f64, cout: f64, n: f64| {
-        (3.0 * cin + cout).max(cin + 3.0 * cout) * n + 9.0 * cin * cout
-    };
-    let upsample = |ch: f64, n: f64| ch * n + 3.0 * 4.0 * ch * n;
+    let (resnet, upsample) = (resnet_inference_elements, upsample_inference_elements);
     let transformer = |ch: f64, heads: f64, n: f64| {
         TRANSFORMER_INFERENCE_MAPS * ch * n
             + if math {
@@ -2056,24 +2098,8 @@ fn sample_grid_bytes(
     let cond = 4.0 * 2.0 * prompts * ctx_len * d.cross_attention_dim as f64;
     // VAE decoder, one image
     let (vch, per_level) = d.vae_decoder_shape();
-    let rev: Vec<f64> = vch.iter().rev().map(|&x| x as f64).collect();
-    let top = rev.len();
-    let mut dec = (lc + rev[0]) * n0 + resnet(rev[0], rev[0], n0);
-    dec = dec.max(6.0 * rev[0] * n0 + if math { 2.0 * n0 * n0 } else { 0.0 });
-    for j in 0..top {
-        let n = n0 * 4f64.powi(j as i32);
-        let cin = if j == 0 { rev[0] } else { rev[j - 1] };
-        dec = dec.max(resnet(cin, rev[j], n));
-        if per_level > 1 {
-            dec = dec.max(resnet(rev[j], rev[j], n));
-        }
-        if j + 1 < top {
-            dec = dec.max(upsample(rev[j], n));
-        }
-    }
     let pixels = f64::from(w) * f64::from(h);
-    dec = dec.max(3.0 * rev[top - 1] * pixels);
-    let decode = vae_bytes * dec;
+    let decode = vae_bytes * vae_decode_elements(&vch, per_level, lc, n0, pixels, math);
     // the grid's noise (fp32, every prompt's row drawn at once); each finished image goes to
     // the CPU before the next prompt: on a CPU run all of them stay in the same memory
     let images = 4.0 * lc * n0 * prompts

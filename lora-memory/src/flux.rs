@@ -97,6 +97,13 @@ pub struct FluxDescriptor {
     pub latent_channels: u64,
     /// Autoencoder down-scaling factor (8).
     pub vae_scale: u64,
+    /// The autoencoder's `block_out_channels` (FLUX.1's: `[128, 256, 512, 512]`, SD's). Empty:
+    /// FLUX.1's.
+    #[serde(default)]
+    pub vae_block_out_channels: Vec<u64>,
+    /// The autoencoder's `layers_per_block` (2). 0: FLUX.1's.
+    #[serde(default)]
+    pub vae_layers_per_block: u64,
 }
 
 /// Every linear inside the blocks (diffusers names) — what kohya's `networks.lora_flux` trains
@@ -145,6 +152,8 @@ impl FluxDescriptor {
             vae_params: 83_819_683,
             latent_channels: 16,
             vae_scale: 8,
+            vae_block_out_channels: crate::model::SD_VAE_CHANNELS.to_vec(),
+            vae_layers_per_block: 2,
         };
         d.transformer_params = d.computed_transformer_params();
         d
@@ -281,8 +290,16 @@ impl FluxDescriptor {
             self.vae_params = params;
             self.latent_channels = latent;
             self.vae_scale = scale;
+            (self.vae_block_out_channels, self.vae_layers_per_block) =
+                crate::sd_header::vae_decoder(dir)?;
         }
         Ok(self)
+    }
+
+    /// The autoencoder decoder's shape: `block_out_channels` (deepest last) and ResNets per
+    /// decoder level (`layers_per_block + 1`); FLUX.1's when the descriptor does not say.
+    pub fn vae_decoder_shape(&self) -> (Vec<u64>, u64) {
+        crate::model::decoder_shape(&self.vae_block_out_channels, self.vae_layers_per_block)
     }
 
     /// All LoRA-targetable linear sites (diffusers names, component `"transformer"`, then the

@@ -688,18 +688,24 @@ impl DiffusionDescriptor {
     /// The VAE decoder's shape: `block_out_channels` (deepest last) and ResNets per decoder
     /// level (`layers_per_block + 1`); SD's VAE when the descriptor does not say.
     pub fn vae_decoder_shape(&self) -> (Vec<u64>, u64) {
-        let ch = if self.vae_block_out_channels.is_empty() {
-            SD_VAE_CHANNELS.to_vec()
-        } else {
-            self.vae_block_out_channels.clone()
-        };
-        let layers = if self.vae_layers_per_block == 0 {
-            2
-        } else {
-            self.vae_layers_per_block
-        };
-        (ch, layers + 1)
+        decoder_shape(&self.vae_block_out_channels, self.vae_layers_per_block)
     }
+}
+
+/// `(block_out_channels, layers_per_block + 1)` of an `AutoencoderKL` config, SD's (and FLUX.1's)
+/// `[128, 256, 512, 512]` and 2 for what is not given (empty, 0).
+pub(crate) fn decoder_shape(channels: &[u64], layers_per_block: u64) -> (Vec<u64>, u64) {
+    let ch = if channels.is_empty() {
+        SD_VAE_CHANNELS.to_vec()
+    } else {
+        channels.to_vec()
+    };
+    let layers = if layers_per_block == 0 {
+        2
+    } else {
+        layers_per_block
+    };
+    (ch, layers + 1)
 }
 
 fn sd15() -> DiffusionDescriptor {

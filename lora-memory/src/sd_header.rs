@@ -297,7 +297,7 @@ pub fn diffusion_from_diffusers_folder(dir: &Path) -> Result<DiffusionDescriptor
 
 /// The VAE's `block_out_channels` and `layers_per_block` from `dir/vae/config.json` (empty and
 /// 0 when there is no such file: the planner then assumes SD's VAE).
-fn vae_decoder(dir: &Path) -> Result<(Vec<u64>, u64)> {
+pub(crate) fn vae_decoder(dir: &Path) -> Result<(Vec<u64>, u64)> {
     let vp = dir.join("vae/config.json");
     if !vp.exists() {
         return Ok((Vec::new(), 0));

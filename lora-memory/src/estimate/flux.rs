@@ -5,7 +5,7 @@
 
 use super::{
     Ctx, FinishArgs, ctx, finish, frozen_models_on_device, full_trainable, lora_input_bytes,
-    lora_state, no_target_error, optimizer_bytes, step_temporaries, targeted,
+    lora_state, no_target_error, optimizer_bytes, step_temporaries, targeted, vae_decode_elements,
 };
 use crate::error::{Error, Result};
 use crate::flux::{FLUX_MLP_RATIO, FluxDescriptor};
@@ -42,6 +42,23 @@ pub struct FluxDetail {
     /// Whole-process peak on the device while the caches are filled (text encoders, then the
     /// autoencoder, each alone on the device); 0 when nothing is cached.
     pub caching_peak: Bytes,
+    /// What drawing the sample grid of [`Settings::sample_images`] adds next to the weights,
+    /// adapters, optimizer states and gradients, whether or not it is the peak (see
+    /// [`super::Breakdown::sample_images`]); 0 without sample images.
+    #[serde(default)]
+    pub sample_images: Bytes,
+}
+
+/// Live elements per token while one single-stream block runs without gradients: its input,
+/// the modulated LayerNorm output, q/k/v `3h`, the MLP input `f` and its GELU `f`, the attention
+/// output `h`, their concatenation `h + f`, and the output: `8h + 3f` (lora-models
+/// `FluxSingleBlock`), the largest of the two block kinds, plus `h` for what the transformer
+/// holds around it (the modulation, the packed input and the rotary tables). With the counting
+/// allocator on the tiny FLUX.1-dev pipeline's whole transformer: 647.0, 644.6 and 643.5 floats
+/// per token over 32, 80 and 272 tokens, against `8h + 3f` = 640 and this count's 672 at
+/// `h` = 32.
+fn single_block_inference_elements(h: f64, f: f64) -> f64 {
+    9.0 * h + 3.0 * f
 }
 
 /// The staging buffers block swapping keeps on the device: one block, of the largest kind
@@ -335,6 +352,51 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         0.0
     };
 
+    // --- a sample grid between steps: one prompt at a time through the transformer (batch 1,
+    // no classifier-free guidance), the text encoders and the autoencoder running where they
+    // are (lora-models `FluxPipeline::sample`): on the device only when they stay there
+    let sample_images = s.sample_images.as_ref().map_or(0.0, |g| {
+        let [sw, sh] = g.size;
+        let n_img_s = (f64::from(sw) / patch).floor() * (f64::from(sh) / patch).floor();
+        let n_s = n_img_s + n_txt;
+        let prompts = f64::from(g.prompts.max(1));
+        let nb = if c.autocast { 4.0 } else { c.r };
+        let maps_s = match s.attention {
+            Attention::Sdpa => 4.0 * heads * n_s,
+            Attention::Math => 2.0 * c.e * heads * n_s * n_s,
+        };
+        let transformer =
+            (nb * h + c.e * (single_block_inference_elements(h, f) - h)) * n_s + maps_s;
+        let lc = d.latent_channels as f64;
+        let n0 = 4.0 * n_img_s;
+        let pixels = f64::from(sw) * f64::from(sh);
+        let decode = if vae_stays {
+            let (ch, per_level) = d.vae_decoder_shape();
+            other_bytes * vae_decode_elements(&ch, per_level, lc, n0, pixels, false)
+        } else {
+            0.0
+        };
+        // T5 over every prompt at once (its feed-forward halves and their product)
+        let text = if te_stays {
+            d.text_encoders
+                .last()
+                .map_or(0.0, |t| 3.0 * c.e * prompts * n_txt * t.intermediate as f64)
+        } else {
+            0.0
+        };
+        // the conditioning of every prompt, the grid's noise (fp32) and, on a CPU run, the
+        // finished images (fp32) in the same memory
+        let cond =
+            prompts * teb * (n_txt * d.joint_attention_dim as f64 + d.pooled_projection_dim as f64);
+        let noise = 4.0 * lc * n0 * prompts;
+        let images = if s.device.is_cuda() {
+            0.0
+        } else {
+            4.0 * 3.0 * pixels * prompts
+        };
+        transformer.max(decode).max(text) + cond + noise + images
+    });
+
     let mut e = finish(FinishArgs {
         model: d.name.clone(),
         s,
@@ -354,7 +416,7 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         diffusion: None,
         buffers_persistent: 0.0,
         buffers_backward: decode_transient,
-        sample_images: 0.0,
+        sample_images,
     })?;
     if Bytes::from_f64(caching_peak) > e.peak_process {
         e.notes.push(format!(
@@ -376,6 +438,7 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         vae_weights: Bytes::from_f64(vae_weights),
         transformer_activations: Bytes::from_f64(samples * act_per_sample),
         caching_peak: Bytes::from_f64(caching_peak),
+        sample_images: Bytes::from_f64(sample_images),
     });
     Ok(e)
 }
@@ -402,6 +465,54 @@ mod tests {
 
     fn gib(x: f64) -> Bytes {
         Bytes::from_gib(x)
+    }
+
+    #[test]
+    fn a_sample_grid_counts_the_transformer_at_batch_one_and_a_decode_only_where_the_vae_is() {
+        let m = dev();
+        let ModelDescriptor::Flux(d) = &m else {
+            unreachable!()
+        };
+        let s = kohya();
+        let plain = estimate(&m, &s).unwrap();
+        assert_eq!(plain.flux.as_ref().unwrap().sample_images.0, 0);
+        let grid = |s: &Settings, prompts: u32| {
+            s.clone()
+                .with_sample_images(Some(crate::settings::SampleImages {
+                    size: [1024, 1024],
+                    prompts,
+                    guidance: false,
+                }))
+        };
+        // kohya's command caches latents and text-encoder outputs: on CUDA the autoencoder and
+        // the encoders sample where they were moved (the CPU); the device holds one
+        // single-stream block's inference tensors over 4,096 + 512 tokens
+        let cuda = estimate(&m, &grid(&s, 2)).unwrap();
+        let on_device = cuda.flux.as_ref().unwrap().sample_images.as_f64();
+        let (h, f) = (d.hidden as f64, 4.0 * d.hidden as f64);
+        let tokens = 4096.0 + 512.0;
+        let block = 2.0 * (9.0 * h + 3.0 * f) * tokens;
+        assert!(
+            on_device >= block && on_device < 1.1 * block,
+            "{on_device} vs {block}"
+        );
+        // sampling stays below kohya's training step there
+        assert_eq!(cuda.peak, plain.peak);
+        assert_eq!(cuda.breakdown.sample_images.0, 0);
+        // the prompts go one at a time: more of them add only their noise and conditioning
+        let four = estimate(&m, &grid(&s, 4)).unwrap();
+        let more = four.flux.as_ref().unwrap().sample_images.as_f64() - on_device;
+        assert!(more > 0.0 && more < 20e6, "{more}");
+        // with the autoencoder kept on the device its 1024² decode (128–512 channels over
+        // every pixel, in 16 bit) is counted, and is the larger of the two
+        let kept = s.clone().with_keep_models_loaded(true);
+        let with_vae = estimate(&m, &grid(&kept, 2)).unwrap();
+        let decode_floor = 2.0 * (3.0 * 256.0 + 128.0) * 1024.0 * 1024.0;
+        assert!(
+            with_vae.flux.as_ref().unwrap().sample_images.as_f64() >= decode_floor,
+            "{:?}",
+            with_vae.flux
+        );
     }
 
     #[test]

@@ -872,17 +872,36 @@ impl FluxPipeline {
         Ok(noise?)
     }
 
-    /// Generates one image per row of `cond`: seeded noise ([`Self::initial_noise`]),
-    /// [`Self::sample_from_noise`] with `opts.steps` and `opts.guidance_scale`, then
-    /// [`Self::decode_latents`] → `[B, 3, H, W]` f32 in `[0, 1]` on the CPU (`H`, `W` rounded
-    /// down to multiples of `2f`).
+    /// Generates one image per row of `cond`: seeded noise for the whole batch
+    /// ([`Self::initial_noise`]), then for each row on its own [`Self::sample_from_noise`] with
+    /// `opts.steps` and `opts.guidance_scale` and [`Self::decode_latents`] → `[B, 3, H, W]` f32
+    /// in `[0, 1]` on the CPU (`H`, `W` rounded down to multiples of `2f`). One row at a time,
+    /// as kohya's sd-scripts draws its samples: the transformer runs at batch 1 and one image is
+    /// decoded at a time whatever the number of prompts, and each finished image leaves the
+    /// device before the next row starts.
     ///
     /// # Errors
     /// As the three calls.
     pub fn sample(&self, cond: &FluxTextCond, opts: &FluxSampleOptions) -> Result<Tensor> {
-        let noise = self.initial_noise(cond.batch_size(), opts.size, opts.seed)?;
-        let z = self.sample_from_noise(cond, &noise, opts.steps, opts.guidance_scale)?;
-        self.decode_latents(&z)
+        let n = cond.batch_size();
+        let noise = self.initial_noise(n, opts.size, opts.seed)?;
+        let batch = cond.batched()?;
+        let mut images = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
+        for i in 0..n {
+            let one = FluxTextCond {
+                t5: batch.t5.f_narrow(0, i, 1)?,
+                pooled: batch.pooled.f_narrow(0, i, 1)?,
+                t5_mask: batch.t5_mask.f_narrow(0, i, 1)?,
+            };
+            let z = self.sample_from_noise(
+                &one,
+                &noise.f_narrow(0, i, 1)?,
+                opts.steps,
+                opts.guidance_scale,
+            )?;
+            images.push(self.decode_latents(&z)?);
+        }
+        Ok(Tensor::f_cat(&images, 0)?)
     }
 
     /// Moves the autoencoder (`vae`) and the text encoders (`text_encoders`) to `to`, as kohya

@@ -714,28 +714,30 @@ pub fn diffusion_report(p: &Plan) -> String {
             "latents, noise, noisy latents, prediction + conditioning (fp32)".into(),
         ),
     ]);
-    if let Some(g) = &s.sample_images {
-        rows.push((
-            "sample images",
-            b.sample_images,
-            if b.sample_images.0 > 0 {
-                format!(
-                    "the peak: {}×{} px, one prompt at a time (UNet at batch {}, no grad), one image's VAE decode",
-                    g.size[0],
-                    g.size[1],
-                    if g.guidance { 2 } else { 1 }
-                )
-            } else {
-                format!(
-                    "{}×{} px, below the training step",
-                    g.size[0], g.size[1]
-                )
-            },
-        ));
-    }
+    rows.extend(sample_images_row(p, "UNet"));
     rows.extend(runtime_rows(p));
     out += &rows_and_verdict(p, rows);
     out
+}
+
+/// The `sample images` row of a diffusion report when the run draws sample images: their bytes
+/// when drawing them is the peak (0 otherwise), with the size and how `model` runs them.
+fn sample_images_row(p: &Plan, model: &str) -> Option<(&'static str, Bytes, String)> {
+    let g = p.settings.sample_images.as_ref()?;
+    let bytes = p.estimate.breakdown.sample_images;
+    let (w, h) = (g.size[0], g.size[1]);
+    Some((
+        "sample images",
+        bytes,
+        if bytes.0 > 0 {
+            format!(
+                "the peak: {w}×{h} px, one prompt at a time ({model} at batch {}, no grad), one image's decode",
+                if g.guidance { 2 } else { 1 }
+            )
+        } else {
+            format!("{w}×{h} px, one prompt at a time: below the training step")
+        },
+    ))
 }
 
 /// The rows of the trainable state every report shows: adapter, gradients, optimizer states and
@@ -972,6 +974,7 @@ pub fn flux_report(p: &Plan) -> String {
             "packed latents, noise, target + T5/CLIP embeddings (fp32)".into(),
         ),
     ]);
+    rows.extend(sample_images_row(p, "transformer"));
     rows.extend(runtime_rows(p));
     rows.extend([(
         "caching phase (process)",

@@ -947,6 +947,37 @@ pub fn kohya_prompts(lines: &[String]) -> (Vec<String>, Vec<String>) {
     (prompts, options)
 }
 
+/// The sample grid a diffusion job will draw, for the planner: at `size` `(width, height)` px
+/// (the job's sample options), with classifier-free `guidance` or not, and the prompts the config
+/// lists (`logging.sample_prompts`, else the lines of `logging.sample_prompt`; a kohya prompt
+/// file, not read here, counts as one: the prompts are drawn one at a time, so their number
+/// changes only the finished images a CPU run keeps, 3 MB each at 512²). `None` without prompts.
+pub fn planned_sample_images(
+    cfg: &TrainConfig,
+    size: (u32, u32),
+    guidance: bool,
+) -> Option<lora_memory::SampleImages> {
+    let listed = cfg.logging.sample_prompts.len();
+    let prompts = if listed > 0 {
+        listed
+    } else if cfg.logging.sample_prompts_file.is_some() {
+        1
+    } else {
+        cfg.logging
+            .sample_prompt
+            .as_deref()
+            .unwrap_or("")
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .count()
+    };
+    (prompts > 0).then(|| lora_memory::SampleImages {
+        size: [size.0, size.1],
+        prompts: u32::try_from(prompts).unwrap_or(u32::MAX),
+        guidance,
+    })
+}
+
 /// The sample prompts of a config: `logging.sample_prompts`, else kohya's prompt file
 /// (`sample_prompts`, relative to the config's folder), else the lines of
 /// `logging.sample_prompt`; kohya's per-line options are taken off each prompt (said once).

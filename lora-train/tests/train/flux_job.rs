@@ -276,3 +276,67 @@ fn an_fp8_base_trains_and_a_swap_count_the_model_cannot_hold_names_the_key() {
         .to_string();
     assert!(e.contains("flux.blocks_to_swap"), "{e}");
 }
+
+/// A FLUX sample grid against the plan's sample-grid term: the counting allocator's peak over
+/// `FluxPipeline::sample` (2 prompts, one at a time) on the tiny pipeline, fp32 on the CPU,
+/// against `diffusion`'s `sample_images` of the plan for the same config, at 128 and 256 px.
+#[test]
+fn a_flux_sample_grid_peaks_within_the_plan_and_does_not_grow_with_its_prompts() {
+    use lora_train::core::sys;
+    use lora_train::models::flux::{FluxPipeline, FluxSampleOptions};
+    let r = run();
+    let _serial = serial();
+    sys::install_counting_cpu_allocator().unwrap();
+    tch::set_num_threads(1);
+    let pipe = FluxPipeline::from_diffusers(&r.dir.join("pipeline"), Kind::Float, tch::Device::Cpu)
+        .unwrap();
+    let prompts = ["emoji, grinning face", "emoji, red heart"];
+    let measure = |n: usize, size: u32| {
+        let cond = pipe.encode_prompts(&prompts[..n], 16, false).unwrap();
+        let opts = FluxSampleOptions {
+            size: (size, size),
+            steps: 2,
+            guidance_scale: 3.5,
+            seed: 7,
+        };
+        let before = sys::cpu_mem_stats().unwrap().current_bytes as i64;
+        sys::cpu_reset_peak().unwrap();
+        let img = pipe.sample(&cond, &opts).unwrap();
+        (
+            sys::cpu_mem_stats().unwrap().peak_bytes as i64 - before,
+            img,
+        )
+    };
+    for size in [128u32, 256] {
+        let (one, img1) = measure(1, size);
+        let (two, img2) = measure(2, size);
+        // the first prompt's image is the same alone and in the grid
+        assert!(max_abs(&img2.narrow(0, 0, 1), &img1) < 1e-5, "{size}px");
+        // one prompt at a time: the second prompt adds its image and its noise only (this VAE's
+        // factor is 2: 16 latent channels at `size/2`²)
+        let side = i64::from(size);
+        let per_prompt = 3 * 4 * side * side + 16 * 4 * (side / 2) * (side / 2);
+        assert!(
+            two <= one + per_prompt + 16 * 1024,
+            "{size}px: 2 prompts {two} B, 1 prompt {one} B"
+        );
+        let mut cfg = config(&r.dir, "plan-samples");
+        cfg.data.resolution = Some([size, size]);
+        cfg.logging.sample_prompts = prompts.iter().map(|p| p.to_string()).collect();
+        let plan = lora_train::recipes::flux::plan::plan(&cfg, None, None, false).unwrap();
+        let predicted = plan.estimate.flux.as_ref().unwrap().sample_images.as_f64();
+        let err = predicted / two as f64 - 1.0;
+        println!(
+            "{size}px, 2 prompts: sample grid peak measured {:.3} MB (1 prompt {:.3} MB), planned {:.3} MB ({:+.1}%)",
+            two as f64 / 1e6,
+            one as f64 / 1e6,
+            predicted / 1e6,
+            100.0 * err
+        );
+        assert!(
+            (0.0..=0.25).contains(&err),
+            "{size}px: {:+.1}%",
+            100.0 * err
+        );
+    }
+}

@@ -281,6 +281,13 @@ pub fn settings_for(
     };
     s.resolution = res[0].max(res[1]);
     s.largest_bucket = (res[0] != res[1]).then_some(res);
+    // sample grids at the training size (the job's sample options), without classifier-free
+    // guidance (dev's guidance is an embedding)
+    s.sample_images = crate::recipes::images::planned_sample_images(
+        cfg,
+        crate::recipes::flux::run::sample_options(cfg).size,
+        false,
+    );
     // latents and the text encoders' outputs are computed once, before training; the encoders
     // then leave the device
     s.cache_latents = cfg.data.cache_latents != Some(false);

@@ -656,43 +656,15 @@ pub fn settings_for(
             res[0], res[1]
         ));
     }
-    s.sample_images = planned_sample_images(cfg);
+    let o = crate::recipes::sd::sample_options(cfg);
+    s.sample_images =
+        crate::recipes::images::planned_sample_images(cfg, o.size, o.guidance_scale > 1.0);
     s.cache_latents = true;
     s.keep_models_loaded = true;
     let te = cfg.train.train_text_encoder;
     s.train_text_encoder = te;
     s.cache_text_encoder_outputs = !te;
     (s, notes)
-}
-
-/// The sample grid the SD job will draw, for the planner: at the size and guidance of the
-/// job's [`SampleOptions`](lora_models::sd::SampleOptions), with the prompts the config lists
-/// (`logging.sample_prompts`, else the lines of `logging.sample_prompt`; a kohya prompt file is
-/// not read here and counts as one prompt: with one prompt at a time, the count changes only
-/// the finished images a CPU run keeps, 3 MB each at 512²). `None` without prompts.
-pub fn planned_sample_images(cfg: &TrainConfig) -> Option<lora_memory::SampleImages> {
-    let listed = cfg.logging.sample_prompts.len();
-    let prompts = if listed > 0 {
-        listed
-    } else if cfg.logging.sample_prompts_file.is_some() {
-        1
-    } else {
-        cfg.logging
-            .sample_prompt
-            .as_deref()
-            .unwrap_or("")
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .count()
-    };
-    (prompts > 0).then(|| {
-        let o = crate::recipes::sd::sample_options(cfg);
-        lora_memory::SampleImages {
-            size: [o.size.0, o.size.1],
-            prompts: u32::try_from(prompts).unwrap_or(u32::MAX),
-            guidance: o.guidance_scale > 1.0,
-        }
-    })
 }
 
 /// Writes fitted SD settings back into the config: [`crate::job::apply_settings`] plus the
