@@ -250,12 +250,15 @@ impl Estimate {
         }
     }
 
-    /// An aligned text table: one row per term, then allocated / reserved / process totals.
+    /// An aligned text table: one row per term (the `sample images` row only when it is the
+    /// peak: a run without sample images never has it), then allocated / reserved / process
+    /// totals.
     pub fn to_table(&self) -> String {
         let mut rows: Vec<(String, String, String, String)> = self
             .breakdown
             .terms()
             .into_iter()
+            .filter(|t| t.name != "sample images" || t.bytes.0 > 0)
             .map(|t| {
                 (
                     t.name.to_string(),
@@ -1437,7 +1440,7 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     }
     if at_sample {
         notes.push(format!(
-            "drawing sample images is the peak ({} on top of the weights, adapters, optimizer states and gradients: the frozen models back on the device, the UNet without gradients, one image's VAE decode); without sample images the peak is the training step's {}",
+            "drawing sample images is the peak ({} on top of the weights, adapters, optimizer states and gradients: the model without gradients for one prompt, then one image's decode, with the frozen models the run moved off loaded back); without sample images the peak is the training step's {}",
             Bytes::from_f64(a.sample_images),
             Bytes::from_f64(backward.max(step).max(sync))
         ));
@@ -2011,7 +2014,9 @@ fn sample_grid_bytes(
 ) -> f64 {
     let ei = if c.autocast { 4.0 } else { c.e };
     let scale = d.vae_scale.max(1) as f64;
-    let [w, h] = g.size;
+    let [w, h] = g
+        .size
+        .unwrap_or(s.largest_bucket.unwrap_or([s.resolution, s.resolution]));
     let n0 = (f64::from(w) / scale).floor() * (f64::from(h) / scale).floor();
     let b = if g.guidance { 2.0 } else { 1.0 };
     let prompts = f64::from(g.prompts.max(1));
@@ -2181,7 +2186,7 @@ mod tests {
         assert_eq!(step.breakdown.sample_images.0, 0);
         let grid = |size: u32, guidance: bool| {
             lean.clone().with_sample_images(Some(SampleImages {
-                size: [size, size],
+                size: Some([size, size]),
                 prompts: 4,
                 guidance,
             }))
@@ -2729,7 +2734,13 @@ mod tests {
         .unwrap();
         let t = e.to_table();
         for term in e.breakdown.terms() {
-            assert!(t.contains(term.name), "{t}");
+            // a language model draws no sample images: no such row
+            assert_eq!(
+                t.contains(term.name),
+                term.name != "sample images",
+                "{}: {t}",
+                term.name
+            );
         }
         assert!(t.contains("peak reserved") && t.contains("total (process peak)"));
         let j: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();

@@ -737,6 +737,37 @@ mod tests {
     }
 
     #[test]
+    fn a_sample_grid_at_the_training_size_shrinks_with_the_resolution() {
+        // SD 1.5 at 1024² in fp16 on CUDA with everything already lean: its peak is drawing the
+        // sample images, at the training size
+        let m = ModelDescriptor::preset("SD1.5").unwrap();
+        let s = Settings::default()
+            .with_base_dtype(BaseDtype::F16)
+            .with_target_modules(&["to_q", "to_k", "to_v", "to_out.0"])
+            .with_rank(4)
+            .with_resolution(1024)
+            .with_gradient_checkpointing(true)
+            .with_optimizer(Optimizer::AdamW8bit)
+            .with_cache_latents(true)
+            .with_cache_text_encoder_outputs(true)
+            .with_sample_images(Some(crate::settings::SampleImages {
+                size: None,
+                prompts: 2,
+                guidance: true,
+            }));
+        let start = estimate(&m, &s).unwrap();
+        assert!(start.breakdown.sample_images.0 > 0, "{:?}", start.breakdown);
+        let budget = start.peak - Bytes(200_000_000);
+        let f = fit(&m, &s, budget).unwrap();
+        assert!(f.estimate.peak <= budget);
+        assert!(f.settings.resolution < 1024, "{:?}", f.changes);
+        assert!(
+            f.estimate.diffusion.as_ref().unwrap().sample_images
+                < start.diffusion.as_ref().unwrap().sample_images
+        );
+    }
+
+    #[test]
     fn the_caching_rung_caches_only_what_the_data_allow_and_the_resolution_comes_last() {
         let (m, s) = sdxl_1024();
         let (n, from, to, _) = cache_inputs(&s.clone().with_varying_captions(true)).unwrap();

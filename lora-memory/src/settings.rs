@@ -232,8 +232,10 @@ pub enum Optimizer {
 /// unconditional + conditional), then each image decoded by the VAE on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SampleImages {
-    /// Image size `[width, height]` in pixels.
-    pub size: [u32; 2],
+    /// Image size `[width, height]` in pixels; `None`: the training size (the largest bucket,
+    /// else the resolution), what this SDK's jobs sample at — [`crate::fit()`]'s smaller
+    /// resolutions then shrink the samples too.
+    pub size: Option<[u32; 2]>,
     /// Prompts in the grid: the finished images stay on the device until the grid is written.
     pub prompts: u32,
     /// Classifier-free guidance (scale > 1): the UNet runs at batch 2.

@@ -356,7 +356,7 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
     // no classifier-free guidance), the text encoders and the autoencoder running where they
     // are (lora-models `FluxPipeline::sample`): on the device only when they stay there
     let sample_images = s.sample_images.as_ref().map_or(0.0, |g| {
-        let [sw, sh] = g.size;
+        let [sw, sh] = g.size.unwrap_or([wpx, hpx]);
         let n_img_s = (f64::from(sw) / patch).floor() * (f64::from(sh) / patch).floor();
         let n_s = n_img_s + n_txt;
         let prompts = f64::from(g.prompts.max(1));
@@ -479,7 +479,7 @@ mod tests {
         let grid = |s: &Settings, prompts: u32| {
             s.clone()
                 .with_sample_images(Some(crate::settings::SampleImages {
-                    size: [1024, 1024],
+                    size: Some([1024, 1024]),
                     prompts,
                     guidance: false,
                 }))

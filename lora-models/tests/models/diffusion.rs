@@ -376,6 +376,9 @@ fn grid_png_holds_the_mapped_pixels() {
 #[test]
 fn multires_noise_has_unit_variance_and_spatial_correlation() {
     use lora_models::diffusion::{MultiresNoise, multires_noise};
+    // the global generator: a test replaying seeded draws (dropout masks under checkpointing
+    // in `flux_bases`) must not see these draws interleaved with its own
+    let _lock = crate::rng_lock();
     tch::manual_seed(3);
     let white = Tensor::randn([4, 4, 64, 64], (Kind::Float, Device::Cpu));
     let neighbour_corr = |t: &Tensor| -> f64 {

@@ -714,18 +714,25 @@ pub fn diffusion_report(p: &Plan) -> String {
             "latents, noise, noisy latents, prediction + conditioning (fp32)".into(),
         ),
     ]);
-    rows.extend(sample_images_row(p, "UNet"));
+    rows.extend(sample_images_row(p, "UNet", d.image_size, d.sample_images));
     rows.extend(runtime_rows(p));
     out += &rows_and_verdict(p, rows);
     out
 }
 
 /// The `sample images` row of a diffusion report when the run draws sample images: their bytes
-/// when drawing them is the peak (0 otherwise), with the size and how `model` runs them.
-fn sample_images_row(p: &Plan, model: &str) -> Option<(&'static str, Bytes, String)> {
+/// when drawing them is the peak (0 otherwise, with what they would add in the text), the size
+/// (`training_size` unless the settings give one) and how `model` runs them; `grid` is what the
+/// grid adds next to the persistent tensors (the estimate's detail).
+fn sample_images_row(
+    p: &Plan,
+    model: &str,
+    training_size: [u32; 2],
+    grid: Bytes,
+) -> Option<(&'static str, Bytes, String)> {
     let g = p.settings.sample_images.as_ref()?;
     let bytes = p.estimate.breakdown.sample_images;
-    let (w, h) = (g.size[0], g.size[1]);
+    let [w, h] = g.size.unwrap_or(training_size);
     Some((
         "sample images",
         bytes,
@@ -735,7 +742,10 @@ fn sample_images_row(p: &Plan, model: &str) -> Option<(&'static str, Bytes, Stri
                 if g.guidance { 2 } else { 1 }
             )
         } else {
-            format!("{w}×{h} px, one prompt at a time: below the training step")
+            format!(
+                "{w}×{h} px, one prompt at a time: {:.3} GB, below the training step",
+                grid.gb()
+            )
         },
     ))
 }
@@ -974,7 +984,12 @@ pub fn flux_report(p: &Plan) -> String {
             "packed latents, noise, target + T5/CLIP embeddings (fp32)".into(),
         ),
     ]);
-    rows.extend(sample_images_row(p, "transformer"));
+    rows.extend(sample_images_row(
+        p,
+        "transformer",
+        d.image_size,
+        d.sample_images,
+    ));
     rows.extend(runtime_rows(p));
     rows.extend([(
         "caching phase (process)",

@@ -947,35 +947,78 @@ pub fn kohya_prompts(lines: &[String]) -> (Vec<String>, Vec<String>) {
     (prompts, options)
 }
 
-/// The sample grid a diffusion job will draw, for the planner: at `size` `(width, height)` px
-/// (the job's sample options), with classifier-free `guidance` or not, and the prompts the config
-/// lists (`logging.sample_prompts`, else the lines of `logging.sample_prompt`; a kohya prompt
-/// file, not read here, counts as one: the prompts are drawn one at a time, so their number
-/// changes only the finished images a CPU run keeps, 3 MB each at 512²). `None` without prompts.
+/// The sample grid a diffusion job will draw, for the planner: at the training size (what the
+/// jobs sample at), with classifier-free `guidance` or not, and as many prompts as the config
+/// lists with text (`logging.sample_prompts`, else the lines of `logging.sample_prompt`, blank
+/// lines, `#` comments and kohya's per-line options left out as training leaves them out). A
+/// kohya prompt file is not read here and counts as one prompt; [`with_prompt_file_read`] puts
+/// its prompts into the config first. The prompts are drawn one at a time, so their number
+/// changes only the noise and, on a CPU run, the finished images (3 MB each at 512²). `None`
+/// without prompts.
 pub fn planned_sample_images(
     cfg: &TrainConfig,
-    size: (u32, u32),
     guidance: bool,
 ) -> Option<lora_memory::SampleImages> {
-    let listed = cfg.logging.sample_prompts.len();
-    let prompts = if listed > 0 {
-        listed
+    let (listed, _) = kohya_prompts(&cfg.logging.sample_prompts);
+    let prompts = if !listed.is_empty() {
+        listed.len()
     } else if cfg.logging.sample_prompts_file.is_some() {
         1
     } else {
-        cfg.logging
-            .sample_prompt
-            .as_deref()
-            .unwrap_or("")
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .count()
+        prompt_lines(cfg).len()
     };
     (prompts > 0).then(|| lora_memory::SampleImages {
-        size: [size.0, size.1],
+        size: None,
         prompts: u32::try_from(prompts).unwrap_or(u32::MAX),
         guidance,
     })
+}
+
+/// `cfg` with its kohya prompt file (`logging.sample_prompts_file`, relative to `config_dir`)
+/// read into `logging.sample_prompts`, so that a plan counts the prompts training will draw;
+/// `cfg` itself when it names no file or lists prompts already (they take precedence).
+///
+/// # Errors
+/// [`JobError::Input`] naming the key and the places looked at when the file is not found, or
+/// the file when it cannot be read — as `train` would stop on it.
+pub fn with_prompt_file_read<'a>(
+    cfg: &'a TrainConfig,
+    config_dir: Option<&std::path::Path>,
+) -> Result<std::borrow::Cow<'a, TrainConfig>> {
+    match (
+        &cfg.logging.sample_prompts_file,
+        cfg.logging.sample_prompts.is_empty(),
+    ) {
+        (Some(file), true) => {
+            let mut out = cfg.clone();
+            let (prompts, _) = kohya_prompts(&read_prompt_file(file, config_dir)?);
+            out.logging.sample_prompts_file = None;
+            out.logging.sample_prompts = prompts;
+            Ok(std::borrow::Cow::Owned(out))
+        }
+        _ => Ok(std::borrow::Cow::Borrowed(cfg)),
+    }
+}
+
+/// The lines of kohya's prompt file `written` (relative to `config_dir`).
+fn read_prompt_file(written: &str, config_dir: Option<&std::path::Path>) -> Result<Vec<String>> {
+    let path = resolve_path("sample_prompts", written, config_dir)?;
+    let text = std::fs::read_to_string(&path)
+        .during(format!("reading the sample prompts {}", path.display()))?;
+    Ok(text.lines().map(String::from).collect())
+}
+
+/// The non-blank lines of `logging.sample_prompt`, trimmed.
+fn prompt_lines(cfg: &TrainConfig) -> Vec<String> {
+    cfg.logging
+        .sample_prompt
+        .as_deref()
+        .unwrap_or("")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect()
 }
 
 /// The sample prompts of a config: `logging.sample_prompts`, else kohya's prompt file
@@ -989,10 +1032,7 @@ pub fn sample_prompts(cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<Vec<Str
     if prompts.is_empty()
         && let Some(file) = &cfg.logging.sample_prompts_file
     {
-        let path = resolve_path("sample_prompts", file, ctx.config_dir())?;
-        let text = std::fs::read_to_string(&path)
-            .during(format!("reading the sample prompts {}", path.display()))?;
-        prompts = text.lines().map(String::from).collect();
+        prompts = read_prompt_file(file, ctx.config_dir())?;
     }
     let (prompts, ignored) = kohya_prompts(&prompts);
     if !ignored.is_empty() {
@@ -1004,16 +1044,7 @@ pub fn sample_prompts(cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<Vec<Str
     if !prompts.is_empty() {
         return Ok(prompts);
     }
-    Ok(cfg
-        .logging
-        .sample_prompt
-        .as_deref()
-        .unwrap_or("")
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .map(String::from)
-        .collect())
+    Ok(prompt_lines(cfg))
 }
 
 /// Says which frozen models left the device after caching (`moved`), or that they stay in

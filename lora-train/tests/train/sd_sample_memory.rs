@@ -65,7 +65,7 @@ fn a_sample_grid_peaks_within_the_plan_and_does_not_grow_with_its_prompts() {
             .with_resolution(size)
             .with_keep_models_loaded(true)
             .with_sample_images(Some(SampleImages {
-                size: [size, size],
+                size: None, // the training size
                 prompts: 3,
                 guidance: true,
             }));

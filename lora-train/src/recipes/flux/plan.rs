@@ -281,13 +281,9 @@ pub fn settings_for(
     };
     s.resolution = res[0].max(res[1]);
     s.largest_bucket = (res[0] != res[1]).then_some(res);
-    // sample grids at the training size (the job's sample options), without classifier-free
-    // guidance (dev's guidance is an embedding)
-    s.sample_images = crate::recipes::images::planned_sample_images(
-        cfg,
-        crate::recipes::flux::run::sample_options(cfg).size,
-        false,
-    );
+    // sample grids at the training size, without classifier-free guidance (dev's guidance is
+    // an embedding)
+    s.sample_images = crate::recipes::images::planned_sample_images(cfg, false);
     // latents and the text encoders' outputs are computed once, before training; the encoders
     // then leave the device
     s.cache_latents = cfg.data.cache_latents != Some(false);
@@ -360,6 +356,9 @@ pub fn plan(
     let (desc, source) = read_descriptor(cfg, config_dir)?;
     let base = resolve_base_model(cfg.base_model()?, config_dir).ok();
     check_resolution(cfg)?;
+    // the sample grid of a kohya prompt file is planned with its prompts (a missing file
+    // stops here, as it would stop training)
+    let cfg = &*crate::recipes::images::with_prompt_file_read(cfg, config_dir)?;
     let (settings, mut notes) = settings_for(cfg, &desc, base.as_deref(), config_dir, cuda)?;
     notes.extend(cfg.notes());
     let (budget, budget_note) = crate::job::budget_for(cfg, override_budget)?;

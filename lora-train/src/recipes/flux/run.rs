@@ -422,7 +422,7 @@ impl GridSampler for FluxSampler {
 }
 
 /// The sampling options of a config (`logging.sample_*`, the training resolution).
-pub(crate) fn sample_options(cfg: &TrainConfig) -> FluxSampleOptions {
+fn sample_options(cfg: &TrainConfig) -> FluxSampleOptions {
     let res = cfg.data.resolution.unwrap_or([1024, 1024]);
     FluxSampleOptions {
         size: (res[0], res[1]),

@@ -279,7 +279,7 @@ pub fn plan(
     settings.lm_head_dtype = storage.head.filter(|_| settings.quantize_lm_head);
     notes.extend(cfg.notes());
     notes.extend(cfg.image_only_settings().into_iter().map(|(key, value)| {
-        format!("`{key}` = {value}: applies to image models (SD 1.x / SDXL) only; this language-model run does not use it")
+        format!("`{key}` = {value}: applies to image models (SD 1.x, SDXL, FLUX.1) only; this language-model run does not use it")
     }));
     let (budget, budget_note) = budget_for(cfg, override_budget)?;
     notes.extend(budget_note);

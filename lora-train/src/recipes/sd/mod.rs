@@ -414,7 +414,7 @@ fn objective_of(pipe: &SdPipeline, cfg: &TrainConfig) -> Result<DiffusionLoss> {
 }
 
 /// The sampling options of a config (`logging.sample_*`, the training resolution).
-pub(crate) fn sample_options(cfg: &TrainConfig) -> SampleOptions {
+fn sample_options(cfg: &TrainConfig) -> SampleOptions {
     let res = cfg.data.resolution.unwrap_or([512, 512]);
     SampleOptions {
         size: (res[0], res[1]),

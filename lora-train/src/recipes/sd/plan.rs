@@ -656,9 +656,8 @@ pub fn settings_for(
             res[0], res[1]
         ));
     }
-    let o = crate::recipes::sd::sample_options(cfg);
     s.sample_images =
-        crate::recipes::images::planned_sample_images(cfg, o.size, o.guidance_scale > 1.0);
+        crate::recipes::images::planned_sample_images(cfg, cfg.logging.sample_guidance_scale > 1.0);
     s.cache_latents = true;
     s.keep_models_loaded = true;
     let te = cfg.train.train_text_encoder;
@@ -691,7 +690,10 @@ pub fn plan(
     // what `train` refuses before loading, `plan` refuses too (the same checks)
     let base = resolve_base_model(cfg.base_model()?, config_dir).ok();
     check_sd_config(cfg, base.as_deref(), Some(&desc), config_dir)?;
-    plan_with(cfg, &desc, source, override_budget, cuda)
+    // the sample grid of a kohya prompt file is planned with its prompts (a missing file
+    // stops here, as it would stop training)
+    let cfg = crate::recipes::images::with_prompt_file_read(cfg, config_dir)?;
+    plan_with(&cfg, &desc, source, override_budget, cuda)
 }
 
 /// [`plan`] for a descriptor already read; `source` says where it came from.
@@ -753,6 +755,61 @@ mod tests {
 
     fn preset_config(yaml: &str) -> TrainConfig {
         TrainConfig::from_yaml_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn sample_prompts_are_planned_as_training_draws_them() {
+        let dir = std::env::temp_dir().join(format!("lsdk-sample-prompts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = "model: {base_model: sd15, dtype: f16}\ndata: {resolution: [512, 512], cache_latents: true}\ntrain: {mixed_precision: fp16, gradient_checkpointing: true, optimizer: adamw8bit}\n";
+        let planned = |logging: &str| {
+            let cfg = preset_config(&format!("{base}logging: {logging}\n"));
+            plan(&cfg, Some(&dir), None, true).map(|p| {
+                let row = report(&p)
+                    .lines()
+                    .find(|l| l.starts_with("sample images"))
+                    .map(String::from);
+                (p.settings.sample_images, row)
+            })
+        };
+        // none, blank or comment-only prompts: training draws nothing, the plan counts nothing
+        for none in [
+            "{}",
+            "{sample_prompts: []}",
+            "{sample_prompts: [\"\", \"   \"]}",
+            "{sample_prompt: \"\"}",
+        ] {
+            let (g, row) = planned(none).unwrap();
+            assert_eq!((g, row), (None, None), "{none}");
+        }
+        // two prompts with guidance, at the training size; kohya's options are taken off
+        let (g, row) = planned(
+            "{sample_prompts: [\"a cat --w 1024\", \"a dog\"], sample_guidance_scale: 7.5}",
+        )
+        .unwrap();
+        let g = g.unwrap();
+        assert_eq!((g.size, g.prompts, g.guidance), (None, 2, true));
+        let row = row.unwrap();
+        assert!(row.contains("512×512 px"), "{row}");
+        // a kohya prompt file, relative to the config's folder: its prompts are read
+        std::fs::write(
+            dir.join("prompts.txt"),
+            "# samples\na cat --n blurry\n\na dog\na fox\n",
+        )
+        .unwrap();
+        let (g, _) = planned("{sample_prompts_file: prompts.txt}").unwrap();
+        assert_eq!(g.unwrap().prompts, 3);
+        std::fs::write(dir.join("blank.txt"), "\n# nothing\n").unwrap();
+        assert_eq!(planned("{sample_prompts_file: blank.txt}").unwrap().0, None);
+        // a missing one stops the plan, naming it, as it would stop training
+        let e = planned("{sample_prompts_file: nope.txt}")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("sample_prompts") && e.contains("nope.txt"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
