@@ -280,8 +280,10 @@ impl ResnetBlock2D {
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>, train: bool) -> Result<Tensor> {
         // Each intermediate is released as soon as the next one exists (assignment drops the
         // old value; shadowing would keep every one alive to the end): without grad — sample
-        // images, the VAE — the block then peaks at `max(3·c_in, c_in + 3·c_out)` maps instead
-        // of `2·c_in + 5·c_out`. With grad, autograd keeps what the backward needs either way.
+        // images, the VAE — the block then holds its input and at most three other maps
+        // (lora-memory's `resnet_inference_elements` adds the convolution's reordered input)
+        // instead of `c_in + 5·c_out` more. With grad, autograd keeps what the backward needs
+        // either way.
         let mut h = self.norm1.forward(x)?.f_silu()?;
         h = self.conv1.forward_t(&h, train)?;
         if let Some(proj) = &self.time_emb_proj {
