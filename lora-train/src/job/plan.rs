@@ -435,6 +435,16 @@ pub fn settings_for(
         Precision::Bf16 => MixedPrecision::Bf16,
         Precision::FullBf16 => MixedPrecision::FullBf16,
     };
+    // a precision `train` refuses on this device (fp16 on the CPU), said in the engine's words;
+    // the plan still counts it as written
+    if !cuda
+        && let Err(crate::engine::TrainError::Invalid { value, hint, .. }) =
+            cfg.train.mixed_precision.check_device(tch::Device::Cpu)
+    {
+        notes.push(format!(
+            "train.mixed_precision {value:?} on the CPU: `train` refuses it before loading ({hint})"
+        ));
+    }
     let targets = match &cfg.lora.target_modules {
         TargetModules::List(l) => l.clone(),
         TargetModules::Regex(r) => {
@@ -1003,6 +1013,30 @@ pub fn flux_report(p: &Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fp16_planned_for_the_cpu_says_that_train_refuses_it() {
+        let cfg = TrainConfig::from_yaml_str("train: {mixed_precision: fp16}\n").unwrap();
+        let refused = |cuda: bool| {
+            settings_for(&cfg, None, cuda)
+                .1
+                .into_iter()
+                .find(|n| n.contains("refuses"))
+        };
+        let note = refused(false).expect("a note on the CPU");
+        assert!(
+            note.starts_with("train.mixed_precision \"fp16\" on the CPU") && note.contains("bf16"),
+            "{note}"
+        );
+        assert_eq!(refused(true), None);
+        let bf16 = TrainConfig::from_yaml_str("train: {mixed_precision: bf16}\n").unwrap();
+        assert!(
+            settings_for(&bf16, None, false)
+                .1
+                .iter()
+                .all(|n| !n.contains("refuses"))
+        );
+    }
 
     #[test]
     fn settings_follow_the_config() {
