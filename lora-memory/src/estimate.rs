@@ -186,7 +186,7 @@ impl Breakdown {
             Term {
                 name: "sample images",
                 bytes: self.sample_images,
-                formula: "frozen models back + max(UNet no-grad at CFG batch, one image's VAE decode)",
+                formula: "frozen models back + max(UNet / transformer no-grad, one prompt; one image's decode)",
             },
             Term {
                 name: "context / workspace",
@@ -2121,6 +2121,16 @@ mod tests {
     use super::*;
     use crate::settings::{DeepSpeedZero, GptqKernel, Profile};
 
+    /// The terms that make up the allocated peak (all but the CUDA context and the allocator
+    /// margin), summed.
+    fn allocated_terms(b: &Breakdown) -> u64 {
+        b.terms()
+            .iter()
+            .filter(|t| !matches!(t.name, "context / workspace" | "allocator margin"))
+            .map(|t| t.bytes.0)
+            .sum()
+    }
+
     #[test]
     fn data_parallel_ranks_add_the_flat_gradient_buffer_of_the_all_reduce() {
         let m = ModelDescriptor::preset("Llama-3.2-1B").unwrap();
@@ -2150,13 +2160,7 @@ mod tests {
         assert!(two.peak_allocated.0.abs_diff(one.persistent.0 + buffer) <= 1);
         assert!(two.peak > one.peak);
         // the terms still add up to the allocated peak
-        let sum: u64 = two
-            .breakdown
-            .terms()
-            .iter()
-            .filter(|t| !matches!(t.name, "context / workspace" | "allocator margin"))
-            .map(|t| t.bytes.0)
-            .sum();
+        let sum = allocated_terms(&two.breakdown);
         assert!(
             sum.abs_diff(two.peak_allocated.0) <= 16,
             "{sum} vs {}",
@@ -2214,12 +2218,7 @@ mod tests {
             big.notes
         );
         // the terms still add up to the allocated peak
-        let sum: u64 = b
-            .terms()
-            .iter()
-            .filter(|t| !matches!(t.name, "context / workspace" | "allocator margin"))
-            .map(|t| t.bytes.0)
-            .sum();
+        let sum = allocated_terms(b);
         assert!(sum.abs_diff(big.peak_allocated.0) <= 16, "{sum} vs {big:?}");
         // four times the pixels: the decode grows with them; guidance doubles the UNet's batch
         let small = estimate(&m, &grid(512, true)).unwrap();
