@@ -960,9 +960,10 @@ pub fn planned_sample_images(
     guidance: bool,
 ) -> Option<lora_memory::SampleImages> {
     let (listed, _) = kohya_prompts(&cfg.logging.sample_prompts);
+    // training reads the file only when no prompt is listed, blank ones included
     let prompts = if !listed.is_empty() {
         listed.len()
-    } else if cfg.logging.sample_prompts_file.is_some() {
+    } else if cfg.logging.sample_prompts.is_empty() && cfg.logging.sample_prompts_file.is_some() {
         1
     } else {
         prompt_lines(cfg).len()
