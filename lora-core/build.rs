@@ -14,6 +14,7 @@ fn build_shim() {
         "shim/bf16_linear.cpp",
         "shim/dist.cpp",
         "shim/dist.h",
+        "shim/profiler.cpp",
         "shim/dist_nccl.cpp",
         "shim/guard.h",
     ] {
@@ -47,6 +48,7 @@ fn build_shim() {
         .file("shim/qlinear.cpp")
         .file("shim/bf16_linear.cpp")
         .file("shim/dist.cpp")
+        .file("shim/profiler.cpp")
         // the quantized-linear kernels are hot loops: optimized in every profile
         .opt_level(3)
         .include(&include)

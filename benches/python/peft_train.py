@@ -13,9 +13,12 @@ lora_benches::job::TrainResult.
 
     python benches/python/peft_train.py --model assets/models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --job JOB_DIR --steps 6 --threads 2 --out peft.json [--device cuda --precision bf16]
-        [--phases]
+        [--phases] [--profile DIR]
 
 `--phases` also times forward, backward and optimizer separately (synchronizing between them).
+`--profile DIR` records every step after the first with `torch.profiler` and writes
+`DIR/ops_peft.json` (per operator, from `key_averages()`: calls, self and total CPU seconds per
+step; the fields of lora_benches::job::OpsFile) and `DIR/trace_peft.json` (Chrome trace).
 """
 
 import argparse
@@ -45,6 +48,26 @@ def reset_peak_rss():
         return False
 
 
+def write_ops(prof, out_dir, steps):
+    """`ops_peft.json` (per operator and step: calls, self and total CPU seconds) and
+    `trace_peft.json` from a finished `torch.profiler.profile`."""
+    os.makedirs(out_dir, exist_ok=True)
+    n = max(1, steps)
+    ops = [
+        {
+            "name": e.key,
+            "calls_per_step": e.count / n,
+            "self_s": e.self_cpu_time_total / 1e6 / n,
+            "total_s": e.cpu_time_total / 1e6 / n,
+        }
+        for e in prof.key_averages()
+    ]
+    ops.sort(key=lambda o: -o["self_s"])
+    with open(os.path.join(out_dir, "ops_peft.json"), "w") as f:
+        json.dump({"side": "peft", "steps": steps, "ops": ops}, f, indent=1)
+    prof.export_chrome_trace(os.path.join(out_dir, "trace_peft.json"))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -56,6 +79,7 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--phases", action="store_true")
+    p.add_argument("--profile", default=None)
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -105,9 +129,16 @@ def main():
     reset_peak_rss()
     times, cpu, losses = [], [], []
     phases = {"forward": [], "backward": [], "optimizer": []}
+    prof = None
     for i in range(a.steps):
         batch = ids[i]
         sync()
+        if i == 1 and a.profile:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if dev.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
         c0 = time.process_time()
         t = time.perf_counter()
         with autocast:
@@ -133,6 +164,9 @@ def main():
             phases["backward"].append(tb - tf)
             phases["optimizer"].append(te - tb)
         del out, loss
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        write_ops(prof, a.profile, a.steps - 1)
     _, hwm = rss()
     result = {
         "side": "peft",

@@ -89,6 +89,37 @@ pub struct TrainOptions {
     /// the time goes.
     #[serde(default)]
     pub phases: bool,
+    /// With [`TrainOptions::phases`]' bare loop, record every step after the first with
+    /// libtorch's profiler ([`lora_core::profile`]) and write `ops_ours.json` (per operator:
+    /// calls, self and total seconds per step; [`OpsFile`]) and `trace_ours.json` (Chrome trace)
+    /// into this folder.
+    #[serde(default)]
+    pub profile: Option<PathBuf>,
+}
+
+/// The per-operator sums of a profiled run (`ops_<side>.json`); the Python side writes the same
+/// fields from `torch.profiler`'s `key_averages()`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OpsFile {
+    /// `"ours"` or `"peft"`.
+    pub side: String,
+    /// Steps recorded (every step after the first).
+    pub steps: usize,
+    /// One entry per operator name, largest self time first.
+    pub ops: Vec<OpEntry>,
+}
+
+/// One operator of an [`OpsFile`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OpEntry {
+    /// The operator's name (`aten::mm`, `MmBackward0`, …).
+    pub name: String,
+    /// Calls per step.
+    pub calls_per_step: f64,
+    /// Self time per step, seconds (time inside minus the operators nested directly in it).
+    pub self_s: f64,
+    /// Total time per step, seconds (nested operators included).
+    pub total_s: f64,
 }
 
 /// What one side measured. The Python side writes the same fields.
@@ -465,7 +496,7 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
 
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    if opts.phases {
+    if opts.phases || opts.profile.is_some() {
         return phase_loop(opts, &model, named, &mut source, load_s, (b, s));
     }
     let mut task = lora_train::llm::LlamaTask {
@@ -533,6 +564,35 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
     })
 }
 
+/// Stops `profiler` and writes `ops_ours.json` ([`OpsFile`], per step over `steps` steps) and
+/// `trace_ours.json` into `dir`.
+fn write_ops(profiler: lora_core::profile::Profiler, dir: &Path, steps: usize) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let profile = profiler
+        .stop(Some(&dir.join("trace_ours.json")))
+        .map_err(lower("stopping the profiler"))?;
+    let n = steps.max(1) as f64;
+    let file = OpsFile {
+        side: "ours".into(),
+        steps,
+        ops: profile
+            .ops()
+            .into_iter()
+            .filter(|o| !o.cuda)
+            .map(|o| OpEntry {
+                name: o.name,
+                calls_per_step: o.calls as f64 / n,
+                self_s: o.self_s / n,
+                total_s: o.total_s / n,
+            })
+            .collect(),
+    };
+    let path = dir.join("ops_ours.json");
+    let text = serde_json::to_string_pretty(&file)
+        .map_err(|e| BenchError::Invalid(format!("{}: {e}", path.display())))?;
+    std::fs::write(&path, text).map_err(io(&path))
+}
+
 /// The bare loop of [`TrainOptions::phases`]: the trainer's work without its bookkeeping, each
 /// phase timed (CUDA synchronized between phases).
 fn phase_loop(
@@ -568,9 +628,16 @@ fn phase_loop(
     let mut cpu = Vec::new();
     let mut losses = Vec::new();
     let mut phases: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    let mut profiler = None;
     for i in 0..opts.steps as i64 {
         let batch = source.batch(i).map_err(torch("batch"))?;
         sync();
+        if i == 1 && opts.profile.is_some() {
+            profiler = Some(
+                lora_core::profile::Profiler::start(matches!(device, Device::Cuda(_)))
+                    .map_err(lower("starting the profiler"))?,
+            );
+        }
         let c0 = cpu_seconds();
         let t = Instant::now();
         let loss = {
@@ -608,6 +675,9 @@ fn phase_loop(
         phases.entry("forward".into()).or_default().push(tf);
         phases.entry("backward".into()).or_default().push(tb - tf);
         phases.entry("optimizer".into()).or_default().push(te - tb);
+    }
+    if let (Some(p), Some(dir)) = (profiler, &opts.profile) {
+        write_ops(p, dir, opts.steps - 1)?;
     }
     let (_, hwm) = rss();
     let cuda = matches!(device, Device::Cuda(_));

@@ -66,6 +66,7 @@ pub mod inject;
 pub mod layer;
 pub mod linear;
 pub mod oom;
+pub mod profile;
 pub mod quant;
 pub mod safetensors;
 pub mod sys;

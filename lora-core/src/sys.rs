@@ -3,7 +3,8 @@
 //! optional limit, RNG generator state and the deterministic-algorithms switch, and linear
 //! products over quantized weights computed tile by tile ([`qlinear`], [`qmatmul`]: decoded from
 //! the blocks on the CPU; [`tiled_linear`], [`tiled_matmul`]: any device, rows decoded by a Rust
-//! callback); plus glibc's mmap threshold ([`set_malloc_mmap_threshold`]) so CPU RSS tracks
+//! callback); libtorch's profiler ([`profiler_start`], [`profiler_stop`]; summed per operator by
+//! [`crate::profile`]); plus glibc's mmap threshold ([`set_malloc_mmap_threshold`]) so CPU RSS tracks
 //! live tensors.
 //!
 //! tch 0.26 exposes none of these (its `autocast` is fp16-only and a no-op on CPU). Every call
@@ -126,6 +127,12 @@ mod ffi {
             y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
         pub fn lsdk_cpu_has_fast_bf16_gemm(fast: *mut i32) -> *mut c_char;
+        pub fn lsdk_profiler_start(cuda: i32, record_shapes: i32) -> *mut c_char;
+        pub fn lsdk_profiler_stop(
+            trace_path: *const c_char,
+            on_event: Option<super::ProfileEventFn>,
+            ctx: *mut std::ffi::c_void,
+        ) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
         pub fn lsdk_qlinear(
             x: *const torch_sys::C_tensor,
@@ -169,6 +176,16 @@ mod ffi {
     /// `lsdk_free_fn`: frees the context handed to `lsdk_tiled_linear`.
     pub type FreeFn = unsafe extern "C" fn(ctx: *mut std::ffi::c_void);
 }
+
+/// The shim's per-event callback of [`profiler_stop`].
+type ProfileEventFn = unsafe extern "C" fn(
+    ctx: *mut std::ffi::c_void,
+    name: *const c_char,
+    thread: u64,
+    start_ns: u64,
+    end_ns: u64,
+    device: i32,
+);
 
 /// An error reported by the libtorch shim: the operation and libtorch's message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1594,4 +1611,98 @@ pub(crate) mod dist {
         })?;
         Ok(present == 1)
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Profiler
+
+/// One event of libtorch's profiler, as [`profiler_stop`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProfilerEvent {
+    /// The operator's name (`aten::mm`, `AddmmBackward0`, …) or a kernel's.
+    pub name: String,
+    /// The recording thread's id (the profiler's own numbering).
+    pub thread: u64,
+    /// Start, in nanoseconds on the profiler's clock.
+    pub start_ns: u64,
+    /// End, in nanoseconds on the same clock (≥ `start_ns`).
+    pub end_ns: u64,
+    /// `true` for work on a CUDA device (kernels, copies), `false` for CPU-side operators.
+    pub cuda: bool,
+}
+
+/// Starts libtorch's profiler (Kineto, the engine of Python's `torch.profiler`) on the calling
+/// thread and the threads libtorch hands its work to (autograd's engine, the intra-op pool).
+/// `cuda` also records CUDA kernels; `record_shapes` stores each operator's input shapes in the
+/// trace.
+///
+/// # Errors
+/// The profiler already runs in this process, or libtorch refused to start it.
+pub fn profiler_start(cuda: bool, record_shapes: bool) -> ShimResult<()> {
+    // SAFETY: plain integer arguments.
+    check("profiler_start", unsafe {
+        ffi::lsdk_profiler_start(cuda as i32, record_shapes as i32)
+    })
+}
+
+unsafe extern "C" fn push_profiler_event(
+    ctx: *mut std::ffi::c_void,
+    name: *const c_char,
+    thread: u64,
+    start_ns: u64,
+    end_ns: u64,
+    device: i32,
+) {
+    // SAFETY: `ctx` is the `Vec<ProfilerEvent>` that `profiler_stop` passed, alive and borrowed
+    // only by this callback during the call; `name` is a NUL-terminated string the shim owns for
+    // the duration of the call.
+    let events = unsafe { &mut *(ctx as *mut Vec<ProfilerEvent>) };
+    let name = if name.is_null() {
+        String::new()
+    } else {
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    events.push(ProfilerEvent {
+        name,
+        thread,
+        start_ns,
+        end_ns: end_ns.max(start_ns),
+        cuda: device == 1,
+    });
+}
+
+/// Stops the profiler that [`profiler_start`] started, writes its Chrome trace-event JSON to
+/// `trace` when given (the file `torch.profiler`'s `export_chrome_trace` writes), and returns
+/// every recorded event.
+///
+/// # Errors
+/// The profiler was not running, the path is not valid UTF-8 or holds a NUL byte, or the trace
+/// could not be written.
+pub fn profiler_stop(trace: Option<&std::path::Path>) -> ShimResult<Vec<ProfilerEvent>> {
+    let path = match trace {
+        Some(p) => {
+            let s = p.to_str().ok_or_else(|| ShimError {
+                op: "profiler_stop",
+                message: format!("trace path {} is not valid UTF-8", p.display()),
+            })?;
+            Some(std::ffi::CString::new(s).map_err(|_| ShimError {
+                op: "profiler_stop",
+                message: format!("trace path {s:?} holds a NUL byte"),
+            })?)
+        }
+        None => None,
+    };
+    let mut events: Vec<ProfilerEvent> = Vec::new();
+    // SAFETY: the callback only pushes into `events`, which outlives the call; `path` is a valid
+    // C string or NULL.
+    check("profiler_stop", unsafe {
+        ffi::lsdk_profiler_stop(
+            path.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
+            Some(push_profiler_event),
+            &mut events as *mut Vec<ProfilerEvent> as *mut std::ffi::c_void,
+        )
+    })?;
+    Ok(events)
 }

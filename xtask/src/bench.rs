@@ -32,12 +32,14 @@ struct Options {
     release: bool,
     loader: bool,
     phases: bool,
+    profile: bool,
 }
 
 pub const USAGE: &str = "\
 usage: cargo xtask bench-compare [--steps N] [--repeats R] [--threads T] [--out DIR]
                                  [--batch B] [--seq-len S] [--device cpu|cuda]
                                  [--precision fp32|bf16] [--release] [--no-loader] [--phases]
+                                 [--profile]
 
   --steps N       optimizer steps per run, the first a warm-up (default 5)
   --repeats R     runs per side, alternating ours/PEFT (default 2)
@@ -49,6 +51,9 @@ usage: cargo xtask bench-compare [--steps N] [--repeats R] [--threads T] [--out 
                   dependencies are optimised; the work runs in libtorch either way)
   --no-loader     skip the image loader comparison (lora-data loader_bench vs Pillow)
   --phases        also run one phase-timed run per side (forward, backward, optimizer)
+  --profile       also run one profiled run per side (libtorch's profiler on ours,
+                  torch.profiler on PEFT's, every step after the first): per-operator self
+                  times side by side in bench.md, Chrome traces in DIR/profile/
 ";
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -64,6 +69,7 @@ fn parse(args: &[String]) -> Result<Options> {
         release: false,
         loader: true,
         phases: false,
+        profile: false,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -90,6 +96,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--release" => o.release = true,
             "--no-loader" => o.loader = false,
             "--phases" => o.phases = true,
+            "--profile" => o.profile = true,
             other => bail!("unknown flag {other}\n\n{USAGE}"),
         }
     }
@@ -298,7 +305,8 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
     threads_env(&mut prep, o.threads);
     run_quiet(&mut prep, "bench-train prepare")?;
 
-    let side_cmd = |side: &str, result: &Path, phases: bool| -> Command {
+    let profile_dir = out.join("profile");
+    let side_cmd = |side: &str, result: &Path, phases: bool, profile: bool| -> Command {
         let mut c = if side == "ours" {
             let mut c = Command::new(&bin);
             c.arg("train");
@@ -314,6 +322,9 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
             }
             c
         };
+        if profile {
+            c.arg("--profile").arg(&profile_dir);
+        }
         c.current_dir(root)
             .arg("--model")
             .arg(&model)
@@ -346,7 +357,7 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
                 o.repeats
             );
             run_quiet(
-                &mut side_cmd(&side, &result, false),
+                &mut side_cmd(&side, &result, false, false),
                 &format!("the {side} run"),
             )?;
             let mut v = read_json(&result)?;
@@ -374,11 +385,23 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
             let result = out.join(format!("phases_{side}.json"));
             eprintln!("== bench-compare: phase-timed run, {side}");
             run_quiet(
-                &mut side_cmd(side, &result, true),
+                &mut side_cmd(side, &result, true, false),
                 &format!("the {side} phase run"),
             )?;
             let v = read_json(&result)?;
             phases[side] = v["phases_s"].clone();
+        }
+    }
+    let mut profile = json!({});
+    if o.profile {
+        for side in ["ours", "peft"] {
+            let result = out.join(format!("profile_{side}.json"));
+            eprintln!("== bench-compare: profiled run, {side}");
+            run_quiet(
+                &mut side_cmd(side, &result, true, true),
+                &format!("the {side} profiled run"),
+            )?;
+            profile[side] = read_json(&profile_dir.join(format!("ops_{side}.json")))?;
         }
     }
 
@@ -480,6 +503,7 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
         "losses": {"first_step_ours": l_ours.first(), "first_step_peft": l_peft.first(),
                     "first_step_abs_diff": first_diff, "max_abs_diff_run0": max_loss_diff},
         "phases_s": phases,
+        "profile": profile,
         "loader": loader,
         "ratios": ratios,
         "runs": runs,
@@ -612,6 +636,9 @@ fn markdown(r: &Value) -> String {
             );
         }
     }
+    if r["profile"]["ours"].is_object() && r["profile"]["peft"].is_object() {
+        s += &profile_table(&r["profile"]["ours"], &r["profile"]["peft"], 25);
+    }
     s += "\nLoad average (1 min) per run: ";
     if let Some(runs) = r["runs"].as_array() {
         let v: Vec<String> = runs
@@ -627,6 +654,64 @@ fn markdown(r: &Value) -> String {
         s += &v.join(", ");
     }
     s += "\n";
+    s
+}
+
+/// The per-operator table of a profiled run: the `top` operators by the larger of the two self
+/// times per step (ms), both sides and their difference; operator names are libtorch's on both
+/// sides, so the rows line up. A last row sums every operator.
+fn profile_table(ours: &Value, peft: &Value, top: usize) -> String {
+    let per_op = |v: &Value| -> std::collections::HashMap<String, (f64, f64)> {
+        v["ops"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|o| {
+                        (
+                            o["name"].as_str().unwrap_or("?").to_string(),
+                            (
+                                o["self_s"].as_f64().unwrap_or(0.0),
+                                o["calls_per_step"].as_f64().unwrap_or(0.0),
+                            ),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (a, b) = (per_op(ours), per_op(peft));
+    let mut names: Vec<&String> = a.keys().chain(b.keys()).collect();
+    names.sort();
+    names.dedup();
+    let get = |m: &std::collections::HashMap<String, (f64, f64)>, n: &str| {
+        m.get(n).copied().unwrap_or((0.0, 0.0))
+    };
+    names.sort_by(|x, y| {
+        let kx = get(&a, x).0.max(get(&b, x).0);
+        let ky = get(&a, y).0.max(get(&b, y).0);
+        ky.total_cmp(&kx).then_with(|| x.cmp(y))
+    });
+    let mut s = String::from(
+        "\nOperators (self time per step after the first, ms; libtorch's profiler on ours, torch.profiler on PEFT's; calls per step in brackets):\n\n| operator | ours | PEFT | ours − PEFT |\n|---|---|---|---|\n",
+    );
+    for n in names.iter().take(top) {
+        let ((sa, ca), (sb, cb)) = (get(&a, n), get(&b, n));
+        s += &format!(
+            "| {n} | {:.1} ({ca:.0}) | {:.1} ({cb:.0}) | {:+.1} |\n",
+            sa * 1e3,
+            sb * 1e3,
+            (sa - sb) * 1e3
+        );
+    }
+    let sum = |m: &std::collections::HashMap<String, (f64, f64)>| -> f64 {
+        m.values().map(|v| v.0).sum()
+    };
+    s += &format!(
+        "| all operators | {:.1} | {:.1} | {:+.1} |\n",
+        sum(&a) * 1e3,
+        sum(&b) * 1e3,
+        (sum(&a) - sum(&b)) * 1e3
+    );
     s
 }
 

@@ -4,7 +4,8 @@
 //! bench-train prepare --model M.gguf --text-dir assets/shakespeare --steps N --batch B --seq-len S \
 //!                     [--rank 8 --alpha 16 --seed 0] --out JOB_DIR
 //! bench-train train   --model M.gguf --job JOB_DIR --steps N [--threads T --lr 2e-4 \
-//!                     --weight-decay 0.01 --device cpu|cuda --precision fp32|bf16] --out RESULT.json
+//!                     --weight-decay 0.01 --device cpu|cuda --precision fp32|bf16 --phases true \
+//!                     --profile DIR] --out RESULT.json
 //! bench-train chart   --in BENCH.json --out BENCH.png
 //! ```
 //!
@@ -78,6 +79,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 device: get(&m, "device", Some("cpu".to_string()))?,
                 precision: get(&m, "precision", Some("fp32".to_string()))?,
                 phases: get(&m, "phases", Some(false))?,
+                profile: m.get("profile").map(PathBuf::from),
             };
             let out: PathBuf = get(&m, "out", None)?;
             let r = train_ours(&opts).map_err(|e| e.to_string())?;

@@ -3,12 +3,14 @@
 //! ([`interop_peft`]), the LoRA layers' invariants over every site kind and option
 //! ([`invariants`]), the tiled quantized linear ([`qlinear`]) and the quantized kinds against the
 //! `gguf` package, llama.cpp's quantizer and PyTorch's fp8 cast ([`quant_interop`]), and sibling
-//! linears computed together ([`siblings`]).
+//! linears computed together ([`siblings`]), and libtorch's profiler through the shim
+//! ([`profile`]).
 
 mod common;
 mod formats;
 mod interop_peft;
 mod invariants;
+mod profile;
 mod qlinear;
 mod quant_interop;
 mod siblings;

@@ -1,0 +1,61 @@
+//! libtorch's profiler through the shim (`lora_core::profile`): a LoRA layer's forward and
+//! backward are recorded operator by operator, the Chrome trace is written, and a second
+//! profiler cannot start while one runs.
+
+use crate::common::dense;
+use lora_core::base::BaseWeight;
+use lora_core::config::AdapterSpec;
+use lora_core::layer::LoraLayer;
+use lora_core::linear::LoraLinear;
+use lora_core::profile::Profiler;
+use tch::nn;
+
+#[test]
+fn a_lora_step_is_recorded_operator_by_operator() {
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let mut l = LoraLinear::new(BaseWeight::Dense(dense(&[48, 32], 1)), None).unwrap();
+    l.add_adapter(
+        "q",
+        "default",
+        &AdapterSpec::new(4, 8.0),
+        &(vs.root() / "q"),
+    )
+    .unwrap();
+    let x = dense(&[16, 32], 2);
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+
+    let profiler = Profiler::start(false).unwrap();
+    let again = Profiler::start(false).unwrap_err().to_string();
+    assert!(again.contains("already running"), "{again}");
+    let y = l.forward_t(&x, true).unwrap();
+    y.sum(tch::Kind::Float).backward();
+    let profile = profiler.stop(Some(&trace)).unwrap();
+
+    let ops = profile.ops();
+    let get = |n: &str| ops.iter().find(|o| o.name == n);
+    // the base product and A, B: three GEMMs forward; the backward's MmBackward0 nodes and
+    // their GEMMs (the frozen base needs only the input gradient, x's is not asked for)
+    let mm_calls = get("aten::mm").map_or(0, |o| o.calls);
+    assert!(mm_calls >= 3, "aten::mm ran {mm_calls} times: {ops:?}");
+    assert!(get("MmBackward0").is_some(), "no MmBackward0 node: {ops:?}");
+    for o in &ops {
+        assert!(o.self_s >= 0.0 && o.self_s <= o.total_s + 1e-12, "{o:?}");
+    }
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let names: Vec<&str> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert!(names.contains(&"aten::mm"), "{names:?}");
+    assert!(names.contains(&"MmBackward0"), "{names:?}");
+
+    // stopped: a new one starts (and dropping it without stop discards its events)
+    let p = Profiler::start(false).unwrap();
+    drop(p);
+    let p = Profiler::start(false).unwrap();
+    assert!(p.stop(None).unwrap().events.iter().all(|e| !e.cuda));
+}
