@@ -53,18 +53,31 @@ def write_ops(prof, out_dir, steps):
     `trace_peft.json` from a finished `torch.profiler.profile`."""
     os.makedirs(out_dir, exist_ok=True)
     n = max(1, steps)
-    ops = [
-        {
-            "name": e.key,
-            "calls_per_step": e.count / n,
-            "self_s": e.self_cpu_time_total / 1e6 / n,
-            "total_s": e.cpu_time_total / 1e6 / n,
-        }
-        for e in prof.key_averages()
-    ]
-    ops.sort(key=lambda o: -o["self_s"])
+
+    def entries(averages, shapes):
+        out = [
+            {
+                "name": e.key,
+                "shapes": ", ".join(
+                    "[" + ", ".join(str(d) for d in s) + "]" for s in e.input_shapes
+                )
+                if shapes
+                else "",
+                "calls_per_step": e.count / n,
+                "self_s": e.self_cpu_time_total / 1e6 / n,
+                "total_s": e.cpu_time_total / 1e6 / n,
+            }
+            for e in averages
+        ]
+        out.sort(key=lambda o: -o["self_s"])
+        return out
+
+    ops = entries(prof.key_averages(), False)
+    by_shapes = entries(prof.key_averages(group_by_input_shape=True), True)[:40]
     with open(os.path.join(out_dir, "ops_peft.json"), "w") as f:
-        json.dump({"side": "peft", "steps": steps, "ops": ops}, f, indent=1)
+        json.dump(
+            {"side": "peft", "steps": steps, "ops": ops, "by_shapes": by_shapes}, f, indent=1
+        )
     prof.export_chrome_trace(os.path.join(out_dir, "trace_peft.json"))
 
 
@@ -137,7 +150,7 @@ def main():
             acts = [torch.profiler.ProfilerActivity.CPU]
             if dev.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            prof = torch.profiler.profile(activities=acts)
+            prof = torch.profiler.profile(activities=acts, record_shapes=True)
             prof.__enter__()
         c0 = time.process_time()
         t = time.perf_counter()

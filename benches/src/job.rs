@@ -107,6 +107,9 @@ pub struct OpsFile {
     pub steps: usize,
     /// One entry per operator name, largest self time first.
     pub ops: Vec<OpEntry>,
+    /// The 40 largest entries per operator name and input shapes, largest self time first.
+    #[serde(default)]
+    pub by_shapes: Vec<OpEntry>,
 }
 
 /// One operator of an [`OpsFile`].
@@ -114,6 +117,10 @@ pub struct OpsFile {
 pub struct OpEntry {
     /// The operator's name (`aten::mm`, `MmBackward0`, …).
     pub name: String,
+    /// Its input shapes (`[256, 576], [576, 960]`) in [`OpsFile::by_shapes`]; empty in
+    /// [`OpsFile::ops`].
+    #[serde(default)]
+    pub shapes: String,
     /// Calls per step.
     pub calls_per_step: f64,
     /// Self time per step, seconds (time inside minus the operators nested directly in it).
@@ -572,20 +579,24 @@ fn write_ops(profiler: lora_core::profile::Profiler, dir: &Path, steps: usize) -
         .stop(Some(&dir.join("trace_ours.json")))
         .map_err(lower("stopping the profiler"))?;
     let n = steps.max(1) as f64;
-    let file = OpsFile {
-        side: "ours".into(),
-        steps,
-        ops: profile
-            .ops()
-            .into_iter()
+    let entries = |ops: Vec<lora_core::profile::OpStats>, top: usize| -> Vec<OpEntry> {
+        ops.into_iter()
             .filter(|o| !o.cuda)
+            .take(top)
             .map(|o| OpEntry {
                 name: o.name,
+                shapes: o.shapes,
                 calls_per_step: o.calls as f64 / n,
                 self_s: o.self_s / n,
                 total_s: o.total_s / n,
             })
-            .collect(),
+            .collect()
+    };
+    let file = OpsFile {
+        side: "ours".into(),
+        steps,
+        ops: entries(profile.ops(), usize::MAX),
+        by_shapes: entries(profile.ops_by_shapes(), 40),
     };
     let path = dir.join("ops_ours.json");
     let text = serde_json::to_string_pretty(&file)
@@ -634,8 +645,11 @@ fn phase_loop(
         sync();
         if i == 1 && opts.profile.is_some() {
             profiler = Some(
-                lora_core::profile::Profiler::start(matches!(device, Device::Cuda(_)))
-                    .map_err(lower("starting the profiler"))?,
+                lora_core::profile::Profiler::start(lora_core::profile::ProfilerOptions {
+                    cuda: matches!(device, Device::Cuda(_)),
+                    record_shapes: true,
+                })
+                .map_err(lower("starting the profiler"))?,
             );
         }
         let c0 = cpu_seconds();

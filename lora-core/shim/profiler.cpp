@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <vector>
 
 using lsdk::guarded;
 
@@ -30,10 +31,12 @@ extern "C" {
 
 // One recorded event, handed to Rust by `lsdk_profiler_stop`: `device` 0 = CPU (an operator
 // or a user annotation), 1 = CUDA (a kernel, memcpy or memset on the GPU's clock mapped to the
-// host's).
+// host's); `shapes` the input shapes as text (`[256, 576], [576, 960]`, an empty `[]` for a
+// non-tensor input), empty when shapes were not recorded.
 typedef void (*lsdk_profile_event_fn)(
     void* ctx,
     const char* name,
+    const char* shapes,
     uint64_t thread,
     uint64_t start_ns,
     uint64_t end_ns,
@@ -71,8 +74,25 @@ char* lsdk_profiler_stop(const char* trace_path, lsdk_profile_event_fn on_event,
           continue;
         }
         std::string name = e.name();
+        std::string shapes;
+        if (e.hasShapes()) {
+          for (const std::vector<int64_t>& shape : e.shapes()) {
+            if (!shapes.empty()) {
+              shapes += ", ";
+            }
+            shapes += '[';
+            for (size_t i = 0; i < shape.size(); ++i) {
+              if (i > 0) {
+                shapes += ", ";
+              }
+              shapes += std::to_string(shape[i]);
+            }
+            shapes += ']';
+          }
+        }
         int32_t device = e.deviceType() == c10::DeviceType::CUDA ? 1 : 0;
-        on_event(ctx, name.c_str(), e.startThreadId(), e.startNs(), e.endNs(), device);
+        on_event(
+            ctx, name.c_str(), shapes.c_str(), e.startThreadId(), e.startNs(), e.endNs(), device);
       }
     }
     if (trace_path != nullptr) {

@@ -8,12 +8,12 @@
 //! and one of a PyTorch run line up name by name.
 //!
 //! ```
-//! use lora_core::profile::Profiler;
+//! use lora_core::profile::{Profiler, ProfilerOptions};
 //! use tch::{Device, Kind, Tensor};
 //!
 //! # fn main() -> lora_core::Result<()> {
 //! let a = Tensor::randn([64, 64], (Kind::Float, Device::Cpu));
-//! let profiler = Profiler::start(false)?;
+//! let profiler = Profiler::start(ProfilerOptions::default())?;
 //! let _ = a.matmul(&a).relu();
 //! let profile = profiler.stop(None)?;
 //! let ops = profile.ops();
@@ -29,6 +29,16 @@ use std::path::Path;
 use crate::sys::{self, ProfilerEvent};
 use crate::{Error, Result};
 
+/// What a [`Profiler`] records besides every CPU-side operator's name and time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProfilerOptions {
+    /// Also record CUDA kernels, copies and memsets (a CUDA build of libtorch with CUPTI).
+    pub cuda: bool,
+    /// Also record every operator's input shapes (in the trace, and for
+    /// [`Profile::ops_by_shapes`]); costs a little time per operator.
+    pub record_shapes: bool,
+}
+
 /// A running profiler. Stop it with [`Profiler::stop`]; dropping it stops it and discards what it
 /// recorded. One may run per process.
 #[derive(Debug)]
@@ -38,12 +48,13 @@ pub struct Profiler {
 
 impl Profiler {
     /// Starts recording every libtorch operator run from this thread (and the threads libtorch
-    /// hands its work to); `cuda` also records CUDA kernels, on a CUDA build.
+    /// hands its work to), with what `options` adds.
     ///
     /// # Errors
     /// A profiler already runs in this process, or libtorch refused to start one.
-    pub fn start(cuda: bool) -> Result<Self> {
-        sys::profiler_start(cuda, false).map_err(|e| torch_error("starting the profiler", e))?;
+    pub fn start(options: ProfilerOptions) -> Result<Self> {
+        sys::profiler_start(options.cuda, options.record_shapes)
+            .map_err(|e| torch_error("starting the profiler", e))?;
         Ok(Self { running: true })
     }
 
@@ -95,6 +106,9 @@ pub struct Profile {
 pub struct OpStats {
     /// The operator's name (`aten::mm`, `MmBackward0`, a CUDA kernel's name …).
     pub name: String,
+    /// Its input shapes for [`Profile::ops_by_shapes`] (see [`ProfilerEvent::shapes`]); empty
+    /// for [`Profile::ops`].
+    pub shapes: String,
     /// Whether these are device events (CUDA kernels) rather than CPU-side operators.
     pub cuda: bool,
     /// How many times it ran.
@@ -113,6 +127,17 @@ impl Profile {
     /// largest first. Nesting is by time on each thread: an event that starts and ends inside
     /// another on the same thread is its child, as in `torch.profiler`'s event tree.
     pub fn ops(&self) -> Vec<OpStats> {
+        self.sums(false)
+    }
+
+    /// As [`Profile::ops`], per operator name and input shapes (`key_averages(
+    /// group_by_input_shape=True)`): which GEMM shapes take the time. Needs
+    /// [`ProfilerOptions::record_shapes`], else every shape reads empty.
+    pub fn ops_by_shapes(&self) -> Vec<OpStats> {
+        self.sums(true)
+    }
+
+    fn sums(&self, by_shapes: bool) -> Vec<OpStats> {
         // Parents are found among the events of the same thread and device, sorted by start
         // (the outer one first when two start together).
         let mut order: Vec<usize> = (0..self.events.len()).collect();
@@ -141,13 +166,15 @@ impl Profile {
             }
             stack.push(i);
         }
-        let mut by_name: HashMap<(&str, bool), OpStats> = HashMap::new();
+        let mut by_name: HashMap<(&str, &str, bool), OpStats> = HashMap::new();
         for (i, e) in self.events.iter().enumerate() {
             let dur = e.end_ns - e.start_ns;
+            let shapes = if by_shapes { e.shapes.as_str() } else { "" };
             let s = by_name
-                .entry((e.name.as_str(), e.cuda))
+                .entry((e.name.as_str(), shapes, e.cuda))
                 .or_insert_with(|| OpStats {
                     name: e.name.clone(),
+                    shapes: shapes.to_string(),
                     cuda: e.cuda,
                     calls: 0,
                     total_s: 0.0,
@@ -162,6 +189,7 @@ impl Profile {
             b.self_s
                 .total_cmp(&a.self_s)
                 .then_with(|| a.name.cmp(&b.name))
+                .then_with(|| a.shapes.cmp(&b.shapes))
         });
         ops
     }
@@ -208,6 +236,7 @@ mod tests {
     fn ev(name: &str, thread: u64, start_ns: u64, end_ns: u64) -> ProfilerEvent {
         ProfilerEvent {
             name: name.into(),
+            shapes: String::new(),
             thread,
             start_ns,
             end_ns,

@@ -181,6 +181,7 @@ mod ffi {
 type ProfileEventFn = unsafe extern "C" fn(
     ctx: *mut std::ffi::c_void,
     name: *const c_char,
+    shapes: *const c_char,
     thread: u64,
     start_ns: u64,
     end_ns: u64,
@@ -1621,6 +1622,9 @@ pub(crate) mod dist {
 pub struct ProfilerEvent {
     /// The operator's name (`aten::mm`, `AddmmBackward0`, …) or a kernel's.
     pub name: String,
+    /// Its inputs' shapes as text (`[256, 576], [576, 960]`; `[]` for a scalar or non-tensor
+    /// input), empty unless [`profiler_start`] was asked to record shapes.
+    pub shapes: String,
     /// The recording thread's id (the profiler's own numbering).
     pub thread: u64,
     /// Start, in nanoseconds on the profiler's clock.
@@ -1648,24 +1652,26 @@ pub fn profiler_start(cuda: bool, record_shapes: bool) -> ShimResult<()> {
 unsafe extern "C" fn push_profiler_event(
     ctx: *mut std::ffi::c_void,
     name: *const c_char,
+    shapes: *const c_char,
     thread: u64,
     start_ns: u64,
     end_ns: u64,
     device: i32,
 ) {
     // SAFETY: `ctx` is the `Vec<ProfilerEvent>` that `profiler_stop` passed, alive and borrowed
-    // only by this callback during the call; `name` is a NUL-terminated string the shim owns for
-    // the duration of the call.
+    // only by this callback during the call; `name` and `shapes` are NUL-terminated strings the
+    // shim owns for the duration of the call.
     let events = unsafe { &mut *(ctx as *mut Vec<ProfilerEvent>) };
-    let name = if name.is_null() {
-        String::new()
-    } else {
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned()
+    let text = |p: *const c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
     };
     events.push(ProfilerEvent {
-        name,
+        name: text(name),
+        shapes: text(shapes),
         thread,
         start_ns,
         end_ns: end_ns.max(start_ns),

@@ -7,7 +7,7 @@ use lora_core::base::BaseWeight;
 use lora_core::config::AdapterSpec;
 use lora_core::layer::LoraLayer;
 use lora_core::linear::LoraLinear;
-use lora_core::profile::Profiler;
+use lora_core::profile::{Profiler, ProfilerOptions};
 use tch::nn;
 
 #[test]
@@ -25,8 +25,12 @@ fn a_lora_step_is_recorded_operator_by_operator() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.json");
 
-    let profiler = Profiler::start(false).unwrap();
-    let again = Profiler::start(false).unwrap_err().to_string();
+    let shapes = ProfilerOptions {
+        record_shapes: true,
+        ..Default::default()
+    };
+    let profiler = Profiler::start(shapes).unwrap();
+    let again = Profiler::start(shapes).unwrap_err().to_string();
     assert!(again.contains("already running"), "{again}");
     let y = l.forward_t(&x, true).unwrap();
     y.sum(tch::Kind::Float).backward();
@@ -42,6 +46,14 @@ fn a_lora_step_is_recorded_operator_by_operator() {
     for o in &ops {
         assert!(o.self_s >= 0.0 && o.self_s <= o.total_s + 1e-12, "{o:?}");
     }
+    // the frozen product x·Wᵀ: [16, 32] by the transposed [48, 32] weight
+    let by_shapes = profile.ops_by_shapes();
+    assert!(
+        by_shapes
+            .iter()
+            .any(|o| o.name == "aten::mm" && o.shapes == "[16, 32], [32, 48]"),
+        "{by_shapes:?}"
+    );
     let text = std::fs::read_to_string(&trace).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let names: Vec<&str> = v["traceEvents"]
@@ -54,8 +66,14 @@ fn a_lora_step_is_recorded_operator_by_operator() {
     assert!(names.contains(&"MmBackward0"), "{names:?}");
 
     // stopped: a new one starts (and dropping it without stop discards its events)
-    let p = Profiler::start(false).unwrap();
+    let p = Profiler::start(ProfilerOptions::default()).unwrap();
     drop(p);
-    let p = Profiler::start(false).unwrap();
-    assert!(p.stop(None).unwrap().events.iter().all(|e| !e.cuda));
+    let p = Profiler::start(ProfilerOptions::default()).unwrap();
+    let _ = x.relu();
+    let events = p.stop(None).unwrap().events;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.name == "aten::relu" && e.shapes.is_empty() && !e.cuda)
+    );
 }
