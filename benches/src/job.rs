@@ -456,6 +456,12 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
     if !cuda {
         lora_core::sys::install_counting_cpu_allocator()
             .map_err(lower("installing the counting allocator"))?;
+        // as `lora-train train` does on the CPU (`memory.cpu_return_freed`, default true)
+        if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+            lora_core::sys::set_malloc_mmap_threshold(
+                lora_core::sys::RETURN_FREED_MMAP_THRESHOLD,
+            );
+        }
     }
     tch::set_num_threads(opts.threads);
 
@@ -629,6 +635,11 @@ fn phase_loop(
     .build(vec![ParamGroup::new("adapters", params)], opts.lr)
     .map_err(lower("building AdamW"))?;
     let bf16 = opts.precision == "bf16";
+    // the Trainer's block cache on the CPU (`TrainerConfig::cpu_cache`, default true)
+    if device == Device::Cpu {
+        lora_core::sys::cpu_empty_cache().map_err(lower("emptying the CPU cache"))?;
+        lora_core::sys::set_cpu_cache(true).map_err(lower("the CPU block cache"))?;
+    }
     let (rss_baseline, _) = rss();
     let _ = lora_train::job::reset_peak_rss();
     let _ = lora_core::sys::cpu_reset_peak();

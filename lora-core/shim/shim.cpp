@@ -32,7 +32,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -59,7 +61,18 @@ bool cuda_available() {
 // Counting CPU allocator. Allocation goes through c10::alloc_cpu / c10::free_cpu (what the
 // default CPU allocator uses), so a pointer allocated before installation can be freed by our
 // deleter: such unknown pointers count 0 bytes.
+//
+// It also caches freed blocks of at least kCacheMinBytes by exact size and hands them out again
+// (off by default; `lsdk_cpu_set_cache`). A training step allocates the same sizes every step:
+// without the cache every large block is a fresh mmap (glibc maps blocks above its mmap
+// threshold, which the trainer fixes at 128 KiB so that RSS follows the live tensors), and each
+// page is faulted in and zeroed by the kernel again, step after step. The cache is bounded so that
+// live + cached bytes never exceed `cache_high`, the peak of live bytes since the cache was last
+// emptied: a miss that would pass it first frees cached blocks (largest first). So the memory the
+// process holds for tensors is never more than its live peak, as without the cache.
 struct CountingCpuAllocator final : public c10::Allocator {
+  static constexpr size_t kCacheMinBytes = 128 << 10;
+
   std::mutex mu;
   std::unordered_map<void*, size_t> sizes;
   int64_t current = 0;
@@ -67,10 +80,51 @@ struct CountingCpuAllocator final : public c10::Allocator {
   int64_t total_allocated = 0;
   int64_t n_allocations = 0;
   int64_t limit = 0;  // 0 = no limit
+  bool cache_enabled = false;
+  std::map<size_t, std::vector<void*>> cache;  // freed blocks by size
+  int64_t cached = 0;                          // bytes in `cache`
+  int64_t cache_high = 0;                      // peak of `current` since the cache was emptied
+  int64_t cache_hits = 0;
+  int64_t cache_evictions = 0;  // cached blocks freed to make room
 
   static void deleter(void* ptr);
 
+  // Frees cached blocks, largest first, until live + cached + `incoming` fits under
+  // `cache_high` (or nothing is cached). Called with `mu` held; the frees happen after the
+  // lock is released (into `out`).
+  void evict_for(int64_t incoming, std::vector<void*>& out) {
+    while (cached > 0 && current + cached + incoming > cache_high) {
+      auto it = std::prev(cache.end());
+      out.push_back(it->second.back());
+      it->second.pop_back();
+      cached -= static_cast<int64_t>(it->first);
+      cache_evictions += 1;
+      if (it->second.empty()) {
+        cache.erase(it);
+      }
+    }
+  }
+
+  // Frees every cached block and restarts the cache's bound from the live bytes.
+  void empty_cache() {
+    std::vector<void*> out;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& [size, blocks] : cache) {
+        out.insert(out.end(), blocks.begin(), blocks.end());
+      }
+      cache.clear();
+      cached = 0;
+      cache_high = current;
+    }
+    for (void* p : out) {
+      c10::free_cpu(p);
+    }
+  }
+
   c10::DataPtr allocate(size_t n) override {
+    void* data = nullptr;
+    std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (limit > 0 && current + static_cast<int64_t>(n) > limit) {
@@ -85,8 +139,26 @@ struct CountingCpuAllocator final : public c10::Allocator {
             limit,
             " bytes (set by lora_core::sys::set_cpu_alloc_limit; raise or clear the limit)");
       }
+      auto it = n >= kCacheMinBytes ? cache.find(n) : cache.end();
+      if (it != cache.end()) {
+        data = it->second.back();
+        it->second.pop_back();
+        if (it->second.empty()) {
+          cache.erase(it);
+        }
+        cached -= static_cast<int64_t>(n);
+        cache_hits += 1;
+      } else if (cached > 0) {
+        cache_high = std::max(cache_high, current + static_cast<int64_t>(n));
+        evict_for(static_cast<int64_t>(n), evicted);
+      }
     }
-    void* data = c10::alloc_cpu(n);
+    for (void* p : evicted) {
+      c10::free_cpu(p);
+    }
+    if (data == nullptr) {
+      data = c10::alloc_cpu(n);
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       sizes[data] = n;
@@ -95,6 +167,9 @@ struct CountingCpuAllocator final : public c10::Allocator {
       n_allocations += 1;
       if (current > peak) {
         peak = current;
+      }
+      if (current > cache_high) {
+        cache_high = current;
       }
     }
     return {data, data, &CountingCpuAllocator::deleter, c10::Device(c10::DeviceType::CPU)};
@@ -124,8 +199,15 @@ void CountingCpuAllocator::deleter(void* ptr) {
     std::lock_guard<std::mutex> lock(a->mu);
     auto it = a->sizes.find(ptr);
     if (it != a->sizes.end()) {
-      a->current -= static_cast<int64_t>(it->second);
+      size_t n = it->second;
+      a->current -= static_cast<int64_t>(n);
       a->sizes.erase(it);
+      // live + cached stays what it was, so within the bound: keep the block for reuse
+      if (a->cache_enabled && n >= kCacheMinBytes) {
+        a->cache[n].push_back(ptr);
+        a->cached += static_cast<int64_t>(n);
+        return;
+      }
     }
   }
   c10::free_cpu(ptr);
@@ -237,7 +319,8 @@ char* lsdk_cpu_counting_installed(int32_t* installed) {
   });
 }
 
-// out: current, peak, total allocated, number of allocations, limit (0 = none), live blocks.
+// out: current, peak, total allocated, number of allocations, limit (0 = none), live blocks,
+// cached bytes, cache hits, cache evictions.
 char* lsdk_cpu_mem_stats(int64_t* out) {
   return guarded([&] {
     CountingCpuAllocator* a = counting_allocator();
@@ -248,7 +331,28 @@ char* lsdk_cpu_mem_stats(int64_t* out) {
     out[3] = a->n_allocations;
     out[4] = a->limit;
     out[5] = static_cast<int64_t>(a->sizes.size());
+    out[6] = a->cached;
+    out[7] = a->cache_hits;
+    out[8] = a->cache_evictions;
   });
+}
+
+// Turns the cache of freed blocks on or off; off also empties it.
+char* lsdk_cpu_set_cache(int32_t enabled) {
+  return guarded([&] {
+    CountingCpuAllocator* a = counting_allocator();
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->cache_enabled = enabled != 0;
+    }
+    if (enabled == 0) {
+      a->empty_cache();
+    }
+  });
+}
+
+char* lsdk_cpu_empty_cache() {
+  return guarded([&] { counting_allocator()->empty_cache(); });
 }
 
 char* lsdk_cpu_reset_peak() {

@@ -44,6 +44,8 @@ mod ffi {
         pub fn lsdk_cpu_mem_stats(out: *mut i64) -> *mut c_char;
         pub fn lsdk_cpu_reset_peak() -> *mut c_char;
         pub fn lsdk_cpu_set_limit(limit: i64) -> *mut c_char;
+        pub fn lsdk_cpu_set_cache(enabled: i32) -> *mut c_char;
+        pub fn lsdk_cpu_empty_cache() -> *mut c_char;
         pub fn lsdk_manual_seed(seed: u64) -> *mut c_char;
         pub fn lsdk_rng_get_state(
             device: i32,
@@ -565,6 +567,15 @@ pub struct CpuMemStats {
     pub limit_bytes: Option<u64>,
     /// Number of live blocks.
     pub live_blocks: u64,
+    /// Bytes of freed blocks held for reuse ([`set_cpu_cache`]); not in `current_bytes`.
+    #[serde(default)]
+    pub cached_bytes: u64,
+    /// Allocations served from the cache since installation.
+    #[serde(default)]
+    pub cache_hits: u64,
+    /// Cached blocks freed to keep the cache within its bound, since installation.
+    #[serde(default)]
+    pub cache_evictions: u64,
 }
 
 /// Installs the counting CPU allocator (`c10::SetCPUAllocator` with priority 100). Idempotent.
@@ -599,8 +610,8 @@ pub fn counting_cpu_allocator_installed() -> ShimResult<bool> {
 /// A libtorch error.
 pub fn cpu_mem_stats() -> ShimResult<CpuMemStats> {
     install_counting_cpu_allocator()?;
-    let mut out = [0i64; 6];
-    // SAFETY: `out` has the 6 slots the shim writes.
+    let mut out = [0i64; 9];
+    // SAFETY: `out` has the 9 slots the shim writes.
     check("cpu_mem_stats", unsafe {
         ffi::lsdk_cpu_mem_stats(out.as_mut_ptr())
     })?;
@@ -612,7 +623,46 @@ pub fn cpu_mem_stats() -> ShimResult<CpuMemStats> {
         n_allocations: u(out[3]),
         limit_bytes: (out[4] > 0).then(|| u(out[4])),
         live_blocks: u(out[5]),
+        cached_bytes: u(out[6]),
+        cache_hits: u(out[7]),
+        cache_evictions: u(out[8]),
     })
+}
+
+/// Turns on (or off, which also empties it) the counting allocator's cache of freed blocks, and
+/// installs the allocator if needed.
+///
+/// With the cache on, a freed CPU tensor block of at least 128 KiB is kept and handed out again
+/// to the next allocation of exactly its size, instead of going back to glibc. A training step
+/// allocates the same sizes every step; without the cache each large block is mapped afresh
+/// (glibc maps blocks above its mmap threshold, which [`set_malloc_mmap_threshold`] fixes at
+/// 128 KiB for the trainer) and every page of it is faulted in and zeroed again: measured on the
+/// SmolLM2-135M benchmark step (2 × 128 tokens, CPU, 2 threads), ≈ 540,000 page faults and
+/// ≈ 1.1 s of system time per step, the step 40% slower than with glibc's default threshold.
+///
+/// Bound: live plus cached bytes never exceed the peak of live bytes since the cache was last
+/// emptied ([`cpu_empty_cache`]); an allocation the cache cannot serve first frees cached blocks,
+/// largest first, until it fits under that peak. So the tensor memory the process holds never
+/// passes its live peak, which is what the memory plan predicts.
+///
+/// # Errors
+/// A libtorch error.
+pub fn set_cpu_cache(enabled: bool) -> ShimResult<()> {
+    install_counting_cpu_allocator()?;
+    // SAFETY: plain integer argument.
+    check("set_cpu_cache", unsafe {
+        ffi::lsdk_cpu_set_cache(enabled as i32)
+    })
+}
+
+/// Frees every block the cache holds ([`set_cpu_cache`]) and restarts its bound from the live
+/// bytes (call it after loading, so the bound is the training step's own peak).
+///
+/// # Errors
+/// A libtorch error.
+pub fn cpu_empty_cache() -> ShimResult<()> {
+    // SAFETY: no arguments.
+    check("cpu_empty_cache", unsafe { ffi::lsdk_cpu_empty_cache() })
 }
 
 /// Resets the CPU peak to the current byte count.

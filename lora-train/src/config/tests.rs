@@ -173,6 +173,7 @@ fn every_key_set() -> TrainConfig {
     c.memory.auto_fit = true;
     c.memory.force = true;
     c.memory.cpu_return_freed = !MemorySection::default().cpu_return_freed;
+    c.memory.cpu_cache = !MemorySection::default().cpu_cache;
     c.logging.log_every_n_steps = 7;
     c.logging.logging_dir = Some("logs".into());
     c.logging.progress = !LoggingSection::default().progress;

@@ -191,6 +191,25 @@ impl Default for NonFinitePolicy {
     }
 }
 
+/// The counting allocator's block cache for the span of one `fit` ([`TrainerConfig::cpu_cache`]):
+/// emptied (the bound restarts from what is live after loading) and switched on; switched off,
+/// which frees what it holds, when dropped.
+struct CpuCacheGuard;
+
+impl CpuCacheGuard {
+    fn start() -> Result<Self> {
+        sys::cpu_empty_cache()?;
+        sys::set_cpu_cache(true)?;
+        Ok(Self)
+    }
+}
+
+impl Drop for CpuCacheGuard {
+    fn drop(&mut self) {
+        let _ = sys::set_cpu_cache(false);
+    }
+}
+
 /// Which checkpoint a run starts from.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Resume {
@@ -250,6 +269,11 @@ pub struct TrainerConfig {
     pub seed: Option<u64>,
     /// Install the counting CPU allocator to report exact CPU tensor memory.
     pub track_cpu_memory: bool,
+    /// On a CPU run with `track_cpu_memory`, keep freed tensor blocks of 128 KiB or more for
+    /// reuse by the next steps ([`lora_core::sys::set_cpu_cache`]; bounded by the step's live
+    /// peak, emptied and switched off when `fit` returns), so a step does not fault its
+    /// activations' pages in afresh every time. Default true.
+    pub cpu_cache: bool,
     /// The run's configuration as JSON, stored in checkpoints.
     pub run_config: serde_json::Value,
 }
@@ -280,6 +304,7 @@ impl Default for TrainerConfig {
             keep_last: 3,
             seed: None,
             track_cpu_memory: true,
+            cpu_cache: true,
             run_config: serde_json::Value::Null,
         }
     }
@@ -501,6 +526,9 @@ impl<S: TrainStep> Trainer<S> {
             sys::install_counting_cpu_allocator()?;
             sys::cpu_reset_peak()?;
         }
+        let _cache = (cfg.track_cpu_memory && cfg.cpu_cache && cfg.device == Device::Cpu)
+            .then(CpuCacheGuard::start)
+            .transpose()?;
         if let Device::Cuda(i) = cfg.device {
             let _ = sys::cuda_reset_peak(i)?;
         }

@@ -36,6 +36,7 @@ pub fn trainer_config(
         keep_last: t.keep_last_checkpoints.max(1) as usize,
         seed: Some(cfg.system.seed),
         track_cpu_memory: true,
+        cpu_cache: cfg.memory.cpu_cache,
         run_config: serde_json::to_value(cfg).during("serializing the config")?,
         ..crate::engine::TrainerConfig::default()
     })
