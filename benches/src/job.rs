@@ -458,9 +458,7 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
             .map_err(lower("installing the counting allocator"))?;
         // as `lora-train train` does on the CPU (`memory.cpu_return_freed`, default true)
         if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
-            lora_core::sys::set_malloc_mmap_threshold(
-                lora_core::sys::RETURN_FREED_MMAP_THRESHOLD,
-            );
+            lora_core::sys::set_malloc_mmap_threshold(lora_core::sys::RETURN_FREED_MMAP_THRESHOLD);
         }
     }
     tch::set_num_threads(opts.threads);
