@@ -15,6 +15,7 @@ fn build_shim() {
         "shim/dist.cpp",
         "shim/dist.h",
         "shim/profiler.cpp",
+        "shim/f32_linear.cpp",
         "shim/dist_nccl.cpp",
         "shim/guard.h",
     ] {
@@ -49,6 +50,7 @@ fn build_shim() {
         .file("shim/bf16_linear.cpp")
         .file("shim/dist.cpp")
         .file("shim/profiler.cpp")
+        .file("shim/f32_linear.cpp")
         // the quantized-linear kernels are hot loops: optimized in every profile
         .opt_level(3)
         .include(&include)

@@ -12,6 +12,9 @@ use tch::{Kind, Tensor};
 /// [`crate::sys::bf16_linear`], autocast's numbers (bf16 operands, f32 sums, a bf16 result) by f32
 /// GEMMs, the same function up to the summation order at about a tenth of the time forward and
 /// less backward (measured on an AVX2 CPU: 16 vs 111 GFLOP/s for `x·Wᵀ`, 1.7 vs 72 for `g·W`).
+/// And an f32 product on a CPU where [`crate::sys::cpu_f32_gemm_by_onednn`] holds (AMD with
+/// AVX-512), with a weight of at least 128 on both sides, goes through oneDNN
+/// ([`crate::sys::f32_linear`]): the same function, summed in another order.
 ///
 /// # Errors
 /// [`tch::TchError`] when the shapes do not fit or an op fails.
@@ -19,7 +22,31 @@ pub fn linear_product(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch
     if x.kind() != Kind::Double && bf16_autocast_by_f32(x.device())? {
         return Ok(crate::sys::bf16_linear(x, w)?);
     }
+    if f32_by_onednn(x, w)? {
+        return Ok(crate::sys::f32_linear(x, w)?);
+    }
     x.f_linear::<Tensor>(w, None)
+}
+
+/// Smallest side of a weight whose f32 product [`linear_product`] hands to oneDNN
+/// ([`crate::sys::f32_linear`]): the LoRA factors (rank 4–64) stay with MKL, whose small GEMMs
+/// are not where the time goes.
+const ONEDNN_MIN_SIDE: i64 = 128;
+
+/// True when `x·wᵀ` is an f32 product on the CPU outside autocast, `w` at least
+/// [`ONEDNN_MIN_SIDE`] on both sides, and this CPU multiplies f32 by oneDNN
+/// ([`crate::sys::cpu_f32_gemm_by_onednn`]).
+fn f32_by_onednn(x: &Tensor, w: &Tensor) -> std::result::Result<bool, tch::TchError> {
+    if x.device() != tch::Device::Cpu
+        || x.kind() != Kind::Float
+        || w.kind() != Kind::Float
+        || w.dim() != 2
+        || w.size().iter().any(|&n| n < ONEDNN_MIN_SIDE)
+        || !crate::sys::cpu_f32_gemm_by_onednn()
+    {
+        return Ok(false);
+    }
+    Ok(!crate::sys::autocast_state(tch::Device::Cpu)?.enabled)
 }
 
 /// The frozen product `x·Wᵀ` of a base weight (`x` `[..., in]`, W `[out, in]` → `[..., out]`,

@@ -1261,8 +1261,13 @@ impl Llama {
             };
             return Self::fused_loss_output(&hn, total.f_mul_scalar(inv)?, grad, b, s, d);
         }
-        // A dense fp32 head writes each chunk into one reused buffer.
-        let reuse = mm_kind == Kind::Float && matches!(w, HeadWeight::Dense { .. });
+        // A dense fp32 head writes each chunk into one reused buffer, unless its products go
+        // through oneDNN (`lora_core::sys::cpu_f32_gemm_by_onednn`), whose results are new
+        // tensors of the same size.
+        let dense_f32 = mm_kind == Kind::Float && matches!(w, HeadWeight::Dense { .. });
+        let onednn =
+            dense_f32 && h.device() == tch::Device::Cpu && lora_core::sys::cpu_f32_gemm_by_onednn();
+        let reuse = dense_f32 && !onednn;
         // bf16 autocast on a CPU without a fast bf16 GEMM: the same bf16 numbers by f32 GEMMs
         let by_f32 =
             mm_kind == Kind::BFloat16 && lora_core::linear::bf16_autocast_by_f32(h.device())?;
@@ -1287,6 +1292,9 @@ impl Llama {
             let r = chunk.min(n - start);
             let x = rows.f_narrow(0, start, r)?.f_to_kind(mm_kind)?;
             let mut lg = match (&w, &buf) {
+                (HeadWeight::Dense { w, .. }, _) if onednn => {
+                    lora_core::sys::f32_linear(&x, w).map_err(tch::TchError::from)?
+                }
                 (HeadWeight::Dense { wt, .. }, Some(bf)) => {
                     let out = bf.f_narrow(0, 0, r)?;
                     x.f_mm_out(&out, wt)?
@@ -1309,6 +1317,11 @@ impl Llama {
                 let _ = lg.f_mul_(&vf.f_mul_scalar(inv)?)?;
                 let mut gx = g.f_narrow(0, start, r)?;
                 match &w {
+                    HeadWeight::Dense { wt, .. } if onednn => {
+                        let _ = gx.f_copy_(
+                            &lora_core::sys::f32_linear(&lg, wt).map_err(tch::TchError::from)?,
+                        )?;
+                    }
                     HeadWeight::Dense { w, .. } if reuse => {
                         let _ = lg.f_mm_out(&gx, w)?;
                     }
