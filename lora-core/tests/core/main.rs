@@ -3,10 +3,11 @@
 //! ([`interop_peft`]), the LoRA layers' invariants over every site kind and option
 //! ([`invariants`]), the tiled quantized linear ([`qlinear`]) and the quantized kinds against the
 //! `gguf` package, llama.cpp's quantizer and PyTorch's fp8 cast ([`quant_interop`]), and sibling
-//! linears computed together ([`siblings`]), and libtorch's profiler through the shim
-//! ([`profile`]).
+//! linears computed together ([`siblings`]), libtorch's profiler through the shim
+//! ([`profile`]), and the oneDNN f32 linear ([`f32_linear`]).
 
 mod common;
+mod f32_linear;
 mod formats;
 mod interop_peft;
 mod invariants;
