@@ -76,6 +76,7 @@ fn prepared_inputs_train_through_our_trainer_with_the_base_models_first_loss() {
         device: "cpu".into(),
         precision: "fp32".into(),
         phases: false,
+        profile: None,
     })
     .unwrap();
     let (base, _) = lora_train::llm::load_base(
@@ -103,4 +104,41 @@ fn prepared_inputs_train_through_our_trainer_with_the_base_models_first_loss() {
         "f32 weights are ~540 MB"
     );
     assert!(r.rss_peak_bytes >= r.rss_baseline_bytes);
+
+    // A profiled bare loop: the same losses, and per-operator sums of the step after the first.
+    let prof_dir = dir.path().join("profile");
+    let p = train_ours(&TrainOptions {
+        model: model.clone(),
+        job_dir: job.clone(),
+        steps: 2,
+        threads: 1,
+        lr: 1e-3,
+        weight_decay: 0.01,
+        device: "cpu".into(),
+        precision: "fp32".into(),
+        phases: false,
+        profile: Some(prof_dir.clone()),
+    })
+    .unwrap();
+    assert!((p.losses[0] - r.losses[0]).abs() < 1e-6);
+    assert_eq!(p.phases_s.len(), 3, "{:?}", p.phases_s);
+    let ops: lora_benches::job::OpsFile =
+        serde_json::from_str(&std::fs::read_to_string(prof_dir.join("ops_ours.json")).unwrap())
+            .unwrap();
+    assert_eq!((ops.side.as_str(), ops.steps), ("ours", 1));
+    // the step's frozen products: MKL's mm or oneDNN's linear, whichever this CPU takes
+    let gemm = |o: &lora_benches::job::OpEntry| {
+        o.name == "aten::mm" || o.name == "mkldnn::_linear_pointwise"
+    };
+    assert!(
+        ops.ops
+            .iter()
+            .any(|o| gemm(o) && o.calls_per_step >= 30.0 && o.self_s > 0.0)
+    );
+    assert!(
+        ops.by_shapes
+            .iter()
+            .any(|o| gemm(o) && o.shapes.contains("576"))
+    );
+    assert!(prof_dir.join("trace_ours.json").is_file());
 }

@@ -1102,12 +1102,25 @@ unsafe fn take_output(op: &'static str, y: *mut torch_sys::C_tensor) -> ShimResu
 /// Shapes that do not fit, non-floating dtypes, two devices, or a libtorch error (e.g. out of
 /// memory).
 pub fn bf16_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
-    let op = "bf16_linear";
+    linear_op("bf16_linear", ffi::lsdk_bf16_linear, x, w)
+}
+
+/// The shim's linear ops `(x, w) → y`: calls `f` and takes ownership of the new tensor.
+fn linear_op(
+    op: &'static str,
+    f: unsafe extern "C" fn(
+        *const torch_sys::C_tensor,
+        *const torch_sys::C_tensor,
+        *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char,
+    x: &Tensor,
+    w: &Tensor,
+) -> ShimResult<Tensor> {
     let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
     // SAFETY: `x` and `w` are live `torch::Tensor*` owned by borrowed `Tensor`s for the whole
     // call; on success the shim stores a new heap `torch::Tensor*` in `y`, whose ownership
     // `Tensor::from_ptr` takes.
-    let ret = unsafe { ffi::lsdk_bf16_linear(x.as_ptr(), w.as_ptr(), &mut y) };
+    let ret = unsafe { f(x.as_ptr(), w.as_ptr(), &mut y) };
     check(op, ret)?;
     // SAFETY: see above.
     unsafe { take_output(op, y) }
@@ -1143,13 +1156,7 @@ pub fn cpu_has_fast_bf16_gemm() -> bool {
 /// Shapes that do not fit, other dtypes or devices, a libtorch without oneDNN, or a libtorch
 /// error (e.g. out of memory).
 pub fn f32_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
-    let op = "f32_linear";
-    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
-    // SAFETY: as in `bf16_linear`.
-    let ret = unsafe { ffi::lsdk_f32_linear(x.as_ptr(), w.as_ptr(), &mut y) };
-    check(op, ret)?;
-    // SAFETY: see above.
-    unsafe { take_output(op, y) }
+    linear_op("f32_linear", ffi::lsdk_f32_linear, x, w)
 }
 
 /// Whether this workspace multiplies f32 matrices on the CPU with oneDNN ([`f32_linear`]) rather
