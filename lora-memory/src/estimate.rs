@@ -269,7 +269,7 @@ impl Estimate {
                             "CPU runtime: libtorch, heap, threads".to_string()
                         }
                         (false, "allocator margin") => {
-                            "none on CPU (no caching allocator)".to_string()
+                            "none on CPU (no cache beyond the live peak)".to_string()
                         }
                         _ => t.formula.to_string(),
                     },

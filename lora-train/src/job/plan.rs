@@ -804,7 +804,7 @@ fn runtime_rows(p: &Plan) -> Vec<(&'static str, Bytes, String)> {
             if cuda {
                 "caching allocator: reserved − allocated".into()
             } else {
-                "none on CPU (no caching allocator)".into()
+                "none on CPU (the block cache stays within the live peak)".into()
             },
         ),
     ]

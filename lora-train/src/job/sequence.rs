@@ -473,8 +473,15 @@ pub fn run<S: RunSteps>(
                 "warning: LORA_CPU_F32_GEMM={other:?} is not \"onednn\" or \"mkl\"; ignored (the CPU's default is used)"
             )),
         }
-        if lora_core::sys::cpu_f32_gemm_by_onednn() {
-            ctx.say("f32 matrix products: oneDNN (LORA_CPU_F32_GEMM=mkl for MKL's sgemm)");
+        ctx.say(if lora_core::sys::cpu_f32_gemm_by_onednn() {
+            "f32 matrix products: oneDNN (LORA_CPU_F32_GEMM=mkl for MKL's sgemm)"
+        } else {
+            "f32 matrix products: MKL's sgemm (LORA_CPU_F32_GEMM=onednn for oneDNN)"
+        });
+        if cfg.memory.cpu_cache {
+            ctx.say(
+                "CPU block cache: blocks a step frees are kept for the next steps, within the step's live peak (memory.cpu_cache)",
+            );
         }
     }
 
