@@ -66,7 +66,7 @@ fn prepared_inputs_train_through_our_trainer_with_the_base_models_first_loss() {
     assert!(q.lora_a.abs().sum(tch::Kind::Float).double_value(&[]) > 1.0);
 
     // Our side: with B = 0 the first step's loss is the base model's loss on batch 0.
-    let r = train_ours(&TrainOptions {
+    let opts = TrainOptions {
         model: model.clone(),
         job_dir: job.clone(),
         steps: 2,
@@ -77,8 +77,8 @@ fn prepared_inputs_train_through_our_trainer_with_the_base_models_first_loss() {
         precision: "fp32".into(),
         phases: false,
         profile: None,
-    })
-    .unwrap();
+    };
+    let r = train_ours(&opts).unwrap();
     let (base, _) = lora_train::llm::load_base(
         &model,
         lora_train::config::BaseWeights::Dense,
@@ -108,16 +108,8 @@ fn prepared_inputs_train_through_our_trainer_with_the_base_models_first_loss() {
     // A profiled bare loop: the same losses, and per-operator sums of the step after the first.
     let prof_dir = dir.path().join("profile");
     let p = train_ours(&TrainOptions {
-        model: model.clone(),
-        job_dir: job.clone(),
-        steps: 2,
-        threads: 1,
-        lr: 1e-3,
-        weight_decay: 0.01,
-        device: "cpu".into(),
-        precision: "fp32".into(),
-        phases: false,
         profile: Some(prof_dir.clone()),
+        ..opts
     })
     .unwrap();
     assert!((p.losses[0] - r.losses[0]).abs() < 1e-6);
