@@ -1171,10 +1171,10 @@ pub fn f32_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
 pub fn cpu_f32_gemm_by_onednn() -> bool {
     static ONEDNN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ONEDNN.get_or_init(|| {
-        let wanted = match std::env::var("LORA_CPU_F32_GEMM").ok().as_deref() {
-            Some("onednn") => true,
-            Some("mkl") => false,
-            _ => amd_with_avx512(),
+        let wanted = match cpu_f32_gemm_request() {
+            F32GemmRequest::OneDnn => true,
+            F32GemmRequest::Mkl => false,
+            F32GemmRequest::Default | F32GemmRequest::Unknown(_) => amd_with_avx512(),
         };
         let mut ok = 0i32;
         // SAFETY: valid out-pointer.
@@ -1184,6 +1184,36 @@ pub fn cpu_f32_gemm_by_onednn() -> bool {
         .is_ok();
         wanted && probed && ok != 0
     })
+}
+
+/// What the `LORA_CPU_F32_GEMM` environment variable asks of [`cpu_f32_gemm_by_onednn`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum F32GemmRequest {
+    /// Unset or empty: the CPU's default.
+    Default,
+    /// `onednn` (any case, surrounding spaces ignored).
+    OneDnn,
+    /// `mkl` (any case).
+    Mkl,
+    /// Any other value, as written; ignored (the CPU's default is used).
+    Unknown(String),
+}
+
+/// Reads `LORA_CPU_F32_GEMM` (see [`F32GemmRequest`]).
+pub fn cpu_f32_gemm_request() -> F32GemmRequest {
+    match std::env::var_os("LORA_CPU_F32_GEMM") {
+        None => F32GemmRequest::Default,
+        Some(v) => parse_f32_gemm_request(&v.to_string_lossy()),
+    }
+}
+
+fn parse_f32_gemm_request(v: &str) -> F32GemmRequest {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" => F32GemmRequest::Default,
+        "onednn" => F32GemmRequest::OneDnn,
+        "mkl" => F32GemmRequest::Mkl,
+        _ => F32GemmRequest::Unknown(v.to_string()),
+    }
 }
 
 /// An x86-64 CPU whose vendor is AMD (`cpuid` leaf 0) with AVX-512 F, BW, VL and DQ.
@@ -1379,6 +1409,20 @@ fn tiled_call(
 mod tests {
     use super::*;
     use tch::Tensor;
+
+    #[test]
+    fn f32_gemm_request_reads_any_case_and_spaces() {
+        use F32GemmRequest as R;
+        assert_eq!(parse_f32_gemm_request("onednn"), R::OneDnn);
+        assert_eq!(parse_f32_gemm_request(" OneDNN "), R::OneDnn);
+        assert_eq!(parse_f32_gemm_request("MKL"), R::Mkl);
+        assert_eq!(parse_f32_gemm_request(""), R::Default);
+        assert_eq!(parse_f32_gemm_request("  "), R::Default);
+        assert_eq!(
+            parse_f32_gemm_request("openblas"),
+            R::Unknown("openblas".into())
+        );
+    }
 
     #[test]
     fn bf16_linear_gives_autocasts_linear_and_gradients() {

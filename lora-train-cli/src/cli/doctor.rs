@@ -89,6 +89,11 @@ struct Cpu {
     usable_cores: usize,
     /// `avx512_bf16` / `amx_bf16` when present (fast bf16 matmul).
     bf16_flags: Vec<String>,
+    /// What multiplies f32 matrices on the CPU: `onednn` or `mkl`
+    /// (`lora_core::sys::cpu_f32_gemm_by_onednn`).
+    f32_gemm: &'static str,
+    /// `LORA_CPU_F32_GEMM` as set, when set and not empty.
+    f32_gemm_env: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -191,6 +196,21 @@ impl Report {
                 c.bf16_flags.join(", ")
             }
         );
+        out += &format!(
+            "  f32 matrix products: {}{}\n",
+            if c.f32_gemm == "onednn" {
+                "oneDNN"
+            } else {
+                "MKL sgemm"
+            },
+            match &c.f32_gemm_env {
+                Some(v) => format!(" (LORA_CPU_F32_GEMM={v:?})"),
+                None if c.f32_gemm == "onednn" => {
+                    " (AMD CPU with AVX-512; LORA_CPU_F32_GEMM=mkl for MKL)".to_string()
+                }
+                None => " (LORA_CPU_F32_GEMM=onednn for oneDNN)".to_string(),
+            }
+        );
         let m = &self.memory;
         out += "memory\n";
         if let Some(v) = m.total_bytes {
@@ -267,6 +287,14 @@ impl Cpu {
                 .filter(|f| flags.split_whitespace().any(|x| x == **f))
                 .map(|f| f.to_string())
                 .collect(),
+            f32_gemm: if lora_core::sys::cpu_f32_gemm_by_onednn() {
+                "onednn"
+            } else {
+                "mkl"
+            },
+            f32_gemm_env: std::env::var("LORA_CPU_F32_GEMM")
+                .ok()
+                .filter(|v| !v.trim().is_empty()),
         }
     }
 }

@@ -308,6 +308,21 @@ fn doctor_json_is_one_object_with_the_same_facts_as_the_text() {
         .filter(|l| l.starts_with("processor"))
         .count();
     assert_eq!(v["cpu"]["logical_cores"], logical as u64, "{v:#}");
+    // the f32 GEMM the library picks here, and what the variable forces
+    let f32_gemm = if lora_core::sys::cpu_f32_gemm_by_onednn() {
+        "onednn"
+    } else {
+        "mkl"
+    };
+    assert_eq!(v["cpu"]["f32_gemm"], f32_gemm, "{v:#}");
+    let o = bin()
+        .args(["doctor", "--json"])
+        .env("LORA_CPU_F32_GEMM", "MKL")
+        .output()
+        .unwrap();
+    let forced: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(forced["cpu"]["f32_gemm"], "mkl", "{forced:#}");
+    assert_eq!(forced["cpu"]["f32_gemm_env"], "MKL", "{forced:#}");
     assert!(v["disk"]["free_bytes"].as_u64().unwrap() > 0, "{v:#}");
     // the GPU section is always there: devices with their memory, or a note saying why not
     let gpu = &v["gpu"];

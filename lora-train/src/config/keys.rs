@@ -121,6 +121,9 @@ pub(super) trait Reader<T> {
     }
 }
 
+/// What a boolean key accepts, for its error message: [`typed`] reads the YAML 1.1 words too.
+pub(super) const BOOLEAN: &str = "true or false (yes/no and on/off are read the same)";
+
 /// A value of the field's own serde type; `.0` says what is expected, for errors.
 pub(super) struct Typed(pub &'static str);
 

@@ -571,7 +571,7 @@ pub(super) fn rewrite(doc: &mut Doc, warnings: &mut ConfigWarnings) -> Result<()
     // flags whose value is another key's value
     let flag = |doc: &Doc, path: &str| -> Result<Option<(bool, Value)>> {
         match written(doc, &[path]).pop() {
-            Some((_, v)) => Ok(Some((typed(path, &v, "true or false")?, v))),
+            Some((_, v)) => Ok(Some((typed(path, &v, super::keys::BOOLEAN)?, v))),
             None => Ok(None),
         }
     };

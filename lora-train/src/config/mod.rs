@@ -31,7 +31,7 @@ mod kohya;
 pub use kohya::{ConfigWarning, ConfigWarnings};
 
 use keys::{
-    ByName, Choice, Doc, KeySpec, Listed, Mapping, Named, Reader, Section, Spellings, Sub, Typed,
+    BOOLEAN, ByName, Choice, Doc, KeySpec, Listed, Mapping, Named, Reader, Section, Spellings, Sub, Typed,
     invalid, parse, parse_toml, parse_yaml, render, section, some, typed,
 };
 use serde::{Deserialize, Serialize};
@@ -387,9 +387,9 @@ section! {
         /// Modules never adapted (PEFT `exclude_modules`).
         exclude_modules: Option<TargetModules> = None, some(targets);
         /// rsLoRA scaling `alpha / sqrt(r)` (arXiv:2312.03732).
-        use_rslora: bool = false, Typed("true or false");
+        use_rslora: bool = false, Typed(BOOLEAN);
         /// DoRA (arXiv:2402.09353).
-        use_dora: bool = false, Typed("true or false");
+        use_dora: bool = false, Typed(BOOLEAN);
         /// PEFT `init_lora_weights`: `true` (Kaiming-uniform A, zero B), `false` or `"gaussian"`.
         init_lora_weights: InitLoraWeights = InitLoraWeights::Kaiming, parse(|k, v| match v {
             Value::Bool(true) => Ok(InitLoraWeights::Kaiming),
@@ -468,10 +468,10 @@ section! {
         reg_data_dir: Option<String> = None, Typed("a folder"), aka ["reg_data_dir"];
         /// kohya `flip_aug`: mirror images at random.
         #[serde(skip_serializing_if = "Option::is_none")]
-        flip_aug: Option<bool> = None, Typed("true or false"), aka ["flip_aug"];
+        flip_aug: Option<bool> = None, Typed(BOOLEAN), aka ["flip_aug"];
         /// kohya `random_crop`: crop at a random place instead of the centre.
         #[serde(skip_serializing_if = "Option::is_none")]
-        random_crop: Option<bool> = None, Typed("true or false"), aka ["random_crop"];
+        random_crop: Option<bool> = None, Typed(BOOLEAN), aka ["random_crop"];
         /// kohya `caption_dropout_rate`: probability of training a step on an empty caption.
         #[serde(skip_serializing_if = "Option::is_none")]
         caption_dropout_rate: Option<f64> = None, Typed("a probability in [0, 1]"),
@@ -494,9 +494,9 @@ section! {
         /// kohya `keep_tokens`.
         keep_tokens: Option<u32> = None, Typed("a non-negative integer"), aka ["keep_tokens"];
         /// kohya `shuffle_caption`.
-        shuffle_caption: Option<bool> = None, Typed("true or false"), aka ["shuffle_caption"];
+        shuffle_caption: Option<bool> = None, Typed(BOOLEAN), aka ["shuffle_caption"];
         /// kohya `enable_bucket`.
-        enable_bucket: Option<bool> = None, Typed("true or false"), aka ["enable_bucket"];
+        enable_bucket: Option<bool> = None, Typed(BOOLEAN), aka ["enable_bucket"];
         /// kohya `min_bucket_reso`.
         min_bucket_reso: Option<u32> = None, Typed("pixels"), aka ["min_bucket_reso"];
         /// kohya `max_bucket_reso`.
@@ -504,7 +504,7 @@ section! {
         /// kohya `bucket_reso_steps`.
         bucket_reso_steps: Option<u32> = None, Typed("pixels"), aka ["bucket_reso_steps"];
         /// kohya `cache_latents`.
-        cache_latents: Option<bool> = None, Typed("true or false"), aka ["cache_latents"];
+        cache_latents: Option<bool> = None, Typed(BOOLEAN), aka ["cache_latents"];
         /// What the image jobs do with images that cannot be used (an empty, cut-short or
         /// corrupt file, an unsupported format, an unreadable caption): `skip` them, each named
         /// in a warning (the default), or `stop` before training with every one listed (exit 2).
@@ -630,7 +630,7 @@ section! {
         /// Mixed precision (`no`, `bf16`, `fp16`, `full_bf16`; `use_fp16: true` → fp16).
         mixed_precision: Precision = Precision::default(), ByName, aka ["mixed_precision"];
         /// Recompute each block in the backward pass.
-        gradient_checkpointing: bool = false, Typed("true or false"),
+        gradient_checkpointing: bool = false, Typed(BOOLEAN),
             aka ["gradient_checkpointing"];
         /// Gradient clipping by global norm (default 1.0, as transformers and kohya; 0 = off).
         max_grad_norm: f64 = 1.0, Typed("a number >= 0 (0 = no clipping)"),
@@ -680,7 +680,7 @@ section! {
         /// Diffusion: LoRA on the text encoder too (its `q_proj`, `k_proj`, `v_proj`,
         /// `out_proj`); default false = UNet only (kohya `network_train_unet_only: true`),
         /// text-encoder outputs cached.
-        train_text_encoder: bool = false, Typed("true or false");
+        train_text_encoder: bool = false, Typed(BOOLEAN);
     }
 }
 
@@ -693,20 +693,20 @@ section! {
         /// `local:N` for this machine's card as it is now (its free memory from the driver).
         gpu: Option<String> = None, Typed("a GPU name such as \"RTX 3060\"");
         /// Apply lora-memory's `fit()` to the settings before starting.
-        auto_fit: bool = false, Typed("true or false");
+        auto_fit: bool = false, Typed(BOOLEAN);
         /// Start even when predicted not to fit.
-        force: bool = false, Typed("true or false");
+        force: bool = false, Typed(BOOLEAN);
         /// CPU runs: fix glibc's mmap threshold at 128 KiB so freed tensors leave the process
         /// and the resident memory follows the plan
         /// (`lora_core::sys::set_malloc_mmap_threshold`; default true). `false` keeps glibc's
         /// dynamic threshold, under which RSS measured ~40% above the live tensors on the
         /// README demo. Ignored when `MALLOC_MMAP_THRESHOLD_` is set.
-        cpu_return_freed: bool = true, Typed("true or false");
+        cpu_return_freed: bool = true, Typed(BOOLEAN);
         /// CPU runs: keep freed tensor blocks of 128 KiB or more for the next steps instead of
         /// handing them back (`TrainerConfig::cpu_cache`; default true). Bounded by the step's
         /// live peak, so RSS still follows the plan; `false` maps and faults every large block
         /// in afresh each step (measured: the benchmark step 40% slower).
-        cpu_cache: bool = true, Typed("true or false");
+        cpu_cache: bool = true, Typed(BOOLEAN);
     }
 }
 
@@ -719,10 +719,10 @@ section! {
         /// `<output_dir>/logs`).
         logging_dir: Option<String> = None, Typed("a folder"), aka ["logging_dir"];
         /// Show a progress bar (default true).
-        progress: bool = true, Typed("true or false");
+        progress: bool = true, Typed(BOOLEAN);
         /// Write TensorBoard event files (also on whenever kohya's `logging_dir` or `log_with`
         /// is written).
-        tensorboard: bool = false, Typed("true or false");
+        tensorboard: bool = false, Typed(BOOLEAN);
         /// kohya `log_with`: `tensorboard` (the only tracker here), `wandb` or `all` (both
         /// write TensorBoard files, with a warning that W&B is not available).
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -809,7 +809,7 @@ section! {
         ae: Option<String> = None, Typed("a path to the FLUX autoencoder"), aka ["ae"];
         /// Store the frozen transformer in float8 (e4m3fn), upcast per layer (kohya
         /// `fp8_base`, `fp8_base_unet`).
-        fp8_base: bool = false, Typed("true or false"), aka ["fp8_base", "fp8_base_unet"];
+        fp8_base: bool = false, Typed(BOOLEAN), aka ["fp8_base", "fp8_base_unet"];
         /// Transformer blocks kept in host memory and copied in for their forward and backward
         /// passes, counted as kohya does (`n / 2` double-stream, `2·(n − n / 2)` single-stream
         /// blocks; at most 35 for FLUX.1).
@@ -821,7 +821,7 @@ section! {
             aka ["t5xxl_max_token_length"],
             check |n| n.is_none_or(|n| (1..=512).contains(&n)) => "an integer from 1 to 512";
         /// Mask T5's padding tokens in the joint attention (kohya `apply_t5_attn_mask`).
-        apply_t5_attn_mask: bool = false, Typed("true or false"), aka ["apply_t5_attn_mask"];
+        apply_t5_attn_mask: bool = false, Typed(BOOLEAN), aka ["apply_t5_attn_mask"];
         /// How timesteps are drawn (kohya `timestep_sampling`).
         timestep_sampling: TimestepSampling = TimestepSampling::Sigma, Choice(TIMESTEP_SAMPLINGS),
             aka ["timestep_sampling"];
@@ -872,12 +872,12 @@ section! {
         num_workers: u32 = 0, Typed("a non-negative integer"),
             aka ["max_data_loader_n_workers"];
         /// Keep workers across epochs.
-        persistent_workers: bool = false, Typed("true or false"),
+        persistent_workers: bool = false, Typed(BOOLEAN),
             aka ["persistent_data_loader_workers"];
         /// Batches prefetched per worker (default 2, PyTorch's).
         prefetch_factor: u32 = 2, Typed("a positive integer");
         /// Shuffle each epoch (default true).
-        shuffle: bool = true, Typed("true or false");
+        shuffle: bool = true, Typed(BOOLEAN);
     }
 }
 
@@ -891,7 +891,7 @@ section! {
         /// accelerate `device_map`.
         device_map: Option<String> = None, Typed("a string such as \"auto\"");
         /// accelerate `low_cpu_mem_usage`.
-        low_cpu_mem_usage: Option<bool> = None, Typed("true or false");
+        low_cpu_mem_usage: Option<bool> = None, Typed(BOOLEAN);
         /// accelerate `max_memory`.
         max_memory: TaggerMaxMemory = TaggerMaxMemory::default(), Sub;
     }

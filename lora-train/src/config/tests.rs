@@ -57,6 +57,22 @@ fn unknown_key_gets_a_hint() {
 }
 
 #[test]
+fn booleans_read_the_yaml_words_and_the_error_names_them() {
+    for (word, want) in [("yes", true), ("Off", false), ("\"on\"", true), ("no", false)] {
+        let c = TrainConfig::from_yaml_str(&format!("memory:\n  cpu_cache: {word}\n"))
+            .unwrap_or_else(|e| panic!("{word}: {e}"));
+        assert_eq!(c.memory.cpu_cache, want, "{word}");
+    }
+    let e = TrainConfig::from_yaml_str("memory:\n  cpu_cache: 1\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("memory.cpu_cache") && e.contains("true or false") && e.contains("yes/no"),
+        "{e}"
+    );
+}
+
+#[test]
 fn choices_report_allowed_values() {
     let e = TrainConfig::from_yaml_str("train:\n  mixed_precision: fp8\n").unwrap_err();
     let msg = e.to_string();

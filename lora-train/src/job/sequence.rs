@@ -467,11 +467,11 @@ pub fn run<S: RunSteps>(
         ctx.say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
     }
     if !ctx.cuda {
-        match std::env::var("LORA_CPU_F32_GEMM").ok().as_deref() {
-            None | Some("onednn" | "mkl") => {}
-            Some(other) => ctx.say(&format!(
+        if let lora_core::sys::F32GemmRequest::Unknown(other) = lora_core::sys::cpu_f32_gemm_request()
+        {
+            ctx.say(&format!(
                 "warning: LORA_CPU_F32_GEMM={other:?} is not \"onednn\" or \"mkl\"; ignored (the CPU's default is used)"
-            )),
+            ));
         }
         ctx.say(if lora_core::sys::cpu_f32_gemm_by_onednn() {
             "f32 matrix products: oneDNN (LORA_CPU_F32_GEMM=mkl for MKL's sgemm)"
