@@ -737,6 +737,22 @@ fn no_target_error(sites: &[LinearSite], s: &Settings) -> Error {
     }
 }
 
+/// Bytes per value of what attention computes in and keeps (q, k, v, out, the additive mask):
+/// the compute dtype, except ours on the CPU, whose training forward computes bf16 attention
+/// in f32 (lora-models' llama `attention_kind`: libtorch's CPU kernel runs its bf16 backward at
+/// about half its f32 speed).
+fn attention_bytes(s: &Settings, c: &Ctx) -> f64 {
+    let f16 = matches!(
+        s.mixed_precision,
+        MixedPrecision::Fp16 | MixedPrecision::FullFp16
+    ) || (s.mixed_precision == MixedPrecision::No && s.base_dtype == BaseDtype::F16);
+    if s.profile.framework == Framework::Ours && !s.device.is_cuda() && !f16 {
+        4.0
+    } else {
+        c.e
+    }
+}
+
 /// Per-token saved bytes of one decoder layer, and its backward working set.
 struct LayerCost {
     saved: f64,
@@ -769,9 +785,11 @@ fn decoder_layer(
         saved += 4.0 * (q + kv);
     }
     // Attention (SDPA flash/efficient): q, k, v, out and logsumexp; HF `repeat_kv` expands
-    // GQA keys/values to all heads before the kernel.
-    let kv_saved = if p.repeat_kv { q } else { kv };
-    saved += c.e * (2.0 * q + 2.0 * kv_saved) + 4.0 * a;
+    // GQA keys/values to all heads before the kernel. Ours on the CPU hands the kernel grouped
+    // keys/values as they are, and runs bf16 attention in f32 (lora-models' llama attention).
+    let ours_cpu = p.framework == Framework::Ours && !s.device.is_cuda();
+    let kv_saved = if p.repeat_kv && !ours_cpu { q } else { kv };
+    saved += attention_bytes(s, c) * (2.0 * q + 2.0 * kv_saved) + 4.0 * a;
     let working_attn = if s.attention == Attention::Math {
         // eager: fp32 softmax output + its 16-bit cast (saved by the PV matmul); the backward
         // holds the fp32 gradients of the probabilities and of the scores.
@@ -1268,7 +1286,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             }
         ));
     }
-    // The additive attention mask `[b, 1, s, s]` in the compute dtype, built once per forward
+    // The additive attention mask `[b, 1, s, s]` in attention's dtype, built once per forward
     // and shared by every layer (kept through the backward as an input of each layer): this
     // SDK's model always builds it for packed rows (document boundaries; `Llama::mask`);
     // transformers builds it for eager attention, and for SDPA when a batch has padding
@@ -1277,7 +1295,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         || s.attention == Attention::Math
         || s.profile.variable_length
     {
-        c.e * f64::from(s.micro_batch) * seq * seq
+        attention_bytes(s, &c) * f64::from(s.micro_batch) * seq * seq
     } else {
         0.0
     };
@@ -2524,6 +2542,45 @@ mod tests {
         )
         .unwrap();
         assert_eq!(nf4.breakdown.framework_buffers.0, 0);
+    }
+
+    #[test]
+    fn ours_on_the_cpu_keeps_grouped_keys_and_f32_attention() {
+        let m = ModelDescriptor::preset("Llama-3.2-1B").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        let (q, kv) = (
+            (d.heads * d.head_dim) as f64,
+            (d.kv_heads * d.head_dim) as f64,
+        );
+        assert!(kv < q, "a GQA model");
+        // saved bytes per token of one layer with nothing adapted
+        let saved = |s: &Settings| decoder_layer(d, s, &ctx(s), &[], 1.0).saved;
+        let on_cpu = |s: &Settings| s.clone().with_device(Device::cpu());
+        for profile in [Profile::ours(), Profile::peft_transformers()] {
+            let ours = profile.framework == Framework::Ours;
+            // bf16 autocast over an fp32 base: CUDA keeps bf16 q, k, v (expanded to all heads)
+            // and out; ours on the CPU keeps them in f32 and k, v grouped
+            let bf16 = Settings::default()
+                .with_base_dtype(BaseDtype::F32)
+                .with_mixed_precision(MixedPrecision::Bf16)
+                .with_profile(profile.clone());
+            let want = if ours {
+                4.0 * (2.0 * q + 2.0 * kv) - 2.0 * 4.0 * q
+            } else {
+                0.0
+            };
+            assert_eq!(saved(&on_cpu(&bf16)) - saved(&bf16), want);
+            // fp32: only the grouping differs
+            let f32s = bf16.clone().with_mixed_precision(MixedPrecision::No);
+            let want = if ours { 8.0 * (kv - q) } else { 0.0 };
+            assert_eq!(saved(&on_cpu(&f32s)) - saved(&f32s), want);
+            // fp16 on the CPU stays 16-bit
+            let f16 = f32s.clone().with_base_dtype(BaseDtype::F16);
+            let want = if ours { 2.0 * 2.0 * (kv - q) } else { 0.0 };
+            assert_eq!(saved(&on_cpu(&f16)) - saved(&f16), want);
+        }
     }
 
     #[test]

@@ -466,7 +466,9 @@ pub struct Profile {
     /// Batches are padded per batch to varying lengths (unpacked datasets): the caching allocator
     /// cannot reuse blocks across shapes, see [`crate::estimate::ALLOCATOR_FRAGMENTATION_VARIABLE`].
     pub variable_length: bool,
-    /// GQA keys/values are expanded to all heads before attention (HF `repeat_kv`).
+    /// GQA keys/values are expanded to all heads before attention (HF `repeat_kv`). Our
+    /// trainer ([`Framework::Ours`]) does so on CUDA only: on the CPU its attention reads them
+    /// grouped, and computes bf16 attention in f32.
     pub repeat_kv: bool,
     /// transformers before 4.45 and torchtune's 2024 recipes: the model returns fp32 logits
     /// (`.float()`) and the loss makes a shifted contiguous copy

@@ -175,9 +175,13 @@ impl Attention {
             }
             c.kv = Some((k.shallow_clone(), v.shallow_clone()));
         }
+        let dev = q.device();
         let rep = self.n_head / self.n_kv;
+        // On the CPU the kernel reads grouped keys/values as they are (`enable_gqa`): no
+        // expanded copy, none saved for the backward, no sum of the expanded gradients.
+        let native_gqa = rep > 1 && dev == Device::Cpu;
         let repeat = |t: &Tensor| -> Result<Tensor> {
-            if rep == 1 {
+            if rep == 1 || native_gqa {
                 return Ok(t.shallow_clone());
             }
             let sz = t.size();
@@ -187,15 +191,40 @@ impl Attention {
                 .f_reshape([sz[0], sz[1] * rep, sz[2], sz[3]])?)
         };
         let (k, v) = (repeat(&k)?, repeat(&v)?);
+        // what SDPA would return: the autocast dtype under autocast, else the query's
+        let autocast = lora_core::sys::autocast_state(dev)?;
+        let out_kind = match (autocast.enabled, autocast.dtype) {
+            (true, Some(k)) => k,
+            _ => q.kind(),
+        };
+        // bf16 on the CPU (autocast or a bf16 model): attention runs in f32 outside autocast
+        // (see [`attention_kind`]), its output rounded to bf16 as the bf16 kernel's would be.
+        let widen = attention_kind(dev, q.kind(), train)? == Kind::Float && out_kind != Kind::Float;
+        let _f32_attention = if widen {
+            Some(lora_core::sys::AutocastGuard::with_enabled(
+                dev,
+                Kind::BFloat16,
+                false,
+            )?)
+        } else {
+            None
+        };
+        let (q, k, v) = if widen {
+            (
+                q.f_to_kind(Kind::Float)?,
+                k.f_to_kind(Kind::Float)?,
+                v.f_to_kind(Kind::Float)?,
+            )
+        } else {
+            (q, k, v)
+        };
         // SDPA wants a float mask in the dtype it computes in: under autocast (which lists SDPA)
         // the autocast dtype, the mask's already, so autocast leaves it as it is; otherwise the
-        // query's. The model builds it in that dtype, so this cast (a copy per layer, kept for
-        // the backward) only happens if they differ.
+        // query's. The model builds it in that dtype ([`attention_kind`]), so this cast (a copy
+        // per layer, kept for the backward) only happens if they differ.
         let cast;
         let mask = match mask {
-            Some(m)
-                if m.kind() != q.kind() && !lora_core::sys::autocast_state(q.device())?.enabled =>
-            {
+            Some(m) if m.kind() != q.kind() && !lora_core::sys::autocast_state(dev)?.enabled => {
                 cast = m.f_to_kind(q.kind())?;
                 Some(&cast)
             }
@@ -209,13 +238,41 @@ impl Attention {
             0.0,
             mask.is_none(),
             None,
-            false,
+            native_gqa,
         )?;
         let y = y
             .f_transpose(1, 2)?
             .f_reshape([b, s, self.n_head * self.head_dim])?;
+        let y = if widen { y.f_to_kind(out_kind)? } else { y };
+        drop(_f32_attention);
         Ok(self.o_proj.forward_t(&y, train)?)
     }
+}
+
+/// The dtype attention computes in for activations of `kind` on `device`: the autocast dtype
+/// when autocast is on, else `kind` — except a training forward (`train`) in bf16 on the CPU,
+/// which runs in f32: libtorch's CPU flash attention took 1.9× as long for its bf16 backward
+/// as for its f32 one (`[2, 9, 128, 64]` causal, 2 threads, AVX-512 EPYC: 5.8 against 3.1 ms),
+/// while the bf16 forward alone is as fast (1.2 against 1.3 ms), so inference stays in bf16.
+/// The f32 result is at least as exact; what follows reads it rounded to bf16, as the bf16
+/// kernel would have returned it. Both passes of activation checkpointing are training
+/// forwards, so they compute the same values.
+///
+/// # Errors
+/// [`crate::Error`] when the autocast state cannot be read.
+fn attention_kind(device: Device, kind: Kind, train: bool) -> Result<Kind> {
+    let autocast = lora_core::sys::autocast_state(device)?;
+    let kind = match (autocast.enabled, autocast.dtype) {
+        (true, Some(k)) => k,
+        _ => kind,
+    };
+    Ok(
+        if train && device == Device::Cpu && kind == Kind::BFloat16 {
+            Kind::Float
+        } else {
+            kind
+        },
+    )
 }
 
 #[derive(Debug)]
@@ -916,8 +973,8 @@ impl Llama {
         Ok((cos, sin))
     }
 
-    /// Additive attention mask `[b, 1, s, past + s]` (0 = attend, −∞ = masked) in the compute
-    /// dtype (the autocast dtype when autocast is on, else the model's): causal, padding (keys
+    /// Additive attention mask `[b, 1, s, past + s]` (0 = attend, −∞ = masked) in the dtype
+    /// attention computes in ([`attention_kind`]; `train` as the layers get it): causal, padding (keys
     /// whose `attn_mask` is 0), documents (keys of another document, for packed rows), and always
     /// the diagonal so that no row is empty (a padded query attends to itself only; its output
     /// is never used, and this keeps it finite). `None` when that mask would be the plain causal
@@ -934,6 +991,7 @@ impl Llama {
         past: i64,
         attn_mask: Option<&Tensor>,
         doc: Option<&Tensor>,
+        train: bool,
     ) -> Result<Option<Tensor>> {
         let dev = self.device;
         let t = past + s;
@@ -979,11 +1037,7 @@ impl Llama {
         let diag = k.f_eq_tensor(&q)?.f_view([1, 1, s, t])?;
         let blocked = m.f_logical_or(&diag)?.f_logical_not()?;
         drop(m);
-        let autocast = lora_core::sys::autocast_state(dev)?;
-        let kind = match (autocast.enabled, autocast.dtype) {
-            (true, Some(k)) => k,
-            _ => self.kind,
-        };
+        let kind = attention_kind(dev, self.kind, train)?;
         Ok(Some(
             Tensor::f_zeros(blocked.size(), (kind, dev))?
                 .f_masked_fill(&blocked, f64::NEG_INFINITY)?,
@@ -1016,6 +1070,7 @@ impl Llama {
         ids: &Tensor,
         attn_mask: Option<&Tensor>,
         pos_ids: Option<&Tensor>,
+        train: bool,
     ) -> Result<Prepared> {
         let (b, s) = self.check_ids(ids)?;
         let (pos, doc) = match pos_ids {
@@ -1048,7 +1103,7 @@ impl Llama {
             }
         };
         let (cos, sin) = self.rope(&pos)?;
-        let mask = self.mask(b, s, 0, attn_mask, doc.as_ref())?;
+        let mask = self.mask(b, s, 0, attn_mask, doc.as_ref(), train)?;
         Ok(Prepared {
             x0: self.embed(ids)?,
             cos,
@@ -1080,7 +1135,7 @@ impl Llama {
         pos_ids: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor> {
-        let p = self.prepare(ids, attn_mask, pos_ids)?;
+        let p = self.prepare(ids, attn_mask, pos_ids, train)?;
         let mut x = p.x0;
         for l in &self.layers {
             x = l.forward(&x, &p.cos, &p.sin, p.mask.as_ref(), None, train)?;
@@ -1139,7 +1194,7 @@ impl Llama {
             .f_view([1, s])?
             .f_expand([b, s], false)?;
         let (cos, sin) = self.rope(&pos)?;
-        let mask = self.mask(b, s, past, None, None)?;
+        let mask = self.mask(b, s, past, None, None, false)?;
         let mut x = self.embed(ids)?;
         for (l, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = l.forward(&x, &cos, &sin, mask.as_ref(), Some(c), false)?;
@@ -1413,7 +1468,7 @@ impl Llama {
             loss.f_mul_scalar(loss_scale)?.f_backward()?;
             return Ok(loss.f_detach()?);
         }
-        let p = self.prepare(ids, attn_mask, pos_ids)?;
+        let p = self.prepare(ids, attn_mask, pos_ids, train)?;
         let seg = |i: usize, x: &Tensor| {
             self.layers[i].forward(x, &p.cos, &p.sin, p.mask.as_ref(), None, train)
         };

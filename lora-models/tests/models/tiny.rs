@@ -697,3 +697,77 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
         assert!((l_bf16 - l_fused).abs() > 0.0, "autocast changed nothing");
     }
 }
+
+/// bf16 on the CPU: a training forward computes attention in f32 (libtorch's CPU kernel runs
+/// its bf16 backward at about half its f32 speed), an inference forward in bf16. Both stay
+/// within bf16 precision of the f32 loss; they differ from each other (the two paths are both
+/// taken); padded and packed rows (a mask, built in the attention's dtype) work on both; and
+/// activation checkpointing, whose two passes are training forwards, gives the plain gradients.
+#[test]
+fn bf16_training_attention_runs_in_f32_on_the_cpu() {
+    let _g = crate::rng_lock();
+    let c = tiny_config("llama");
+    let mut m =
+        Llama::from_tensors(c.clone(), &random_weights(&c, 4), Kind::Float, Device::Cpu).unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cfg = LoraConfig::new(4, 8.0, &["q_proj", "k_proj", "v_proj", "o_proj"]);
+    inject(&mut m, &cfg, "default", &vs.root()).unwrap();
+    perturb(&vs, 0.05);
+    let (x, labels) = ids_and_masked_labels(2, 12, 64);
+    let padding = Tensor::ones([2, 12], (Kind::Int64, Device::Cpu));
+    let _ = padding.get(1).narrow(0, 0, 3).fill_(0);
+    // two documents per row: positions restart at 0 after 5 tokens
+    let packed = Tensor::cat(
+        &[
+            Tensor::arange(5, (Kind::Int64, Device::Cpu)),
+            Tensor::arange(7, (Kind::Int64, Device::Cpu)),
+        ],
+        0,
+    )
+    .view([1, 12])
+    .expand([2, 12], false);
+    for (what, am, pos) in [
+        ("causal", None, None),
+        ("padded", Some(&padding), None),
+        ("packed", None, Some(&packed)),
+    ] {
+        let loss = |train: bool| {
+            tch::no_grad(|| m.loss(&x, &labels, am, pos, train).unwrap()).double_value(&[])
+        };
+        let f32_loss = loss(true);
+        assert!((f32_loss - loss(false)).abs() < 1e-6, "{what}");
+        let (train, eval) = {
+            let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+            (loss(true), loss(false))
+        };
+        for (name, l) in [("training", train), ("inference", eval)] {
+            assert!(
+                (l - f32_loss).abs() < 2e-2 * f32_loss,
+                "{what}: bf16 {name} loss {l} vs f32 {f32_loss}"
+            );
+        }
+        assert!(
+            train != eval,
+            "{what}: both forwards took the same path ({train})"
+        );
+    }
+
+    let run = |checkpointing: bool, m: &mut Llama| {
+        m.set_gradient_checkpointing(checkpointing);
+        zero_grads(&vs);
+        let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+        let loss = m
+            .loss_backward(&x, &labels, Some(&padding), None, true, 1.0)
+            .unwrap();
+        (loss.double_value(&[]), grads(&vs))
+    };
+    let (l_plain, g_plain) = run(false, &mut m);
+    let (l_ck, g_ck) = run(true, &mut m);
+    assert!((l_plain - l_ck).abs() < 1e-6, "{l_plain} vs {l_ck}");
+    for ((name, a), (_, b)) in g_plain.iter().zip(&g_ck) {
+        let scale = a.abs().max().double_value(&[]);
+        assert!(scale > 0.0, "{name} got no gradient");
+        let d = max_diff(a, b);
+        assert!(d <= 1e-5 * scale, "{name}: {d} (scale {scale})");
+    }
+}

@@ -31,8 +31,8 @@ mod kohya;
 pub use kohya::{ConfigWarning, ConfigWarnings};
 
 use keys::{
-    BOOLEAN, ByName, Choice, Doc, KeySpec, Listed, Mapping, Named, Reader, Section, Spellings, Sub, Typed,
-    invalid, parse, parse_toml, parse_yaml, render, section, some, typed,
+    BOOLEAN, ByName, Choice, Doc, KeySpec, Listed, Mapping, Named, Reader, Section, Spellings, Sub,
+    Typed, invalid, parse, parse_toml, parse_yaml, render, section, some, typed,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};

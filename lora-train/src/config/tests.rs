@@ -58,7 +58,12 @@ fn unknown_key_gets_a_hint() {
 
 #[test]
 fn booleans_read_the_yaml_words_and_the_error_names_them() {
-    for (word, want) in [("yes", true), ("Off", false), ("\"on\"", true), ("no", false)] {
+    for (word, want) in [
+        ("yes", true),
+        ("Off", false),
+        ("\"on\"", true),
+        ("no", false),
+    ] {
         let c = TrainConfig::from_yaml_str(&format!("memory:\n  cpu_cache: {word}\n"))
             .unwrap_or_else(|e| panic!("{word}: {e}"));
         assert_eq!(c.memory.cpu_cache, want, "{word}");

@@ -467,7 +467,8 @@ pub fn run<S: RunSteps>(
         ctx.say("CPU allocator: blocks ≥ 128 KiB are returned to the OS when freed");
     }
     if !ctx.cuda {
-        if let lora_core::sys::F32GemmRequest::Unknown(other) = lora_core::sys::cpu_f32_gemm_request()
+        if let lora_core::sys::F32GemmRequest::Unknown(other) =
+            lora_core::sys::cpu_f32_gemm_request()
         {
             ctx.say(&format!(
                 "warning: LORA_CPU_F32_GEMM={other:?} is not \"onednn\" or \"mkl\"; ignored (the CPU's default is used)"

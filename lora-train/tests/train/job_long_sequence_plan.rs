@@ -39,8 +39,9 @@ system: {{ seed: 5, device: cpu, num_threads: 2 }}
     let cfg = TrainConfig::from_yaml_str(&yaml).unwrap();
     let s = run(cfg, &RunOptions::default()).unwrap();
     let e = &s.plan.estimate;
-    // the mask term: one bf16 [1, 1, 2048, 2048] tensor, inside the activations
-    assert!(e.breakdown.activations.0 > 2 * 2048 * 2048);
+    // the mask term: one [1, 1, 2048, 2048] tensor in attention's dtype (f32: a bf16 training
+    // forward on the CPU computes attention in f32), inside the activations
+    assert!(e.breakdown.activations.0 > 4 * 2048 * 2048);
     let predicted = e.peak_allocated.as_f64();
     let measured = s.memory.tensor_peak as f64;
     assert!(measured > 0.0, "no tensor peak measured");
@@ -52,6 +53,7 @@ system: {{ seed: 5, device: cpu, num_threads: 2 }}
         100.0 * err
     );
     // +1.5% when written (2.32 GB measured); +1.4% (2.19 GB) since q/k/v's LoRA A products share
-    // one bf16 cast of their input; a mask copy per layer measured −8.1%.
+    // one bf16 cast of their input; +2.6% (2.27 GB) since attention keeps grouped keys/values
+    // and computes in f32 on the CPU; a mask copy per layer measured −8.1%.
     assert!((-0.03..=0.06).contains(&err), "{:+.1}%", 100.0 * err);
 }
