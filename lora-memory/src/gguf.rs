@@ -19,6 +19,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::{DecoderDescriptor, ModelDescriptor};
+use crate::settings::BaseDtype;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -168,6 +169,29 @@ pub enum GgmlType {
     BF16,
     /// Any other id; its size is unknown to this reader.
     Other(u32),
+}
+
+// The mapping lives beside the GGUF types it reads, so that `settings` needs nothing of this
+// module.
+impl BaseDtype {
+    /// The storage type of a GGUF tensor type, for the types the estimator describes (`None` for
+    /// the others: Q2_K, Q3_K, Q8_1, Q8_K, integers).
+    pub fn from_ggml(t: GgmlType) -> Option<BaseDtype> {
+        match t {
+            GgmlType::F32 => Some(BaseDtype::F32),
+            GgmlType::F16 => Some(BaseDtype::F16),
+            GgmlType::BF16 => Some(BaseDtype::Bf16),
+            GgmlType::Q8_0 => Some(BaseDtype::Q8_0),
+            GgmlType::Q4_0 => Some(BaseDtype::Q4_0),
+            GgmlType::Q4_1 => Some(BaseDtype::Q4_1),
+            GgmlType::Q5_0 => Some(BaseDtype::Q5_0),
+            GgmlType::Q5_1 => Some(BaseDtype::Q5_1),
+            GgmlType::Q4K => Some(BaseDtype::Q4K),
+            GgmlType::Q5K => Some(BaseDtype::Q5K),
+            GgmlType::Q6K => Some(BaseDtype::Q6K),
+            _ => None,
+        }
+    }
 }
 
 impl GgmlType {
@@ -705,12 +729,10 @@ pub(crate) fn descriptor_from_gguf(path: &Path) -> Result<ModelDescriptor> {
         let stored = h
             .tensors
             .iter()
-            .map(
-                |t| match crate::settings::BaseDtype::from_ggml(t.ggml_type) {
-                    Some(d) => Some((t.numel() as f64 * d.bytes_per_param()).ceil() as u64),
-                    None => t.stored_bytes(),
-                },
-            )
+            .map(|t| match BaseDtype::from_ggml(t.ggml_type) {
+                Some(d) => Some((t.numel() as f64 * d.bytes_per_param()).ceil() as u64),
+                None => t.stored_bytes(),
+            })
             .sum::<Option<u64>>();
         let it = shapes.iter().map(|(k, s)| (*k, s.as_slice()));
         if let Some(d) = crate::flux::FluxDescriptor::from_tensor_names(path, it, params, stored)? {
@@ -886,6 +908,24 @@ pub fn write_test_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gguf_types_in_memory_follow_the_block_sizes() {
+        // the GGUF types' in-memory sizes follow the file's block sizes (ggml type traits), the
+        // k-quants' 12 packed scale bytes held as 16
+        for (t, extra) in [
+            (GgmlType::Q5_0, 0.0),
+            (GgmlType::Q5_1, 0.0),
+            (GgmlType::Q4K, 4.0),
+            (GgmlType::Q5K, 4.0),
+            (GgmlType::Q6K, 0.0),
+        ] {
+            let (w, b) = t.block_layout().unwrap();
+            let d = BaseDtype::from_ggml(t).unwrap();
+            assert_eq!(d.bytes_per_param(), (b as f64 + extra) / w as f64, "{t:?}");
+            assert!(d.is_quantized());
+        }
+    }
 
     fn tiny(path: &Path) {
         let tensors = vec![

@@ -96,26 +96,6 @@ impl BaseDtype {
         }
     }
 
-    /// The storage type of a GGUF tensor type, for the types the estimator describes (`None` for
-    /// the others: Q2_K, Q3_K, Q8_1, Q8_K, integers).
-    pub fn from_ggml(t: crate::gguf::GgmlType) -> Option<BaseDtype> {
-        use crate::gguf::GgmlType;
-        match t {
-            GgmlType::F32 => Some(BaseDtype::F32),
-            GgmlType::F16 => Some(BaseDtype::F16),
-            GgmlType::BF16 => Some(BaseDtype::Bf16),
-            GgmlType::Q8_0 => Some(BaseDtype::Q8_0),
-            GgmlType::Q4_0 => Some(BaseDtype::Q4_0),
-            GgmlType::Q4_1 => Some(BaseDtype::Q4_1),
-            GgmlType::Q5_0 => Some(BaseDtype::Q5_0),
-            GgmlType::Q5_1 => Some(BaseDtype::Q5_1),
-            GgmlType::Q4K => Some(BaseDtype::Q4K),
-            GgmlType::Q5K => Some(BaseDtype::Q5K),
-            GgmlType::Q6K => Some(BaseDtype::Q6K),
-            _ => None,
-        }
-    }
-
     /// True for the quantized storage types (the block formats and fp8).
     pub fn is_quantized(self) -> bool {
         !matches!(self, BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16)
@@ -866,21 +846,6 @@ mod tests {
         assert!((BaseDtype::Nf4 { double_quant: true }.bytes_per_param() - 0.516).abs() < 1e-3);
         assert_eq!(BaseDtype::Q4_1.bytes_per_param(), 0.625);
         assert_eq!(BaseDtype::Q8_0.bytes_per_param(), 1.0625);
-        // the GGUF types' in-memory sizes follow the file's block sizes (ggml type traits), the
-        // k-quants' 12 packed scale bytes held as 16
-        use crate::gguf::GgmlType;
-        for (t, extra) in [
-            (GgmlType::Q5_0, 0.0),
-            (GgmlType::Q5_1, 0.0),
-            (GgmlType::Q4K, 4.0),
-            (GgmlType::Q5K, 4.0),
-            (GgmlType::Q6K, 0.0),
-        ] {
-            let (w, b) = t.block_layout().unwrap();
-            let d = BaseDtype::from_ggml(t).unwrap();
-            assert_eq!(d.bytes_per_param(), (b as f64 + extra) / w as f64, "{t:?}");
-            assert!(d.is_quantized());
-        }
         assert_eq!(BaseDtype::Fp8.bytes_per_param(), 1.0);
         assert_eq!(BaseDtype::Q4K.name(), "Q4_K");
     }

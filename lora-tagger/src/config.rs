@@ -24,6 +24,7 @@
 //! assert!(err.contains("did you mean `image.general_threshold`"), "{err}");
 //! ```
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -371,7 +372,7 @@ pub struct VlmSettings {
     /// Requests in flight at once (default 4).
     pub concurrency: Option<usize>,
     /// `tags`, `short` (default) or `detailed`.
-    pub preset: Option<crate::llm::vlm::VlmPreset>,
+    pub preset: Option<VlmPreset>,
     /// An instruction replacing the preset's.
     pub prompt: Option<String>,
     /// `max_tokens` per request (default by preset: 96 / 64 / 300).
@@ -801,6 +802,97 @@ fn suggest(path: &str) -> Option<String> {
     }
     let (d, k) = best?;
     (d <= (last.len() / 3).max(2)).then(|| k.to_string())
+}
+
+/// What to ask the model for (`vlm.preset`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum VlmPreset {
+    /// Booru-style tags (`1girl, red scarf, outdoors`), post-processed like any tagger's.
+    Tags,
+    /// One sentence naming the subject and the setting (the default).
+    #[default]
+    Short,
+    /// A paragraph: subject, appearance, action, setting, lighting, style and composition.
+    Detailed,
+}
+
+impl VlmPreset {
+    /// Every preset with its config name.
+    pub const ALL: [(VlmPreset, &'static str); 3] = [
+        (VlmPreset::Tags, "tags"),
+        (VlmPreset::Short, "short"),
+        (VlmPreset::Detailed, "detailed"),
+    ];
+
+    /// The config name (`tags`, `short`, `detailed`).
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(p, _)| *p == self)
+            .map_or("short", |(_, n)| n)
+    }
+
+    /// Parses a config name.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `vlm.preset` and the names that exist.
+    pub fn parse(name: &str) -> Result<Self> {
+        let n = name.trim().to_ascii_lowercase();
+        Self::ALL
+            .iter()
+            .find(|(_, s)| *s == n)
+            .map(|(p, _)| *p)
+            .ok_or_else(|| Error::Config {
+                key: "vlm.preset".into(),
+                value: format!("{name:?}"),
+                hint: "use \"tags\" (booru tags), \"short\" (a one-sentence caption) or \
+                       \"detailed\" (a paragraph)"
+                    .into(),
+            })
+    }
+
+    /// The instruction sent with each image.
+    pub fn instruction(self) -> &'static str {
+        match self {
+            VlmPreset::Tags => {
+                "Tag this image for a training dataset. Reply with booru-style tags only: short \
+                 lowercase tags of one to three words, separated by commas, most important first \
+                 (the subject, then details, colors, setting and style). No sentences."
+            }
+            VlmPreset::Short => {
+                "Write a caption for this image for a training dataset: one plain sentence that \
+                 names the main subject and the setting. Reply with the caption only."
+            }
+            VlmPreset::Detailed => {
+                "Describe this image for a training dataset in one paragraph of three to five \
+                 sentences: the main subject and its appearance, what it is doing, the setting, \
+                 the lighting and colors, and the style and composition. Describe only what is \
+                 visible. Reply with the description only."
+            }
+        }
+    }
+
+    /// `max_tokens` when the config sets none: 96 for tags, 64 for a short caption, 300 for a
+    /// detailed one (a 5-sentence paragraph is ~120–200 tokens in the Llama-3/Qwen2 tokenizers).
+    pub fn default_max_tokens(self) -> usize {
+        match self {
+            VlmPreset::Tags => 96,
+            VlmPreset::Short => 64,
+            VlmPreset::Detailed => 300,
+        }
+    }
+
+    /// Whether replies are tags (post-processed) rather than free text.
+    pub fn is_tags(self) -> bool {
+        self == VlmPreset::Tags
+    }
+}
+
+impl fmt::Display for VlmPreset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 #[cfg(test)]
