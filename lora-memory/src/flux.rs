@@ -45,9 +45,8 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::model::{LinearSite, TextEncoderDescriptor};
+use crate::parts::{LinearSite, TextEncoderDescriptor};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 
 /// Which FLUX.1 model: dev (guidance-distilled, a guidance embedder, 512 T5 tokens) or schnell
 /// (timestep-distilled, no guidance embedder, 256 T5 tokens).
@@ -152,7 +151,7 @@ impl FluxDescriptor {
             vae_params: 83_819_683,
             latent_channels: 16,
             vae_scale: 8,
-            vae_block_out_channels: crate::model::SD_VAE_CHANNELS.to_vec(),
+            vae_block_out_channels: crate::parts::SD_VAE_CHANNELS.to_vec(),
             vae_layers_per_block: 2,
         };
         d.transformer_params = d.computed_transformer_params();
@@ -271,35 +270,10 @@ impl FluxDescriptor {
         }
     }
 
-    /// This descriptor with the text encoders and autoencoder of the diffusers FLUX folder
-    /// `dir` (`text_encoder/`, `text_encoder_2/`, `vae/`: their configs and safetensors
-    /// headers) in place of FLUX.1's, for each component the folder holds.
-    ///
-    /// # Errors
-    /// I/O, JSON and safetensors-header errors naming the file; a config missing a size key.
-    pub fn with_diffusers_components(mut self, dir: &Path) -> Result<Self> {
-        for name in ["text_encoder", "text_encoder_2"] {
-            if let Some(te) = crate::sd_header::text_encoder(dir, name)? {
-                match self.text_encoders.iter_mut().find(|t| t.name == name) {
-                    Some(t) => *t = te,
-                    None => self.text_encoders.push(te),
-                }
-            }
-        }
-        if let Some((params, latent, scale)) = crate::sd_header::vae(dir)? {
-            self.vae_params = params;
-            self.latent_channels = latent;
-            self.vae_scale = scale;
-            (self.vae_block_out_channels, self.vae_layers_per_block) =
-                crate::sd_header::vae_decoder(dir)?;
-        }
-        Ok(self)
-    }
-
     /// The autoencoder decoder's shape: `block_out_channels` (deepest last) and ResNets per
     /// decoder level (`layers_per_block + 1`); FLUX.1's when the descriptor does not say.
     pub fn vae_decoder_shape(&self) -> (Vec<u64>, u64) {
-        crate::model::decoder_shape(&self.vae_block_out_channels, self.vae_layers_per_block)
+        crate::parts::decoder_shape(&self.vae_block_out_channels, self.vae_layers_per_block)
     }
 
     /// All LoRA-targetable linear sites (diffusers names, component `"transformer"`, then the

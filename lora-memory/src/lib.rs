@@ -39,6 +39,7 @@ pub mod gguf;
 pub mod host;
 pub mod inference;
 pub mod model;
+mod parts;
 pub mod safetensors_header;
 pub mod sd_header;
 pub mod settings;

@@ -8,6 +8,9 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+pub(crate) use crate::parts::decoder_shape;
+pub use crate::parts::{LinearSite, SD_VAE_CHANNELS, TextEncoderDescriptor};
+
 /// A model the estimator knows how to reason about.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -256,55 +259,6 @@ impl DecoderBuilder {
     }
 }
 
-/// One kind of LoRA-targetable layer, repeated `count` times in the model.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LinearSite {
-    /// Module path relative to its block, HF / diffusers naming (`self_attn.q_proj`,
-    /// `attn2.to_k`, `resnets.conv1`, `lm_head`).
-    pub name: String,
-    /// Which sub-model holds it: `"decoder"`, `"unet"`, `"text_encoder"`, `"text_encoder_2"`.
-    pub component: String,
-    /// Input features (conv: input channels).
-    pub in_features: u64,
-    /// Output features (conv: output channels).
-    pub out_features: u64,
-    /// Kernel area `k·k` (1 for linear layers).
-    pub kernel_area: u64,
-    /// How many such layers the model holds.
-    pub count: u64,
-    /// A convolution (targeted only by conv LoRA / LoCon).
-    pub conv: bool,
-}
-
-impl LinearSite {
-    /// Weight parameters of one such layer: `in · out · k²`.
-    pub fn weight_params(&self) -> u64 {
-        self.in_features
-            .saturating_mul(self.out_features)
-            .saturating_mul(self.kernel_area)
-    }
-
-    /// LoRA parameters of one such layer at rank `r`: `r · (in · k² + out)`
-    /// (lora_A / lora_down `[r, in, k, k]`, lora_B / lora_up `[out, r, 1, 1]`; LoRA,
-    /// arXiv:2106.09685; kohya LoCon for convs).
-    pub fn lora_params(&self, rank: u64) -> u64 {
-        rank.saturating_mul(
-            self.in_features
-                .saturating_mul(self.kernel_area)
-                .saturating_add(self.out_features),
-        )
-    }
-
-    /// PEFT-style target matching: a target equals the site name or the site name ends with
-    /// `"." + target`; `"all-linear"` matches every non-conv site except `lm_head`.
-    pub fn matches(&self, target: &str) -> bool {
-        if target == "all-linear" {
-            return !self.conv && self.name != "lm_head";
-        }
-        self.name == target || self.name.ends_with(&format!(".{target}"))
-    }
-}
-
 impl DecoderDescriptor {
     /// A builder with the given display name; set the shapes, then [`DecoderBuilder::build`].
     pub fn builder(name: &str) -> DecoderBuilder {
@@ -467,25 +421,6 @@ pub struct UnetLevel {
     pub transformer_depth: u64,
     /// Attention heads.
     pub heads: u64,
-}
-
-/// A text encoder (CLIP-style transformer).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TextEncoderDescriptor {
-    /// `text_encoder` or `text_encoder_2`.
-    pub name: String,
-    /// Parameter count.
-    pub params: u64,
-    /// Width.
-    pub hidden: u64,
-    /// MLP width.
-    pub intermediate: u64,
-    /// Layers.
-    pub layers: u64,
-    /// Heads.
-    pub heads: u64,
-    /// Context length (77 for CLIP).
-    pub max_tokens: u64,
 }
 
 /// A Stable Diffusion model: UNet, text encoder(s), VAE.
@@ -680,32 +615,12 @@ fn clip_l() -> TextEncoderDescriptor {
     }
 }
 
-/// `block_out_channels` of the VAE of SD 1.x, SD 2.x and SDXL (diffusers `AutoencoderKL`
-/// config of runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-xl-base-1.0).
-pub const SD_VAE_CHANNELS: [u64; 4] = [128, 256, 512, 512];
-
 impl DiffusionDescriptor {
     /// The VAE decoder's shape: `block_out_channels` (deepest last) and ResNets per decoder
     /// level (`layers_per_block + 1`); SD's VAE when the descriptor does not say.
     pub fn vae_decoder_shape(&self) -> (Vec<u64>, u64) {
         decoder_shape(&self.vae_block_out_channels, self.vae_layers_per_block)
     }
-}
-
-/// `(block_out_channels, layers_per_block + 1)` of an `AutoencoderKL` config, SD's (and FLUX.1's)
-/// `[128, 256, 512, 512]` and 2 for what is not given (empty, 0).
-pub(crate) fn decoder_shape(channels: &[u64], layers_per_block: u64) -> (Vec<u64>, u64) {
-    let ch = if channels.is_empty() {
-        SD_VAE_CHANNELS.to_vec()
-    } else {
-        channels.to_vec()
-    };
-    let layers = if layers_per_block == 0 {
-        2
-    } else {
-        layers_per_block
-    };
-    (ch, layers + 1)
 }
 
 fn sd15() -> DiffusionDescriptor {

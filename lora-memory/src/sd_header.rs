@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::flux::FluxDescriptor;
 use crate::model::{DiffusionDescriptor, DiffusionFamily, TextEncoderDescriptor, UnetLevel};
 use crate::safetensors_header::read_header;
 
@@ -318,6 +319,34 @@ pub(crate) fn vae_decoder(dir: &Path) -> Result<(Vec<u64>, u64)> {
         .and_then(|x| x.as_u64())
         .unwrap_or(0);
     Ok((channels, layers))
+}
+
+// Reading a diffusers FLUX folder's components is header reading: it lives here, so that
+// `flux` needs nothing of this module.
+impl FluxDescriptor {
+    /// This descriptor with the text encoders and autoencoder of the diffusers FLUX folder
+    /// `dir` (`text_encoder/`, `text_encoder_2/`, `vae/`: their configs and safetensors
+    /// headers) in place of FLUX.1's, for each component the folder holds.
+    ///
+    /// # Errors
+    /// I/O, JSON and safetensors-header errors naming the file; a config missing a size key.
+    pub fn with_diffusers_components(mut self, dir: &Path) -> Result<Self> {
+        for name in ["text_encoder", "text_encoder_2"] {
+            if let Some(te) = text_encoder(dir, name)? {
+                match self.text_encoders.iter_mut().find(|t| t.name == name) {
+                    Some(t) => *t = te,
+                    None => self.text_encoders.push(te),
+                }
+            }
+        }
+        if let Some((params, latent, scale)) = vae(dir)? {
+            self.vae_params = params;
+            self.latent_channels = latent;
+            self.vae_scale = scale;
+            (self.vae_block_out_channels, self.vae_layers_per_block) = vae_decoder(dir)?;
+        }
+        Ok(self)
+    }
 }
 
 #[cfg(test)]
