@@ -133,10 +133,12 @@ fn cpu_estimates_predict_process_rss_and_the_step_delta() {
     assert!(table.contains("CPU runtime"), "{table}");
     assert!(table.contains("process peak RSS"), "{table}");
     assert!(!table.contains("CUDA"), "{table}");
-    // The step delta excludes the weights and adapters loaded before the steps.
+    // The step delta excludes the weights and adapters loaded before the steps, and adds the
+    // libraries' buffers.
     assert_eq!(
         e.step_delta,
         e.peak_allocated - e.breakdown.base_weights - e.breakdown.adapter_params
+            + lora_memory::estimate::CPU_STEP_RUNTIME
     );
     // fp32 weights of SmolLM2: 134,515,008 × 4 B.
     assert_eq!(e.breakdown.base_weights, Bytes(134_515_008 * 4));

@@ -87,13 +87,19 @@ struct Cpu {
     model: String,
     logical_cores: usize,
     usable_cores: usize,
-    /// `avx512_bf16` / `amx_bf16` when present (fast bf16 matmul).
+    /// `avx512_bf16` / `amx_bf16` when present (native bf16 dot products).
     bf16_flags: Vec<String>,
+    /// libtorch multiplies bf16 matrices with oneDNN's vectorized kernels here
+    /// (`lora_core::sys::cpu_has_fast_bf16_gemm`, the test training uses); where false, bf16
+    /// products are computed by f32 GEMMs.
+    fast_bf16_gemm: bool,
     /// What multiplies f32 matrices on the CPU: `onednn` or `mkl`
     /// (`lora_core::sys::cpu_f32_gemm_by_onednn`).
     f32_gemm: &'static str,
     /// `LORA_CPU_F32_GEMM` as set, when set and not empty.
     f32_gemm_env: Option<String>,
+    /// `LORA_CPU_F32_GEMM` is set to something other than `onednn` / `mkl` (any case): ignored.
+    f32_gemm_env_ignored: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -188,22 +194,29 @@ impl Report {
             "  logical cores: {} (usable by this process: {})\n",
             c.logical_cores, c.usable_cores
         );
-        out += &format!(
-            "  bf16 matmul support: {}\n",
-            if c.bf16_flags.is_empty() {
-                "no AVX-512 BF16 / AMX (bf16 may be slower than fp32)".to_string()
-            } else {
-                c.bf16_flags.join(", ")
-            }
-        );
+        let flags = if c.bf16_flags.is_empty() {
+            "no AVX-512 BF16 / AMX".to_string()
+        } else {
+            c.bf16_flags.join(", ")
+        };
+        out += &if c.fast_bf16_gemm {
+            format!("  bf16 matrix products: fast, oneDNN ({flags})\n")
+        } else {
+            format!(
+                "  bf16 matrix products: by f32 GEMMs, libtorch's bf16 GEMM is slow here (no AVX-512 BW/VL/DQ; {flags})\n"
+            )
+        };
         out += &format!(
             "  f32 matrix products: {}{}\n",
             if c.f32_gemm == "onednn" {
                 "oneDNN"
             } else {
-                "MKL sgemm"
+                "MKL's sgemm"
             },
             match &c.f32_gemm_env {
+                Some(v) if c.f32_gemm_env_ignored => format!(
+                    " (LORA_CPU_F32_GEMM={v:?} is not \"onednn\" or \"mkl\": ignored, the CPU's default)"
+                ),
                 Some(v) => format!(" (LORA_CPU_F32_GEMM={v:?})"),
                 None if c.f32_gemm == "onednn" => {
                     " (AMD CPU with AVX-512; LORA_CPU_F32_GEMM=mkl for MKL)".to_string()
@@ -295,6 +308,11 @@ impl Cpu {
             f32_gemm_env: std::env::var("LORA_CPU_F32_GEMM")
                 .ok()
                 .filter(|v| !v.trim().is_empty()),
+            f32_gemm_env_ignored: matches!(
+                lora_core::sys::cpu_f32_gemm_request(),
+                lora_core::sys::F32GemmRequest::Unknown(_)
+            ),
+            fast_bf16_gemm: lora_core::sys::cpu_has_fast_bf16_gemm(),
         }
     }
 }

@@ -37,6 +37,10 @@ Exit codes:
   130  train stopped by Ctrl-C (a checkpoint is saved first; the command to resume is printed)
   143  train stopped by SIGTERM (kill, timeout, a scheduler), the same way
 
+Environment:
+  LORA_CPU_F32_GEMM=onednn|mkl  which library multiplies f32 matrices on the CPU (default:
+     oneDNN on AMD CPUs with AVX-512, MKL elsewhere; `doctor` says which)
+
 Examples:
   lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"
   lora-train train --config examples/configs/smollm2-shakespeare.yaml
@@ -103,8 +107,9 @@ pub enum Command {
         #[arg(long)]
         frontier: bool,
     },
-    /// Report libtorch, CUDA/GPU (name, VRAM total/free, driver and CUDA versions), CPU, RAM
-    /// and disk.
+    /// Report libtorch, CUDA/GPU (name, VRAM total/free, driver and CUDA versions), CPU (its
+    /// bf16 matrix products, and which library multiplies f32 matrices:
+    /// LORA_CPU_F32_GEMM=onednn|mkl overrides), RAM and disk.
     Doctor {
         /// Print the report as one JSON object (sizes in bytes).
         #[arg(long)]

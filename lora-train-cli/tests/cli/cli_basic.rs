@@ -323,6 +323,23 @@ fn doctor_json_is_one_object_with_the_same_facts_as_the_text() {
     let forced: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(forced["cpu"]["f32_gemm"], "mkl", "{forced:#}");
     assert_eq!(forced["cpu"]["f32_gemm_env"], "MKL", "{forced:#}");
+    assert_eq!(forced["cpu"]["f32_gemm_env_ignored"], false, "{forced:#}");
+    assert_eq!(
+        v["cpu"]["fast_bf16_gemm"],
+        lora_core::sys::cpu_has_fast_bf16_gemm(),
+        "{v:#}"
+    );
+    // an unknown value: the default, and said to be ignored
+    let o = bin()
+        .arg("doctor")
+        .env("LORA_CPU_F32_GEMM", "openblas")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(
+        t.contains("\"openblas\" is not \"onednn\" or \"mkl\": ignored"),
+        "{t}"
+    );
     assert!(v["disk"]["free_bytes"].as_u64().unwrap() > 0, "{v:#}");
     // the GPU section is always there: devices with their memory, or a note saying why not
     let gpu = &v["gpu"];

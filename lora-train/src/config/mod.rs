@@ -1541,7 +1541,7 @@ impl TrainConfig {
         for key in ["use_fp16", "train.use_fp16"] {
             if let Some(e) = doc.entries.iter_mut().find(|e| e.path == key) {
                 e.used = true;
-                let on: bool = typed(key, &e.value, "true or false")?;
+                let on: bool = typed(key, &e.value, BOOLEAN)?;
                 let implied = if on { Precision::Fp16 } else { Precision::Fp32 };
                 if mp_written
                     && (on != (c.train.mixed_precision == Precision::Fp16))
@@ -1562,7 +1562,7 @@ impl TrainConfig {
         }
         if let Some(e) = doc.entries.iter_mut().find(|e| e.path == "full_bf16") {
             e.used = true;
-            let on: bool = typed("full_bf16", &e.value, "true or false")?;
+            let on: bool = typed("full_bf16", &e.value, BOOLEAN)?;
             if on {
                 if mp_written
                     && !matches!(
@@ -1585,7 +1585,7 @@ impl TrainConfig {
         for key in ["train.use_8bit_adam", "use_8bit_adam"] {
             if let Some(e) = doc.entries.iter_mut().find(|e| e.path == key) {
                 e.used = true;
-                let on: bool = typed(key, &e.value, "true or false")?;
+                let on: bool = typed(key, &e.value, BOOLEAN)?;
                 if opt_written {
                     // `false` asks for nothing (kohya's store_true flag left off)
                     let is8 = c.train.optimizer == OptimizerName::AdamW8bit;

@@ -75,6 +75,11 @@ fn booleans_read_the_yaml_words_and_the_error_names_them() {
         e.contains("memory.cpu_cache") && e.contains("true or false") && e.contains("yes/no"),
         "{e}"
     );
+    // the guides' special spellings say the same
+    let e = TrainConfig::from_yaml_str("train:\n  use_8bit_adam: maybe\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("use_8bit_adam") && e.contains("yes/no"), "{e}");
 }
 
 #[test]

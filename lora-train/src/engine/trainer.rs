@@ -192,21 +192,37 @@ impl Default for NonFinitePolicy {
 }
 
 /// The counting allocator's block cache for the span of one `fit` ([`TrainerConfig::cpu_cache`]):
-/// emptied (the bound restarts from what is live after loading) and switched on; switched off,
-/// which frees what it holds, when dropped.
+/// the first `fit` of the process to start empties it (the bound restarts from what is live
+/// after loading) and switches it on; the last one to end switches it off, which frees what it
+/// holds. The cache is one per process, so `fit`s running at once on other threads share it.
 struct CpuCacheGuard;
+
+/// How many [`CpuCacheGuard`]s are alive.
+static CPU_CACHE_USERS: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
 
 impl CpuCacheGuard {
     fn start() -> Result<Self> {
-        sys::cpu_empty_cache()?;
-        sys::set_cpu_cache(true)?;
+        let mut users = CPU_CACHE_USERS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *users == 0 {
+            sys::cpu_empty_cache()?;
+            sys::set_cpu_cache(true)?;
+        }
+        *users += 1;
         Ok(Self)
     }
 }
 
 impl Drop for CpuCacheGuard {
     fn drop(&mut self) {
-        let _ = sys::set_cpu_cache(false);
+        let mut users = CPU_CACHE_USERS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *users = users.saturating_sub(1);
+        if *users == 0 {
+            let _ = sys::set_cpu_cache(false);
+        }
     }
 }
 
@@ -1119,5 +1135,37 @@ impl<S: TrainStep> Trainer<S> {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two `fit`s at once share the process's cache: it stays on until the last one ends.
+    #[test]
+    fn the_cpu_block_cache_stays_on_until_the_last_fit_ends() {
+        let hits = || sys::cpu_mem_stats().unwrap().cache_hits;
+        // a freed block of 1 MiB and a new one of its size: a hit when the cache is on
+        let reuse = || {
+            drop(Tensor::zeros(
+                [1 << 18],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
+            drop(Tensor::zeros(
+                [1 << 18],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
+        };
+        let first = CpuCacheGuard::start().unwrap();
+        let second = CpuCacheGuard::start().unwrap();
+        drop(first);
+        let h0 = hits();
+        reuse();
+        assert!(hits() > h0, "the cache went off while a fit still ran");
+        drop(second);
+        let h1 = hits();
+        reuse();
+        assert_eq!(hits(), h1, "the cache stayed on after the last fit");
     }
 }
