@@ -399,34 +399,7 @@ fn lm_head_loss(c: &mut Criterion) {
         bos_token_id: None,
         eos_token_id: vec![],
     };
-    let o = (Kind::Float, Device::Cpu);
-    let mut w = std::collections::HashMap::new();
-    w.insert(
-        "model.embed_tokens.weight".to_string(),
-        Tensor::randn([cfg.vocab_size, HIDDEN], o) * 0.05,
-    );
-    w.insert("model.norm.weight".to_string(), Tensor::ones([HIDDEN], o));
-    let hd = HIDDEN / 9;
-    for (name, out, inp) in [
-        ("self_attn.q_proj", HIDDEN, HIDDEN),
-        ("self_attn.k_proj", 3 * hd, HIDDEN),
-        ("self_attn.v_proj", 3 * hd, HIDDEN),
-        ("self_attn.o_proj", HIDDEN, HIDDEN),
-        ("mlp.gate_proj", INTER, HIDDEN),
-        ("mlp.up_proj", INTER, HIDDEN),
-        ("mlp.down_proj", HIDDEN, INTER),
-    ] {
-        w.insert(
-            format!("model.layers.0.{name}.weight"),
-            Tensor::randn([out, inp], o) * 0.02,
-        );
-    }
-    for n in ["input_layernorm", "post_attention_layernorm"] {
-        w.insert(
-            format!("model.layers.0.{n}.weight"),
-            Tensor::ones([HIDDEN], o),
-        );
-    }
+    let w = lora_models::llama::random_weights(&cfg, 0).unwrap();
     let mut model = Llama::from_tensors(cfg.clone(), &w, Kind::Float, Device::Cpu).unwrap();
     let vs = nn::VarStore::new(Device::Cpu);
     lora_core::inject::inject(

@@ -13,3 +13,4 @@ pub use generate::{
 };
 pub(crate) use model::RmsNorm;
 pub use model::{IGNORE_INDEX, KvCache, Llama};
+pub use weights::random_weights;

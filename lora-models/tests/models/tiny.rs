@@ -36,69 +36,7 @@ fn tiny_config(model_type: &str) -> LlamaConfig {
 }
 
 fn random_weights(c: &LlamaConfig, seed: i64) -> HashMap<String, Tensor> {
-    tch::manual_seed(seed);
-    let o = (Kind::Float, Device::Cpu);
-    let (d, hd, ff) = (c.hidden_size, c.head_dim(), c.intermediate_size);
-    let (nh, nkv) = (c.num_attention_heads, c.n_kv_heads());
-    let mut m = HashMap::new();
-    let mut put = |k: String, t: Tensor| {
-        m.insert(k, t);
-    };
-    put(
-        "model.embed_tokens.weight".into(),
-        Tensor::randn([c.vocab_size, d], o),
-    );
-    put(
-        "model.norm.weight".into(),
-        Tensor::randn([d], o) * 0.1 + 1.0,
-    );
-    if !c.tie_word_embeddings {
-        put(
-            "lm_head.weight".into(),
-            Tensor::randn([c.vocab_size, d], o) * 0.2,
-        );
-    }
-    for i in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        for (name, out, inp) in [
-            ("self_attn.q_proj", nh * hd, d),
-            ("self_attn.k_proj", nkv * hd, d),
-            ("self_attn.v_proj", nkv * hd, d),
-            ("self_attn.o_proj", d, nh * hd),
-            ("mlp.gate_proj", ff, d),
-            ("mlp.up_proj", ff, d),
-            ("mlp.down_proj", d, ff),
-        ] {
-            put(
-                format!("{p}.{name}.weight"),
-                Tensor::randn([out, inp], o) * (1.0 / (inp as f64).sqrt()),
-            );
-            if c.qkv_bias()
-                && name.ends_with("q_proj") | name.ends_with("k_proj") | name.ends_with("v_proj")
-            {
-                put(format!("{p}.{name}.bias"), Tensor::randn([out], o) * 0.1);
-            }
-        }
-        put(
-            format!("{p}.input_layernorm.weight"),
-            Tensor::randn([d], o) * 0.1 + 1.0,
-        );
-        put(
-            format!("{p}.post_attention_layernorm.weight"),
-            Tensor::randn([d], o) * 0.1 + 1.0,
-        );
-        if c.qk_norm() {
-            put(
-                format!("{p}.self_attn.q_norm.weight"),
-                Tensor::randn([hd], o) * 0.1 + 1.0,
-            );
-            put(
-                format!("{p}.self_attn.k_norm.weight"),
-                Tensor::randn([hd], o) * 0.1 + 1.0,
-            );
-        }
-    }
-    m
+    lora_models::llama::random_weights(c, seed).unwrap()
 }
 
 fn ids(b: i64, s: i64) -> Tensor {

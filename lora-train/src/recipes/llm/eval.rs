@@ -76,9 +76,8 @@ pub(crate) fn sample(
 mod tests {
     use super::*;
     use lora_models::llama::{Llama, LlamaConfig, PerplexityOptions};
-    use std::collections::HashMap;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use tch::{Device, Kind, Tensor};
+    use tch::{Device, Kind};
 
     /// A one-layer LLaMA with random weights (vocabulary 50, width 16).
     fn tiny() -> Llama {
@@ -102,32 +101,7 @@ mod tests {
             bos_token_id: None,
             eos_token_id: vec![],
         };
-        tch::manual_seed(1);
-        let o = (Kind::Float, Device::Cpu);
-        let mut w: HashMap<String, Tensor> = HashMap::new();
-        w.insert(
-            "model.embed_tokens.weight".into(),
-            Tensor::randn([50, 16], o),
-        );
-        w.insert("model.norm.weight".into(), Tensor::ones([16], o));
-        let p = "model.layers.0";
-        for (name, out, inp) in [
-            ("self_attn.q_proj", 16, 16),
-            ("self_attn.k_proj", 8, 16),
-            ("self_attn.v_proj", 8, 16),
-            ("self_attn.o_proj", 16, 16),
-            ("mlp.gate_proj", 24, 16),
-            ("mlp.up_proj", 24, 16),
-            ("mlp.down_proj", 16, 24),
-        ] {
-            w.insert(
-                format!("{p}.{name}.weight"),
-                Tensor::randn([out, inp], o) * 0.25,
-            );
-        }
-        for norm in ["input_layernorm", "post_attention_layernorm"] {
-            w.insert(format!("{p}.{norm}.weight"), Tensor::ones([16], o));
-        }
+        let w = lora_models::llama::random_weights(&c, 1).unwrap();
         Llama::from_tensors(c, &w, Kind::Float, Device::Cpu).unwrap()
     }
 
