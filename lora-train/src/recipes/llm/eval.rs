@@ -82,24 +82,14 @@ mod tests {
     /// A one-layer LLaMA with random weights (vocabulary 50, width 16).
     fn tiny() -> Llama {
         let c = LlamaConfig {
-            model_type: "llama".into(),
             vocab_size: 50,
             hidden_size: 16,
             intermediate_size: 24,
             num_hidden_layers: 1,
             num_attention_heads: 2,
             num_key_value_heads: Some(1),
-            head_dim: None,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10000.0,
-            rope_scaling: None,
             max_position_embeddings: 64,
-            tie_word_embeddings: true,
-            attention_bias: false,
-            mlp_bias: false,
-            hidden_act: "silu".into(),
-            bos_token_id: None,
-            eos_token_id: vec![],
+            ..LlamaConfig::smollm2_135m()
         };
         let w = lora_models::llama::random_weights(&c, 1).unwrap();
         Llama::from_tensors(c, &w, Kind::Float, Device::Cpu).unwrap()
