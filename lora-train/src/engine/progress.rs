@@ -84,10 +84,15 @@ impl ProgressBar {
         } else {
             String::new()
         };
+        // a warm-up's first step trains at lr 0 (as transformers' schedules do): say "0"
+        let lr = if info.lr == 0.0 {
+            "0".to_string()
+        } else {
+            format!("{:.2e}", info.lr)
+        };
         format!(
-            "loss {:.4} | lr {:.2e}{gn} | {:.2} it/s{tok} | mem {}{}",
+            "loss {:.4} | lr {lr}{gn} | {:.2} it/s{tok} | mem {}{}",
             info.loss,
-            info.lr,
             info.it_per_s,
             human_bytes(info.mem.peak_bytes()),
             if info.skipped { " | skipped" } else { "" }
@@ -208,5 +213,8 @@ mod tests {
             "{m}"
         );
         assert!(m.contains("900 tok/s") && m.contains("3.00 GiB"), "{m}");
+        // the first step of a warm-up
+        let m = ProgressBar::message(&StepInfo { lr: 0.0, ..info });
+        assert!(m.contains("| lr 0 |"), "{m}");
     }
 }
