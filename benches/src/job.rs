@@ -467,6 +467,8 @@ pub fn train_ours(opts: &TrainOptions) -> Result<TrainResult> {
     let (mut model, _) =
         lora_train::llm::load_base(&opts.model, BaseWeights::Dense, Dtype::F32, device)
             .map_err(lower("loading the base model"))?;
+    // as the causal-LM job does under autocast without checkpointing
+    model.set_frozen_cast_cache(precision == Precision::Bf16);
     let vs = tch::nn::VarStore::new(device);
     lora_core::formats::peft::load_adapter(
         &mut model,

@@ -709,3 +709,42 @@ fn bf16_training_attention_runs_in_f32_on_the_cpu() {
         assert!(d <= 1e-5 * scale, "{name}: {d} (scale {scale})");
     }
 }
+
+/// Keeping autocast's casts of the frozen weights across steps changes no number: under bf16
+/// autocast, two steps' losses and LoRA gradients with the kept casts equal those without.
+#[test]
+fn kept_frozen_casts_give_the_same_steps() {
+    let _g = crate::rng_lock();
+    let mut c = tiny_config("llama");
+    c.tie_word_embeddings = true;
+    let mut m =
+        Llama::from_tensors(c.clone(), &random_weights(&c, 6), Kind::Float, Device::Cpu).unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cfg = LoraConfig::new(
+        4,
+        8.0,
+        &["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+    );
+    inject(&mut m, &cfg, "default", &vs.root()).unwrap();
+    perturb(&vs, 0.05);
+    let (x, labels) = ids_and_masked_labels(2, 10, 64);
+    let steps = |m: &mut Llama, keep: bool| {
+        m.set_frozen_cast_cache(keep);
+        let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+        (0..2)
+            .map(|_| {
+                zero_grads(&vs);
+                let l = m.loss_backward(&x, &labels, None, None, true, 1.0).unwrap();
+                (l.double_value(&[]), grads(&vs))
+            })
+            .collect::<Vec<_>>()
+    };
+    let plain = steps(&mut m, false);
+    let kept = steps(&mut m, true);
+    for ((lp, gp), (lk, gk)) in plain.iter().zip(&kept) {
+        assert_eq!(lp, lk);
+        for ((name, a), (_, b)) in gp.iter().zip(gk) {
+            assert!(a.equal(b), "{name}");
+        }
+    }
+}

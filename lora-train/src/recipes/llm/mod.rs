@@ -574,6 +574,16 @@ impl RunSteps for LlmSteps {
             return Err(ctx.interrupted_before_training());
         }
         model.set_gradient_checkpointing(cfg.train.gradient_checkpointing);
+        // autocast's casts of the frozen f32 weights, kept from step to step: the plan already
+        // counts them all at the peak of a step without checkpointing (`autocast weight copies`)
+        model.set_frozen_cast_cache(
+            !cfg.train.gradient_checkpointing
+                && matches!(
+                    cfg.train.mixed_precision,
+                    crate::engine::precision::Precision::Bf16
+                        | crate::engine::precision::Precision::Fp16
+                ),
+        );
         tch::manual_seed(cfg.system.seed as i64);
         let lcfg = lora_config(cfg, &ctx.base_written)?;
         let report = lora_core::inject::inject(&mut model, &lcfg, "default", &vs.root())
@@ -886,6 +896,8 @@ impl LoadedRun for LlmRun {
         _source: TextSource,
         _report: &crate::engine::TrainReport,
     ) -> Result<Option<(&'static str, f64)>> {
+        // training is over: the kept casts go
+        self.model.set_frozen_cast_cache(false);
         if !self.eval_ids.is_empty() {
             ctx.say("evaluating held-out perplexity after training");
         }
