@@ -208,6 +208,25 @@ fn side_stats(runs: &[Value]) -> Value {
     })
 }
 
+/// Per repeat, the median step of ours over the median step of PEFT's run next to it (the
+/// warm-up step left out): the pairs ran back to back, so a host that slows down or speeds up
+/// between repeats moves both sides of a pair alike. Pairs where either side has no timed step
+/// are skipped.
+fn paired_step_ratios(ours: &[Value], peft: &[Value]) -> Vec<f64> {
+    ours.iter()
+        .zip(peft)
+        .filter_map(|(a, b)| {
+            let t =
+                |r: &Value| -> Vec<f64> { f64s(&r["step_times_s"]).into_iter().skip(1).collect() };
+            let (ta, tb) = (t(a), t(b));
+            if ta.is_empty() || tb.is_empty() {
+                return None;
+            }
+            Some(median(&ta) / median(&tb))
+        })
+        .collect()
+}
+
 fn mib(b: f64) -> String {
     if b.is_finite() {
         format!("{:.0} MiB", b / (1024.0 * 1024.0))
@@ -425,6 +444,13 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
             _ => f64::NAN,
         }
     };
+    let paired = paired_step_ratios(&by_side[0].1, &by_side[1].1);
+    let paired_json = json!({
+        "median": median(&paired),
+        "min": paired.iter().copied().fold(f64::INFINITY, f64::min),
+        "max": paired.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        "per_repeat": paired,
+    });
     let mut ratios = vec![
         json!({"label": "step time", "ratio": ratio("step_s_median"), "lower_is_better": true}),
         json!({"label": "tokens/s", "ratio": ratio("tokens_per_s"), "lower_is_better": false}),
@@ -500,6 +526,7 @@ pub fn bench_compare(root: &Path, env: &crate::Env, args: &[String]) -> Result<(
         },
         "ours": ours,
         "peft": peft,
+        "step_time_paired": paired_json,
         "losses": {"first_step_ours": l_ours.first(), "first_step_peft": l_peft.first(),
                     "first_step_abs_diff": first_diff, "max_abs_diff_run0": max_loss_diff},
         "phases_s": phases,
@@ -569,6 +596,15 @@ fn markdown(r: &Value) -> String {
         ),
         a / b,
     );
+    let pr = &r["step_time_paired"];
+    if pr["per_repeat"].as_array().is_some_and(|v| !v.is_empty()) {
+        s += &format!(
+            "| step time, paired: median of each repeat's ours/PEFT (min–max) | | | {:.2} ({:.2}–{:.2}) |\n",
+            num(pr, "median"),
+            num(pr, "min"),
+            num(pr, "max")
+        );
+    }
     let (a, b) = (num(o, "tokens_per_s"), num(p, "tokens_per_s"));
     s += &row("tokens/s", format!("{a:.0}"), format!("{b:.0}"), a / b);
     let (a, b) = (num(o, "step_cpu_s_median"), num(p, "step_cpu_s_median"));
@@ -727,6 +763,28 @@ mod tests {
             "emoji: 3786 images\nemoji: lora-data 812.5 images/s vs Pillow+NumPy 401.2 images/s → ratio 2.03x\n",
         );
         assert_eq!(l, vec![("emoji".to_string(), 812.5, 401.2)]);
+    }
+
+    #[test]
+    fn paired_ratios_compare_each_repeat_with_its_neighbour() {
+        let ours = vec![
+            json!({"step_times_s": [9.0, 1.0, 1.2, 1.1]}),
+            json!({"step_times_s": [9.0, 2.0, 2.0]}),
+            json!({"step_times_s": [9.0]}),
+        ];
+        let peft = vec![
+            json!({"step_times_s": [9.0, 2.0, 2.4, 2.2]}),
+            json!({"step_times_s": [9.0, 2.5, 2.5]}),
+            json!({"step_times_s": [9.0, 1.0]}),
+        ];
+        let r = paired_step_ratios(&ours, &peft);
+        assert_eq!(
+            r.len(),
+            2,
+            "the pair without a timed step of ours is skipped"
+        );
+        assert!((r[0] - 0.5).abs() < 1e-12, "{r:?}");
+        assert!((r[1] - 0.8).abs() < 1e-12, "{r:?}");
     }
 
     #[test]
