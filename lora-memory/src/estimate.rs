@@ -80,8 +80,8 @@ pub struct Breakdown {
     /// Logits and loss at their peak: HF keeps the 16-bit logits, the fp32 `log_softmax` output
     /// and, in the backward, two fp32 gradients: `b·s·V·(e + 12)` bytes; a loss on 16-bit logits
     /// without autocast ([`crate::settings::Profile::model_dtype_loss`]) `3·e·b·s·V`. lora-train's
-    /// fused head + cross-entropy holds one chunk of [`OURS_CE_CHUNK_BYTES`] plus `(8 + e)·d` per
-    /// token.
+    /// fused head + cross-entropy holds one chunk's logits (at most [`OURS_CE_CHUNK_BYTES`] of
+    /// fp32) and their fp32 log-softmax, plus `(8 + e)·d` per token.
     pub logits_loss: Bytes,
     /// Token ids, labels, masks (int64) or latents + noise + conditioning for diffusion.
     pub batch_data: Bytes,
@@ -1148,15 +1148,11 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             .floor()
             .max(16.0)
             .min(rows_total);
-        // fp32 without autocast: one reused fp32 buffer; otherwise the 16-bit chunk, its fp32
-        // copy and the 16-bit copy for the gradient matmul. Plus `logsumexp`'s fp32 temporary
-        // of the same chunk (`exp(x − max)`: ATen's `logsumexp` is a composite op).
-        let per_row = if c.e >= 4.0 {
-            8.0 * v
-        } else {
-            (2.0 * c.e + 8.0) * v
-        };
-        rows * per_row
+        // Per row of the chunk, 8 bytes per vocabulary entry: in fp32 the logits and their
+        // fp32 log-softmax (two reused buffers on the CPU); in 16 bits the logits widened to
+        // fp32 (the 16-bit ones dropped) and their log-softmax, then that and the scaled
+        // softmax rounded for the gradient matmul (`e + 4` ≤ 8 bytes at once).
+        rows * 8.0 * v
     } else {
         0.0
     };

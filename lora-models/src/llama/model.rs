@@ -1364,9 +1364,10 @@ impl Llama {
     /// gradient with respect to the normed hidden states `hn` is `g`. The same idea as the fused
     /// linear + cross-entropy kernels of Liger-Kernel (arXiv:2410.10989) and torchtune's chunked
     /// loss, here built from libtorch ops. Same FLOPs as the plain path; instead of
-    /// `b·s·V·(e + 12)` bytes of logits, log-probabilities and their gradients it holds one chunk,
-    /// and in fp32 without autocast that chunk is one buffer reused for every chunk (no page
-    /// faults for fresh logits every step). A quantized head is never decoded whole: the CPU
+    /// `b·s·V·(e + 12)` bytes of logits, log-probabilities and their gradients it holds one
+    /// chunk's f32 logits and their log-softmax (libtorch's row-wise kernel), and in fp32 on MKL
+    /// those are two buffers reused for every chunk (no page faults for fresh logits every
+    /// step). A quantized head is never decoded whole: the CPU
     /// kernel multiplies it chunk by chunk, and elsewhere ([`vocab_tiled_head`]: CUDA, f16, f64)
     /// one tile of vocabulary rows is decoded at a time.
     pub(crate) fn head_loss(&self, h: &Tensor, labels: &Tensor) -> Result<Tensor> {
@@ -1430,8 +1431,12 @@ impl Llama {
         let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1)))
             .clamp(16, n.max(16))
             .min(n);
+        // the logits and their log-softmax, each chunk written into the same two buffers
         let buf = if reuse {
-            Some(Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?)
+            Some((
+                Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?,
+                Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?,
+            ))
         } else {
             None
         };
@@ -1447,48 +1452,64 @@ impl Llama {
         while start < n {
             let r = chunk.min(n - start);
             let x = rows.f_narrow(0, start, r)?.f_to_kind(mm_kind)?;
-            let mut lg = match (&w, &buf) {
+            let lg = match (&w, &buf) {
                 (HeadWeight::Dense { w, .. }, _) if onednn => {
                     lora_core::sys::f32_linear(&x, w).map_err(tch::TchError::from)?
                 }
-                (HeadWeight::Dense { wt, .. }, Some(bf)) => {
+                (HeadWeight::Dense { wt, .. }, Some((bf, _))) => {
                     let out = bf.f_narrow(0, 0, r)?;
                     x.f_mm_out(&out, wt)?
                 }
                 (HeadWeight::Dense { w, .. }, None) if by_f32 => bf16_logits_by_f32(&x, w)?,
+                // 16-bit logits widened to f32, the 16-bit ones dropped at once (libtorch's CPU
+                // log-softmax would widen them into a copy of its own while they live)
                 (HeadWeight::Dense { wt, .. }, None) => x.f_mm(wt)?.f_to_kind(Kind::Float)?,
                 (HeadWeight::Quant(q) | HeadWeight::QuantTiles(q), _) => {
                     q.matmul(&x, false)?.f_to_kind(Kind::Float)?
                 }
             };
-            let lse = lg.f_logsumexp([-1i64].as_slice(), true)?;
+            // log p = logits − logsumexp(logits) per row, in f32: libtorch's row-wise
+            // log-softmax kernel, one call instead of a max, a shifted copy, its exponential and
+            // its sum, then the shift and exponential again for the gradient
+            let mut lp = match &buf {
+                Some((_, lb)) => lg.f_internal_log_softmax_out(&lb.f_narrow(0, 0, r)?, -1, false)?,
+                None => lg.f_log_softmax(-1, None::<Kind>)?,
+            };
+            drop(lg);
             let ix = idx.f_narrow(0, start, r)?;
             let vf = validf.f_narrow(0, start, r)?;
-            let tgt = lg.f_gather(1, &ix, false)?;
-            total = total.f_add(&lse.f_sub(&tgt)?.f_mul(&vf)?.f_sum(Kind::Float)?)?;
+            let tgt = lp.f_gather(1, &ix, false)?;
+            total = total.f_sub(&tgt.f_mul(&vf)?.f_sum(Kind::Float)?)?;
             if let Some(g) = &grad {
                 // softmax − onehot(label), times valid / n_valid per row.
-                let _ = lg.f_sub_(&lse)?.f_exp_()?;
-                let _ = lg.f_scatter_add_(1, &ix, &vf.f_neg()?)?;
-                let _ = lg.f_mul_(&vf.f_mul_scalar(inv)?)?;
+                let _ = lp.f_exp_()?;
+                let _ = lp.f_scatter_add_(1, &ix, &vf.f_neg()?)?;
+                // scaled in place (a multiplication into a 16-bit output would compute into an
+                // f32 temporary of its own), then rounded to the matmul dtype
+                let _ = lp.f_mul_(&vf.f_mul_scalar(inv)?)?;
+                let p = if mm_kind == Kind::Float {
+                    lp
+                } else {
+                    lp.f_to_kind(mm_kind)?
+                };
                 let mut gx = g.f_narrow(0, start, r)?;
                 match &w {
                     HeadWeight::Dense { wt, .. } if onednn => {
                         let _ = gx.f_copy_(
-                            &lora_core::sys::f32_linear(&lg, wt).map_err(tch::TchError::from)?,
+                            &lora_core::sys::f32_linear(&p, wt).map_err(tch::TchError::from)?,
                         )?;
                     }
                     HeadWeight::Dense { w, .. } if reuse => {
-                        let _ = lg.f_mm_out(&gx, w)?;
+                        let _ = p.f_mm_out(&gx, w)?;
                     }
                     HeadWeight::Dense { w, .. } if by_f32 => {
-                        gx.f_copy_(&bf16_input_grad_by_f32(&lg, w)?)?;
+                        gx.f_copy_(&bf16_input_grad_by_f32(&p, w)?)?;
                     }
                     HeadWeight::Dense { w, .. } => {
-                        let _ = gx.f_copy_(&lg.f_to_kind(mm_kind)?.f_mm(w)?)?;
+                        let _ = gx.f_copy_(&p.f_mm(w)?)?;
                     }
                     HeadWeight::Quant(q) | HeadWeight::QuantTiles(q) => {
-                        let _ = gx.f_copy_(&q.matmul(&lg.f_to_kind(mm_kind)?, true)?)?;
+                        let _ = gx.f_copy_(&q.matmul(&p, true)?)?;
                     }
                 }
             }
