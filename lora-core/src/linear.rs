@@ -13,8 +13,8 @@ use tch::{Kind, Tensor};
 /// GEMMs, the same function up to the summation order at about a tenth of the time forward and
 /// less backward (measured on an AVX2 CPU: 16 vs 111 GFLOP/s for `x·Wᵀ`, 1.7 vs 72 for `g·W`).
 /// And an f32 product on a CPU where [`crate::sys::cpu_f32_gemm_by_onednn`] holds (AMD with
-/// AVX-512), with a weight of at least 128 on both sides, goes through oneDNN
-/// ([`crate::sys::f32_linear`]): the same function, summed in another order.
+/// AVX-512) goes through oneDNN ([`crate::sys::f32_linear`]): the same function, summed in
+/// another order.
 ///
 /// # Errors
 /// [`tch::TchError`] when the shapes do not fit or an op fails.
@@ -28,20 +28,16 @@ pub fn linear_product(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch
     x.f_linear::<Tensor>(w, None)
 }
 
-/// Smallest side of a weight whose f32 product [`linear_product`] hands to oneDNN
-/// ([`crate::sys::f32_linear`]): the LoRA factors (rank 4–64) stay with MKL, whose small GEMMs
-/// are not where the time goes.
-const ONEDNN_MIN_SIDE: i64 = 128;
-
-/// True when `x·wᵀ` is an f32 product on the CPU outside autocast, `w` at least
-/// [`ONEDNN_MIN_SIDE`] on both sides, and this CPU multiplies f32 by oneDNN
-/// ([`crate::sys::cpu_f32_gemm_by_onednn`]).
+/// True when `x·wᵀ` is an f32 product on the CPU outside autocast and this CPU multiplies f32
+/// by oneDNN ([`crate::sys::cpu_f32_gemm_by_onednn`]), the LoRA factors' products included: on
+/// such a CPU (AMD, where MKL takes its generic path) the small GEMMs of a 2-core fp32 step of
+/// SmolLM2-135M at rank 8 took 127 ms by MKL, ≈ 60 ms with these on oneDNN (the weight
+/// gradients stay on MKL; libtorch's profiler on the `bench-train` job).
 fn f32_by_onednn(x: &Tensor, w: &Tensor) -> std::result::Result<bool, tch::TchError> {
     if x.device() != tch::Device::Cpu
         || x.kind() != Kind::Float
         || w.kind() != Kind::Float
         || w.dim() != 2
-        || w.size().iter().any(|&n| n < ONEDNN_MIN_SIDE)
         || !crate::sys::cpu_f32_gemm_by_onednn()
     {
         return Ok(false);
@@ -66,6 +62,15 @@ pub fn base_product(base: &BaseWeight, x: &Tensor) -> Result<Tensor> {
                 .ctx(|| format!("linear forward {:?} on input {:?}", b.shape(), x.size()))
         }
     })
+}
+
+/// `y + h·bᵀ` (`y` `[n, out]`, `h` `[n, r]`, `b` `[out, r]`): one `addmm`, or where
+/// [`linear_product`] would hand `h·bᵀ` to oneDNN, that product added to `y`.
+fn add_product(y: &Tensor, h: &Tensor, b: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
+    if f32_by_onednn(h, b)? {
+        return y.f_add(&crate::sys::f32_linear(h, b)?);
+    }
+    y.f_addmm(h, &b.f_tr()?)
 }
 
 /// True when bf16 autocast is on for `device` on this thread, `device` is the CPU and libtorch
@@ -310,10 +315,12 @@ impl LoraLinear {
             }
             let h = scale_columns(&h, &scales, &ranks)?;
             let b = Tensor::f_block_diag(&b)?;
-            base_out
-                .f_reshape([-1, total])?
-                .f_addmm(&h.f_reshape([-1, rank_total])?, &b.f_tr()?)?
-                .f_reshape(size.as_slice())
+            add_product(
+                &base_out.f_reshape([-1, total])?,
+                &h.f_reshape([-1, rank_total])?,
+                &b,
+            )?
+            .f_reshape(size.as_slice())
         })()
         .ctx(ctx)?;
         let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
@@ -396,7 +403,7 @@ impl LoraLinear {
             let h = linear_product(&xd, &ad.lora_a)?
                 .f_mul_scalar(ad.effective_scale())?
                 .f_reshape([-1, r])?;
-            y = y.f_addmm(&h, &ad.lora_b.f_tr()?)?;
+            y = add_product(&y, &h, &ad.lora_b)?;
         }
         y.f_reshape(size.as_slice())
     }

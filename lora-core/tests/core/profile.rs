@@ -38,20 +38,32 @@ fn a_lora_step_is_recorded_operator_by_operator() {
 
     let ops = profile.ops();
     let get = |n: &str| ops.iter().find(|o| o.name == n);
-    // the base product and A, B: three GEMMs forward; the backward's MmBackward0 nodes and
-    // their GEMMs (the frozen base needs only the input gradient, x's is not asked for)
-    let mm_calls = get("aten::mm").map_or(0, |o| o.calls);
-    assert!(mm_calls >= 3, "aten::mm ran {mm_calls} times: {ops:?}");
-    assert!(get("MmBackward0").is_some(), "no MmBackward0 node: {ops:?}");
+    // f32 products go to oneDNN on CPUs where `linear_product` takes it, else to `aten::mm`
+    let onednn = lora_core::sys::cpu_f32_gemm_by_onednn();
+    let (gemm, node) = if onednn {
+        ("mkldnn::_linear_pointwise", "OneDnnF32LinearBackward")
+    } else {
+        ("aten::mm", "MmBackward0")
+    };
+    // the base product and A, B: three GEMMs forward; the backward's nodes and their GEMMs
+    // (the frozen base needs only the input gradient, x's is not asked for)
+    let gemm_calls = get(gemm).map_or(0, |o| o.calls);
+    assert!(gemm_calls >= 3, "{gemm} ran {gemm_calls} times: {ops:?}");
+    assert!(get(node).is_some(), "no {node} node: {ops:?}");
     for o in &ops {
         assert!(o.self_s >= 0.0 && o.self_s <= o.total_s + 1e-12, "{o:?}");
     }
-    // the frozen product x·Wᵀ: [16, 32] by the transposed [48, 32] weight
+    // the frozen product x·Wᵀ: [16, 32] by the [48, 32] weight (transposed for `mm`)
     let by_shapes = profile.ops_by_shapes();
+    let frozen = if onednn {
+        "[16, 32], [48, 32]"
+    } else {
+        "[16, 32], [32, 48]"
+    };
     assert!(
         by_shapes
             .iter()
-            .any(|o| o.name == "aten::mm" && o.shapes == "[16, 32], [32, 48]"),
+            .any(|o| o.name == gemm && o.shapes.starts_with(frozen)),
         "{by_shapes:?}"
     );
     let text = std::fs::read_to_string(&trace).unwrap();
@@ -62,8 +74,8 @@ fn a_lora_step_is_recorded_operator_by_operator() {
         .iter()
         .filter_map(|e| e["name"].as_str())
         .collect();
-    assert!(names.contains(&"aten::mm"), "{names:?}");
-    assert!(names.contains(&"MmBackward0"), "{names:?}");
+    assert!(names.contains(&gemm), "{names:?}");
+    assert!(names.contains(&node), "{names:?}");
 
     // stopped: a new one starts (and dropping it without stop discards its events)
     let p = Profiler::start(ProfilerOptions::default()).unwrap();
