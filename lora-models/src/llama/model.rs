@@ -1472,7 +1472,9 @@ impl Llama {
             // log-softmax kernel, one call instead of a max, a shifted copy, its exponential and
             // its sum, then the shift and exponential again for the gradient
             let mut lp = match &buf {
-                Some((_, lb)) => lg.f_internal_log_softmax_out(&lb.f_narrow(0, 0, r)?, -1, false)?,
+                Some((_, lb)) => {
+                    lg.f_internal_log_softmax_out(&lb.f_narrow(0, 0, r)?, -1, false)?
+                }
                 None => lg.f_log_softmax(-1, None::<Kind>)?,
             };
             drop(lg);
