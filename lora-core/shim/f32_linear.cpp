@@ -88,7 +88,14 @@ struct F32LinearBackward final : torch::autograd::Node {
     }
     if (task_should_compute_output(1)) {
       TORCH_CHECK(x_saved.defined(), "the f32 linear's backward already ran (retain_graph)");
-      out[1] = g.t().mm(x_saved);
+      // A tall weight (a LoRA B factor, `[out, r]`): `(xᵀ·g)ᵀ` by oneDNN, which multiplies
+      // this shape in half the time of MKL's `gᵀ·x` on the CPUs this op is used on (AMD with
+      // AVX-512; `[3072, 16]` over 256 rows: 0.20 against 0.44 ms). Else MKL.
+      if (g.size(1) > 4 * x_saved.size(1)) {
+        out[1] = onednn_nt(x_saved.t(), g.t()).t();
+      } else {
+        out[1] = g.t().mm(x_saved);
+      }
     }
     return out;
   }

@@ -1145,8 +1145,9 @@ pub fn cpu_has_fast_bf16_gemm() -> bool {
 
 /// `y = x · Wᵀ` in f32 on the CPU by oneDNN's matmul (libtorch's `mkldnn::_linear_pointwise`)
 /// instead of MKL's sgemm (`shim/f32_linear.cpp`): the same function up to the summation order.
-/// An autograd op when `x` or `w` takes a gradient (`∂x = g·W` by oneDNN, `∂W = gᵀ·x`), saving
-/// what `at::linear` saves. [`crate::linear::linear_product`] takes it where
+/// An autograd op when `x` or `w` takes a gradient (`∂x = g·W` by oneDNN; `∂W = gᵀ·x` by MKL,
+/// or as `(xᵀ·g)ᵀ` by oneDNN for a weight more than 4× taller than wide, a LoRA B factor),
+/// saving what `at::linear` saves. [`crate::linear::linear_product`] takes it where
 /// [`cpu_f32_gemm_by_onednn`] says so.
 ///
 /// `x`: `[..., in]` f32, `w`: `[out, in]` f32 (any strides), both on the CPU. Returns

@@ -1,6 +1,6 @@
 //! The oneDNN f32 linear (`lora_core::sys::f32_linear`): forward and both gradients equal
-//! libtorch's `linear` computed in f64, for contiguous and transposed weights, and it refuses
-//! what it does not compute.
+//! libtorch's `linear` computed in f64, for contiguous and transposed weights (LoRA factors'
+//! shapes too), and it refuses what it does not compute.
 
 use lora_core::sys;
 use tch::{Device, Kind, Tensor};
@@ -16,40 +16,12 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 #[test]
 fn f32_linear_equals_linear_in_f64_forward_and_backward() {
     tch::manual_seed(11);
-    for transposed in [false, true] {
-        let x = Tensor::randn([3, 5, 192], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-        // `[out, in]` = `[256, 192]`, either contiguous or a transposed view of `[192, 256]`
-        let w = if transposed {
-            Tensor::randn([192, 256], (Kind::Float, Device::Cpu)).tr()
-        } else {
-            Tensor::randn([256, 192], (Kind::Float, Device::Cpu))
+    // `[out, in]`: a square-ish weight, a LoRA A factor `[r, in]` and a B factor `[out, r]`
+    // (taller than 4× its width: its gradient takes the `(xᵀ·g)ᵀ` product)
+    for (out, inp) in [(256, 192), (8, 192), (256, 8)] {
+        for transposed in [false, true] {
+            check_f32_linear(out, inp, transposed);
         }
-        .detach()
-        .set_requires_grad(true);
-        let g = Tensor::randn([3, 5, 256], (Kind::Float, Device::Cpu));
-
-        let y = sys::f32_linear(&x, &w).unwrap();
-        assert_eq!(y.size(), [3, 5, 256]);
-        assert_eq!(y.kind(), Kind::Float);
-        (&y * &g).sum(Kind::Float).backward();
-        let (gx, gw) = (x.grad(), w.grad());
-
-        let xd = x.detach().to_kind(Kind::Double).set_requires_grad(true);
-        let wd = w.detach().to_kind(Kind::Double).set_requires_grad(true);
-        let yd = xd.linear::<Tensor>(&wd, None);
-        (&yd * g.to_kind(Kind::Double)).sum(Kind::Double).backward();
-
-        assert!(rel_err(&y, &yd) < 1e-5, "forward {}", rel_err(&y, &yd));
-        assert!(
-            rel_err(&gx, &xd.grad()) < 1e-5,
-            "x grad {}",
-            rel_err(&gx, &xd.grad())
-        );
-        assert!(
-            rel_err(&gw, &wd.grad()) < 1e-5,
-            "w grad {}",
-            rel_err(&gw, &wd.grad())
-        );
     }
 
     // a frozen weight: only x's gradient, and no graph at all under no_grad
@@ -89,4 +61,42 @@ fn linear_product_equals_linear_in_f64_on_either_gemm() {
         .to_kind(Kind::Double)
         .linear::<Tensor>(&w.to_kind(Kind::Double), None);
     assert!(rel_err(&y, &yd) < 1e-5, "{}", rel_err(&y, &yd));
+}
+
+/// `f32_linear` of `x` `[3, 5, inp]` by a weight `[out, inp]` (contiguous, or a transposed view
+/// of `[inp, out]`) against libtorch's `linear` in f64: the output and both gradients.
+fn check_f32_linear(out: i64, inp: i64, transposed: bool) {
+    let x = Tensor::randn([3, 5, inp], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let w = if transposed {
+        Tensor::randn([inp, out], (Kind::Float, Device::Cpu)).tr()
+    } else {
+        Tensor::randn([out, inp], (Kind::Float, Device::Cpu))
+    }
+    .detach()
+    .set_requires_grad(true);
+    let g = Tensor::randn([3, 5, out], (Kind::Float, Device::Cpu));
+
+    let y = sys::f32_linear(&x, &w).unwrap();
+    assert_eq!(y.size(), [3, 5, out]);
+    assert_eq!(y.kind(), Kind::Float);
+    (&y * &g).sum(Kind::Float).backward();
+    let (gx, gw) = (x.grad(), w.grad());
+    assert_eq!(gw.size(), [out, inp]);
+
+    let xd = x.detach().to_kind(Kind::Double).set_requires_grad(true);
+    let wd = w.detach().to_kind(Kind::Double).set_requires_grad(true);
+    let yd = xd.linear::<Tensor>(&wd, None);
+    (&yd * g.to_kind(Kind::Double)).sum(Kind::Double).backward();
+
+    assert!(rel_err(&y, &yd) < 1e-5, "forward {}", rel_err(&y, &yd));
+    assert!(
+        rel_err(&gx, &xd.grad()) < 1e-5,
+        "x grad {}",
+        rel_err(&gx, &xd.grad())
+    );
+    assert!(
+        rel_err(&gw, &wd.grad()) < 1e-5,
+        "w grad {}",
+        rel_err(&gw, &wd.grad())
+    );
 }
