@@ -30,9 +30,9 @@ pub fn linear_product(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch
 
 /// True when `x·wᵀ` is an f32 product on the CPU outside autocast and this CPU multiplies f32
 /// by oneDNN ([`crate::sys::cpu_f32_gemm_by_onednn`]), the LoRA factors' products included: on
-/// such a CPU (AMD, where MKL takes its generic path) the small GEMMs of a 2-core fp32 step of
-/// SmolLM2-135M at rank 8 took 127 ms by MKL, ≈ 60 ms with these on oneDNN (the weight
-/// gradients stay on MKL; libtorch's profiler on the `bench-train` job).
+/// such a CPU (AMD, where MKL takes its generic path) MKL's small GEMMs took 127 ms of a 2-core
+/// fp32 step of SmolLM2-135M at rank 8; with the factors on oneDNN 17–18 ms of them are left,
+/// the A factors' weight gradients (libtorch's profiler on the `bench-train` job).
 fn f32_by_onednn(x: &Tensor, w: &Tensor) -> std::result::Result<bool, tch::TchError> {
     if x.device() != tch::Device::Cpu
         || x.kind() != Kind::Float
