@@ -6,8 +6,9 @@
 // order differs (relative differences of about 1e-6).
 //
 // An autograd op where x or W takes a gradient: `∂x = g · W` (oneDNN again, W read through its
-// transpose without a copy), `∂W = gᵀ · x` (MKL). The node saves W when x takes a gradient and x
-// when W does, as `at::linear`'s graph does, so the memory held for the backward pass is the same.
+// transpose without a copy), `∂W = gᵀ · x` (MKL; for a weight more than 4× taller than wide, a
+// LoRA B factor, `(xᵀ · g)ᵀ` by oneDNN). The node saves W when x takes a gradient and x when W
+// does, as `at::linear`'s graph does, so the memory held for the backward pass is the same.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1149,9 +1149,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
             .max(16.0)
             .min(rows_total);
         // Per row of the chunk, 8 bytes per vocabulary entry: in fp32 the logits and their
-        // fp32 log-softmax (two reused buffers on the CPU); in 16 bits the logits widened to
+        // fp32 log-softmax (two reused buffers off oneDNN); in 16 bits the logits widened to
         // fp32 (the 16-bit ones dropped) and their log-softmax, then that and the scaled
-        // softmax rounded for the gradient matmul (`e + 4` ≤ 8 bytes at once).
+        // softmax rounded for the gradient matmul (`e + 4` ≤ 8 bytes at once), then the
+        // rounded softmax alone (or, with bf16 by f32 GEMMs, beside its f32 widening: 6).
         rows * 8.0 * v
     } else {
         0.0

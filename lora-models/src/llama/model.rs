@@ -495,8 +495,10 @@ fn vocab_tiled_head(
 /// A frozen f32 weight's cast to a 16-bit dtype, kept across forwards while enabled
 /// ([`Llama::set_frozen_cast_cache`]): under autocast the weight is cast on every use — the
 /// same values each step, as the weight is frozen. Keyed by the source's storage and the dtype,
-/// so a replaced weight (a merge writes a new tensor) is cast afresh. Disabled (the default),
-/// it casts on every call.
+/// so a replaced weight is cast afresh; a weight written in place (a merge) is not seen by the
+/// key, so every mutable visit of the model's sites empties the caches first
+/// ([`Llama::visit_sites`](lora_core::inject::Adaptable::visit_sites)). Disabled (the
+/// default), it casts on every call.
 #[derive(Debug, Default)]
 struct CastCache(Option<std::sync::Mutex<Option<(usize, Kind, Tensor)>>>);
 
@@ -527,6 +529,15 @@ impl CastCache {
         let t = w.f_to_kind(kind)?;
         *slot = Some((key, kind, t.shallow_clone()));
         Ok(t)
+    }
+
+    /// Drops the kept cast (the cache stays enabled or disabled as it was).
+    fn clear(&self) {
+        if let Some(slot) = &self.0 {
+            *slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
     }
 }
 
@@ -1365,8 +1376,8 @@ impl Llama {
     /// linear + cross-entropy kernels of Liger-Kernel (arXiv:2410.10989) and torchtune's chunked
     /// loss, here built from libtorch ops. Same FLOPs as the plain path; instead of
     /// `b·s·V·(e + 12)` bytes of logits, log-probabilities and their gradients it holds one
-    /// chunk's f32 logits and their log-softmax (libtorch's row-wise kernel), and in fp32 on MKL
-    /// those are two buffers reused for every chunk (no page faults for fresh logits every
+    /// chunk's f32 logits and their log-softmax (libtorch's row-wise kernel), and in fp32 (off
+    /// oneDNN) those are two buffers reused for every chunk (no page faults for fresh logits every
     /// step). A quantized head is never decoded whole: the CPU kernel multiplies it chunk by
     /// chunk, and elsewhere ([`vocab_tiled_head`]: CUDA, f16, f64) one tile of vocabulary rows
     /// is decoded at a time.
@@ -1492,7 +1503,9 @@ impl Llama {
                 let p = if mm_kind == Kind::Float {
                     lp
                 } else {
-                    lp.f_to_kind(mm_kind)?
+                    let p = lp.f_to_kind(mm_kind)?;
+                    drop(lp);
+                    p
                 };
                 let mut gx = g.f_narrow(0, start, r)?;
                 match &w {
@@ -1615,6 +1628,18 @@ impl Adaptable for Llama {
         &mut self,
         f: &mut dyn FnMut(&str, SiteMut<'_>) -> lora_core::Result<()>,
     ) -> lora_core::Result<()> {
+        // `f` may write a base weight in place (a merge), which the casts' keys cannot see
+        for l in &self.layers {
+            for c in [
+                &l.self_attn.qkv_cast,
+                &l.self_attn.o_cast,
+                &l.mlp.gate_up_cast,
+                &l.mlp.down_cast,
+            ] {
+                c.clear();
+            }
+        }
+        self.head_cast.clear();
         self.embed_tokens.visit(f)?;
         for l in &mut self.layers {
             for s in l.linears_mut() {

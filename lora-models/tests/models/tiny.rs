@@ -710,6 +710,40 @@ fn bf16_training_attention_runs_in_f32_on_the_cpu() {
     }
 }
 
+/// A merge writes the adapters into the base weights in place, which the kept casts' keys
+/// (the weights' storage) cannot see: the model drops its kept casts whenever its sites are
+/// visited mutably, so a forward after the merge reads the merged weights.
+#[test]
+fn a_merge_drops_the_kept_casts() {
+    let _g = crate::rng_lock();
+    let mut c = tiny_config("llama");
+    c.tie_word_embeddings = true;
+    let mut m =
+        Llama::from_tensors(c.clone(), &random_weights(&c, 7), Kind::Float, Device::Cpu).unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cfg = LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "o_proj", "down_proj"]);
+    inject(&mut m, &cfg, "default", &vs.root()).unwrap();
+    perturb(&vs, 0.05);
+    let (x, _) = ids_and_masked_labels(2, 10, 64);
+    let logits = |m: &Llama| {
+        let _ac = lora_core::sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
+        tch::no_grad(|| m.forward_t(&x, None, None, false).unwrap())
+    };
+    m.set_frozen_cast_cache(true);
+    let before = logits(&m);
+    let merged = lora_core::inject::merge_adapters(&mut m, None, true).unwrap();
+    assert!(merged > 0);
+    let kept = logits(&m);
+    m.set_frozen_cast_cache(false);
+    let fresh = logits(&m);
+    assert!(
+        kept.equal(&fresh),
+        "a forward after the merge read stale casts"
+    );
+    // and the merge did change the bases (the branches now live in them, rounded to bf16)
+    assert!(!before.equal(&fresh));
+}
+
 /// Keeping autocast's casts of the frozen weights across steps changes no number: under bf16
 /// autocast, two steps' losses and LoRA gradients with the kept casts equal those without.
 #[test]
@@ -723,7 +757,15 @@ fn kept_frozen_casts_give_the_same_steps() {
     let cfg = LoraConfig::new(
         4,
         8.0,
-        &["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+        &[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
     );
     inject(&mut m, &cfg, "default", &vs.root()).unwrap();
     perturb(&vs, 0.05);
