@@ -16,6 +16,7 @@ fn build_shim() {
         "shim/dist.h",
         "shim/profiler.cpp",
         "shim/f32_linear.cpp",
+        "shim/decoder_ops.cpp",
         "shim/dist_nccl.cpp",
         "shim/guard.h",
     ] {
@@ -32,6 +33,10 @@ fn build_shim() {
     if let Some(gloo) = gloo_include(&include) {
         build.include(&gloo).define("USE_C10D_GLOO", None);
         println!("cargo:rustc-cfg=lora_gloo");
+    }
+    let openmp = openmp_runtime(std::path::Path::new(&lib), &include);
+    if openmp.is_some() {
+        build.flag("-fopenmp");
     }
     let nccl = nccl_includes(std::path::Path::new(&lib), &include);
     if let Some(dirs) = &nccl {
@@ -51,6 +56,7 @@ fn build_shim() {
         .file("shim/dist.cpp")
         .file("shim/profiler.cpp")
         .file("shim/f32_linear.cpp")
+        .file("shim/decoder_ops.cpp")
         // the quantized-linear kernels are hot loops: optimized in every profile
         .opt_level(3)
         .include(&include)
@@ -62,16 +68,57 @@ fn build_shim() {
                 .join("include"),
         )
         .flag("-std=c++17")
+        // lets GCC vectorize loops with float compares (decoder_ops.cpp's clamps) on AVX2 and
+        // SSE: no value changes, only which floating-point exception flags could be raised
+        .flag_if_supported("-fno-trapping-math")
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .warnings(false)
         .compile("lora_core_shim");
+    match openmp {
+        Some(OpenMp::Bundled) => println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1"),
+        Some(OpenMp::System) => println!("cargo:rustc-link-lib=dylib=gomp"),
+        None => {}
+    }
     if nccl.is_some() {
         // ProcessGroupNCCL and c10::cuda live in these; named after the shim so they resolve it
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
     }
+}
+
+/// Where the shim's OpenMP runtime comes from.
+enum OpenMp {
+    /// libtorch's own `libgomp.so.1`, beside `libtorch_cpu.so` (the PyPI wheels ship one).
+    Bundled,
+    /// The system's GNU OpenMP (`-lgomp`).
+    System,
+}
+
+/// The OpenMP runtime to build the shim against, or `None` (its loops then run on the calling
+/// thread). libtorch's `at::parallel_for` is a header template: in an OpenMP build of libtorch
+/// (`AT_PARALLEL_OPENMP 1` in `ATen/Config.h`, the Linux wheels) it opens an `omp parallel`
+/// region only when the including file is compiled with `-fopenmp`, and silently runs the
+/// whole range on one thread otherwise. Linking the same `libgomp.so.1` libtorch loads (same
+/// soname, so one runtime and one thread pool per process) keeps the shim's loops on
+/// libtorch's intra-op threads. Linux with GCC only.
+fn openmp_runtime(lib: &std::path::Path, include: &std::path::Path) -> Option<OpenMp> {
+    if std::env::var("CARGO_CFG_TARGET_OS").ok().as_deref() != Some("linux") {
+        return None;
+    }
+    let config = std::fs::read_to_string(include.join("ATen").join("Config.h")).ok()?;
+    if !config
+        .lines()
+        .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["#define", "AT_PARALLEL_OPENMP", "1"])
+    {
+        return None;
+    }
+    Some(if lib.join("libgomp.so.1").exists() {
+        OpenMp::Bundled
+    } else {
+        OpenMp::System
+    })
 }
 
 /// The include folders c10d's `ProcessGroupNCCL.hpp` needs besides libtorch's, or `None` (the

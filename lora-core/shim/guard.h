@@ -10,6 +10,14 @@
 #include <exception>
 #include <string>
 
+// A hot loop compiled for AVX-512, AVX2 and baseline x86-64, the loader picking one at run time
+// (GCC `target_clones`); elsewhere one plain build.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LSDK_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LSDK_CLONES
+#endif
+
 namespace lsdk {
 
 inline char* dup_message(const std::string& s) {

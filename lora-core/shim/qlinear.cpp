@@ -93,12 +93,6 @@ struct QWeight {
   at::Tensor codes, scales, mins, sub_scales, hbits, dq_scales, table;
 };
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LSDK_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define LSDK_CLONES
-#endif
-
 // Rows [r0, r1) of a GGUF weight into `dst` (row-major, `in` per row). Each block's codes are
 // first unpacked to 32 small integers, then scaled in one straight loop of 32 (vectorized).
 LSDK_CLONES void decode_gguf_rows(

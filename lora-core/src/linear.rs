@@ -107,6 +107,13 @@ pub struct LoraLinear {
     disabled: bool,
 }
 
+/// The outputs of sibling linears (the core of [`LoraLinear::forward_siblings`]): side by side in
+/// one tensor with no bias added yet, or each site's own full forward.
+enum Siblings {
+    Joined(Tensor),
+    Split(Vec<Tensor>),
+}
+
 impl LoraLinear {
     /// Wraps a frozen base weight `[out, in]` and optional bias `[out]`.
     ///
@@ -258,6 +265,63 @@ impl LoraLinear {
         train: bool,
     ) -> Result<Vec<Tensor>> {
         let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
+        let ctx = || format!("sibling linears {outs:?} forward on input {:?}", x.size());
+        match Self::siblings(sites, x, base_out, train)? {
+            Siblings::Split(parts) => Ok(parts),
+            Siblings::Joined(y) => {
+                let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
+                sites
+                    .iter()
+                    .zip(parts)
+                    .map(|(s, p)| s.add_bias(p).ctx(ctx))
+                    .collect()
+            }
+        }
+    }
+
+    /// [`LoraLinear::forward_siblings`] with the outputs side by side in one tensor
+    /// `[..., Σ outᵢ]` (site order): the fused tensor itself when the branches are computed
+    /// together and no site has a bias, else the sites' outputs concatenated. For an op that reads
+    /// the group as one tensor (SwiGLU over gate and up, [`crate::sys::swiglu`]), whose gradient
+    /// then flows back as one tensor instead of through a split.
+    ///
+    /// # Errors
+    /// As [`LoraLinear::forward_siblings`].
+    pub fn forward_siblings_joined(
+        sites: &[&LoraLinear],
+        x: &Tensor,
+        base_out: Tensor,
+        train: bool,
+    ) -> Result<Tensor> {
+        let has_bias = sites.iter().any(|s| s.bias.is_some());
+        match Self::siblings(sites, x, base_out, train)? {
+            Siblings::Joined(y) if !has_bias => Ok(y),
+            Siblings::Joined(y) => {
+                let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
+                let ctx = || format!("sibling linears {outs:?} forward on input {:?}", x.size());
+                let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
+                let parts = sites
+                    .iter()
+                    .zip(parts)
+                    .map(|(s, p)| s.add_bias(p))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .ctx(ctx)?;
+                Tensor::f_cat(&parts, -1).ctx(ctx)
+            }
+            Siblings::Split(parts) => Tensor::f_cat(&parts, -1)
+                .ctx(|| format!("sibling linears' outputs joined, input {:?}", x.size())),
+        }
+    }
+
+    /// The core of [`LoraLinear::forward_siblings`]: the group's outputs before any bias, in
+    /// one tensor when the branches were computed together, else each site's full forward.
+    fn siblings(
+        sites: &[&LoraLinear],
+        x: &Tensor,
+        base_out: Tensor,
+        train: bool,
+    ) -> Result<Siblings> {
+        let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
         let total: i64 = outs.iter().sum();
         let size = base_out.size();
         if size.last() != Some(&total)
@@ -290,7 +354,8 @@ impl LoraLinear {
                 .iter()
                 .zip(parts)
                 .map(|(s, b)| s.forward_from_base(x, b, train))
-                .collect();
+                .collect::<Result<Vec<_>>>()
+                .map(Siblings::Split);
         };
         let y = (|| -> std::result::Result<Tensor, tch::TchError> {
             let a: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_a).collect();
@@ -323,12 +388,7 @@ impl LoraLinear {
             .f_reshape(size.as_slice())
         })()
         .ctx(ctx)?;
-        let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
-        sites
-            .iter()
-            .zip(parts)
-            .map(|(s, p)| s.add_bias(p).ctx(ctx))
-            .collect()
+        Ok(Siblings::Joined(y))
     }
 }
 

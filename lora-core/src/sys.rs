@@ -135,6 +135,27 @@ mod ffi {
             w: *const torch_sys::C_tensor,
             y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
+        pub fn lsdk_silu_mul(
+            g: *const torch_sys::C_tensor,
+            u: *const torch_sys::C_tensor,
+            h: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
+        pub fn lsdk_swiglu(
+            gu: *const torch_sys::C_tensor,
+            h: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
+        pub fn lsdk_rope(
+            x: *const torch_sys::C_tensor,
+            cos: *const torch_sys::C_tensor,
+            sin: *const torch_sys::C_tensor,
+            y: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
+        pub fn lsdk_rms_norm(
+            x: *const torch_sys::C_tensor,
+            w: *const torch_sys::C_tensor,
+            eps: f64,
+            y: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
         pub fn lsdk_profiler_start(cuda: i32, record_shapes: i32) -> *mut c_char;
         pub fn lsdk_profiler_stop(
             trace_path: *const c_char,
@@ -1158,6 +1179,80 @@ pub fn cpu_has_fast_bf16_gemm() -> bool {
 /// error (e.g. out of memory).
 pub fn f32_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
     linear_op("f32_linear", ffi::lsdk_f32_linear, x, w)
+}
+
+/// SwiGLU's product `h = silu(g) ⊙ u` (`silu(g) = g·sigmoid(g)`, the LLaMA MLP's gate; Shazeer,
+/// "GLU Variants Improve Transformer", 2020) as one autograd op (`shim/decoder_ops.cpp`). Its
+/// node saves `g` and `u` and recomputes the sigmoid in the backward pass, where libtorch's
+/// `silu` then `mul` would also keep `silu(g)`: one activation less. f32 on the CPU runs one
+/// vectorized loop each way (values within a few ulp of libtorch's); other dtypes and devices
+/// run libtorch's own `silu`, `mul` and `silu_backward`, giving the composite's values exactly.
+///
+/// `g`, `u`: the same shape `[..., ff]`, dtype (floating) and device. Returns `[..., ff]`.
+///
+/// # Errors
+/// Shapes, dtypes or devices that differ, a non-floating dtype, or a libtorch error (e.g. out
+/// of memory).
+pub fn silu_mul(g: &Tensor, u: &Tensor) -> ShimResult<Tensor> {
+    linear_op("silu_mul", ffi::lsdk_silu_mul, g, u)
+}
+
+/// [`silu_mul`] of the two halves of one tensor `gu` `[..., 2·ff]` (gate the first `ff` values of
+/// the last dim, up the last `ff`: the output of a fused gate/up product) → `[..., ff]`. The
+/// gradient flows back as one tensor shaped like `gu`, without the split's zero-filled halves.
+///
+/// # Errors
+/// An odd last dim, a non-floating dtype, or a libtorch error.
+pub fn swiglu(gu: &Tensor) -> ShimResult<Tensor> {
+    let mut h: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: `gu` is a live `torch::Tensor*` for the call; on success `h` holds a new heap
+    // tensor whose ownership `take_output` takes.
+    let ret = unsafe { ffi::lsdk_swiglu(gu.as_ptr(), &mut h) };
+    check("swiglu", ret)?;
+    // SAFETY: see above.
+    unsafe { take_output("swiglu", h) }
+}
+
+/// Rotary position embedding in HF's `rotate_half` layout (`modeling_llama.apply_rotary_pos_emb`;
+/// Su et al., "RoFormer", 2021): `y = x·cos + rotate_half(x)·sin` with `rotate_half([x1, x2]) =
+/// [−x2, x1]` over halves of the last dim, as one autograd op on the CPU (`shim/decoder_ops.cpp`;
+/// the backward applies the transpose, `∂x = g·cos + [g2·sin2, −g1·sin1]`). Nothing is saved
+/// but the tables.
+///
+/// `x`: `[batch, heads, seq, head_dim]` f32 on the CPU (any strides; the output takes x's layout);
+/// `cos`, `sin`: f32 tables of one shape broadcasting to x (e.g. `[batch, 1, seq, head_dim]`),
+/// without gradient. `head_dim` even.
+///
+/// # Errors
+/// Other dtypes or devices, shapes that do not broadcast, an odd `head_dim`, tables that take a
+/// gradient, or a libtorch error.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> ShimResult<Tensor> {
+    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: the three tensors are live for the call; on success `y` holds a new heap tensor
+    // whose ownership `take_output` takes.
+    let ret = unsafe { ffi::lsdk_rope(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), &mut y) };
+    check("rope", ret)?;
+    // SAFETY: see above.
+    unsafe { take_output("rope", y) }
+}
+
+/// RMSNorm `y = w ⊙ (x · rsqrt(mean(x²) + eps))` over the last dim (Zhang and Sennrich, "Root
+/// Mean Square Layer Normalization", 2019; HF `LlamaRMSNorm` for an f32 input) as one autograd
+/// op on the CPU (`shim/decoder_ops.cpp`): saves x and the per-row `rsqrt`, the backward is
+/// `∂x = rstd·(g⊙w) − x·rstd³·Σ(g⊙w⊙x)/n` (and `∂w = Σ_rows g⊙x̂` when the weight trains).
+///
+/// `x`: `[..., n]` f32 on the CPU; `w`: `[n]` f32. Returns `[..., n]` f32.
+///
+/// # Errors
+/// Other dtypes or devices, a weight that does not fit, or a libtorch error.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> ShimResult<Tensor> {
+    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: `x` and `w` are live for the call; on success `y` holds a new heap tensor whose
+    // ownership `take_output` takes.
+    let ret = unsafe { ffi::lsdk_rms_norm(x.as_ptr(), w.as_ptr(), eps, &mut y) };
+    check("rms_norm", ret)?;
+    // SAFETY: see above.
+    unsafe { take_output("rms_norm", y) }
 }
 
 /// Whether this workspace multiplies f32 matrices on the CPU with oneDNN ([`f32_linear`]) rather

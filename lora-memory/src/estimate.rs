@@ -806,9 +806,10 @@ fn decoder_layer(
     } else {
         0.0
     };
-    // Gated MLP: SiLU keeps gate, the product keeps SiLU(gate) and up; compile keeps gate, up.
+    // Gated MLP: SiLU keeps gate, the product keeps SiLU(gate) and up; compile keeps gate, up,
+    // and so does ours (lora-core's SwiGLU op recomputes the sigmoid in its backward pass).
     saved += if d.gated_mlp {
-        if p.torch_compile {
+        if p.torch_compile || p.framework == Framework::Ours {
             2.0 * c.e * f
         } else {
             3.0 * c.e * f

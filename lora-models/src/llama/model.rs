@@ -44,8 +44,17 @@ pub(crate) struct RmsNorm {
 }
 
 impl RmsNorm {
+    /// On the CPU an f32 input with an f32 weight takes the fused op ([`lora_core::sys::rms_norm`]:
+    /// one loop each way, the same values up to rounding); anything else libtorch's ops.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let kind = x.kind();
+        if kind == Kind::Float
+            && x.device() == Device::Cpu
+            && self.weight.kind() == Kind::Float
+            && self.weight.device() == Device::Cpu
+        {
+            return Ok(lora_core::sys::rms_norm(x, &self.weight, self.eps)?);
+        }
         let xf = x.f_to_kind(Kind::Float)?;
         let var = xf.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
         let y = xf
@@ -81,7 +90,20 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::f_cat(&[x2.f_neg()?, x1], -1)?)
 }
 
+/// `x·cos + rotate_half(x)·sin` (HF `apply_rotary_pos_emb`) for `x` `[b, heads, s, hd]`; an f32
+/// `x` on the CPU with constant f32 tables takes the fused op ([`lora_core::sys::rope`]).
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let f32_cpu = |t: &Tensor| t.kind() == Kind::Float && t.device() == Device::Cpu;
+    if f32_cpu(x)
+        && f32_cpu(cos)
+        && f32_cpu(sin)
+        && x.dim() == 4
+        && cos.dim() == 4
+        && !cos.requires_grad()
+        && !sin.requires_grad()
+    {
+        return Ok(lora_core::sys::rope(x, cos, sin)?);
+    }
     Ok(x.f_mul(cos)?.f_add(&rotate_half(x)?.f_mul(sin)?)?)
 }
 
@@ -293,10 +315,26 @@ struct Mlp {
 }
 
 impl Mlp {
+    /// `down(silu(gate(x)) ⊙ up(x))`, the product by [`lora_core::sys::swiglu`] (its node keeps
+    /// gate and up, not `silu(gate)`); over the fused gate/up product it reads both as one tensor.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let sites = [&self.gate_proj, &self.up_proj];
-        let [g, u] = sibling_forward(self.gate_up.as_ref(), &self.gate_up_cast, &sites, x, train)?;
-        let h = g.f_silu()?.f_mul(&u)?;
+        let h = match fused_products(self.gate_up.as_ref(), &self.gate_up_cast, &sites, x)? {
+            Some(base_out) => {
+                let layers: Vec<&LoraLinear> = sites.iter().map(|s| &***s).collect();
+                let gu = LoraLinear::forward_siblings_joined(&layers, x, base_out, train)?;
+                lora_core::sys::swiglu(&gu)?
+            }
+            None => {
+                let g = self.gate_proj.forward_t(x, train)?;
+                let u = self.up_proj.forward_t(x, train)?;
+                if g.kind() == u.kind() && g.device() == u.device() {
+                    lora_core::sys::silu_mul(&g, &u)?
+                } else {
+                    g.f_silu()?.f_mul(&u)?
+                }
+            }
+        };
         single_forward(&self.down_proj, &self.down_cast, &h, train)
     }
 }
