@@ -11,6 +11,9 @@
 
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/_foreach_add.h>
@@ -29,6 +32,7 @@
 #include "guard.h"
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -214,6 +218,42 @@ void CountingCpuAllocator::deleter(void* ptr) {
 }
 
 std::atomic<bool> counting_installed{false};
+
+// Adam/AdamW over `n` fp32 values in one pass (see `lsdk_adam_foreach_step` for the formula):
+// each value is read and written once, where the multi-tensor ops make eight passes over the
+// moments and a temporary of the denominators. Each operation is the one libtorch's element-wise
+// kernel performs, in its order (`addcmul`: `v + (s·g)·g`; `addcdiv`: `p + (s·m)/d`); libtorch's
+// vectorized `lerp` fuses its multiply-add, so `m` can differ from it by one rounding.
+LSDK_CLONES void adam_step_f32(
+    float* p,
+    const float* g,
+    float* m,
+    float* v,
+    int64_t n,
+    float decay_factor,
+    float one_minus_beta1,
+    float beta2,
+    float one_minus_beta2,
+    float bias_correction2_sqrt,
+    float eps,
+    float neg_step_size) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = m[i] + one_minus_beta1 * (gi - m[i]);
+    const float vi = v[i] * beta2 + (one_minus_beta2 * gi) * gi;
+    const float denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] * decay_factor + (neg_step_size * mi) / denom;
+  }
+}
+
+// Whether `t` is a dense f32 CPU tensor of `numel` elements that the fused step can address as
+// one array.
+bool fused_adam_operand(const at::Tensor& t, int64_t numel) {
+  return t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+      t.numel() == numel;
+}
 
 }  // namespace
 
@@ -472,6 +512,38 @@ char* lsdk_adam_foreach_step(
       bc2.emplace_back(bias_correction2_sqrt[i]);
     }
     if (n == 0) {
+      return;
+    }
+    // On the CPU, with every operand a contiguous f32 array of its parameter's size and no
+    // gradient aliasing a state tensor: one pass per tensor, tensors shared out over libtorch's
+    // intra-op threads.
+    bool fused = true;
+    for (int64_t i = 0; i < n && fused; ++i) {
+      const int64_t numel = p[i].numel();
+      fused = fused_adam_operand(p[i], numel) && fused_adam_operand(g[i], numel) &&
+          fused_adam_operand(m[i], numel) && fused_adam_operand(v[i], numel) &&
+          !g[i].is_alias_of(m[i]) && !g[i].is_alias_of(v[i]) && !g[i].is_alias_of(p[i]);
+    }
+    if (fused) {
+      at::NoGradGuard no_grad;
+      RECORD_FUNCTION("lsdk::adam_step", std::vector<c10::IValue>());
+      at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          adam_step_f32(
+              p[i].data_ptr<float>(),
+              g[i].data_ptr<float>(),
+              m[i].data_ptr<float>(),
+              v[i].data_ptr<float>(),
+              p[i].numel(),
+              static_cast<float>(decay_factor),
+              static_cast<float>(one_minus_beta1),
+              static_cast<float>(beta2),
+              static_cast<float>(one_minus_beta2),
+              static_cast<float>(bias_correction2_sqrt[i]),
+              static_cast<float>(eps),
+              static_cast<float>(neg_step_size[i]));
+        }
+      });
       return;
     }
     if (decay_factor != 1.0) {

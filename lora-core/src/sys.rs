@@ -863,8 +863,13 @@ pub struct AdamForeachScalars {
 /// p ← p + neg_step_size[i] · m / (√v / bias_correction2_sqrt[i] + ε)
 /// ```
 ///
-/// Each `_foreach_*` op is one libtorch call over the whole list instead of one per tensor. The
-/// result is bit-identical to the per-tensor loop (`torch.optim.AdamW(foreach=False)`). The
+/// On the CPU, when every operand is a contiguous f32 array of its parameter's size, the whole
+/// update is one pass over each tensor (`shim/shim.cpp`, `adam_step_f32`; the tensors shared out
+/// over libtorch's intra-op threads), with each operation libtorch's element-wise kernels perform,
+/// in their order; libtorch's vectorized `lerp` fuses a multiply-add, so a first moment can
+/// differ from it by one rounding. No temporary is allocated. Elsewhere (CUDA, other layouts)
+/// each `_foreach_*` op is one libtorch call over the whole list instead of one per tensor,
+/// bit-identical to the per-tensor loop (`torch.optim.AdamW(foreach=False)`), and the
 /// denominators are one temporary list as large as `exp_avg_sqs`.
 ///
 /// `params`, `grads`, `exp_avgs`, `exp_avg_sqs` are parallel lists of same-shaped fp32 tensors on

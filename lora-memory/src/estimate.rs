@@ -72,7 +72,8 @@ pub struct Breakdown {
     /// Temporaries of the optimizer step: `foreach` AdamW builds one state-sized list
     /// (`_foreach_sqrt(exp_avg_sq)`) for all parameters at once (torch.optim.adam
     /// `_multi_tensor_adam`); lora-train's AdamW does the same per chunk of
-    /// [`OURS_FOREACH_CHUNK_ELEMENTS`]; fused or per-tensor loops only the largest tensor.
+    /// [`OURS_FOREACH_CHUNK_ELEMENTS`] on CUDA; fused or per-tensor loops (ours on the CPU
+    /// included) only the largest tensor.
     pub optimizer_step_temporaries: Bytes,
     /// Saved activations at the backward peak (all layers, or the checkpointed layer inputs plus
     /// the recomputed layer and its gradient working set).
@@ -642,14 +643,18 @@ pub fn ours_dequant_bytes_per_weight(base: BaseDtype, e: f64) -> f64 {
 pub const OURS_CE_CHUNK_BYTES: u64 = 32 << 20;
 
 /// Temporaries of the optimizer step. PEFT's `torch.optim.AdamW` on CUDA (foreach) builds one
-/// state-sized list; our AdamW runs the same ops in chunks of [`OURS_FOREACH_CHUNK_ELEMENTS`];
-/// fused or per-tensor steps (other optimizers, CPU PyTorch) hold one tensor's worth.
+/// state-sized list; our AdamW runs the same ops in chunks of [`OURS_FOREACH_CHUNK_ELEMENTS`] on
+/// CUDA, and one fused pass per tensor on the CPU (no temporary); fused or per-tensor steps
+/// (other optimizers, CPU PyTorch) hold one tensor's worth, counted for ours on the CPU too.
 fn step_temporaries(t: &Trainable, s: &Settings, foreach_tmp: f64, state_bytes: f64) -> f64 {
     let per_tensor = t.largest as f64 * state_bytes;
     if s.optimizer != Optimizer::AdamW || s.profile.fused_adamw {
         return per_tensor;
     }
     if s.profile.framework == Framework::Ours {
+        if !s.device.is_cuda() {
+            return per_tensor;
+        }
         let chunk = t.params.min(OURS_FOREACH_CHUNK_ELEMENTS + t.largest);
         return (chunk as f64 * state_bytes).max(per_tensor);
     }

@@ -125,6 +125,8 @@ impl AdamW {
 }
 
 /// One AdamW update of parameter `p` with fp32 gradient `g`; shared with [`super::AdamW8bit`].
+/// The same computation as [`AdamW`]'s step ([`lora_core::sys::adam_foreach_step`] over this one
+/// tensor), on an fp32 working copy for a bf16/fp16 parameter.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw_update(
     p: &Tensor,
@@ -136,28 +138,53 @@ pub(crate) fn adamw_update(
     weight_decay: f64,
     cfg: &AdamWConfig,
 ) -> Result<()> {
-    let (b1, b2) = cfg.betas;
-    let mut w = if p.kind() == Kind::Float {
+    let w = if p.kind() == Kind::Float {
         p.shallow_clone()
     } else {
         param_f32(p)?
     };
-    if weight_decay != 0.0 {
-        let _ = w.f_mul_scalar_(1.0 - lr * weight_decay)?;
-    }
-    let _ = exp_avg.f_lerp_(g, 1.0 - b1)?;
-    let _ = exp_avg_sq.f_mul_scalar_(b2)?;
-    let _ = exp_avg_sq.f_addcmul_(g, &g.f_mul_scalar(1.0 - b2)?)?;
-    let bias_correction1 = 1.0 - b1.powi(step as i32);
-    let bias_correction2 = 1.0 - b2.powi(step as i32);
-    let step_size = lr / bias_correction1;
-    let mut denom = exp_avg_sq.f_sqrt()?.f_div_scalar(bias_correction2.sqrt())?;
-    let _ = denom.f_add_scalar_(cfg.eps)?;
-    let _ = w.f_addcdiv_(&exp_avg.f_mul_scalar(-step_size)?, &denom)?;
+    let (neg_step_size, bias_correction2_sqrt) = step_corrections(cfg, lr, step);
+    lora_core::sys::adam_foreach_step(
+        std::slice::from_ref(&w),
+        std::slice::from_ref(g),
+        std::slice::from_ref(exp_avg),
+        std::slice::from_ref(exp_avg_sq),
+        &[neg_step_size],
+        &[bias_correction2_sqrt],
+        update_scalars(cfg, lr, weight_decay),
+    )?;
     if p.kind() != Kind::Float {
         write_param(p, &w)?;
     }
     Ok(())
+}
+
+/// The scalars of an AdamW update shared by every tensor of a group: `decay_factor = 1 − lr·wd`
+/// (1 without weight decay), `1 − β₁`, `β₂`, `1 − β₂`, ε (`torch/optim/adamw.py`).
+fn update_scalars(
+    cfg: &AdamWConfig,
+    lr: f64,
+    weight_decay: f64,
+) -> lora_core::sys::AdamForeachScalars {
+    let (b1, b2) = cfg.betas;
+    lora_core::sys::AdamForeachScalars {
+        decay_factor: if weight_decay != 0.0 {
+            1.0 - lr * weight_decay
+        } else {
+            1.0
+        },
+        one_minus_beta1: 1.0 - b1,
+        beta2: b2,
+        one_minus_beta2: 1.0 - b2,
+        eps: cfg.eps,
+    }
+}
+
+/// A tensor's bias corrections at its `step` (1-based): `(−lr / (1 − β₁ᵗ), √(1 − β₂ᵗ))`.
+fn step_corrections(cfg: &AdamWConfig, lr: f64, step: u64) -> (f64, f64) {
+    let (b1, b2) = cfg.betas;
+    let t = step as i32;
+    (-(lr / (1.0 - b1.powi(t))), (1.0 - b2.powi(t)).sqrt())
 }
 
 /// Most elements per multi-tensor call: the denominators of one call are a temporary as large as
@@ -197,25 +224,18 @@ impl ForeachBatch {
 }
 
 impl Optimizer for AdamW {
-    /// fp32 parameters on one device go through libtorch's multi-tensor ops
-    /// ([`lora_core::sys::adam_foreach_step`], a few calls per group instead of ~10 per tensor);
-    /// others (bf16/fp16 parameters with fp32 state) through a per-tensor update. Both give the same
-    /// bits as `torch.optim.AdamW`. On CPU the step runs on one libtorch thread
-    /// (libtorch's intra-op threads are set to 1 for the step and restored after).
+    /// fp32 parameters on one device go through [`lora_core::sys::adam_foreach_step`] (on the
+    /// CPU one fused pass per tensor, within a rounding of `torch.optim.AdamW`; elsewhere
+    /// libtorch's multi-tensor ops, its bits); others (bf16/fp16 parameters with fp32 state)
+    /// through a per-tensor update. On CPU the step runs on one libtorch thread (libtorch's
+    /// intra-op threads are set to 1 for the step and restored after).
     fn step(&mut self) -> Result<()> {
         let _ng = tch::no_grad_guard();
         let _threads = super::optimizer::CpuStepThreads::for_params(&self.params());
-        let (b1, b2) = self.cfg.betas;
         for (gi, group) in self.groups.iter().enumerate() {
             let lr = self.lr * group.lr_scale;
             let wd = group.weight_decay.unwrap_or(self.cfg.weight_decay);
-            let scalars = lora_core::sys::AdamForeachScalars {
-                decay_factor: if wd != 0.0 { 1.0 - lr * wd } else { 1.0 },
-                one_minus_beta1: 1.0 - b1,
-                beta2: b2,
-                one_minus_beta2: 1.0 - b2,
-                eps: self.cfg.eps,
-            };
+            let scalars = update_scalars(&self.cfg, lr, wd);
             let mut batch = ForeachBatch::default();
             for (pi, p) in group.params.iter().enumerate() {
                 let Some(g) = grad_f32(p)? else { continue };
@@ -242,9 +262,10 @@ impl Optimizer for AdamW {
                     }
                     batch.flush(scalars)?;
                 }
-                let t = slot.step as i32;
-                batch.neg_step_size.push(-(lr / (1.0 - b1.powi(t))));
-                batch.bias_correction2_sqrt.push((1.0 - b2.powi(t)).sqrt());
+                let (neg_step_size, bias_correction2_sqrt) =
+                    step_corrections(&self.cfg, lr, slot.step);
+                batch.neg_step_size.push(neg_step_size);
+                batch.bias_correction2_sqrt.push(bias_correction2_sqrt);
                 batch.elements += p.numel() as i64;
                 batch.params.push(p.shallow_clone());
                 batch.grads.push(g);
