@@ -6,8 +6,9 @@
 //   in one tensor, the output of a fused gate/up GEMM). The node saves gate and up only and
 //   recomputes the sigmoid in the backward pass, where libtorch's `silu` then `mul` also keep
 //   `silu(gate)`: one activation `[tokens, ff]` less per layer. On the CPU in f32 one loop each
-//   way; anywhere else the same libtorch ops the composite runs (`silu`, `mul`, `silu_backward`),
-//   so the numbers are the composite's bit for bit.
+//   way; anywhere else (bf16 included: a bf16 loop measured slower than libtorch's vectorized
+//   ops) the same libtorch ops the composite runs (`silu`, `mul`, `silu_backward`), so the
+//   composite's numbers bit for bit.
 // - RoPE in HF's `rotate_half` layout, `y = x·cos + rotate_half(x)·sin` (`lsdk_rope`), CPU f32.
 // - RMSNorm `y = w ⊙ (x · rsqrt(mean(x²) + ε))` (`lsdk_rms_norm`, HF `LlamaRMSNorm` for an f32
 //   input), CPU f32; saves x and the per-row `rsqrt` (what the composite keeps).
@@ -69,16 +70,21 @@ int64_t grain_rows(int64_t width) {
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
-// h = silu(g)·u for `n` values of one row.
+// libtorch's CPU `silu` (x / (1 + e^−x)) and the factor of its `silu_backward`
+// (σ·(1 + x·(1 − σ)), σ = 1 / (1 + e^−x)), in f32.
+inline float silu_f32(float x) {
+  return x / (1.0f + exp_f32(-x));
+}
+
+// SwiGLU over one f32 row of `n` values, forward (`h = silu(g)·u`) or backward
+// (`du = dh·silu(g)`, `dg = (dh·u)·σ·(1 + g·(1 − σ))`), each product in the order of libtorch's
+// composite (`silu`, `mul`; `mul`, `silu_backward`).
 LSDK_CLONES void silu_mul_row(const float* g, const float* u, float* h, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float s = 1.0f / (1.0f + exp_f32(-g[i]));
-    h[i] = (g[i] * s) * u[i];
+    h[i] = silu_f32(g[i]) * u[i];
   }
 }
 
-// dg = dh·u·silu'(g), du = dh·silu(g) for `n` values of one row, silu'(g) = s·(1 + g·(1 − s))
-// with s = sigmoid(g) (libtorch's `silu_backward`).
 LSDK_CLONES void silu_mul_grad_row(
     const float* dh,
     const float* g,
@@ -88,8 +94,8 @@ LSDK_CLONES void silu_mul_grad_row(
     int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float s = 1.0f / (1.0f + exp_f32(-g[i]));
-    du[i] = dh[i] * (g[i] * s);
-    dg[i] = (dh[i] * u[i]) * (s * (1.0f + g[i] * (1.0f - s)));
+    du[i] = dh[i] * (g[i] / (1.0f + exp_f32(-g[i])));
+    dg[i] = (dh[i] * u[i]) * s * (1.0f + g[i] * (1.0f - s));
   }
 }
 
@@ -97,10 +103,10 @@ LSDK_CLONES void silu_mul_grad_row(
 // dims, made contiguous first when that is not a view.
 struct Rows {
   at::Tensor t;  // keeps the storage alive
-  const float* data;
+  void* data;
   int64_t rows;
   int64_t width;
-  int64_t stride;
+  int64_t stride;  // elements
 };
 
 Rows rows_of(const at::Tensor& t) {
@@ -120,22 +126,27 @@ Rows rows_of(const at::Tensor& t) {
       flat = flat.contiguous();
     }
   }
-  return Rows{flat, flat.data_ptr<float>(), flat.size(0), width, flat.stride(0)};
+  return Rows{flat, flat.data_ptr(), flat.size(0), width, flat.stride(0)};
 }
 
 bool cpu_f32(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
 }
 
-// out[r] = silu(g[r])·u[r] over rows.
+// out[r] = silu(g[r])·u[r] over rows (`out_stride` elements a row).
 void silu_mul_rows(const Rows& g, const Rows& u, float* out, int64_t out_stride) {
   at::parallel_for(0, g.rows, grain_rows(g.width), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      silu_mul_row(g.data + r * g.stride, u.data + r * u.stride, out + r * out_stride, g.width);
+      silu_mul_row(
+          static_cast<const float*>(g.data) + r * g.stride,
+          static_cast<const float*>(u.data) + r * u.stride,
+          out + r * out_stride,
+          g.width);
     }
   });
 }
 
+// The gradients into `dg` and `du` (`d_stride` elements a row).
 void silu_mul_grad_rows(
     const Rows& dh,
     const Rows& g,
@@ -146,21 +157,14 @@ void silu_mul_grad_rows(
   at::parallel_for(0, g.rows, grain_rows(g.width), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       silu_mul_grad_row(
-          dh.data + r * dh.stride,
-          g.data + r * g.stride,
-          u.data + r * u.stride,
+          static_cast<const float*>(dh.data) + r * dh.stride,
+          static_cast<const float*>(g.data) + r * g.stride,
+          static_cast<const float*>(u.data) + r * u.stride,
           dg + r * d_stride,
           du + r * d_stride,
           g.width);
     }
   });
-}
-
-// The shape of `t` with its last dim replaced.
-std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
-  std::vector<int64_t> s(t.sizes().begin(), t.sizes().end());
-  s.back() = last;
-  return s;
 }
 
 // Backward of SwiGLU. `joined`: the input was one tensor `[..., 2·ff]` (gate, then up) and the

@@ -101,22 +101,26 @@ fn swiglu_of_a_joined_tensor_gives_one_gradient() {
 }
 
 #[test]
-fn silu_mul_in_bf16_is_the_composite_bit_for_bit() {
+fn silu_mul_in_bf16_and_f16_is_the_composite_bit_for_bit() {
     // not f32 on the CPU: libtorch's own ops inside the node, so autograd's numbers exactly
     tch::manual_seed(23);
-    let g = leaf(Tensor::randn([4, 64], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16));
-    let u = leaf(Tensor::randn([4, 64], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16));
-    let dh = Tensor::randn([4, 64], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
-    let h = sys::silu_mul(&g, &u).unwrap();
-    backward(&h, &dh);
-    let (g2, u2) = (leaf(g.detach()), leaf(u.detach()));
-    let h2 = g2.silu() * &u2;
-    backward(&h2, &dh);
-    assert!(h.equal(&h2));
-    assert!(g.grad().equal(&g2.grad()));
-    assert!(u.grad().equal(&u2.grad()));
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let g = leaf((Tensor::randn([64, 96], (Kind::Float, Device::Cpu)) * 3.0).to_kind(kind));
+        let u = leaf(Tensor::randn([64, 96], (Kind::Float, Device::Cpu)).to_kind(kind));
+        let dh = Tensor::randn([64, 96], (Kind::Float, Device::Cpu)).to_kind(kind);
+        let h = sys::silu_mul(&g, &u).unwrap();
+        assert_eq!(h.kind(), kind);
+        backward(&h, &dh);
+        let (g2, u2) = (leaf(g.detach()), leaf(u.detach()));
+        let h2 = g2.silu() * &u2;
+        backward(&h2, &dh);
+        assert!(h.equal(&h2), "{kind:?}");
+        assert!(g.grad().equal(&g2.grad()), "{kind:?}");
+        assert!(u.grad().equal(&u2.grad()), "{kind:?}");
+    }
 
-    let err = sys::silu_mul(&g, &u.detach().to_kind(Kind::Float))
+    let g = Tensor::zeros([4, 8], (Kind::BFloat16, Device::Cpu));
+    let err = sys::silu_mul(&g, &g.to_kind(Kind::Float))
         .unwrap_err()
         .to_string();
     assert!(err.contains("differ in dtype"), "{err}");
