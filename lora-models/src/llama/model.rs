@@ -371,6 +371,16 @@ fn fuse_bases(bases: Vec<BaseWeight>) -> Result<(Vec<BaseWeight>, Option<Tensor>
     Ok((views, Some(fused)))
 }
 
+/// The first `r·v` elements of an f32 buffer's bytes as a `[r, v]` tensor of the 16-bit `kind`
+/// (a view: writing it overwrites the buffer).
+fn as_16bit(buf: &Tensor, r: i64, v: i64, kind: Kind) -> Result<Tensor> {
+    Ok(buf
+        .f_view([-1])?
+        .f_view_dtype(kind)?
+        .f_narrow(0, 0, r * v)?
+        .f_view([r, v])?)
+}
+
 /// Vocabulary rows of the head widened to f32 at a time by [`bf16_logits_by_f32`] and
 /// [`bf16_input_grad_by_f32`]: 8 Ki rows (18 MiB at a width of 576).
 const HEAD_F32_SLICE_ROWS: i64 = 8192;
@@ -1477,11 +1487,19 @@ impl Llama {
         // bf16 autocast on a CPU without a fast bf16 GEMM: the same bf16 numbers by f32 GEMMs
         let by_f32 =
             mm_kind == Kind::BFloat16 && lora_core::linear::bf16_autocast_by_f32(h.device())?;
+        // A dense 16-bit head reuses the two f32 buffers too: its 16-bit logits are written into
+        // the log-softmax buffer's bytes and widened into the logits buffer, and the rounded
+        // softmax gradient into the logits buffer's bytes once the log-softmax is taken — no
+        // allocation (and, on the CPU, no fresh pages to fault in) per chunk, the same 8 bytes
+        // per logit at the peak.
+        let reuse16 = matches!(w, HeadWeight::Dense { .. })
+            && matches!(mm_kind, Kind::BFloat16 | Kind::Half)
+            && !by_f32;
         let chunk = (FUSED_CE_CHUNK_BYTES / (4 * v.max(1)))
             .clamp(16, n.max(16))
             .min(n);
         // the logits and their log-softmax, each chunk written into the same two buffers
-        let buf = if reuse {
+        let buf = if reuse || reuse16 {
             Some((
                 Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?,
                 Tensor::f_empty([chunk, v], (Kind::Float, h.device()))?,
@@ -1502,6 +1520,12 @@ impl Llama {
             let r = chunk.min(n - start);
             let x = rows.f_narrow(0, start, r)?.f_to_kind(mm_kind)?;
             let lg = match (&w, &buf) {
+                (HeadWeight::Dense { wt, .. }, Some((bf, lb))) if reuse16 => {
+                    let lg16 = x.f_mm_out(&as_16bit(lb, r, v, mm_kind)?, wt)?;
+                    let out = bf.f_narrow(0, 0, r)?;
+                    out.shallow_clone().f_copy_(&lg16)?;
+                    out
+                }
                 (HeadWeight::Dense { w, .. }, _) if onednn => {
                     lora_core::sys::f32_linear(&x, w).map_err(tch::TchError::from)?
                 }
@@ -1540,6 +1564,11 @@ impl Llama {
                 let _ = lp.f_mul_(&vf.f_mul_scalar(inv)?)?;
                 let p = if mm_kind == Kind::Float {
                     lp
+                } else if let (true, Some((bf, _))) = (reuse16, &buf) {
+                    let p = as_16bit(bf, r, v, mm_kind)?;
+                    p.shallow_clone().f_copy_(&lp)?;
+                    drop(lp);
+                    p
                 } else {
                     let p = lp.f_to_kind(mm_kind)?;
                     drop(lp);

@@ -633,6 +633,35 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
             "tied {tied}: bf16 loss {l_bf16} vs {r_bf16}"
         );
         assert!((l_bf16 - l_fused).abs() > 0.0, "autocast changed nothing");
+
+        // With gradients too: the chunks' 16-bit logits and rounded softmax gradients live in
+        // the bytes of the two reused f32 buffers (three chunks here, the last one partial).
+        zero_grads(&vs);
+        let loss = m.loss(&x, &labels, None, None, false).unwrap();
+        loss.backward();
+        let (l16, g16) = (loss.double_value(&[]), grads(&vs));
+        zero_grads(&vs);
+        let logits = m.forward_t(&x, None, None, false).unwrap();
+        let reference = shifted_cross_entropy(&logits, &labels);
+        reference.backward();
+        let (r16, g16_ref) = (reference.double_value(&[]), grads(&vs));
+        assert!(
+            (l16 - l_bf16).abs() < 1e-6,
+            "tied {tied}: {l16} vs {l_bf16}"
+        );
+        assert!(
+            (l16 - r16).abs() < 1e-3 * r16,
+            "tied {tied}: {l16} vs {r16}"
+        );
+        for ((name, a), (_, r)) in g16.iter().zip(&g16_ref) {
+            let scale = r.abs().max().double_value(&[]);
+            let d = max_diff(a, r);
+            println!("tied {tied}, bf16 {name}: max diff {d:.2e} of scale {scale:.2e}");
+            assert!(
+                scale > 0.0 && d <= 2e-2 * scale,
+                "tied {tied}, bf16 {name}: {d} (scale {scale})"
+            );
+        }
     }
 }
 
