@@ -336,6 +336,13 @@ impl LoraLinear {
             });
         }
         let ctx = || format!("sibling linears {outs:?} forward on input {:?}", x.size());
+        // no site adds a branch (none adapted, or all disabled): the frozen products as they are
+        if sites
+            .iter()
+            .all(|s| s.adapters_disabled() || !s.adapters.iter().any(|a| a.in_branch()))
+        {
+            return Ok(Siblings::Joined(base_out));
+        }
         let single: Option<Vec<&Adapter>> = sites
             .iter()
             .map(|s| {

@@ -218,3 +218,33 @@ fn siblings_under_bf16_autocast_equal_each_sites_own_forward() {
         }
     }
 }
+
+#[test]
+fn joined_siblings_are_the_outputs_side_by_side() {
+    // with adapters (the last site has a bias): the sites' outputs concatenated
+    let (_vs, s) = sites(mixed_and_same_scalings()[0].clone());
+    let x = dense(&[2, 5, IN], 7);
+    let refs: Vec<&LoraLinear> = s.iter().collect();
+    let outs = LoraLinear::forward_siblings(&refs, &x, stacked_product(&s, &x), false).unwrap();
+    let joined =
+        LoraLinear::forward_siblings_joined(&refs, &x, stacked_product(&s, &x), false).unwrap();
+    assert_eq!(joined.size(), [2, 5, 16]);
+    assert!(max_abs_diff(&joined, &Tensor::cat(&outs, -1)) < 1e-6);
+
+    // no adapter and no bias: the frozen products themselves, not a copy
+    let bare: Vec<LoraLinear> = [8i64, 4]
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| {
+            LoraLinear::new(BaseWeight::Dense(dense(&[o, IN], 50 + i as i64)), None).unwrap()
+        })
+        .collect();
+    let refs: Vec<&LoraLinear> = bare.iter().collect();
+    let base = stacked_product(&bare, &x);
+    let ptr = base.data_ptr();
+    let joined = LoraLinear::forward_siblings_joined(&refs, &x, base, true).unwrap();
+    assert_eq!(joined.data_ptr(), ptr);
+    let outs = LoraLinear::forward_siblings(&refs, &x, stacked_product(&bare, &x), true).unwrap();
+    assert!(side_by_side(&outs));
+    assert!(max_abs_diff(&joined, &Tensor::cat(&outs, -1)) < 1e-6);
+}
