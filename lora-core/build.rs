@@ -34,7 +34,15 @@ fn build_shim() {
         build.include(&gloo).define("USE_C10D_GLOO", None);
         println!("cargo:rustc-cfg=lora_gloo");
     }
-    let openmp = openmp_runtime(std::path::Path::new(&lib), &include);
+    let gcc = {
+        let tool = build.get_compiler();
+        tool.is_like_gnu() && !tool.is_like_clang()
+    };
+    let openmp = if gcc {
+        openmp_runtime(std::path::Path::new(&lib), &include)
+    } else {
+        None
+    };
     if openmp.is_some() {
         build.flag("-fopenmp");
     }
@@ -71,15 +79,18 @@ fn build_shim() {
         // lets GCC vectorize loops with float compares (decoder_ops.cpp's clamps) on AVX2 and
         // SSE: no value changes, only which floating-point exception flags could be raised
         .flag_if_supported("-fno-trapping-math")
+        // and loops with `sqrt` (the fused AdamW): no `errno` is ever read
+        .flag_if_supported("-fno-math-errno")
+        // no multiply-adds fused by the compiler: the AVX-512 and AVX2 builds of a loop (only the
+        // first has FMA) give the same bits, and each operation rounds as written
+        .flag_if_supported("-ffp-contract=off")
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .warnings(false)
         .compile("lora_core_shim");
-    match openmp {
-        Some(OpenMp::Bundled) => println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1"),
-        Some(OpenMp::System) => println!("cargo:rustc-link-lib=dylib=gomp"),
-        None => {}
+    if let Some(runtime) = &openmp {
+        println!("cargo:rustc-link-lib=dylib:+verbatim={runtime}");
     }
     if nccl.is_some() {
         // ProcessGroupNCCL and c10::cuda live in these; named after the shim so they resolve it
@@ -88,22 +99,17 @@ fn build_shim() {
     }
 }
 
-/// Where the shim's OpenMP runtime comes from.
-enum OpenMp {
-    /// libtorch's own `libgomp.so.1`, beside `libtorch_cpu.so` (the PyPI wheels ship one).
-    Bundled,
-    /// The system's GNU OpenMP (`-lgomp`).
-    System,
-}
-
-/// The OpenMP runtime to build the shim against, or `None` (its loops then run on the calling
-/// thread). libtorch's `at::parallel_for` is a header template: in an OpenMP build of libtorch
-/// (`AT_PARALLEL_OPENMP 1` in `ATen/Config.h`, the Linux wheels) it opens an `omp parallel`
-/// region only when the including file is compiled with `-fopenmp`, and silently runs the
-/// whole range on one thread otherwise. Linking the same `libgomp.so.1` libtorch loads (same
-/// soname, so one runtime and one thread pool per process) keeps the shim's loops on
-/// libtorch's intra-op threads. Linux with GCC only.
-fn openmp_runtime(lib: &std::path::Path, include: &std::path::Path) -> Option<OpenMp> {
+/// The file name of libtorch's own GNU OpenMP runtime to build the shim against, or `None` (the
+/// shim's loops then run on the calling thread). libtorch's `at::parallel_for` is a header
+/// template: in an OpenMP build of libtorch (`AT_PARALLEL_OPENMP 1` in `ATen/Config.h`, the Linux
+/// wheels) it opens an `omp parallel` region only when the including file is compiled with
+/// `-fopenmp`, and silently runs the whole range on one thread otherwise. Linking the very
+/// `libgomp` that libtorch loads — `libgomp.so.1` (the PyPI wheels) or `libgomp-<hash>.so.1` (the
+/// libtorch archives) beside `libtorch_cpu.so`, same soname — keeps one runtime and one thread
+/// pool per process, so `at::set_num_threads` governs the shim's loops too. Where no such file
+/// is there (a libtorch on Intel's OpenMP, or on a system libgomp it does not ship) the shim
+/// stays without OpenMP rather than risk a second runtime. Linux with GCC only.
+fn openmp_runtime(lib: &std::path::Path, include: &std::path::Path) -> Option<String> {
     if std::env::var("CARGO_CFG_TARGET_OS").ok().as_deref() != Some("linux") {
         return None;
     }
@@ -114,11 +120,13 @@ fn openmp_runtime(lib: &std::path::Path, include: &std::path::Path) -> Option<Op
     {
         return None;
     }
-    Some(if lib.join("libgomp.so.1").exists() {
-        OpenMp::Bundled
-    } else {
-        OpenMp::System
-    })
+    let mut found: Vec<String> = std::fs::read_dir(lib)
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n == "libgomp.so.1" || (n.starts_with("libgomp-") && n.ends_with(".so.1")))
+        .collect();
+    found.sort();
+    found.into_iter().next()
 }
 
 /// The include folders c10d's `ProcessGroupNCCL.hpp` needs besides libtorch's, or `None` (the

@@ -13,7 +13,8 @@
 // - RMSNorm `y = w ⊙ (x · rsqrt(mean(x²) + ε))` (`lsdk_rms_norm`, HF `LlamaRMSNorm` for an f32
 //   input), CPU f32; saves x and the per-row `rsqrt` (what the composite keeps).
 //
-// The CPU loops are compiled for AVX-512, AVX2 and baseline x86-64 (`LSDK_CLONES`, guard.h) and
+// The backward passes compute without a graph: these ops have no second derivative (LoRA training
+// takes none). The CPU loops are compiled for AVX-512, AVX2 and baseline x86-64 (`LSDK_CLONES`, guard.h) and
 // threaded over rows with libtorch's intra-op pool. Their values equal the composite's up to
 // rounding: the sigmoid's `exp` here is a polynomial within 2 ulp of the correctly rounded value
 // (libtorch's vectorized `exp` is SLEEF's, within 1 ulp), and RMSNorm's sum of squares is taken in
@@ -38,14 +39,16 @@ namespace {
 
 // e^x in f32, branch-free so that it vectorizes: x = n·ln 2 + r with |r| ≤ ln 2 / 2 (ln 2 split in
 // two parts, Cody and Waite's reduction), e^r by a degree-7 polynomial (the coefficients of
-// Cephes' `expf`, S. L. Moshier), times 2^n written into the exponent bits. x is clamped to
-// [−87.3, 88.3], where 2^n stays a normal float; NaN passes through.
+// Cephes' `expf`, S. L. Moshier), times 2^n as two powers of two written into exponent bits (each
+// a normal float for every n in range). x is clamped to [−104, 89], beyond which e^x rounds to 0
+// or overflows to +∞ anyway, so it saturates as `expf` does (subnormals included); NaN passes
+// through. Then `x / (1 + e^−x)` is −0 for a very negative x and NaN for −∞, as libtorch's `silu`.
 inline float exp_f32(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.3f ? 88.3f : x;
-  // n = round(x / ln 2) by the 1.5·2²³ trick (adding it leaves no fraction bits to round)
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float c = x < -104.0f ? -104.0f : x;
+  c = c > 89.0f ? 89.0f : c;
+  // n = round(c / ln 2) by the 1.5·2²³ trick (adding it leaves no fraction bits to round)
+  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -53,10 +56,15 @@ inline float exp_f32(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  // 2^n = 2^n1 · 2^n2 with n1 = ⌊n / 2⌋: both in [−75, 65], normal floats
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t n1 = ni >> 1;
+  const int32_t b1 = (n1 + 127) << 23;
+  const int32_t b2 = (ni - n1 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, sizeof s1);
+  std::memcpy(&s2, &b2, sizeof s2);
+  return (p * s1) * s2;
 }
 
 // Rows of at most this many elements per task of the intra-op pool (smaller tensors stay on the
@@ -133,6 +141,17 @@ bool cpu_f32(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat;
 }
 
+// Whether the f32 row loops take `t`: f32 on the CPU with at least one dim and one element (a 0-d
+// or empty tensor takes libtorch's ops).
+bool f32_rows(const at::Tensor& t) {
+  return cpu_f32(t) && t.dim() >= 1 && t.numel() > 0;
+}
+
+// "f32 on cpu"-style names of a tensor's dtype and device, for errors.
+std::string dtype_device(const at::Tensor& t) {
+  return std::string(c10::toString(t.scalar_type())) + " on " + t.device().str();
+}
+
 // out[r] = silu(g[r])·u[r] over rows (`out_stride` elements a row).
 void silu_mul_rows(const Rows& g, const Rows& u, float* out, int64_t out_stride) {
   at::parallel_for(0, g.rows, grain_rows(g.width), [&](int64_t r0, int64_t r1) {
@@ -199,7 +218,7 @@ struct SwiGluBackward final : torch::autograd::Node {
     RECORD_FUNCTION("lsdk::swiglu_backward", std::vector<c10::IValue>({grads[0], g, u}));
     const at::Tensor& dh = grads[0];
     at::Tensor dg, du;
-    if (cpu_f32(dh) && cpu_f32(g) && cpu_f32(u)) {
+    if (f32_rows(dh) && f32_rows(g) && f32_rows(u)) {
       const Rows dr = rows_of(dh), gr = rows_of(g), ur = rows_of(u);
       if (joined) {
         at::Tensor d = at::empty(joined_sizes, g.options());
@@ -238,7 +257,7 @@ struct SwiGluBackward final : torch::autograd::Node {
 // silu(g)·u without autograd: the CPU loop for f32, libtorch's ops elsewhere.
 at::Tensor silu_mul_values(const at::Tensor& g, const at::Tensor& u) {
   at::NoGradGuard no_grad;
-  if (cpu_f32(g) && cpu_f32(u)) {
+  if (f32_rows(g) && f32_rows(u)) {
     const Rows gr = rows_of(g), ur = rows_of(u);
     at::Tensor h = at::empty(g.sizes(), g.options());
     silu_mul_rows(gr, ur, h.data_ptr<float>(), gr.width);
@@ -387,7 +406,9 @@ struct RopeBackward final : torch::autograd::Node {
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 4, "RoPE takes x [batch, heads, seq, head_dim], got ", x.sizes());
   TORCH_CHECK(x.size(3) % 2 == 0, "RoPE needs an even head_dim, got ", x.size(3));
-  TORCH_CHECK(cpu_f32(x) && cpu_f32(cos) && cpu_f32(sin), "the fused RoPE takes f32 CPU tensors");
+  TORCH_CHECK(
+      cpu_f32(x) && cpu_f32(cos) && cpu_f32(sin), "the fused RoPE takes f32 CPU tensors, got x ",
+      dtype_device(x), ", cos ", dtype_device(cos), ", sin ", dtype_device(sin));
   TORCH_CHECK(
       cos.dim() == 4 && sin.dim() == 4 && cos.sizes() == sin.sizes() && cos.size(3) == x.size(3),
       "RoPE tables ", cos.sizes(), " and ", sin.sizes(), " do not fit x ", x.sizes());
@@ -537,11 +558,17 @@ struct RmsNormBackward final : torch::autograd::Node {
 };
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(cpu_f32(x_in) && cpu_f32(w_in), "the fused RMSNorm takes f32 CPU tensors");
+  TORCH_CHECK(
+      cpu_f32(x_in) && cpu_f32(w_in), "the fused RMSNorm takes f32 CPU tensors, got x ",
+      dtype_device(x_in), " and weight ", dtype_device(w_in));
   TORCH_CHECK(
       w_in.dim() == 1 && x_in.dim() >= 1 && x_in.size(-1) == w_in.size(0),
       "RMSNorm weight ", w_in.sizes(), " does not fit x ", x_in.sizes());
   RECORD_FUNCTION("lsdk::rms_norm", std::vector<c10::IValue>({x_in, w_in}));
+  if (x_in.numel() == 0) {
+    // nothing to normalize: libtorch's ops keep the shape and the graph
+    return w_in * (x_in * at::rsqrt(x_in.pow(2).mean(-1, true) + eps));
+  }
   const int64_t n = x_in.size(-1);
   at::Tensor x, w, y, rstd;
   {

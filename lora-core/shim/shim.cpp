@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/_foreach_add.h>
@@ -42,6 +43,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -514,15 +516,22 @@ char* lsdk_adam_foreach_step(
     if (n == 0) {
       return;
     }
-    // On the CPU, with every operand a contiguous f32 array of its parameter's size and no
-    // gradient aliasing a state tensor: one pass per tensor, tensors shared out over libtorch's
-    // intra-op threads.
+    // On the CPU, with every operand a contiguous f32 array of its parameter's size and every
+    // tensor written (params, moments) in a storage of its own that no gradient reads: one pass
+    // per tensor, tensors shared out over libtorch's intra-op threads where the caller runs more
+    // than one.
     bool fused = true;
+    std::unordered_set<const void*> written;
     for (int64_t i = 0; i < n && fused; ++i) {
       const int64_t numel = p[i].numel();
       fused = fused_adam_operand(p[i], numel) && fused_adam_operand(g[i], numel) &&
-          fused_adam_operand(m[i], numel) && fused_adam_operand(v[i], numel) &&
-          !g[i].is_alias_of(m[i]) && !g[i].is_alias_of(v[i]) && !g[i].is_alias_of(p[i]);
+          fused_adam_operand(m[i], numel) && fused_adam_operand(v[i], numel);
+      for (const at::Tensor* t : {&p[i], &m[i], &v[i]}) {
+        fused = fused && written.insert(t->storage().unsafeGetStorageImpl()).second;
+      }
+    }
+    for (int64_t i = 0; i < n && fused; ++i) {
+      fused = written.count(g[i].storage().unsafeGetStorageImpl()) == 0;
     }
     if (fused) {
       at::NoGradGuard no_grad;
@@ -544,6 +553,13 @@ char* lsdk_adam_foreach_step(
               static_cast<float>(neg_step_size[i]));
         }
       });
+      // written in place through their data: tell autograd, as the in-place ops above would (a
+      // graph that saved one of them then refuses to backpropagate through the old values)
+      for (int64_t i = 0; i < n; ++i) {
+        torch::autograd::impl::bump_version(p[i]);
+        torch::autograd::impl::bump_version(m[i]);
+        torch::autograd::impl::bump_version(v[i]);
+      }
       return;
     }
     if (decay_factor != 1.0) {

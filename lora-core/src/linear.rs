@@ -107,10 +107,12 @@ pub struct LoraLinear {
     disabled: bool,
 }
 
-/// The outputs of sibling linears (the core of [`LoraLinear::forward_siblings`]): side by side in
-/// one tensor with no bias added yet, or each site's own full forward.
-enum Siblings {
+/// The outputs of sibling linears ([`LoraLinear::forward_siblings_grouped`]).
+#[derive(Debug)]
+pub enum SiblingOutputs {
+    /// Side by side in one tensor `[..., Σ outᵢ]`, in site order.
     Joined(Tensor),
+    /// One tensor per site, `[..., outᵢ]`.
     Split(Vec<Tensor>),
 }
 
@@ -266,61 +268,54 @@ impl LoraLinear {
     ) -> Result<Vec<Tensor>> {
         let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
         let ctx = || format!("sibling linears {outs:?} forward on input {:?}", x.size());
-        match Self::siblings(sites, x, base_out, train)? {
-            Siblings::Split(parts) => Ok(parts),
-            Siblings::Joined(y) => {
-                let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
-                sites
-                    .iter()
-                    .zip(parts)
-                    .map(|(s, p)| s.add_bias(p).ctx(ctx))
-                    .collect()
-            }
+        match Self::forward_siblings_grouped(sites, x, base_out, train)? {
+            SiblingOutputs::Split(parts) => Ok(parts),
+            SiblingOutputs::Joined(y) => Ok(y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?),
         }
     }
 
     /// [`LoraLinear::forward_siblings`] with the outputs side by side in one tensor
-    /// `[..., Σ outᵢ]` (site order): the fused tensor itself when the branches are computed
-    /// together and no site has a bias, else the sites' outputs concatenated. For an op that reads
-    /// the group as one tensor (SwiGLU over gate and up, [`crate::sys::swiglu`]), whose gradient
-    /// then flows back as one tensor instead of through a split.
+    /// `[..., Σ outᵢ]` (site order) where they were computed that way — the branches computed
+    /// together, or no site adding a branch — and no site has a bias; else one tensor per site.
+    /// For an op that reads the group as one tensor (SwiGLU over gate and up,
+    /// [`crate::sys::swiglu`]), whose gradient then flows back as one tensor instead of through a
+    /// split, with no copy made to join outputs that were apart.
     ///
     /// # Errors
     /// As [`LoraLinear::forward_siblings`].
-    pub fn forward_siblings_joined(
+    pub fn forward_siblings_grouped(
         sites: &[&LoraLinear],
         x: &Tensor,
         base_out: Tensor,
         train: bool,
-    ) -> Result<Tensor> {
-        let has_bias = sites.iter().any(|s| s.bias.is_some());
-        match Self::siblings(sites, x, base_out, train)? {
-            Siblings::Joined(y) if !has_bias => Ok(y),
-            Siblings::Joined(y) => {
+    ) -> Result<SiblingOutputs> {
+        Ok(match Self::siblings(sites, x, base_out, train)? {
+            SiblingOutputs::Joined(y) if sites.iter().any(|s| s.bias.is_some()) => {
                 let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
                 let ctx = || format!("sibling linears {outs:?} forward on input {:?}", x.size());
                 let parts = y.f_split_with_sizes(outs.as_slice(), -1).ctx(ctx)?;
-                let parts = sites
-                    .iter()
-                    .zip(parts)
-                    .map(|(s, p)| s.add_bias(p))
-                    .collect::<std::result::Result<Vec<_>, _>>()
-                    .ctx(ctx)?;
-                Tensor::f_cat(&parts, -1).ctx(ctx)
+                SiblingOutputs::Split(
+                    sites
+                        .iter()
+                        .zip(parts)
+                        .map(|(s, p)| s.add_bias(p))
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .ctx(ctx)?,
+                )
             }
-            Siblings::Split(parts) => Tensor::f_cat(&parts, -1)
-                .ctx(|| format!("sibling linears' outputs joined, input {:?}", x.size())),
-        }
+            other => other,
+        })
     }
 
-    /// The core of [`LoraLinear::forward_siblings`]: the group's outputs before any bias, in
-    /// one tensor when the branches were computed together, else each site's full forward.
+    /// The core of [`LoraLinear::forward_siblings`]: `Joined` — the group's outputs side by
+    /// side, no bias added yet — when the branches were computed together or none adds a
+    /// branch, else `Split`, each site's full forward.
     fn siblings(
         sites: &[&LoraLinear],
         x: &Tensor,
         base_out: Tensor,
         train: bool,
-    ) -> Result<Siblings> {
+    ) -> Result<SiblingOutputs> {
         let outs: Vec<i64> = sites.iter().map(|s| s.out_features()).collect();
         let total: i64 = outs.iter().sum();
         let size = base_out.size();
@@ -341,7 +336,7 @@ impl LoraLinear {
             .iter()
             .all(|s| s.adapters_disabled() || !s.adapters.iter().any(|a| a.in_branch()))
         {
-            return Ok(Siblings::Joined(base_out));
+            return Ok(SiblingOutputs::Joined(base_out));
         }
         let single: Option<Vec<&Adapter>> = sites
             .iter()
@@ -362,7 +357,7 @@ impl LoraLinear {
                 .zip(parts)
                 .map(|(s, b)| s.forward_from_base(x, b, train))
                 .collect::<Result<Vec<_>>>()
-                .map(Siblings::Split);
+                .map(SiblingOutputs::Split);
         };
         let y = (|| -> std::result::Result<Tensor, tch::TchError> {
             let a: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_a).collect();
@@ -395,7 +390,7 @@ impl LoraLinear {
             .f_reshape(size.as_slice())
         })()
         .ctx(ctx)?;
-        Ok(Siblings::Joined(y))
+        Ok(SiblingOutputs::Joined(y))
     }
 }
 

@@ -865,9 +865,11 @@ pub struct AdamForeachScalars {
 ///
 /// On the CPU, when every operand is a contiguous f32 array of its parameter's size, the whole
 /// update is one pass over each tensor (`shim/shim.cpp`, `adam_step_f32`; the tensors shared out
-/// over libtorch's intra-op threads), with each operation libtorch's element-wise kernels perform,
-/// in their order; libtorch's vectorized `lerp` fuses a multiply-add, so a first moment can
-/// differ from it by one rounding. No temporary is allocated. Elsewhere (CUDA, other layouts)
+/// over libtorch's intra-op threads when more than one is set), with each operation libtorch's
+/// element-wise kernels perform, in their order; libtorch's vectorized `lerp` fuses a
+/// multiply-add, so a first moment can differ from it by one rounding. No temporary is
+/// allocated, and the tensors' version counters are bumped as by in-place ops. It takes this path
+/// only when no tensor it writes (a parameter or a moment) shares storage with another operand. Elsewhere (CUDA, other layouts)
 /// each `_foreach_*` op is one libtorch call over the whole list instead of one per tensor,
 /// bit-identical to the per-tensor loop (`torch.optim.AdamW(foreach=False)`), and the
 /// denominators are one temporary list as large as `exp_avg_sqs`.
@@ -1191,7 +1193,9 @@ pub fn f32_linear(x: &Tensor, w: &Tensor) -> ShimResult<Tensor> {
 /// node saves `g` and `u` and recomputes the sigmoid in the backward pass, where libtorch's
 /// `silu` then `mul` would also keep `silu(g)`: one activation less. f32 on the CPU runs one
 /// vectorized loop each way (values within a few ulp of libtorch's); other dtypes and devices
-/// run libtorch's own `silu`, `mul` and `silu_backward`, giving the composite's values exactly.
+/// (and 0-d or empty tensors) run libtorch's own `silu`, `mul` and `silu_backward`, giving the
+/// composite's values exactly. Like [`rope`] and [`rms_norm`], its backward pass runs without a
+/// graph: no second derivative.
 ///
 /// `g`, `u`: the same shape `[..., ff]`, dtype (floating) and device. Returns `[..., ff]`.
 ///

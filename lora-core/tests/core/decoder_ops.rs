@@ -247,3 +247,63 @@ fn rms_norm_equals_hf_in_f64() {
         .to_string();
     assert!(err.contains("does not fit"), "{err}");
 }
+
+#[test]
+fn silu_mul_saturates_and_propagates_like_libtorch() {
+    // beyond the polynomial's range: e^−x overflows to +∞ (silu → −0), underflows to 0
+    // (silu → x); ±∞ and NaN as libtorch's `silu`
+    let vals = [
+        -3e38f32,
+        -1e38,
+        -1e5,
+        -100.0,
+        -88.5,
+        -87.0,
+        0.0,
+        87.0,
+        88.5,
+        100.0,
+        1e38,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    let g = Tensor::from_slice(&vals);
+    let u = Tensor::ones([vals.len() as i64], (Kind::Float, Device::Cpu));
+    let h = sys::silu_mul(&g, &u).unwrap();
+    let r = g.silu();
+    for i in 0..vals.len() as i64 {
+        let (a, b) = (h.double_value(&[i]), r.double_value(&[i]));
+        let same = (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= 1e-6 * b.abs();
+        assert!(same, "silu({}) = {a}, libtorch {b}", vals[i as usize]);
+    }
+}
+
+#[test]
+fn empty_and_0_d_inputs_take_libtorch_s_ops() {
+    let z =
+        |shape: &[i64]| Tensor::zeros(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let g = z(&[4, 0]);
+    let h = sys::silu_mul(&g, &z(&[4, 0])).unwrap();
+    assert_eq!(h.size(), [4, 0]);
+    h.sum(Kind::Float).backward();
+    assert_eq!(g.grad().size(), [4, 0]);
+    assert_eq!(sys::swiglu(&z(&[3, 0])).unwrap().size(), [3, 0]);
+    let s = Tensor::from(-2.0f32).set_requires_grad(true);
+    let h = sys::silu_mul(&s, &Tensor::from(3.0f32)).unwrap();
+    assert!((h.double_value(&[]) - 3.0 * (-2.0f64) / (1.0 + 2.0f64.exp())).abs() < 1e-6);
+    h.backward();
+    assert!(s.grad().defined());
+    let y = sys::rms_norm(
+        &z(&[4, 0]),
+        &Tensor::ones([0], (Kind::Float, Device::Cpu)),
+        1e-6,
+    );
+    assert_eq!(y.unwrap().size(), [4, 0]);
+    let y = sys::rms_norm(
+        &z(&[0, 8]),
+        &Tensor::ones([8], (Kind::Float, Device::Cpu)),
+        1e-6,
+    );
+    assert_eq!(y.unwrap().size(), [0, 8]);
+}

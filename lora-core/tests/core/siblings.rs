@@ -7,7 +7,7 @@ use lora_core::Error;
 use lora_core::base::BaseWeight;
 use lora_core::config::AdapterSpec;
 use lora_core::layer::LoraLayer;
-use lora_core::linear::LoraLinear;
+use lora_core::linear::{LoraLinear, SiblingOutputs};
 use tch::{Kind, Tensor, nn};
 
 const IN: i64 = 32;
@@ -226,10 +226,25 @@ fn joined_siblings_are_the_outputs_side_by_side() {
     let x = dense(&[2, 5, IN], 7);
     let refs: Vec<&LoraLinear> = s.iter().collect();
     let outs = LoraLinear::forward_siblings(&refs, &x, stacked_product(&s, &x), false).unwrap();
-    let joined =
-        LoraLinear::forward_siblings_joined(&refs, &x, stacked_product(&s, &x), false).unwrap();
-    assert_eq!(joined.size(), [2, 5, 16]);
-    assert!(max_abs_diff(&joined, &Tensor::cat(&outs, -1)) < 1e-6);
+    let SiblingOutputs::Split(parts) =
+        LoraLinear::forward_siblings_grouped(&refs, &x, stacked_product(&s, &x), false).unwrap()
+    else {
+        panic!("a site with a bias: the outputs come apart");
+    };
+    assert_eq!(parts.len(), 3);
+    for (p, o) in parts.iter().zip(&outs) {
+        assert!(max_abs_diff(p, o) < 1e-6);
+    }
+    // without the biased site: one tensor, the sites' outputs side by side
+    let refs2: Vec<&LoraLinear> = s.iter().take(2).collect();
+    let base2 = stacked_product(&s[..2], &x);
+    let SiblingOutputs::Joined(joined) =
+        LoraLinear::forward_siblings_grouped(&refs2, &x, base2, false).unwrap()
+    else {
+        panic!("the branches were computed together");
+    };
+    assert_eq!(joined.size(), [2, 5, 12]);
+    assert!(max_abs_diff(&joined, &Tensor::cat(&outs[..2], -1)) < 1e-6);
 
     // no adapter and no bias: the frozen products themselves, not a copy
     let bare: Vec<LoraLinear> = [8i64, 4]
@@ -242,7 +257,11 @@ fn joined_siblings_are_the_outputs_side_by_side() {
     let refs: Vec<&LoraLinear> = bare.iter().collect();
     let base = stacked_product(&bare, &x);
     let ptr = base.data_ptr();
-    let joined = LoraLinear::forward_siblings_joined(&refs, &x, base, true).unwrap();
+    let SiblingOutputs::Joined(joined) =
+        LoraLinear::forward_siblings_grouped(&refs, &x, base, true).unwrap()
+    else {
+        panic!("no branch to add: the frozen products as they are");
+    };
     assert_eq!(joined.data_ptr(), ptr);
     let outs = LoraLinear::forward_siblings(&refs, &x, stacked_product(&bare, &x), true).unwrap();
     assert!(side_by_side(&outs));

@@ -68,6 +68,7 @@ impl RmsNorm {
     }
 }
 
+use lora_core::linear::SiblingOutputs;
 use lora_core::sys::tensor_bytes;
 
 /// The frozen head of [`Llama::head_loss`]: dense `w` `[V, d]` with its transpose; a quantized
@@ -90,6 +91,16 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::f_cat(&[x2.f_neg()?, x1], -1)?)
 }
 
+/// `silu(g)·u` by [`lora_core::sys::silu_mul`] (saving g and u only), or libtorch's ops where g and
+/// u differ in dtype or device.
+fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if g.kind() == u.kind() && g.device() == u.device() {
+        Ok(lora_core::sys::silu_mul(g, u)?)
+    } else {
+        Ok(g.f_silu()?.f_mul(u)?)
+    }
+}
+
 /// `x·cos + rotate_half(x)·sin` (HF `apply_rotary_pos_emb`) for `x` `[b, heads, s, hd]`; an f32
 /// `x` on the CPU with constant f32 tables takes the fused op ([`lora_core::sys::rope`]).
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -99,6 +110,9 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         && f32_cpu(sin)
         && x.dim() == 4
         && cos.dim() == 4
+        && cos.size() == sin.size()
+        && (0..3).all(|i| cos.size()[i] == 1 || cos.size()[i] == x.size()[i])
+        && cos.size()[3] == x.size()[3]
         && !cos.requires_grad()
         && !sin.requires_grad()
     {
@@ -322,18 +336,23 @@ impl Mlp {
         let h = match fused_products(self.gate_up.as_ref(), &self.gate_up_cast, &sites, x)? {
             Some(base_out) => {
                 let layers: Vec<&LoraLinear> = sites.iter().map(|s| &***s).collect();
-                let gu = LoraLinear::forward_siblings_joined(&layers, x, base_out, train)?;
-                lora_core::sys::swiglu(&gu)?
-            }
-            None => {
-                let g = self.gate_proj.forward_t(x, train)?;
-                let u = self.up_proj.forward_t(x, train)?;
-                if g.kind() == u.kind() && g.device() == u.device() {
-                    lora_core::sys::silu_mul(&g, &u)?
-                } else {
-                    g.f_silu()?.f_mul(&u)?
+                match LoraLinear::forward_siblings_grouped(&layers, x, base_out, train)? {
+                    SiblingOutputs::Joined(gu) => lora_core::sys::swiglu(&gu)?,
+                    SiblingOutputs::Split(parts) => match parts.as_slice() {
+                        [g, u] => silu_mul(g, u)?,
+                        _ => {
+                            return Err(crate::Error::InvalidArgument(format!(
+                                "{} outputs for the gate and up projections",
+                                parts.len()
+                            )));
+                        }
+                    },
                 }
             }
+            None => silu_mul(
+                &self.gate_proj.forward_t(x, train)?,
+                &self.up_proj.forward_t(x, train)?,
+            )?,
         };
         single_forward(&self.down_proj, &self.down_cast, &h, train)
     }

@@ -653,12 +653,16 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
             (l16 - r16).abs() < 1e-3 * r16,
             "tied {tied}: {l16} vs {r16}"
         );
+        // the same operations as the plain path's (bf16 logits, f32 softmax, its gradient
+        // rounded to bf16, bf16 products): the same bits, where libtorch multiplies bf16 itself;
+        // on CPUs without a fast bf16 GEMM the head's products are f32 GEMMs over bf16 operands
+        let exact = !lora_core::linear::bf16_autocast_by_f32(Device::Cpu).unwrap();
         for ((name, a), (_, r)) in g16.iter().zip(&g16_ref) {
             let scale = r.abs().max().double_value(&[]);
             let d = max_diff(a, r);
-            println!("tied {tied}, bf16 {name}: max diff {d:.2e} of scale {scale:.2e}");
+            let bound = if exact { 0.0 } else { 2e-2 * scale };
             assert!(
-                scale > 0.0 && d <= 2e-2 * scale,
+                scale > 0.0 && d <= bound,
                 "tied {tied}, bf16 {name}: {d} (scale {scale})"
             );
         }

@@ -211,6 +211,35 @@ fn state_from_another_optimizer_is_rejected() {
 }
 
 #[test]
+fn a_step_is_an_in_place_change_autograd_sees() {
+    // A graph that saved a parameter refuses to backpropagate once a step changed it (libtorch's
+    // version counter), whichever path the update takes (the fused CPU pass writes through the
+    // data and bumps the counters itself), for AdamW and AdamW8bit alike.
+    let _serial = crate::serial();
+    for eight_bit in [false, true] {
+        let p = Tensor::ones([64, 80], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let groups = vec![ParamGroup::new("a", vec![p.shallow_clone()])];
+        let mut opt: Box<dyn Optimizer> = if eight_bit {
+            Box::new(AdamW8bit::new(groups, 1e-3, AdamWConfig::default()).unwrap())
+        } else {
+            Box::new(AdamW::new(groups, 1e-3, AdamWConfig::default()).unwrap())
+        };
+        (&p * &p).sum(Kind::Float).backward();
+        let saved = (&p * &p).sum(Kind::Float);
+        opt.step().unwrap();
+        assert!(
+            (p.double_value(&[0, 0]) - 1.0).abs() > 1e-4,
+            "the step moved nothing"
+        );
+        let err = saved.f_backward().map(|_| ()).unwrap_err().to_string();
+        assert!(
+            err.contains("modified by an inplace operation"),
+            "8-bit {eight_bit}: {err}"
+        );
+    }
+}
+
+#[test]
 fn dynamic_maps_have_256_sorted_codes() {
     let _serial = crate::serial();
     for signed in [true, false] {
