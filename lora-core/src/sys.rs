@@ -1662,8 +1662,9 @@ mod tests {
         assert_eq!(p.grad().double_value(&[0]), 3.0);
     }
 
-    /// The multi-tensor update against the same formula written with per-tensor ops, two tensors
-    /// with different step counts (so different per-tensor scalars).
+    /// The update against the same formula written with per-tensor ops, two tensors with
+    /// different step counts (so different per-tensor scalars). On the CPU it is the fused pass,
+    /// whose first moment may differ from libtorch's `lerp` (a fused multiply-add) by a rounding.
     #[test]
     fn adam_foreach_step_matches_per_tensor_ops() {
         tch::manual_seed(7);
@@ -1699,7 +1700,7 @@ mod tests {
             let denom = v2.sqrt() / bc2[i] + eps;
             let p2 = &p[i] * (1.0 - lr * wd) + &m2 * neg[i] / &denom;
             let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
-            assert!(close(&m1[i], &m2) == 0.0, "exp_avg {i}");
+            assert!(close(&m1[i], &m2) < 1e-6, "exp_avg {i}");
             assert!(close(&v1[i], &v2) < 1e-6, "exp_avg_sq {i}");
             assert!(close(&p1[i], &p2) < 1e-6, "param {i}");
             // Something really moved.

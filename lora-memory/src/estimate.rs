@@ -1158,8 +1158,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         // fp32 log-softmax (two reused buffers off oneDNN); in 16 bits the logits widened to
         // fp32 (the 16-bit ones dropped) and their log-softmax, then that and the scaled
         // softmax rounded for the gradient matmul (`e + 4` ≤ 8 bytes at once), then the
-        // rounded softmax alone (or, with bf16 by f32 GEMMs, beside its f32 widening: 6).
-        rows * 8.0 * v
+        // rounded softmax alone (or, with bf16 by f32 GEMMs, beside its f32 widening: 6). In 16
+        // bits the chunk's hidden rows are a cast of their own beside them.
+        let cast_rows = if c.e < 4.0 { rows * c.e * h } else { 0.0 };
+        rows * 8.0 * v + cast_rows
     } else {
         0.0
     };

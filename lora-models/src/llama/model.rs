@@ -204,7 +204,11 @@ impl Attention {
         let [q, k, v] = sibling_forward(self.qkv.as_ref(), &self.qkv_cast, &sites, x, train)?;
         let q = heads(q, self.n_head, &self.q_norm)?;
         let k = heads(k, self.n_kv, &self.k_norm)?;
-        let v = heads(v, self.n_kv, &None)?;
+        // v in a storage of its own: as a view of the fused q/k/v output, the attention's saved
+        // v would keep the whole output (q + 2·kv wide) alive until the backward pass; q and k
+        // come out of RoPE as new tensors anyway
+        // (a no-op for a v of its own, the per-site path's)
+        let v = heads(v.f_contiguous()?, self.n_kv, &None)?;
         let q = apply_rope(&q, cos, sin)?;
         let mut k = apply_rope(&k, cos, sin)?;
         let mut v = v;
@@ -1600,7 +1604,8 @@ impl Llama {
                             &lora_core::sys::f32_linear(&p, wt).map_err(tch::TchError::from)?,
                         )?;
                     }
-                    HeadWeight::Dense { w, .. } if reuse => {
+                    // straight into the gradient rows: no `[r, d]` temporary beside the buffers
+                    HeadWeight::Dense { w, .. } if reuse || reuse16 => {
                         let _ = p.f_mm_out(&gx, w)?;
                     }
                     HeadWeight::Dense { w, .. } if by_f32 => {

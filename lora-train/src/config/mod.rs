@@ -786,7 +786,8 @@ section! {
             }
         });
         /// Intra-op threads (default: libtorch's choice).
-        num_threads: Option<u32> = None, Typed("a positive integer");
+        num_threads: Option<u32> = None, Typed("a positive integer"),
+            check |n| n.is_none_or(|n| n >= 1) => "an integer >= 1 (leave it out for libtorch's choice)";
     }
 }
 

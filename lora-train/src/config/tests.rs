@@ -17,6 +17,20 @@ fn non_finite_numbers_are_errors_not_defaults() {
 }
 
 #[test]
+fn zero_threads_is_an_error_naming_the_key() {
+    // libtorch refuses 0 intra-op threads (it used to panic inside `set_num_threads`)
+    let e = TrainConfig::from_yaml_str("system:\n  num_threads: 0\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("system.num_threads") && e.contains(">= 1"),
+        "{e}"
+    );
+    let c = TrainConfig::from_yaml_str("system:\n  num_threads: 3\n").unwrap();
+    assert_eq!(c.system.num_threads, Some(3));
+}
+
+#[test]
 fn edit_distance_counts_single_edits() {
     assert_eq!(edit_distance("learnig_rate", "learning_rate"), 1);
     assert_eq!(edit_distance("", "abc"), 3);
