@@ -204,10 +204,9 @@ impl Attention {
         let [q, k, v] = sibling_forward(self.qkv.as_ref(), &self.qkv_cast, &sites, x, train)?;
         let q = heads(q, self.n_head, &self.q_norm)?;
         let k = heads(k, self.n_kv, &self.k_norm)?;
-        // v in a storage of its own: as a view of the fused q/k/v output, the attention's saved
-        // v would keep the whole output (q + 2·kv wide) alive until the backward pass; q and k
-        // come out of RoPE as new tensors anyway
-        // (a no-op for a v of its own, the per-site path's)
+        // v in a storage of its own (a no-op for the per-site path's v): as a view of the fused
+        // q/k/v output, the attention's saved v would keep the whole output (q + 2·kv wide)
+        // alive until the backward pass; q and k come out of RoPE as new tensors anyway
         let v = heads(v.f_contiguous()?, self.n_kv, &None)?;
         let q = apply_rope(&q, cos, sin)?;
         let mut k = apply_rope(&k, cos, sin)?;

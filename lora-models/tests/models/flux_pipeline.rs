@@ -118,6 +118,8 @@ fn flux_pipeline_encodes_prompts_like_diffusers() {
 
 #[test]
 fn flux_pipeline_latents_and_decoding_match_diffusers() {
+    // draws from (and reseeds) the global generator: not while another test relies on it
+    let _rng = rng_lock();
     let p = load();
     assert_eq!((p.vae_factor(), p.latent_channels()), (2, 16));
     let z = p.encode_images(&r("image")).unwrap();
@@ -135,6 +137,8 @@ fn flux_pipeline_latents_and_decoding_match_diffusers() {
 
 #[test]
 fn flux_pipeline_samples_like_diffusers_from_the_same_noise() {
+    // draws from (and reseeds) the global generator: not while another test relies on it
+    let _rng = rng_lock();
     let p = load();
     // the scheduler config of the folder: FLUX.1-dev's dynamic shift
     assert!(p.scheduler.use_dynamic_shifting);
@@ -351,6 +355,8 @@ fn flux_pipeline_names_missing_components() {
 
 #[test]
 fn flux_pipeline_in_bf16_stays_close_to_the_f32_reference() {
+    // draws from (and reseeds) the global generator: not while another test relies on it
+    let _rng = rng_lock();
     crate::common::init_threads();
     let p = FluxPipeline::from_diffusers(&folder(), Kind::BFloat16, Device::Cpu).unwrap();
     assert_eq!(p.kind(), Kind::BFloat16);
@@ -376,6 +382,8 @@ fn flux_pipeline_in_bf16_stays_close_to_the_f32_reference() {
 
 #[test]
 fn flux_pipeline_schnell_samples_without_guidance_like_diffusers() {
+    // draws from (and reseeds) the global generator: not while another test relies on it
+    let _rng = rng_lock();
     crate::common::init_threads();
     let p = FluxPipeline::from_diffusers(&fixtures().join("schnell"), Kind::Float, Device::Cpu)
         .unwrap();
