@@ -593,16 +593,19 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
         inject(&mut m, &cfg, "default", &vs.root()).unwrap();
         perturb(&vs, 0.05);
         let (x, labels) = ids_and_masked_labels(2, 40, 300_000);
-        zero_grads(&vs);
-        let loss = m.loss(&x, &labels, None, None, false).unwrap();
-        loss.backward();
-        let (l_fused, g_fused) = (loss.double_value(&[]), grads(&vs));
-
-        zero_grads(&vs);
-        let logits = m.forward_t(&x, None, None, false).unwrap();
-        let reference = shifted_cross_entropy(&logits, &labels);
-        reference.backward();
-        let (l_ref, g_ref) = (reference.double_value(&[]), grads(&vs));
+        // loss and adapter gradients by the fused loss, then by the plain path on full logits
+        let fused_and_plain = || {
+            zero_grads(&vs);
+            let loss = m.loss(&x, &labels, None, None, false).unwrap();
+            loss.backward();
+            let fused = (loss.double_value(&[]), grads(&vs));
+            zero_grads(&vs);
+            let logits = m.forward_t(&x, None, None, false).unwrap();
+            let reference = shifted_cross_entropy(&logits, &labels);
+            reference.backward();
+            (fused, (reference.double_value(&[]), grads(&vs)))
+        };
+        let ((l_fused, g_fused), (l_ref, g_ref)) = fused_and_plain();
 
         assert!(
             (l_fused - l_ref).abs() < 1e-5 * l_ref.abs(),
@@ -636,15 +639,7 @@ fn chunked_head_loss_equals_cross_entropy_on_full_logits() {
 
         // With gradients too: the chunks' 16-bit logits and rounded softmax gradients live in
         // the bytes of the two reused f32 buffers (three chunks here, the last one partial).
-        zero_grads(&vs);
-        let loss = m.loss(&x, &labels, None, None, false).unwrap();
-        loss.backward();
-        let (l16, g16) = (loss.double_value(&[]), grads(&vs));
-        zero_grads(&vs);
-        let logits = m.forward_t(&x, None, None, false).unwrap();
-        let reference = shifted_cross_entropy(&logits, &labels);
-        reference.backward();
-        let (r16, g16_ref) = (reference.double_value(&[]), grads(&vs));
+        let ((l16, g16), (r16, g16_ref)) = fused_and_plain();
         assert!(
             (l16 - l_bf16).abs() < 1e-6,
             "tied {tied}: {l16} vs {l_bf16}"

@@ -187,9 +187,10 @@ fn step_corrections(cfg: &AdamWConfig, lr: f64, step: u64) -> (f64, f64) {
     (-(lr / (1.0 - b1.powi(t))), (1.0 - b2.powi(t)).sqrt())
 }
 
-/// Most elements per multi-tensor call: the denominators of one call are a temporary as large as
-/// the chunk's state (4 Mi fp32 elements = 16 MiB), whatever the adapter's size; the memory
-/// planner charges the same ([`lora_memory::estimate::OURS_FOREACH_CHUNK_ELEMENTS`]).
+/// Most elements per multi-tensor call: off the CPU the denominators of one call are a temporary
+/// as large as the chunk's state (4 Mi fp32 elements = 16 MiB), whatever the adapter's size; the
+/// memory planner charges the same ([`lora_memory::estimate::OURS_FOREACH_CHUNK_ELEMENTS`]). The
+/// CPU's fused pass allocates nothing.
 const FOREACH_CHUNK_ELEMENTS: i64 = lora_memory::estimate::OURS_FOREACH_CHUNK_ELEMENTS as i64;
 
 /// Parallel lists for one [`lora_core::sys::adam_foreach_step`] call.
