@@ -638,6 +638,27 @@ pub fn ours_dequant_bytes_per_weight(base: BaseDtype, e: f64) -> f64 {
     }
 }
 
+/// Bytes of the pair table lora-core keeps per quantized weight tensor whose codes are packed
+/// two to a byte or decoded through one (`QuantWeight`'s `[256, 2]` f32 lookup table: every byte
+/// to its high and low values).
+pub const OURS_PAIR_TABLE_BYTES: f64 = 2048.0;
+
+/// Whether lora-core keeps an [`OURS_PAIR_TABLE_BYTES`] table per tensor of `base`: NF4 and the
+/// GGUF formats other than Q8_0 (whose codes are whole bytes).
+fn has_pair_table(base: BaseDtype) -> bool {
+    matches!(
+        base,
+        BaseDtype::Nf4 { .. }
+            | BaseDtype::Q4_0
+            | BaseDtype::Q4_1
+            | BaseDtype::Q5_0
+            | BaseDtype::Q5_1
+            | BaseDtype::Q4K
+            | BaseDtype::Q5K
+            | BaseDtype::Q6K
+    )
+}
+
 /// Bytes of fp32 logits per chunk of lora-train's fused LM head + cross-entropy
 /// (`lora_models::llama::Llama::loss`): 32 MiB, at least 16 rows.
 pub const OURS_CE_CHUNK_BYTES: u64 = 32 << 20;
@@ -891,6 +912,14 @@ fn decoder_layer(
                 if bnb {
                     saved += c.e * width;
                 }
+            } else if names.contains(&"self_attn.o_proj")
+                && ours_cpu
+                && s.attention != Attention::Math
+                && attention_bytes(s, c) == c.e
+            {
+                // o_proj's input is the attention output itself, which the attention already
+                // keeps: libtorch's CPU flash kernel writes it `[b, s, heads, head_dim]`, so
+                // the `[b, s, heads·head_dim]` view o_proj reads is no copy.
             } else {
                 saved += c.e * width;
             }
@@ -1003,9 +1032,27 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         0.0
     };
     let head_dtype = s.lm_head_dtype.unwrap_or(s.base_dtype);
+    // This SDK decodes packed 4-/5-bit codes through a `[256, 2]` f32 table per weight tensor
+    // (lora-core's `QuantWeight`: a byte to its two values), 2 KiB each.
+    let pair_tables = if s.profile.framework == Framework::Ours {
+        let layer_tensors: u64 = d.layer_sites().iter().map(|x| x.count).sum();
+        OURS_PAIR_TABLE_BYTES
+            * (if has_pair_table(s.base_dtype) {
+                layer_tensors as f64
+            } else {
+                0.0
+            } + if head_quantized > 0.0 && has_pair_table(head_dtype) {
+                1.0
+            } else {
+                0.0
+            })
+    } else {
+        0.0
+    };
     let base_weights = linear * s.base_dtype.bytes_per_param()
         + (rest - head_quantized) * rest_bytes
-        + head_quantized * head_dtype.bytes_per_param();
+        + head_quantized * head_dtype.bytes_per_param()
+        + pair_tables;
     // Persistent tensors as the caching allocator lays them out (see `cuda_block_overhead`).
     let mut rounding: f64 = d
         .layer_sites()
@@ -1141,8 +1188,10 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     let lm_lora = sites.iter().any(|x| x.name == "lm_head");
     let e_logits = c.e;
     // lora-train's fused head + cross-entropy (lora_models `Llama::loss`): no `[tokens, V]`
-    // logits; per token the normed hidden states and their gradient (saved by the surrogate,
-    // fp32 at most) plus the gradient rows in the weight dtype; one chunk of logits at a time.
+    // logits; per token the final norm's saved input (residual dtype) and its f32 reciprocal
+    // RMS, the normed hidden states (saved by the surrogate) and their shifted row copy — in
+    // the backward their gradient instead — fp32 at most, plus the gradient rows in the matmul
+    // dtype; one chunk of logits at a time.
     let fused_ce = s.profile.framework == Framework::Ours
         && !lm_lora
         && !head_trained
@@ -1181,7 +1230,7 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         0.0
     };
     let (logits_peak, logits_kept) = if fused_ce {
-        ((8.0 + c.e) * h + tiled_head_sums, 8.0 * h)
+        ((8.0 + c.e + c.r) * h + 4.0 + tiled_head_sums, 8.0 * h)
     } else if s.profile.compiled_loss {
         // fused cross-entropy: 16-bit logits + their gradient (one chunk at a time when chunked)
         let grad = if s.profile.chunked_cross_entropy {
@@ -1269,6 +1318,15 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         dequant(largest_linear)
     };
+    // The CPU kernel decodes into buffers of the calling thread that it keeps from call to call
+    // (`tile_buffer` in lora-core's shim), grown to the largest tile: from the first product on,
+    // the head's and the layers' decodes hold the same bytes, at every point of the step.
+    let (head_dq, layer_dq) = if ours_kernel {
+        let kept = head_dq.max(layer_dq);
+        (kept, kept)
+    } else {
+        (head_dq, layer_dq)
+    };
     // AutoGPTQ's dequantize path multiplies with `torch.matmul(x, weights)`, so autograd keeps
     // its fp16 `weights` (compute dtype) for the input gradient: every layer linear the forward
     // ran with grad — all of them without checkpointing, the recomputed layer's with it
@@ -1312,6 +1370,14 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
     } else {
         0.0
     };
+    // This SDK's rotary tables cos/sin `[b, 1, s, head_dim]` in the model dtype, built once per
+    // forward for every row's positions and read by every layer (`Llama::rope`).
+    let mask = mask
+        + if s.profile.framework == Framework::Ours {
+            2.0 * c.r * d.head_dim as f64 * tokens
+        } else {
+            0.0
+        };
     let loss_branch = (logits_peak + logits_extra) * tokens + ce_chunk + head_dq + kept_dense;
     let layer_branch = (logits_kept + recompute + layer.working) * tokens + layer_dq + kept_dense;
     let (activations, logits_loss) = if loss_branch >= layer_branch {
@@ -2288,8 +2354,11 @@ mod tests {
             double_quant: false,
         });
         let e = estimate(&m, &s).unwrap();
+        // and this SDK's 2 KiB pair table per quantized tensor (7 per layer)
+        let tables = OURS_PAIR_TABLE_BYTES * 7.0 * d.layers as f64;
         let want = d.layer_linear_params() as f64 * 0.5625
-            + (d.params() - d.layer_linear_params()) as f64 * 2.0;
+            + (d.params() - d.layer_linear_params()) as f64 * 2.0
+            + tables;
         assert!((e.breakdown.base_weights.as_f64() - want).abs() < 2.0);
     }
 
@@ -2678,7 +2747,8 @@ mod tests {
         let q = Settings::default().with_base_dtype(BaseDtype::Q4_0);
         let dense_head = estimate(&m, &q).unwrap();
         let q_head = estimate(&m, &q.clone().with_quantize_lm_head(true)).unwrap();
-        let saved = (2.0 - 18.0 / 32.0) * vh as f64;
+        // (the quantized head keeps its own 2 KiB pair table)
+        let saved = (2.0 - 18.0 / 32.0) * vh as f64 - OURS_PAIR_TABLE_BYTES;
         let got =
             dense_head.breakdown.base_weights.as_f64() - q_head.breakdown.base_weights.as_f64();
         assert!((got - saved).abs() < 2.0, "{got} vs {saved}");

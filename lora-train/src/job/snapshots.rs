@@ -17,15 +17,65 @@ use crate::engine::{Callback, Control, TrainError};
 
 /// One model's adapter in the run: its name in the writer (`"unet"`, `"text_encoder"`, or
 /// `"model"` for an LLM), the VarStore prefix of its tensors (`""`, `"text_encoder."`), and its
-/// adapter as injected (module paths, kinds, alphas; the tensors are replaced at each save).
+/// adapter's layout (module paths, kinds, alphas; the tensors come from each save's checkpoint).
 #[derive(Debug)]
 pub struct SnapshotPart {
     /// The part's name, as the writer expects it.
     pub component: &'static str,
     /// Prefix of the part's tensors in the checkpoint (`<prefix><module>.lora_A.<adapter>.weight`).
     pub var_prefix: String,
-    /// The adapter as injected.
-    pub template: AdapterWeights,
+    /// The adapter's layout as injected.
+    pub template: AdapterLayout,
+}
+
+/// An adapter without its tensors: what a snapshot needs to rebuild [`AdapterWeights`] from a
+/// checkpoint's tensors. Keeps no copy of the weights, so holding it for a whole run costs no
+/// memory beside the trained adapter.
+#[derive(Debug, Clone)]
+pub struct AdapterLayout {
+    /// Per module path (as the model's sites are named): its layer kind, its alpha (with the
+    /// mixing weight folded in, as [`AdapterWeights::from_model`] gives it) and whether it has
+    /// a DoRA magnitude.
+    pub modules: std::collections::BTreeMap<String, ModuleLayout>,
+    /// Scaling is `alpha / sqrt(r)` instead of `alpha / r`.
+    pub use_rslora: bool,
+    /// Metadata the snapshot files carry (see [`AdapterWeights::metadata`]).
+    pub metadata: std::collections::BTreeMap<String, String>,
+}
+
+/// One module of an [`AdapterLayout`].
+#[derive(Debug, Clone, Copy)]
+pub struct ModuleLayout {
+    /// The wrapped layer type.
+    pub kind: lora_core::layer::SiteKind,
+    /// Alpha (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA).
+    pub alpha: f64,
+    /// Whether the module has a DoRA magnitude vector.
+    pub magnitude: bool,
+}
+
+impl AdapterLayout {
+    /// The layout of `w` (its tensors are not kept).
+    pub fn of(w: &AdapterWeights) -> Self {
+        AdapterLayout {
+            modules: w
+                .modules
+                .iter()
+                .map(|(path, m)| {
+                    (
+                        path.clone(),
+                        ModuleLayout {
+                            kind: m.kind,
+                            alpha: m.alpha,
+                            magnitude: m.magnitude.is_some(),
+                        },
+                    )
+                })
+                .collect(),
+            use_rslora: w.use_rslora,
+            metadata: w.metadata.clone(),
+        }
+    }
 }
 
 /// Writes one snapshot: the parts (tensors already in the save dtype), the output folder and
@@ -182,9 +232,10 @@ impl AdapterSnapshots {
                     lora_a: get(&name(a))?,
                     lora_b: get(&name(b))?,
                     alpha: m.alpha,
-                    magnitude: match &m.magnitude {
-                        Some(_) => Some(get(&name("lora_magnitude_vector"))?),
-                        None => None,
+                    magnitude: if m.magnitude {
+                        Some(get(&name("lora_magnitude_vector"))?)
+                    } else {
+                        None
                     },
                 };
                 w.modules.insert(path.clone(), module);

@@ -24,7 +24,7 @@ fn config(out: &std::path::Path, batch: u32, checkpointing: bool) -> TrainConfig
 model: {{ base_model: "{}", weights: quantized, dtype: f32 }}
 lora: {{ rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj] }}
 data: {{ train_data_dir: "{}", format: text, max_bytes: 8000, eval_fraction: 0.05, seq_len: 96 }}
-train: {{ batch_size: {batch}, max_steps: 2, optimizer: AdamW, gradient_checkpointing: {checkpointing}, output_dir: "{}", export_formats: [peft] }}
+train: {{ batch_size: {batch}, max_steps: 2, optimizer: AdamW, gradient_checkpointing: {checkpointing}, save_every_n_steps: 2, output_dir: "{}", export_formats: [peft] }}
 memory: {{ budget: 8GB }}
 logging: {{ progress: false }}
 system: {{ seed: 5, device: cpu, num_threads: 1 }}
@@ -69,10 +69,13 @@ fn the_plan_of_a_quantized_base_matches_the_measured_tensor_peak() {
             predicted / 1e6,
             100.0 * err
         );
-        // when written: +4.0% at batch 1 (250 MB), +4.8% at batch 3 (481 MB), +1.3% at batch 3
-        // with checkpointing (202 MB)
+        // never under (the plan is a promise); measured: +1.9% at batch 1 (224 MB), +1.1% at
+        // batch 3 (402 MB), +1.9% at batch 3 with checkpointing (202 MB). It was under by 0.8%
+        // at 4 × 128 tokens with checkpointing and a save every N steps: the final norm's input,
+        // the rotary tables and the decode tables were not counted, and the snapshots kept a
+        // copy of the adapter they never read.
         assert!(
-            (-0.03..=0.06).contains(&err),
+            (0.0..=0.05).contains(&err),
             "batch {batch}, checkpointing {checkpointing}: {:+.1}%",
             100.0 * err
         );
@@ -107,9 +110,9 @@ fn the_plan_of_an_nf4_safetensors_base_matches_the_measured_tensor_peak() {
             predicted / 1e6,
             100.0 * err
         );
-        // the bounds of the GGUF case above
+        // the bounds of the GGUF case above (measured: +0.6% at batch 3)
         assert!(
-            (-0.03..=0.06).contains(&err),
+            (0.0..=0.05).contains(&err),
             "batch {batch}: {:+.1}%",
             100.0 * err
         );

@@ -355,10 +355,10 @@ impl RunSteps for FluxSteps {
         ));
         let snapshot_template =
             if cfg.train.save_every_n_steps.is_some() || cfg.train.save_every_n_epochs.is_some() {
-                Some(
-                    AdapterWeights::from_model(&mut pipe.transformer, "default")
+                Some(crate::job::snapshots::AdapterLayout::of(
+                    &AdapterWeights::from_model(&mut pipe.transformer, "default")
                         .during("reading the injected adapters")?,
-                )
+                ))
             } else {
                 None
             };
@@ -384,7 +384,7 @@ impl RunSteps for FluxSteps {
 
 /// The FLUX run once the pipeline is loaded and LoRA injected.
 pub(super) struct FluxRun {
-    snapshot_template: Option<AdapterWeights>,
+    snapshot_template: Option<crate::job::snapshots::AdapterLayout>,
     images: Rc<FluxImages>,
     kind: Kind,
     data_path: PathBuf,

@@ -597,13 +597,13 @@ impl RunSteps for LlmSteps {
             report.all_params,
             report.trainable_percent()
         ));
-        // the adapter as injected: what the snapshots at each save fill in
+        // the adapter's layout as injected (no copy of its tensors): what each save fills in
         let snapshot_template =
             if cfg.train.save_every_n_steps.is_some() || cfg.train.save_every_n_epochs.is_some() {
-                Some(
-                    lora_core::formats::AdapterWeights::from_model(&mut model, "default")
+                Some(crate::job::snapshots::AdapterLayout::of(
+                    &lora_core::formats::AdapterWeights::from_model(&mut model, "default")
                         .during("reading the injected adapter")?,
-                )
+                ))
             } else {
                 None
             };
@@ -636,7 +636,7 @@ struct LlmRun {
     template: Option<std::sync::Arc<dyn lora_data::text::ChatTemplate>>,
     lcfg: lora_core::config::LoraConfig,
     /// The injected adapter, for the snapshots at each save (when the run saves).
-    snapshot_template: Option<lora_core::formats::AdapterWeights>,
+    snapshot_template: Option<crate::job::snapshots::AdapterLayout>,
     data_written: String,
     data_path: PathBuf,
     plain_text: Option<(String, Vec<PathBuf>)>,

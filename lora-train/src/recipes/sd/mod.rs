@@ -316,7 +316,7 @@ impl RunSteps for SdSteps {
                 ));
             }
         }
-        // the adapters as injected: what the snapshots at each save fill in
+        // the adapters' layouts as injected (no copy of their tensors): what each save fills in
         let snapshot_parts =
             if cfg.train.save_every_n_steps.is_some() || cfg.train.save_every_n_epochs.is_some() {
                 let meta = sd_metadata(
@@ -339,7 +339,7 @@ impl RunSteps for SdSteps {
                             } else {
                                 format!("{component}.")
                             },
-                            template,
+                            template: crate::job::snapshots::AdapterLayout::of(&template),
                         },
                     )
                     .collect();
