@@ -192,6 +192,51 @@ fn plan_exit_code_follows_the_budget_and_json_is_machine_readable() {
 }
 
 #[test]
+fn train_refuses_a_run_that_does_not_fit_and_says_what_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = write(dir.path(), "data.txt", "To be, or not to be.\n");
+    let config = |memory: &str| {
+        write(
+            dir.path(),
+            "run.yaml",
+            &format!(
+                "model: {{base_model: llama-2-7b, dtype: bf16}}\ntrain: {{batch_size: 8}}\n\
+                 data: {{seq_len: 2048, train_data_dir: {}, format: text}}\nmemory: {memory}\n",
+                data.display()
+            ),
+        )
+    };
+    // the fitting ladder reaches 12 GiB: the error points at the suggestion
+    let o = bin()
+        .args(["train", "--config"])
+        .arg(config("{gpu: RTX 3060}"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(
+        text(&o).contains("would fit with")
+            && text(&o).contains("set memory.auto_fit: true to take the suggested settings"),
+        "{}",
+        text(&o)
+    );
+    // nothing on the ladder reaches 2 GB: no advice to turn on auto_fit, with it on or off
+    for memory in ["{budget: 2GB}", "{budget: 2GB, auto_fit: true}"] {
+        let o = bin()
+            .args(["train", "--config"])
+            .arg(config(memory))
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(3), "{memory}: {}", text(&o));
+        assert!(
+            text(&o).contains("nothing on the fitting ladder fits it")
+                && !text(&o).contains("set memory.auto_fit"),
+            "{memory}: {}",
+            text(&o)
+        );
+    }
+}
+
+#[test]
 fn plan_of_the_demo_config_reads_the_gguf_header_and_fits() {
     gguf();
     let cfg = repo().join("examples/configs/smollm2-shakespeare.yaml");

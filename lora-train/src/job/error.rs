@@ -14,7 +14,7 @@ pub enum JobError {
     Memory(#[from] lora_memory::Error),
     /// The run is predicted not to fit its budget and was not forced.
     #[error(
-        "predicted peak {peak} does not fit the budget {budget} ({source_desc}); set memory.auto_fit: true to let lora-memory pick settings that fit, change the settings by hand, or pass --force"
+        "predicted peak {peak} does not fit the budget {budget} ({source_desc}); {hint}"
     )]
     DoesNotFit {
         /// Predicted peak.
@@ -23,6 +23,9 @@ pub enum JobError {
         budget: lora_memory::Bytes,
         /// Where the budget came from.
         source_desc: String,
+        /// What to do: take the suggested settings (`memory.auto_fit`), or, when nothing on
+        /// the fitting ladder fits, what is left (a larger budget, a smaller job, `--force`).
+        hint: String,
     },
     /// A file given in the config does not exist.
     #[error("{key} = {path:?}: not found (looked in {looked}); {hint}")]

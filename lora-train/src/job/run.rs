@@ -446,6 +446,9 @@ pub fn check_fits_this_machine(plan: &crate::job::Plan, cuda: bool, forced: bool
             peak: plan.estimate.peak,
             budget: lora_memory::Bytes(avail),
             source_desc: "no memory.budget or memory.gpu is set: this machine's available RAM, MemAvailable in /proc/meminfo".into(),
+            hint: "set memory.budget with memory.auto_fit: true to let lora-memory pick settings \
+                   that fit, change the settings by hand, or pass --force"
+                .into(),
         }),
         _ => Ok(()),
     }

@@ -444,6 +444,17 @@ pub fn run<S: RunSteps>(
                     peak: p.estimate.peak,
                     budget: b.bytes,
                     source_desc: budget_source(b),
+                    hint: if p.suggestion.is_empty() {
+                        // the ladder was walked (`Plan::fit_to_budget`) and nothing on it fits
+                        "nothing on the fitting ladder fits it (see the note above): raise \
+                         memory.budget, train a smaller model or shorter data.seq_len, or pass \
+                         --force"
+                            .into()
+                    } else {
+                        "set memory.auto_fit: true to take the suggested settings above, change \
+                         the settings by hand, or pass --force"
+                            .into()
+                    },
                 });
             }
             ctx.say("warning: predicted not to fit; starting anyway (forced)");
