@@ -23,6 +23,18 @@ pub struct MeasuredMemory {
     pub rss_peak_process: u64,
 }
 
+/// A plan's error against a measurement, for the run summaries: `(predicted − measured) /
+/// measured` in percent with its sign (`+1.7%`), and, when the plan was under the measurement
+/// however slightly, two decimals and the words "under the plan" (so `-0.0%` never hides it).
+pub(crate) fn vs_plan(predicted: u64, measured: u64) -> String {
+    let p = 100.0 * (predicted as f64 - measured as f64) / (measured.max(1) as f64);
+    if predicted < measured {
+        format!("{p:+.2}%, under the plan")
+    } else {
+        format!("{p:+.1}%")
+    }
+}
+
 /// `VmRSS` and `VmHWM` of this process in bytes (Linux; zeros elsewhere).
 pub fn proc_rss() -> (u64, u64) {
     lora_memory::host::process_rss()
@@ -605,6 +617,14 @@ impl Drop for OutputLock {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_plan_under_its_measurement_says_so_at_any_size() {
+        assert_eq!(super::vs_plan(1_017, 1_000), "+1.7%");
+        assert_eq!(super::vs_plan(1_000, 1_000), "+0.0%");
+        assert_eq!(super::vs_plan(99_990, 100_000), "-0.01%, under the plan");
+        assert_eq!(super::vs_plan(5, 0), "+500.0%");
+    }
+
     use super::*;
 
     #[test]

@@ -908,11 +908,13 @@ pub fn run_report(
         && !ctx.cuda
     {
         out += &format!(
-            "memory (CPU): tensor peak (counting allocator) {} vs predicted allocated peak {}; process peak RSS {} vs predicted {}\n",
+            "memory (CPU): tensor peak (counting allocator) {} vs predicted allocated peak {} ({}); process peak RSS {} vs predicted {} ({})\n",
             lora_memory::Bytes(memory.tensor_peak),
             p.estimate.peak_allocated,
+            crate::job::run::vs_plan(p.estimate.peak_allocated.0, memory.tensor_peak),
             lora_memory::Bytes(memory.rss_peak_process),
-            p.estimate.peak_process
+            p.estimate.peak_process,
+            crate::job::run::vs_plan(p.estimate.peak_process.0, memory.rss_peak_process)
         );
     }
     for o in files {

@@ -375,21 +375,21 @@ impl RunSummary {
         }
         let e = &self.plan.estimate;
         let m = &self.memory;
-        let pct = |pred: u64, meas: u64| 100.0 * (pred as f64 - meas as f64) / (meas.max(1) as f64);
+        let pct = crate::job::run::vs_plan;
         out += &format!(
-            "memory (CPU): step RSS delta measured {} vs predicted {} ({:+.1}%)\n",
+            "memory (CPU): step RSS delta measured {} vs predicted {} ({})\n",
             lora_memory::Bytes(m.rss_step_delta),
             e.step_delta,
             pct(e.step_delta.0, m.rss_step_delta)
         );
         out += &format!(
-            "              tensor peak (counting allocator) {} vs predicted allocated peak {} ({:+.1}%)\n",
+            "              tensor peak (counting allocator) {} vs predicted allocated peak {} ({})\n",
             lora_memory::Bytes(m.tensor_peak),
             e.peak_allocated,
             pct(e.peak_allocated.0, m.tensor_peak)
         );
         out += &format!(
-            "              process peak RSS {} vs predicted process peak {} ({:+.1}%)\n",
+            "              process peak RSS {} vs predicted process peak {} ({})\n",
             lora_memory::Bytes(m.rss_peak_process.max(m.rss_peak_steps)),
             e.peak_process,
             pct(e.peak_process.0, m.rss_peak_process.max(m.rss_peak_steps))
