@@ -1130,8 +1130,8 @@ impl QuantWeight {
 
     /// `storage_bytes() / (out·in)`: 1.0625 (Q8_0), 0.5625 (Q4_0), 0.625 (Q4_1), 0.6875 (Q5_0),
     /// 0.75 (Q5_1), 148/256 (Q4_K), 180/256 (Q5_K), 210/256 (Q6_K), 0.5 + 4/64 (NF4), ≈0.5159
-    /// (NF4 + double quant), 1 (fp8), plus the 2 KiB code table of the 4-bit kinds amortized over
-    /// the matrix.
+    /// (NF4 + double quant), 1 (fp8), plus the 2 KiB pair table of every kind but Q8_0 and fp8
+    /// amortized over the matrix.
     pub fn bytes_per_param(&self) -> f64 {
         self.storage_bytes() as f64 / (self.shape[0] * self.shape[1]) as f64
     }

@@ -602,8 +602,9 @@ pub const MAX_ESTIMATE_BYTES: u64 = 1 << 60;
 
 /// Weights of a quantized linear decoded at once by lora-core's tiled linears
 /// (`lora_core::sys::QLINEAR_TILE_ELEMENTS`; the CPU kernel and the tensor-op path of CUDA,
-/// f16 and f64 alike): the transient of this SDK's quantized linears, which keep no dense
-/// weight for the backward pass.
+/// f16 and f64 alike): all of a weight this SDK's quantized linears hold dense at once — they
+/// keep no dense weight for the backward pass. On the CPU kernel the tile's buffers are the
+/// calling thread's, kept from call to call; elsewhere each tile is a transient.
 pub const OURS_QLINEAR_TILE_ELEMENTS: u64 = 1 << 20;
 
 /// Bytes per weight that lora-core's tensor-op decode of a `base`-quantized weight
@@ -1032,8 +1033,8 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         0.0
     };
     let head_dtype = s.lm_head_dtype.unwrap_or(s.base_dtype);
-    // This SDK decodes packed 4-/5-bit codes through a `[256, 2]` f32 table per weight tensor
-    // (lora-core's `QuantWeight`: a byte to its two values), 2 KiB each.
+    // This SDK decodes NF4 and the GGUF formats other than Q8_0 through a `[256, 2]` f32 table
+    // per weight tensor (lora-core's `QuantWeight`: a byte to two values), 2 KiB each.
     let pair_tables = if s.profile.framework == Framework::Ours {
         let layer_tensors: u64 = d.layer_sites().iter().map(|x| x.count).sum();
         OURS_PAIR_TABLE_BYTES

@@ -1497,6 +1497,7 @@ impl Llama {
                 let _ng = tch::no_grad_guard();
                 vocab_tiled_head(q, &rows, &idx, &validf, mm_kind, want_grad, inv)?
             };
+            drop(rows);
             return Self::fused_loss_output(&hn, total.f_mul_scalar(inv)?, grad, b, s, d);
         }
         // A dense fp32 head writes each chunk into one reused buffer, unless its products go
@@ -1622,6 +1623,9 @@ impl Llama {
         }
         let loss = total.f_mul_scalar(inv)?;
         drop(_ng);
+        // the chunk buffers and the row copy are not needed beside the surrogate's tensors
+        drop(buf);
+        drop(rows);
         Self::fused_loss_output(&hn, loss, grad, b, s, d)
     }
 
@@ -1639,9 +1643,19 @@ impl Llama {
     ) -> Result<Tensor> {
         match grad {
             Some(g) => {
-                let last = Tensor::f_zeros([b, 1, d], (hn.kind(), hn.device()))?;
-                let g = Tensor::f_cat(&[g.f_view([b, s - 1, d])?.f_to_kind(hn.kind())?, last], 1)?;
-                let dot = hn.f_mul(&g)?.f_sum(Kind::Float)?;
+                // g' in one buffer (the rows written in place, the gradient rows dropped at
+                // once); in f32 Σ(hn·g') as a dot product, with no `[b, s, d]` product
+                // temporary; other dtypes sum in f32 as the loss is (a 16-bit dot's value could
+                // round to ±inf, and inf − inf is NaN)
+                let gp = Tensor::f_zeros([b, s, d], (hn.kind(), hn.device()))?;
+                gp.f_narrow(1, 0, s - 1)?
+                    .f_copy_(&g.f_view([b, s - 1, d])?)?;
+                drop(g);
+                let dot = if hn.kind() == Kind::Float {
+                    hn.f_reshape([-1])?.f_dot(&gp.f_view([-1])?)?
+                } else {
+                    hn.f_mul(&gp)?.f_sum(Kind::Float)?
+                };
                 Ok(dot.f_sub(&dot.f_detach()?)?.f_add(&loss)?)
             }
             None => Ok(loss),

@@ -215,7 +215,7 @@ fn train_refuses_a_run_that_does_not_fit_and_says_what_is_left() {
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(
         text(&o).contains("would fit with")
-            && text(&o).contains("set memory.auto_fit: true to take the suggested settings"),
+            && text(&o).contains("set memory.auto_fit: true to take the settings that fit"),
         "{}",
         text(&o)
     );

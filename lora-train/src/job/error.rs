@@ -13,9 +13,7 @@ pub enum JobError {
     #[error(transparent)]
     Memory(#[from] lora_memory::Error),
     /// The run is predicted not to fit its budget and was not forced.
-    #[error(
-        "predicted peak {peak} does not fit the budget {budget} ({source_desc}); {hint}"
-    )]
+    #[error("predicted peak {peak} does not fit the budget {budget} ({source_desc}); {hint}")]
     DoesNotFit {
         /// Predicted peak.
         peak: lora_memory::Bytes,

@@ -36,8 +36,13 @@ pub struct Plan {
     /// Notes (assumed units, approximations).
     pub notes: Vec<String>,
     /// When the plan does not fit and `auto_fit` is off: the changes `fit()` would make and the
-    /// peak they reach (`memory.auto_fit: true` applies them). Empty when nothing fits.
+    /// peak they reach (`memory.auto_fit: true` applies them). Empty otherwise: no budget, the
+    /// plan fits, `auto_fit` applied them, or nothing on the ladder fits
+    /// ([`Plan::ladder_smallest_peak`]).
     pub suggestion: Vec<Change>,
+    /// When the fitting ladder was walked ([`Plan::fit_to_budget`]) and nothing on it fits the
+    /// budget: the smallest peak it reached.
+    pub ladder_smallest_peak: Option<lora_memory::Bytes>,
 }
 
 impl Plan {
@@ -61,6 +66,7 @@ impl Plan {
             changes: Vec::new(),
             notes: Vec::new(),
             suggestion: Vec::new(),
+            ladder_smallest_peak: None,
         };
         p.judge();
         p
@@ -83,7 +89,9 @@ impl Plan {
     /// The plan per rank of a data-parallel run of `world_size` processes, one per GPU, each
     /// holding the whole model and training its own micro-batches: the estimate again with
     /// [`Settings::world_size`] (the all-reduce's gradient buffer added), judged against the
-    /// same budget, which is then one GPU's. `auto_fit`'s choices, made before, stay.
+    /// same budget, which is then one GPU's. `auto_fit`'s choices, made before, stay; the
+    /// fitting ladder's findings for one process ([`Plan::suggestion`],
+    /// [`Plan::ladder_smallest_peak`]) are dropped, as they do not hold per rank.
     ///
     /// # Errors
     /// An estimate error (a world size of 0).
@@ -91,6 +99,8 @@ impl Plan {
         if world_size == self.settings.world_size {
             return Ok(self);
         }
+        self.suggestion.clear();
+        self.ladder_smallest_peak = None;
         self.settings.world_size = world_size;
         self.estimate = lora_memory::estimate(&self.descriptor, &self.settings)?;
         self.judge();
@@ -131,7 +141,9 @@ impl Plan {
                 smallest_peak,
                 changes,
                 ..
-            }) => self.notes.push(format!(
+            }) => {
+                self.ladder_smallest_peak = Some(smallest_peak);
+                self.notes.push(format!(
                 "{}nothing on the fitting ladder ({ladder}) fits this budget with its safety margin; the smallest peak reachable is {smallest_peak}{}",
                 if auto_fit { "auto_fit: " } else { "" },
                 if auto_fit {
@@ -139,7 +151,8 @@ impl Plan {
                 } else {
                     String::new()
                 }
-            )),
+            ));
+            }
             Err(lora_memory::FitError::Estimate(e)) => return Err(e.into()),
             Err(other) => return Err(crate::job::JobError::Fit(other)),
         }

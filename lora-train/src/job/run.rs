@@ -25,11 +25,11 @@ pub struct MeasuredMemory {
 
 /// A plan's error against a measurement, for the run summaries: `(predicted − measured) /
 /// measured` in percent with its sign (`+1.7%`), and, when the plan was under the measurement
-/// however slightly, two decimals and the words "under the plan" (so `-0.0%` never hides it).
+/// however slightly, two decimals and the words "the plan was below the measurement" (so `-0.0%` never hides it).
 pub(crate) fn vs_plan(predicted: u64, measured: u64) -> String {
     let p = 100.0 * (predicted as f64 - measured as f64) / (measured.max(1) as f64);
     if predicted < measured {
-        format!("{p:+.2}%, under the plan")
+        format!("{p:+.2}%: the plan was below the measurement")
     } else {
         format!("{p:+.1}%")
     }
@@ -621,7 +621,10 @@ mod tests {
     fn a_plan_under_its_measurement_says_so_at_any_size() {
         assert_eq!(super::vs_plan(1_017, 1_000), "+1.7%");
         assert_eq!(super::vs_plan(1_000, 1_000), "+0.0%");
-        assert_eq!(super::vs_plan(99_990, 100_000), "-0.01%, under the plan");
+        assert_eq!(
+            super::vs_plan(99_990, 100_000),
+            "-0.01%: the plan was below the measurement"
+        );
         assert_eq!(super::vs_plan(5, 0), "+500.0%");
     }
 

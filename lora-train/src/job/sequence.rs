@@ -444,16 +444,19 @@ pub fn run<S: RunSteps>(
                     peak: p.estimate.peak,
                     budget: b.bytes,
                     source_desc: budget_source(b),
-                    hint: if p.suggestion.is_empty() {
-                        // the ladder was walked (`Plan::fit_to_budget`) and nothing on it fits
-                        "nothing on the fitting ladder fits it (see the note above): raise \
-                         memory.budget, train a smaller model or shorter data.seq_len, or pass \
-                         --force"
-                            .into()
-                    } else {
-                        "set memory.auto_fit: true to take the suggested settings above, change \
-                         the settings by hand, or pass --force"
-                            .into()
+                    hint: match (p.suggestion.is_empty(), p.ladder_smallest_peak) {
+                        (false, _) => "set memory.auto_fit: true to take the settings that fit \
+                                       (`lora-train plan` lists them), change the settings by \
+                                       hand, or pass --force"
+                            .into(),
+                        (true, Some(smallest)) => format!(
+                            "nothing on the fitting ladder fits it (the smallest peak it reaches \
+                             is {smallest}): raise the budget, make the job smaller (model, \
+                             sequence length or resolution, batch), or pass --force"
+                        ),
+                        (true, None) => "change the settings by hand (`lora-train plan` prints \
+                                         the plan's terms), or pass --force"
+                            .into(),
                     },
                 });
             }
