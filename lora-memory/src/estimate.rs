@@ -647,17 +647,7 @@ pub const OURS_PAIR_TABLE_BYTES: f64 = 2048.0;
 /// Whether lora-core keeps an [`OURS_PAIR_TABLE_BYTES`] table per tensor of `base`: NF4 and the
 /// GGUF formats other than Q8_0 (whose codes are whole bytes).
 fn has_pair_table(base: BaseDtype) -> bool {
-    matches!(
-        base,
-        BaseDtype::Nf4 { .. }
-            | BaseDtype::Q4_0
-            | BaseDtype::Q4_1
-            | BaseDtype::Q5_0
-            | BaseDtype::Q5_1
-            | BaseDtype::Q4K
-            | BaseDtype::Q5K
-            | BaseDtype::Q6K
-    )
+    matches!(base, BaseDtype::Nf4 { .. }) || (base.is_gguf() && base != BaseDtype::Q8_0)
 }
 
 /// Bytes of fp32 logits per chunk of lora-train's fused LM head + cross-entropy

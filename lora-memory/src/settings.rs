@@ -100,6 +100,21 @@ impl BaseDtype {
     pub fn is_quantized(self) -> bool {
         !matches!(self, BaseDtype::F32 | BaseDtype::F16 | BaseDtype::Bf16)
     }
+
+    /// Whether this is one of GGUF's block types (Q8_0 … Q6_K).
+    pub fn is_gguf(self) -> bool {
+        matches!(
+            self,
+            BaseDtype::Q8_0
+                | BaseDtype::Q4_0
+                | BaseDtype::Q4_1
+                | BaseDtype::Q5_0
+                | BaseDtype::Q5_1
+                | BaseDtype::Q4K
+                | BaseDtype::Q5K
+                | BaseDtype::Q6K
+        )
+    }
 }
 
 /// Mixed-precision mode (the `mixed_precision` key of accelerate / kohya configs).

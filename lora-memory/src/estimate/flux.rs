@@ -77,18 +77,9 @@ fn te_bytes_per_param(s: &Settings) -> f64 {
 /// A base kept in a GGUF file's own block types: the file's stored bytes replace
 /// `params × bytes/param`.
 fn as_stored(d: &FluxDescriptor, s: &Settings) -> Option<f64> {
-    let gguf = matches!(
-        s.base_dtype,
-        BaseDtype::Q8_0
-            | BaseDtype::Q4_0
-            | BaseDtype::Q4_1
-            | BaseDtype::Q5_0
-            | BaseDtype::Q5_1
-            | BaseDtype::Q4K
-            | BaseDtype::Q5K
-            | BaseDtype::Q6K
-    );
-    d.stored_bytes.filter(|_| gguf).map(|b| b as f64)
+    d.stored_bytes
+        .filter(|_| s.base_dtype.is_gguf())
+        .map(|b| b as f64)
 }
 
 /// Saved bytes per token of one block, without checkpointing (`double`: per token of either
