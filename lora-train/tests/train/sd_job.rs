@@ -41,6 +41,8 @@ fn config(dir: &Path, out: &str) -> TrainConfig {
 fn run() -> &'static Run {
     static RUN: OnceLock<Run> = OnceLock::new();
     RUN.get_or_init(|| {
+        // alone: the measured peaks of this run and of the plan tests are process-wide counts
+        let _serial = serial();
         // one folder per test binary, emptied at each start (a static is never dropped)
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sd_job");
         let _ = std::fs::remove_dir_all(&dir);
