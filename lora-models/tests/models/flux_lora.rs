@@ -103,7 +103,8 @@ fn is_single_linear1_member(module: &str) -> bool {
 }
 
 /// A FLUX.1-dev-shaped config with one double and one single block, and a random rank-4 adapter
-/// (alpha 6; `proj_mlp` alpha 2) on its attention, MLP and modulation linears.
+/// (alpha 6; `proj_mlp` alpha 2) on its attention, MLP and modulation linears. Seeds and draws
+/// from the global generator: the caller holds [`rng_lock`].
 fn full_width_adapter() -> (FluxConfig, AdapterWeights) {
     let cfg = FluxConfig {
         num_layers: 1,
@@ -111,7 +112,6 @@ fn full_width_adapter() -> (FluxConfig, AdapterWeights) {
         ..FluxConfig::dev()
     };
     let (d, mlp) = (cfg.inner_dim(), cfg.mlp_hidden_dim());
-    let _lock = rng_lock();
     tch::manual_seed(3);
     let mut w = AdapterWeights::default();
     let f = (Kind::Float, tch::Device::Cpu);
@@ -143,6 +143,9 @@ fn full_width_adapter() -> (FluxConfig, AdapterWeights) {
 
 #[test]
 fn exported_adapters_load_in_diffusers_with_our_outputs() {
+    // the whole test: injecting and loading adapters initialise their factors from the global
+    // generator, which tests replaying seeded draws beside this one must not see move
+    let _lock = rng_lock();
     let mut m = dev();
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let cfg = LoraConfig {
@@ -175,17 +178,14 @@ fn exported_adapters_load_in_diffusers_with_our_outputs() {
         ..LoraConfig::default()
     };
     lora_core::inject::inject(&mut m, &cfg, "default", &vs.root()).unwrap();
-    {
-        let _lock = rng_lock();
-        tch::manual_seed(21);
-        tch::no_grad(|| {
-            let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-            vars.sort_by(|a, b| a.0.cmp(&b.0));
-            for (_, mut v) in vars {
-                v.copy_(&(v.randn_like() * 0.2));
-            }
-        });
-    }
+    tch::manual_seed(21);
+    tch::no_grad(|| {
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, mut v) in vars {
+            v.copy_(&(v.randn_like() * 0.2));
+        }
+    });
     let (ours, base) = run(&m, "dev");
     let (_, effect) = diff(&ours, &base);
     println!("the adapter changes the output by {effect:.3e} (relative)");
