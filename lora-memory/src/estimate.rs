@@ -18,7 +18,9 @@
 //! more with the fp32 grad.
 
 use crate::error::{Error, Result};
-use crate::model::{DecoderDescriptor, DiffusionDescriptor, LinearSite, ModelDescriptor, NormKind};
+use crate::model::{
+    DecoderDescriptor, DiffusionDescriptor, DiffusionFamily, LinearSite, ModelDescriptor, NormKind,
+};
 use crate::settings::{
     Attention, BaseDtype, Device, Framework, Method, MixedPrecision, Optimizer, SampleImages,
     Settings,
@@ -108,6 +110,12 @@ pub struct Breakdown {
     /// step's activations are gone by then.
     #[serde(default)]
     pub sample_images: Bytes,
+    /// Image jobs on the CPU ([`crate::settings::Settings::kept_data`]): the latents,
+    /// text-encoder outputs and fixed evaluation samples the data source keeps for the whole
+    /// run, alive at every moment (lora-train's `ImageSource` and the before/after loss's
+    /// batches). 0 on CUDA (host memory) and for language models.
+    #[serde(default)]
+    pub kept_data: Bytes,
     /// CUDA context and cuBLAS/cuDNN workspaces (CPU: runtime baseline).
     pub context_workspace: Bytes,
     /// Caching-allocator cache above the live tensors (reserved − allocated).
@@ -190,6 +198,11 @@ impl Breakdown {
                 formula: "frozen models back + max(UNet / transformer no-grad, one prompt; one image's decode)",
             },
             Term {
+                name: "kept data",
+                bytes: self.kept_data,
+                formula: "CPU image jobs: cached latents + text-encoder outputs + evaluation samples",
+            },
+            Term {
                 name: "context / workspace",
                 bytes: self.context_workspace,
                 formula: "CUDA context + cuBLAS workspace",
@@ -228,8 +241,8 @@ pub struct Estimate {
     /// CPU: predicted peak RSS over the training steps minus RSS before them: the allocated
     /// peak less the weights and adapters loaded before, plus [`CPU_STEP_RUNTIME`].
     pub step_delta: Bytes,
-    /// Weights + adapters + gradients + optimizer states: what is allocated right after
-    /// `optimizer.step()`, before `zero_grad`.
+    /// Weights + adapters + gradients + optimizer states (+ an image job's kept data on the
+    /// CPU): what is allocated right after `optimizer.step()`, before `zero_grad`.
     pub persistent: Bytes,
     /// The number to compare with a budget: `peak_process`.
     pub peak: Bytes,
@@ -1417,7 +1430,23 @@ fn estimate_decoder(d: &DecoderDescriptor, s: &Settings) -> Result<Estimate> {
         buffers_persistent,
         buffers_backward,
         sample_images: 0.0,
+        kept_data: 0.0,
     })
+}
+
+/// Bytes of [`Settings::kept_data`] on a CPU run: `latent` bytes per kept latent, `text` per
+/// kept caption's text-encoder outputs, and their sum plus `eval_extra` per evaluation sample
+/// (lora-train's `ImageSource` caches and fixed evaluation batches). 0 on CUDA, where they are
+/// host memory, and without kept data.
+pub(crate) fn kept_data_bytes(s: &Settings, latent: f64, text: f64, eval_extra: f64) -> f64 {
+    match (s.device, s.kept_data) {
+        (Device::Cpu { .. }, Some(k)) => {
+            k.latents as f64 * latent
+                + k.captions as f64 * text
+                + k.eval_samples as f64 * (latent + text + eval_extra)
+        }
+        _ => 0.0,
+    }
 }
 
 struct FinishArgs<'a> {
@@ -1446,11 +1475,14 @@ struct FinishArgs<'a> {
     /// diffusion: what drawing a sample grid adds next to the persistent tensors and the
     /// gradients (frozen models loaded back, inference activations, one image's decode)
     sample_images: f64,
+    /// image jobs on the CPU: what the data source keeps for the whole run
+    kept_data: f64,
 }
 
 fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     let s = a.s;
-    let persistent = a.base_weights + a.adapter_bytes + a.states + a.buffers_persistent;
+    let persistent =
+        a.base_weights + a.adapter_bytes + a.states + a.buffers_persistent + a.kept_data;
     // Gradients exist during the backward peak when they persist across micro-batches, when
     // zero_grad keeps the buffers, or when they are small (LoRA: counted, conservative). A full
     // fine-tune with set_to_none produces them layer by layer while that layer's activations are
@@ -1520,7 +1552,8 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     } else {
         CPU_STEP_RUNTIME.as_f64()
     };
-    let step_delta = allocated - a.base_weights - a.adapter_bytes + step_runtime;
+    // the kept data is in memory before the first step too
+    let step_delta = allocated - a.base_weights - a.adapter_bytes - a.kept_data + step_runtime;
     let mut notes = a.notes;
     if s.world_size > 1 {
         notes.push(format!(
@@ -1569,6 +1602,7 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
         ),
         communication_buffers: Bytes::from_f64(if at_sync { communication } else { 0.0 }),
         sample_images: Bytes::from_f64(if at_sample { a.sample_images } else { 0.0 }),
+        kept_data: Bytes::from_f64(a.kept_data),
         context_workspace: Bytes::from_f64(context),
         allocator_margin: Bytes::from_f64(margin),
     };
@@ -1986,6 +2020,19 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         };
         reload + sample_grid_bytes(d, s, &c, g, te_bytes)
     });
+    // what the data source keeps (CPU): fp32 latents at the training size; the prompt
+    // embeddings `[77, D]` (and SDXL's pooled projection) in the text encoders' dtype; an
+    // evaluation sample adds its token ids (int64, per text encoder) and SDXL's six time ids
+    let pooled = match d.family {
+        DiffusionFamily::Sdxl => d.text_encoders.last().map_or(0.0, |t| t.hidden as f64),
+        DiffusionFamily::Sd1 => 0.0,
+    };
+    let kept_data = kept_data_bytes(
+        s,
+        4.0 * d.latent_channels as f64 * n0,
+        te_bytes * (ctx_len * ctx_dim + pooled),
+        8.0 * ctx_len * d.text_encoders.len() as f64 + 8.0 * 6.0,
+    );
     let detail = DiffusionDetail {
         image_size: [wpx, hpx],
         latent_size: [lw as u32, lh as u32],
@@ -2018,6 +2065,7 @@ fn estimate_diffusion(d: &DiffusionDescriptor, s: &Settings) -> Result<Estimate>
         buffers_persistent: 0.0,
         buffers_backward: 0.0,
         sample_images,
+        kept_data,
     })
 }
 
@@ -2397,6 +2445,48 @@ mod tests {
             .with_train_text_encoder(true)
             .with_cache_text_encoder_outputs(true);
         assert!(estimate(&sd, &s).is_err());
+    }
+
+    #[test]
+    fn an_image_job_on_the_cpu_counts_the_latents_and_embeddings_it_keeps() {
+        let kept = crate::settings::KeptData {
+            latents: 32,
+            captions: 16,
+            eval_samples: 8,
+        };
+        for (name, ctx_dim, pooled, encoders) in
+            [("SD1.5", 768.0, 0.0, 1.0), ("SDXL", 2048.0, 1280.0, 2.0)]
+        {
+            let m = ModelDescriptor::preset(name).unwrap();
+            let cpu = Settings::default()
+                .with_target_modules(&["to_q", "to_v"])
+                .with_base_dtype(BaseDtype::F32)
+                .with_resolution(512)
+                .with_device(Device::cpu());
+            let base = estimate(&m, &cpu).unwrap();
+            let with = estimate(&m, &cpu.clone().with_kept_data(Some(kept))).unwrap();
+            // latents [4, 64, 64] fp32; prompt embeddings [77, D] (+ SDXL's pooled projection)
+            // in the fp32 text encoders; an evaluation sample's token ids and time ids
+            let latent = 4.0 * 4.0 * 64.0 * 64.0;
+            let text = 4.0 * (77.0 * ctx_dim + pooled);
+            let ids = 8.0 * 77.0 * encoders + 48.0;
+            let want = 32.0 * latent + 16.0 * text + 8.0 * (latent + text + ids);
+            assert_eq!(with.breakdown.kept_data.0, want as u64, "{name}");
+            assert_eq!(
+                with.peak_allocated.0 - base.peak_allocated.0,
+                want as u64,
+                "{name}"
+            );
+            assert_eq!(with.step_delta, base.step_delta, "{name}");
+            // host memory on a CUDA run
+            let gpu = |k| {
+                estimate(
+                    &m,
+                    &cpu.clone().with_device(Device::cuda()).with_kept_data(k),
+                )
+            };
+            assert_eq!(gpu(Some(kept)).unwrap(), gpu(None).unwrap(), "{name}");
+        }
     }
 
     #[test]

@@ -58,8 +58,8 @@ pub use model::{
     LinearSite, ModelDescriptor, NormKind, SUPPORTED_MODEL_TYPES, TextEncoderDescriptor, UnetLevel,
 };
 pub use settings::{
-    Attention, BaseDtype, DeepSpeedZero, Device, Framework, GptqKernel, LoraSettings, Method,
-    MixedPrecision, Optimizer, Profile, SampleImages, Settings,
+    Attention, BaseDtype, DeepSpeedZero, Device, Framework, GptqKernel, KeptData, LoraSettings,
+    Method, MixedPrecision, Optimizer, Profile, SampleImages, Settings,
 };
 pub use units::{Bytes, ParsedSize, Size, parse_size};
 pub use verdict::{Check, Verdict};

@@ -237,6 +237,24 @@ pub struct SampleImages {
     pub guidance: bool,
 }
 
+/// Image jobs: what the data source keeps in memory for the whole run, as this SDK's image
+/// jobs keep it (lora-train's `ImageSource`): every image's latents, encoded once per image
+/// (and per orientation with `flip_aug`), every caption's text-encoder outputs when the text
+/// encoders are frozen and the captions do not change, and the fixed batches of the
+/// before/after loss. The planner prices each entry at the training size (the largest bucket,
+/// else the resolution): latents `4·C·(W/f)·(H/f)` bytes (fp32), text-encoder outputs in the
+/// text encoders' dtype. Counted on a CPU run only, where that memory is the device's; on CUDA
+/// it is host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KeptData {
+    /// Latents kept: one per image, two with `flip_aug` (both orientations get encoded).
+    pub latents: u64,
+    /// Captions whose text-encoder outputs are kept (0 when they are encoded in each step).
+    pub captions: u64,
+    /// Samples in the fixed evaluation batches (latents and conditioning, stacked).
+    pub eval_samples: u64,
+}
+
 /// Attention kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -665,6 +683,9 @@ pub struct Settings {
     /// VAE decode) is planned next to the training step and the larger of the two is the peak.
     /// `None` (default): no sample images.
     pub sample_images: Option<SampleImages>,
+    /// Image jobs: the latents, text-encoder outputs and evaluation samples the run keeps in
+    /// memory ([`KeptData`]). `None` (default): none counted (the data is not known yet).
+    pub kept_data: Option<KeptData>,
 }
 
 impl Default for Settings {
@@ -702,6 +723,7 @@ impl Default for Settings {
             text_encoder_dtype: None,
             text_tokens: None,
             sample_images: None,
+            kept_data: None,
         }
     }
 }
@@ -773,6 +795,8 @@ impl Settings {
         with_quantized_compute_f32_only, quantized_compute_f32_only: bool);
     setter!(/// Sets `sample_images`.
         with_sample_images, sample_images: Option<SampleImages>);
+    setter!(/// Sets `kept_data`.
+        with_kept_data, kept_data: Option<KeptData>);
     setter!(/// Sets `device`.
         with_device, device: Device);
     setter!(/// Sets `profile`.

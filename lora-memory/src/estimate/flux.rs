@@ -313,7 +313,11 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
                 te.layers as f64 * tok * (c.e * (12.0 * th + 2.0 * te.intermediate as f64) + attn);
         }
     }
-    let activations = samples * (act_per_sample + te_act);
+    // what every block reads, alive through the step: the rotary tables cos/sin `[n, head_dim]`
+    // (fp32), the position ids `[n, 3]` and the timestep and guidance sinusoids `[b, 256]`
+    // (fp32; lora-models `FluxTransformer2DModel::prepare`)
+    let step_context = 8.0 * n * d.head_dim() as f64 + 8.0 * 3.0 * n + samples * 2.0 * 4.0 * 256.0;
+    let activations = samples * (act_per_sample + te_act) + step_context;
     // packed latents, noise, noisy input and target (fp32) + T5 and pooled CLIP embeddings
     let batch = samples
         * (4.0 * 4.0 * d.in_channels as f64 * n_img
@@ -388,6 +392,18 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         transformer.max(decode).max(text) + cond + noise + images
     });
 
+    // what the data source keeps (CPU): fp32 latents `[C, H/f, W/f]` at the training size; T5's
+    // states `[L, D]` and CLIP's pooled output in the text encoders' dtype (16-bit outputs for
+    // an fp8 T5), and the T5 mask (int64)
+    let kept_data = super::kept_data_bytes(
+        s,
+        4.0 * d.latent_channels as f64
+            * (f64::from(wpx) / d.vae_scale.max(1) as f64).floor()
+            * (f64::from(hpx) / d.vae_scale.max(1) as f64).floor(),
+        teb.max(2.0) * (n_txt * d.joint_attention_dim as f64 + d.pooled_projection_dim as f64)
+            + 8.0 * n_txt,
+        0.0,
+    );
     let mut e = finish(FinishArgs {
         model: d.name.clone(),
         s,
@@ -408,6 +424,7 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
         buffers_persistent: 0.0,
         buffers_backward: decode_transient,
         sample_images,
+        kept_data,
     })?;
     if Bytes::from_f64(caching_peak) > e.peak_process {
         e.notes.push(format!(
@@ -452,6 +469,37 @@ mod tests {
 
     fn dev() -> ModelDescriptor {
         ModelDescriptor::preset("FLUX.1-dev").unwrap()
+    }
+
+    #[test]
+    fn kept_latents_and_captions_count_on_the_cpu_only() {
+        let m = dev();
+        let cpu = kohya().with_device(crate::settings::Device::cpu());
+        let kept = crate::settings::KeptData {
+            latents: 20,
+            captions: 10,
+            eval_samples: 8,
+        };
+        let base = estimate(&m, &cpu).unwrap();
+        let with = estimate(&m, &cpu.clone().with_kept_data(Some(kept))).unwrap();
+        // 1024² px: latents [16, 128, 128] fp32; 512 T5 tokens × 4096 and the 768-d pooled
+        // output in 16 bit (KF-16's T5), the mask in int64
+        let latent = 4.0 * 16.0 * 128.0 * 128.0;
+        let text = 2.0 * (512.0 * 4096.0 + 768.0) + 8.0 * 512.0;
+        let want = 20.0 * latent + 10.0 * text + 8.0 * (latent + text);
+        assert_eq!(with.breakdown.kept_data.0, want as u64);
+        assert_eq!(
+            with.peak_allocated.0 - base.peak_allocated.0,
+            with.breakdown.kept_data.0
+        );
+        assert_eq!(with.persistent.0 - base.persistent.0, want as u64);
+        // already in memory before the first step: not part of the steps' RSS growth
+        assert_eq!(with.step_delta, base.step_delta);
+        // host memory on a CUDA run
+        let cuda = kohya().with_kept_data(Some(kept));
+        let on_gpu = estimate(&m, &cuda).unwrap();
+        assert_eq!(on_gpu.breakdown.kept_data.0, 0);
+        assert_eq!(on_gpu.peak, estimate(&m, &kohya()).unwrap().peak);
     }
 
     fn gib(x: f64) -> Bytes {
