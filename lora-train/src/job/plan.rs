@@ -107,6 +107,25 @@ impl Plan {
         Ok(self)
     }
 
+    /// The plan with an image job's kept data counted ([`Settings::kept_data`], known once the
+    /// dataset is read): the estimate again, judged against the same budget. `auto_fit`'s
+    /// choices, made before, stay; the fitting ladder's findings are dropped, as they were
+    /// found without it.
+    ///
+    /// # Errors
+    /// An estimate error.
+    pub fn with_kept_data(mut self, kept: lora_memory::KeptData) -> Result<Plan> {
+        if self.settings.kept_data == Some(kept) {
+            return Ok(self);
+        }
+        self.suggestion.clear();
+        self.ladder_smallest_peak = None;
+        self.settings.kept_data = Some(kept);
+        self.estimate = lora_memory::estimate(&self.descriptor, &self.settings)?;
+        self.judge();
+        Ok(self)
+    }
+
     /// The verdict, when a budget is known.
     pub fn verdict_kind(&self) -> Option<Verdict> {
         self.check.as_ref().map(|c| c.verdict)
@@ -825,9 +844,29 @@ fn runtime_rows(p: &Plan) -> Vec<(&'static str, Bytes, String)> {
 
 /// The term table of an image-model plan (`rows`: name, bytes, formula), then the totals,
 /// notes, changes, suggestion and verdict.
-fn rows_and_verdict(p: &Plan, rows: Vec<(&str, Bytes, String)>) -> String {
+fn rows_and_verdict(p: &Plan, mut rows: Vec<(&str, Bytes, String)>) -> String {
     let e = &p.estimate;
     let cuda = p.settings.device.is_cuda();
+    // what the data source keeps (a CPU run's, once the dataset is read), before the runtime
+    if let Some(k) = p.settings.kept_data
+        && e.breakdown.kept_data.0 > 0
+    {
+        let at = rows
+            .iter()
+            .position(|r| r.0 == "context / workspace")
+            .unwrap_or(rows.len());
+        rows.insert(
+            at,
+            (
+                "kept data",
+                e.breakdown.kept_data,
+                format!(
+                    "{} latents + {} captions' text-encoder outputs + {} evaluation samples, in memory all run",
+                    k.latents, k.captions, k.eval_samples
+                ),
+            ),
+        );
+    }
     let mut out = String::new();
     let mut table: Vec<(String, String, String, String)> = rows
         .into_iter()

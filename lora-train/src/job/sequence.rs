@@ -166,6 +166,12 @@ pub trait RunSteps: Sized {
     /// [`JobError::Input`] naming the file and what to do; I/O and data errors.
     fn read_data(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()>;
 
+    /// After [`Self::read_data`]: what the run's data source will keep in memory for the whole
+    /// run, for the plan ([`Plan::with_kept_data`]). The default, `None`: nothing to add.
+    fn kept_data(&self, _cfg: &TrainConfig) -> Option<lora_memory::KeptData> {
+        None
+    }
+
     /// Loads the base on `ctx.device` and injects LoRA, its adapter variables in `vs`.
     ///
     /// # Errors
@@ -438,39 +444,7 @@ pub fn run<S: RunSteps>(
         if opts.verbose {
             write_stdout(&p.report())?;
         }
-        if p.fits == Some(false) {
-            if !forced && let Some(b) = &p.budget {
-                return Err(JobError::DoesNotFit {
-                    peak: p.estimate.peak,
-                    budget: b.bytes,
-                    source_desc: budget_source(b),
-                    hint: match (p.suggestion.is_empty(), p.ladder_smallest_peak) {
-                        (false, _) => "set memory.auto_fit: true to take the settings that fit \
-                                       (`lora-train plan` lists them), change the settings by \
-                                       hand, or pass --force"
-                            .into(),
-                        (true, Some(smallest)) => format!(
-                            "nothing on the fitting ladder fits it (the smallest peak it reaches \
-                             is {smallest}): raise the budget, make the job smaller (model, \
-                             sequence length or resolution, batch), or pass --force"
-                        ),
-                        (true, None) => "change the settings by hand (`lora-train plan` prints \
-                                         the plan's terms), or pass --force"
-                            .into(),
-                    },
-                });
-            }
-            ctx.say("warning: predicted not to fit; starting anyway (forced)");
-        }
-        if p.verdict_kind() == Some(lora_memory::Verdict::Tight)
-            && let Some(c) = &p.check
-        {
-            ctx.say(&format!(
-                "warning: the plan is tight — {}; on out-of-memory the trainer splits the micro-batch and retries the step",
-                c.summary()
-            ));
-        }
-        check_fits_this_machine(p, ctx.cuda, forced)?;
+        judge_before_loading(p, forced, &ctx)?;
     }
     // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).
     if !ctx.cuda
@@ -528,6 +502,18 @@ pub fn run<S: RunSteps>(
 
     // data first: bad data fails before the model loads
     steps.read_data(&cfg, &ctx)?;
+    // what the data source will keep joins the plan (an image job's cached latents and
+    // embeddings), judged again when that changes the verdict
+    if let Some(kept) = steps.kept_data(&cfg)
+        && let Some(p) = plan.take()
+    {
+        let before = (p.verdict_kind(), p.estimate.peak);
+        let p = p.with_kept_data(kept)?;
+        if p.verdict_kind() != before.0 || (p.budget.is_none() && p.estimate.peak != before.1) {
+            judge_before_loading(&p, forced, &ctx)?;
+        }
+        plan = Some(p);
+    }
 
     // load, inject
     let vs = tch::nn::VarStore::new(device);
@@ -738,6 +724,48 @@ pub fn run<S: RunSteps>(
 
 /// How long a data-parallel rank waits for the others at the rendezvous and in each
 /// collective: `LORA_DIST_TIMEOUT_S` seconds, else 30 minutes (`torch.distributed`'s default).
+/// Refuses a run its plan says does not fit (unless forced: then a warning), warns when it is
+/// tight, and on a CPU run without a budget checks the machine's available RAM.
+///
+/// # Errors
+/// [`JobError::DoesNotFit`] with a hint that says what to change.
+fn judge_before_loading(p: &Plan, forced: bool, ctx: &RunContext<'_>) -> Result<()> {
+    if p.fits == Some(false) {
+        if !forced && let Some(b) = &p.budget {
+            return Err(JobError::DoesNotFit {
+                peak: p.estimate.peak,
+                budget: b.bytes,
+                source_desc: budget_source(b),
+                hint: match (p.suggestion.is_empty(), p.ladder_smallest_peak) {
+                    (false, _) => "set memory.auto_fit: true to take the settings that fit \
+                                   (`lora-train plan` lists them), change the settings by \
+                                   hand, or pass --force"
+                        .into(),
+                    (true, Some(smallest)) => format!(
+                        "nothing on the fitting ladder fits it (the smallest peak it reaches \
+                         is {smallest}): raise the budget, make the job smaller (model, \
+                         sequence length or resolution, batch), or pass --force"
+                    ),
+                    (true, None) => "change the settings by hand (`lora-train plan` prints \
+                                     the plan's terms), or pass --force"
+                        .into(),
+                },
+            });
+        }
+        ctx.say("warning: predicted not to fit; starting anyway (forced)");
+    }
+    if p.verdict_kind() == Some(lora_memory::Verdict::Tight)
+        && let Some(c) = &p.check
+    {
+        ctx.say(&format!(
+            "warning: the plan is tight — {}; on out-of-memory the trainer splits the micro-batch and retries the step",
+            c.summary()
+        ));
+    }
+    check_fits_this_machine(p, ctx.cuda, forced)?;
+    Ok(())
+}
+
 fn dist_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(
         std::env::var("LORA_DIST_TIMEOUT_S")

@@ -538,6 +538,30 @@ impl Augmentations {
     }
 }
 
+/// Samples in the fixed evaluation batches of an image job's before/after loss
+/// ([`ImageSource::fixed_batches`]).
+pub const EVAL_SAMPLES: usize = 8;
+
+/// What an image job's data source keeps in memory for the whole run, for the plan
+/// ([`lora_memory::KeptData`]): the latents of every image (both orientations with `flip_aug`),
+/// the text-encoder outputs of every image's caption when `cache_text` (one caption per image:
+/// identical captions share an entry, so this is an upper bound), and the evaluation samples.
+/// Random crops and captions that change between epochs add entries as new crops and
+/// captions come (each is cached under its own key); those are not counted.
+pub fn kept_data(ds: &ImageDataset, cache_text: bool) -> lora_memory::KeptData {
+    let images = ds.num_images() as u64;
+    let orientations = if Augmentations::of(ds.config()).flip {
+        2
+    } else {
+        1
+    };
+    lora_memory::KeptData {
+        latents: images * orientations,
+        captions: if cache_text { images } else { 0 },
+        eval_samples: EVAL_SAMPLES.min(ds.len()).max(1) as u64,
+    }
+}
+
 /// What an image job computes before training and then moves off the device, as
 /// `(latents, text_encoder_outputs)`: with `data.cache_latents: true`, every latent unless
 /// crops are random, and the text-encoder outputs of every caption unless the text encoders are

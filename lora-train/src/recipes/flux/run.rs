@@ -283,6 +283,14 @@ impl RunSteps for FluxSteps {
         Ok(())
     }
 
+    /// Every image's latents, and the T5/CLIP outputs of its caption unless the captions change
+    /// between epochs (FLUX caches both, see `source`).
+    fn kept_data(&self, _cfg: &TrainConfig) -> Option<lora_memory::KeptData> {
+        let (_, ds) = self.data.as_ref()?;
+        let aug = images::Augmentations::of(ds.config());
+        Some(images::kept_data(ds, !aug.varying_captions))
+    }
+
     fn load(
         self,
         cfg: &TrainConfig,
@@ -562,7 +570,9 @@ impl LoadedRun for FluxRun {
         source: &mut Self::Source,
     ) -> Result<()> {
         let objective = FluxObjective::of(cfg)?;
-        self.eval_batches = source.fixed_batches(8).during("the evaluation batches")?;
+        self.eval_batches = source
+            .fixed_batches(crate::recipes::images::EVAL_SAMPLES)
+            .during("the evaluation batches")?;
         self.eval_loss_before = super::task::fixed_eval_loss(
             &self.images,
             &objective,

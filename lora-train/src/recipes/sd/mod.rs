@@ -222,6 +222,16 @@ impl RunSteps for SdSteps {
         Ok(())
     }
 
+    /// Every image's latents, and its caption's text-encoder outputs while the text encoders
+    /// are frozen (the source caches them per caption, see `source`).
+    fn kept_data(&self, cfg: &TrainConfig) -> Option<lora_memory::KeptData> {
+        let (_, ds) = self.data.as_ref()?;
+        Some(crate::recipes::images::kept_data(
+            ds,
+            !cfg.train.train_text_encoder,
+        ))
+    }
+
     fn load(
         self,
         cfg: &TrainConfig,
@@ -492,7 +502,9 @@ impl LoadedRun for SdRun {
         source: &mut ImageSource,
     ) -> Result<()> {
         let objective = objective_of(&self.pipe, cfg)?;
-        self.eval_batches = source.fixed_batches(8).during("the evaluation batches")?;
+        self.eval_batches = source
+            .fixed_batches(crate::recipes::images::EVAL_SAMPLES)
+            .during("the evaluation batches")?;
         self.eval_loss_before = fixed_eval_loss(
             &self.pipe,
             &objective,
