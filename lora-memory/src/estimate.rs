@@ -273,14 +273,14 @@ impl Estimate {
     }
 
     /// An aligned text table: one row per term (the `sample images` row only when it is the
-    /// peak: a run without sample images never has it), then allocated / reserved / process
-    /// totals.
+    /// peak: a run without sample images never has it; the `kept data` row only when there is
+    /// some), then allocated / reserved / process totals.
     pub fn to_table(&self) -> String {
         let mut rows: Vec<(String, String, String, String)> = self
             .breakdown
             .terms()
             .into_iter()
-            .filter(|t| t.name != "sample images" || t.bytes.0 > 0)
+            .filter(|t| !matches!(t.name, "sample images" | "kept data") || t.bytes.0 > 0)
             .map(|t| {
                 (
                     t.name.to_string(),
@@ -1552,8 +1552,9 @@ fn finish(a: FinishArgs<'_>) -> Result<Estimate> {
     } else {
         CPU_STEP_RUNTIME.as_f64()
     };
-    // the kept data is in memory before the first step too
-    let step_delta = allocated - a.base_weights - a.adapter_bytes - a.kept_data + step_runtime;
+    // an image job's kept data stays in: its caches fill before the first step when precached,
+    // during the steps otherwise (lazily encoded latents, random crops)
+    let step_delta = allocated - a.base_weights - a.adapter_bytes + step_runtime;
     let mut notes = a.notes;
     if s.world_size > 1 {
         notes.push(format!(
@@ -2477,7 +2478,8 @@ mod tests {
                 want as u64,
                 "{name}"
             );
-            assert_eq!(with.step_delta, base.step_delta, "{name}");
+            // caches that fill during the steps grow the steps' RSS: counted there too
+            assert_eq!(with.step_delta.0 - base.step_delta.0, want as u64, "{name}");
             // host memory on a CUDA run
             let gpu = |k| {
                 estimate(
@@ -2959,10 +2961,10 @@ mod tests {
         .unwrap();
         let t = e.to_table();
         for term in e.breakdown.terms() {
-            // a language model draws no sample images: no such row
+            // a language model draws no sample images and keeps no image data: no such rows
             assert_eq!(
                 t.contains(term.name),
-                term.name != "sample images",
+                !matches!(term.name, "sample images" | "kept data"),
                 "{}: {t}",
                 term.name
             );

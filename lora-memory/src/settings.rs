@@ -240,8 +240,8 @@ pub struct SampleImages {
 /// Image jobs: what the data source keeps in memory for the whole run, as this SDK's image
 /// jobs keep it (lora-train's `ImageSource`): every image's latents, encoded once per image
 /// (and per orientation with `flip_aug`), every caption's text-encoder outputs when the text
-/// encoders are frozen and the captions do not change, and the fixed batches of the
-/// before/after loss. The planner prices each entry at the training size (the largest bucket,
+/// encoders are frozen and their outputs cached, and the fixed batches of the before/after
+/// loss. The planner prices each entry at the training size (the largest bucket,
 /// else the resolution): latents `4·C·(W/f)·(H/f)` bytes (fp32), text-encoder outputs in the
 /// text encoders' dtype. Counted on a CPU run only, where that memory is the device's; on CUDA
 /// it is host memory.

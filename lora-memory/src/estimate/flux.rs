@@ -393,14 +393,20 @@ pub(super) fn estimate_flux(d: &FluxDescriptor, s: &Settings) -> Result<Estimate
     });
 
     // what the data source keeps (CPU): fp32 latents `[C, H/f, W/f]` at the training size; T5's
-    // states `[L, D]` and CLIP's pooled output in the text encoders' dtype (16-bit outputs for
-    // an fp8 T5), and the T5 mask (int64)
+    // states `[L, D]` and CLIP's pooled output in the dtype the text encoders compute in (fp32
+    // for an fp32 model, whatever the transformer's or T5's storage; else 16 bit), and the T5
+    // mask (int64)
+    let te_out = if s.base_dtype == BaseDtype::F32 || s.quantized_compute_f32 {
+        4.0
+    } else {
+        2.0
+    };
     let kept_data = super::kept_data_bytes(
         s,
         4.0 * d.latent_channels as f64
             * (f64::from(wpx) / d.vae_scale.max(1) as f64).floor()
             * (f64::from(hpx) / d.vae_scale.max(1) as f64).floor(),
-        teb.max(2.0) * (n_txt * d.joint_attention_dim as f64 + d.pooled_projection_dim as f64)
+        te_out * (n_txt * d.joint_attention_dim as f64 + d.pooled_projection_dim as f64)
             + 8.0 * n_txt,
         0.0,
     );
@@ -493,8 +499,8 @@ mod tests {
             with.breakdown.kept_data.0
         );
         assert_eq!(with.persistent.0 - base.persistent.0, want as u64);
-        // already in memory before the first step: not part of the steps' RSS growth
-        assert_eq!(with.step_delta, base.step_delta);
+        // caches that fill during the steps grow the steps' RSS: counted there too
+        assert_eq!(with.step_delta.0 - base.step_delta.0, want as u64);
         // host memory on a CUDA run
         let cuda = kohya().with_kept_data(Some(kept));
         let on_gpu = estimate(&m, &cuda).unwrap();

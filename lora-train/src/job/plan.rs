@@ -109,20 +109,23 @@ impl Plan {
 
     /// The plan with an image job's kept data counted ([`Settings::kept_data`], known once the
     /// dataset is read): the estimate again, judged against the same budget. `auto_fit`'s
-    /// choices, made before, stay; the fitting ladder's findings are dropped, as they were
+    /// choices, made before, stay (they are not revisited); when the estimate changes (kept
+    /// data counts on a CPU run only), the fitting ladder's findings are dropped, as they were
     /// found without it.
     ///
     /// # Errors
     /// An estimate error.
     pub fn with_kept_data(mut self, kept: lora_memory::KeptData) -> Result<Plan> {
-        if self.settings.kept_data == Some(kept) {
-            return Ok(self);
+        let mut settings = self.settings.clone();
+        settings.kept_data = Some(kept);
+        let estimate = lora_memory::estimate(&self.descriptor, &settings)?;
+        self.settings = settings;
+        if estimate != self.estimate {
+            self.estimate = estimate;
+            self.suggestion.clear();
+            self.ladder_smallest_peak = None;
+            self.judge();
         }
-        self.suggestion.clear();
-        self.ladder_smallest_peak = None;
-        self.settings.kept_data = Some(kept);
-        self.estimate = lora_memory::estimate(&self.descriptor, &self.settings)?;
-        self.judge();
         Ok(self)
     }
 
@@ -1065,6 +1068,48 @@ pub fn flux_report(p: &Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kept_data_is_judged_on_the_cpu_and_leaves_a_cuda_plan_as_it_was() {
+        let desc = ModelDescriptor::preset("SD1.5").unwrap();
+        let kept = lora_memory::KeptData {
+            latents: 8_000,
+            captions: 8_000,
+            eval_samples: 8,
+        };
+        let plan = |s: Settings, budget: Option<Budget>| {
+            let e = lora_memory::estimate(&desc, &s).unwrap();
+            Plan::new(desc.clone(), "preset".into(), s, e, budget)
+        };
+        let cpu = Settings::default()
+            .with_target_modules(&["to_q", "to_v"])
+            .with_device(lora_memory::Device::cpu());
+        // a budget the plan fits (with its 256 MiB safety margin) without the kept data and not
+        // with it: 8,000 images' 64×64 latents and 77×768 prompt embeddings in 16 bit, ≈ 1.1 GB
+        let peak = plan(cpu.clone(), None).estimate.peak;
+        let budget = Budget::parse(&format!("{}B", peak.0 + (300 << 20))).unwrap();
+        let before = plan(cpu.clone(), Some(budget.clone()));
+        assert_eq!(before.fits, Some(true));
+        let after = before.with_kept_data(kept).unwrap();
+        let bytes = after.estimate.breakdown.kept_data.0;
+        assert!(bytes > 1_000_000_000, "{bytes}");
+        assert_eq!(after.estimate.peak.0, peak.0 + bytes);
+        assert_eq!(after.settings.kept_data, Some(kept));
+        assert_eq!(after.fits, Some(false), "{:?}", after.check);
+        // on CUDA the caches are host memory: the estimate and the fitting findings stay
+        let mut gpu = plan(cpu.with_device(lora_memory::Device::cuda()), None);
+        gpu.suggestion = vec![Change {
+            setting: "micro_batch".into(),
+            from: "2".into(),
+            to: "1".into(),
+            reason: "a test".into(),
+            peak_after: Bytes(1),
+        }];
+        let same = gpu.clone().with_kept_data(kept).unwrap();
+        assert_eq!(same.estimate, gpu.estimate);
+        assert_eq!(same.suggestion, gpu.suggestion);
+        assert_eq!(same.settings.kept_data, Some(kept));
+    }
 
     #[test]
     fn fp16_planned_for_the_cpu_says_that_train_refuses_it() {

@@ -444,7 +444,7 @@ pub fn run<S: RunSteps>(
         if opts.verbose {
             write_stdout(&p.report())?;
         }
-        judge_before_loading(p, forced, &ctx)?;
+        judge_before_loading(p, forced, None, &ctx)?;
     }
     // CPU: freed tensors go back to the OS so RSS follows the plan (see MemorySection).
     if !ctx.cuda
@@ -503,14 +503,26 @@ pub fn run<S: RunSteps>(
     // data first: bad data fails before the model loads
     steps.read_data(&cfg, &ctx)?;
     // what the data source will keep joins the plan (an image job's cached latents and
-    // embeddings), judged again when that changes the verdict
+    // embeddings on a CPU run), judged again when that changes the verdict (or, without a
+    // budget, the peak the machine's RAM is checked against)
     if let Some(kept) = steps.kept_data(&cfg)
         && let Some(p) = plan.take()
     {
         let before = (p.verdict_kind(), p.estimate.peak);
         let p = p.with_kept_data(kept)?;
+        let bytes = p.estimate.breakdown.kept_data;
+        if bytes.0 > 0 {
+            ctx.say(&format!(
+                "plan: the data kept in memory for the run adds {bytes} ({} latents, {} captions' text-encoder outputs, {} evaluation samples): peak {}",
+                kept.latents, kept.captions, kept.eval_samples, p.estimate.peak
+            ));
+        }
         if p.verdict_kind() != before.0 || (p.budget.is_none() && p.estimate.peak != before.1) {
-            judge_before_loading(&p, forced, &ctx)?;
+            let hint = format!(
+                "the {bytes} of latents and text-encoder outputs the run keeps in memory tip it over: \
+                 train on fewer or smaller images (or without flip_aug), raise the budget, or pass --force"
+            );
+            judge_before_loading(&p, forced, Some(hint), &ctx)?;
         }
         plan = Some(p);
     }
@@ -722,34 +734,40 @@ pub fn run<S: RunSteps>(
     Ok(summary)
 }
 
-/// How long a data-parallel rank waits for the others at the rendezvous and in each
-/// collective: `LORA_DIST_TIMEOUT_S` seconds, else 30 minutes (`torch.distributed`'s default).
 /// Refuses a run its plan says does not fit (unless forced: then a warning), warns when it is
-/// tight, and on a CPU run without a budget checks the machine's available RAM.
+/// tight, and on a CPU run without a budget checks the machine's available RAM. `hint`, when
+/// given, replaces the hint the plan's fitting findings give.
 ///
 /// # Errors
 /// [`JobError::DoesNotFit`] with a hint that says what to change.
-fn judge_before_loading(p: &Plan, forced: bool, ctx: &RunContext<'_>) -> Result<()> {
+fn judge_before_loading(
+    p: &Plan,
+    forced: bool,
+    hint: Option<String>,
+    ctx: &RunContext<'_>,
+) -> Result<()> {
     if p.fits == Some(false) {
         if !forced && let Some(b) = &p.budget {
             return Err(JobError::DoesNotFit {
                 peak: p.estimate.peak,
                 budget: b.bytes,
                 source_desc: budget_source(b),
-                hint: match (p.suggestion.is_empty(), p.ladder_smallest_peak) {
-                    (false, _) => "set memory.auto_fit: true to take the settings that fit \
+                hint: hint.unwrap_or_else(|| {
+                    match (p.suggestion.is_empty(), p.ladder_smallest_peak) {
+                        (false, _) => "set memory.auto_fit: true to take the settings that fit \
                                    (`lora-train plan` lists them), change the settings by \
                                    hand, or pass --force"
-                        .into(),
-                    (true, Some(smallest)) => format!(
-                        "nothing on the fitting ladder fits it (the smallest peak it reaches \
+                            .into(),
+                        (true, Some(smallest)) => format!(
+                            "nothing on the fitting ladder fits it (the smallest peak it reaches \
                          is {smallest}): raise the budget, make the job smaller (model, \
                          sequence length or resolution, batch), or pass --force"
-                    ),
-                    (true, None) => "change the settings by hand (`lora-train plan` prints \
+                        ),
+                        (true, None) => "change the settings by hand (`lora-train plan` prints \
                                      the plan's terms), or pass --force"
-                        .into(),
-                },
+                            .into(),
+                    }
+                }),
             });
         }
         ctx.say("warning: predicted not to fit; starting anyway (forced)");
@@ -766,6 +784,8 @@ fn judge_before_loading(p: &Plan, forced: bool, ctx: &RunContext<'_>) -> Result<
     Ok(())
 }
 
+/// How long a data-parallel rank waits for the others at the rendezvous and in each
+/// collective: `LORA_DIST_TIMEOUT_S` seconds, else 30 minutes (`torch.distributed`'s default).
 fn dist_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(
         std::env::var("LORA_DIST_TIMEOUT_S")

@@ -546,8 +546,9 @@ pub const EVAL_SAMPLES: usize = 8;
 /// ([`lora_memory::KeptData`]): the latents of every image (both orientations with `flip_aug`),
 /// the text-encoder outputs of every image's caption when `cache_text` (one caption per image:
 /// identical captions share an entry, so this is an upper bound), and the evaluation samples.
-/// Random crops and captions that change between epochs add entries as new crops and
-/// captions come (each is cached under its own key); those are not counted.
+/// Random crops add an entry per new crop, and with SD's frozen text encoders captions that
+/// change between epochs an entry per new caption (each is cached under its own key); those
+/// are not counted.
 pub fn kept_data(ds: &ImageDataset, cache_text: bool) -> lora_memory::KeptData {
     let images = ds.num_images() as u64;
     let orientations = if Augmentations::of(ds.config()).flip {
