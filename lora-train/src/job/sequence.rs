@@ -520,7 +520,8 @@ pub fn run<S: RunSteps>(
         if p.verdict_kind() != before.0 || (p.budget.is_none() && p.estimate.peak != before.1) {
             let hint = format!(
                 "the {bytes} of latents and text-encoder outputs the run keeps in memory tip it over: \
-                 train on fewer or smaller images (or without flip_aug), raise the budget, or pass --force"
+                 train on fewer or smaller images (flip_aug keeps two latents per image), raise the \
+                 budget, or pass --force"
             );
             judge_before_loading(&p, forced, Some(hint), &ctx)?;
         }
