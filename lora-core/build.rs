@@ -17,8 +17,10 @@ fn build_shim() {
         "shim/profiler.cpp",
         "shim/f32_linear.cpp",
         "shim/decoder_ops.cpp",
+        "shim/attention.cpp",
         "shim/dist_nccl.cpp",
         "shim/guard.h",
+        "shim/cpu_math.h",
     ] {
         println!("cargo:rerun-if-changed={f}");
     }
@@ -65,6 +67,7 @@ fn build_shim() {
         .file("shim/profiler.cpp")
         .file("shim/f32_linear.cpp")
         .file("shim/decoder_ops.cpp")
+        .file("shim/attention.cpp")
         // the quantized-linear kernels are hot loops: optimized in every profile
         .opt_level(3)
         .include(&include)

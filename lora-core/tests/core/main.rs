@@ -4,9 +4,10 @@
 //! ([`invariants`]), the tiled quantized linear ([`qlinear`]) and the quantized kinds against the
 //! `gguf` package, llama.cpp's quantizer and PyTorch's fp8 cast ([`quant_interop`]), and sibling
 //! linears computed together ([`siblings`]), libtorch's profiler through the shim
-//! ([`profile`]), the oneDNN f32 linear ([`f32_linear`]), and the decoder block's fused
-//! element-wise ops ([`decoder_ops`]).
+//! ([`profile`]), the oneDNN f32 linear ([`f32_linear`]), the decoder block's fused
+//! element-wise ops ([`decoder_ops`]) and the CPU causal attention ([`causal_attention`]).
 
+mod causal_attention;
 mod common;
 mod decoder_ops;
 mod f32_linear;

@@ -273,19 +273,28 @@ impl Attention {
             }
             m => m,
         };
-        let y = Tensor::f_scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            mask,
-            0.0,
-            mask.is_none(),
-            None,
-            native_gqa,
-        )?;
-        let y = y
+        // Plain causal f32 attention on the CPU: lora-core's kernel where it applies (short
+        // sequences, AVX2 CPUs), libtorch's SDPA otherwise; both leave the output
+        // `[b, s, heads, head_dim]` in memory, so the reshape below is a view.
+        let y = if mask.is_none()
+            && !lora_core::sys::autocast_state(dev)?.enabled
+            && lora_core::sys::causal_attention_applies(&q, &k, &v)
+        {
+            lora_core::sys::causal_attention(&q, &k, &v)?
+        } else {
+            Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                mask,
+                0.0,
+                mask.is_none(),
+                None,
+                native_gqa,
+            )?
             .f_transpose(1, 2)?
-            .f_reshape([b, s, self.n_head * self.head_dim])?;
+        };
+        let y = y.f_reshape([b, s, self.n_head * self.head_dim])?;
         let y = if widen { y.f_to_kind(out_kind)? } else { y };
         drop(_f32_attention);
         single_forward(&self.o_proj, &self.o_cast, &y, train)
