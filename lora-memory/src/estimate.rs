@@ -822,7 +822,8 @@ fn decoder_layer(
     if d.qk_norm {
         saved += 4.0 * (q + kv);
     }
-    // Attention (SDPA flash/efficient): q, k, v, out and logsumexp; HF `repeat_kv` expands
+    // Attention (SDPA flash/efficient, or lora-core's CPU causal attention): q, k, v, out and
+    // logsumexp; HF `repeat_kv` expands
     // GQA keys/values to all heads before the kernel. Ours on the CPU hands the kernel grouped
     // keys/values as they are, and runs bf16 attention in f32 (lora-models' llama attention).
     let ours_cpu = p.framework == Framework::Ours && !s.device.is_cuda();
@@ -922,8 +923,9 @@ fn decoder_layer(
                 && attention_bytes(s, c) == c.e
             {
                 // o_proj's input is the attention output itself, which the attention already
-                // keeps: libtorch's CPU flash kernel writes it `[b, s, heads, head_dim]`, so
-                // the `[b, s, heads·head_dim]` view o_proj reads is no copy.
+                // keeps: libtorch's CPU flash kernel and lora-core's CPU causal attention
+                // write it `[b, s, heads, head_dim]`, so the `[b, s, heads·head_dim]` view
+                // o_proj reads is no copy.
             } else {
                 saved += c.e * width;
             }

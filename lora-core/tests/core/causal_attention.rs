@@ -18,11 +18,13 @@ fn kernel_here() -> bool {
     }
 }
 
-/// max |a − b| / max |b|.
+/// max |a − b| / max(max |b|, 1): relative for the O(1) values of random inputs, absolute where
+/// the reference vanishes (one position: q's gradient is zero in exact arithmetic, rounding
+/// leaves ≈ 1e-7).
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     let (a, b) = (a.detach().to_kind(Kind::Double), b.detach().to_kind(Kind::Double));
     let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1e-30);
+    let den = b.abs().max().double_value(&[]).max(1.0);
     num / den
 }
 
@@ -123,9 +125,10 @@ fn causal_attention_reads_strided_heads_and_large_scores() {
     let k = (Tensor::randn([b, s, kv, d], (Kind::Float, Device::Cpu)) * 6.0).transpose(1, 2);
     let v = Tensor::randn([b, s, kv, d], (Kind::Float, Device::Cpu)).transpose(1, 2);
     assert!(!q.is_contiguous());
+    // scores of size |S| carry an f32 rounding of about |S|·6e-8 into e^S: ≈ 1.2e-5 at 200
     let errs = compare(&q, &k, &v);
     for (name, e) in ["out", "dq", "dk", "dv"].iter().zip(errs) {
-        assert!(e < 1e-5, "{name}: relative error {e:.2e}");
+        assert!(e < 5e-5, "{name}: relative error {e:.2e}");
     }
     // without a gradient: no graph, the same values
     let out = tch::no_grad(|| sys::causal_attention(&q, &k, &v).unwrap());
