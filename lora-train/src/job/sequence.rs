@@ -776,8 +776,9 @@ fn judge_before_loading(
     if p.verdict_kind() == Some(lora_memory::Verdict::Tight)
         && let Some(c) = &p.check
     {
+        // the summary starts with the verdict: "tight — needs …"
         ctx.say(&format!(
-            "warning: the plan is tight — {}; on out-of-memory the trainer splits the micro-batch and retries the step",
+            "warning: the plan is {}; on out-of-memory the trainer splits the micro-batch and retries the step",
             c.summary()
         ));
     }
