@@ -1301,7 +1301,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> ShimResult<Tensor
     let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
     // SAFETY: the three tensors are live for the call; on success `y` holds a new heap tensor
     // whose ownership `take_output` takes.
-    let ret = unsafe { ffi::lsdk_causal_attention(q.as_ptr(), k.as_ptr(), v.as_ptr(), scale, &mut y) };
+    let ret =
+        unsafe { ffi::lsdk_causal_attention(q.as_ptr(), k.as_ptr(), v.as_ptr(), scale, &mut y) };
     check("causal_attention", ret)?;
     // SAFETY: see above.
     unsafe { take_output("causal_attention", y) }

@@ -946,6 +946,24 @@ fn decoder_layer(
             saved += c.e * width;
         }
     }
+    // This SDK's CPU causal attention for f32 sequences of at most 512 positions
+    // (`lora_core::sys::causal_attention`, used on AVX2 CPUs; counted on any CPU, the safe
+    // side): its backward pass holds a workspace per worker thread, `2·d·sₚ + 2·sₚ² + s` f32
+    // with sₚ = s rounded up to 16, at most one per (sequence, kv head) task.
+    let hd = d.head_dim as f64;
+    let kernel_attn = ours_cpu
+        && s.attention != Attention::Math
+        && attention_bytes(s, c) == 4.0
+        && (1.0..=512.0).contains(&seq)
+        && d.head_dim % 16 == 0
+        && (16..=256).contains(&d.head_dim);
+    let working_attn = if kernel_attn {
+        let sp = (seq / 16.0).ceil() * 16.0;
+        // per token of the micro-batch: kv_heads tasks per sequence of `seq` tokens
+        working_attn + d.kv_heads as f64 * 4.0 * (2.0 * hd * sp + 2.0 * sp * sp + seq) / seq
+    } else {
+        working_attn
+    };
     // One layer's backward: grads of the MLP intermediates and of the residual stream.
     let working = 3.0 * c.e * f + 2.0 * c.r * h + working_attn;
     LayerCost { saved, working }
@@ -2714,6 +2732,42 @@ mod tests {
         )
         .unwrap();
         assert_eq!(nf4.breakdown.framework_buffers.0, 0);
+    }
+
+    #[test]
+    fn ours_on_the_cpu_counts_the_attention_kernels_workspace() {
+        let m = ModelDescriptor::preset("SmolLM2-135M").unwrap();
+        let ModelDescriptor::Decoder(d) = &m else {
+            panic!()
+        };
+        assert_eq!((d.kv_heads, d.head_dim), (3, 64));
+        // one layer's backward working bytes per token, at `seq` positions
+        let working = |s: &Settings, seq: u32| {
+            let s = s.clone().with_seq_len(seq);
+            decoder_layer(d, &s, &ctx(&s), &[], f64::from(seq)).working
+        };
+        let f32s = Settings::default()
+            .with_base_dtype(BaseDtype::F32)
+            .with_mixed_precision(MixedPrecision::No);
+        let cpu = f32s.clone().with_device(Device::cpu());
+        // 3 kv heads' workspaces per sequence: 2·64·sₚ + 2·sₚ² + s floats each
+        let per_token =
+            |seq: f64, sp: f64| 3.0 * 4.0 * (2.0 * 64.0 * sp + 2.0 * sp * sp + seq) / seq;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
+        assert!(close(
+            working(&cpu, 128) - working(&f32s, 128),
+            per_token(128.0, 128.0)
+        ));
+        assert!(close(
+            working(&cpu, 100) - working(&f32s, 100),
+            per_token(100.0, 112.0)
+        ));
+        // longer sequences run libtorch's kernel
+        assert_eq!(working(&cpu, 513) - working(&f32s, 513), 0.0);
+        // PEFT on the CPU: libtorch's kernel
+        let peft = cpu.clone().with_profile(Profile::peft_transformers());
+        let peft_cuda = f32s.clone().with_profile(Profile::peft_transformers());
+        assert_eq!(working(&peft, 128) - working(&peft_cuda, 128), 0.0);
     }
 
     #[test]

@@ -22,7 +22,10 @@ fn kernel_here() -> bool {
 /// the reference vanishes (one position: q's gradient is zero in exact arithmetic, rounding
 /// leaves ≈ 1e-7).
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.detach().to_kind(Kind::Double), b.detach().to_kind(Kind::Double));
+    let (a, b) = (
+        a.detach().to_kind(Kind::Double),
+        b.detach().to_kind(Kind::Double),
+    );
     let num = (&a - &b).abs().max().double_value(&[]);
     let den = b.abs().max().double_value(&[]).max(1.0);
     num / den
@@ -108,7 +111,10 @@ fn causal_attention_equals_the_composite_in_f64() {
         let v = Tensor::randn([b, kv, s, d], (Kind::Float, Device::Cpu));
         let errs = compare(&q, &k, &v);
         for (name, e) in ["out", "dq", "dk", "dv"].iter().zip(errs) {
-            assert!(e < 2e-6, "{name} of ({b}, {h}, {kv}, {s}, {d}): relative error {e:.2e}");
+            assert!(
+                e < 2e-6,
+                "{name} of ({b}, {h}, {kv}, {s}, {d}): relative error {e:.2e}"
+            );
         }
     }
 }
@@ -142,21 +148,61 @@ fn causal_attention_refuses_what_it_does_not_take() {
     let f = |shape: &[i64], kind: Kind| Tensor::zeros(shape, (kind, Device::Cpu));
     let q = f(&[1, 4, 8, 16], Kind::Float);
     let kv = f(&[1, 2, 8, 16], Kind::Float);
-    assert!(!sys::causal_attention_applies(&q, &f(&[1, 3, 8, 16], Kind::Float), &f(&[1, 3, 8, 16], Kind::Float)));
-    assert!(!sys::causal_attention_applies(&f(&[1, 4, 8, 16], Kind::Double), &kv, &kv));
-    assert!(!sys::causal_attention_applies(&f(&[1, 4, 8, 24], Kind::Float), &f(&[1, 2, 8, 24], Kind::Float), &f(&[1, 2, 8, 24], Kind::Float)));
+    assert!(!sys::causal_attention_applies(
+        &q,
+        &f(&[1, 3, 8, 16], Kind::Float),
+        &f(&[1, 3, 8, 16], Kind::Float)
+    ));
+    assert!(!sys::causal_attention_applies(
+        &f(&[1, 4, 8, 16], Kind::Double),
+        &kv,
+        &kv
+    ));
+    assert!(!sys::causal_attention_applies(
+        &f(&[1, 4, 8, 24], Kind::Float),
+        &f(&[1, 2, 8, 24], Kind::Float),
+        &f(&[1, 2, 8, 24], Kind::Float)
+    ));
     let long = sys::CAUSAL_ATTENTION_MAX_SEQ + 1;
-    assert!(!sys::causal_attention_applies(&f(&[1, 4, long, 16], Kind::Float), &f(&[1, 2, long, 16], Kind::Float), &f(&[1, 2, long, 16], Kind::Float)));
-    assert!(!sys::causal_attention_applies(&q, &f(&[1, 2, 9, 16], Kind::Float), &f(&[1, 2, 9, 16], Kind::Float)));
+    assert!(!sys::causal_attention_applies(
+        &f(&[1, 4, long, 16], Kind::Float),
+        &f(&[1, 2, long, 16], Kind::Float),
+        &f(&[1, 2, long, 16], Kind::Float)
+    ));
+    assert!(!sys::causal_attention_applies(
+        &q,
+        &f(&[1, 2, 9, 16], Kind::Float),
+        &f(&[1, 2, 9, 16], Kind::Float)
+    ));
     if !kernel_here() {
         return;
     }
     for (q, k, want) in [
-        (f(&[1, 4, 8, 16], Kind::Float), f(&[1, 3, 8, 16], Kind::Float), "not a multiple of kv heads"),
-        (f(&[1, 4, 8, 16], Kind::Double), f(&[1, 2, 8, 16], Kind::Double), "f32 CPU tensors"),
-        (f(&[1, 4, 8, 24], Kind::Float), f(&[1, 2, 8, 24], Kind::Float), "multiple of 16"),
-        (f(&[1, 4, long, 16], Kind::Float), f(&[1, 2, long, 16], Kind::Float), "positions, got 513"),
-        (f(&[1, 4, 8, 16], Kind::Float), f(&[1, 2, 9, 16], Kind::Float), "matching q"),
+        (
+            f(&[1, 4, 8, 16], Kind::Float),
+            f(&[1, 3, 8, 16], Kind::Float),
+            "not a multiple of kv heads",
+        ),
+        (
+            f(&[1, 4, 8, 16], Kind::Double),
+            f(&[1, 2, 8, 16], Kind::Double),
+            "f32 CPU tensors",
+        ),
+        (
+            f(&[1, 4, 8, 24], Kind::Float),
+            f(&[1, 2, 8, 24], Kind::Float),
+            "multiple of 16",
+        ),
+        (
+            f(&[1, 4, long, 16], Kind::Float),
+            f(&[1, 2, long, 16], Kind::Float),
+            "positions, got 513",
+        ),
+        (
+            f(&[1, 4, 8, 16], Kind::Float),
+            f(&[1, 2, 9, 16], Kind::Float),
+            "matching q",
+        ),
     ] {
         let err = sys::causal_attention(&q, &k, &k).unwrap_err().to_string();
         assert!(err.contains(want), "expected {want:?} in {err}");
