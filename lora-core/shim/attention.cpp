@@ -7,8 +7,8 @@
 // any length; at the lengths a CPU trains on (a few hundred tokens) its per-block bookkeeping
 // costs more than the products: `[2, 9, 128, 64]` with 3 kv heads took 3.5 ms forward and
 // backward on a 2-core AVX2 EPYC, against 2.0 ms here. This kernel keeps a whole `[s, s]` block
-// of probabilities per head instead (at most `kMaxSeq` rows: 1 MiB per worker), so every product
-// is a plain register-blocked GEMM over 6 × 16 tiles:
+// of probabilities per head in a workspace instead (at most `kMaxSeq` rows), so every product is
+// a plain register-blocked GEMM over 6 × 16 tiles:
 //
 //   forward, per (batch, head):   S = q·kᵀ·scale (rows i, keys j ≤ i), P = softmax(S),
 //                                 lse_i = max_j S_ij + log Σ_j e^(S_ij − max), out = P·v;
@@ -20,11 +20,13 @@
 //
 // Saved for the backward pass: q, k, v, out and lse (`[b, h, s]` f32), what the flash kernel
 // saves. `out` is returned `[b, s, h, d]` (the flash kernel's storage order), so that the
-// `[b, s, h·d]` view the output projection reads is no copy. The
-// workspace is one tensor per worker of libtorch's intra-op pool (`kv·sₚ` and `sₚ²` floats, twice
-// in the backward; sₚ = s rounded up to 16), allocated through libtorch's CPU allocator.
-// Values match libtorch's kernel up to f32 rounding (the summation orders differ): relative
-// differences of about 1e-6 (`cargo test -p lora-core --test core causal_attention`).
+// `[b, s, h·d]` view the output projection reads is no copy. The workspace is one tensor per
+// worker of libtorch's intra-op pool (`d·sₚ + sₚ²` floats forward, `2·d·sₚ + 2·sₚ² + s` backward;
+// sₚ = s rounded up to 16: up to 3 MiB at s = 512, d = 256), allocated through libtorch's CPU
+// allocator. The forward pass runs in parallel over (sequence, head) tasks, the backward over
+// (sequence, kv head). Values equal the f64 composite up to f32 rounding: relative differences
+// of about 1e-6 (`cargo test -p lora-core --test core causal_attention`). The node refuses to
+// run its backward pass after a saved tensor was changed in place, and has no double backward.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -285,16 +287,22 @@ std::array<at::Tensor, 3> backward_values(
     const at::Tensor& out,
     const at::Tensor& lse,
     const at::Tensor& gout,
-    float scale) {
+    float scale,
+    std::array<bool, 3> need) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1);
   const int64_t rep = H / Hkv, Sp = padded(S);
-  at::Tensor dq = at::empty({B, H, S, D}, q.options());
-  at::Tensor dk = at::empty({B, Hkv, S, D}, q.options());
-  at::Tensor dv = at::empty({B, Hkv, S, D}, q.options());
-  const Strides qs(q), ks(k), vs(v), os(out), gs(gout), dqs(dq), dks(dk);
+  const bool need_ds = need[0] || need[1];
+  at::Tensor dq = need[0] ? at::empty({B, H, S, D}, q.options()) : at::Tensor();
+  at::Tensor dk = need[1] ? at::empty({B, Hkv, S, D}, q.options()) : at::Tensor();
+  at::Tensor dv = need[2] ? at::empty({B, Hkv, S, D}, q.options()) : at::Tensor();
+  const Strides qs(q), ks(k), vs(v), os(out), gs(gout);
+  // dq `[b, h, s, d]`, dk and dv `[b, kv, s, d]`, contiguous
+  const int64_t dq_b = H * S * D, dkv_b = Hkv * S * D, dh = S * D, drow_s = D;
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>(), *gp = gout.data_ptr<float>();
-  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  float* dqp = need[0] ? dq.data_ptr<float>() : nullptr;
+  float* dkp = need[1] ? dk.data_ptr<float>() : nullptr;
+  float* dvp = need[2] ? dv.data_ptr<float>() : nullptr;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     at::Tensor work = at::empty({2 * D * Sp + 2 * Sp * Sp + S}, q.options());
     float* kt = work.data_ptr<float>();
@@ -306,18 +314,20 @@ std::array<at::Tensor, 3> backward_values(
       const int64_t bi = t / Hkv, g = t % Hkv;
       const float* K = kp + ks.at(bi, g);
       const float* V = vp + vs.at(bi, g);
-      float* dK = dkp + dks.at(bi, g);
-      float* dV = dvp + dks.at(bi, g);
+      float* dK = need[1] ? dkp + bi * dkv_b + g * dh : nullptr;
+      float* dV = need[2] ? dvp + bi * dkv_b + g * dh : nullptr;
       transpose_rows(K, ks.s, S, D, Sp, kt);
-      transpose_rows(V, vs.s, S, D, Sp, vt);
+      if (need_ds) {
+        transpose_rows(V, vs.s, S, D, Sp, vt);
+      }
       for (int64_t hh = 0; hh < rep; ++hh) {
         const int64_t h = g * rep + hh;
         const float* Q = qp + qs.at(bi, h);
         const float* O = op + os.at(bi, h);
         const float* G = gp + gs.at(bi, h);
         const float* L = lp + (bi * H + h) * S;
-        float* dQ = dqp + dqs.at(bi, h);
-        for (int64_t i = 0; i < S; ++i) {
+        float* dQ = need[0] ? dqp + bi * dq_b + h * dh : nullptr;
+        for (int64_t i = 0; need_ds && i < S; ++i) {
           float acc = 0.0f;
           for (int64_t d = 0; d < D; ++d) {
             acc += G[i * gs.s + d] * O[i * os.s + d];
@@ -327,22 +337,32 @@ std::array<at::Tensor, 3> backward_values(
         for (int64_t m0 = 0; m0 < S; m0 += 6) {
           const int64_t mr = std::min<int64_t>(6, S - m0), nk = m0 + mr;
           tiled_product(mr, nk, D, KRange::All, Q + m0 * qs.s, qs.s, 1, kt, Sp, p + m0 * Sp, Sp, false, scale);
-          tiled_product(mr, nk, D, KRange::All, G + m0 * gs.s, gs.s, 1, vt, Sp, ds + m0 * Sp, Sp, false, 1.0f);
+          if (need_ds) {
+            tiled_product(mr, nk, D, KRange::All, G + m0 * gs.s, gs.s, 1, vt, Sp, ds + m0 * Sp, Sp, false, 1.0f);
+          }
           for (int64_t i = m0; i < nk; ++i) {
             float* pr = p + i * Sp;
-            float* dr = ds + i * Sp;
             exp_shifted(pr, i + 1, L[i]);
-            const float di = drow[i];
-            for (int64_t j = 0; j <= i; ++j) {
-              dr[j] = pr[j] * (dr[j] - di) * scale;
-            }
             std::fill(pr + i + 1, pr + Sp, 0.0f);
-            std::fill(dr + i + 1, dr + Sp, 0.0f);
+            if (need_ds) {
+              float* dr = ds + i * Sp;
+              const float di = drow[i];
+              for (int64_t j = 0; j <= i; ++j) {
+                dr[j] = pr[j] * (dr[j] - di) * scale;
+              }
+              std::fill(dr + i + 1, dr + Sp, 0.0f);
+            }
           }
         }
-        tiled_product(S, D, Sp, KRange::UpToRow, ds, Sp, 1, K, ks.s, dQ, dqs.s, false, 1.0f);
-        tiled_product(S, D, S, KRange::FromRow, p, 1, Sp, G, gs.s, dV, dks.s, hh > 0, 1.0f);
-        tiled_product(S, D, S, KRange::FromRow, ds, 1, Sp, Q, qs.s, dK, dks.s, hh > 0, 1.0f);
+        if (need[0]) {
+          tiled_product(S, D, Sp, KRange::UpToRow, ds, Sp, 1, K, ks.s, dQ, drow_s, false, 1.0f);
+        }
+        if (need[2]) {
+          tiled_product(S, D, S, KRange::FromRow, p, 1, Sp, G, gs.s, dV, drow_s, hh > 0, 1.0f);
+        }
+        if (need[1]) {
+          tiled_product(S, D, S, KRange::FromRow, ds, 1, Sp, Q, qs.s, dK, drow_s, hh > 0, 1.0f);
+        }
       }
     }
   });
@@ -358,7 +378,10 @@ at::Tensor rows_contiguous(const at::Tensor& t) {
 
 struct CausalAttentionBackward final : torch::autograd::Node {
   std::mutex mu;
+  // detached aliases (sharing the version counters of what they alias) and their versions
+  // when saved
   at::Tensor q, k, v, out, lse;
+  std::array<uint32_t, 4> versions{};
   float scale = 1.0f;
 
   explicit CausalAttentionBackward(torch::autograd::edge_list&& next) : Node(std::move(next)) {}
@@ -382,6 +405,17 @@ struct CausalAttentionBackward final : torch::autograd::Node {
       return res;
     }
     TORCH_CHECK(sq.defined(), "the causal attention backward already ran (retain_graph)");
+    TORCH_CHECK(
+        !at::GradMode::is_enabled(),
+        "the causal attention has no double backward (create_graph): use SDPA for that");
+    const char* names[4] = {"q", "k", "v", "the output"};
+    const at::Tensor* saved[4] = {&sq, &sk, &sv, &so};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(
+          saved[i]->_version() == versions[i], "the causal attention's ", names[i],
+          " was changed in place after the forward pass (version ", saved[i]->_version(),
+          ", saved at ", versions[i], "): its gradients would be wrong");
+    }
     at::NoGradGuard no_grad;
     RECORD_FUNCTION("lsdk::causal_attention_backward", std::vector<c10::IValue>({grads[0]}));
 #ifdef LSDK_ATTENTION_KERNEL
@@ -389,7 +423,12 @@ struct CausalAttentionBackward final : torch::autograd::Node {
     if (g.scalar_type() != at::kFloat) {
       g = g.to(at::kFloat);
     }
-    auto [dq, dk, dv] = backward_values(sq, sk, sv, so, sl, rows_contiguous(g.transpose(1, 2)), scale);
+    const std::array<bool, 3> need = {
+        task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
+    if (!need[0] && !need[1] && !need[2]) {
+      return res;
+    }
+    auto [dq, dk, dv] = backward_values(sq, sk, sv, so, sl, rows_contiguous(g.transpose(1, 2)), scale, need);
     res[0] = dq;
     res[1] = dk;
     res[2] = dv;
@@ -427,7 +466,8 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
       "the causal attention needs keys and values [batch, kv_heads, seq, head_dim] matching q ",
       q_in.sizes(), ", got k ", k_in.sizes(), " and v ", v_in.sizes());
   const int64_t Hkv = k_in.size(1);
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads ", H, " are not a multiple of kv heads ", Hkv);
+  TORCH_CHECK(
+      Hkv > 0 && H >= Hkv && H % Hkv == 0, "query heads ", H, " are not a multiple of kv heads ", Hkv);
   TORCH_CHECK(S >= 1 && S <= kMaxSeq, "the causal attention takes 1 to ", kMaxSeq, " positions, got ", S);
   TORCH_CHECK(
       D >= 16 && D <= kMaxHeadDim && D % 16 == 0,
@@ -450,7 +490,8 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
     node->out = out.detach().transpose(1, 2);
     node->lse = lse;
     node->scale = static_cast<float>(scale);
-    torch::autograd::set_history(out, c10::intrusive_ptr<torch::autograd::Node>(std::move(node)));
+    torch::autograd::set_history(out, c10::intrusive_ptr<torch::autograd::Node>(node));
+    node->versions = {node->q._version(), node->k._version(), node->v._version(), out._version()};
   }
   return out;
 }
@@ -459,11 +500,18 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
 
 extern "C" {
 
-// Whether this build and CPU have the causal attention kernel (x86-64 with AVX2 and FMA).
-char* lsdk_causal_attention_available(int32_t* ok) {
+// Whether this build and CPU have the causal attention kernel (x86-64 with AVX2 and FMA), and
+// whether the shim was built with OpenMP (without it libtorch's `at::parallel_for` runs the
+// kernel's tasks on one thread).
+char* lsdk_causal_attention_available(int32_t* ok, int32_t* parallel) {
   return lsdk::guarded([&] {
-    TORCH_CHECK(ok != nullptr, "null output");
+    TORCH_CHECK(ok != nullptr && parallel != nullptr, "null output");
     *ok = kernel_available() ? 1 : 0;
+#ifdef _OPENMP
+    *parallel = 1;
+#else
+    *parallel = 0;
+#endif
   });
 }
 

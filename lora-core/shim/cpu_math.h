@@ -26,7 +26,8 @@ inline float exp_f32(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
   // 2^n = 2^n1 · 2^n2 with n1 = ⌊n / 2⌋: both in [−75, 65], normal floats
-  const int32_t ni = static_cast<int32_t>(n);
+  // (a NaN x makes n NaN, whose conversion is undefined: 0 instead; p carries the NaN)
+  const int32_t ni = static_cast<int32_t>(n == n ? n : 0.0f);
   const int32_t n1 = ni >> 1;
   const int32_t b1 = (n1 + 127) << 23;
   const int32_t b2 = (ni - n1 + 127) << 23;

@@ -156,7 +156,7 @@ mod ffi {
             eps: f64,
             y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
-        pub fn lsdk_causal_attention_available(ok: *mut i32) -> *mut c_char;
+        pub fn lsdk_causal_attention_available(ok: *mut i32, parallel: *mut i32) -> *mut c_char;
         pub fn lsdk_causal_attention(
             q: *const torch_sys::C_tensor,
             k: *const torch_sys::C_tensor,
@@ -1273,23 +1273,27 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> ShimResult<Tensor> {
 }
 
 /// The longest sequence [`causal_attention`] takes (positions); longer ones go to libtorch's
-/// kernel. Its workspace holds a `[s, s]` block of probabilities per worker thread (1 MiB at this
-/// length, twice in the backward pass).
+/// kernel. Its workspace holds a `[s, s]` block of probabilities per worker thread while it
+/// runs (`2·d·sₚ + 2·sₚ² + s` f32 in the backward pass, sₚ = s rounded up to 16: 2.3 MiB at this
+/// length and d = 64).
 pub const CAUSAL_ATTENTION_MAX_SEQ: i64 = 512;
 
 /// Causal self-attention `softmax(q·kᵀ/√d + mask)·v` (mask: key j after query i is −∞) with
 /// grouped keys/values (query head h reads kv head `h / (heads / kv_heads)`, HF's `repeat_kv`
 /// without the copy) as one autograd op on the CPU (`shim/attention.cpp`): the values of SDPA's
 /// `is_causal` for equal query and key lengths, up to f32 rounding (relative differences about
-/// 1e-6). Forward and backward are register-blocked products over a whole `[s, s]` block per
-/// head (Dao et al., "FlashAttention", 2022, algorithm 4's gradients without its tiling); saved
-/// for the backward pass are q, k, v, the output and a logsumexp per row, what libtorch's flash
-/// kernel keeps. On a 2-core AVX2 EPYC, `[2, 9, 128, 64]` with 3 kv heads: 2.0 ms forward and
-/// backward against libtorch's 3.5 ms.
+/// 1e-6 against the f64 composite). Forward and backward are register-blocked products over a
+/// whole `[s, s]` block per head (Dao et al., "FlashAttention", 2022, algorithm 4's gradients
+/// without its tiling); saved for the backward pass are q, k, v, the output and a logsumexp per
+/// row, what libtorch's flash kernel keeps. The backward pass computes only the gradients that
+/// are needed, refuses to run after a saved tensor (the output included) was changed in place,
+/// and has no double backward. On a 2-core AVX2 EPYC, `[2, 9, 128, 64]` with 3 kv heads: 2.0 ms
+/// forward and backward against libtorch's 3.5 ms.
 ///
 /// `q`: `[batch, heads, seq, head_dim]`; `k`, `v`: `[batch, kv_heads, seq, head_dim]`; f32 on
 /// the CPU, any strides. Returns `[batch, seq, heads, head_dim]` f32 (contiguous: a
-/// `[batch, seq, heads·head_dim]` view is free). Needs [`causal_attention_applies`].
+/// `[batch, seq, heads·head_dim]` view is free). [`causal_attention_applies`] says whether the
+/// workspace uses it.
 ///
 /// # Errors
 /// A CPU without AVX2/FMA, other dtypes or devices, `heads` not a multiple of `kv_heads`, a
@@ -1310,12 +1314,14 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> ShimResult<Tensor
 
 /// Whether [`causal_attention`] takes these operands and is this workspace's choice for them:
 /// f32 CPU tensors `q` `[b, h, s, d]`, `k`/`v` `[b, kv, s, d]` with `h` a multiple of `kv`,
-/// `1 ≤ s ≤` [`CAUSAL_ATTENTION_MAX_SEQ`], `d` a multiple of 16 up to 256, and
-/// [`cpu_causal_attention_by_lsdk`].
+/// `1 ≤ s ≤` [`CAUSAL_ATTENTION_MAX_SEQ`], `d` a multiple of 16 up to 256,
+/// [`cpu_causal_attention_by_lsdk`], and — unless `LORA_CPU_ATTENTION=lsdk` asks for the kernel
+/// — at least as many (sequence, kv head) tasks `b·kv` as libtorch has threads (the kernel's
+/// backward pass runs in parallel over those; libtorch's kernel splits finer).
 pub fn causal_attention_applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let (qs, ks) = (q.size(), k.size());
     let f32_cpu = |t: &Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu;
-    qs.len() == 4
+    let shapes = qs.len() == 4
         && ks.len() == 4
         && v.size() == ks
         && f32_cpu(q)
@@ -1325,42 +1331,81 @@ pub fn causal_attention_applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && ks[2] == qs[2]
         && ks[3] == qs[3]
         && ks[1] > 0
+        && qs[1] >= ks[1]
         && qs[1] % ks[1] == 0
         && (1..=CAUSAL_ATTENTION_MAX_SEQ).contains(&qs[2])
         && qs[3] % 16 == 0
-        && (16..=256).contains(&qs[3])
+        && (16..=256).contains(&qs[3]);
+    shapes
         && cpu_causal_attention_by_lsdk()
+        && (cpu_attention_request() == CpuAttentionRequest::Lsdk
+            || qs[0] * ks[1] >= i64::from(tch::get_num_threads()))
 }
 
-/// Whether causal self-attention on the CPU runs [`causal_attention`] rather than libtorch's
-/// flash kernel. Decided once per process:
-/// - the `LORA_CPU_ATTENTION` environment variable, `lsdk` or `libtorch`, wins (`lsdk` still
-///   needs AVX2 and FMA);
-/// - otherwise [`causal_attention`] on x86-64 CPUs with AVX2 and FMA but without AVX-512F, where
-///   it was measured faster (libtorch's kernel uses AVX-512 where present, and was not compared
-///   there), and libtorch's kernel everywhere else.
-pub fn cpu_causal_attention_by_lsdk() -> bool {
-    static LSDK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LSDK.get_or_init(|| {
-        let mut ok = 0i32;
-        // SAFETY: valid out-pointer.
-        let available = check("causal_attention_available", unsafe {
-            ffi::lsdk_causal_attention_available(&mut ok)
+/// What the `LORA_CPU_ATTENTION` environment variable asks of [`cpu_causal_attention_by_lsdk`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CpuAttentionRequest {
+    /// Unset or empty: the CPU's default.
+    Default,
+    /// `lsdk` (any case, surrounding spaces ignored): [`causal_attention`] wherever it applies.
+    Lsdk,
+    /// `libtorch` (any case): libtorch's flash kernel.
+    Libtorch,
+    /// Any other value, as written; ignored (the CPU's default is used).
+    Unknown(String),
+}
+
+/// Reads `LORA_CPU_ATTENTION` (see [`CpuAttentionRequest`]).
+pub fn cpu_attention_request() -> CpuAttentionRequest {
+    let Some(v) = std::env::var_os("LORA_CPU_ATTENTION") else {
+        return CpuAttentionRequest::Default;
+    };
+    let v = v.to_string_lossy();
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" => CpuAttentionRequest::Default,
+        "lsdk" => CpuAttentionRequest::Lsdk,
+        "libtorch" => CpuAttentionRequest::Libtorch,
+        _ => CpuAttentionRequest::Unknown(v.to_string()),
+    }
+}
+
+/// Whether this build and CPU have [`causal_attention`]: x86-64 with AVX2 and FMA (whatever
+/// `LORA_CPU_ATTENTION` says).
+pub fn causal_attention_available() -> bool {
+    causal_attention_build().0
+}
+
+/// (kernel available, shim built with OpenMP), asked once.
+fn causal_attention_build() -> (bool, bool) {
+    static BUILD: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    *BUILD.get_or_init(|| {
+        let (mut ok, mut parallel) = (0i32, 0i32);
+        // SAFETY: valid out-pointers.
+        let checked = check("causal_attention_available", unsafe {
+            ffi::lsdk_causal_attention_available(&mut ok, &mut parallel)
         })
-        .is_ok()
-            && ok != 0;
-        let wanted = match std::env::var("LORA_CPU_ATTENTION")
-            .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase()
-            .as_str()
-        {
-            "lsdk" => true,
-            "libtorch" => false,
-            _ => !cpu_has_avx512f(),
-        };
-        available && wanted
+        .is_ok();
+        (checked && ok != 0, checked && parallel != 0)
     })
+}
+
+/// Whether causal self-attention on the CPU may run [`causal_attention`] rather than libtorch's
+/// flash kernel (per call, [`causal_attention_applies`] also weighs the shapes):
+/// - never where the kernel is not available ([`causal_attention_available`]);
+/// - `LORA_CPU_ATTENTION=lsdk` or `libtorch` wins otherwise;
+/// - by default, on x86-64 CPUs without AVX-512F and with a shim built with OpenMP (its tasks
+///   run in parallel): where it was measured faster (a 2-core AVX2 EPYC). libtorch's kernel is
+///   AVX-512-vectorized where AVX-512 is present and was not compared there.
+pub fn cpu_causal_attention_by_lsdk() -> bool {
+    let (available, parallel) = causal_attention_build();
+    available
+        && match cpu_attention_request() {
+            CpuAttentionRequest::Lsdk => true,
+            CpuAttentionRequest::Libtorch => false,
+            CpuAttentionRequest::Default | CpuAttentionRequest::Unknown(_) => {
+                parallel && !cpu_has_avx512f()
+            }
+        }
 }
 
 /// An x86-64 CPU with AVX-512F (false elsewhere).

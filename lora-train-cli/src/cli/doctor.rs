@@ -100,6 +100,14 @@ struct Cpu {
     f32_gemm_env: Option<String>,
     /// `LORA_CPU_F32_GEMM` is set to something other than `onednn` / `mkl` (any case): ignored.
     f32_gemm_env_ignored: bool,
+    /// What computes causal f32 attention of up to 512 positions on the CPU: `lsdk` (lora-core's
+    /// kernel, `lora_core::sys::cpu_causal_attention_by_lsdk`) or `libtorch` (its flash kernel).
+    cpu_attention: &'static str,
+    /// `LORA_CPU_ATTENTION` as set, when set and not empty.
+    cpu_attention_env: Option<String>,
+    /// `LORA_CPU_ATTENTION` is set to something other than `lsdk` / `libtorch`, or asks for
+    /// `lsdk` where the kernel is not available (no AVX2/FMA): ignored.
+    cpu_attention_env_ignored: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -224,6 +232,25 @@ impl Report {
                 None => " (LORA_CPU_F32_GEMM=onednn for oneDNN)".to_string(),
             }
         );
+        out += &format!(
+            "  causal attention (f32, up to 512 positions): {}{}\n",
+            if c.cpu_attention == "lsdk" {
+                "lora-core's AVX2 kernel"
+            } else {
+                "libtorch's flash kernel"
+            },
+            match &c.cpu_attention_env {
+                Some(v) if c.cpu_attention_env_ignored => format!(
+                    " (LORA_CPU_ATTENTION={v:?} ignored: not \"lsdk\" or \"libtorch\", or no AVX2/FMA here)"
+                ),
+                Some(v) => format!(" (LORA_CPU_ATTENTION={v:?})"),
+                None if c.cpu_attention == "lsdk" => {
+                    " (AVX2 CPU without AVX-512; LORA_CPU_ATTENTION=libtorch for libtorch's)"
+                        .to_string()
+                }
+                None => " (LORA_CPU_ATTENTION=lsdk for lora-core's, on AVX2 CPUs)".to_string(),
+            }
+        );
         let m = &self.memory;
         out += "memory\n";
         if let Some(v) = m.total_bytes {
@@ -313,6 +340,21 @@ impl Cpu {
                 lora_core::sys::F32GemmRequest::Unknown(_)
             ),
             fast_bf16_gemm: lora_core::sys::cpu_has_fast_bf16_gemm(),
+            cpu_attention: if lora_core::sys::cpu_causal_attention_by_lsdk() {
+                "lsdk"
+            } else {
+                "libtorch"
+            },
+            cpu_attention_env: std::env::var("LORA_CPU_ATTENTION")
+                .ok()
+                .filter(|v| !v.trim().is_empty()),
+            cpu_attention_env_ignored: match lora_core::sys::cpu_attention_request() {
+                lora_core::sys::CpuAttentionRequest::Unknown(_) => true,
+                lora_core::sys::CpuAttentionRequest::Lsdk => {
+                    !lora_core::sys::causal_attention_available()
+                }
+                _ => false,
+            },
         }
     }
 }

@@ -40,6 +40,9 @@ Exit codes:
 Environment:
   LORA_CPU_F32_GEMM=onednn|mkl  which library multiplies f32 matrices on the CPU (default:
      oneDNN on AMD CPUs with AVX-512, MKL elsewhere; `doctor` says which)
+  LORA_CPU_ATTENTION=lsdk|libtorch  which kernel computes causal f32 attention of up to 512
+     positions on the CPU (default: lora-core's on AVX2 CPUs without AVX-512, libtorch's
+     elsewhere; `doctor` says which)
 
 Examples:
   lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"

@@ -467,6 +467,24 @@ pub fn run<S: RunSteps>(
         } else {
             "f32 matrix products: MKL's sgemm (LORA_CPU_F32_GEMM=onednn for oneDNN)"
         });
+        match lora_core::sys::cpu_attention_request() {
+            lora_core::sys::CpuAttentionRequest::Unknown(other) => ctx.say(&format!(
+                "warning: LORA_CPU_ATTENTION={other:?} is not \"lsdk\" or \"libtorch\"; ignored (the CPU's default is used)"
+            )),
+            lora_core::sys::CpuAttentionRequest::Lsdk
+                if !lora_core::sys::causal_attention_available() =>
+            {
+                ctx.say(
+                    "warning: LORA_CPU_ATTENTION=lsdk, but this CPU has no AVX2/FMA for lora-core's attention kernel; libtorch's is used",
+                )
+            }
+            _ => {}
+        }
+        ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
+            "causal attention (f32, up to 512 positions): lora-core's AVX2 kernel (LORA_CPU_ATTENTION=libtorch for libtorch's)"
+        } else {
+            "causal attention: libtorch's flash kernel"
+        });
         if cfg.memory.cpu_cache {
             ctx.say(
                 "CPU block cache: blocks a step frees are kept for the next steps, within the step's live peak (memory.cpu_cache)",
