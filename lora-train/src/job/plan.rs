@@ -682,14 +682,22 @@ pub fn diffusion_report(p: &Plan) -> String {
     );
     out += &format!(
         "  latents cached: {}{}  text encoder: {}\n",
-        if s.cache_latents { "yes" } else { "no" },
-        if s.keep_models_loaded {
+        if s.cache_latents && s.random_crop {
+            "no, random crops are encoded as drawn"
+        } else if s.cache_latents {
+            "yes"
+        } else {
+            "no"
+        },
+        if s.keep_models_loaded && !(s.cache_latents && s.random_crop) {
             " (VAE kept loaded for first-epoch encoding and samples)"
         } else {
             ""
         },
         if s.train_text_encoder {
             "trained (LoRA), runs every step"
+        } else if s.cache_text_encoder_outputs && s.varying_captions {
+            "frozen, runs every step (captions change between epochs)"
         } else if s.cache_text_encoder_outputs {
             "frozen, outputs cached"
         } else {

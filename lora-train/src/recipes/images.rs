@@ -300,9 +300,12 @@ pub trait LatentPipeline {
 /// (batches never mix buckets), its images decoded, augmented and stacked by the loader's
 /// workers ahead of use (`data_loader.num_workers`, `prefetch_factor`, `persistent_workers`;
 /// 0 workers decode in the training thread); each image encoded once per (file content,
-/// bucket, crop, flip, VAE) and kept in memory (and on disk with a [`LatentCache`]), each
-/// caption's conditioning encoded once when the text encoders are frozen and the captions do
-/// not change. The position (epoch, batch index) is checkpointed.
+/// bucket, crop, flip, VAE) and kept in memory (and on disk with a [`LatentCache`]) unless a
+/// subset crops at random (`random_crop`: every epoch draws new crops, so they are encoded as
+/// drawn and not kept — kept, they would grow by an entry per image per epoch), each caption's
+/// conditioning encoded once when the text encoders are frozen and the captions do not change
+/// between epochs (otherwise per batch, not kept, for the same reason). The position (epoch,
+/// batch index) is checkpointed.
 pub struct ImageSource<P: LatentPipeline> {
     pipe: Rc<P>,
     loader: Loader<ImageDataset, ImageCollate>,
@@ -311,6 +314,8 @@ pub struct ImageSource<P: LatentPipeline> {
     model_id: String,
     disk: Option<LatentCache>,
     latents: HashMap<String, Tensor>,
+    /// Latents are kept in `latents` (and on disk): no subset crops at random.
+    keep_latents: bool,
     text: HashMap<String, P::Cond>,
     cache_text: bool,
     bucket_batches: std::collections::BTreeMap<(u32, u32), u64>,
@@ -322,7 +327,8 @@ impl<P: LatentPipeline> ImageSource<P> {
     /// Wraps a loader (its seed draws the order and each item's crop, flip and caption
     /// shuffle); `model_id` names the VAE (and its dtype) in cache keys ([`vae_model_id`]);
     /// `disk` adds an on-disk cache; `cache_text` caches text-encoder outputs per caption
-    /// (only valid while the text encoders are frozen).
+    /// (only valid while the text encoders are frozen; ignored when the dataset's captions
+    /// change between epochs). Latents are kept unless a subset crops at random.
     pub fn new(
         pipe: Rc<P>,
         loader: Loader<ImageDataset, ImageCollate>,
@@ -330,6 +336,7 @@ impl<P: LatentPipeline> ImageSource<P> {
         disk: Option<LatentCache>,
         cache_text: bool,
     ) -> Self {
+        let aug = Augmentations::of(loader.dataset().config());
         ImageSource {
             pipe,
             loader,
@@ -338,8 +345,9 @@ impl<P: LatentPipeline> ImageSource<P> {
             model_id,
             disk,
             latents: HashMap::new(),
+            keep_latents: !aug.random_crop,
             text: HashMap::new(),
-            cache_text,
+            cache_text: cache_text && !aug.varying_captions,
             bucket_batches: Default::default(),
             encoded: Rc::new(RefCell::new(0)),
         }
@@ -370,12 +378,19 @@ impl<P: LatentPipeline> ImageSource<P> {
                 &self.model_id,
             )
             .map_err(data)?;
+            // random crops: encoded through a map of this call only, nothing kept
+            let mut once = HashMap::new();
+            let (mem, disk) = if self.keep_latents {
+                (&mut self.latents, self.disk.as_ref())
+            } else {
+                (&mut once, None)
+            };
             let (lat, _) = cached_latents(
                 &*self.pipe,
                 &batch.pixels.f_get(k as i64)?,
                 &key,
-                &mut self.latents,
-                self.disk.as_ref(),
+                mem,
+                disk,
                 &mut self.encoded.borrow_mut(),
             )?;
             if self.cache_text {
@@ -546,19 +561,25 @@ pub const EVAL_SAMPLES: usize = 8;
 /// ([`lora_memory::KeptData`]): the latents of every image (both orientations with `flip_aug`),
 /// the text-encoder outputs of every image's caption when `cache_text` (one caption per image:
 /// identical captions share an entry, so this is an upper bound), and the evaluation samples.
-/// Random crops add an entry per new crop, and with SD's frozen text encoders captions that
-/// change between epochs an entry per new caption (each is cached under its own key); those
-/// are not counted.
+/// With random crops no latents are kept, with captions that change between epochs no
+/// text-encoder outputs (each would be a new entry per epoch; [`ImageSource`] encodes them as
+/// they come instead).
 pub fn kept_data(ds: &ImageDataset, cache_text: bool) -> lora_memory::KeptData {
     let images = ds.num_images() as u64;
-    let orientations = if Augmentations::of(ds.config()).flip {
-        2
-    } else {
-        1
-    };
+    let aug = Augmentations::of(ds.config());
+    let orientations = if aug.flip { 2 } else { 1 };
     lora_memory::KeptData {
-        latents: images * orientations,
-        captions: if cache_text { images } else { 0 },
+        // random crops and varying captions are not kept ([`ImageSource`])
+        latents: if aug.random_crop {
+            0
+        } else {
+            images * orientations
+        },
+        captions: if cache_text && !aug.varying_captions {
+            images
+        } else {
+            0
+        },
         eval_samples: EVAL_SAMPLES.min(ds.len()).max(1) as u64,
     }
 }

@@ -233,6 +233,58 @@ fn cached_runs_move_the_frozen_models_off_and_match_runs_that_keep_them() {
     }
 }
 
+#[test]
+fn random_crops_and_changing_captions_are_encoded_as_drawn_and_not_kept() {
+    let dir = fixture(false);
+    let _serial = serial();
+    let _clear = ClearStop;
+    clear_stop_request();
+    let run = |out: &str, vary: bool| {
+        let _ = std::fs::remove_dir_all(dir.join(out));
+        let mut cfg = config(dir, out);
+        cfg.data.random_crop = Some(vary);
+        cfg.data.shuffle_caption = Some(vary);
+        // 16 images in batches of 4: 6 steps are an epoch and a half
+        cfg.train.max_steps = Some(6);
+        cfg.logging.sample_every_n_steps = 0;
+        cfg.logging.sample_prompts.clear();
+        sd::run(
+            cfg,
+            &RunOptions {
+                verbose: true,
+                ..RunOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let kept_bytes = |s: &sd::SdRunSummary| {
+        s.plan
+            .as_ref()
+            .expect("a plan")
+            .estimate
+            .breakdown
+            .kept_data
+            .as_f64()
+    };
+    // fixed crops and captions: each image encoded once before training, kept for the run
+    let fixed = run("fixed-crops", false);
+    assert_eq!(fixed.vae_encodings, 16);
+    assert_eq!(latents_in(&dir.join("fixed-crops/latent_cache")), 16);
+    // random crops: each drawn item encoded (24 over 6 steps of 4), and the 8 evaluation
+    // samples once; nothing written to the latent cache
+    let varying = run("random-crops", true);
+    assert_eq!(varying.steps, 6);
+    assert_eq!(varying.vae_encodings, 6 * 4 + 8);
+    assert_eq!(latents_in(&dir.join("random-crops/latent_cache")), 0);
+    // the plan keeps only the evaluation samples: no latents or captions per image
+    let (a, b) = (kept_bytes(&varying), kept_bytes(&fixed));
+    assert!(
+        a > 0.0 && a < b,
+        "kept data {a} B with random crops, {b} B without"
+    );
+    assert!(varying.losses.iter().all(|(_, l)| l.is_finite()));
+}
+
 /// The text conditioning, latents and a 3-step sample grid of `p`.
 fn outputs(p: &SdPipeline) -> Vec<(&'static str, Tensor)> {
     let prompts = ["emoji, grinning face", "emoji"];

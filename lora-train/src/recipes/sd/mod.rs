@@ -471,7 +471,7 @@ impl LoadedRun for SdRun {
             }
             if !train_te && aug.varying_captions {
                 ctx.say(
-                    "captions change between epochs (shuffle_caption, caption or tag dropout, random caption lines): text-encoder outputs are cached as they come; the text encoders stay on the device",
+                    "captions change between epochs (shuffle_caption, caption or tag dropout, random caption lines): text-encoder outputs are computed per batch, not cached; the text encoders stay on the device",
                 );
             }
         }

@@ -660,6 +660,11 @@ pub fn settings_for(
         crate::recipes::images::planned_sample_images(cfg, cfg.logging.sample_guidance_scale > 1.0);
     s.cache_latents = true;
     s.keep_models_loaded = true;
+    // random crops and changing captions are encoded as they are drawn, not kept (the dataset
+    // as its path reads from here; else the config's own `shuffle_caption`)
+    let aug = crate::recipes::images::augmentations_of(cfg, None);
+    s.random_crop = aug.random_crop;
+    s.varying_captions = aug.varying_captions;
     let te = cfg.train.train_text_encoder;
     s.train_text_encoder = te;
     s.cache_text_encoder_outputs = !te;
@@ -712,6 +717,8 @@ pub fn plan_with(
     notes.extend(cfg.notes());
     notes.push(if cfg.train.train_text_encoder {
         "the text encoder is trained (LoRA on q/k/v/out_proj) and runs every step".into()
+    } else if settings.varying_captions {
+        "the text encoder is frozen and runs every step: the captions change between epochs, so its outputs are not cached".into()
     } else {
         "the text encoder is frozen: its outputs are cached per caption".into()
     });
