@@ -108,6 +108,8 @@ struct Cpu {
     /// `LORA_CPU_ATTENTION` is set to something other than `lsdk` / `libtorch`, or asks for
     /// `lsdk` where the kernel is not available (no AVX2/FMA): ignored.
     cpu_attention_env_ignored: bool,
+    /// lora-core's causal attention kernel exists for this build and CPU (AVX2 and FMA).
+    cpu_attention_available: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -240,8 +242,11 @@ impl Report {
                 "libtorch's flash kernel"
             },
             match &c.cpu_attention_env {
+                Some(v) if c.cpu_attention_env_ignored && c.cpu_attention_available => format!(
+                    " (LORA_CPU_ATTENTION={v:?} is not \"lsdk\" or \"libtorch\": ignored, the CPU's default)"
+                ),
                 Some(v) if c.cpu_attention_env_ignored => format!(
-                    " (LORA_CPU_ATTENTION={v:?} ignored: not \"lsdk\" or \"libtorch\", or no AVX2/FMA here)"
+                    " (LORA_CPU_ATTENTION={v:?} ignored: this CPU has no AVX2/FMA for lora-core's kernel)"
                 ),
                 Some(v) => format!(" (LORA_CPU_ATTENTION={v:?})"),
                 None if c.cpu_attention == "lsdk" => {
@@ -355,6 +360,7 @@ impl Cpu {
                 }
                 _ => false,
             },
+            cpu_attention_available: lora_core::sys::causal_attention_available(),
         }
     }
 }

@@ -1000,10 +1000,14 @@ pub fn flux_report(p: &Plan) -> String {
         d.host_bytes,
         s.text_encoder_dtype
             .map_or_else(|| "16-bit".to_string(), |t| t.name()),
-        if s.cache_text_encoder_outputs {
-            "yes"
-        } else {
-            "latents only"
+        match (
+            s.cache_latents && !s.random_crop,
+            s.cache_text_encoder_outputs && !s.varying_captions,
+        ) {
+            (true, true) => "yes",
+            (true, false) => "latents only",
+            (false, true) => "text-encoder outputs only",
+            (false, false) => "no",
         }
     );
     let mut rows: Vec<(&str, Bytes, String)> = vec![

@@ -481,7 +481,9 @@ pub fn run<S: RunSteps>(
             _ => {}
         }
         ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
-            "causal attention (f32, up to 512 positions): lora-core's AVX2 kernel (LORA_CPU_ATTENTION=libtorch for libtorch's)"
+            "causal attention: lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise (LORA_CPU_ATTENTION=libtorch for libtorch's throughout)"
+        } else if lora_core::sys::cpu_attention_request() == lora_core::sys::CpuAttentionRequest::Libtorch {
+            "causal attention: libtorch's flash kernel (LORA_CPU_ATTENTION=libtorch)"
         } else {
             "causal attention: libtorch's flash kernel"
         });

@@ -297,8 +297,17 @@ pub fn settings_for(
     s.keep_models_loaded = !cuda;
     s.train_text_encoder = cfg.train.train_text_encoder;
     s.cache_text_encoder_outputs = !cfg.train.train_text_encoder;
-    s.varying_captions = cfg.data.shuffle_caption == Some(true)
+    // the dataset's subsets (their own random_crop, shuffle_caption, dropout, random caption
+    // lines), else the config's keys: random crops and changing captions are encoded as they
+    // are drawn, so the autoencoder or the text encoders stay on the device
+    let aug = crate::recipes::images::augmentations_of(cfg, config_dir);
+    s.random_crop = aug.random_crop || cfg.data.random_crop == Some(true);
+    s.varying_captions = aug.varying_captions
+        || cfg.data.shuffle_caption == Some(true)
         || cfg.data.caption_dropout_rate.is_some_and(|r| r > 0.0);
+    if s.cache_latents && s.random_crop {
+        notes.push("random_crop: latents are encoded as the crops are drawn; the autoencoder stays on the device".into());
+    }
     if s.varying_captions && !s.train_text_encoder {
         notes.push("captions change between epochs (shuffle_caption / caption dropout): T5 and CLIP stay on the device to encode them as they come".into());
     }
@@ -455,6 +464,25 @@ mod tests {
         let p = plan(&c, None, None, true).unwrap();
         assert!(!p.settings.cache_latents);
         assert!(p.estimate.flux.as_ref().unwrap().vae_weights.0 > 0);
+    }
+
+    #[test]
+    fn random_crops_keep_the_autoencoder_and_changing_captions_the_text_encoders_on_the_gpu() {
+        let plain = plan(&cfg("model: {base_model: flux1-dev}\n"), None, None, true).unwrap();
+        let f = plain.estimate.flux.as_ref().unwrap();
+        assert_eq!((f.vae_weights.0, f.text_encoder_weights.0), (0, 0));
+        let c = cfg("model: {base_model: flux1-dev}\ndata: {random_crop: true}\n");
+        let p = plan(&c, None, None, true).unwrap();
+        assert!(p.settings.random_crop && !p.settings.varying_captions);
+        let f = p.estimate.flux.as_ref().unwrap();
+        assert!(f.vae_weights.0 > 0 && f.text_encoder_weights.0 == 0);
+        assert!(p.estimate.peak_allocated > plain.estimate.peak_allocated);
+        assert!(p.report().contains("cached: text-encoder outputs only"), "{}", p.report());
+        let c = cfg("model: {base_model: flux1-dev}\ndata: {shuffle_caption: true}\n");
+        let p = plan(&c, None, None, true).unwrap();
+        let f = p.estimate.flux.as_ref().unwrap();
+        assert!(f.vae_weights.0 == 0 && f.text_encoder_weights.0 > 0);
+        assert!(p.report().contains("cached: latents only"), "{}", p.report());
     }
 
     #[test]
