@@ -467,26 +467,6 @@ pub fn run<S: RunSteps>(
         } else {
             "f32 matrix products: MKL's sgemm (LORA_CPU_F32_GEMM=onednn for oneDNN)"
         });
-        match lora_core::sys::cpu_attention_request() {
-            lora_core::sys::CpuAttentionRequest::Unknown(other) => ctx.say(&format!(
-                "warning: LORA_CPU_ATTENTION={other:?} is not \"lsdk\" or \"libtorch\"; ignored (the CPU's default is used)"
-            )),
-            lora_core::sys::CpuAttentionRequest::Lsdk
-                if !lora_core::sys::causal_attention_available() =>
-            {
-                ctx.say(
-                    "warning: LORA_CPU_ATTENTION=lsdk, but this CPU has no AVX2/FMA for lora-core's attention kernel; libtorch's is used",
-                )
-            }
-            _ => {}
-        }
-        ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
-            "causal attention: lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise (LORA_CPU_ATTENTION=libtorch for libtorch's throughout)"
-        } else if lora_core::sys::cpu_attention_request() == lora_core::sys::CpuAttentionRequest::Libtorch {
-            "causal attention: libtorch's flash kernel (LORA_CPU_ATTENTION=libtorch)"
-        } else {
-            "causal attention: libtorch's flash kernel"
-        });
         if cfg.memory.cpu_cache {
             ctx.say(
                 "CPU block cache: blocks a step frees are kept for the next steps, within the step's live peak (memory.cpu_cache)",

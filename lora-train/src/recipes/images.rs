@@ -95,6 +95,14 @@ pub fn dataset_config(cfg: &TrainConfig, data_path: &Path) -> Result<DatasetConf
         return DatasetConfig::from_toml_file(data_path)
             .during(format!("reading {}", data_path.display()));
     }
+    if !data_path.is_dir() {
+        return Err(crate::config::ConfigError::InvalidValue {
+            key: "data.train_data_dir".into(),
+            value: data_path.display().to_string(),
+            expected: "a folder of images (kohya `<repeats>_<concept>` subfolders, or the images themselves) or a dataset .toml file".into(),
+        }
+        .into());
+    }
     let d = &cfg.data;
     let mut set = lora_data::image::config::ImageSetConfig {
         bucket: bucket_config(cfg),

@@ -477,12 +477,20 @@ mod tests {
         let f = p.estimate.flux.as_ref().unwrap();
         assert!(f.vae_weights.0 > 0 && f.text_encoder_weights.0 == 0);
         assert!(p.estimate.peak_allocated > plain.estimate.peak_allocated);
-        assert!(p.report().contains("cached: text-encoder outputs only"), "{}", p.report());
+        assert!(
+            p.report().contains("cached: text-encoder outputs only"),
+            "{}",
+            p.report()
+        );
         let c = cfg("model: {base_model: flux1-dev}\ndata: {shuffle_caption: true}\n");
         let p = plan(&c, None, None, true).unwrap();
         let f = p.estimate.flux.as_ref().unwrap();
         assert!(f.vae_weights.0 == 0 && f.text_encoder_weights.0 > 0);
-        assert!(p.report().contains("cached: latents only"), "{}", p.report());
+        assert!(
+            p.report().contains("cached: latents only"),
+            "{}",
+            p.report()
+        );
     }
 
     #[test]

@@ -500,6 +500,31 @@ struct LlmSteps {
     plain_text: Option<(String, Vec<PathBuf>)>,
 }
 
+/// Says which kernel computes causal attention on the CPU (`LORA_CPU_ATTENTION`), with a
+/// warning for a value it ignores.
+fn say_cpu_attention(ctx: &RunContext<'_>) {
+    match lora_core::sys::cpu_attention_request() {
+        lora_core::sys::CpuAttentionRequest::Unknown(other) => ctx.say(&format!(
+            "warning: LORA_CPU_ATTENTION={other:?} is not \"lsdk\" or \"libtorch\"; ignored (the CPU's default is used)"
+        )),
+        lora_core::sys::CpuAttentionRequest::Lsdk
+            if !lora_core::sys::causal_attention_available() =>
+        {
+            ctx.say(
+                "warning: LORA_CPU_ATTENTION=lsdk, but this CPU has no AVX2/FMA for lora-core's attention kernel; libtorch's is used",
+            )
+        }
+        _ => {}
+    }
+    ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
+        "causal attention: lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise (LORA_CPU_ATTENTION=libtorch for libtorch's throughout)"
+    } else if lora_core::sys::cpu_attention_request() == lora_core::sys::CpuAttentionRequest::Libtorch {
+        "causal attention: libtorch's flash kernel (LORA_CPU_ATTENTION=libtorch)"
+    } else {
+        "causal attention: libtorch's flash kernel"
+    });
+}
+
 impl RunSteps for LlmSteps {
     type Loaded = LlmRun;
     type Summary = RunSummary;
@@ -513,6 +538,9 @@ impl RunSteps for LlmSteps {
     }
 
     fn read_data(&mut self, cfg: &TrainConfig, ctx: &RunContext<'_>) -> Result<()> {
+        if !ctx.cuda {
+            say_cpu_attention(ctx);
+        }
         let written =
             cfg.data
                 .train_data_dir
