@@ -1338,8 +1338,14 @@ pub fn causal_attention_applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && (16..=256).contains(&qs[3]);
     shapes
         && cpu_causal_attention_by_lsdk()
-        && (cpu_attention_request() == CpuAttentionRequest::Lsdk
+        && (*attention_request_once() == CpuAttentionRequest::Lsdk
             || qs[0] * ks[1] >= i64::from(tch::get_num_threads()))
+}
+
+/// [`cpu_attention_request`] read once per process (asked per attention call).
+fn attention_request_once() -> &'static CpuAttentionRequest {
+    static REQUEST: std::sync::OnceLock<CpuAttentionRequest> = std::sync::OnceLock::new();
+    REQUEST.get_or_init(cpu_attention_request)
 }
 
 /// What the `LORA_CPU_ATTENTION` environment variable asks of [`cpu_causal_attention_by_lsdk`].
@@ -1390,7 +1396,8 @@ fn causal_attention_build() -> (bool, bool) {
 }
 
 /// Whether causal self-attention on the CPU may run [`causal_attention`] rather than libtorch's
-/// flash kernel (per call, [`causal_attention_applies`] also weighs the shapes):
+/// flash kernel (per call, [`causal_attention_applies`] also weighs the shapes), decided from
+/// `LORA_CPU_ATTENTION` as the process first reads it:
 /// - never where the kernel is not available ([`causal_attention_available`]);
 /// - `LORA_CPU_ATTENTION=lsdk` or `libtorch` wins otherwise;
 /// - by default, on x86-64 CPUs without AVX-512F and with a shim built with OpenMP (its tasks
@@ -1399,7 +1406,7 @@ fn causal_attention_build() -> (bool, bool) {
 pub fn cpu_causal_attention_by_lsdk() -> bool {
     let (available, parallel) = causal_attention_build();
     available
-        && match cpu_attention_request() {
+        && match attention_request_once() {
             CpuAttentionRequest::Lsdk => true,
             CpuAttentionRequest::Libtorch => false,
             CpuAttentionRequest::Default | CpuAttentionRequest::Unknown(_) => {

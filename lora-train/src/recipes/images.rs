@@ -607,16 +607,21 @@ pub fn precomputed(cfg: &TrainConfig, aug: Augmentations) -> (bool, bool) {
 }
 
 /// The augmentations of the dataset `cfg` names (`data.train_data_dir`, relative paths against
-/// `config_dir`); the config's own `data.shuffle_caption` when the dataset cannot be read.
+/// `config_dir`); the config's own `data.random_crop`, `data.flip_aug`, `data.shuffle_caption`
+/// and caption dropout rates when the dataset cannot be read.
 pub fn augmentations_of(cfg: &TrainConfig, config_dir: Option<&Path>) -> Augmentations {
     let read = || -> Option<Augmentations> {
         let written = cfg.data.train_data_dir.as_deref()?;
         let path = resolve_path("data.train_data_dir", written, config_dir).ok()?;
         Some(Augmentations::of(&dataset_config(cfg, &path).ok()?))
     };
+    let d = &cfg.data;
     read().unwrap_or(Augmentations {
-        varying_captions: cfg.data.shuffle_caption == Some(true),
-        ..Augmentations::default()
+        random_crop: d.random_crop == Some(true),
+        flip: d.flip_aug == Some(true),
+        varying_captions: d.shuffle_caption == Some(true)
+            || d.caption_dropout_rate.is_some_and(|r| r > 0.0)
+            || d.caption_tag_dropout_rate.is_some_and(|r| r > 0.0),
     })
 }
 

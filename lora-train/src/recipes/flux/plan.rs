@@ -301,10 +301,8 @@ pub fn settings_for(
     // lines), else the config's keys: random crops and changing captions are encoded as they
     // are drawn, so the autoencoder or the text encoders stay on the device
     let aug = crate::recipes::images::augmentations_of(cfg, config_dir);
-    s.random_crop = aug.random_crop || cfg.data.random_crop == Some(true);
-    s.varying_captions = aug.varying_captions
-        || cfg.data.shuffle_caption == Some(true)
-        || cfg.data.caption_dropout_rate.is_some_and(|r| r > 0.0);
+    s.random_crop = aug.random_crop;
+    s.varying_captions = aug.varying_captions;
     if s.cache_latents && s.random_crop {
         notes.push("random_crop: latents are encoded as the crops are drawn; the autoencoder stays on the device".into());
     }
