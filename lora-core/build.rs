@@ -18,9 +18,11 @@ fn build_shim() {
         "shim/f32_linear.cpp",
         "shim/decoder_ops.cpp",
         "shim/attention.cpp",
+        "shim/lora_branch.cpp",
         "shim/dist_nccl.cpp",
         "shim/guard.h",
         "shim/cpu_math.h",
+        "shim/cpu_gemm.h",
     ] {
         println!("cargo:rerun-if-changed={f}");
     }
@@ -68,6 +70,7 @@ fn build_shim() {
         .file("shim/f32_linear.cpp")
         .file("shim/decoder_ops.cpp")
         .file("shim/attention.cpp")
+        .file("shim/lora_branch.cpp")
         // the quantized-linear kernels are hot loops: optimized in every profile
         .opt_level(3)
         .include(&include)

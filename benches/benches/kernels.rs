@@ -3,6 +3,12 @@
 //
 // - `lora_linear`: forward + backward of the frozen 576→1536 linear (gate/up_proj) over 512 tokens
 //   alone vs with a rank-8 LoRA adapter (gradients for A and B) — the LoRA overhead;
+// - `lora_branch`: forward + backward (gradients of x, A and B) of the rank-8 LoRA branches of
+//   SmolLM2's sibling groups over 2 × 128 tokens added to their frozen products — q/k/v
+//   (576 → 576 + 192 + 192), gate/up (576 → 2 × 1536), o (576 → 576), down (1536 → 576) — by
+//   the shim's op (`lora_core::sys::lora_branch`, `_lsdk`) and by libtorch's GEMMs as
+//   `LoraLinear` computes them otherwise (`_libtorch`: one GEMM over the stacked A factors, the
+//   block-diagonal B product added by `addmm`);
 // - `quant_linear`: forward, and forward + input gradient, of the same linear with its base kept
 //   quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, NF4, fp8 e4m3fn), and of the 1536→576 down_proj
 //   (`down_` prefix) as Q4_K, Q5_K, Q6_K: the shim's tiled kernel (`_tiled`, the layers' path on
@@ -91,6 +97,66 @@ fn lora_linear(c: &mut Criterion) {
             }
         })
     });
+    g.finish();
+}
+
+/// Forward + backward of one sibling group's LoRA branches, `sites` as (rank, out) over `inf`
+/// inputs, by the shim's op or by libtorch's GEMMs.
+fn lora_branch_pass(
+    x: &Tensor,
+    base: &Tensor,
+    a: &[Tensor],
+    b: &[Tensor],
+    gy: &Tensor,
+    lsdk: bool,
+) {
+    let xi = x.detach().set_requires_grad(true);
+    let (ar, br): (Vec<&Tensor>, Vec<&Tensor>) = (a.iter().collect(), b.iter().collect());
+    let scales = vec![2.0; a.len()];
+    let y = if lsdk {
+        lora_core::sys::lora_branch(&xi, base, &ar, &br, &scales).unwrap()
+    } else {
+        let h = xi.linear::<Tensor>(&Tensor::cat(&ar, 0), None) * 2.0;
+        let bd = Tensor::block_diag(&br);
+        base.addmm(&h, &bd.tr())
+    };
+    (y * gy).sum(Kind::Float).backward();
+    let _ = black_box(xi.grad());
+    for t in a.iter().chain(b) {
+        let _ = t.grad().zero_();
+    }
+}
+
+fn lora_branch(c: &mut Criterion) {
+    if !lora_core::sys::lora_branch_available() {
+        return;
+    }
+    tch::manual_seed(0);
+    let tokens = 256;
+    let mut g = c.benchmark_group("lora_branch");
+    let groups: [(&str, i64, &[(i64, i64)]); 4] = [
+        ("qkv", HIDDEN, &[(8, HIDDEN), (8, 192), (8, 192)]),
+        ("gate_up", HIDDEN, &[(8, INTER), (8, INTER)]),
+        ("o", HIDDEN, &[(8, HIDDEN)]),
+        ("down", INTER, &[(8, HIDDEN)]),
+    ];
+    for (name, inf, sites) in groups {
+        let outs: i64 = sites.iter().map(|s| s.1).sum();
+        let x = Tensor::randn([tokens, inf], (Kind::Float, Device::Cpu));
+        let base = Tensor::randn([tokens, outs], (Kind::Float, Device::Cpu));
+        let gy = Tensor::randn([tokens, outs], (Kind::Float, Device::Cpu));
+        let leaf = |shape: [i64; 2]| {
+            (Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.02).set_requires_grad(true)
+        };
+        let a: Vec<Tensor> = sites.iter().map(|&(r, _)| leaf([r, inf])).collect();
+        let b: Vec<Tensor> = sites.iter().map(|&(r, o)| leaf([o, r])).collect();
+        for lsdk in [true, false] {
+            let side = if lsdk { "lsdk" } else { "libtorch" };
+            g.bench_function(format!("{name}_fwd_bwd_{side}"), |bch| {
+                bch.iter(|| lora_branch_pass(&x, &base, &a, &b, &gy, lsdk))
+            });
+        }
+    }
     g.finish();
 }
 
@@ -441,6 +507,6 @@ fn lm_head_loss(c: &mut Criterion) {
 criterion_group! {
     name = kernels;
     config = short();
-    targets = lora_linear, quant_linear, optimizer_step, quantize_8bit, gguf_blocks, image, text, lm_head_loss
+    targets = lora_linear, lora_branch, quant_linear, optimizer_step, quantize_8bit, gguf_blocks, image, text, lm_head_loss
 }
 criterion_main!(kernels);

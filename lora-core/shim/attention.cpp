@@ -34,13 +34,10 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include "cpu_gemm.h"
 #include "cpu_math.h"
 #include "guard.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define LSDK_ATTENTION_KERNEL 1
-#endif
 
 #include <algorithm>
 #include <array>
@@ -57,83 +54,10 @@ constexpr int64_t kMaxSeq = 512;
 constexpr int64_t kMaxHeadDim = 256;
 
 bool kernel_available() {
-#ifdef LSDK_ATTENTION_KERNEL
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
+  return lsdk::cpu_gemm_available();
 }
 
-#ifdef LSDK_ATTENTION_KERNEL
-
-// One 6 × 16 tile: C[r][c] = alpha · Σ_{k < K} A(r, k)·B(k, c) (+ C[r][c] with `acc`), where
-// A(r, k) = a[r·ar + k·ak] and B(k, c) = b[k·bs + c]; 16 columns of B must be readable. Only the
-// first `mr` rows and `nc` columns of C are written.
-__attribute__((target("avx2,fma"))) void micro_tile(
-    int64_t K,
-    const float* a,
-    int64_t ar,
-    int64_t ak,
-    const float* b,
-    int64_t bs,
-    float* c,
-    int64_t cs,
-    int mr,
-    int nc,
-    bool acc,
-    float alpha) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const float *a0 = a, *a1 = a + ar, *a2 = a + 2 * ar, *a3 = a + 3 * ar, *a4 = a + 4 * ar,
-              *a5 = a + 5 * ar;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(b + k * bs), b1 = _mm256_loadu_ps(b + k * bs + 8);
-    const int64_t o = k * ak;
-    __m256 x = _mm256_broadcast_ss(a0 + o);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a1 + o);
-    c10 = _mm256_fmadd_ps(x, b0, c10);
-    c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a2 + o);
-    c20 = _mm256_fmadd_ps(x, b0, c20);
-    c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a3 + o);
-    c30 = _mm256_fmadd_ps(x, b0, c30);
-    c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a4 + o);
-    c40 = _mm256_fmadd_ps(x, b0, c40);
-    c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a5 + o);
-    c50 = _mm256_fmadd_ps(x, b0, c50);
-    c51 = _mm256_fmadd_ps(x, b1, c51);
-  }
-  const __m256 al = _mm256_set1_ps(alpha);
-  const __m256 rows[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-  if (mr == 6 && nc == 16) {
-    for (int r = 0; r < 6; ++r) {
-      float* cr = c + r * cs;
-      __m256 x0 = _mm256_mul_ps(al, rows[2 * r]), x1 = _mm256_mul_ps(al, rows[2 * r + 1]);
-      if (acc) {
-        x0 = _mm256_add_ps(x0, _mm256_loadu_ps(cr));
-        x1 = _mm256_add_ps(x1, _mm256_loadu_ps(cr + 8));
-      }
-      _mm256_storeu_ps(cr, x0);
-      _mm256_storeu_ps(cr + 8, x1);
-    }
-    return;
-  }
-  alignas(32) float t[96];
-  for (int i = 0; i < 12; ++i) {
-    _mm256_store_ps(t + 8 * i, _mm256_mul_ps(al, rows[i]));
-  }
-  for (int r = 0; r < mr; ++r) {
-    for (int j = 0; j < nc; ++j) {
-      c[r * cs + j] = acc ? c[r * cs + j] + t[r * 16 + j] : t[r * 16 + j];
-    }
-  }
-}
+#ifdef LSDK_CPU_GEMM
 
 // Which part of the summed dimension a block of rows m0 .. m1 of a product reads.
 enum class KRange {
@@ -158,7 +82,6 @@ __attribute__((target("avx2,fma"))) void tiled_product(
     int64_t cs,
     bool acc,
     float alpha) {
-  alignas(32) float packed[6 * std::max(kMaxSeq, kMaxHeadDim)];
   for (int64_t m0 = 0; m0 < M; m0 += 6) {
     const int mr = static_cast<int>(std::min<int64_t>(6, M - m0));
     int64_t k0 = 0, k1 = K;
@@ -168,20 +91,7 @@ __attribute__((target("avx2,fma"))) void tiled_product(
       k0 = m0;
     }
     const int64_t kn = k1 - k0;
-    // a short last block: its rows gathered (the missing ones repeat row 0, their results dropped)
     const float* ablk = a + m0 * ar + k0 * ak;
-    int64_t br = ar, bk = ak;
-    if (mr < 6 && kn > 0) {
-      for (int r = 0; r < 6; ++r) {
-        const int64_t row = m0 + (r < mr ? r : 0);
-        for (int64_t k = 0; k < kn; ++k) {
-          packed[r * kn + k] = a[row * ar + (k0 + k) * ak];
-        }
-      }
-      ablk = packed;
-      br = kn;
-      bk = 1;
-    }
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
       const int nc = static_cast<int>(std::min<int64_t>(16, N - n0));
       if (kn <= 0) {
@@ -192,7 +102,8 @@ __attribute__((target("avx2,fma"))) void tiled_product(
         }
         continue;
       }
-      micro_tile(kn, ablk, br, bk, b + k0 * bs + n0, bs, c + m0 * cs + n0, cs, mr, nc, acc, alpha);
+      float* ct = c + m0 * cs + n0;
+      lsdk::micro_tile(kn, ablk, ar, ak, b + k0 * bs + n0, bs, ct, cs, acc ? ct : nullptr, cs, mr, nc, alpha, true);
     }
   }
 }
@@ -369,7 +280,7 @@ std::array<at::Tensor, 3> backward_values(
   return {dq, dk, dv};
 }
 
-#endif  // LSDK_ATTENTION_KERNEL
+#endif  // LSDK_CPU_GEMM
 
 // A 4-d f32 CPU tensor whose last dim is contiguous (a copy otherwise).
 at::Tensor rows_contiguous(const at::Tensor& t) {
@@ -418,7 +329,7 @@ struct CausalAttentionBackward final : torch::autograd::Node {
     }
     at::NoGradGuard no_grad;
     RECORD_FUNCTION("lsdk::causal_attention_backward", std::vector<c10::IValue>({grads[0]}));
-#ifdef LSDK_ATTENTION_KERNEL
+#ifdef LSDK_CPU_GEMM
     at::Tensor g = grads[0];
     if (g.scalar_type() != at::kFloat) {
       g = g.to(at::kFloat);
@@ -475,7 +386,7 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   RECORD_FUNCTION("lsdk::causal_attention", std::vector<c10::IValue>({q_in, k_in, v_in}));
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   at::Tensor out, lse;  // out `[b, s, h, d]`
-#ifdef LSDK_ATTENTION_KERNEL
+#ifdef LSDK_CPU_GEMM
   {
     at::NoGradGuard no_grad;
     std::tie(out, lse) = forward_values(q.detach(), k.detach(), v.detach(), static_cast<float>(scale));

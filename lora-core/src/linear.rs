@@ -362,10 +362,13 @@ impl LoraLinear {
         let y = (|| -> std::result::Result<Tensor, tch::TchError> {
             let a: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_a).collect();
             let b: Vec<&Tensor> = adapters.iter().map(|a| &a.lora_b).collect();
+            let scales: Vec<f64> = adapters.iter().map(|a| a.effective_scale()).collect();
+            if crate::sys::lora_branch_applies(x, &base_out, &a, &b) {
+                return Ok(crate::sys::lora_branch(x, &base_out, &a, &b, &scales)?);
+            }
             let ranks: Vec<i64> = a.iter().map(|t| t.size()[0]).collect();
             let rank_total: i64 = ranks.iter().sum();
             let h = linear_product(x, &Tensor::f_cat(&a, 0)?)?;
-            let scales: Vec<f64> = adapters.iter().map(|a| a.effective_scale()).collect();
             if base_out.kind() != x.kind() {
                 // Under autocast (the frozen product in the autocast dtype, x and the adapters
                 // not): the general path's order of operations — `B(A(x))` in the autocast
@@ -461,6 +464,12 @@ impl LoraLinear {
             } else {
                 x.shallow_clone()
             };
+            let (a, b) = ([&ad.lora_a], [&ad.lora_b]);
+            let x2 = xd.f_reshape([-1, self.in_features()])?;
+            if crate::sys::lora_branch_applies(&x2, &y, &a, &b) {
+                y = crate::sys::lora_branch(&x2, &y, &a, &b, &[ad.effective_scale()])?;
+                continue;
+            }
             let r = ad.lora_a.size()[0];
             let h = linear_product(&xd, &ad.lora_a)?
                 .f_mul_scalar(ad.effective_scale())?

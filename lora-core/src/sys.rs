@@ -164,6 +164,15 @@ mod ffi {
             scale: f64,
             y: *mut *mut torch_sys::C_tensor,
         ) -> *mut c_char;
+        pub fn lsdk_lora_branch(
+            x: *const torch_sys::C_tensor,
+            base: *const torch_sys::C_tensor,
+            a: *const *const torch_sys::C_tensor,
+            b: *const *const torch_sys::C_tensor,
+            scales: *const f64,
+            n: i64,
+            y: *mut *mut torch_sys::C_tensor,
+        ) -> *mut c_char;
         pub fn lsdk_profiler_start(cuda: i32, record_shapes: i32) -> *mut c_char;
         pub fn lsdk_profiler_stop(
             trace_path: *const c_char,
@@ -1338,41 +1347,56 @@ pub fn causal_attention_applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && (16..=256).contains(&qs[3]);
     shapes
         && cpu_causal_attention_by_lsdk()
-        && (*attention_request_once() == CpuAttentionRequest::Lsdk
+        && (*attention_request_once() == CpuKernelRequest::Lsdk
             || qs[0] * ks[1] >= i64::from(tch::get_num_threads()))
 }
 
 /// [`cpu_attention_request`] read once per process (asked per attention call).
-fn attention_request_once() -> &'static CpuAttentionRequest {
-    static REQUEST: std::sync::OnceLock<CpuAttentionRequest> = std::sync::OnceLock::new();
+fn attention_request_once() -> &'static CpuKernelRequest {
+    static REQUEST: std::sync::OnceLock<CpuKernelRequest> = std::sync::OnceLock::new();
     REQUEST.get_or_init(cpu_attention_request)
 }
 
-/// What the `LORA_CPU_ATTENTION` environment variable asks of [`cpu_causal_attention_by_lsdk`].
+/// What an environment variable choosing between one of this crate's CPU kernels and libtorch's
+/// own ops asks for: `LORA_CPU_ATTENTION` ([`cpu_attention_request`], for
+/// [`cpu_causal_attention_by_lsdk`]) and `LORA_CPU_LORA` ([`cpu_lora_request`], for
+/// [`cpu_lora_branch_by_lsdk`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CpuAttentionRequest {
+pub enum CpuKernelRequest {
     /// Unset or empty: the CPU's default.
     Default,
-    /// `lsdk` (any case, surrounding spaces ignored): [`causal_attention`] wherever it applies.
+    /// `lsdk` (any case, surrounding spaces ignored): this crate's kernel wherever it applies.
     Lsdk,
-    /// `libtorch` (any case): libtorch's flash kernel.
+    /// `libtorch` (any case): libtorch's own ops.
     Libtorch,
     /// Any other value, as written; ignored (the CPU's default is used).
     Unknown(String),
 }
 
-/// Reads `LORA_CPU_ATTENTION` (see [`CpuAttentionRequest`]).
-pub fn cpu_attention_request() -> CpuAttentionRequest {
-    let Some(v) = std::env::var_os("LORA_CPU_ATTENTION") else {
-        return CpuAttentionRequest::Default;
+/// Reads the environment variable `var` as a [`CpuKernelRequest`].
+fn cpu_kernel_request(var: &str) -> CpuKernelRequest {
+    let Some(v) = std::env::var_os(var) else {
+        return CpuKernelRequest::Default;
     };
     let v = v.to_string_lossy();
     match v.trim().to_ascii_lowercase().as_str() {
-        "" => CpuAttentionRequest::Default,
-        "lsdk" => CpuAttentionRequest::Lsdk,
-        "libtorch" => CpuAttentionRequest::Libtorch,
-        _ => CpuAttentionRequest::Unknown(v.to_string()),
+        "" => CpuKernelRequest::Default,
+        "lsdk" => CpuKernelRequest::Lsdk,
+        "libtorch" => CpuKernelRequest::Libtorch,
+        _ => CpuKernelRequest::Unknown(v.to_string()),
     }
+}
+
+/// Reads `LORA_CPU_ATTENTION` (see [`CpuKernelRequest`]): libtorch's flash kernel or
+/// [`causal_attention`].
+pub fn cpu_attention_request() -> CpuKernelRequest {
+    cpu_kernel_request("LORA_CPU_ATTENTION")
+}
+
+/// Reads `LORA_CPU_LORA` (see [`CpuKernelRequest`]): libtorch's GEMMs or [`lora_branch`] for
+/// the LoRA branches of f32 linears.
+pub fn cpu_lora_request() -> CpuKernelRequest {
+    cpu_kernel_request("LORA_CPU_LORA")
 }
 
 /// Whether this build and CPU have [`causal_attention`]: x86-64 with AVX2 and FMA (whatever
@@ -1407,9 +1431,126 @@ pub fn cpu_causal_attention_by_lsdk() -> bool {
     let (available, parallel) = causal_attention_build();
     available
         && match attention_request_once() {
-            CpuAttentionRequest::Lsdk => true,
-            CpuAttentionRequest::Libtorch => false,
-            CpuAttentionRequest::Default | CpuAttentionRequest::Unknown(_) => {
+            CpuKernelRequest::Lsdk => true,
+            CpuKernelRequest::Libtorch => false,
+            CpuKernelRequest::Default | CpuKernelRequest::Unknown(_) => {
+                parallel && !cpu_has_avx512f()
+            }
+        }
+}
+
+/// The LoRA branches of sibling linears that read the same input, added to their frozen
+/// products, as one f32 CPU autograd op (`shim/lora_branch.cpp`):
+/// `y[:, seg_i] = base_out[:, seg_i] + s_i·(x·A_iᵀ)·B_iᵀ`, PEFT's
+/// `base(x) + lora_B(lora_A(x))·scaling` for each site i
+/// (`peft/tuners/lora/layer.py::Linear.forward`), the sites' outputs side by side in site order.
+/// Each product (forward, and `∂x`, `∂A`, `∂B` backward) is one pass of AVX2/FMA 6 × 16
+/// register tiles over the operands as they are, in parallel over libtorch's intra-op threads;
+/// the sites' B factors are multiplied one by one, not as one block-diagonal matrix. On a 2-core
+/// AVX2 EPYC MKL ran some of these skinny products (one side the rank) at 12–16 GFLOP/s.
+/// Saves `x`, `h = x·Aᵀ` (`[n, Σ r_i]` f32) and the factors; the backward pass refuses to run
+/// after `x` or a factor was changed in place and has no double backward.
+///
+/// `x`: `[..., in]`; `base_out`: `[..., Σ out_i]` with `x`'s leading dims; `a[i]`: `[r_i, in]`;
+/// `b[i]`: `[out_i, r_i]`; `scales[i]`: the site's scaling; every tensor f32 on the CPU, any
+/// strides. Returns `[..., Σ out_i]` f32. [`lora_branch_applies`] says whether this workspace
+/// uses it.
+///
+/// # Errors
+/// A CPU without AVX2/FMA, lists of different lengths or empty, shapes that do not fit, other
+/// dtypes or devices, or a libtorch error (e.g. out of memory).
+pub fn lora_branch(
+    x: &Tensor,
+    base_out: &Tensor,
+    a: &[&Tensor],
+    b: &[&Tensor],
+    scales: &[f64],
+) -> ShimResult<Tensor> {
+    if a.len() != b.len() || a.len() != scales.len() {
+        return Err(ShimError {
+            op: "lora_branch",
+            message: format!(
+                "{} A factors, {} B factors and {} scalings: one of each per site",
+                a.len(),
+                b.len(),
+                scales.len()
+            ),
+        });
+    }
+    let a_ptrs: Vec<*const torch_sys::C_tensor> = a.iter().map(|t| t.as_ptr()).collect();
+    let b_ptrs: Vec<*const torch_sys::C_tensor> = b.iter().map(|t| t.as_ptr()).collect();
+    let mut y: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: every tensor is live for the call and the three arrays hold `a.len()` entries; on
+    // success `y` holds a new heap tensor whose ownership `take_output` takes.
+    let ret = unsafe {
+        ffi::lsdk_lora_branch(
+            x.as_ptr(),
+            base_out.as_ptr(),
+            a_ptrs.as_ptr(),
+            b_ptrs.as_ptr(),
+            scales.as_ptr(),
+            a.len() as i64,
+            &mut y,
+        )
+    };
+    check("lora_branch", ret)?;
+    // SAFETY: see above.
+    unsafe { take_output("lora_branch", y) }
+}
+
+/// Whether [`lora_branch`] takes these operands and is this workspace's choice for them: `x`
+/// `[..., in]`, `base_out` `[..., Σ out_i]` with the same leading dims, `a[i]` `[r_i, in]` and
+/// `b[i]` `[out_i, r_i]` (r_i ≥ 1), all f32 on the CPU, CPU autocast off, and
+/// [`cpu_lora_branch_by_lsdk`].
+pub fn lora_branch_applies(x: &Tensor, base_out: &Tensor, a: &[&Tensor], b: &[&Tensor]) -> bool {
+    let f32_cpu = |t: &Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu;
+    let (xs, ys) = (x.size(), base_out.size());
+    let Some(&inf) = xs.last() else {
+        return false;
+    };
+    let fits = !a.is_empty()
+        && a.len() == b.len()
+        && f32_cpu(x)
+        && f32_cpu(base_out)
+        && xs.len() == ys.len()
+        && xs[..xs.len() - 1] == ys[..ys.len() - 1]
+        && a.iter().zip(b).all(|(a, b)| {
+            let (sa, sb) = (a.size(), b.size());
+            f32_cpu(a)
+                && f32_cpu(b)
+                && sa.len() == 2
+                && sb.len() == 2
+                && sa[0] >= 1
+                && sa[1] == inf
+                && sb[1] == sa[0]
+        })
+        && ys.last().copied() == Some(b.iter().map(|b| b.size()[0]).sum::<i64>());
+    fits && cpu_lora_branch_by_lsdk()
+        && autocast_state(tch::Device::Cpu).is_ok_and(|ac| !ac.enabled)
+}
+
+/// Whether this build and CPU have [`lora_branch`]: x86-64 with AVX2 and FMA (the products of
+/// [`causal_attention`]; whatever `LORA_CPU_LORA` says).
+pub fn lora_branch_available() -> bool {
+    causal_attention_build().0
+}
+
+/// Whether the LoRA branches of f32 linears on the CPU may run [`lora_branch`] rather than
+/// libtorch's GEMMs (per call, [`lora_branch_applies`] also checks the operands), decided from
+/// `LORA_CPU_LORA` as the process first reads it:
+/// - never where the kernel is not available ([`lora_branch_available`]);
+/// - `LORA_CPU_LORA=lsdk` or `libtorch` wins otherwise;
+/// - by default, on x86-64 CPUs without AVX-512F and with a shim built with OpenMP: where it was
+///   measured faster (a 2-core AVX2 EPYC, against MKL). Where AVX-512 is present MKL or oneDNN
+///   ([`cpu_f32_gemm_by_onednn`]) have kernels for it, and the two were not compared.
+pub fn cpu_lora_branch_by_lsdk() -> bool {
+    static REQUEST: std::sync::OnceLock<CpuKernelRequest> = std::sync::OnceLock::new();
+    let (available, parallel) = causal_attention_build();
+    available
+        && match REQUEST.get_or_init(cpu_lora_request) {
+            CpuKernelRequest::Lsdk => true,
+            CpuKernelRequest::Libtorch => false,
+            CpuKernelRequest::Default | CpuKernelRequest::Unknown(_) => {
                 parallel && !cpu_has_avx512f()
             }
         }

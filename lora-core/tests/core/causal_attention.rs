@@ -200,8 +200,8 @@ fn causal_attention_refuses_what_it_does_not_take() {
     );
     let avx512 = std::arch::is_x86_feature_detected!("avx512f");
     let wanted = match sys::cpu_attention_request() {
-        sys::CpuAttentionRequest::Lsdk => true,
-        sys::CpuAttentionRequest::Libtorch => false,
+        sys::CpuKernelRequest::Lsdk => true,
+        sys::CpuKernelRequest::Libtorch => false,
         _ => !avx512,
     };
     assert_eq!(sys::causal_attention_applies(&q, &kv, &kv), wanted);

@@ -14,6 +14,7 @@ mod f32_linear;
 mod formats;
 mod interop_peft;
 mod invariants;
+mod lora_branch;
 mod profile;
 mod qlinear;
 mod quant_interop;

@@ -354,8 +354,8 @@ impl Cpu {
                 .ok()
                 .filter(|v| !v.trim().is_empty()),
             cpu_attention_env_ignored: match lora_core::sys::cpu_attention_request() {
-                lora_core::sys::CpuAttentionRequest::Unknown(_) => true,
-                lora_core::sys::CpuAttentionRequest::Lsdk => {
+                lora_core::sys::CpuKernelRequest::Unknown(_) => true,
+                lora_core::sys::CpuKernelRequest::Lsdk => {
                     !lora_core::sys::causal_attention_available()
                 }
                 _ => false,

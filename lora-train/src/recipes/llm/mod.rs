@@ -504,10 +504,10 @@ struct LlmSteps {
 /// warning for a value it ignores.
 fn say_cpu_attention(ctx: &RunContext<'_>) {
     match lora_core::sys::cpu_attention_request() {
-        lora_core::sys::CpuAttentionRequest::Unknown(other) => ctx.say(&format!(
+        lora_core::sys::CpuKernelRequest::Unknown(other) => ctx.say(&format!(
             "warning: LORA_CPU_ATTENTION={other:?} is not \"lsdk\" or \"libtorch\"; ignored (the CPU's default is used)"
         )),
-        lora_core::sys::CpuAttentionRequest::Lsdk
+        lora_core::sys::CpuKernelRequest::Lsdk
             if !lora_core::sys::causal_attention_available() =>
         {
             ctx.say(
@@ -518,7 +518,7 @@ fn say_cpu_attention(ctx: &RunContext<'_>) {
     }
     ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
         "causal attention: lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise (LORA_CPU_ATTENTION=libtorch for libtorch's throughout)"
-    } else if lora_core::sys::cpu_attention_request() == lora_core::sys::CpuAttentionRequest::Libtorch {
+    } else if lora_core::sys::cpu_attention_request() == lora_core::sys::CpuKernelRequest::Libtorch {
         "causal attention: libtorch's flash kernel (LORA_CPU_ATTENTION=libtorch)"
     } else {
         "causal attention: libtorch's flash kernel"
