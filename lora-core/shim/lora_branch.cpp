@@ -14,9 +14,11 @@
 // MKL's sgemm ran at 12–16 GFLOP/s for some of them on a 2-core AVX2 EPYC (`[256, 576]·[576, 8]`
 // 0.15 ms); each here is one pass of the 6 × 16 register tiles of `cpu_gemm.h` over strided
 // operands, in parallel over libtorch's intra-op threads. The sites' B factors are not joined
-// into a block-diagonal matrix (which multiplies zeros): each is its own product. Saved for the
-// backward pass: x (which the frozen product saves as well), h, and the factors; the node
-// refuses to run after x or a factor was changed in place, and has no double backward.
+// into a block-diagonal matrix (which multiplies zeros): each is its own product. Long sums
+// are added up in runs of 64 (`cpu_gemm.h`), which keeps the values as close to the f64 ones
+// as libtorch's own f32 products. Saved for the backward pass: x (which the frozen product
+// saves as well), h, and aliases of the factors; the node refuses to run after x or a factor
+// was changed in place, and has no double backward.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -63,11 +65,12 @@ Sites sites_of(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
 
 #ifdef LSDK_CPU_GEMM
 
-// A per-thread buffer of at least `n` floats for packed operands and intermediate products,
-// kept between calls (a few hundred KiB at most at the ranks LoRA uses; `slot` tells apart
-// buffers live at the same time).
+// A per-thread buffer of at least `n` floats for packed operands and `gh`, kept between calls
+// (`slot` 0 or 1 tells apart buffers live at the same time). They hold `[in, R]`, `[R, in]`,
+// `[r_i, out_i]` and `[n, R]` floats — 55 KiB to a few hundred KiB at LoRA's ranks — outside
+// libtorch's allocator.
 float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[3];
+  thread_local std::vector<float> buffers[2];
   std::vector<float>& v = buffers[slot];
   if (static_cast<int64_t>(v.size()) < n) {
     v.resize(static_cast<size_t>(n));
@@ -232,19 +235,12 @@ struct LoraBranchBackward final : torch::autograd::Node {
       if (!task_should_compute_output(2 + ns + i)) {
         continue;
       }
-      // ∂B_iᵀ `[r_i, out_i]` = s_i · h_iᵀ·g_i, written transposed into `[out_i, r_i]`
+      // ∂B_i `[out_i, r_i]` = s_i · g_iᵀ·h_i (12 × 8 tiles at rank 8)
       const int64_t r = s.rank[i], o = s.out[i];
-      float* gbt = scratch(2, r * o);
-      lsdk::strided_product(
-          r, o, n, sh.data_ptr<float>() + s.rank_off[i], 1, s.ranks, gp + s.out_off[i], gs, gbt, o,
-          nullptr, 0, static_cast<float>(scales[i]), true);
       at::Tensor gb = at::empty({o, r}, sx.options());
-      float* gbp = gb.data_ptr<float>();
-      for (int64_t c = 0; c < o; ++c) {
-        for (int64_t j = 0; j < r; ++j) {
-          gbp[c * r + j] = gbt[j * o + c];
-        }
-      }
+      lsdk::strided_product(
+          o, r, n, gp + s.out_off[i], 1, gs, sh.data_ptr<float>() + s.rank_off[i], s.ranks,
+          gb.data_ptr<float>(), r, nullptr, 0, static_cast<float>(scales[i]), true);
       res[2 + ns + i] = gb;
     }
 #else

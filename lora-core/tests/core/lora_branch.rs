@@ -306,3 +306,4 @@ fn lora_branch_computes_the_gradients_asked_for_and_refuses_stale_ones() {
         );
     }
 }
+
