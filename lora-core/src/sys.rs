@@ -1373,6 +1373,22 @@ pub enum CpuKernelRequest {
     Unknown(String),
 }
 
+impl CpuKernelRequest {
+    /// The warning a run prints for this request of the environment variable `var`, or `None`:
+    /// a value it ignores, or `lsdk` where the kernel is not `available` (no AVX2/FMA).
+    pub fn warning(&self, var: &str, available: bool) -> Option<String> {
+        match self {
+            CpuKernelRequest::Unknown(other) => Some(format!(
+                "warning: {var}={other:?} is not \"lsdk\" or \"libtorch\"; ignored (the CPU's default is used)"
+            )),
+            CpuKernelRequest::Lsdk if !available => Some(format!(
+                "warning: {var}=lsdk, but this CPU has no AVX2/FMA for lora-core's kernel; libtorch's ops are used"
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// Reads the environment variable `var` as a [`CpuKernelRequest`].
 fn cpu_kernel_request(var: &str) -> CpuKernelRequest {
     let Some(v) = std::env::var_os(var) else {

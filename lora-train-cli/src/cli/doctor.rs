@@ -100,16 +100,63 @@ struct Cpu {
     f32_gemm_env: Option<String>,
     /// `LORA_CPU_F32_GEMM` is set to something other than `onednn` / `mkl` (any case): ignored.
     f32_gemm_env_ignored: bool,
-    /// What computes causal f32 attention of up to 512 positions on the CPU: `lsdk` (lora-core's
-    /// kernel, `lora_core::sys::cpu_causal_attention_by_lsdk`) or `libtorch` (its flash kernel).
-    cpu_attention: &'static str,
-    /// `LORA_CPU_ATTENTION` as set, when set and not empty.
-    cpu_attention_env: Option<String>,
-    /// `LORA_CPU_ATTENTION` is set to something other than `lsdk` / `libtorch`, or asks for
-    /// `lsdk` where the kernel is not available (no AVX2/FMA): ignored.
-    cpu_attention_env_ignored: bool,
-    /// lora-core's causal attention kernel exists for this build and CPU (AVX2 and FMA).
-    cpu_attention_available: bool,
+    /// What computes causal f32 attention of up to 512 positions on the CPU: lora-core's kernel
+    /// (`lora_core::sys::cpu_causal_attention_by_lsdk`) or libtorch's flash kernel;
+    /// `LORA_CPU_ATTENTION`.
+    cpu_attention: CpuKernel,
+    /// What computes the LoRA branches of f32 linears on the CPU: lora-core's op
+    /// (`lora_core::sys::cpu_lora_branch_by_lsdk`) or libtorch's GEMMs; `LORA_CPU_LORA`.
+    cpu_lora: CpuKernel,
+}
+
+/// One of lora-core's CPU kernels against libtorch's own ops, and the environment variable that
+/// chooses between them.
+#[derive(Debug, Serialize)]
+struct CpuKernel {
+    /// `lsdk` (lora-core's kernel) or `libtorch`.
+    choice: &'static str,
+    /// The variable as set, when set and not empty.
+    env: Option<String>,
+    /// The variable is set to something other than `lsdk` / `libtorch`, or asks for `lsdk`
+    /// where the kernel is not available (no AVX2/FMA): ignored.
+    env_ignored: bool,
+    /// The kernel exists for this build and CPU (AVX2 and FMA).
+    available: bool,
+}
+
+impl CpuKernel {
+    fn gather(
+        var: &str,
+        request: lora_core::sys::CpuKernelRequest,
+        chosen: bool,
+        available: bool,
+    ) -> CpuKernel {
+        CpuKernel {
+            choice: if chosen { "lsdk" } else { "libtorch" },
+            env: std::env::var(var).ok().filter(|v| !v.trim().is_empty()),
+            env_ignored: request.warning(var, available).is_some(),
+            available,
+        }
+    }
+
+    /// `  {what}: {lora-core's or libtorch's} ({why})` and a newline.
+    fn line(&self, what: &str, var: &str, lsdk: &str, libtorch: &str) -> String {
+        let why = match &self.env {
+            Some(v) if self.env_ignored && self.available => format!(
+                "{var}={v:?} is not \"lsdk\" or \"libtorch\": ignored, the CPU's default"
+            ),
+            Some(v) if self.env_ignored => {
+                format!("{var}={v:?} ignored: this CPU has no AVX2/FMA for lora-core's kernel")
+            }
+            Some(v) => format!("{var}={v:?}"),
+            None if self.choice == "lsdk" => {
+                format!("AVX2 CPU without AVX-512; {var}=libtorch for libtorch's")
+            }
+            None => format!("{var}=lsdk for lora-core's, on AVX2 CPUs"),
+        };
+        let who = if self.choice == "lsdk" { lsdk } else { libtorch };
+        format!("  {what}: {who} ({why})\n")
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -234,27 +281,17 @@ impl Report {
                 None => " (LORA_CPU_F32_GEMM=onednn for oneDNN)".to_string(),
             }
         );
-        out += &format!(
-            "  causal attention (f32, up to 512 positions): {}{}\n",
-            if c.cpu_attention == "lsdk" {
-                "lora-core's AVX2 kernel"
-            } else {
-                "libtorch's flash kernel"
-            },
-            match &c.cpu_attention_env {
-                Some(v) if c.cpu_attention_env_ignored && c.cpu_attention_available => format!(
-                    " (LORA_CPU_ATTENTION={v:?} is not \"lsdk\" or \"libtorch\": ignored, the CPU's default)"
-                ),
-                Some(v) if c.cpu_attention_env_ignored => format!(
-                    " (LORA_CPU_ATTENTION={v:?} ignored: this CPU has no AVX2/FMA for lora-core's kernel)"
-                ),
-                Some(v) => format!(" (LORA_CPU_ATTENTION={v:?})"),
-                None if c.cpu_attention == "lsdk" => {
-                    " (AVX2 CPU without AVX-512; LORA_CPU_ATTENTION=libtorch for libtorch's)"
-                        .to_string()
-                }
-                None => " (LORA_CPU_ATTENTION=lsdk for lora-core's, on AVX2 CPUs)".to_string(),
-            }
+        out += &c.cpu_attention.line(
+            "causal attention (f32, up to 512 positions)",
+            "LORA_CPU_ATTENTION",
+            "lora-core's AVX2 kernel",
+            "libtorch's flash kernel",
+        );
+        out += &c.cpu_lora.line(
+            "LoRA branches of f32 linears",
+            "LORA_CPU_LORA",
+            "lora-core's AVX2 kernel",
+            "libtorch's GEMMs",
         );
         let m = &self.memory;
         out += "memory\n";
@@ -345,22 +382,18 @@ impl Cpu {
                 lora_core::sys::F32GemmRequest::Unknown(_)
             ),
             fast_bf16_gemm: lora_core::sys::cpu_has_fast_bf16_gemm(),
-            cpu_attention: if lora_core::sys::cpu_causal_attention_by_lsdk() {
-                "lsdk"
-            } else {
-                "libtorch"
-            },
-            cpu_attention_env: std::env::var("LORA_CPU_ATTENTION")
-                .ok()
-                .filter(|v| !v.trim().is_empty()),
-            cpu_attention_env_ignored: match lora_core::sys::cpu_attention_request() {
-                lora_core::sys::CpuKernelRequest::Unknown(_) => true,
-                lora_core::sys::CpuKernelRequest::Lsdk => {
-                    !lora_core::sys::causal_attention_available()
-                }
-                _ => false,
-            },
-            cpu_attention_available: lora_core::sys::causal_attention_available(),
+            cpu_attention: CpuKernel::gather(
+                "LORA_CPU_ATTENTION",
+                lora_core::sys::cpu_attention_request(),
+                lora_core::sys::cpu_causal_attention_by_lsdk(),
+                lora_core::sys::causal_attention_available(),
+            ),
+            cpu_lora: CpuKernel::gather(
+                "LORA_CPU_LORA",
+                lora_core::sys::cpu_lora_request(),
+                lora_core::sys::cpu_lora_branch_by_lsdk(),
+                lora_core::sys::lora_branch_available(),
+            ),
         }
     }
 }

@@ -43,6 +43,8 @@ Environment:
   LORA_CPU_ATTENTION=lsdk|libtorch  which kernel computes causal f32 attention of up to 512
      positions on the CPU (default: lora-core's on AVX2 CPUs without AVX-512, libtorch's
      elsewhere; `doctor` says which)
+  LORA_CPU_LORA=lsdk|libtorch  which kernel computes the LoRA branches of f32 linears on the
+     CPU (default: lora-core's on AVX2 CPUs without AVX-512, libtorch's GEMMs elsewhere)
 
 Examples:
   lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"

@@ -467,6 +467,18 @@ pub fn run<S: RunSteps>(
         } else {
             "f32 matrix products: MKL's sgemm (LORA_CPU_F32_GEMM=onednn for oneDNN)"
         });
+        if let Some(w) = lora_core::sys::cpu_lora_request()
+            .warning("LORA_CPU_LORA", lora_core::sys::lora_branch_available())
+        {
+            ctx.say(&w);
+        }
+        ctx.say(if lora_core::sys::cpu_lora_branch_by_lsdk() {
+            "LoRA branches of f32 linears: lora-core's AVX2 kernel (LORA_CPU_LORA=libtorch for libtorch's GEMMs)"
+        } else if lora_core::sys::cpu_lora_request() == lora_core::sys::CpuKernelRequest::Libtorch {
+            "LoRA branches of f32 linears: libtorch's GEMMs (LORA_CPU_LORA=libtorch)"
+        } else {
+            "LoRA branches of f32 linears: libtorch's GEMMs"
+        });
         if cfg.memory.cpu_cache {
             ctx.say(
                 "CPU block cache: blocks a step frees are kept for the next steps, within the step's live peak (memory.cpu_cache)",

@@ -503,18 +503,11 @@ struct LlmSteps {
 /// Says which kernel computes causal attention on the CPU (`LORA_CPU_ATTENTION`), with a
 /// warning for a value it ignores.
 fn say_cpu_attention(ctx: &RunContext<'_>) {
-    match lora_core::sys::cpu_attention_request() {
-        lora_core::sys::CpuKernelRequest::Unknown(other) => ctx.say(&format!(
-            "warning: LORA_CPU_ATTENTION={other:?} is not \"lsdk\" or \"libtorch\"; ignored (the CPU's default is used)"
-        )),
-        lora_core::sys::CpuKernelRequest::Lsdk
-            if !lora_core::sys::causal_attention_available() =>
-        {
-            ctx.say(
-                "warning: LORA_CPU_ATTENTION=lsdk, but this CPU has no AVX2/FMA for lora-core's attention kernel; libtorch's is used",
-            )
-        }
-        _ => {}
+    if let Some(w) = lora_core::sys::cpu_attention_request().warning(
+        "LORA_CPU_ATTENTION",
+        lora_core::sys::causal_attention_available(),
+    ) {
+        ctx.say(&w);
     }
     ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
         "causal attention: lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise (LORA_CPU_ATTENTION=libtorch for libtorch's throughout)"
