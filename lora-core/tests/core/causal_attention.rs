@@ -4,45 +4,9 @@
 //! over grouped and ungrouped heads, lengths that are no multiple of the kernel's 6 × 16 tiles,
 //! strided inputs, and what it refuses.
 
+use crate::common::{avx2_kernels_here, formula_values, leaf, rel_err};
 use lora_core::sys;
 use tch::{Device, Kind, Tensor};
-
-fn kernel_here() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// max |a − b| / max(max |b|, 1): relative for the O(1) values of random inputs, absolute where
-/// the reference vanishes (one position: q's gradient is zero in exact arithmetic, rounding
-/// leaves ≈ 1e-7).
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (
-        a.detach().to_kind(Kind::Double),
-        b.detach().to_kind(Kind::Double),
-    );
-    let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1.0);
-    num / den
-}
-
-/// Values of `shape` from a fixed formula, not from libtorch's generator (which tests running
-/// beside this one draw from): `scale · sin(0.7·i + phase)·cos(0.13·i)` over the flat index.
-fn values(shape: &[i64], phase: f64, scale: f64) -> Tensor {
-    let n: i64 = shape.iter().product();
-    let i = Tensor::arange(n, (Kind::Double, Device::Cpu));
-    let v = ((&i * 0.7 + phase).sin() * (&i * 0.13).cos() * scale).to_kind(Kind::Float);
-    v.reshape(shape)
-}
-
-fn leaf(t: &Tensor) -> Tensor {
-    t.detach().set_requires_grad(true)
-}
 
 /// `softmax(q·kᵀ/√d + causal)·v` in q's dtype, kv heads repeated to q's, `[b, s, h, d]`.
 fn composite(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
@@ -77,7 +41,7 @@ fn compare(q: &Tensor, k: &Tensor, v: &Tensor) -> [f64; 4] {
     assert_eq!(out.size(), vec![z[0], z[2], z[1], z[3]]);
     assert_eq!(out.kind(), Kind::Float);
     assert!(out.is_contiguous());
-    let dout = values(&out.size(), 0.3, 1.0);
+    let dout = formula_values(&out.size(), 0.3, 1.0);
     (&out * &dout).sum(Kind::Float).backward();
 
     let (q64, k64, v64) = (
@@ -99,8 +63,8 @@ fn compare(q: &Tensor, k: &Tensor, v: &Tensor) -> [f64; 4] {
 
 #[test]
 fn causal_attention_equals_the_composite_in_f64() {
-    if !kernel_here() {
-        let q = values(&[1, 1, 4, 16], 0.0, 1.0);
+    if !avx2_kernels_here() {
+        let q = formula_values(&[1, 1, 4, 16], 0.0, 1.0);
         let err = sys::causal_attention(&q, &q, &q).unwrap_err().to_string();
         assert!(err.contains("AVX2"), "{err}");
         return;
@@ -115,9 +79,9 @@ fn causal_attention_equals_the_composite_in_f64() {
         (1, 2, 2, 100, 128),
         (1, 2, 1, sys::CAUSAL_ATTENTION_MAX_SEQ, 16),
     ] {
-        let q = values(&[b, h, s, d], 0.0, 1.5);
-        let k = values(&[b, kv, s, d], 1.0, 1.5);
-        let v = values(&[b, kv, s, d], 2.0, 1.0);
+        let q = formula_values(&[b, h, s, d], 0.0, 1.5);
+        let k = formula_values(&[b, kv, s, d], 1.0, 1.5);
+        let v = formula_values(&[b, kv, s, d], 2.0, 1.0);
         let errs = compare(&q, &k, &v);
         for (name, e) in ["out", "dq", "dk", "dv"].iter().zip(errs) {
             assert!(
@@ -130,15 +94,15 @@ fn causal_attention_equals_the_composite_in_f64() {
 
 #[test]
 fn causal_attention_reads_strided_heads_and_large_scores() {
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         return;
     }
     // q, k, v as the model hands them: `[b, s, h, d]` storage seen as `[b, h, s, d]`; scores
     // up to ±200 (the softmax's shift by the row maximum keeps e^x finite)
     let (b, h, kv, s, d) = (2, 4, 2, 70, 32);
-    let q = values(&[b, s, h, d], 0.5, 6.0).transpose(1, 2);
-    let k = values(&[b, s, kv, d], 1.5, 6.0).transpose(1, 2);
-    let v = values(&[b, s, kv, d], 2.5, 1.0).transpose(1, 2);
+    let q = formula_values(&[b, s, h, d], 0.5, 6.0).transpose(1, 2);
+    let k = formula_values(&[b, s, kv, d], 1.5, 6.0).transpose(1, 2);
+    let v = formula_values(&[b, s, kv, d], 2.5, 1.0).transpose(1, 2);
     assert!(!q.is_contiguous());
     // scores of size |S| carry an f32 rounding of about |S|·6e-8 into e^S: ≈ 1.2e-5 at 200
     let errs = compare(&q, &k, &v);
@@ -188,7 +152,7 @@ fn causal_attention_refuses_what_it_does_not_take() {
         &kv,
         &kv
     ));
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         return;
     }
     // what it takes, with a (sequence, kv head) task per thread: used unless asked not to or
@@ -244,15 +208,15 @@ fn causal_attention_refuses_what_it_does_not_take() {
 
 #[test]
 fn causal_attention_computes_the_gradients_asked_for_and_refuses_stale_ones() {
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         return;
     }
     let (q, k, v) = (
-        values(&[2, 4, 20, 32], 0.0, 1.0),
-        values(&[2, 2, 20, 32], 1.0, 1.0),
-        values(&[2, 2, 20, 32], 2.0, 1.0),
+        formula_values(&[2, 4, 20, 32], 0.0, 1.0),
+        formula_values(&[2, 2, 20, 32], 1.0, 1.0),
+        formula_values(&[2, 2, 20, 32], 2.0, 1.0),
     );
-    let dout = values(&[2, 20, 4, 32], 0.3, 1.0);
+    let dout = formula_values(&[2, 20, 4, 32], 0.3, 1.0);
     // every gradient, then each alone: the same values
     let (q1, k1, v1) = (leaf(&q), leaf(&k), leaf(&v));
     let out = sys::causal_attention(&q1, &k1, &v1).unwrap();

@@ -119,3 +119,42 @@ pub fn image() -> Tensor {
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     f64::try_from((a - b).abs().max()).unwrap()
 }
+
+/// Whether this CPU runs the shim's AVX2/FMA kernels (causal attention, the LoRA branch op).
+pub fn avx2_kernels_here() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// max |a − b| / max(max |b|, 1): relative for O(1) values, absolute where the reference
+/// vanishes.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (
+        a.detach().to_kind(tch::Kind::Double),
+        b.detach().to_kind(tch::Kind::Double),
+    );
+    let num = (&a - &b).abs().max().double_value(&[]);
+    let den = b.abs().max().double_value(&[]).max(1.0);
+    num / den
+}
+
+/// f32 values of `shape` from a fixed formula, not from libtorch's generator (which tests
+/// running beside this one draw from): `scale · sin(0.7·i + phase)·cos(0.13·i)` over the flat
+/// index.
+pub fn formula_values(shape: &[i64], phase: f64, scale: f64) -> Tensor {
+    let n: i64 = shape.iter().product();
+    let i = Tensor::arange(n, (tch::Kind::Double, tch::Device::Cpu));
+    let v = ((&i * 0.7 + phase).sin() * (&i * 0.13).cos() * scale).to_kind(tch::Kind::Float);
+    v.reshape(shape)
+}
+
+/// `t`'s values as a fresh leaf that takes a gradient.
+pub fn leaf(t: &Tensor) -> Tensor {
+    t.detach().set_requires_grad(true)
+}

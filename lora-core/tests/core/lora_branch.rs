@@ -4,43 +4,9 @@
 //! ranks and widths that are no multiple of the kernel's 6 × 16 tiles, strided operands, and
 //! what it refuses.
 
+use crate::common::{avx2_kernels_here, formula_values, leaf, rel_err};
 use lora_core::sys;
 use tch::{Device, Kind, Tensor};
-
-fn kernel_here() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// max |a − b| / max(max |b|, 1).
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (
-        a.detach().to_kind(Kind::Double),
-        b.detach().to_kind(Kind::Double),
-    );
-    let num = (&a - &b).abs().max().double_value(&[]);
-    let den = b.abs().max().double_value(&[]).max(1.0);
-    num / den
-}
-
-/// Values of `shape` from a fixed formula (no generator draws):
-/// `scale · sin(0.7·i + phase)·cos(0.13·i)` over the flat index.
-fn values(shape: &[i64], phase: f64, scale: f64) -> Tensor {
-    let n: i64 = shape.iter().product();
-    let i = Tensor::arange(n, (Kind::Double, Device::Cpu));
-    let v = ((&i * 0.7 + phase).sin() * (&i * 0.13).cos() * scale).to_kind(Kind::Float);
-    v.reshape(shape)
-}
-
-fn leaf(t: &Tensor) -> Tensor {
-    t.detach().set_requires_grad(true)
-}
 
 /// PEFT's composite for each site, side by side: `base[.., seg_i] + (x·A_iᵀ)·B_iᵀ·s_i`.
 fn composite(x: &Tensor, base: &Tensor, a: &[Tensor], b: &[Tensor], scales: &[f64]) -> Tensor {
@@ -70,7 +36,7 @@ fn run(
     let y = op(&xl, &bl, &al, &bbl);
     assert_eq!(y.size(), base.size());
     assert_eq!(y.kind(), kind);
-    let gy = values(&y.size(), 0.3, 1.0).to_kind(kind);
+    let gy = formula_values(&y.size(), 0.3, 1.0).to_kind(kind);
     (&y * &gy).sum(kind).backward();
     let mut out = vec![y, xl.grad(), bl.grad()];
     out.extend(al.iter().chain(&bbl).map(Tensor::grad));
@@ -111,24 +77,24 @@ fn compare(
 fn operands(lead: &[i64], inf: i64, sites: &[(i64, i64)]) -> (Tensor, Tensor, Vec<Tensor>, Vec<Tensor>) {
     let outs: i64 = sites.iter().map(|s| s.1).sum();
     let shape = |last: i64| [lead, &[last]].concat();
-    let x = values(&shape(inf), 0.0, 1.0);
-    let base = values(&shape(outs), 1.0, 2.0);
+    let x = formula_values(&shape(inf), 0.0, 1.0);
+    let base = formula_values(&shape(outs), 1.0, 2.0);
     let a = sites
         .iter()
         .enumerate()
-        .map(|(i, &(r, _))| values(&[r, inf], 2.0 + i as f64, 0.2))
+        .map(|(i, &(r, _))| formula_values(&[r, inf], 2.0 + i as f64, 0.2))
         .collect();
     let b = sites
         .iter()
         .enumerate()
-        .map(|(i, &(r, o))| values(&[o, r], 3.0 + i as f64, 0.5))
+        .map(|(i, &(r, o))| formula_values(&[o, r], 3.0 + i as f64, 0.5))
         .collect();
     (x, base, a, b)
 }
 
 #[test]
 fn lora_branch_equals_the_composite_in_f64() {
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         let (x, base, a, b) = operands(&[4], 16, &[(2, 8)]);
         let err = sys::lora_branch(&x, &base, &[&a[0]], &[&b[0]], &[1.0])
             .unwrap_err()
@@ -171,19 +137,19 @@ fn lora_branch_equals_the_composite_in_f64() {
 
 #[test]
 fn lora_branch_reads_strided_operands() {
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         return;
     }
     // x and the frozen products as columns of wider tensors, B stored transposed
-    let wide_x = values(&[50, 3 * 40], 0.0, 1.0);
+    let wide_x = formula_values(&[50, 3 * 40], 0.0, 1.0);
     let x = wide_x.narrow(1, 40, 40);
-    let wide_base = values(&[50, 70], 1.0, 2.0);
+    let wide_base = formula_values(&[50, 70], 1.0, 2.0);
     let base = wide_base.narrow(1, 3, 64);
     assert!(!x.is_contiguous() && !base.is_contiguous());
-    let a = vec![values(&[8, 40], 2.0, 0.2), values(&[4, 40], 3.0, 0.2)];
+    let a = vec![formula_values(&[8, 40], 2.0, 0.2), formula_values(&[4, 40], 3.0, 0.2)];
     let b = vec![
-        values(&[8, 24], 4.0, 0.5).tr(),
-        values(&[40, 4], 5.0, 0.5),
+        formula_values(&[8, 24], 4.0, 0.5).tr(),
+        formula_values(&[40, 4], 5.0, 0.5),
     ];
     assert!(!b[0].is_contiguous());
     let (errs, libtorch) = compare(&x, &base, &a, &b, &[2.0, 0.5]);
@@ -206,9 +172,9 @@ fn lora_branch_refuses_what_it_does_not_take() {
     let (x, base, a, b) = operands(&[4], 16, &[(2, 8), (3, 6)]);
     let (a0, a1, b0, b1) = (&a[0], &a[1], &b[0], &b[1]);
     let f64x = x.to_kind(Kind::Double);
-    let wide_a = values(&[2, 17], 0.0, 1.0);
+    let wide_a = formula_values(&[2, 17], 0.0, 1.0);
     let short_base = base.narrow(1, 0, 13);
-    let base_rows = values(&[5, 14], 0.0, 1.0);
+    let base_rows = formula_values(&[5, 14], 0.0, 1.0);
     // (x, base, A list, B list, scalings, what the error names)
     let cases: Vec<(&Tensor, &Tensor, Vec<&Tensor>, Vec<&Tensor>, Vec<f64>, &str)> = vec![
         (&x, &base, vec![a0, a1], vec![b0], vec![1.0, 1.0], "one of each per site"),
@@ -226,13 +192,13 @@ fn lora_branch_refuses_what_it_does_not_take() {
             s.len() != a.len() || !sys::lora_branch_applies(x, base, &a, &b),
             "applies to a case that names {want:?}"
         );
-        if !kernel_here() {
+        if !avx2_kernels_here() {
             continue;
         }
         let err = sys::lora_branch(x, base, &a, &b, &s).unwrap_err().to_string();
         assert!(err.contains(want), "expected {want:?} in {err}");
     }
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         return;
     }
     // what it takes: used unless asked not to, or on a CPU with AVX-512; never under autocast
@@ -252,11 +218,11 @@ fn lora_branch_refuses_what_it_does_not_take() {
 
 #[test]
 fn lora_branch_computes_the_gradients_asked_for_and_refuses_stale_ones() {
-    if !kernel_here() {
+    if !avx2_kernels_here() {
         return;
     }
     let (x, base, a, b) = operands(&[3, 10], 24, &[(4, 16), (2, 9)]);
-    let gy = values(&[3, 10, 25], 0.3, 1.0);
+    let gy = formula_values(&[3, 10, 25], 0.3, 1.0);
     let run = |grad_x: bool, grad_a: bool, grad_b: bool| {
         let x = x.detach().set_requires_grad(grad_x);
         let a: Vec<Tensor> = a.iter().map(|t| t.detach().set_requires_grad(grad_a)).collect();

@@ -65,6 +65,30 @@ impl RunContext<'_> {
         }
     }
 
+    /// Says which of one of lora-core's CPU kernels and libtorch's own ops computes `what`
+    /// (the kernel where `chosen`), as the environment variable `var` asked (`request`), with a
+    /// warning first for a value it ignores or a kernel this CPU lacks (`available` false).
+    pub(crate) fn say_cpu_kernel(
+        &self,
+        what: &str,
+        var: &str,
+        request: &lora_core::sys::CpuKernelRequest,
+        available: bool,
+        chosen: (bool, &str, &str),
+    ) {
+        if let Some(w) = request.warning(var, available) {
+            self.say(&w);
+        }
+        let (lsdk, ours, theirs) = chosen;
+        self.say(&if lsdk {
+            format!("{what}: {ours} ({var}=libtorch for libtorch's)")
+        } else if *request == lora_core::sys::CpuKernelRequest::Libtorch {
+            format!("{what}: {theirs} ({var}=libtorch)")
+        } else {
+            format!("{what}: {theirs}")
+        });
+    }
+
     /// Whether this process writes the run's files (checkpoints, adapters, logs, samples): a
     /// single-process run, or rank 0 of a data-parallel one.
     pub fn writes_files(&self) -> bool {
@@ -467,18 +491,17 @@ pub fn run<S: RunSteps>(
         } else {
             "f32 matrix products: MKL's sgemm (LORA_CPU_F32_GEMM=onednn for oneDNN)"
         });
-        if let Some(w) = lora_core::sys::cpu_lora_request()
-            .warning("LORA_CPU_LORA", lora_core::sys::lora_branch_available())
-        {
-            ctx.say(&w);
-        }
-        ctx.say(if lora_core::sys::cpu_lora_branch_by_lsdk() {
-            "LoRA branches of f32 linears: lora-core's AVX2 kernel (LORA_CPU_LORA=libtorch for libtorch's GEMMs)"
-        } else if lora_core::sys::cpu_lora_request() == lora_core::sys::CpuKernelRequest::Libtorch {
-            "LoRA branches of f32 linears: libtorch's GEMMs (LORA_CPU_LORA=libtorch)"
-        } else {
-            "LoRA branches of f32 linears: libtorch's GEMMs"
-        });
+        ctx.say_cpu_kernel(
+            "LoRA branches of f32 linears",
+            "LORA_CPU_LORA",
+            &lora_core::sys::cpu_lora_request(),
+            lora_core::sys::lora_branch_available(),
+            (
+                lora_core::sys::cpu_lora_branch_by_lsdk(),
+                "lora-core's AVX2 kernel",
+                "libtorch's GEMMs",
+            ),
+        );
         if cfg.memory.cpu_cache {
             ctx.say(
                 "CPU block cache: blocks a step frees are kept for the next steps, within the step's live peak (memory.cpu_cache)",

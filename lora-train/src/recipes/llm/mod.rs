@@ -503,19 +503,17 @@ struct LlmSteps {
 /// Says which kernel computes causal attention on the CPU (`LORA_CPU_ATTENTION`), with a
 /// warning for a value it ignores.
 fn say_cpu_attention(ctx: &RunContext<'_>) {
-    if let Some(w) = lora_core::sys::cpu_attention_request().warning(
+    ctx.say_cpu_kernel(
+        "causal attention",
         "LORA_CPU_ATTENTION",
+        &lora_core::sys::cpu_attention_request(),
         lora_core::sys::causal_attention_available(),
-    ) {
-        ctx.say(&w);
-    }
-    ctx.say(if lora_core::sys::cpu_causal_attention_by_lsdk() {
-        "causal attention: lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise (LORA_CPU_ATTENTION=libtorch for libtorch's throughout)"
-    } else if lora_core::sys::cpu_attention_request() == lora_core::sys::CpuKernelRequest::Libtorch {
-        "causal attention: libtorch's flash kernel (LORA_CPU_ATTENTION=libtorch)"
-    } else {
-        "causal attention: libtorch's flash kernel"
-    });
+        (
+            lora_core::sys::cpu_causal_attention_by_lsdk(),
+            "lora-core's AVX2 kernel where it applies (f32, up to 512 positions, a (sequence, kv head) pair per thread), libtorch's flash kernel otherwise",
+            "libtorch's flash kernel",
+        ),
+    );
 }
 
 impl RunSteps for LlmSteps {
