@@ -31,51 +31,15 @@ inline bool cpu_gemm_available() {
 
 #ifdef LSDK_CPU_GEMM
 
-// Which columns of B a 6 × 16 tile loads: all 16, the first `nc` ≤ 8 (one register, masked),
-// or 8 and then `nc` − 8 masked.
-enum class Cols { All, Low, High };
-
-// The 6 × 16 tile's sums: acc[2r], acc[2r + 1] = Σ_{k < K} A(r, k)·B(k, 0 … 15) with
-// A(r, k) = rows[r][k·ak], B as in `micro_tile`.
-template <Cols kCols>
-__attribute__((target("avx2,fma"), always_inline)) inline void tile_6x16(
-    int64_t K,
-    const float* const (&rows)[6],
-    int64_t ak,
-    const float* b,
-    int64_t bs,
-    int nc,
-    __m256 (&acc)[12]) {
-  for (int i = 0; i < 12; ++i) {
-    acc[i] = _mm256_setzero_ps();
-  }
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), lanes);
-  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8), lanes);
-  for (int64_t k = 0; k < K; ++k) {
-    const float* bk = b + k * bs;
-    const __m256 b0 = kCols == Cols::Low ? _mm256_maskload_ps(bk, lo) : _mm256_loadu_ps(bk);
-    const __m256 b1 = kCols == Cols::All ? _mm256_loadu_ps(bk + 8)
-        : kCols == Cols::High            ? _mm256_maskload_ps(bk + 8, hi)
-                                         : _mm256_setzero_ps();
-    const int64_t o = k * ak;
-#pragma GCC unroll 6
-    for (int r = 0; r < 6; ++r) {
-      const __m256 x = _mm256_broadcast_ss(rows[r] + o);
-      acc[2 * r] = _mm256_fmadd_ps(x, b0, acc[2 * r]);
-      if (kCols != Cols::Low) {
-        acc[2 * r + 1] = _mm256_fmadd_ps(x, b1, acc[2 * r + 1]);
-      }
-    }
-  }
-}
-
 // One 6 × 16 tile: C[r][c] = alpha · Σ_{k < K} A(r, k)·B(k, c) + Cin[r][c] (Cin absent when
 // `cin` is null; `cin` may equal `c`), where A(r, k) = a[r·ar + k·ak], B(k, c) = b[k·bs + c],
 // C[r][c] = c[r·cs + c] and Cin[r][c] = cin[r·cins + c]. Only the first `mr` (1 … 6) rows of A
 // are read and the first `nc` (1 … 16) columns of B: with `nc` < 16 B is read with masked loads,
 // which touch no memory past column `nc`, unless `b16` says that 16 columns of B are readable
-// (padded rows). Only the first `mr` rows and `nc` columns of C are written.
+// (padded rows). Only the first `mr` rows and `nc` columns of C are written. The loop is
+// written out for each way of loading B, with named accumulators: one loop templated over the
+// load, its accumulators in an array, made the attention kernel 2× slower (GCC kept the array
+// on the stack and stored it after every FMA).
 __attribute__((target("avx2,fma"))) inline void micro_tile(
     int64_t K,
     const float* a,
@@ -91,24 +55,84 @@ __attribute__((target("avx2,fma"))) inline void micro_tile(
     int nc,
     float alpha,
     bool b16 = false) {
-  __m256 acc[12];
-  const float* rows[6];
-  for (int r = 0; r < 6; ++r) {
-    // rows past `mr` read row 0 again (their results are dropped)
-    rows[r] = a + (r < mr ? r : 0) * ar;
-  }
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  // rows past `mr` read row 0 again (their results are dropped)
+  const float* a0 = a;
+  const float* a1 = mr > 1 ? a + ar : a;
+  const float* a2 = mr > 2 ? a + 2 * ar : a;
+  const float* a3 = mr > 3 ? a + 3 * ar : a;
+  const float* a4 = mr > 4 ? a + 4 * ar : a;
+  const float* a5 = mr > 5 ? a + 5 * ar : a;
   if (nc == 16 || b16) {
-    tile_6x16<Cols::All>(K, rows, ak, b, bs, nc, acc);
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * bs), b1 = _mm256_loadu_ps(b + k * bs + 8);
+      const int64_t o = k * ak;
+      __m256 x = _mm256_broadcast_ss(a0 + o);
+      c00 = _mm256_fmadd_ps(x, b0, c00);
+      c01 = _mm256_fmadd_ps(x, b1, c01);
+      x = _mm256_broadcast_ss(a1 + o);
+      c10 = _mm256_fmadd_ps(x, b0, c10);
+      c11 = _mm256_fmadd_ps(x, b1, c11);
+      x = _mm256_broadcast_ss(a2 + o);
+      c20 = _mm256_fmadd_ps(x, b0, c20);
+      c21 = _mm256_fmadd_ps(x, b1, c21);
+      x = _mm256_broadcast_ss(a3 + o);
+      c30 = _mm256_fmadd_ps(x, b0, c30);
+      c31 = _mm256_fmadd_ps(x, b1, c31);
+      x = _mm256_broadcast_ss(a4 + o);
+      c40 = _mm256_fmadd_ps(x, b0, c40);
+      c41 = _mm256_fmadd_ps(x, b1, c41);
+      x = _mm256_broadcast_ss(a5 + o);
+      c50 = _mm256_fmadd_ps(x, b0, c50);
+      c51 = _mm256_fmadd_ps(x, b1, c51);
+    }
   } else if (nc <= 8) {
-    tile_6x16<Cols::Low>(K, rows, ak, b, bs, nc, acc);
+    // one register column: lanes ≥ nc masked off
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), lanes);
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_maskload_ps(b + k * bs, m0);
+      const int64_t o = k * ak;
+      c00 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + o), b0, c00);
+      c10 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + o), b0, c10);
+      c20 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + o), b0, c20);
+      c30 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + o), b0, c30);
+      c40 = _mm256_fmadd_ps(_mm256_broadcast_ss(a4 + o), b0, c40);
+      c50 = _mm256_fmadd_ps(_mm256_broadcast_ss(a5 + o), b0, c50);
+    }
   } else {
-    tile_6x16<Cols::High>(K, rows, ak, b, bs, nc, acc);
+    const __m256i lanes = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), lanes);
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * bs), b1 = _mm256_maskload_ps(b + k * bs + 8, m1);
+      const int64_t o = k * ak;
+      __m256 x = _mm256_broadcast_ss(a0 + o);
+      c00 = _mm256_fmadd_ps(x, b0, c00);
+      c01 = _mm256_fmadd_ps(x, b1, c01);
+      x = _mm256_broadcast_ss(a1 + o);
+      c10 = _mm256_fmadd_ps(x, b0, c10);
+      c11 = _mm256_fmadd_ps(x, b1, c11);
+      x = _mm256_broadcast_ss(a2 + o);
+      c20 = _mm256_fmadd_ps(x, b0, c20);
+      c21 = _mm256_fmadd_ps(x, b1, c21);
+      x = _mm256_broadcast_ss(a3 + o);
+      c30 = _mm256_fmadd_ps(x, b0, c30);
+      c31 = _mm256_fmadd_ps(x, b1, c31);
+      x = _mm256_broadcast_ss(a4 + o);
+      c40 = _mm256_fmadd_ps(x, b0, c40);
+      c41 = _mm256_fmadd_ps(x, b1, c41);
+      x = _mm256_broadcast_ss(a5 + o);
+      c50 = _mm256_fmadd_ps(x, b0, c50);
+      c51 = _mm256_fmadd_ps(x, b1, c51);
+    }
   }
   const __m256 al = _mm256_set1_ps(alpha);
+  const __m256 rows[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
   if (mr == 6 && nc == 16) {
     for (int r = 0; r < 6; ++r) {
       float* cr = c + r * cs;
-      __m256 x0 = _mm256_mul_ps(al, acc[2 * r]), x1 = _mm256_mul_ps(al, acc[2 * r + 1]);
+      __m256 x0 = _mm256_mul_ps(al, rows[2 * r]), x1 = _mm256_mul_ps(al, rows[2 * r + 1]);
       if (cin != nullptr) {
         const float* ir = cin + r * cins;
         x0 = _mm256_add_ps(x0, _mm256_loadu_ps(ir));
@@ -121,7 +145,7 @@ __attribute__((target("avx2,fma"))) inline void micro_tile(
   }
   alignas(32) float t[96];
   for (int i = 0; i < 12; ++i) {
-    _mm256_store_ps(t + 8 * i, _mm256_mul_ps(al, acc[i]));
+    _mm256_store_ps(t + 8 * i, _mm256_mul_ps(al, rows[i]));
   }
   for (int r = 0; r < mr; ++r) {
     for (int j = 0; j < nc; ++j) {
@@ -148,22 +172,31 @@ __attribute__((target("avx2,fma"))) inline void micro_tile_n8(
     int mr,
     int nc,
     float alpha) {
-  __m256 acc[12];
-  const float* rows[12];
-  for (int r = 0; r < 12; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    rows[r] = a + (r < mr ? r : 0) * ar;
-  }
+  // twelve named accumulators: in an array GCC kept them on the stack, storing after every FMA
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+  __m256 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  auto row = [&](int r) { return a + (r < mr ? r : 0) * ar; };
+  const float *a0 = row(0), *a1 = row(1), *a2 = row(2), *a3 = row(3), *a4 = row(4), *a5 = row(5);
+  const float *a6 = row(6), *a7 = row(7), *a8 = row(8), *a9 = row(9), *a10 = row(10), *a11 = row(11);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), lanes);
   for (int64_t k = 0; k < K; ++k) {
     const __m256 bk = nc == 8 ? _mm256_loadu_ps(b + k * bs) : _mm256_maskload_ps(b + k * bs, mask);
     const int64_t o = k * ak;
-#pragma GCC unroll 12
-    for (int r = 0; r < 12; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(rows[r] + o), bk, acc[r]);
-    }
+    c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + o), bk, c0);
+    c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + o), bk, c1);
+    c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + o), bk, c2);
+    c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + o), bk, c3);
+    c4 = _mm256_fmadd_ps(_mm256_broadcast_ss(a4 + o), bk, c4);
+    c5 = _mm256_fmadd_ps(_mm256_broadcast_ss(a5 + o), bk, c5);
+    c6 = _mm256_fmadd_ps(_mm256_broadcast_ss(a6 + o), bk, c6);
+    c7 = _mm256_fmadd_ps(_mm256_broadcast_ss(a7 + o), bk, c7);
+    c8 = _mm256_fmadd_ps(_mm256_broadcast_ss(a8 + o), bk, c8);
+    c9 = _mm256_fmadd_ps(_mm256_broadcast_ss(a9 + o), bk, c9);
+    c10 = _mm256_fmadd_ps(_mm256_broadcast_ss(a10 + o), bk, c10);
+    c11 = _mm256_fmadd_ps(_mm256_broadcast_ss(a11 + o), bk, c11);
   }
+  const __m256 acc[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
   const __m256 al = _mm256_set1_ps(alpha);
   for (int r = 0; r < mr; ++r) {
     __m256 v = _mm256_mul_ps(al, acc[r]);
