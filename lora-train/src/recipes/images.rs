@@ -24,6 +24,19 @@ use tch::Tensor;
 // Data set, loader, resolution
 // ---------------------------------------------------------------------------------------------
 
+/// Checks that `cfg`'s bucket settings ([`bucket_config`]) give at least one bucket, as
+/// training will need: a plan refuses what the run would refuse.
+///
+/// # Errors
+/// [`JobError::Input`] naming the key and values (`min_bucket_reso`, `max_bucket_reso`,
+/// `bucket_reso_steps`) and what to change.
+pub fn check_buckets(cfg: &TrainConfig) -> Result<()> {
+    bucket_config(cfg)
+        .buckets()
+        .map(|_| ())
+        .map_err(|e| JobError::Input(format!("the data section's bucket settings: {e}")))
+}
+
 /// The aspect-bucket settings of `cfg`'s data section (`data.resolution`, `enable_bucket`,
 /// `min_bucket_reso`, `max_bucket_reso`, `bucket_reso_steps`) over lora-data's defaults.
 pub fn bucket_config(cfg: &TrainConfig) -> lora_data::image::BucketConfig {
@@ -1132,6 +1145,27 @@ fn say_moved(ctx: &RunContext<'_>, moved: &[&str], (latents, text): (bool, bool)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bucket_settings_that_give_no_bucket_are_refused_before_training() {
+        // a 32 × 32 run with buckets on and the defaults (steps of 64, smallest side 256): no
+        // bucket fits, which training would find only when it builds the data set
+        let mut cfg = TrainConfig::default();
+        cfg.data.resolution = Some([32, 32]);
+        cfg.data.enable_bucket = Some(true);
+        let e = check_buckets(&cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("min_bucket_reso") && e.contains("no bucket fits") && e.contains("32×32"),
+            "{e}"
+        );
+        cfg.data.bucket_reso_steps = Some(8);
+        cfg.data.min_bucket_reso = Some(16);
+        check_buckets(&cfg).unwrap();
+        cfg.data.enable_bucket = Some(false);
+        cfg.data.min_bucket_reso = None;
+        cfg.data.bucket_reso_steps = None;
+        check_buckets(&cfg).unwrap();
+    }
 
     #[test]
     fn kohya_folders_give_subsets_with_repeats_and_a_plain_folder_is_one_subset() {

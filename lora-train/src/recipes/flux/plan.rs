@@ -363,6 +363,7 @@ pub fn plan(
     let (desc, source) = read_descriptor(cfg, config_dir)?;
     let base = resolve_base_model(cfg.base_model()?, config_dir).ok();
     check_resolution(cfg)?;
+    crate::recipes::images::check_buckets(cfg)?;
     // the sample grid of a kohya prompt file is planned with its prompts (a missing file
     // stops here, as it would stop training)
     let cfg = &*crate::recipes::images::with_prompt_file_read(cfg, config_dir)?;

@@ -465,9 +465,7 @@ pub fn check_sd_config(
         ));
     }
     check_resolution(cfg)?;
-    bucket_config(cfg)
-        .check()
-        .map_err(|e| JobError::Input(format!("the data section's bucket settings: {e}")))?;
+    crate::recipes::images::check_buckets(cfg)?;
     check_target_modules(cfg)?;
     let Some(ModelDescriptor::Diffusion(d)) = desc else {
         return Ok(());
