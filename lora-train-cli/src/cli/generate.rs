@@ -33,9 +33,14 @@ pub struct GenerateArgs<'a> {
 /// Checks the sampling options before the model loads.
 ///
 /// # Errors
-/// Exit 2 naming the option: a temperature that is negative or not finite, `top_p` outside
-/// (0, 1].
+/// Exit 2 naming the option: an empty prompt (without `--chat`, whose template adds tokens), a
+/// temperature that is negative or not finite, `top_p` outside (0, 1].
 pub fn check(a: &GenerateArgs<'_>) -> Result<(), CliError> {
+    if a.prompt.is_empty() && !a.chat {
+        return Err(CliError::usage(
+            "--prompt is empty: give the text to continue (or --chat, whose template adds the turn markers)",
+        ));
+    }
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         return Err(CliError::usage(format!(
             "--temperature {}: must be ≥ 0 (0 = greedy; 0.7–1.0 is usual for sampling)",

@@ -61,8 +61,9 @@ fn eval_and_generate_reject_out_of_range_options_before_loading() {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("t.txt");
     std::fs::write(&t, "Fair is foul, and foul is fair.\n").unwrap();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (&["eval", "--stride", "0"], "--stride 0"),
+        (&["generate", "--prompt", ""], "--prompt is empty"),
         (&["eval", "--max-length", "1"], "--max-length 1"),
         (&["generate", "--prompt", "hi", "--top-p", "2"], "--top-p 2"),
         (&["generate", "--prompt", "hi", "--top-p", "0"], "--top-p 0"),
