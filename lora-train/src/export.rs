@@ -342,7 +342,14 @@ pub fn read_adapter(path: &Path) -> Result<(Option<LoraConfig>, AdapterWeights)>
             reason: "no such file or folder".into(),
         });
     }
-    let mut file = kohya::read(path)?;
+    let mut file = kohya::read(path).map_err(|e| match e {
+        // not safetensors at all (a caption, a config, an image): say what an adapter is
+        lora_core::Error::SafeTensors { source, .. } => ExportError::NotAnAdapter {
+            path: path.into(),
+            reason: format!("not a safetensors file: {source}"),
+        },
+        e => e.into(),
+    })?;
     let sites = file
         .modules
         .keys()

@@ -517,4 +517,21 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    // a text file given as the adapter: names it and says what an adapter is
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, "a caption, not weights\n").unwrap();
+    let o = bin()
+        .args(["convert", "--to", "kohya", "--input"])
+        .arg(&notes)
+        .arg("--output")
+        .arg(dir.path().join("y.safetensors"))
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("notes.txt: not an adapter (not a safetensors file") && t.contains("PEFT folder"),
+        "{t}"
+    );
+    assert!(!dir.path().join("y.safetensors").exists());
 }
