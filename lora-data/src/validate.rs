@@ -137,11 +137,29 @@ pub(crate) fn scan(config: &DatasetConfig) -> (Vec<ScannedImage>, Vec<Problem>) 
             .iter()
             .any(|p| p.kind == ProblemKind::UnreadableFolder && p.path == dir);
         if !used.contains(&key) && !unreadable {
+            // subfolders are only read as kohya `<repeats>_<concept>` folders: say so when the
+            // images are probably in ones named otherwise
+            let mut subdirs: Vec<String> = std::fs::read_dir(&dir)
+                .map(|it| {
+                    it.filter_map(|e| e.ok())
+                        .filter(|e| e.path().is_dir())
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            subdirs.sort();
+            let fix = match subdirs.first() {
+                Some(first) => format!(
+                    "its subfolders ({}) are not read: only kohya `<repeats>_<concept>` folders are (e.g. 10_{first}); rename them, or point the data folder at the one holding the images",
+                    subdirs.join(", ")
+                ),
+                None => "add images (png, jpg, webp, bmp, gif, tiff) or remove the subset".into(),
+            };
             problems.push(Problem {
                 path: dir,
                 kind: ProblemKind::NoImages,
                 what: "no usable image in this folder".into(),
-                fix: "add images (png, jpg, webp, bmp, gif, tiff) or remove the subset".into(),
+                fix,
             });
         }
     }
