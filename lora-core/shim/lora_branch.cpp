@@ -12,13 +12,13 @@
 //
 // At rank 8 and a few hundred tokens these products are skinny (one side 8 to 32 wide), where
 // MKL's sgemm ran at 12–16 GFLOP/s for some of them on a 2-core AVX2 EPYC (`[256, 576]·[576, 8]`
-// 0.15 ms); each here is one pass of the 6 × 16 register tiles of `cpu_gemm.h` over strided
-// operands, in parallel over libtorch's intra-op threads. The sites' B factors are not joined
-// into a block-diagonal matrix (which multiplies zeros): each is its own product. Long sums
-// are added up in runs of 64 (`cpu_gemm.h`), which keeps the values as close to the f64 ones
-// as libtorch's own f32 products. Saved for the backward pass: x (which the frozen product
-// saves as well), h, and aliases of the factors; the node refuses to run after x or a factor
-// was changed in place, and has no double backward.
+// 0.15 ms); each here is one pass of the register tiles of `cpu_gemm.h` (6 × 16, or 12 × 8 for
+// results at most 8 wide) over strided operands, in parallel over libtorch's intra-op threads. The
+// sites' B factors are not joined into a block-diagonal matrix (which multiplies zeros): each is
+// its own product. Long sums are added up in runs of 64 (`cpu_gemm.h`), which keeps the values as
+// close to the f64 ones as libtorch's own f32 products. Saved for the backward pass: x (which the
+// frozen product saves as well), h, and aliases of the factors; the node refuses to run after x or
+// a factor was changed in place, and has no double backward.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -65,10 +65,11 @@ Sites sites_of(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
 
 #ifdef LSDK_CPU_GEMM
 
-// A per-thread buffer of at least `n` floats for packed operands and `gh`, kept between calls
-// (`slot` 0 or 1 tells apart buffers live at the same time). They hold `[in, R]`, `[R, in]`,
-// `[r_i, out_i]` and `[n, R]` floats — 55 KiB to a few hundred KiB at LoRA's ranks — outside
-// libtorch's allocator.
+// A per-thread buffer of at least `n` floats for a packed copy of the factors, kept between
+// calls for the thread's life (`slot` 0 or 1 tells apart buffers live at the same time): `[in, R]`
+// and `[R, in]` (A), `[r_i, out_i]` and `[out_i, r_i]` (B), whose size does not grow with the
+// tokens — 55 KiB for SmolLM2's q/k/v at rank 8, 3 MiB for a 12,288-wide B at rank 64 — held
+// outside libtorch's allocator. Products that grow with the tokens (h, gh, y, ∂x) are tensors.
 float* scratch(int slot, int64_t n) {
   thread_local std::vector<float> buffers[2];
   std::vector<float>& v = buffers[slot];
@@ -106,15 +107,18 @@ at::Tensor rank_products(const at::Tensor& x, const std::vector<at::Tensor>& a, 
   return h;
 }
 
+// y, shaped `y_sizes` (the frozen products' sizes: the output is no view, so that it can be
+// changed in place like any op's), from base `[n, Σ out_i]` and h.
 at::Tensor forward_values(
     const at::Tensor& x,
     const at::Tensor& base,
     const at::Tensor& h,
     const std::vector<at::Tensor>& b,
     const std::vector<double>& scales,
-    const Sites& s) {
+    const Sites& s,
+    at::IntArrayRef y_sizes) {
   const int64_t n = x.size(0);
-  at::Tensor y = at::empty({n, s.outs}, x.options());
+  at::Tensor y = at::empty(y_sizes, x.options());
   for (size_t i = 0; i < b.size(); ++i) {
     // B_iᵀ `[r_i, out_i]`
     float* bt = scratch(1, s.rank[i] * s.out[i]);
@@ -194,7 +198,8 @@ struct LoraBranchBackward final : torch::autograd::Node {
     const bool need_x = task_should_compute_output(0);
     if (need_a || need_x) {
       // gh `[n, R]`, gh_i = s_i · g_i·B_i (B_i `[out_i, r_i]` row-major)
-      float* gh = scratch(0, n * s.ranks);
+      at::Tensor gh_t = at::empty({n, s.ranks}, sx.options());
+      float* gh = gh_t.data_ptr<float>();
       for (size_t i = 0; i < ns; ++i) {
         const float* bi = sb[i].data_ptr<float>();
         if (!sb[i].is_contiguous()) {
@@ -311,11 +316,10 @@ at::Tensor lora_branch(
   {
     at::NoGradGuard no_grad;
     h = rank_products(x, a, s);
-    y = forward_values(x, rows_2d(base_in.detach(), outs), h, b, scales, s);
+    y = forward_values(x, rows_2d(base_in.detach(), outs), h, b, scales, s, base_in.sizes());
   }
 #endif
   std::vector<int64_t> y_sizes = base_in.sizes().vec();
-  y = y.view(y_sizes);
   std::vector<at::Tensor> inputs = {x_in, base_in};
   inputs.insert(inputs.end(), a_in.begin(), a_in.end());
   inputs.insert(inputs.end(), b_in.begin(), b_in.end());

@@ -251,7 +251,9 @@ impl LoraLinear {
     /// training) in `x`'s dtype, the branches are computed together as well:
     /// `h = x·[A₁; …; Aₙ]ᵀ`, each rank row scaled by its site's scaling, and
     /// `y = base_out + h·blockdiag(B₁, …, Bₙ)ᵀ` in one `addmm` — two GEMMs forward and four
-    /// backward for the group instead of two and four per site. The function is PEFT's
+    /// backward for the group instead of two and four per site; for f32 on the CPU where
+    /// [`crate::sys::lora_branch_applies`], one [`crate::sys::lora_branch`] op instead (each
+    /// site's B on its own, no block-diagonal matrix). The function is PEFT's
     /// `base(x) + B(A(x))·scaling` for each site (`peft/tuners/lora/layer.py::Linear.forward`);
     /// the block-diagonal product adds exact zeros outside each site's block. Otherwise each site
     /// adds its own branches ([`LoraLinear::forward_from_base`] on its slice). The outputs are
@@ -447,7 +449,9 @@ impl LoraLinear {
     /// `y = base_out + Σ (s·A(dropout(x)))·Bᵀ` with the scaling applied in rank space (`[..., r]`)
     /// and the sum fused into the B matmul (`addmm`, β = 1). Mathematically PEFT's
     /// `base + B(A(x))·s`, with two fewer passes over the `[..., out]` output per adapter (the
-    /// scaling multiply and the add) forward, and one fewer backward.
+    /// scaling multiply and the add) forward, and one fewer backward. For f32 on the CPU where
+    /// [`crate::sys::lora_branch_applies`], each adapter's branch is one
+    /// [`crate::sys::lora_branch`] op over the (dropped) input instead.
     fn add_plain_branches(
         &self,
         x: &Tensor,
@@ -465,10 +469,15 @@ impl LoraLinear {
                 x.shallow_clone()
             };
             let (a, b) = ([&ad.lora_a], [&ad.lora_b]);
-            let x2 = xd.f_reshape([-1, self.in_features()])?;
-            if crate::sys::lora_branch_applies(&x2, &y, &a, &b) {
-                y = crate::sys::lora_branch(&x2, &y, &a, &b, &[ad.effective_scale()])?;
-                continue;
+            if xd.device() == tch::Device::Cpu
+                && xd.kind() == Kind::Float
+                && crate::sys::cpu_lora_branch_by_lsdk()
+            {
+                let x2 = xd.f_reshape([-1, self.in_features()])?;
+                if crate::sys::lora_branch_applies(&x2, &y, &a, &b) {
+                    y = crate::sys::lora_branch(&x2, &y, &a, &b, &[ad.effective_scale()])?;
+                    continue;
+                }
             }
             let r = ad.lora_a.size()[0];
             let h = linear_product(&xd, &ad.lora_a)?

@@ -1389,6 +1389,10 @@ impl CpuKernelRequest {
     }
 }
 
+/// The former name of [`CpuKernelRequest`].
+#[deprecated(note = "renamed CpuKernelRequest (it serves LORA_CPU_LORA as well)")]
+pub type CpuAttentionRequest = CpuKernelRequest;
+
 /// Reads the environment variable `var` as a [`CpuKernelRequest`].
 fn cpu_kernel_request(var: &str) -> CpuKernelRequest {
     let Some(v) = std::env::var_os(var) else {
@@ -1460,12 +1464,16 @@ pub fn cpu_causal_attention_by_lsdk() -> bool {
 /// `y[:, seg_i] = base_out[:, seg_i] + s_i·(x·A_iᵀ)·B_iᵀ`, PEFT's
 /// `base(x) + lora_B(lora_A(x))·scaling` for each site i
 /// (`peft/tuners/lora/layer.py::Linear.forward`), the sites' outputs side by side in site order.
-/// Each product (forward, and `∂x`, `∂A`, `∂B` backward) is one pass of AVX2/FMA 6 × 16
-/// register tiles over the operands as they are, in parallel over libtorch's intra-op threads;
+/// Each product (forward, and `∂x`, `∂A`, `∂B` backward) is one pass of AVX2/FMA register tiles
+/// (6 × 16, or 12 × 8 for results at most 8 wide) over the operands as they are, in parallel
+/// over libtorch's intra-op threads;
 /// the sites' B factors are multiplied one by one, not as one block-diagonal matrix. On a 2-core
 /// AVX2 EPYC MKL ran some of these skinny products (one side the rank) at 12–16 GFLOP/s.
 /// Saves `x`, `h = x·Aᵀ` (`[n, Σ r_i]` f32) and the factors; the backward pass refuses to run
-/// after `x` or a factor was changed in place and has no double backward.
+/// after `x` or a factor was changed in place and has no double backward (`create_graph`;
+/// `LORA_CPU_LORA=libtorch` for that). The output is a tensor of its own (no view), changeable
+/// in place like any op's. Besides tensors it keeps a packed copy of the factors per calling
+/// thread for the thread's life (its size that of the factors, not growing with the tokens).
 ///
 /// `x`: `[..., in]`; `base_out`: `[..., Σ out_i]` with `x`'s leading dims; `a[i]`: `[r_i, in]`;
 /// `b[i]`: `[out_i, r_i]`; `scales[i]`: the site's scaling; every tensor f32 on the CPU, any
@@ -1516,8 +1524,8 @@ pub fn lora_branch(
 
 /// Whether [`lora_branch`] takes these operands and is this workspace's choice for them: `x`
 /// `[..., in]`, `base_out` `[..., Σ out_i]` with the same leading dims, `a[i]` `[r_i, in]` and
-/// `b[i]` `[out_i, r_i]` (r_i ≥ 1), all f32 on the CPU, CPU autocast off, and
-/// [`cpu_lora_branch_by_lsdk`].
+/// `b[i]` `[out_i, r_i]` (r_i ≥ 1, `in` ≥ 1, Σ out_i ≥ 1), all f32 on the CPU, CPU autocast off,
+/// and [`cpu_lora_branch_by_lsdk`].
 pub fn lora_branch_applies(x: &Tensor, base_out: &Tensor, a: &[&Tensor], b: &[&Tensor]) -> bool {
     let f32_cpu = |t: &Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu;
     let (xs, ys) = (x.size(), base_out.size());
@@ -1525,6 +1533,7 @@ pub fn lora_branch_applies(x: &Tensor, base_out: &Tensor, a: &[&Tensor], b: &[&T
         return false;
     };
     let fits = !a.is_empty()
+        && inf >= 1
         && a.len() == b.len()
         && f32_cpu(x)
         && f32_cpu(base_out)
@@ -1540,9 +1549,17 @@ pub fn lora_branch_applies(x: &Tensor, base_out: &Tensor, a: &[&Tensor], b: &[&T
                 && sa[1] == inf
                 && sb[1] == sa[0]
         })
-        && ys.last().copied() == Some(b.iter().map(|b| b.size()[0]).sum::<i64>());
+        && ys.last().copied() == Some(b.iter().map(|b| b.size()[0]).sum::<i64>())
+        && ys.last().is_some_and(|&o| o >= 1);
     fits && cpu_lora_branch_by_lsdk()
         && autocast_state(tch::Device::Cpu).is_ok_and(|ac| !ac.enabled)
+}
+
+/// Whether the shim was built with OpenMP, so that its CPU kernels ([`causal_attention`],
+/// [`lora_branch`]) run their tasks on libtorch's intra-op threads (without it
+/// `at::parallel_for` runs them on one thread, and neither kernel is the default).
+pub fn cpu_kernels_parallel() -> bool {
+    causal_attention_build().1
 }
 
 /// Whether this build and CPU have [`lora_branch`]: x86-64 with AVX2 and FMA (the products of

@@ -166,7 +166,7 @@ fn causal_attention_refuses_what_it_does_not_take() {
     let wanted = match sys::cpu_attention_request() {
         sys::CpuKernelRequest::Lsdk => true,
         sys::CpuKernelRequest::Libtorch => false,
-        _ => !avx512,
+        _ => !avx512 && sys::cpu_kernels_parallel(),
     };
     assert_eq!(sys::causal_attention_applies(&q, &kv, &kv), wanted);
     for (q, k, want) in [

@@ -64,9 +64,8 @@ fn compare(
         a,
         b,
     );
-    let reference = |x: &Tensor, base: &Tensor, a: &[Tensor], b: &[Tensor]| {
-        composite(x, base, a, b, scales)
-    };
+    let reference =
+        |x: &Tensor, base: &Tensor, a: &[Tensor], b: &[Tensor]| composite(x, base, a, b, scales);
     let libtorch = run(reference, Kind::Float, x, base, a, b);
     let exact = run(reference, Kind::Double, x, base, a, b);
     let errs = |r: &[Tensor]| r.iter().zip(&exact).map(|(o, e)| rel_err(o, e)).collect();
@@ -74,7 +73,11 @@ fn compare(
 }
 
 /// `sites` as (rank, out) pairs over an input `[lead…, in]`.
-fn operands(lead: &[i64], inf: i64, sites: &[(i64, i64)]) -> (Tensor, Tensor, Vec<Tensor>, Vec<Tensor>) {
+fn operands(
+    lead: &[i64],
+    inf: i64,
+    sites: &[(i64, i64)],
+) -> (Tensor, Tensor, Vec<Tensor>, Vec<Tensor>) {
     let outs: i64 = sites.iter().map(|s| s.1).sum();
     let shape = |last: i64| [lead, &[last]].concat();
     let x = formula_values(&shape(inf), 0.0, 1.0);
@@ -105,7 +108,12 @@ fn lora_branch_equals_the_composite_in_f64() {
     // (leading dims, in, sites as (rank, out), scalings): SmolLM2's q/k/v, gate/up, o and down
     // at 2 × 128 tokens; ranks and widths that end inside a tile; one row; one rank
     let cases: [(&[i64], i64, &[(i64, i64)], &[f64]); 6] = [
-        (&[2, 128], 576, &[(8, 576), (8, 192), (8, 192)], &[2.0, 2.0, 2.0]),
+        (
+            &[2, 128],
+            576,
+            &[(8, 576), (8, 192), (8, 192)],
+            &[2.0, 2.0, 2.0],
+        ),
         (&[256], 576, &[(8, 1536), (8, 1536)], &[2.0, 0.5]),
         (&[2, 128], 1536, &[(8, 576)], &[2.0]),
         (&[7], 37, &[(3, 5), (17, 33), (1, 1)], &[1.0, 0.25, -3.0]),
@@ -146,7 +154,10 @@ fn lora_branch_reads_strided_operands() {
     let wide_base = formula_values(&[50, 70], 1.0, 2.0);
     let base = wide_base.narrow(1, 3, 64);
     assert!(!x.is_contiguous() && !base.is_contiguous());
-    let a = vec![formula_values(&[8, 40], 2.0, 0.2), formula_values(&[4, 40], 3.0, 0.2)];
+    let a = vec![
+        formula_values(&[8, 40], 2.0, 0.2),
+        formula_values(&[4, 40], 3.0, 0.2),
+    ];
     let b = vec![
         formula_values(&[8, 24], 4.0, 0.5).tr(),
         formula_values(&[40, 4], 5.0, 0.5),
@@ -177,15 +188,83 @@ fn lora_branch_refuses_what_it_does_not_take() {
     let base_rows = formula_values(&[5, 14], 0.0, 1.0);
     // (x, base, A list, B list, scalings, what the error names)
     let cases: Vec<(&Tensor, &Tensor, Vec<&Tensor>, Vec<&Tensor>, Vec<f64>, &str)> = vec![
-        (&x, &base, vec![a0, a1], vec![b0], vec![1.0, 1.0], "one of each per site"),
-        (&x, &base, vec![a0, a1], vec![b0, b1], vec![1.0], "one of each per site"),
+        (
+            &x,
+            &base,
+            vec![a0, a1],
+            vec![b0],
+            vec![1.0, 1.0],
+            "one of each per site",
+        ),
+        (
+            &x,
+            &base,
+            vec![a0, a1],
+            vec![b0, b1],
+            vec![1.0],
+            "one of each per site",
+        ),
         (&x, &base, vec![], vec![], vec![], "at least one"),
-        (&f64x, &base, vec![a0, a1], vec![b0, b1], vec![1.0, 1.0], "f32 CPU input"),
-        (&x, &base, vec![&wide_a, a1], vec![b0, b1], vec![1.0, 1.0], "LoRA site 0"),
-        (&x, &base, vec![a0, a1], vec![b1, b0], vec![1.0, 1.0], "LoRA site 0"),
-        (&x, &short_base, vec![a0, a1], vec![b0, b1], vec![1.0, 1.0], "13 columns"),
-        (&x, &base_rows, vec![a0, a1], vec![b0, b1], vec![1.0, 1.0], "leading dims"),
+        (
+            &f64x,
+            &base,
+            vec![a0, a1],
+            vec![b0, b1],
+            vec![1.0, 1.0],
+            "f32 CPU input",
+        ),
+        (
+            &x,
+            &base,
+            vec![&wide_a, a1],
+            vec![b0, b1],
+            vec![1.0, 1.0],
+            "LoRA site 0",
+        ),
+        (
+            &x,
+            &base,
+            vec![a0, a1],
+            vec![b1, b0],
+            vec![1.0, 1.0],
+            "LoRA site 0",
+        ),
+        (
+            &x,
+            &short_base,
+            vec![a0, a1],
+            vec![b0, b1],
+            vec![1.0, 1.0],
+            "13 columns",
+        ),
+        (
+            &x,
+            &base_rows,
+            vec![a0, a1],
+            vec![b0, b1],
+            vec![1.0, 1.0],
+            "leading dims",
+        ),
     ];
+    // nothing to multiply: no input features, or no outputs
+    let (x0, a0w) = (
+        Tensor::zeros([4, 0], (Kind::Float, Device::Cpu)),
+        Tensor::zeros([2, 0], (Kind::Float, Device::Cpu)),
+    );
+    let b_empty = Tensor::zeros([0, 2], (Kind::Float, Device::Cpu));
+    let base_empty = Tensor::zeros([4, 0], (Kind::Float, Device::Cpu));
+    assert!(!sys::lora_branch_applies(
+        &x0,
+        &base.narrow(1, 0, 8),
+        &[&a0w],
+        &[b0]
+    ));
+    assert!(!sys::lora_branch_applies(
+        &x,
+        &base_empty,
+        &[a0],
+        &[&b_empty]
+    ));
     for (x, base, a, b, s, want) in cases {
         // (the scalings are the op's to check: `applies` does not take them)
         assert!(
@@ -195,7 +274,9 @@ fn lora_branch_refuses_what_it_does_not_take() {
         if !avx2_kernels_here() {
             continue;
         }
-        let err = sys::lora_branch(x, base, &a, &b, &s).unwrap_err().to_string();
+        let err = sys::lora_branch(x, base, &a, &b, &s)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(want), "expected {want:?} in {err}");
     }
     if !avx2_kernels_here() {
@@ -206,9 +287,12 @@ fn lora_branch_refuses_what_it_does_not_take() {
     let wanted = match sys::cpu_lora_request() {
         sys::CpuKernelRequest::Lsdk => true,
         sys::CpuKernelRequest::Libtorch => false,
-        _ => !avx512,
+        _ => !avx512 && sys::cpu_kernels_parallel(),
     };
-    assert_eq!(sys::lora_branch_applies(&x, &base, &[a0, a1], &[b0, b1]), wanted);
+    assert_eq!(
+        sys::lora_branch_applies(&x, &base, &[a0, a1], &[b0, b1]),
+        wanted
+    );
     let under_autocast = {
         let _autocast = sys::AutocastGuard::new(Device::Cpu, Kind::BFloat16).unwrap();
         sys::lora_branch_applies(&x, &base, &[a0, a1], &[b0, b1])
@@ -225,13 +309,23 @@ fn lora_branch_computes_the_gradients_asked_for_and_refuses_stale_ones() {
     let gy = formula_values(&[3, 10, 25], 0.3, 1.0);
     let run = |grad_x: bool, grad_a: bool, grad_b: bool| {
         let x = x.detach().set_requires_grad(grad_x);
-        let a: Vec<Tensor> = a.iter().map(|t| t.detach().set_requires_grad(grad_a)).collect();
-        let b: Vec<Tensor> = b.iter().map(|t| t.detach().set_requires_grad(grad_b)).collect();
+        let a: Vec<Tensor> = a
+            .iter()
+            .map(|t| t.detach().set_requires_grad(grad_a))
+            .collect();
+        let b: Vec<Tensor> = b
+            .iter()
+            .map(|t| t.detach().set_requires_grad(grad_b))
+            .collect();
         let (ar, br): (Vec<&Tensor>, Vec<&Tensor>) = (a.iter().collect(), b.iter().collect());
         let y = sys::lora_branch(&x, &base, &ar, &br, &[1.5, 0.5]).unwrap();
         (&y * &gy).sum(Kind::Float).backward();
         let grad = |t: &Tensor| t.requires_grad().then(|| t.grad());
-        (grad(&x), a.iter().map(grad).collect::<Vec<_>>(), b.iter().map(grad).collect::<Vec<_>>())
+        (
+            grad(&x),
+            a.iter().map(grad).collect::<Vec<_>>(),
+            b.iter().map(grad).collect::<Vec<_>>(),
+        )
     };
     let (gx, ga, gb) = run(true, true, true);
     // each gradient alone equals the full run's, bit for bit, and the others are not asked for
@@ -246,6 +340,14 @@ fn lora_branch_computes_the_gradients_asked_for_and_refuses_stale_ones() {
     for (g, full) in gb3.iter().zip(&gb) {
         assert!(g.as_ref().unwrap().equal(full.as_ref().unwrap()));
     }
+    // the output is no view: changed in place, its gradient flows on as for any op
+    let xi = leaf(&x);
+    let mut y =
+        sys::lora_branch(&xi, &base, &[&a[0], &a[1]], &[&b[0], &b[1]], &[1.5, 0.5]).unwrap();
+    let _ = y.f_mul_(&Tensor::from(2.0f32)).unwrap();
+    (&y * &gy).sum(Kind::Float).backward();
+    let doubled = gx.as_ref().unwrap() * 2.0;
+    assert!(xi.grad().allclose(&doubled, 1e-6, 1e-6, false));
     // a factor or the input changed in place between the passes: an error, not wrong gradients
     for which in ["input", "A factor 1", "B factor 0"] {
         let x = leaf(&x);
@@ -259,7 +361,10 @@ fn lora_branch_computes_the_gradients_asked_for_and_refuses_stale_ones() {
             _ => &b[0],
         };
         tch::no_grad(|| {
-            let _ = target.shallow_clone().f_mul_(&Tensor::from(2.0f32)).unwrap();
+            let _ = target
+                .shallow_clone()
+                .f_mul_(&Tensor::from(2.0f32))
+                .unwrap();
         });
         let err = (&y * &gy)
             .sum(Kind::Float)
@@ -272,4 +377,3 @@ fn lora_branch_computes_the_gradients_asked_for_and_refuses_stale_ones() {
         );
     }
 }
-

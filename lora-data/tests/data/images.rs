@@ -221,14 +221,19 @@ fn a_folder_whose_images_sit_in_unprefixed_subfolders_says_how_to_name_them() {
     std::fs::create_dir_all(d.path().join("cats")).unwrap();
     let img = image::RgbImage::from_pixel(8, 8, image::Rgb([200, 10, 10]));
     std::fs::write(d.path().join("cats/a.png"), png_bytes(img)).unwrap();
-    let mut c = DatasetConfig::from_kohya_folders(d.path(), None, &ImageSetConfig::default()).unwrap();
+    let mut c =
+        DatasetConfig::from_kohya_folders(d.path(), None, &ImageSetConfig::default()).unwrap();
     assert!(c.datasets[0].subsets.is_empty());
     c.datasets[0].subsets.push(SubsetConfig::new(d.path()));
     let problems = validate(&c);
     assert_eq!(problems.len(), 1, "{problems:#?}");
     let p = &problems[0];
     assert_eq!(p.kind, ProblemKind::NoImages);
-    assert!(p.fix.contains("(cats)") && p.fix.contains("10_cats"), "{}", p.fix);
+    assert!(
+        p.fix.contains("(cats)") && p.fix.contains("10_cats"),
+        "{}",
+        p.fix
+    );
 }
 
 #[test]

@@ -142,9 +142,9 @@ impl CpuKernel {
     /// `  {what}: {lora-core's or libtorch's} ({why})` and a newline.
     fn line(&self, what: &str, var: &str, lsdk: &str, libtorch: &str) -> String {
         let why = match &self.env {
-            Some(v) if self.env_ignored && self.available => format!(
-                "{var}={v:?} is not \"lsdk\" or \"libtorch\": ignored, the CPU's default"
-            ),
+            Some(v) if self.env_ignored && self.available => {
+                format!("{var}={v:?} is not \"lsdk\" or \"libtorch\": ignored, the CPU's default")
+            }
             Some(v) if self.env_ignored => {
                 format!("{var}={v:?} ignored: this CPU has no AVX2/FMA for lora-core's kernel")
             }
@@ -154,7 +154,11 @@ impl CpuKernel {
             }
             None => format!("{var}=lsdk for lora-core's, on AVX2 CPUs"),
         };
-        let who = if self.choice == "lsdk" { lsdk } else { libtorch };
+        let who = if self.choice == "lsdk" {
+            lsdk
+        } else {
+            libtorch
+        };
         format!("  {what}: {who} ({why})\n")
     }
 }

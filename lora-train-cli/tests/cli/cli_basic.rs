@@ -530,7 +530,8 @@ fn convert_round_trips_peft_kohya_peft_and_keeps_the_strength() {
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(
-        t.contains("notes.txt: not an adapter (not a safetensors file") && t.contains("PEFT folder"),
+        t.contains("notes.txt: not an adapter (not a safetensors file")
+            && t.contains("PEFT folder"),
         "{t}"
     );
     assert!(!dir.path().join("y.safetensors").exists());
