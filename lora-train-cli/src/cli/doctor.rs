@@ -133,7 +133,10 @@ impl CpuKernel {
     ) -> CpuKernel {
         CpuKernel {
             choice: if chosen { "lsdk" } else { "libtorch" },
-            env: std::env::var(var).ok().filter(|v| !v.trim().is_empty()),
+            // as the request reads it (lossily for a value that is no UTF-8)
+            env: std::env::var_os(var)
+                .map(|v| v.to_string_lossy().into_owned())
+                .filter(|v| !v.trim().is_empty()),
             env_ignored: request.warning(var, available).is_some(),
             available,
         }

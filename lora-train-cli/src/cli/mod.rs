@@ -44,7 +44,8 @@ Environment:
      positions on the CPU (default: lora-core's on AVX2 CPUs without AVX-512, libtorch's
      elsewhere; `doctor` says which)
   LORA_CPU_LORA=lsdk|libtorch  which kernel computes the LoRA branches of f32 linears on the
-     CPU (default: lora-core's on AVX2 CPUs without AVX-512, libtorch's GEMMs elsewhere)
+     CPU outside autocast, DoRA aside (default: lora-core's, \"lsdk\", on AVX2 CPUs without
+     AVX-512, libtorch's GEMMs elsewhere; `doctor` says which)
 
 Examples:
   lora-train plan --config examples/configs/smollm2-shakespeare.yaml --gpu \"RTX 3060\"
@@ -113,8 +114,9 @@ pub enum Command {
         frontier: bool,
     },
     /// Report libtorch, CUDA/GPU (name, VRAM total/free, driver and CUDA versions), CPU (its
-    /// bf16 matrix products, and which library multiplies f32 matrices:
-    /// LORA_CPU_F32_GEMM=onednn|mkl overrides), RAM and disk.
+    /// bf16 matrix products; which library multiplies f32 matrices, LORA_CPU_F32_GEMM; which
+    /// kernels compute causal attention and the LoRA branches, LORA_CPU_ATTENTION and
+    /// LORA_CPU_LORA), RAM and disk.
     Doctor {
         /// Print the report as one JSON object (sizes in bytes).
         #[arg(long)]

@@ -1407,6 +1407,20 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
+    /// The export format a run of this config cannot write, as a config error: kohya files for
+    /// DoRA adapters (`lora.use_dora: true`; the kohya `lora_down`/`lora_up` format has no
+    /// magnitude vector), which `train` would find only when it first saves. `train` refuses
+    /// before loading; `plan` says so in a note.
+    pub fn unwritable_export(&self) -> Option<ConfigError> {
+        (self.lora.use_dora && self.train.export_formats.contains(&ExportFormat::Kohya)).then(|| {
+            ConfigError::InvalidValue {
+                key: "train.export_formats".into(),
+                value: format!("{:?}", self.train.export_formats).to_lowercase(),
+                expected: "peft only with lora.use_dora: true (the kohya format has no DoRA magnitude): drop kohya, or train plain LoRA".into(),
+            }
+        })
+    }
+
     /// Reads a config file; the format is chosen by extension (`.yaml`/`.yml` or `.toml`).
     ///
     /// # Errors

@@ -584,3 +584,19 @@ fn kohyas_warmup_spelling_in_conflict_is_named_as_written() {
         TrainConfig::from_yaml_str("train:\n  warmup_steps: 3\n  lr_warmup_steps: 3\n").unwrap();
     assert_eq!(c.train.warmup_steps, 3);
 }
+
+#[test]
+fn dora_adapters_cannot_be_exported_as_kohya_files() {
+    let mut c = TrainConfig::default();
+    assert!(c.unwritable_export().is_none());
+    c.lora.use_dora = true;
+    assert!(c.unwritable_export().is_none(), "PEFT alone is fine");
+    c.train.export_formats = vec![ExportFormat::Peft, ExportFormat::Kohya];
+    let e = c.unwritable_export().expect("DoRA + kohya").to_string();
+    assert!(
+        e.contains("train.export_formats") && e.contains("kohya") && e.contains("use_dora"),
+        "{e}"
+    );
+    c.lora.use_dora = false;
+    assert!(c.unwritable_export().is_none());
+}

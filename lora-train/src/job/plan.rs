@@ -480,6 +480,9 @@ pub fn settings_for(
             "train.mixed_precision {value:?} on the CPU: `train` refuses it before loading ({hint})"
         ));
     }
+    if let Some(e) = cfg.unwritable_export() {
+        notes.push(format!("`train` refuses this config before loading: {e}"));
+    }
     let targets = match &cfg.lora.target_modules {
         TargetModules::List(l) => l.clone(),
         TargetModules::Regex(r) => {

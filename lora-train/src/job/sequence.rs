@@ -80,13 +80,17 @@ impl RunContext<'_> {
             self.say(&w);
         }
         let (lsdk, ours, theirs) = chosen;
-        self.say(&if lsdk {
-            format!("{what}: {ours} ({var}=libtorch for libtorch's)")
-        } else if *request == lora_core::sys::CpuKernelRequest::Libtorch {
-            format!("{what}: {theirs} ({var}=libtorch)")
-        } else {
-            format!("{what}: {theirs}")
-        });
+        self.say(
+            &if lsdk && *request == lora_core::sys::CpuKernelRequest::Lsdk {
+                format!("{what}: {ours} ({var}=lsdk)")
+            } else if lsdk {
+                format!("{what}: {ours} ({var}=libtorch for libtorch's)")
+            } else if *request == lora_core::sys::CpuKernelRequest::Libtorch {
+                format!("{what}: {theirs} ({var}=libtorch)")
+            } else {
+                format!("{what}: {theirs}")
+            },
+        );
     }
 
     /// Whether this process writes the run's files (checkpoints, adapters, logs, samples): a
@@ -398,6 +402,9 @@ pub fn run<S: RunSteps>(
         cfg.system.device = format!("cuda:{}", d.local_rank);
     }
     check_device(&cfg)?;
+    if let Some(e) = cfg.unwritable_export() {
+        return Err(JobError::Config(e));
+    }
     let device = device_of(&cfg);
     // a precision the device cannot run is a config error, found before anything loads (in
     // the engine's words)
@@ -498,7 +505,7 @@ pub fn run<S: RunSteps>(
             lora_core::sys::lora_branch_available(),
             (
                 lora_core::sys::cpu_lora_branch_by_lsdk(),
-                "lora-core's AVX2 kernel",
+                "lora-core's AVX2 kernel where it applies (f32 outside autocast, plain LoRA), libtorch's GEMMs otherwise",
                 "libtorch's GEMMs",
             ),
         );
