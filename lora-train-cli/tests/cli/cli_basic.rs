@@ -369,6 +369,28 @@ fn doctor_json_is_one_object_with_the_same_facts_as_the_text() {
     assert_eq!(forced["cpu"]["f32_gemm"], "mkl", "{forced:#}");
     assert_eq!(forced["cpu"]["f32_gemm_env"], "MKL", "{forced:#}");
     assert_eq!(forced["cpu"]["f32_gemm_env_ignored"], false, "{forced:#}");
+    // the LoRA branch kernel: the library's choice, and libtorch's GEMMs when asked
+    let lora = if lora_core::sys::cpu_lora_branch_by_lsdk() {
+        "lsdk"
+    } else {
+        "libtorch"
+    };
+    assert_eq!(v["cpu"]["cpu_lora"]["choice"], lora, "{v:#}");
+    assert_eq!(
+        v["cpu"]["cpu_lora"]["available"],
+        lora_core::sys::lora_branch_available(),
+        "{v:#}"
+    );
+    let o = bin()
+        .args(["doctor", "--json"])
+        .env("LORA_CPU_LORA", " LIBTORCH ")
+        .output()
+        .unwrap();
+    let forced: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let k = &forced["cpu"]["cpu_lora"];
+    assert_eq!(k["choice"], "libtorch", "{forced:#}");
+    assert_eq!(k["env"], " LIBTORCH ", "{forced:#}");
+    assert_eq!(k["env_ignored"], false, "{forced:#}");
     assert_eq!(
         v["cpu"]["fast_bf16_gemm"],
         lora_core::sys::cpu_has_fast_bf16_gemm(),
