@@ -168,7 +168,7 @@ fn a_diffusers_folder_routes_to_the_sd_plan_with_or_without_model_kind() {
             dir.path(),
             "tiny.yaml",
             &format!(
-                "model:\n  base_model: pipe\n{kind}  dtype: f32\ndata:\n  resolution: [32, 32]\ntrain:\n  batch_size: 4\nsystem:\n  device: cpu\n"
+                "model:\n  base_model: pipe\n{kind}  dtype: f32\ndata:\n  resolution: [32, 32]\n  enable_bucket: false\ntrain:\n  batch_size: 4\nsystem:\n  device: cpu\n"
             ),
         );
         let o = plan(&cfg, &["--json"]);

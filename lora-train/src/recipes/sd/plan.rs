@@ -465,10 +465,9 @@ pub fn check_sd_config(
         ));
     }
     check_resolution(cfg)?;
-    crate::recipes::images::check_buckets(cfg)?;
     check_target_modules(cfg)?;
     let Some(ModelDescriptor::Diffusion(d)) = desc else {
-        return Ok(());
+        return crate::recipes::images::check_buckets(cfg);
     };
     let sdxl = d.family == DiffusionFamily::Sdxl;
     match base {
@@ -482,7 +481,8 @@ pub fn check_sd_config(
         };
         single_file_companion(p, tok.as_deref(), sdxl)?;
     }
-    Ok(())
+    // last: what the model and its files say comes first
+    crate::recipes::images::check_buckets(cfg)
 }
 
 /// `data.format` of an image run: `images` (or unset); a text layout is an error naming it.
