@@ -332,7 +332,7 @@ fn a_target_module_that_is_no_unet_name_is_refused_by_plan_and_train_alike() {
             dir.path(),
             "targets.yaml",
             &format!(
-                "model:\n  base_model: pipe\nlora:\n  target_modules: {targets}\ndata:\n  train_data_dir: data\n  resolution: 32\ntrain:\n  output_dir: {}\nsystem:\n  device: cpu\n",
+                "model:\n  base_model: pipe\nlora:\n  target_modules: {targets}\ndata:\n  train_data_dir: data\n  resolution: 32\n  enable_bucket: false\ntrain:\n  output_dir: {}\nsystem:\n  device: cpu\n",
                 dir.path().join("out").display()
             ),
         )
